@@ -1,0 +1,183 @@
+"""The ``prefetch-planner`` command line: a thin layer over the Python API.
+
+Every bad input prints one line ``error: ...`` to stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from planner.config import default_storage, load_study_config
+from planner.errors import PlannerError
+
+
+class _Group(click.Group):
+    """A click group that turns :class:`PlannerError` into ``error: ...`` and exit 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except PlannerError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Auto-tune FSDP2 prefetching: record, simulate, search, measure, apply."""
+
+
+@main.command()
+@click.argument("study_toml")
+@click.option("--storage", help="SQLAlchemy URL (default: [study] storage, else sqlite:///<toml dir>/<name>.db).")
+@click.option("--sim-trials", type=int, help="Simulated trials (default: [search] sim_trials).")
+@click.option("--measured-trials", type=int, help="Best simulated plans to measure (default: [search] measured_trials).")
+@click.option("--plan-out", help="Where to write the best plan (default: <toml dir>/<name>.plan.json).")
+@click.option("--profile-out", help="Where to write the profile (default: <toml dir>/<name>.profile.json).")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out, no_progress) -> None:
+    """Run a tuning study: record a profile, simulate, measure the best plans, write the best.
+
+    Outside torchrun this starts the study's nproc_per_node ranks itself;
+    under torchrun it runs as that rank.
+    """
+    config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials)
+    plan_out = plan_out or config.default_output(".plan.json")
+    profile_out = profile_out or config.default_output(".profile.json")
+    from runtime.launch import in_torchrun
+
+    if in_torchrun():
+        from runtime.launch import rank_error, tune_rank
+
+        try:
+            tune_rank(config, plan_out, profile_out, progress=not no_progress)
+        except PlannerError as e:
+            rank_error(e)
+        return
+    # Before starting ranks: fail fast on what the parent can check.
+    from planner.study import open_storage
+    from runtime.launch import launch_ranks
+    from runtime.workload import load_factory
+
+    load_factory(config.factory)
+    open_storage(config.storage)
+    for out in (plan_out, profile_out):
+        if not Path(out).parent.is_dir():
+            raise PlannerError(f"cannot write {out!r}: folder {str(Path(out).parent)!r} does not exist")
+    args = ["tune", study_toml, "--storage", config.storage, "--sim-trials", str(config.sim_trials),
+            "--measured-trials", str(config.measured_trials), "--plan-out", plan_out, "--profile-out", profile_out]
+    code = launch_ranks(args + (["--no-progress"] if no_progress else []), config.nproc_per_node)
+    if code:
+        if code != 2:
+            click.echo(f"error: a tuning rank failed with exit code {code}; see its output above", err=True)
+        sys.exit(2 if code == 2 else 1)
+
+
+@main.group()
+def studies() -> None:
+    """Query studies in a database."""
+
+
+def _storage_for(name: str, storage: str | None) -> str:
+    return storage or default_storage(name)
+
+
+@studies.command("list")
+@click.option("--storage", help="SQLAlchemy URL (default: every studies/*.db).")
+def studies_list(storage) -> None:
+    """List studies: trials, best and default measured step ms."""
+    from planner.study import list_studies
+
+    urls = [storage] if storage else [f"sqlite:///{p}" for p in sorted(Path("studies").glob("*.db"))]
+    if not urls:
+        raise PlannerError("no databases under studies/; pass --storage URL")
+    click.echo(f"{'study':<24} {'measured':>8} {'simulated':>9} {'best ms':>10} {'default ms':>10} {'ratio':>6}  storage")
+    for url in urls:
+        for s in list_studies(url):
+            ratio = f"{s.best_ms / s.default_ms:.3f}" if s.best_ms and s.default_ms else "-"
+            click.echo(f"{s.name:<24} {s.measured_trials:>8} {s.simulated_trials:>9} {_ms(s.best_ms):>10} "
+                       f"{_ms(s.default_ms):>10} {ratio:>6}  {url}")
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+@studies.command("show")
+@click.argument("name")
+@click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
+@click.option("--top", default=10, show_default=True, help="Simulated trials to show (best first).")
+def studies_show(name, storage, top) -> None:
+    """Show a study's measured trials (predicted vs measured) and its best simulated trials."""
+    from planner.study import study_trials
+
+    rows = study_trials(_storage_for(name, storage), name)
+    measured = [r for r in rows if r["stage"] == "measured"]
+    simulated = [r for r in rows if r["stage"] == "simulated"]
+    click.echo(f"study {name}: {len(measured)} measured trials, {len(simulated)} simulated trials")
+    click.echo(f"\nmeasured stage\n  {'trial':>5} {'state':<8} {'predicted ms':>12} {'measured ms':>11} {'error %':>8}  params")
+    for r in measured:
+        err = ""
+        if r["predicted_ms"] and r["measured_ms"]:
+            err = f"{100 * (r['predicted_ms'] - r['measured_ms']) / r['measured_ms']:+.1f}"
+        tag = "default " if r["is_default"] else ""
+        click.echo(f"  {r['number']:>5} {r['state']:<8} {_ms(r['predicted_ms']):>12} {_ms(r['measured_ms']):>11} "
+                   f"{err:>8}  {tag}{json.dumps(_short(r['params']))}")
+    best = sorted((r for r in simulated if r["predicted_ms"] is not None), key=lambda r: r["predicted_ms"])[:top]
+    click.echo(f"\nsimulated stage (best {len(best)})\n  {'trial':>5} {'predicted ms':>12}  params")
+    for r in best:
+        click.echo(f"  {r['number']:>5} {_ms(r['predicted_ms']):>12}  {json.dumps(_short(r['params']))}")
+
+
+def _short(params: dict) -> dict:
+    """Collapse per-module parameters to their distinct values."""
+    if len(params) <= 4:
+        return params
+    out: dict = {}
+    for k, v in params.items():
+        prefix = k.split(":")[0]
+        out.setdefault(prefix, set()).add(v) if ":" in k else out.__setitem__(k, v)
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
+
+
+@studies.command("best")
+@click.argument("name")
+@click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
+def studies_best(name, storage) -> None:
+    """The best measured plan against FSDP2's default."""
+    from planner.study import best_plan
+
+    plan, default_ms = best_plan(_storage_for(name, storage), name)
+    pv = plan.provenance
+    click.echo(f"study {name}: best trial {pv.trial}")
+    click.echo(f"  measured   {pv.measured_ms:.1f} ms   (FSDP2 default {_ms(default_ms)} ms"
+               + (f", ratio {pv.measured_ms / default_ms:.3f})" if default_ms else ")"))
+    click.echo(f"  predicted  {_ms(pv.predicted_ms)} ms")
+    click.echo(f"  unshard_async_op {plan.unshard_async_op}")
+    for fqn, m in plan.modules.items():
+        click.echo(f"  {fqn or '<root>':<28} forward {list(m.forward_prefetch) or 'implicit'}  "
+                   f"backward {list(m.backward_prefetch) or 'default'}  reshard_after_forward {m.reshard_after_forward}")
+
+
+@studies.command("export")
+@click.argument("name")
+@click.option("-o", "--output", required=True, help="Plan JSON to write.")
+@click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
+def studies_export(name, output, storage) -> None:
+    """Write the best measured plan as Plan JSON."""
+    from planner.study import best_plan
+
+    plan, _ = best_plan(_storage_for(name, storage), name)
+    try:
+        plan.to_json(output)
+    except OSError as e:
+        raise PlannerError(f"cannot write {output!r}: {e.strerror}") from None
+    click.echo(f"wrote {output} (trial {plan.provenance.trial}, measured {_ms(plan.provenance.measured_ms)} ms)")
+
+
+if __name__ == "__main__":
+    main()

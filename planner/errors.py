@@ -1,0 +1,37 @@
+"""The planner's error hierarchy.
+
+Every message says what was expected, what was found, and what to do. The CLI
+prints ``error: <message>`` and exits 2 for any :class:`PlannerError`.
+"""
+
+
+class PlannerError(Exception):
+    """Base class of every error this project raises on bad input."""
+
+
+class PlanFormatError(PlannerError):
+    """A plan JSON is malformed, truncated, or has an unknown schema version."""
+
+
+class ProfileFormatError(PlannerError):
+    """A profile JSON is malformed, truncated, or has an unknown schema version."""
+
+
+class PlanMismatchError(PlannerError):
+    """A plan was made for another model or world size than the one it is applied to."""
+
+
+class StudyConfigError(PlannerError):
+    """A study TOML is missing, malformed, or names an unknown search space."""
+
+
+class WorkloadError(PlannerError):
+    """A workload factory cannot be imported, raises, or returns a bad workload."""
+
+
+class StudyNotFoundError(PlannerError):
+    """The storage holds no study of the requested name."""
+
+
+class StorageError(PlannerError):
+    """The storage URL cannot be opened."""

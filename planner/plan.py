@@ -1,0 +1,218 @@
+"""The Plan artifact: per FSDP module prefetch lists and knobs, as JSON.
+
+A plan is what ``runtime.apply_plan`` turns into FSDP2 calls:
+``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``,
+``set_reshard_after_forward`` and ``_set_unshard_async_op``. FSDP2's default
+behaviour is itself a plan (:meth:`Plan.default`), so every comparison is plan
+against plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.errors import PlanFormatError
+from planner.profile import Fingerprint, Profile
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What one FSDP module does.
+
+    Attributes:
+        forward_prefetch: FQNs this module all-gathers right after its own
+            all-gather copy-out in pre-forward. Empty: FSDP2's implicit forward
+            prefetch (relies on CPU run-ahead; none on a CPU device).
+        backward_prefetch: FQNs this module all-gathers in pre-backward. Empty:
+            FSDP2's default, the previous module in post-forward order.
+        reshard_after_forward: free the unsharded parameters after forward
+            (and all-gather them again in backward). ``False`` trades memory
+            for one all-gather less.
+    """
+
+    forward_prefetch: tuple[str, ...] = ()
+    backward_prefetch: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a plan came from. Times in ms; ``None`` where not known."""
+
+    source: str = "default"
+    study: str | None = None
+    trial: int | None = None
+    predicted_ms: float | None = None
+    measured_ms: float | None = None
+    default_measured_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A prefetch plan for one model on one world size.
+
+    Attributes:
+        fingerprint: the model it was made for (checked by ``apply_plan``).
+        modules: per FSDP module FQN, its :class:`ModulePlan`.
+        unshard_async_op: issue pre-forward/pre-backward and prefetch
+            all-gathers with ``async_op=True`` (``_set_unshard_async_op``). On a
+            CPU device this is what lets a prefetched all-gather run beside
+            compute.
+        reduce_scatter_max_input_buffers: ``set_reduce_scatter_max_input_buffers``
+            (1 is FSDP2's default).
+        provenance: where the plan came from.
+        schema_version: :data:`PLAN_SCHEMA_VERSION`.
+    """
+
+    fingerprint: Fingerprint
+    modules: dict[str, ModulePlan]
+    unshard_async_op: bool = False
+    reduce_scatter_max_input_buffers: int = 1
+    provenance: Provenance = field(default_factory=Provenance)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @classmethod
+    def default(cls, profile: Profile) -> "Plan":
+        """FSDP2's default behaviour for the profiled model.
+
+        No explicit prefetch lists (implicit forward prefetch, backward
+        prefetch of the previous module in post-forward order), each module's
+        ``reshard_after_forward`` as it was wrapped (the root keeps its
+        parameters), synchronous unshard.
+        """
+        return cls(
+            fingerprint=profile.fingerprint,
+            modules={
+                fqn: ModulePlan(reshard_after_forward=profile.modules[fqn].reshard_after_forward)
+                for fqn in profile.fingerprint.module_fqns
+            },
+        )
+
+    def behaviour_key(self) -> str:
+        """A string equal for two plans exactly when they behave the same."""
+        d = self.to_dict()
+        d.pop("provenance")
+        return json.dumps(d, sort_keys=True)
+
+    def is_default_for(self, profile: Profile) -> bool:
+        """Whether this plan behaves like :meth:`default` for ``profile``."""
+        return self.behaviour_key() == Plan.default(profile).behaviour_key()
+
+    def with_provenance(self, **kwargs: Any) -> "Plan":
+        """Return a copy with provenance fields replaced."""
+        return dataclasses.replace(self, provenance=dataclasses.replace(self.provenance, **kwargs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "fingerprint": dataclasses.asdict(self.fingerprint),
+            "unshard_async_op": self.unshard_async_op,
+            "reduce_scatter_max_input_buffers": self.reduce_scatter_max_input_buffers,
+            "modules": {
+                fqn: {
+                    "forward_prefetch": list(m.forward_prefetch),
+                    "backward_prefetch": list(m.backward_prefetch),
+                    "reshard_after_forward": m.reshard_after_forward,
+                }
+                for fqn, m in self.modules.items()
+            },
+            "provenance": dataclasses.asdict(self.provenance),
+        }
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialize; write to ``path`` when given. Returns the JSON text."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Plan":
+        """Build from a parsed JSON object and validate it against its fingerprint.
+
+        Raises:
+            PlanFormatError: not an object, unknown schema version, a missing or
+                ill-typed field, or a module / prefetch target FQN that is not
+                an FSDP module of the fingerprint.
+        """
+        if not isinstance(d, dict):
+            raise PlanFormatError(f"plan must be a JSON object, found {type(d).__name__}")
+        version = d.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise PlanFormatError(
+                f"unknown plan schema_version {version!r} (this planner reads {PLAN_SCHEMA_VERSION}); "
+                "export the plan again with `prefetch-planner studies export`"
+            )
+        try:
+            fingerprint = Fingerprint.from_dict(d["fingerprint"])
+            modules = {}
+            for fqn, m in d["modules"].items():
+                if not isinstance(m["reshard_after_forward"], bool):
+                    raise TypeError(f"modules[{fqn!r}].reshard_after_forward must be true or false")
+                modules[fqn] = ModulePlan(
+                    forward_prefetch=tuple(_fqn_list(m["forward_prefetch"])),
+                    backward_prefetch=tuple(_fqn_list(m["backward_prefetch"])),
+                    reshard_after_forward=m["reshard_after_forward"],
+                )
+            async_op = d["unshard_async_op"]
+            if not isinstance(async_op, bool):
+                raise TypeError("unshard_async_op must be true or false")
+            plan = cls(
+                fingerprint=fingerprint,
+                modules=modules,
+                unshard_async_op=async_op,
+                reduce_scatter_max_input_buffers=int(d.get("reduce_scatter_max_input_buffers", 1)),
+                provenance=Provenance(**d.get("provenance", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanFormatError(f"plan is missing or has a bad field: {e}") from None
+        plan.validate()
+        return plan
+
+    def validate(self) -> None:
+        """Check every FQN the plan names is an FSDP module of its fingerprint.
+
+        Raises:
+            PlanFormatError: naming the first unknown FQN.
+        """
+        known = set(self.fingerprint.module_fqns)
+        for fqn, m in self.modules.items():
+            if fqn not in known:
+                raise PlanFormatError(f"plan sets module {fqn!r}, which is not an FSDP module of its fingerprint")
+            for target in (*m.forward_prefetch, *m.backward_prefetch):
+                if target not in known:
+                    raise PlanFormatError(
+                        f"module {fqn!r} prefetches {target!r}, which is not an FSDP module of its fingerprint"
+                    )
+        if self.reduce_scatter_max_input_buffers < 1:
+            raise PlanFormatError("reduce_scatter_max_input_buffers must be >= 1")
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Parse JSON text. Raises :class:`PlanFormatError` on bad input."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"plan is not valid JSON ({e}); export it again") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """Read a plan JSON file. Raises :class:`PlanFormatError`."""
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PlanFormatError(f"cannot read plan {str(path)!r}: {e.strerror}") from None
+        return cls.from_json(text)
+
+
+def _fqn_list(x: Any) -> list[str]:
+    if not isinstance(x, list) or not all(isinstance(s, str) for s in x):
+        raise TypeError(f"a prefetch list must be a list of FQN strings, found {x!r}")
+    return x

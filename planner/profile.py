@@ -1,0 +1,222 @@
+"""The Profile artifact: what the recorder measured on the real ranks.
+
+A profile is the simulator's only input besides the plan. It is written by
+``runtime.recorder.record_profile`` and read everywhere else; the JSON is
+versioned (:data:`PROFILE_SCHEMA_VERSION`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.errors import ProfileFormatError
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identity of an FSDP-wrapped model on a given world.
+
+    Attributes:
+        module_fqns: FQNs of the FSDP modules in ``model.named_modules()``
+            order; the root is ``""``.
+        param_numels: unsharded parameter count per FSDP module (same order).
+        param_bytes: unsharded parameter bytes per FSDP module (same order).
+        world_size: number of ranks the parameters are sharded over.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        param_dtypes: the distinct parameter dtypes, as strings.
+        torch_version: ``torch.__version__`` of the recording run.
+    """
+
+    module_fqns: tuple[str, ...]
+    param_numels: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    world_size: int
+    device_type: str
+    param_dtypes: tuple[str, ...]
+    torch_version: str
+
+    def first_difference(self, other: "Fingerprint") -> str | None:
+        """Describe the first way ``other`` (the model at hand) differs from self.
+
+        The torch version is informational and never a difference.
+
+        Returns:
+            ``None`` when the model matches, else a one-line description.
+        """
+        if self.world_size != other.world_size:
+            return f"world size: plan was made for {self.world_size} ranks, this run has {other.world_size}"
+        mine, theirs = list(self.module_fqns), list(other.module_fqns)
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return f"FSDP module #{i}: plan has {a!r}, model has {b!r}"
+        if len(mine) != len(theirs):
+            return f"FSDP module count: plan has {len(mine)}, model has {len(theirs)}"
+        for fqn, a, b in zip(mine, self.param_numels, other.param_numels):
+            if a != b:
+                return f"parameter count of FSDP module {fqn!r}: plan has {a}, model has {b}"
+        return None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Fingerprint":
+        return cls(
+            module_fqns=tuple(d["module_fqns"]),
+            param_numels=tuple(int(x) for x in d["param_numels"]),
+            param_bytes=tuple(int(x) for x in d["param_bytes"]),
+            world_size=int(d["world_size"]),
+            device_type=str(d["device_type"]),
+            param_dtypes=tuple(d["param_dtypes"]),
+            torch_version=str(d["torch_version"]),
+        )
+
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """Measured figures of one FSDP module (one ``fully_shard`` call).
+
+    Times are in ms, sizes in bytes, all per rank (max across ranks).
+
+    Attributes:
+        fqn: the module's FQN (``""`` for the root).
+        fwd_ms: forward compute, exclusive of nested FSDP modules, with
+            parameters already unsharded (no communication in the window).
+        bwd_ms: backward compute, same rules.
+        fwd_pre_ms: the part of ``fwd_ms`` that runs before the first nested
+            FSDP module's forward (equals ``fwd_ms`` for a module without
+            nested FSDP modules; e.g. the embedding for a root).
+        bwd_pre_ms: the part of ``bwd_ms`` that runs before the first nested
+            FSDP module's backward (e.g. the LM head for a root).
+        all_gather_ms: one ``unshard()`` + wait, all ranks together.
+        reduce_scatter_ms: one reduce-scatter of the gradient's size and dtype.
+        unsharded_bytes: all-gather output bytes (the unsharded parameters).
+        sharded_bytes: this rank's parameter shard bytes.
+        grad_bytes: unsharded gradient bytes (the reduce-scatter input).
+        activation_bytes: bytes saved for backward during this module's
+            forward (exclusive of nested FSDP modules).
+        reshard_after_forward: the module's setting when recorded.
+        calls: how often the module runs forward per step (its multiplicity in
+            the post-forward order); times are totals over the calls.
+    """
+
+    fqn: str
+    fwd_ms: float
+    bwd_ms: float
+    fwd_pre_ms: float
+    bwd_pre_ms: float
+    all_gather_ms: float
+    reduce_scatter_ms: float
+    unsharded_bytes: int
+    sharded_bytes: int
+    grad_bytes: int
+    activation_bytes: int
+    reshard_after_forward: bool
+    calls: int = 1
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A recorded profile of one training step (see DESIGN.md, Artifacts).
+
+    Attributes:
+        fingerprint: the model and world this was recorded on.
+        pre_forward_order: FQNs in the order their forwards start (root first).
+        post_forward_order: FQNs in the order their forwards end, with
+            multiplicity, as FSDP2's ``comm_ctx.post_forward_order`` records it.
+        modules: per FSDP module figures, keyed by FQN.
+        optimizer_ms: ``optimizer.step()`` time.
+        optimizer_state_bytes: bytes of optimizer state on this rank.
+        measured_step_ms: median step time of the recording run (default plan),
+            max across ranks.
+        measured_peak_bytes: allocator peak of the recording run on GPU, else None.
+        per_rank: each rank's raw figures, as gathered with ``all_gather_object``.
+        consolidation: how per-rank figures were merged (``"max"``).
+        schema_version: :data:`PROFILE_SCHEMA_VERSION`.
+    """
+
+    fingerprint: Fingerprint
+    pre_forward_order: tuple[str, ...]
+    post_forward_order: tuple[str, ...]
+    modules: dict[str, ModuleProfile]
+    optimizer_ms: float
+    optimizer_state_bytes: int = 0
+    measured_step_ms: float | None = None
+    measured_peak_bytes: int | None = None
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    consolidation: str = "max"
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    @property
+    def root_fqn(self) -> str:
+        """The FQN of the root FSDP module (first in pre-forward order)."""
+        return self.pre_forward_order[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["modules"] = [dataclasses.asdict(m) for m in self.modules.values()]
+        return d
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialize; write to ``path`` when given. Returns the JSON text."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Profile":
+        """Build from a parsed JSON object.
+
+        Raises:
+            ProfileFormatError: unknown schema version or missing/ill-typed fields.
+        """
+        if not isinstance(d, dict):
+            raise ProfileFormatError(f"profile must be a JSON object, found {type(d).__name__}")
+        version = d.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            raise ProfileFormatError(
+                f"unknown profile schema_version {version!r} (this planner reads {PROFILE_SCHEMA_VERSION}); "
+                "re-record it with `prefetch-planner tune` or a matching planner version"
+            )
+        try:
+            modules = {m["fqn"]: ModuleProfile(**m) for m in d["modules"]}
+            profile = cls(
+                fingerprint=Fingerprint.from_dict(d["fingerprint"]),
+                pre_forward_order=tuple(d["pre_forward_order"]),
+                post_forward_order=tuple(d["post_forward_order"]),
+                modules=modules,
+                optimizer_ms=float(d["optimizer_ms"]),
+                optimizer_state_bytes=int(d.get("optimizer_state_bytes", 0)),
+                measured_step_ms=d.get("measured_step_ms"),
+                measured_peak_bytes=d.get("measured_peak_bytes"),
+                per_rank=list(d.get("per_rank", [])),
+                consolidation=str(d.get("consolidation", "max")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileFormatError(f"profile is missing or has a bad field: {e!r}") from None
+        unknown = set(profile.post_forward_order) - set(modules)
+        if unknown:
+            raise ProfileFormatError(f"post_forward_order names modules with no figures: {sorted(unknown)}")
+        return profile
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        """Parse JSON text. Raises :class:`ProfileFormatError` on bad input."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileFormatError(f"profile is not valid JSON ({e}); re-record or re-export it") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        """Read a profile JSON file. Raises :class:`ProfileFormatError`."""
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ProfileFormatError(f"cannot read profile {str(path)!r}: {e.strerror}") from None
+        return cls.from_json(text)

@@ -1,0 +1,16 @@
+"""The runtime: record profiles, apply plans, measure plans on real FSDP2 ranks.
+
+Training start::
+
+    from runtime import load_plan, apply_plan
+    apply_plan(model, load_plan("plan.json"))
+"""
+
+from planner.errors import PlanFormatError, PlanMismatchError, WorkloadError
+from runtime.apply import apply_plan, load_plan, model_fingerprint
+from runtime.workload import Workload, build_workload, fsdp_modules, load_factory, train_step
+
+__all__ = [
+    "PlanFormatError", "PlanMismatchError", "Workload", "WorkloadError", "apply_plan", "build_workload",
+    "fsdp_modules", "load_factory", "load_plan", "model_fingerprint", "train_step",
+]

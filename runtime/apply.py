@@ -1,0 +1,100 @@
+"""Apply a Plan to an FSDP2 model through FSDP2's public setters.
+
+``apply_plan(model, load_plan("plan.json"))`` at training start, after
+``fully_shard`` and before the first forward (or between steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.errors import PlanMismatchError
+from planner.plan import Plan
+from planner.profile import Fingerprint
+from runtime.workload import fsdp_modules
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan JSON file.
+
+    Raises:
+        planner.PlanFormatError: unreadable, malformed JSON, unknown schema
+            version, or FQNs that are not modules of the plan's fingerprint.
+    """
+    return Plan.load(path)
+
+
+def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Fingerprint:
+    """The :class:`planner.Fingerprint` of an FSDP-wrapped model.
+
+    Per FSDP module: the parameters it manages itself (not those of nested
+    FSDP modules), unsharded numel and bytes.
+    """
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    modules = fsdp_modules(model)
+    numels, nbytes, dtypes, device = [], [], set(), "cpu"
+    for fqn, module in modules:
+        nested = {id(p) for f, m in modules if _is_nested(f, fqn) for p in m.parameters()}
+        own = [p for p in module.parameters() if id(p) not in nested]
+        numels.append(sum(p.numel() for p in own))
+        nbytes.append(sum(p.numel() * p.element_size() for p in own))
+        dtypes.update(str(p.dtype) for p in own)
+        if own:
+            device = own[0].device.type
+    return Fingerprint(
+        module_fqns=tuple(f for f, _ in modules),
+        param_numels=tuple(numels),
+        param_bytes=tuple(nbytes),
+        world_size=world_size,
+        device_type=device,
+        param_dtypes=tuple(sorted(dtypes)),
+        torch_version=torch.__version__,
+    )
+
+
+def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
+    """Configure FSDP2 on ``model`` as ``plan`` says.
+
+    Calls, per FSDP module: ``set_modules_to_forward_prefetch``,
+    ``set_modules_to_backward_prefetch``, ``set_reshard_after_forward``
+    (not recursive); on the root: ``_set_unshard_async_op`` and
+    ``set_reduce_scatter_max_input_buffers``. Applying a plan replaces the
+    previous one entirely (empty lists restore FSDP2's defaults).
+
+    Args:
+        model: the root FSDP module.
+        plan: the plan; its fingerprint must match the model.
+        check: compare fingerprints first (turn off only when re-applying a
+            plan already checked against this model).
+
+    Raises:
+        PlanMismatchError: the plan was made for another model or world size;
+            the message names the first difference.
+    """
+    modules = dict(fsdp_modules(model))
+    if check:
+        difference = plan.fingerprint.first_difference(model_fingerprint(model))
+        if difference is not None:
+            raise PlanMismatchError(
+                f"plan does not match this model: {difference}; tune a plan for this model and world size"
+            )
+    for fqn, module in modules.items():
+        mp = plan.modules.get(fqn)
+        if mp is None:
+            continue
+        module.set_modules_to_forward_prefetch([modules[t] for t in mp.forward_prefetch])
+        module.set_modules_to_backward_prefetch([modules[t] for t in mp.backward_prefetch])
+        module.set_reshard_after_forward(mp.reshard_after_forward, recurse=False)
+    model._set_unshard_async_op(plan.unshard_async_op)
+    if hasattr(model, "set_reduce_scatter_max_input_buffers"):
+        model.set_reduce_scatter_max_input_buffers(plan.reduce_scatter_max_input_buffers)
+
+
+def _is_nested(fqn: str, parent: str) -> bool:
+    """Whether module ``fqn`` lies strictly inside module ``parent``."""
+    return fqn != parent and (parent == "" or fqn.startswith(parent + "."))

@@ -1,0 +1,183 @@
+"""Launching ranks and what each rank runs.
+
+``prefetch-planner tune STUDY.toml`` outside torchrun starts
+``nproc_per_node`` ranks through ``torch.distributed.run`` running the same
+command; under torchrun (``RANK`` and ``WORLD_SIZE`` set) the command runs as
+that rank. Either way every rank ends up in :func:`tune_rank`.
+
+[Note: Rank protocol of the measured stage]
+Rank 0 alone talks to the Optuna study: it records nothing the others do not
+(every rank records, figures are consolidated with ``all_gather_object``),
+runs the simulated stage, asks one trial per candidate plan, and broadcasts
+the plans (``broadcast_object_list``). Every rank applies the same plans in
+the same interleaved order and times its steps; the per-rank times are
+gathered with ``all_gather_object`` and rank 0 tells the study the median of
+the per-step max across ranks. If rank 0 fails before the broadcast it
+broadcasts the error instead, so no rank waits for ever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from typing import Any
+
+from planner.config import StudyConfig
+from planner.errors import PlannerError
+
+
+def in_torchrun() -> bool:
+    """Whether this process is a rank started by torchrun (``RANK``/``WORLD_SIZE`` set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch_ranks(cli_args: list[str], nproc_per_node: int) -> int:
+    """Run ``python -m planner.cli <cli_args>`` on ``nproc_per_node`` local ranks.
+
+    Uses ``torch.distributed.run`` (what the ``torchrun`` command runs) with a
+    standalone rendezvous on a free local port.
+
+    Returns:
+        0 if every rank succeeded, else the first failing rank's exit code.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", "planner.cli", *cli_args]
+    )
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        return next((c for c in codes if c), 1)
+    return 0
+
+
+def init_rank(backend: str, timeout_s: float = 900.0) -> Any:
+    """Initialize the process group and a 1-D device mesh over every rank.
+
+    On CPU, one compute thread per rank (``torch.set_num_threads(1)``).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def _broadcast(payload: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], dict) and "error" in box[0]:
+        raise PlannerError(box[0]["error"])
+    return box[0]
+
+
+def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bool = True) -> None:
+    """One rank of a tuning study: record, (rank 0) search, measure, (rank 0) write the plan.
+
+    Raises:
+        PlannerError: bad workload, storage, or a failure broadcast by rank 0.
+    """
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from planner.plan import Plan
+    from planner.simulator import simulate
+    from planner.study import MeasuredStage, open_storage, select_candidates, simulated_stage
+    from runtime.measure import measure_plans
+    from runtime.recorder import record_profile
+    from runtime.workload import build_workload
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    mesh = init_rank(config.backend)
+    rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    try:
+        workload = build_workload(config.factory, mesh, config.kwargs)
+        say(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({config.factory})", flush=True)
+        profile = record_profile(
+            workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps, repeats=config.profile_repeats
+        )
+        payload: Any = None
+        if rank == 0:
+            try:
+                profile.to_json(profile_out)
+                default = simulate(profile, Plan.default(profile))
+                say(f"      measured step {profile.measured_step_ms:.1f} ms with FSDP2's default; "
+                    f"predicted {default.step_ms:.1f} ms, exposed communication {default.exposed_comm_ms:.1f} ms, "
+                    f"lower bound {default.lower_bound_ms:.1f} ms; profile written to {profile_out}")
+                say(f"[2/3] simulated stage: {config.sim_trials} trials ({config.space} space)", flush=True)
+                storage = open_storage(config.storage)
+                sim = simulated_stage(profile, config, storage, show_progress_bar=progress)
+                candidates = select_candidates(sim, profile, config.space, config.measured_trials)
+                stage = MeasuredStage(config, storage, profile)
+                asked = stage.ask(candidates)
+                payload = [plan.to_dict() for _, plan, _ in asked]
+            except PlannerError as e:
+                payload = {"error": str(e)}
+        plans = [Plan.from_dict(d) for d in _broadcast(payload)]
+        say(f"[3/3] measured stage: {len(plans)} plans x {config.steps} steps, interleaved", flush=True)
+        bar = tqdm(total=len(plans) * config.steps, desc="measured", unit="step", disable=rank != 0 or not progress)
+        try:
+            step_ms, per_rank = measure_plans(workload, plans, config.steps, config.warmup_steps, bar.update)
+        except Exception as e:
+            if rank == 0:
+                stage.fail(asked, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            bar.close()
+        if rank == 0:
+            told = stage.tell(asked, step_ms, per_rank)
+            _report(told, plan_out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(plans: list, plan_out: str) -> None:
+    default_ms = plans[0].provenance.default_measured_ms
+    print(f"\n  {'trial':>5}  {'predicted ms':>12}  {'measured ms':>11}  {'vs default':>10}  plan")
+    for p in plans:
+        pv = p.provenance
+        ratio = pv.measured_ms / default_ms if default_ms else float("nan")
+        label = "FSDP2 default" if p.provenance.trial == plans[0].provenance.trial else _describe(p)
+        print(f"  {pv.trial:>5}  {pv.predicted_ms:>12.1f}  {pv.measured_ms:>11.1f}  {ratio:>10.3f}  {label}")
+    best = min(plans, key=lambda p: p.provenance.measured_ms)
+    best.to_json(plan_out)
+    ratio = best.provenance.measured_ms / default_ms if default_ms else float("nan")
+    print(f"\nbest plan: trial {best.provenance.trial}, {best.provenance.measured_ms:.1f} ms vs FSDP2 default "
+          f"{default_ms:.1f} ms (ratio {ratio:.3f}); written to {plan_out}")
+
+
+def _describe(plan) -> str:
+    """A short human description of a plan (prefetch depths, async)."""
+    fwd = max(len(m.forward_prefetch) for m in plan.modules.values())
+    bwd = max(max(1, len(m.backward_prefetch)) for m in plan.modules.values())
+    return f"forward prefetch {fwd or 'implicit'}, backward prefetch {bwd}, async unshard {plan.unshard_async_op}"
+
+
+def rank_error(e: BaseException) -> None:
+    """Exit 2 on a rank's bad-input error; rank 0 prints the one line.
+
+    Bad input (a factory that raises, a model without ``fully_shard``) fails
+    alike on every rank, so one line is enough.
+    """
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)

@@ -1,0 +1,101 @@
+"""Timing real training steps: one step, and several plans interleaved.
+
+Step ms for a plan is the median over measured steps of the max across ranks
+(DESIGN.md, Measurement). Plans are interleaved A B A B ... in one run so that
+machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from planner.plan import Plan
+from runtime.apply import apply_plan
+from runtime.workload import Workload, train_step
+
+
+def synchronize(device_type: str) -> None:
+    """Wait for the device (no-op on CPU, where compute is synchronous)."""
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_type_of(workload: Workload) -> str:
+    """``"cpu"`` or ``"cuda"``: where the model's parameters live."""
+    return next(workload.model.parameters()).device.type
+
+
+def timed_step(workload: Workload, step: int) -> float:
+    """Run one training step after a barrier; return this rank's wall time in ms."""
+    device = device_type_of(workload)
+    dist.barrier()
+    synchronize(device)
+    t0 = time.perf_counter()
+    train_step(workload, step)
+    synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def max_across_ranks(local: list[float]) -> tuple[list[float], list[list[float]]]:
+    """Gather a per-step list from every rank (``all_gather_object``).
+
+    Returns:
+        ``(max per step across ranks, per-rank lists)``.
+    """
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return [max(vals) for vals in zip(*gathered)], gathered
+
+
+def measure_plans(
+    workload: Workload,
+    plans: Sequence[Plan],
+    rounds: int,
+    warmup_steps: int = 1,
+    on_step: Callable[[], None] | None = None,
+) -> tuple[list[list[float]], list[list[list[float]]]]:
+    """Measure ``plans`` interleaved on every rank (all ranks call this with the same plans).
+
+    Each plan is first applied and run for ``warmup_steps`` steps; then
+    ``rounds`` rounds each run one timed step per plan in order A B C A B C ...
+
+    Args:
+        workload: this rank's workload.
+        plans: plans already checked against the model (same on every rank).
+        rounds: timed steps per plan.
+        warmup_steps: untimed steps per plan before the first round.
+        on_step: called after each timed step (a progress bar's ``update``).
+
+    Returns:
+        ``(step_ms, per_rank)``: ``step_ms[i]`` lists plan ``i``'s step times
+        (max across ranks, ms); ``per_rank[i][r]`` rank ``r``'s own times.
+    """
+    step = 0
+    for plan in plans:
+        apply_plan(workload.model, plan, check=False)
+        for _ in range(warmup_steps):
+            train_step(workload, step)
+            step += 1
+    local: list[list[float]] = [[] for _ in plans]
+    for _ in range(rounds):
+        for i, plan in enumerate(plans):
+            apply_plan(workload.model, plan, check=False)
+            local[i].append(timed_step(workload, step))
+            step += 1
+            if on_step is not None:
+                on_step()
+    flat = [ms for times in local for ms in times]
+    maxed, gathered = max_across_ranks(flat)
+    step_ms = [maxed[i * rounds : (i + 1) * rounds] for i in range(len(plans))]
+    per_rank = [[g[i * rounds : (i + 1) * rounds] for g in gathered] for i in range(len(plans))]
+    return step_ms, per_rank
+
+
+def median(xs: Sequence[float]) -> float:
+    """The median of a non-empty sequence."""
+    return float(statistics.median(xs))

@@ -1,0 +1,146 @@
+"""Reference workloads: Hugging Face Llama and GPT-2 from a config, and an MLP stack.
+
+Random weights, no download. Each factory is ``factory(mesh, **kwargs)`` and
+applies ``fully_shard`` per block, then to the root, as torchtitan's
+``parallelize.py`` does. Sizes default to what makes FSDP2's all-gathers show
+in the step time on the CPU testbed (2 ranks, gloo, one compute thread each).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from runtime.workload import Workload
+
+
+def _batch_fn(vocab_size: int, batch_size: int, seq_len: int, rank: int):
+    def make_batch(step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(10_000 * step + rank)
+        return torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
+
+    return make_batch
+
+
+def _lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch, use_cache=False).loss
+
+
+def llama(
+    mesh: Any,
+    hidden_size: int = 1024,
+    intermediate_size: int = 2816,
+    num_hidden_layers: int = 8,
+    num_attention_heads: int = 16,
+    vocab_size: int = 8192,
+    batch_size: int = 1,
+    seq_len: int = 64,
+    lr: float = 1e-4,
+    seed: int = 0,
+) -> Workload:
+    """Llama (``transformers.LlamaForCausalLM``) from a config, random weights.
+
+    Each ``model.layers[i]`` is one FSDP module; the root holds embedding,
+    final norm and LM head.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=max(seq_len, 128),
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    return Workload(model, optimizer, _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank()), _lm_loss)
+
+
+def gpt2(
+    mesh: Any,
+    n_embd: int = 1024,
+    n_layer: int = 8,
+    n_head: int = 16,
+    vocab_size: int = 8192,
+    batch_size: int = 1,
+    seq_len: int = 64,
+    lr: float = 1e-4,
+    seed: int = 0,
+) -> Workload:
+    """GPT-2 (``transformers.GPT2LMHeadModel``) from a config, random weights.
+
+    Each ``transformer.h[i]`` is one FSDP module; the root holds the
+    embeddings, final layer norm and the (tied) LM head.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size,
+        n_positions=max(seq_len, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    return Workload(model, optimizer, _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank()), _lm_loss)
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class MLPStack(nn.Module):
+    """``layers`` pre-norm residual MLP blocks between an input and output projection."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(_MLPBlock(dim) for _ in range(layers))
+        self.proj_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.proj_out(x)
+
+
+def mlp(mesh: Any, dim: int = 256, layers: int = 4, batch_size: int = 8, lr: float = 1e-3, seed: int = 0) -> Workload:
+    """A small MLP stack (fast; used by the tests)."""
+    torch.manual_seed(seed)
+    model = MLPStack(dim, layers)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rank = mesh.get_rank()
+
+    def make_batch(step: int) -> torch.Tensor:
+        return torch.randn(batch_size, dim, generator=torch.Generator().manual_seed(10_000 * step + rank))
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).pow(2).mean()
+
+    return Workload(model, optimizer, make_batch, loss_fn)
