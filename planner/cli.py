@@ -77,6 +77,34 @@ def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out
         sys.exit(2 if code == 2 else 1)
 
 
+@main.command()
+@click.argument("profile_json")
+@click.argument("plan_json", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def simulate(profile_json, plan_json, as_json) -> None:
+    """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default)."""
+    from planner.plan import Plan
+    from planner.profile import Profile
+    from planner.simulator import simulate as run
+
+    profile = Profile.load(profile_json)
+    plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
+    difference = plan.fingerprint.first_difference(profile.fingerprint)
+    if difference is not None:
+        from planner.errors import PlanMismatchError
+
+        raise PlanMismatchError(f"plan does not match the profile: {difference}")
+    r = run(profile, plan)
+    if as_json:
+        click.echo(json.dumps({"step_ms": r.step_ms, "exposed_comm_ms": r.exposed_comm_ms,
+                               "peak_bytes": r.peak_bytes, "lower_bound_ms": r.lower_bound_ms}))
+        return
+    click.echo(f"step          {r.step_ms:10.1f} ms")
+    click.echo(f"exposed comm  {r.exposed_comm_ms:10.1f} ms")
+    click.echo(f"peak memory   {r.peak_bytes / 2**20:10.1f} MiB")
+    click.echo(f"lower bound   {r.lower_bound_ms:10.1f} ms  (step / bound = {r.ratio_to_lower_bound:.3f})")
+
+
 @main.group()
 def studies() -> None:
     """Query studies in a database."""

@@ -1,0 +1,45 @@
+"""Shared test helpers: synthetic profiles with hand-chosen figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.profile import Fingerprint, ModuleProfile, Profile
+
+
+def synthetic_profile(
+    n_blocks: int = 2,
+    fwd: float | list[float] = 10.0,
+    bwd: float | list[float] = 20.0,
+    ag: float | list[float] = 5.0,
+    rs: float | list[float] = 3.0,
+    device: str = "cpu",
+    unsharded_bytes: int = 1000,
+    grad_bytes: int = 0,
+    activation_bytes: int = 0,
+    optimizer_ms: float = 0.0,
+) -> Profile:
+    """Root ``""`` (no compute, no communication) plus blocks ``b0..b{n-1}``.
+
+    Per-block figures are a scalar (same for all) or a list (one per block).
+    Sharded bytes and optimizer state are 0, so the predicted peak is what
+    the plan keeps alive.
+    """
+    def at(x, i):
+        return x[i] if isinstance(x, list) else x
+
+    blocks = [f"b{i}" for i in range(n_blocks)]
+    modules = {"": ModuleProfile("", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, reshard_after_forward=False)}
+    for i, b in enumerate(blocks):
+        modules[b] = ModuleProfile(
+            b, at(fwd, i), at(bwd, i), at(fwd, i), at(bwd, i), at(ag, i), at(rs, i),
+            unsharded_bytes, 0, grad_bytes, activation_bytes, reshard_after_forward=True,
+        )
+    fqns = ("", *blocks)
+    fp = Fingerprint(fqns, tuple(100 for _ in fqns), tuple(400 for _ in fqns), 2, device, ("torch.float32",), "test")
+    return Profile(fp, ("", *blocks), (*blocks, ""), modules, optimizer_ms)
+
+
+@pytest.fixture
+def make_profile():
+    return synthetic_profile

@@ -1,0 +1,117 @@
+"""Plan and Profile JSON: round trips, schema versions, validation, fingerprints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from planner import Plan, PlanFormatError, Profile, ProfileFormatError
+from search_spaces import per_module, uniform
+
+
+def test_profile_round_trip(make_profile, tmp_path):
+    p = make_profile(n_blocks=3)
+    p.to_json(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == p
+
+
+def test_plan_round_trip_keeps_lists_and_provenance(make_profile, tmp_path):
+    p = make_profile(n_blocks=3)
+    plan = uniform.build(p, 2, 3, True).with_provenance(study="s", trial=4, predicted_ms=1.5, measured_ms=2.5)
+    plan.to_json(tmp_path / "plan.json")
+    back = Plan.load(tmp_path / "plan.json")
+    assert back == plan
+    assert back.modules["b0"].forward_prefetch == ("b1", "b2")
+    assert back.modules["b2"].backward_prefetch == ("b1", "b0")
+
+
+def test_default_plan_is_fsdp2_default(make_profile):
+    p = make_profile()
+    d = Plan.default(p)
+    assert all(not m.forward_prefetch and not m.backward_prefetch for m in d.modules.values())
+    assert d.modules[""].reshard_after_forward is False and d.modules["b0"].reshard_after_forward is True
+    assert d.unshard_async_op is False
+    assert d.is_default_for(p)
+    assert not uniform.build(p, 1, 1, False).is_default_for(p)
+    assert uniform.build(p, 0, 1, False).is_default_for(p)  # the grid's first point
+
+
+def test_behaviour_key_ignores_provenance(make_profile):
+    p = make_profile()
+    a = Plan.default(p)
+    assert a.behaviour_key() == a.with_provenance(trial=3).behaviour_key()
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(schema_version=99), "schema_version 99"),
+        (lambda d: d.pop("fingerprint"), "fingerprint"),
+        (lambda d: d["modules"].update({"nope": d["modules"]["b0"]}), "'nope'"),
+        (lambda d: d["modules"]["b0"].update(forward_prefetch=["ghost"]), "'ghost'"),
+        (lambda d: d["modules"]["b0"].update(forward_prefetch="b1"), "list of FQN"),
+        (lambda d: d.update(unshard_async_op="yes"), "unshard_async_op"),
+    ],
+)
+def test_plan_format_errors(make_profile, mutate, message):
+    d = Plan.default(make_profile()).to_dict()
+    mutate(d)
+    with pytest.raises(PlanFormatError, match=message):
+        Plan.from_dict(d)
+
+
+def test_plan_malformed_and_truncated_json(make_profile, tmp_path):
+    text = Plan.default(make_profile()).to_json()
+    with pytest.raises(PlanFormatError, match="not valid JSON"):
+        Plan.from_json(text[: len(text) // 2])
+    with pytest.raises(PlanFormatError, match="JSON object"):
+        Plan.from_json("[1, 2]")
+    with pytest.raises(PlanFormatError, match="cannot read"):
+        Plan.load(tmp_path / "missing.json")
+
+
+def test_profile_format_errors(make_profile):
+    d = make_profile().to_dict()
+    with pytest.raises(ProfileFormatError, match="schema_version"):
+        Profile.from_dict({**d, "schema_version": 0})
+    with pytest.raises(ProfileFormatError, match="not valid JSON"):
+        Profile.from_json("{")
+    with pytest.raises(ProfileFormatError, match="no figures"):
+        Profile.from_dict({**d, "post_forward_order": ["b0", "zz", ""]})
+
+
+def test_fingerprint_first_difference(make_profile):
+    fp = make_profile(n_blocks=3).fingerprint
+    assert fp.first_difference(fp) is None
+    assert "world size" in fp.first_difference(dataclasses.replace(fp, world_size=4))
+    other = dataclasses.replace(fp, module_fqns=("", "b0", "bX", "b2"))
+    assert "'b1'" in fp.first_difference(other) and "'bX'" in fp.first_difference(other)
+    fewer = dataclasses.replace(fp, module_fqns=fp.module_fqns[:3], param_numels=fp.param_numels[:3])
+    assert "count" in fp.first_difference(fewer)
+    numel = dataclasses.replace(fp, param_numels=(100, 100, 7, 100))
+    assert "parameter count of FSDP module 'b1'" in fp.first_difference(numel)
+    assert fp.first_difference(dataclasses.replace(fp, torch_version="other")) is None
+
+
+def test_search_spaces_build_valid_distinct_plans(make_profile):
+    import optuna
+
+    p = make_profile(n_blocks=5)
+    for space in (uniform, per_module):
+        plans = [space.suggest(optuna.trial.FixedTrial(params), p) for params in space.grid(p)]
+        assert plans[0].is_default_for(p)
+        for plan in plans:
+            plan.validate()
+        assert len({pl.behaviour_key() for pl in plans}) == len(plans) == 24
+    # per_module: one module's own window, others untouched
+    params = per_module.grid(p)[0] | {"fwd:b1": 3, "bwd:b3": 2}
+    plan = per_module.suggest(optuna.trial.FixedTrial(params), p)
+    assert plan.modules["b1"].forward_prefetch == ("b2", "b3", "b4")
+    assert plan.modules["b3"].backward_prefetch == ("b2", "b1")
+    assert plan.modules["b0"].forward_prefetch == ()
+    assert plan.modules[""].forward_prefetch == ()
+    # the root prefetches forward the first blocks, backward the last blocks
+    root = uniform.build(p, 2, 2, False).modules[""]
+    assert root.forward_prefetch == ("b0", "b1") and root.backward_prefetch == ("b4", "b3")

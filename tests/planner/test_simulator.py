@@ -1,0 +1,172 @@
+"""The simulator against hand-computed timelines.
+
+Every expected number below is worked out by hand in the test's docstring
+from the FSDP2 rules the simulator cites; none is copied from its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.plan import Plan
+from planner.simulator import SimParams, lower_bound_ms, simulate
+from search_spaces import uniform
+
+
+def _slices(result, track):
+    return {e.name: (e.start_ms, e.end_ms) for e in result.events if e.track == track}
+
+
+def test_no_overlap_cpu_default(make_profile):
+    """CPU, FSDP2 default (sync unshard): nothing overlaps.
+
+    fwd: AG b0 0-5, F b0 5-15, AG b1 15-20, F b1 20-30.
+    bwd: root prefetches b1 (sync) 30-35, b1 prefetches b0 (sync) 35-40,
+    B b1 40-60, RS b1 60-63, B b0 63-83, RS b0 83-86. Step 86 = 60 + 20 + 6.
+    """
+    p = make_profile()
+    r = simulate(p, Plan.default(p), trace=True)
+    assert r.step_ms == pytest.approx(86.0)
+    assert r.exposed_comm_ms == pytest.approx(26.0)
+    ag = _slices(r, "all-gather")
+    assert ag["all-gather b1"] == pytest.approx((30.0, 35.0))  # the backward one (last wins)
+    assert _slices(r, "compute")["backward b1"] == pytest.approx((40.0, 60.0))
+    assert _slices(r, "reduce-scatter")["reduce-scatter b0"] == pytest.approx((83.0, 86.0))
+
+
+def test_cpu_async_default_overlaps_only_backward(make_profile):
+    """CPU, default lists, async unshard: implicit forward prefetch needs CPU
+    run-ahead, which a CPU device has not, so forward is unchanged (30 ms);
+    backward: AG b1 30-35, B b1 35-55 beside AG b0 35-40, RS b1 55-58,
+    B b0 58-78, RS b0 78-81."""
+    p = make_profile()
+    plan = dataclasses.replace(Plan.default(p), unshard_async_op=True)
+    r = simulate(p, plan, trace=True)
+    assert _slices(r, "compute")["forward b1"] == pytest.approx((20.0, 30.0))
+    assert r.step_ms == pytest.approx(81.0)
+
+
+def test_cpu_explicit_prefetch_needs_async(make_profile):
+    """CPU, forward depth 1. Sync: the prefetch blocks the thread, 86 ms as the
+    default. Async: AG b0 0-5, AG b1 5-10 beside F b0 5-15, F b1 15-25;
+    AG b1 25-30, B b1 30-50 beside AG b0 30-35, RS b1 50-53, B b0 53-73,
+    RS b0 73-76."""
+    p = make_profile()
+    sync = uniform.build(p, forward_depth=1, backward_depth=1, unshard_async_op=False)
+    asyn = uniform.build(p, forward_depth=1, backward_depth=1, unshard_async_op=True)
+    assert simulate(p, sync).step_ms == pytest.approx(86.0)
+    assert simulate(p, asyn).step_ms == pytest.approx(76.0)
+
+
+def test_gpu_default_implicit_prefetch(make_profile):
+    """GPU: CPU run-ahead lets the next all-gather run beside compute.
+
+    AG b0 0-5, F b0 5-15; AG b1 issued at CPU time 0 runs 5-10 on the
+    all-gather stream, F b1 15-25: forward ends at 25, not 30 as on CPU."""
+    p = make_profile(device="cuda")
+    r = simulate(p, Plan.default(p), trace=True)
+    assert _slices(r, "compute")["forward b1"] == pytest.approx((15.0, 25.0))
+
+
+def test_gpu_two_all_gather_outputs_limit(make_profile):
+    """GPU implicit prefetch keeps at most two all-gather outputs: AG b2 waits
+    for b0's copy-out (F b0 start). With AG 1 ms and F 10 ms:
+    AG b0 0-1, F b0 1-11; AG b1 1-2; AG b2 waits on b0's copy-out event (1)
+    and runs 2-3; AG b3 waits on b1's copy-out (F b1 starts at 11) and runs
+    11-12. Forward is compute-bound: F b3 ends at 41."""
+    p = make_profile(n_blocks=4, fwd=10.0, ag=1.0, device="cuda")
+    r = simulate(p, Plan.default(p), trace=True)
+    ag = {}
+    for e in r.events:
+        if e.track == "all-gather":
+            ag.setdefault(e.name, (e.start_ms, e.end_ms))  # forward (first) occurrence
+    f = _slices(r, "compute")
+    assert f["forward b3"][1] == pytest.approx(41.0)
+    assert ag["all-gather b3"][0] >= f["forward b1"][0]
+    assert ag["all-gather b3"][0] == pytest.approx(11.0)
+
+
+def test_forward_depth_2_hides_large_all_gather(make_profile):
+    """CPU, async. b0 computes 30 ms; b2's all-gather takes 25 ms.
+
+    Depth 1: AG b2 is issued in b1's pre-forward (32), runs 32-57, F b2 57-58.
+    Depth 2: it is issued in b0's pre-forward (4), runs 4-29 beside F b0 2-32:
+    F b1 32-33, F b2 33-34."""
+    p = make_profile(n_blocks=3, fwd=[30.0, 1.0, 1.0], ag=[2.0, 2.0, 25.0])
+    d1 = simulate(p, uniform.build(p, 1, 1, True), trace=True)
+    d2 = simulate(p, uniform.build(p, 2, 1, True), trace=True)
+    assert _slices(d1, "compute")["forward b2"] == pytest.approx((57.0, 58.0))
+    assert _slices(d2, "compute")["forward b2"] == pytest.approx((33.0, 34.0))
+    assert d2.step_ms < d1.step_ms
+
+
+def test_reduce_scatter_serialized_behind_all_gather(make_profile):
+    """CPU, async, B 2 ms, AG 10 ms: forward AG b0 0-10, F 10-20, AG b1 20-30,
+    F 30-40; AG b1 40-50, B b1 50-52 while AG b0 runs 50-60; RS b1 is issued
+    at 52 but the process group is busy: 60-63. B b0 63-65, RS b0 65-68."""
+    p = make_profile(fwd=10.0, bwd=2.0, ag=10.0, rs=3.0)
+    r = simulate(p, dataclasses.replace(Plan.default(p), unshard_async_op=True), trace=True)
+    assert _slices(r, "reduce-scatter")["reduce-scatter b1"] == pytest.approx((60.0, 63.0))
+    assert r.step_ms == pytest.approx(68.0)
+
+
+def test_peak_memory_depth_2_vs_depth_1(make_profile):
+    """Unsharded bytes U per block, nothing else: depth 1 keeps 2 blocks
+    unsharded at once (computing + prefetched), depth 2 keeps 3."""
+    u = 1000
+    p = make_profile(n_blocks=4, unsharded_bytes=u)
+    d1 = simulate(p, uniform.build(p, 1, 1, True))
+    d2 = simulate(p, uniform.build(p, 2, 1, True))
+    assert d1.peak_bytes == 2 * u
+    assert d2.peak_bytes == 3 * u
+
+
+def test_reshard_after_forward_false_skips_backward_all_gather(make_profile):
+    """A block that keeps its parameters needs no backward all-gather: the
+    no-overlap step loses that block's 5 ms, and holds its bytes longer."""
+    p = make_profile(unsharded_bytes=1000)
+    default = Plan.default(p)
+    keep = dataclasses.replace(
+        default, modules={**default.modules, "b1": dataclasses.replace(default.modules["b1"], reshard_after_forward=False)}
+    )
+    r = simulate(p, keep)
+    assert r.step_ms == pytest.approx(81.0)
+    assert r.comm_ms == pytest.approx(simulate(p, default).comm_ms - 5.0)
+
+
+def test_activation_and_gradient_memory(make_profile):
+    """Activations A per block stay alive from forward to that block's
+    backward: the peak holds both blocks' (2A) plus one unsharded block."""
+    p = make_profile(unsharded_bytes=10, activation_bytes=1000)
+    r = simulate(p, Plan.default(p))
+    assert r.peak_bytes == 2 * 1000 + 2 * 10  # backward: b1 computing + b0 prefetched
+
+
+def test_lower_bound(make_profile):
+    """max(Σ compute, Σ (AG + RS)): compute 60 vs comm 16 → 60; ratio 86/60."""
+    p = make_profile()
+    assert lower_bound_ms(p) == pytest.approx(60.0)
+    r = simulate(p, Plan.default(p))
+    assert r.ratio_to_lower_bound == pytest.approx(86.0 / 60.0)
+    comm_bound = make_profile(fwd=1.0, bwd=1.0, ag=50.0)
+    assert lower_bound_ms(comm_bound) == pytest.approx(2 * 53.0)
+
+
+def test_overlap_slowdown_stretches_compute_beside_collectives(make_profile):
+    """With slowdown 2, the 5 ms of F b0 that run beside AG b1 take 10 ms."""
+    p = make_profile()
+    plan = uniform.build(p, 1, 1, True)
+    base = simulate(p, plan).step_ms
+    slow = simulate(p, plan, SimParams(overlap_slowdown=2.0)).step_ms
+    assert slow > base
+    no_overlap = simulate(p, Plan.default(p), SimParams(overlap_slowdown=2.0)).step_ms
+    assert no_overlap == pytest.approx(86.0)  # nothing overlaps, nothing slows
+
+
+def test_issue_overhead_adds_per_hook(make_profile):
+    """Default plan, CPU: 2 blocks x 4 hooks + root's 4 = 12 hooks."""
+    p = make_profile()
+    r = simulate(p, Plan.default(p), SimParams(issue_overhead_ms=1.0))
+    assert r.step_ms == pytest.approx(86.0 + 12.0)
