@@ -1,0 +1,42 @@
+"""Rank script: load a tuned plan at training start in a fresh process group.
+
+argv: plan JSON, factory, kwargs JSON, output JSON.
+"""
+
+import dataclasses
+import json
+import sys
+
+import torch.distributed as dist
+
+from runtime import PlanMismatchError, apply_plan, load_plan
+from runtime.launch import init_rank
+from runtime.workload import build_workload, fsdp_modules, train_step
+
+plan_path, factory, kwargs, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+mesh = init_rank("gloo")
+plan = load_plan(plan_path)
+workload = build_workload(factory, mesh, kwargs)
+apply_plan(workload.model, plan)
+modules = dict(fsdp_modules(workload.model))
+applied = {
+    fqn: [len(m._get_fsdp_state()._states_to_forward_prefetch), len(m._get_fsdp_state()._states_to_backward_prefetch)]
+    for fqn, m in modules.items()
+}
+async_ops = sorted({m._get_fsdp_state()._fsdp_param_group.unshard_async_op for m in modules.values()})
+losses = [train_step(workload, s).item() for s in range(2)]
+errors = {}
+other = build_workload(factory, mesh, {**kwargs, "layers": kwargs.get("layers", 4) - 1})
+try:
+    apply_plan(other.model, plan)
+except PlanMismatchError as e:
+    errors["model"] = str(e)
+wrong_world = dataclasses.replace(plan, fingerprint=dataclasses.replace(plan.fingerprint, world_size=4))
+try:
+    apply_plan(workload.model, wrong_world)
+except PlanMismatchError as e:
+    errors["world"] = str(e)
+if dist.get_rank() == 0:
+    with open(out, "w") as f:
+        json.dump({"applied": applied, "async": async_ops, "losses": losses, "errors": errors}, f)
+dist.destroy_process_group()

@@ -1,0 +1,110 @@
+"""record → tune (few trials) → plan JSON → apply in a fresh process group, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from planner import Plan, Profile
+from tests.runtime.conftest import ROOT, rank_env
+
+STUDY = """
+[study]
+name = "e2e"
+[workload]
+factory = "runtime.workloads:mlp"
+kwargs = {{ dim = 128, layers = 4 }}
+[search]
+space = "{space}"
+sim_trials = 30
+measured_trials = 2
+[measure]
+warmup_steps = 1
+steps = 3
+profile_repeats = 2
+"""
+
+
+@pytest.mark.slow
+def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
+    (tmp_path / "studies").mkdir()
+    toml = tmp_path / "studies" / "e2e.toml"
+    toml.write_text(STUDY.format(space="per_module"))
+    proc = cli("tune", "studies/e2e.toml", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "best plan: trial" in proc.stdout
+
+    # Profile: orders, figures, consolidation = max across the 2 ranks.
+    profile = Profile.load(tmp_path / "studies" / "e2e.profile.json")
+    blocks = [f"blocks.{i}" for i in range(4)]
+    assert profile.post_forward_order == (*blocks, "")
+    assert profile.pre_forward_order == ("", *blocks)
+    assert len(profile.per_rank) == 2
+    for fqn in blocks:
+        m = profile.modules[fqn]
+        assert m.fwd_ms > 0 and m.bwd_ms > 0 and m.all_gather_ms > 0 and m.reduce_scatter_ms > 0
+        assert m.all_gather_ms == max(r["modules"][fqn]["all_gather_ms"] for r in profile.per_rank)
+        assert m.unsharded_bytes == 4 * (128 * 4 * 128 * 2 + 4 * 128 + 128 + 2 * 128)
+        assert m.sharded_bytes == m.unsharded_bytes // 2
+        assert m.activation_bytes > 0
+    assert profile.modules[""].reshard_after_forward is False and profile.modules["blocks.0"].reshard_after_forward
+
+    # Plan JSON with both figures; the DB answers in plain SQL.
+    plan = Plan.load(tmp_path / "studies" / "e2e.plan.json")
+    assert plan.provenance.measured_ms > 0 and plan.provenance.predicted_ms > 0
+    assert plan.provenance.default_measured_ms > 0
+    rows = sqlite3.connect(tmp_path / "studies" / "e2e.db").execute(
+        "select is_default, measured_ms from planner_plans").fetchall()
+    assert len(rows) == 3 and sum(r[0] for r in rows) == 1
+    best = cli("studies", "best", "e2e", cwd=tmp_path)
+    assert best.returncode == 0 and "FSDP2 default" in best.stdout and "ratio" in best.stdout
+
+    # Fresh process group: load and apply the plan at training start.
+    out = tmp_path / "apply.json"
+    ranks("apply_check.py", str(tmp_path / "studies" / "e2e.plan.json"), "runtime.workloads:mlp",
+          json.dumps({"dim": 128, "layers": 4}), str(out))
+    got = json.loads(out.read_text())
+    expected = {fqn: [len(m.forward_prefetch), len(m.backward_prefetch)] for fqn, m in plan.modules.items()}
+    assert got["applied"] == expected
+    assert got["async"] == [plan.unshard_async_op]
+    assert all(x == x for x in got["losses"])  # finite steps ran
+    assert "FSDP module count: plan has 5, model has 4" in got["errors"]["model"]
+    assert "world size: plan was made for 4 ranks, this run has 2" in got["errors"]["world"]
+
+
+@pytest.mark.slow
+def test_tune_under_torchrun_is_the_same_code_path(tmp_path):
+    """`torchrun ... -m planner.cli tune` runs as the launched ranks."""
+    (tmp_path / "studies").mkdir()
+    (tmp_path / "studies" / "e2e.toml").write_text(STUDY.format(space="uniform"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "planner.cli", "tune", "studies/e2e.toml", "--sim-trials", "10", "--measured-trials", "1",
+         "--no-progress"],
+        capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "studies" / "e2e.plan.json").exists()
+    assert proc.stdout.count("best plan: trial") == 1  # rank 0 alone reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "factory, needle",
+    [
+        ("bad_factories:raises", "raised RuntimeError: out of coffee"),
+        ("bad_factories:unwrapped", "not wrapped with fully_shard"),
+    ],
+)
+def test_rank_time_workload_errors(cli, tmp_path, factory, needle):
+    (tmp_path / "s.toml").write_text(f'[study]\nname = "s"\n[workload]\nfactory = "{factory}"\n')
+    proc = cli("tune", "s.toml", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
