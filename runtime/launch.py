@@ -33,8 +33,8 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch_ranks(cli_args: list[str], nproc_per_node: int) -> int:
-    """Run ``python -m planner.cli <cli_args>`` on ``nproc_per_node`` local ranks.
+def launch_ranks(cli_args: list[str], nproc_per_node: int, script: str | None = None) -> int:
+    """Run ``python -m planner.cli <cli_args>`` (or ``python <script> <cli_args>``) on local ranks.
 
     Uses ``torch.distributed.run`` (what the ``torchrun`` command runs) with a
     standalone rendezvous on a free local port.
@@ -47,8 +47,9 @@ def launch_ranks(cli_args: list[str], nproc_per_node: int) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    entry = [script] if script else ["--module", "planner.cli"]
     args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", "planner.cli", *cli_args]
+        ["--standalone", f"--nproc-per-node={nproc_per_node}", *entry, *cli_args]
     )
     try:
         run(args)
@@ -133,8 +134,10 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
             except PlannerError as e:
                 payload = {"error": str(e)}
         plans = [Plan.from_dict(d) for d in _broadcast(payload)]
-        say(f"[3/3] measured stage: {len(plans)} plans x {config.steps} steps, interleaved", flush=True)
-        bar = tqdm(total=len(plans) * config.steps, desc="measured", unit="step", disable=rank != 0 or not progress)
+        say(f"[3/3] measured stage: {len(plans)} plans x ({config.warmup_steps} warm-up + {config.steps} timed steps), "
+            "interleaved", flush=True)
+        bar = tqdm(total=len(plans) * (config.warmup_steps + config.steps), desc="measured", unit="step",
+                   disable=rank != 0 or not progress)
         try:
             step_ms, per_rank = measure_plans(workload, plans, config.steps, config.warmup_steps, bar.update)
         except Exception as e:

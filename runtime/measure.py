@@ -69,7 +69,8 @@ def measure_plans(
         plans: plans already checked against the model (same on every rank).
         rounds: timed steps per plan.
         warmup_steps: untimed steps per plan before the first round.
-        on_step: called after each timed step (a progress bar's ``update``).
+        on_step: called after each step, warm-up included (a progress bar's
+            ``update``; ``len(plans) * (warmup_steps + rounds)`` calls).
 
     Returns:
         ``(step_ms, per_rank)``: ``step_ms[i]`` lists plan ``i``'s step times
@@ -81,6 +82,8 @@ def measure_plans(
         for _ in range(warmup_steps):
             train_step(workload, step)
             step += 1
+            if on_step is not None:
+                on_step()
     local: list[list[float]] = [[] for _ in plans]
     for _ in range(rounds):
         for i, plan in enumerate(plans):

@@ -1,0 +1,110 @@
+"""Benchmark: FSDP2's default vs tuned plans, measured side by side, and the
+simulator's prediction error for each measured plan.
+
+    python bench/default_vs_tuned.py studies/llama-cpu.toml [--plan studies/llama-cpu.plan.json] [--rounds 7]
+
+Starts the study's ranks itself (or runs under torchrun). In one run it
+records a profile, then measures, interleaved A B C ..., FSDP2's default, the
+tuned plan (from --plan; the study's plan JSON by default) and a few uniform
+plans, and prints per plan: measured median ms (max across ranks), ratio to
+the default, predicted ms and the prediction error; then the median and max
+absolute error and the Spearman rank correlation of predicted vs measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planner.config import load_study_config  # noqa: E402
+from planner.errors import PlannerError  # noqa: E402
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    import numpy as np
+
+    ra = np.argsort(np.argsort(a)).astype(float)
+    rb = np.argsort(np.argsort(b)).astype(float)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import statistics
+
+    import torch.distributed as dist
+
+    from planner.plan import Plan
+    from planner.simulator import simulate
+    from runtime.apply import load_plan
+    from runtime.launch import init_rank
+    from runtime.measure import measure_plans
+    from runtime.recorder import record_profile
+    from runtime.workload import build_workload
+    from search_spaces import uniform
+
+    config = load_study_config(args.study)
+    mesh = init_rank(config.backend)
+    workload = build_workload(config.factory, mesh, config.kwargs)
+    profile = record_profile(workload, warmup_steps=1, steps=config.steps, repeats=config.profile_repeats)
+    plans = {"FSDP2 default": Plan.default(profile)}
+    plan_path = args.plan or config.default_output(".plan.json")
+    if os.path.exists(plan_path):
+        plans["tuned (" + os.path.basename(plan_path) + ")"] = load_plan(plan_path)
+    for f, b, a in [(1, 1, True), (2, 2, True), (3, 3, True), (1, 1, False), (0, 1, True)]:
+        plans[f"uniform fwd {f} bwd {b} async {a}"] = uniform.build(profile, f, b, a)
+    names = list(plans)
+    step_ms, _ = measure_plans(workload, [plans[n] for n in names], args.rounds, warmup_steps=1)
+    if dist.get_rank() == 0:
+        default_ms = statistics.median(step_ms[0])
+        rows = []
+        print(f"\n{config.name}: {len(names)} plans x {args.rounds} rounds, interleaved, "
+              f"{dist.get_world_size()} ranks ({config.backend})")
+        print(f"{'plan':<44} {'measured ms':>11} {'vs default':>10} {'predicted ms':>12} {'error %':>8}")
+        for name, times in zip(names, step_ms):
+            measured = statistics.median(times)
+            predicted = simulate(profile, plans[name]).step_ms
+            err = 100 * (predicted - measured) / measured
+            rows.append({"plan": name, "measured_ms": measured, "ratio": measured / default_ms,
+                         "predicted_ms": predicted, "error_pct": err, "steps_ms": times})
+            print(f"{name:<44} {measured:>11.1f} {measured / default_ms:>10.3f} {predicted:>12.1f} {err:>+8.1f}")
+        errs = [abs(r["error_pct"]) for r in rows]
+        rho = _spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
+        print(f"\nprediction error: median |error| {statistics.median(errs):.1f}%, max {max(errs):.1f}%; "
+              f"Spearman rank correlation {rho:.2f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study")
+    parser.add_argument("--plan", help="tuned plan JSON (default: the study's plan)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", help="also write the rows as JSON here")
+    args = parser.parse_args()
+    try:
+        config = load_study_config(args.study)
+        from runtime.launch import in_torchrun, launch_ranks
+
+        if in_torchrun():
+            rank_main(args)
+        else:
+            forward = [args.study, "--rounds", str(args.rounds)]
+            forward += ["--plan", args.plan] if args.plan else []
+            forward += ["--json", args.json] if args.json else []
+            sys.exit(launch_ranks(forward, config.nproc_per_node, script=__file__))
+    except PlannerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
