@@ -176,7 +176,7 @@ class _Step:
         return start, end
 
     # -- FSDPParamGroup.unshard / wait_for_unshard / reshard -----------------
-    def unshard(self, fqn: str, forward: bool) -> None:
+    def unshard(self, fqn: str) -> None:
         """``FSDPParamGroup.unshard``: no-op if pending or unsharded."""
         if self.state[fqn] != _SHARDED:
             return
@@ -224,10 +224,10 @@ class _Step:
     def pre_forward(self, fqn: str) -> None:
         """``FSDPState._pre_forward`` → ``FSDPParamGroup.pre_forward``, then explicit prefetch."""
         self._hook()
-        self.unshard(fqn, forward=True)
+        self.unshard(fqn)
         self.wait_for_unshard(fqn, forward=True)
         for target in self.plan.modules[fqn].forward_prefetch:
-            self.unshard(target, forward=True)  # FSDPParamGroup._prefetch_unshard(..., "forward")
+            self.unshard(target)  # FSDPParamGroup._prefetch_unshard(..., "forward")
 
     def post_forward(self, fqn: str) -> None:
         """``FSDPParamGroup.post_forward``: reshard if ``reshard_after_forward``."""
@@ -238,15 +238,15 @@ class _Step:
     def pre_backward(self, fqn: str, post_forward_index: int) -> None:
         """``FSDPState._pre_backward`` → ``FSDPParamGroup.pre_backward`` / ``_backward_prefetch``."""
         self._hook()
-        self.unshard(fqn, forward=False)
+        self.unshard(fqn)
         self.wait_for_unshard(fqn, forward=False)
         explicit = self.plan.modules[fqn].backward_prefetch
         if explicit:
             for target in explicit:
-                self.unshard(target, forward=False)
+                self.unshard(target)
         elif post_forward_index > 0:
             # default: the previous module in post-forward order
-            self.unshard(self.p.post_forward_order[post_forward_index - 1], forward=False)
+            self.unshard(self.p.post_forward_order[post_forward_index - 1])
 
     def post_backward(self, fqn: str) -> None:
         """``FSDPParamGroup.post_backward``: reshard, then reduce-scatter the gradient."""

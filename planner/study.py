@@ -218,11 +218,11 @@ class StudySummary:
     default_ms: float | None
 
 
-def _load(url: str, name: str) -> optuna.Study:
+def _load(url: str, name: str) -> tuple[optuna.Study, optuna.storages.BaseStorage]:
     check_exists(url)
     storage = open_storage(url)
     try:
-        return optuna.load_study(study_name=name, storage=storage)
+        return optuna.load_study(study_name=name, storage=storage), storage
     except KeyError:
         names = sorted(n for n in storage_study_names(storage) if not n.endswith(SIM_SUFFIX))
         raise StudyNotFoundError(
@@ -273,7 +273,7 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
     Raises:
         StudyNotFoundError: no such study.
     """
-    study = _load(url, name)
+    study, storage = _load(url, name)
     rows = [
         {
             "stage": "measured", "number": t.number, "state": t.state.name,
@@ -283,7 +283,7 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
         for t in study.trials
     ]
     try:
-        sim = optuna.load_study(study_name=name + SIM_SUFFIX, storage=study._storage)
+        sim = optuna.load_study(study_name=name + SIM_SUFFIX, storage=storage)
     except KeyError:
         sim = None
     for t in sim.trials if sim else []:
@@ -300,7 +300,7 @@ def best_plan(url: str, name: str) -> tuple[Plan, float | None]:
     Raises:
         StudyNotFoundError: no such study, or no measured plan in it yet.
     """
-    study = _load(url, name)
+    study, _ = _load(url, name)
     done = _complete(study)
     if not done:
         raise StudyNotFoundError(f"study {name!r} has no measured trial yet; run `prefetch-planner tune` on it")

@@ -121,8 +121,12 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
             try:
                 profile.to_json(profile_out)
                 default = simulate(profile, Plan.default(profile))
-                say(f"      measured step {profile.measured_step_ms:.1f} ms with FSDP2's default; "
-                    f"predicted {default.step_ms:.1f} ms, exposed communication {default.exposed_comm_ms:.1f} ms, "
+                exposed = profile.measured_step_ms - default.compute_ms
+                say(f"      measured step {profile.measured_step_ms:.1f} ms with FSDP2's default, of which "
+                    f"{exposed:.1f} ms ({100 * exposed / profile.measured_step_ms:.0f}%) is not compute "
+                    "(exposed communication and overhead)")
+                say(f"      simulated default: "
+                    f"step {default.step_ms:.1f} ms, exposed communication {default.exposed_comm_ms:.1f} ms, "
                     f"lower bound {default.lower_bound_ms:.1f} ms; profile written to {profile_out}")
                 say(f"[2/3] simulated stage: {config.sim_trials} trials ({config.space} space)", flush=True)
                 storage = open_storage(config.storage)
