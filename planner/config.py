@@ -16,6 +16,7 @@ Example (``studies/llama-cpu.toml``)::
 
     [search]
     space = "uniform"      # or "per_module"
+    sampler = "tpe"        # or "nsga2" (cheaper per trial with many parameters), "random"
     sim_trials = 200
     measured_trials = 3
     seed = 0
@@ -38,7 +39,7 @@ _KNOWN = {
     "study": {"name", "storage"},
     "workload": {"factory", "kwargs"},
     "launch": {"nproc_per_node", "backend"},
-    "search": {"space", "sim_trials", "measured_trials", "seed"},
+    "search": {"space", "sampler", "sim_trials", "measured_trials", "seed"},
     "measure": {"warmup_steps", "steps", "profile_repeats"},
 }
 
@@ -55,6 +56,8 @@ class StudyConfig:
         nproc_per_node: ranks to start when not launched by torchrun.
         backend: ``torch.distributed`` backend (``gloo`` on CPU, ``nccl`` on GPU).
         space: search space name (see ``search_spaces``).
+        sampler: Optuna sampler of the simulated stage: ``tpe``, ``nsga2``
+            (much cheaper per trial with hundreds of parameters) or ``random``.
         sim_trials: trials of the simulated stage.
         measured_trials: best distinct simulated plans measured on the ranks
             (FSDP2's default is measured besides them).
@@ -72,6 +75,7 @@ class StudyConfig:
     nproc_per_node: int = 2
     backend: str = "gloo"
     space: str = "uniform"
+    sampler: str = "tpe"
     sim_trials: int = 200
     measured_trials: int = 3
     seed: int = 0
@@ -133,6 +137,7 @@ def load_study_config(path: str | Path, **overrides: Any) -> StudyConfig:
         "nproc_per_node": get("launch", "nproc_per_node", int, 2),
         "backend": get("launch", "backend", str, "gloo"),
         "space": get("search", "space", str, "uniform"),
+        "sampler": get("search", "sampler", str, "tpe"),
         "sim_trials": get("search", "sim_trials", int, 200),
         "measured_trials": get("search", "measured_trials", int, 3),
         "seed": get("search", "seed", int, 0),
@@ -148,7 +153,11 @@ def load_study_config(path: str | Path, **overrides: Any) -> StudyConfig:
     for key in ("sim_trials", "measured_trials", "warmup_steps"):
         if values[key] < 0:
             raise StudyConfigError(f"{path}: {key} must be >= 0, found {values[key]}")
+    from planner.study import SAMPLERS
     from search_spaces import get_space
+
+    if values["sampler"] not in SAMPLERS:
+        raise StudyConfigError(f"{path}: unknown sampler {values['sampler']!r}; choose one of {', '.join(SAMPLERS)}")
 
     get_space(values["space"])  # raises StudyConfigError naming the choices
     return StudyConfig(**values)

@@ -66,6 +66,10 @@ class Plan:
             compute.
         reduce_scatter_max_input_buffers: ``set_reduce_scatter_max_input_buffers``
             (1 is FSDP2's default).
+        reshard_after_backward: during gradient accumulation, reshard after
+            the backward of microbatches other than the last
+            (``set_reshard_after_backward``); ``False`` keeps parameters
+            unsharded between microbatches, trading memory for all-gathers.
         provenance: where the plan came from.
         schema_version: :data:`PLAN_SCHEMA_VERSION`.
     """
@@ -74,6 +78,7 @@ class Plan:
     modules: dict[str, ModulePlan]
     unshard_async_op: bool = False
     reduce_scatter_max_input_buffers: int = 1
+    reshard_after_backward: bool = True
     provenance: Provenance = field(default_factory=Provenance)
     schema_version: int = PLAN_SCHEMA_VERSION
 
@@ -114,6 +119,7 @@ class Plan:
             "fingerprint": dataclasses.asdict(self.fingerprint),
             "unshard_async_op": self.unshard_async_op,
             "reduce_scatter_max_input_buffers": self.reduce_scatter_max_input_buffers,
+            "reshard_after_backward": self.reshard_after_backward,
             "modules": {
                 fqn: {
                     "forward_prefetch": list(m.forward_prefetch),
@@ -168,6 +174,7 @@ class Plan:
                 modules=modules,
                 unshard_async_op=async_op,
                 reduce_scatter_max_input_buffers=int(d.get("reduce_scatter_max_input_buffers", 1)),
+                reshard_after_backward=bool(d.get("reshard_after_backward", True)),
                 provenance=Provenance(**d.get("provenance", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:

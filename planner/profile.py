@@ -135,6 +135,10 @@ class Profile:
         measured_peak_bytes: allocator peak of the recording run on GPU, else None.
         per_rank: each rank's raw figures, as gathered with ``all_gather_object``.
         consolidation: how per-rank figures were merged (``"max"``).
+        microbatches: forward/backward passes per optimizer step (gradient
+            accumulation); the module figures are per microbatch.
+        calibration: fitted :class:`planner.simulator.SimParams` fields, used
+            by every later simulation of this profile; ``None`` before any fit.
         schema_version: :data:`PROFILE_SCHEMA_VERSION`.
     """
 
@@ -148,6 +152,8 @@ class Profile:
     measured_peak_bytes: int | None = None
     per_rank: list[dict[str, Any]] = field(default_factory=list)
     consolidation: str = "max"
+    microbatches: int = 1
+    calibration: dict[str, float] | None = None
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property
@@ -195,9 +201,13 @@ class Profile:
                 measured_peak_bytes=d.get("measured_peak_bytes"),
                 per_rank=list(d.get("per_rank", [])),
                 consolidation=str(d.get("consolidation", "max")),
+                microbatches=int(d.get("microbatches", 1)),
+                calibration=d.get("calibration"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileFormatError(f"profile is missing or has a bad field: {e!r}") from None
+        if profile.microbatches < 1:
+            raise ProfileFormatError(f"microbatches must be >= 1, found {profile.microbatches}")
         unknown = set(profile.post_forward_order) - set(modules)
         if unknown:
             raise ProfileFormatError(f"post_forward_order names modules with no figures: {sorted(unknown)}")

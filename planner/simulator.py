@@ -1,10 +1,10 @@
 """Discrete-event simulator of one FSDP2 training step.
 
 ``simulate(profile, plan)`` walks the CPU thread through the hooks FSDP2 runs in
-one step, in program order, and keeps the time at which each resource is next
+one step, in program order, keeping the time at which each resource is next
 free: the issuing CPU thread, the compute stream (GPU only), the all-gather
 stream, and the process group that serializes every collective. The rules
-follow ``torch/distributed/fsdp/_fully_shard/`` (torch 2.13); each method cites
+follow ``torch/distributed/fsdp/_fully_shard/`` (torch 2.13); each rule cites
 the function it models.
 
 [Note: CPU device]
@@ -16,21 +16,43 @@ so on CPU it blocks the thread, queued behind any all-gather still in flight
 on the same process group.
 
 [Note: Model structure]
-v1 models the torchtitan pattern: ``fully_shard`` per block, then the root.
-The root's own compute is split into the part before the first nested module
+The torchtitan pattern: ``fully_shard`` per block, then the root. The root's
+own compute is split into the part before the first nested module
 (``fwd_pre_ms`` / ``bwd_pre_ms``, e.g. embedding in forward, LM head in
 backward) and the rest. Deeper nesting is simulated as siblings in
 post-forward order.
+
+[Note: Memory in program order]
+Peak memory is the running sum of allocations and frees in the order the CPU
+issues them, which is what the caching allocator accounts (stream-ordered
+reuse follows the issuing order). Baseline: sharded parameters and
+gradients plus optimizer state.
+
+[Note: Post-optimizer event]
+``FSDPState._root_pre_forward`` makes the all-gather streams wait for the
+current stream (or the ``set_post_optim_event`` event): the first all-gather
+of a step never overlaps the previous optimizer step. Simulating one step that
+starts at 0, this is the initial state of every resource.
+
+[Note: Speed]
+Profiling the pure-Python version showed the time spread over small calls
+(about 9,000 evaluations/s at 32 modules, against a 20,000 target), so the
+step is one numeric kernel (:mod:`planner._kernel`) compiled by numba, over
+per-module arrays built once per profile (:func:`_compiled`) and once per
+plan. The same kernel writes the trace, so traced and untraced runs cannot
+disagree. ``bench/simulator_speed.py`` prints the figures.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from planner import _kernel
 from planner.plan import Plan
 from planner.profile import Profile
-
-_SHARDED, _PENDING, _UNSHARDED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -42,10 +64,13 @@ class SimParams:
             forward/backward), ms.
         overlap_slowdown: factor by which compute slows while a collective
             runs beside it (>= 1; CPU device: both compete for the cores).
+        collective_latency_ms: fixed cost added to every collective (copy-in,
+            copy-out, launch), ms.
     """
 
     issue_overhead_ms: float = 0.0
     overlap_slowdown: float = 1.0
+    collective_latency_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +88,8 @@ class SimResult:
     """What the simulator predicts for one plan.
 
     Attributes:
-        step_ms: predicted step time (forward, backward, optimizer), ms.
+        step_ms: predicted step time (all microbatches' forward and backward,
+            then the optimizer), ms.
         exposed_comm_ms: step time not covered by compute, ms.
         peak_bytes: predicted peak memory per rank, bytes (sharded state +
             optimizer state + the peak of unsharded parameters, gradients,
@@ -93,19 +119,89 @@ class SimResult:
 
 def lower_bound_ms(profile: Profile) -> float:
     """``max(Σ compute, Σ (all-gather + reduce-scatter))`` for ``profile``, ms."""
-    mods = profile.modules.values()
-    compute = sum(m.fwd_ms + m.bwd_ms for m in mods) + profile.optimizer_ms
-    comm = sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods)
-    return max(compute, comm)
+    return _compiled(profile).lower_bound
+
+
+class _Compiled:
+    """Per-module arrays of a profile, indexed by position in ``module_fqns``."""
+
+    def __init__(self, p: Profile):
+        self.names = list(p.fingerprint.module_fqns)
+        self.index = {f: i for i, f in enumerate(self.names)}
+        mods = [p.modules[f] for f in self.names]
+        f64 = np.float64
+        self.ag = np.array([m.all_gather_ms for m in mods], f64)
+        self.rs = np.array([m.reduce_scatter_ms for m in mods], f64)
+        self.fwd = np.array([m.fwd_ms / m.calls for m in mods], f64)  # per call
+        self.bwd = np.array([m.bwd_ms / m.calls for m in mods], f64)
+        self.ub = np.array([m.unsharded_bytes for m in mods], np.int64)
+        self.gb = np.array([m.grad_bytes // m.calls for m in mods], np.int64)
+        self.ab = np.array([m.activation_bytes // m.calls for m in mods], np.int64)
+        self.root = self.index[p.root_fqn]
+        r = mods[self.root]
+        self.root_fwd_pre, self.root_fwd_post = r.fwd_pre_ms, r.fwd_ms - r.fwd_pre_ms
+        self.root_bwd_pre, self.root_bwd_post = r.bwd_pre_ms, r.bwd_ms - r.bwd_pre_ms
+        self.root_ab_pre = int(r.activation_bytes * r.fwd_pre_ms / r.fwd_ms) if r.fwd_ms > 0 else 0
+        self.children = np.array([self.index[f] for f in p.pre_forward_order if f != p.root_fqn], np.int64)
+        post = [self.index[f] for f in p.post_forward_order]
+        self.post = np.array(post, np.int64)
+        self.root_post_index = len(post) - 1 - post[::-1].index(self.root)
+        self.gpu = p.fingerprint.device_type != "cpu"
+        self.microbatches = p.microbatches
+        self.opt_ms = p.optimizer_ms
+        self.baseline = sum(m.sharded_bytes * 2 for m in mods) + p.optimizer_state_bytes
+        compute = sum(m.fwd_ms + m.bwd_ms for m in mods) * p.microbatches + p.optimizer_ms
+        self.lower_bound = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
+        self.trace_rows = 8 * (len(post) + len(self.names)) * p.microbatches + 16
+
+
+def _compiled(profile: Profile) -> _Compiled:
+    c = profile.__dict__.get("_compiled")
+    if c is None:
+        c = _Compiled(profile)
+        object.__setattr__(profile, "_compiled", c)  # a cache, not a field: equality and JSON ignore it
+    return c
+
+
+def _plan_arrays(plan: Plan, c: _Compiled) -> tuple:
+    """CSR prefetch lists and reshard flags of ``plan`` (cached on the plan)."""
+    cached = plan.__dict__.get("_arrays")
+    if cached is not None and cached[0] is c:
+        return cached[1]
+    idx, n = c.index, len(c.names)
+    fwd_lists, bwd_lists, raf = [()] * n, [()] * n, [True] * n  # modules left out keep FSDP2's defaults
+    for fqn, m in plan.modules.items():
+        i = idx[fqn]
+        fwd_lists[i], bwd_lists[i], raf[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
+    i64 = np.int64
+    arrays = (
+        np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),
+        np.array([idx[t] for ts in fwd_lists for t in ts], i64),
+        np.array([0, *itertools.accumulate(map(len, bwd_lists))], i64),
+        np.array([idx[t] for ts in bwd_lists for t in ts], i64),
+        np.array(raf, np.bool_),
+    )
+    object.__setattr__(plan, "_arrays", (c, arrays))
+    return arrays
+
+
+_KINDS = ("forward", "backward", "optimizer", "all-gather", "reduce-scatter", "wait")
+_TRACKS = ("compute", "compute", "compute", "all-gather", "reduce-scatter", "cpu-wait")
+_NO_TRACE = np.zeros((1, 4))
+_NO_MEMORY = np.zeros((1, 2))
 
 
 def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trace: bool = False) -> SimResult:
     """Predict step time and peak memory of ``plan`` on ``profile``.
 
     Args:
-        profile: the recorded profile (times ms, sizes bytes).
+        profile: the recorded profile (times ms, sizes bytes). With
+            ``profile.microbatches > 1`` the step runs that many forward and
+            backward passes (gradient accumulation), reduce-scattering only
+            in the last (``set_requires_gradient_sync``).
         plan: the plan to simulate; FQNs must be modules of the profile.
-        params: calibrated global parameters (defaults: no overhead, no slowdown).
+        params: calibrated global parameters (default: the profile's
+            calibration if it has one, else no overhead and no slowdown).
         trace: also return the timeline events and memory samples.
 
     Returns:
@@ -115,241 +211,40 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
         KeyError: the plan names a module the profile does not have (plans
             are validated against their fingerprint when loaded).
     """
-    return _Step(profile, plan, params or SimParams(), trace).run()
+    c = _compiled(profile)
+    if params is None:
+        params = SimParams(**profile.calibration) if profile.calibration else _NO_CALIBRATION
+    fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf = _plan_arrays(plan, c)
+    s = np.zeros(8)
+    k = np.zeros(6, np.int64)
+    ev = np.zeros((c.trace_rows, 4)) if trace else _NO_TRACE
+    mem = np.zeros((c.trace_rows, 2)) if trace else _NO_MEMORY
+    _kernel.step(
+        c.ag, c.rs, c.fwd, c.bwd, c.ub, c.gb, c.ab, c.children, c.post, c.root, c.root_post_index,
+        c.root_fwd_pre, c.root_fwd_post, c.root_bwd_pre, c.root_bwd_post, c.root_ab_pre,
+        c.gpu, c.microbatches, c.opt_ms,
+        fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf, plan.unshard_async_op,
+        plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward,
+        params.issue_overhead_ms, params.overlap_slowdown - 1.0, params.collective_latency_ms, s, k, ev, mem,
+    )
+    t_cpu, t_compute, _, _, _, compute_ms, comm_ms, _ = s.tolist()
+    step_ms = max(t_cpu, t_compute)
+    events, memory = [], []
+    if trace:
+        for kind, i, start, end in ev[: k[2]].tolist():
+            name = c.names[int(i)] or "<root>"
+            events.append(TraceEvent(f"{_KINDS[int(kind)]} {name}", _TRACKS[int(kind)], start, end))
+        memory = [(t, c.baseline + int(b)) for t, b in mem[: k[3]].tolist()]
+    return SimResult(
+        step_ms=step_ms,
+        exposed_comm_ms=max(0.0, step_ms - compute_ms),
+        peak_bytes=c.baseline + int(k[1]),
+        lower_bound_ms=c.lower_bound,
+        compute_ms=compute_ms,
+        comm_ms=comm_ms,
+        events=events,
+        memory=memory,
+    )
 
 
-class _Step:
-    def __init__(self, profile: Profile, plan: Plan, params: SimParams, trace: bool):
-        self.p = profile
-        self.plan = plan
-        self.params = params
-        self.trace = trace
-        self.gpu = profile.fingerprint.device_type != "cpu"
-        self.async_op = plan.unshard_async_op
-        self.t_cpu = 0.0
-        self.t_compute = 0.0  # GPU compute stream
-        self.pg_free = 0.0  # the process group is busy until then
-        self.ag_stream_ready = 0.0  # GPU: all-gather stream waits on events until then
-        self.prev_copy_out: float | None = None  # GPU implicit prefetch: all_gather_state event
-        self.state = {fqn: _SHARDED for fqn in profile.modules}
-        self.ag_end: dict[str, float] = {}
-        self.mem: list[tuple[float, int, int]] = []  # (time, seq, delta bytes)
-        self.events: list[TraceEvent] = []
-        self.compute_total = 0.0
-        self.comm_total = 0.0
-        self.rs_inflight: list[tuple[float, int]] = []  # (end, buffer bytes), GPU
-        self.rs_ends: list[float] = []
-
-    # -- helpers ------------------------------------------------------------
-    def _alloc(self, t: float, nbytes: int) -> None:
-        self.mem.append((t, len(self.mem), nbytes))
-
-    def _now(self) -> float:
-        """Where the next compute-ordered operation happens."""
-        return max(self.t_compute, self.t_cpu) if self.gpu else self.t_cpu
-
-    def _hook(self) -> None:
-        self.t_cpu += self.params.issue_overhead_ms
-
-    def _compute(self, name: str, ms: float) -> tuple[float, float]:
-        if self.gpu:
-            start = max(self.t_compute, self.t_cpu)
-            end = start + ms
-            self.t_compute = end
-        else:
-            start = self.t_cpu
-            overlap = max(0.0, min(self.pg_free, start + ms) - start)
-            end = start + ms + overlap * (self.params.overlap_slowdown - 1.0)
-            self.t_cpu = end
-        self.compute_total += end - start
-        if self.trace:
-            self.events.append(TraceEvent(name, "compute", start, end))
-        return start, end
-
-    def _collective(self, name: str, track: str, issue: float, ms: float) -> tuple[float, float]:
-        start = max(issue, self.pg_free)
-        end = start + ms
-        self.pg_free = end
-        self.comm_total += ms
-        if self.trace:
-            self.events.append(TraceEvent(name, track, start, end))
-        return start, end
-
-    # -- FSDPParamGroup.unshard / wait_for_unshard / reshard -----------------
-    def unshard(self, fqn: str) -> None:
-        """``FSDPParamGroup.unshard``: no-op if pending or unsharded."""
-        if self.state[fqn] != _SHARDED:
-            return
-        m = self.p.modules[fqn]
-        issue = max(self.t_cpu, self.ag_stream_ready) if self.gpu else self.t_cpu
-        start, end = self._collective(f"all-gather {fqn or '<root>'}", "all-gather", issue, m.all_gather_ms)
-        # foreach_all_gather allocates the output before the collective
-        self._alloc(start if self.gpu else self.t_cpu, m.unsharded_bytes)
-        if not self.gpu and not self.async_op:
-            self.t_cpu = end  # [Note: CPU device] a sync collective blocks the thread
-        self.state[fqn] = _PENDING
-        self.ag_end[fqn] = end
-
-    def wait_for_unshard(self, fqn: str, forward: bool) -> None:
-        """``FSDPParamGroup.wait_for_unshard``."""
-        if self.state[fqn] != _PENDING:
-            return
-        end = self.ag_end[fqn]
-        if self.gpu:
-            self.t_compute = max(self.t_compute, end)
-            if forward and not self.async_op:
-                # Implicit prefetch keeps two all-gather outputs alive: the
-                # all-gather streams wait for the previous copy-out before the
-                # next all-gather ([Note: Overlapping all-gather copy-in and
-                # all-gather] in _fsdp_param_group.py).
-                if self.prev_copy_out is not None:
-                    self.ag_stream_ready = max(self.ag_stream_ready, self.prev_copy_out)
-                self.prev_copy_out = max(self.t_compute, self.t_cpu)
-        else:
-            if self.t_cpu < end and self.trace:
-                self.events.append(TraceEvent(f"wait {fqn or '<root>'}", "cpu-wait", self.t_cpu, end))
-            self.t_cpu = max(self.t_cpu, end)
-        self.state[fqn] = _UNSHARDED
-
-    def reshard(self, fqn: str) -> None:
-        """``FSDPParamGroup.reshard``: frees the unsharded parameters."""
-        if self.state[fqn] == _SHARDED:
-            return
-        if self.state[fqn] == _PENDING:  # FSDP waits on a stray unshard before freeing
-            self.wait_for_unshard(fqn, forward=False)
-        self._alloc(self._now(), -self.p.modules[fqn].unsharded_bytes)
-        self.state[fqn] = _SHARDED
-
-    # -- FSDPState hooks -----------------------------------------------------
-    def pre_forward(self, fqn: str) -> None:
-        """``FSDPState._pre_forward`` → ``FSDPParamGroup.pre_forward``, then explicit prefetch."""
-        self._hook()
-        self.unshard(fqn)
-        self.wait_for_unshard(fqn, forward=True)
-        for target in self.plan.modules[fqn].forward_prefetch:
-            self.unshard(target)  # FSDPParamGroup._prefetch_unshard(..., "forward")
-
-    def post_forward(self, fqn: str) -> None:
-        """``FSDPParamGroup.post_forward``: reshard if ``reshard_after_forward``."""
-        self._hook()
-        if self.plan.modules[fqn].reshard_after_forward:
-            self.reshard(fqn)
-
-    def pre_backward(self, fqn: str, post_forward_index: int) -> None:
-        """``FSDPState._pre_backward`` → ``FSDPParamGroup.pre_backward`` / ``_backward_prefetch``."""
-        self._hook()
-        self.unshard(fqn)
-        self.wait_for_unshard(fqn, forward=False)
-        explicit = self.plan.modules[fqn].backward_prefetch
-        if explicit:
-            for target in explicit:
-                self.unshard(target)
-        elif post_forward_index > 0:
-            # default: the previous module in post-forward order
-            self.unshard(self.p.post_forward_order[post_forward_index - 1])
-
-    def post_backward(self, fqn: str) -> None:
-        """``FSDPParamGroup.post_backward``: reshard, then reduce-scatter the gradient."""
-        self._hook()
-        m = self.p.modules[fqn]
-        self.reshard(fqn)
-        if self.gpu:
-            # At most reduce_scatter_max_input_buffers RS inputs in flight: the
-            # compute stream waits on the oldest before the next copy-in.
-            while len(self.rs_inflight) >= self.plan.reduce_scatter_max_input_buffers:
-                end, nbytes = self.rs_inflight.pop(0)
-                self.t_compute = max(self.t_compute, end)
-                self._alloc(self.t_compute, -nbytes)
-            issue = max(self.t_compute, self.t_cpu)
-            _, end = self._collective(f"reduce-scatter {fqn or '<root>'}", "reduce-scatter", issue, m.reduce_scatter_ms)
-            self.rs_inflight.append((end, m.grad_bytes // m.calls))
-        else:
-            _, end = self._collective(f"reduce-scatter {fqn or '<root>'}", "reduce-scatter", self.t_cpu, m.reduce_scatter_ms)
-            self.t_cpu = end
-            self._alloc(end, -(m.grad_bytes // m.calls))
-        self.rs_ends.append(end)
-
-    def finalize_backward(self) -> None:
-        """``FSDPState._root_post_backward_final_callback``: wait for every reduce-scatter."""
-        last = max(self.rs_ends, default=0.0)
-        if self.gpu:
-            self.t_compute = max(self.t_compute, last)
-            for _, nbytes in self.rs_inflight:
-                self._alloc(self.t_compute, -nbytes)
-            self.rs_inflight.clear()
-        else:
-            self.t_cpu = max(self.t_cpu, last)
-
-    # -- the step ------------------------------------------------------------
-    def run(self) -> SimResult:
-        p = self.p
-        root = p.root_fqn
-        r = p.modules[root]
-        children = [f for f in p.pre_forward_order if f != root]
-
-        # Forward: root pre-forward (root unshard), root head, blocks, root tail.
-        self.pre_forward(root)
-        self._compute_fwd(root, r.fwd_pre_ms)
-        for fqn in children:
-            m = p.modules[fqn]
-            self.pre_forward(fqn)
-            self._compute_fwd(fqn, m.fwd_ms / m.calls)
-            self.post_forward(fqn)
-        self._compute_fwd(root, r.fwd_ms - r.fwd_pre_ms)
-        self.post_forward(root)
-
-        # Backward in reverse post-forward order; the root's pre-backward fires
-        # first (its output's gradient), its post-backward last (final callback).
-        root_index = len(p.post_forward_order) - 1 - p.post_forward_order[::-1].index(root)
-        self.pre_backward(root, root_index)
-        self._compute_bwd(root, r.bwd_pre_ms, free_activations=False)
-        for index in range(len(p.post_forward_order) - 1, -1, -1):
-            fqn = p.post_forward_order[index]
-            if fqn == root:
-                continue
-            m = p.modules[fqn]
-            self.pre_backward(fqn, index)
-            self._compute_bwd(fqn, m.bwd_ms / m.calls, free_activations=True)
-            self.post_backward(fqn)
-        self._compute_bwd(root, r.bwd_ms - r.bwd_pre_ms, free_activations=True)
-        self.post_backward(root)
-        self.finalize_backward()
-
-        # Optimizer step on the sharded parameters.
-        if p.optimizer_ms > 0:
-            self._compute("optimizer.step", p.optimizer_ms)
-        step_ms = max(self.t_cpu, self.t_compute)
-
-        baseline = sum(m.sharded_bytes * 2 for m in p.modules.values()) + p.optimizer_state_bytes
-        alive, peak, samples = 0, 0, []
-        for t, _, delta in sorted(self.mem):
-            alive += delta
-            peak = max(peak, alive)
-            if self.trace:
-                samples.append((t, baseline + alive))
-        return SimResult(
-            step_ms=step_ms,
-            exposed_comm_ms=max(0.0, step_ms - self.compute_total),
-            peak_bytes=baseline + peak,
-            lower_bound_ms=lower_bound_ms(p),
-            compute_ms=self.compute_total,
-            comm_ms=self.comm_total,
-            events=self.events,
-            memory=samples,
-        )
-
-    def _compute_fwd(self, fqn: str, ms: float) -> None:
-        if ms <= 0:
-            return
-        _, end = self._compute(f"forward {fqn or '<root>'}", ms)
-        m = self.p.modules[fqn]
-        share = ms / m.fwd_ms if m.fwd_ms > 0 else 1.0
-        self._alloc(end, int(m.activation_bytes * share))  # saved for backward
-
-    def _compute_bwd(self, fqn: str, ms: float, free_activations: bool) -> None:
-        m = self.p.modules[fqn]
-        start, end = self._compute(f"backward {fqn or '<root>'}", max(ms, 0.0))
-        if free_activations:
-            # this call's share of gradients appears; its activations are freed
-            self._alloc(start, m.grad_bytes // m.calls)
-            self._alloc(end, -int(m.activation_bytes / m.calls))
+_NO_CALIBRATION = SimParams()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
+import sqlalchemy as sa
 
 from planner.config import StudyConfig
 from planner.errors import PlannerError, StorageError, StudyNotFoundError
@@ -35,13 +36,35 @@ SIM_SUFFIX = ".sim"
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage at ``url`` (creating its tables).
 
+    SQLite files are switched to write-ahead logging with
+    ``synchronous=NORMAL``: commits cost less (copying 2000 simulated trials
+    drops from about 21 s to 12 s) and readers do not block the writer.
+
     Raises:
         StorageError: the URL cannot be opened.
     """
     try:
-        return optuna.storages.RDBStorage(url)
+        storage = optuna.storages.RDBStorage(url)
+        if storage.engine.dialect.name == "sqlite":
+            sa.event.listen(storage.engine, "connect", _sqlite_pragmas)
+            storage.engine.dispose()  # reconnect with the pragmas
+        return storage
     except Exception as e:  # noqa: BLE001 - SQLAlchemy/driver errors of every kind
         raise StorageError(f"cannot open storage {url!r}: {str(e).splitlines()[0]}") from None
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+SAMPLERS = {
+    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed),
+    "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed),
+    "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
+}
 
 
 @dataclass(frozen=True)
@@ -61,24 +84,29 @@ def simulated_stage(
     params: SimParams | None = None,
     show_progress_bar: bool = True,
 ) -> optuna.Study:
-    """Run ``config.sim_trials`` simulated trials in study ``NAME.sim``.
+    """Run ``config.sim_trials`` simulated trials and store them in study ``NAME.sim``.
 
-    On a new study FSDP2's default and the search space's grid are enqueued
-    first. A trial whose plan cannot be simulated is recorded as FAIL and the
-    study goes on.
+    The trials run in an in-memory Optuna study (an RDB storage costs tens of
+    ms per trial, the simulator tens of µs), warm-started with the trials
+    ``NAME.sim`` already holds; the new trials are then added to ``NAME.sim``
+    in one pass. On a new study FSDP2's default and the search space's grid
+    are enqueued first. A trial whose plan cannot be simulated is recorded as
+    FAIL and the study goes on.
+
+    Returns:
+        The in-memory study (stored and new trials).
     """
     from search_spaces import get_space
 
     space = get_space(config.space)
-    study = optuna.create_study(
-        study_name=config.name + SIM_SUFFIX,
-        storage=storage,
-        direction="minimize",
-        sampler=optuna.samplers.TPESampler(seed=config.seed),
-        load_if_exists=True,
+    stored = optuna.create_study(
+        study_name=config.name + SIM_SUFFIX, storage=storage, direction="minimize", load_if_exists=True
     )
-    study.set_user_attr("space", config.space)
-    if not study.trials:
+    stored.set_user_attr("space", config.space)
+    previous = [t for t in stored.trials if t.state.is_finished()]
+    study = optuna.create_study(direction="minimize", sampler=SAMPLERS[config.sampler](config.seed + len(previous)))
+    study.add_trials(previous)
+    if not previous:
         for p in space.grid(profile):
             study.enqueue_trial(p)
 
@@ -93,6 +121,7 @@ def simulated_stage(
         objective, n_trials=config.sim_trials, show_progress_bar=show_progress_bar,
         catch=(PlannerError, KeyError, ValueError),
     )
+    stored.add_trials(study.trials[len(previous):])
     return study
 
 
@@ -307,8 +336,6 @@ def best_plan(url: str, name: str) -> tuple[Plan, float | None]:
     best = min(done, key=lambda t: t.value)
     defaults = [t.value for t in done if t.user_attrs.get("is_default")]
     engine = engine_for(url)
-    import sqlalchemy as sa
-
     with session(engine) as s:
         row = s.scalars(
             sa.select(PlanRow).where(PlanRow.study_name == name, PlanRow.trial_number == best.number)

@@ -4,6 +4,9 @@ Forward prefetch targets follow the *pre-forward* order (the order forwards
 start: the root first, so the root can prefetch the first block); backward
 prefetch targets follow the reverse *post-forward* order, as FSDP2's own
 default backward prefetch does (``FSDPParamGroup._backward_prefetch``).
+
+The orders and each module's position in them are computed once per profile
+and cached on it, so building a plan is linear in the number of modules.
 """
 
 from __future__ import annotations
@@ -11,20 +14,31 @@ from __future__ import annotations
 from planner.profile import Profile
 
 
-def distinct(order: tuple[str, ...]) -> list[str]:
-    """``order`` without repeats, first occurrence kept."""
-    return list(dict.fromkeys(order))
+class Orders:
+    """Distinct forward and backward orders of a profile's FSDP modules."""
+
+    def __init__(self, profile: Profile):
+        self.forward = list(dict.fromkeys(profile.pre_forward_order))
+        self.backward = list(dict.fromkeys(profile.post_forward_order[::-1]))
+        self.forward_pos = {f: i for i, f in enumerate(self.forward)}
+        self.backward_pos = {f: i for i, f in enumerate(self.backward)}
+        self.reshard_after_forward = {f: m.reshard_after_forward for f, m in profile.modules.items()}
+
+    def next_in_forward(self, fqn: str, depth: int) -> tuple[str, ...]:
+        """The ``depth`` modules whose forward starts after ``fqn``'s."""
+        i = self.forward_pos[fqn] + 1
+        return tuple(self.forward[i : i + depth])
+
+    def next_in_backward(self, fqn: str, depth: int) -> tuple[str, ...]:
+        """The ``depth`` modules whose backward runs after ``fqn``'s (reverse post-forward order)."""
+        i = self.backward_pos[fqn] + 1
+        return tuple(self.backward[i : i + depth])
 
 
-def next_in_forward(profile: Profile, fqn: str, depth: int) -> tuple[str, ...]:
-    """The ``depth`` modules whose forward starts after ``fqn``'s."""
-    order = distinct(profile.pre_forward_order)
-    i = order.index(fqn)
-    return tuple(order[i + 1 : i + 1 + depth])
-
-
-def next_in_backward(profile: Profile, fqn: str, depth: int) -> tuple[str, ...]:
-    """The ``depth`` modules whose backward runs after ``fqn``'s (reverse post-forward order)."""
-    order = distinct(profile.post_forward_order[::-1])
-    i = order.index(fqn)
-    return tuple(order[i + 1 : i + 1 + depth])
+def orders(profile: Profile) -> Orders:
+    """The profile's :class:`Orders`, cached on the profile."""
+    o = profile.__dict__.get("_orders")
+    if o is None:
+        o = Orders(profile)
+        object.__setattr__(profile, "_orders", o)  # a cache, not a field
+    return o

@@ -1,6 +1,9 @@
 """``per_module``: each module's own forward and backward prefetch lists.
 
-Parameters, for every FSDP module ``m`` (FQN, ``<root>`` for the root):
+Parameters, for every FSDP module ``m`` (FQN, ``<root>`` for the root; beyond
+``MAX_GROUPS`` modules, for every group of consecutive modules in forward
+order, named ``first..last``, so a 1000-module model keeps a number of
+parameters a sampler can handle):
     ``fwd:m`` (0..window): ``m`` explicitly prefetches its next k modules in
         pre-forward order (0: none; if every module has 0, FSDP2's implicit
         forward prefetch).
@@ -12,51 +15,64 @@ The uniform grid is expressible here too and is enqueued first.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from planner.plan import Plan
+from planner.plan import ModulePlan, Plan
 from planner.profile import Profile
 from search_spaces import uniform
-from search_spaces._orders import distinct, next_in_backward, next_in_forward
+from search_spaces._orders import orders
 
 NAME = "per_module"
 WINDOW = 3
+MAX_GROUPS = 64
 
 
-def _key(prefix: str, fqn: str) -> str:
-    return f"{prefix}:{fqn or '<root>'}"
+def groups(profile: Profile) -> list[tuple[str, list[str]]]:
+    """``(name, member FQNs)`` of the parameter groups: one per module up to
+    ``MAX_GROUPS`` modules, else ``MAX_GROUPS`` runs of consecutive modules."""
+    fqns = orders(profile).forward
+    n = len(fqns)
+    g = min(n, MAX_GROUPS)
+    out = []
+    for j in range(g):
+        members = fqns[j * n // g : (j + 1) * n // g]
+        name = members[0] or "<root>"
+        out.append((name if len(members) == 1 else f"{name}..{members[-1]}", members))
+    return out
 
 
 def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], unshard_async_op: bool) -> Plan:
     """The plan with per-module forward/backward counts (see module docstring)."""
-    default = Plan.default(profile)
+    o = orders(profile)
     modules = {
-        fqn: dataclasses.replace(
-            m,
-            forward_prefetch=next_in_forward(profile, fqn, forward[fqn]),
-            backward_prefetch=next_in_backward(profile, fqn, backward[fqn]) if backward[fqn] > 1 else (),
+        fqn: ModulePlan(
+            forward_prefetch=o.next_in_forward(fqn, forward[fqn]),
+            backward_prefetch=o.next_in_backward(fqn, backward[fqn]) if backward[fqn] > 1 else (),
+            reshard_after_forward=o.reshard_after_forward[fqn],
         )
-        for fqn, m in default.modules.items()
+        for fqn in profile.fingerprint.module_fqns
     }
-    return dataclasses.replace(default, modules=modules, unshard_async_op=unshard_async_op)
+    return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op)
 
 
 def suggest(trial: Any, profile: Profile) -> Plan:
     """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
-    fqns = distinct(profile.pre_forward_order)
-    forward = {f: trial.suggest_int(_key("fwd", f), 0, WINDOW) for f in fqns}
-    backward = {f: trial.suggest_int(_key("bwd", f), 1, WINDOW) for f in fqns}
+    forward, backward = {}, {}
+    for name, members in groups(profile):
+        fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
+        bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
+        for f in members:
+            forward[f], backward[f] = fwd, bwd
     return build(profile, forward, backward, trial.suggest_categorical("unshard_async_op", [False, True]))
 
 
 def grid(profile: Profile) -> list[dict[str, Any]]:
     """The uniform grid written in this space's parameters, FSDP2's default first."""
-    fqns = distinct(profile.pre_forward_order)
+    names = [name for name, _ in groups(profile)]
     out = []
     for g in uniform.grid(profile):
-        params: dict[str, Any] = {_key("fwd", f): g["forward_depth"] for f in fqns}
-        params.update({_key("bwd", f): g["backward_depth"] for f in fqns})
+        params: dict[str, Any] = {f"fwd:{n}": g["forward_depth"] for n in names}
+        params.update({f"bwd:{n}": g["backward_depth"] for n in names})
         params["unshard_async_op"] = g["unshard_async_op"]
         out.append(params)
     return out

@@ -10,13 +10,12 @@ Parameters:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any
 
-from planner.plan import Plan
+from planner.plan import ModulePlan, Plan
 from planner.profile import Profile
-from search_spaces._orders import next_in_backward, next_in_forward
+from search_spaces._orders import orders
 
 NAME = "uniform"
 MAX_DEPTH = 3
@@ -24,16 +23,16 @@ MAX_DEPTH = 3
 
 def build(profile: Profile, forward_depth: int, backward_depth: int, unshard_async_op: bool) -> Plan:
     """The plan with the given uniform depths (see module docstring)."""
-    default = Plan.default(profile)
+    o = orders(profile)
     modules = {
-        fqn: dataclasses.replace(
-            m,
-            forward_prefetch=next_in_forward(profile, fqn, forward_depth),
-            backward_prefetch=next_in_backward(profile, fqn, backward_depth) if backward_depth > 1 else (),
+        fqn: ModulePlan(
+            forward_prefetch=o.next_in_forward(fqn, forward_depth),
+            backward_prefetch=o.next_in_backward(fqn, backward_depth) if backward_depth > 1 else (),
+            reshard_after_forward=o.reshard_after_forward[fqn],
         )
-        for fqn, m in default.modules.items()
+        for fqn in profile.fingerprint.module_fqns
     }
-    return dataclasses.replace(default, modules=modules, unshard_async_op=unshard_async_op)
+    return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op)
 
 
 def suggest(trial: Any, profile: Profile) -> Plan:

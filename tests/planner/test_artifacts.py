@@ -115,3 +115,24 @@ def test_search_spaces_build_valid_distinct_plans(make_profile):
     # the root prefetches forward the first blocks, backward the last blocks
     root = uniform.build(p, 2, 2, False).modules[""]
     assert root.forward_prefetch == ("b0", "b1") and root.backward_prefetch == ("b4", "b3")
+
+
+def test_per_module_groups_large_models(make_profile):
+    """Beyond MAX_GROUPS modules, consecutive modules share a parameter."""
+    import optuna
+
+    p = make_profile(n_blocks=199)  # 200 modules with the root
+    groups = per_module.groups(p)
+    assert len(groups) == per_module.MAX_GROUPS
+    members = [f for _, ms in groups for f in ms]
+    assert members == list(p.pre_forward_order)  # every module once, in forward order
+    # 200 modules in 64 groups: group j holds modules [200j//64, 200(j+1)//64)
+    assert groups[0] == ("<root>..b1", ["", "b0", "b1"])
+    assert groups[1] == ("b2..b4", ["b2", "b3", "b4"])
+    params = per_module.grid(p)[0] | {f"fwd:{groups[1][0]}": 2}
+    plan = per_module.suggest(optuna.trial.FixedTrial(params), p)
+    for f in groups[1][1]:
+        assert len(plan.modules[f].forward_prefetch) == 2
+    assert plan.modules["b1"].forward_prefetch == () and plan.modules["b5"].forward_prefetch == ()
+    small = make_profile(n_blocks=5)
+    assert [name for name, _ in per_module.groups(small)] == ["<root>", "b0", "b1", "b2", "b3", "b4"]
