@@ -81,7 +81,9 @@ def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out
 @click.argument("profile_json")
 @click.argument("plan_json", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def simulate(profile_json, plan_json, as_json) -> None:
+@click.option("--trace", "trace_out", help="Write the predicted timeline as a Chrome trace (open in Perfetto).")
+@click.option("--png", "png_out", help="Draw the predicted timeline with matplotlib.")
+def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
     """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default)."""
     from planner.plan import Plan
     from planner.profile import Profile
@@ -94,7 +96,16 @@ def simulate(profile_json, plan_json, as_json) -> None:
         from planner.errors import PlanMismatchError
 
         raise PlanMismatchError(f"plan does not match the profile: {difference}")
-    r = run(profile, plan)
+    r = run(profile, plan, trace=bool(trace_out or png_out))
+    title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
+    if trace_out:
+        from planner.trace import write_chrome_trace
+
+        write_chrome_trace(r, trace_out, title)
+    if png_out:
+        from planner.trace import write_png
+
+        write_png(r, png_out, title)
     if as_json:
         click.echo(json.dumps({"step_ms": r.step_ms, "exposed_comm_ms": r.exposed_comm_ms,
                                "peak_bytes": r.peak_bytes, "lower_bound_ms": r.lower_bound_ms}))
@@ -103,6 +114,39 @@ def simulate(profile_json, plan_json, as_json) -> None:
     click.echo(f"exposed comm  {r.exposed_comm_ms:10.1f} ms")
     click.echo(f"peak memory   {r.peak_bytes / 2**20:10.1f} MiB")
     click.echo(f"lower bound   {r.lower_bound_ms:10.1f} ms  (step / bound = {r.ratio_to_lower_bound:.3f})")
+
+
+@main.command()
+@click.argument("study_toml")
+@click.option("-o", "--output", help="Profile JSON to write (default: <toml dir>/<name>.profile.json).")
+@click.option("--torch-trace", help="Also write one default-plan step's torch.profiler trace (rank 0) here.")
+def profile(study_toml, output, torch_trace) -> None:
+    """Record a profile on the study's ranks (the recorder `tune` uses)."""
+    config = load_study_config(study_toml)
+    output = output or config.default_output(".profile.json")
+    from runtime.launch import in_torchrun
+
+    if in_torchrun():
+        from runtime.launch import profile_rank, rank_error
+
+        try:
+            profile_rank(config, output, torch_trace)
+        except PlannerError as e:
+            rank_error(e)
+        return
+    from runtime.launch import launch_ranks
+    from runtime.workload import load_factory
+
+    load_factory(config.factory)
+    for out in filter(None, (output, torch_trace)):
+        if not Path(out).parent.is_dir():
+            raise PlannerError(f"cannot write {out!r}: folder {str(Path(out).parent)!r} does not exist")
+    code = launch_ranks(["profile", study_toml, "-o", output] + (["--torch-trace", torch_trace] if torch_trace else []),
+                        config.nproc_per_node)
+    if code:
+        if code != 2:
+            click.echo(f"error: a profiling rank failed with exit code {code}; see its output above", err=True)
+        sys.exit(2 if code == 2 else 1)
 
 
 @main.group()

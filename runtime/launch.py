@@ -157,6 +157,40 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
         dist.destroy_process_group()
 
 
+def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = None) -> None:
+    """One rank of ``prefetch-planner profile``: record, rank 0 writes the JSON.
+
+    With ``torch_trace``, one more default-plan step runs under
+    ``torch.profiler`` and rank 0 exports its Chrome trace there, to compare
+    with ``prefetch-planner simulate --trace`` track by track.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from planner.plan import Plan
+    from planner.simulator import simulate
+    from runtime.recorder import record_profile
+    from runtime.workload import build_workload, train_step
+
+    mesh = init_rank(config.backend)
+    try:
+        workload = build_workload(config.factory, mesh, config.kwargs)
+        profile = record_profile(workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps,
+                                 repeats=config.profile_repeats)
+        if torch_trace:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                train_step(workload, 0)
+            if dist.get_rank() == 0:
+                prof.export_chrome_trace(torch_trace)
+        if dist.get_rank() == 0:
+            profile.to_json(output)
+            r = simulate(profile, Plan.default(profile))
+            print(f"profile written to {output}: {len(profile.modules)} FSDP modules, measured step "
+                  f"{profile.measured_step_ms:.1f} ms (FSDP2 default), predicted {r.step_ms:.1f} ms")
+    finally:
+        dist.destroy_process_group()
+
+
 def _report(plans: list, plan_out: str) -> None:
     default_ms = plans[0].provenance.default_measured_ms
     print(f"\n  {'trial':>5}  {'predicted ms':>12}  {'measured ms':>11}  {'vs default':>10}  plan")
