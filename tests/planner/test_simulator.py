@@ -170,3 +170,73 @@ def test_issue_overhead_adds_per_hook(make_profile):
     p = make_profile()
     r = simulate(p, Plan.default(p), SimParams(issue_overhead_ms=1.0))
     assert r.step_ms == pytest.approx(86.0 + 12.0)
+
+
+def test_gradient_accumulation_reduces_only_on_last_microbatch(make_profile):
+    """2 microbatches, CPU default. mb0: AG b0 0-5, F 5-15, AG b1 15-20,
+    F 20-30; AG b1 30-35, AG b0 35-40, B b1 40-60, B b0 60-80, no
+    reduce-scatter (set_requires_gradient_sync(False)). mb1 repeats 80-160
+    with RS b1 140-143 and RS b0 163-166. Step 166."""
+    p = dataclasses.replace(make_profile(), microbatches=2)
+    r = simulate(p, Plan.default(p), trace=True)
+    assert r.step_ms == pytest.approx(166.0)
+    rs = [e for e in r.events if e.track == "reduce-scatter" and e.name != "reduce-scatter <root>"]
+    assert [(e.start_ms, e.end_ms) for e in rs] == [(140.0, 143.0), (163.0, 166.0)]
+
+
+def test_reshard_after_backward_false_keeps_parameters_between_microbatches(make_profile):
+    """set_reshard_after_backward(False) for microbatches but the last: mb1's
+    forward needs no all-gather (both blocks still unsharded): F b0 80-90,
+    F b1 90-100; backward as before from 100: AG b1 100-105, AG b0 105-110,
+    B b1 110-130, RS 130-133, B b0 133-153, RS 153-156."""
+    p = dataclasses.replace(make_profile(), microbatches=2)
+    plan = dataclasses.replace(Plan.default(p), reshard_after_backward=False)
+    r = simulate(p, plan, trace=True)
+    assert r.step_ms == pytest.approx(156.0)
+    assert r.comm_ms == pytest.approx(simulate(p, Plan.default(p)).comm_ms - 10.0)
+
+
+def test_accumulated_gradients_stay_alive_across_microbatches(make_profile):
+    """Gradient bytes G per block: one microbatch never holds more than one
+    block's gradient (reduce-scatter frees it); with two, mb0 leaves both
+    blocks' unsharded gradients alive until the last reduce-scatter."""
+    g = 100
+    one = make_profile(unsharded_bytes=0, grad_bytes=g)
+    two = dataclasses.replace(one, microbatches=2)
+    assert simulate(one, Plan.default(one)).peak_bytes == g
+    assert simulate(two, Plan.default(two)).peak_bytes == 2 * g
+
+
+def _gpu_rs_profile(make_profile):
+    p = make_profile(fwd=1.0, bwd=2.0, ag=1.0, rs=10.0, device="cuda", unsharded_bytes=0, grad_bytes=100)
+    root = dataclasses.replace(p.modules[""], bwd_ms=10.0, bwd_pre_ms=0.0, grad_bytes=100)
+    return dataclasses.replace(p, modules={**p.modules, "": root})
+
+
+def test_gpu_reduce_scatter_input_buffer_cap(make_profile):
+    """GPU, RS 10 ms behind B 2 ms. B b1 3-5, RS b1 5-15, B b0 5-7. With one
+    input buffer (FSDP2's default) b0's post-backward makes the compute
+    stream wait for RS b1: the root's 10 ms backward runs 15-25. With two
+    (set_reduce_scatter_max_input_buffers(2)) it runs 7-17, holding one more
+    gradient buffer; the step is RS-bound (25 ms) either way."""
+    p = _gpu_rs_profile(make_profile)
+    one = simulate(p, Plan.default(p), trace=True)
+    two = simulate(p, dataclasses.replace(Plan.default(p), reduce_scatter_max_input_buffers=2), trace=True)
+    assert _slices(one, "compute")["backward <root>"] == pytest.approx((15.0, 25.0))
+    assert _slices(two, "compute")["backward <root>"] == pytest.approx((7.0, 17.0))
+    assert one.step_ms == pytest.approx(25.0) and two.step_ms == pytest.approx(25.0)
+    # root backward: one buffer (b0's) + root gradient, vs two buffers + root gradient
+    assert (one.peak_bytes, two.peak_bytes) == (200, 300)
+
+
+def test_root_keeps_parameters_after_forward(make_profile):
+    """The root is all-gathered once per step (FSDPState._lazy_init sets
+    reshard_after_forward False for it); forcing True adds a backward one."""
+    p = make_profile()
+    root = dataclasses.replace(p.modules[""], all_gather_ms=7.0)
+    p = dataclasses.replace(p, modules={**p.modules, "": root})
+    default = simulate(p, Plan.default(p), trace=True)
+    assert sum(e.name == "all-gather <root>" for e in default.events) == 1
+    plan = Plan.default(p)
+    forced = dataclasses.replace(plan, modules={**plan.modules, "": dataclasses.replace(plan.modules[""], reshard_after_forward=True)})
+    assert sum(e.name == "all-gather <root>" for e in simulate(p, forced, trace=True).events) == 2
