@@ -10,7 +10,8 @@ State arrays:
         stream ready, [4] previous copy-out (GPU implicit prefetch, -1 none),
         [5] compute total, [6] comm total, [7] last reduce-scatter end
     k (int64): [0] bytes alive, [1] peak, [2] events written, [3] memory
-        samples, [4] [5] head and tail of the in-flight reduce-scatter queue (GPU)
+        samples, [4] [5] head and tail of the in-flight reduce-scatter queue (GPU),
+        [6] unsharded parameter bytes alive, [7] their peak
     state (int64, per module): 0 sharded, 1 pending all-gather, 2 unsharded
 Trace kinds: 0 forward, 1 backward, 2 optimizer, 3 all-gather,
     4 reduce-scatter, 5 CPU wait.
@@ -66,6 +67,9 @@ def _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, latency, ev, mem):
     s[2] = end
     s[6] += ag[i] + latency
     _mem(s, k, mem, ub[i])  # foreach_all_gather allocates the output when issued
+    k[6] += ub[i]
+    if k[6] > k[7]:
+        k[7] = k[6]
     _event(ev, k, 3, i, start, end)
     if cpu_blocks:  # [Note: CPU device] a sync collective blocks the thread
         s[0] = end
@@ -100,6 +104,7 @@ def _reshard(i, s, k, state, ag_end, ub, gpu, async_op, ev, mem):
     if state[i] == PENDING:
         _wait(i, False, s, k, state, ag_end, gpu, async_op, ev)
     _mem(s, k, mem, -ub[i])
+    k[6] -= ub[i]
     state[i] = SHARDED
 
 

@@ -98,6 +98,9 @@ class SimResult:
             all-gather and one reduce-scatter per module: no plan does better.
         compute_ms: total compute, ms.
         comm_ms: total communication this plan issues, ms.
+        peak_unsharded_bytes: peak of the unsharded parameter bytes alive
+            (all-gather outputs from issue to reshard), what the runtime can
+            track on CPU through FSDP's own unshard/reshard.
         events: the timeline, when ``simulate(..., trace=True)``.
         memory: ``(time ms, bytes alive)`` samples, when traced.
     """
@@ -108,6 +111,7 @@ class SimResult:
     lower_bound_ms: float
     compute_ms: float
     comm_ms: float
+    peak_unsharded_bytes: int = 0
     events: list[TraceEvent] = field(default_factory=list)
     memory: list[tuple[float, int]] = field(default_factory=list)
 
@@ -216,7 +220,7 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
         params = SimParams(**profile.calibration) if profile.calibration else _NO_CALIBRATION
     fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf = _plan_arrays(plan, c)
     s = np.zeros(8)
-    k = np.zeros(6, np.int64)
+    k = np.zeros(8, np.int64)
     ev = np.zeros((c.trace_rows, 4)) if trace else _NO_TRACE
     mem = np.zeros((c.trace_rows, 2)) if trace else _NO_MEMORY
     _kernel.step(
@@ -242,6 +246,7 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
         lower_bound_ms=c.lower_bound,
         compute_ms=compute_ms,
         comm_ms=comm_ms,
+        peak_unsharded_bytes=int(k[7]),
         events=events,
         memory=memory,
     )

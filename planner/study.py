@@ -226,6 +226,13 @@ class MeasuredStage:
             s.commit()
         return plans
 
+    def save_calibration(self, profile: Profile) -> None:
+        """Store the calibrated profile in this run's profile row."""
+        with session(self.engine) as s:
+            row = s.get(ProfileRow, self.profile_id)
+            row.json = profile.to_json()
+            s.commit()
+
     def fail(self, asked: list[tuple[optuna.Trial, Plan, Candidate]], reason: str) -> None:
         """Record every asked trial as FAIL with ``reason``."""
         for trial, _, _ in asked:
@@ -234,6 +241,22 @@ class MeasuredStage:
 
 
 # -- queries -----------------------------------------------------------------
+
+
+def latest_calibration(url: str, name: str, profile: Profile) -> dict[str, float] | None:
+    """The newest calibration stored for study ``name`` on the same model and world, if any."""
+    with session(engine_for(url)) as s:
+        rows = s.scalars(
+            sa.select(ProfileRow).where(ProfileRow.study_name == name).order_by(ProfileRow.id.desc())
+        ).all()
+    for row in rows:
+        try:
+            stored = Profile.from_json(row.json)
+        except PlannerError:
+            continue
+        if stored.calibration and stored.fingerprint.first_difference(profile.fingerprint) is None:
+            return stored.calibration
+    return None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ broadcasts the error instead, so no rank waits for ever.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -99,7 +100,8 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
 
     from planner.plan import Plan
     from planner.simulator import simulate
-    from planner.study import MeasuredStage, open_storage, select_candidates, simulated_stage
+    from planner.calibrate import Observation, calibrated, errors_pct, fit, summary
+    from planner.study import MeasuredStage, latest_calibration, open_storage, select_candidates, simulated_stage
     from runtime.measure import measure_plans
     from runtime.recorder import record_profile
     from runtime.workload import build_workload
@@ -128,8 +130,13 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                 say(f"      simulated default: "
                     f"step {default.step_ms:.1f} ms, exposed communication {default.exposed_comm_ms:.1f} ms, "
                     f"lower bound {default.lower_bound_ms:.1f} ms; profile written to {profile_out}")
-                say(f"[2/3] simulated stage: {config.sim_trials} trials ({config.space} space)", flush=True)
                 storage = open_storage(config.storage)
+                calibration = latest_calibration(config.storage, config.name, profile)
+                if calibration:
+                    profile = dataclasses.replace(profile, calibration=calibration)
+                    say("      using the calibration of an earlier run of this study: "
+                        + ", ".join(f"{k} {v:.3g}" for k, v in calibration.items()))
+                say(f"[2/3] simulated stage: {config.sim_trials} trials ({config.space} space)", flush=True)
                 sim = simulated_stage(profile, config, storage, show_progress_bar=progress)
                 candidates = select_candidates(sim, profile, config.space, config.measured_trials)
                 stage = MeasuredStage(config, storage, profile)
@@ -153,6 +160,16 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
         if rank == 0:
             told = stage.tell(asked, step_ms, per_rank)
             _report(told, plan_out)
+            observations = [Observation(p, p.provenance.measured_ms) for p in told]
+            if len(observations) >= 2:
+                uncalibrated = dataclasses.replace(profile, calibration=None)
+                before = errors_pct(uncalibrated, observations)
+                profile = calibrated(profile, fit(uncalibrated, observations))
+                after = errors_pct(profile, observations)
+                stage.save_calibration(profile)
+                profile.to_json(profile_out)
+                say(f"calibration on these {len(observations)} measured plans: {summary(before)} before, "
+                    f"{summary(after)} after; saved with the profile for later runs")
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,86 @@
+"""Calibration: fit the simulator's global parameters to measured plans.
+
+The profile's figures are measured in isolation; in a real step there is also
+per-hook CPU work, per-collective copy-in/copy-out, and (on a CPU device)
+compute slowed by the collectives running beside it. Three global
+parameters (:class:`planner.simulator.SimParams`) absorb these; they are
+fitted to measured step times with ``scipy.optimize.least_squares`` on the
+relative error, within physical bounds, and saved in the profile
+(``Profile.calibration``) so every later simulation uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.errors import PlannerError
+from planner.plan import Plan
+from planner.profile import Profile
+from planner.simulator import SimParams, simulate
+
+# (lower, upper) bounds: issue overhead ms per hook, overlap slowdown factor,
+# latency ms per collective.
+BOUNDS = ((0.0, 1.0, 0.0), (50.0, 4.0, 200.0))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A plan and its measured step time (ms, median, max across ranks)."""
+
+    plan: Plan
+    measured_ms: float
+
+
+def errors_pct(profile: Profile, observations: list[Observation], params: SimParams | None = None) -> list[float]:
+    """Signed prediction error per observation, ``100 * (predicted - measured) / measured``."""
+    return [100.0 * (simulate(profile, o.plan, params).step_ms - o.measured_ms) / o.measured_ms
+            for o in observations]
+
+
+def fit(profile: Profile, observations: list[Observation]) -> SimParams:
+    """Fit :class:`SimParams` to ``observations`` (least squares on relative error).
+
+    Raises:
+        PlannerError: fewer than 2 observations.
+    """
+    if len(observations) < 2:
+        raise PlannerError(f"calibration needs at least 2 measured plans, found {len(observations)}")
+    from scipy.optimize import least_squares
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        params = SimParams(issue_overhead_ms=x[0], overlap_slowdown=x[1], collective_latency_ms=x[2])
+        return np.array([simulate(profile, o.plan, params).step_ms / o.measured_ms - 1.0 for o in observations])
+
+    # The model is piecewise linear in the parameters: start from a few points
+    # and keep the best local solution.
+    best = None
+    for x0 in ((0.0, 1.0, 0.0), (1.0, 1.5, 5.0), (5.0, 2.0, 20.0)):
+        r = least_squares(residuals, np.array(x0), bounds=BOUNDS, diff_step=1e-2, x_scale=(1.0, 0.5, 10.0))
+        if best is None or r.cost < best.cost:
+            best = r
+    x = best.x
+    return SimParams(issue_overhead_ms=float(x[0]), overlap_slowdown=float(x[1]), collective_latency_ms=float(x[2]))
+
+
+def calibrated(profile: Profile, params: SimParams) -> Profile:
+    """A copy of ``profile`` carrying ``params`` as its calibration."""
+    return dataclasses.replace(profile, calibration=dataclasses.asdict(params))
+
+
+def summary(errs: list[float]) -> str:
+    """``median |err| x%, max y%`` of signed errors."""
+    a = [abs(e) for e in errs]
+    return f"median |error| {statistics.median(a):.1f}%, max {max(a):.1f}%"
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation of two equal-length sequences (ties by order)."""
+    ra = np.argsort(np.argsort(a)).astype(float)
+    rb = np.argsort(np.argsort(b)).astype(float)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
