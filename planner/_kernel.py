@@ -57,15 +57,15 @@ def _mem(s, k, mem, delta):
 
 
 @njit(cache=True)
-def _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, latency, ev, mem):
+def _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem):
     # FSDPParamGroup.unshard (callers skip modules already pending/unsharded)
     issue = s[0]
     if gpu and s[3] > issue:
         issue = s[3]
     start = issue if issue > s[2] else s[2]
-    end = start + ag[i] + latency
+    end = start + ag[i] * comm_scale + latency
     s[2] = end
-    s[6] += ag[i] + latency
+    s[6] += ag[i] * comm_scale + latency
     _mem(s, k, mem, ub[i])  # foreach_all_gather allocates the output when issued
     k[6] += ub[i]
     if k[6] > k[7]:
@@ -130,7 +130,7 @@ def step(
     root_fwd_pre, root_fwd_post, root_bwd_pre, root_bwd_post, root_ab_pre,
     gpu, microbatches, opt_ms,
     fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf, async_op, rs_cap, reshard_after_backward,
-    overhead, slow, latency, s, k, ev, mem,
+    overhead, slow, comm_scale, latency, s, k, ev, mem,
 ):
     """Simulate one step; fills ``s``/``k`` (and ``ev``/``mem`` if larger than 1 row)."""
     n = ag.shape[0]
@@ -152,13 +152,13 @@ def step(
             # explicit forward prefetch (FSDPParamGroup._prefetch_unshard).
             s[0] += overhead
             if state[i] == SHARDED:
-                _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, latency, ev, mem)
+                _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
             if state[i] == PENDING:
                 _wait(i, True, s, k, state, ag_end, gpu, async_op, ev)
             for p in range(fwd_off[i], fwd_off[i + 1]):
                 t = fwd_tgt[p]
                 if state[t] == SHARDED:
-                    _unshard(t, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, latency, ev, mem)
+                    _unshard(t, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
             if j < 0:
                 if root_fwd_pre > 0:
                     _compute(i, 0, root_fwd_pre, s, k, gpu, slow, ev)
@@ -193,25 +193,25 @@ def step(
             # explicit list, else FSDPParamGroup._backward_prefetch.
             s[0] += overhead
             if state[i] == SHARDED:
-                _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, latency, ev, mem)
+                _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
             if state[i] == PENDING:
                 _wait(i, False, s, k, state, ag_end, gpu, async_op, ev)
             if bwd_off[i + 1] > bwd_off[i]:
                 for p in range(bwd_off[i], bwd_off[i + 1]):
                     t = bwd_tgt[p]
                     if state[t] == SHARDED:
-                        _unshard(t, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, latency, ev, mem)
+                        _unshard(t, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
             elif post_index > 0 and state[post[post_index - 1]] == SHARDED:
-                _unshard(post[post_index - 1], s, k, state, ag_end, ag, ub, gpu, cpu_blocks, latency, ev, mem)
+                _unshard(post[post_index - 1], s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
             if i == root:
                 if root_bwd_pre > 0:
                     _compute(i, 1, root_bwd_pre, s, k, gpu, slow, ev)
                 continue
             _backward(i, bwd[i], last, reshard_after, s, k, state, ag_end, ub, gb, ab, rs, grads_alive,
-                      rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, latency, ev, mem)
+                      rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem)
             rs_head, rs_tail = int(k[4]), int(k[5])
         _backward(root, root_bwd_post, last, reshard_after, s, k, state, ag_end, ub, gb, ab, rs, grads_alive,
-                  rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, latency, ev, mem)
+                  rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem)
         rs_head, rs_tail = int(k[4]), int(k[5])
     # FSDPState._root_post_backward_final_callback: wait for every reduce-scatter.
     if gpu:
@@ -227,7 +227,7 @@ def step(
 
 @njit(cache=True)
 def _backward(i, ms, reduce, reshard_after, s, k, state, ag_end, ub, gb, ab, rs, grads_alive,
-              rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, latency, ev, mem):
+              rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem):
     if not grads_alive[i]:  # autograd allocates the unsharded gradient once
         grads_alive[i] = True
         _mem(s, k, mem, gb[i])
@@ -251,9 +251,9 @@ def _backward(i, ms, reduce, reshard_after, s, k, state, ag_end, ub, gb, ab, rs,
         else:
             issue = s[0]
         start = issue if issue > s[2] else s[2]
-        end = start + rs[i] + latency
+        end = start + rs[i] * comm_scale + latency
         s[2] = end
-        s[6] += rs[i] + latency
+        s[6] += rs[i] * comm_scale + latency
         _event(ev, k, 4, i, start, end)
         grads_alive[i] = False
         if gpu:

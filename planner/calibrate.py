@@ -2,7 +2,8 @@
 
 The profile's figures are measured in isolation; in a real step there is also
 per-hook CPU work, per-collective copy-in/copy-out, and (on a CPU device)
-compute slowed by the collectives running beside it. Three global
+compute slowed by the collectives running beside it, and collective times
+that differ from their isolated measurement. Four global
 parameters (:class:`planner.simulator.SimParams`) absorb these; they are
 fitted to measured step times with ``scipy.optimize.least_squares`` on the
 relative error, within physical bounds, and saved in the profile
@@ -23,8 +24,8 @@ from planner.profile import Profile
 from planner.simulator import SimParams, simulate
 
 # (lower, upper) bounds: issue overhead ms per hook, overlap slowdown factor,
-# latency ms per collective.
-BOUNDS = ((0.0, 1.0, 0.0), (50.0, 4.0, 200.0))
+# latency ms per collective, scale of the measured collective times.
+BOUNDS = ((0.0, 1.0, 0.0, 0.25), (50.0, 4.0, 200.0, 3.0))
 
 
 @dataclass(frozen=True)
@@ -52,18 +53,19 @@ def fit(profile: Profile, observations: list[Observation]) -> SimParams:
     from scipy.optimize import least_squares
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        params = SimParams(issue_overhead_ms=x[0], overlap_slowdown=x[1], collective_latency_ms=x[2])
+        params = SimParams(issue_overhead_ms=x[0], overlap_slowdown=x[1], collective_latency_ms=x[2], comm_scale=x[3])
         return np.array([simulate(profile, o.plan, params).step_ms / o.measured_ms - 1.0 for o in observations])
 
     # The model is piecewise linear in the parameters: start from a few points
     # and keep the best local solution.
     best = None
-    for x0 in ((0.0, 1.0, 0.0), (1.0, 1.5, 5.0), (5.0, 2.0, 20.0)):
-        r = least_squares(residuals, np.array(x0), bounds=BOUNDS, diff_step=1e-2, x_scale=(1.0, 0.5, 10.0))
+    for x0 in ((0.0, 1.0, 0.0, 1.0), (1.0, 1.5, 5.0, 0.8), (5.0, 2.0, 20.0, 1.2)):
+        r = least_squares(residuals, np.array(x0), bounds=BOUNDS, diff_step=1e-2, x_scale=(1.0, 0.5, 10.0, 0.3))
         if best is None or r.cost < best.cost:
             best = r
     x = best.x
-    return SimParams(issue_overhead_ms=float(x[0]), overlap_slowdown=float(x[1]), collective_latency_ms=float(x[2]))
+    return SimParams(issue_overhead_ms=float(x[0]), overlap_slowdown=float(x[1]), collective_latency_ms=float(x[2]),
+                     comm_scale=float(x[3]))
 
 
 def calibrated(profile: Profile, params: SimParams) -> Profile:

@@ -66,11 +66,15 @@ class SimParams:
             runs beside it (>= 1; CPU device: both compete for the cores).
         collective_latency_ms: fixed cost added to every collective (copy-in,
             copy-out, launch), ms.
+        comm_scale: factor on every measured collective time (isolated
+            measurements after a barrier include rank skew; in a step they
+            can run faster or slower).
     """
 
     issue_overhead_ms: float = 0.0
     overlap_slowdown: float = 1.0
     collective_latency_ms: float = 0.0
+    comm_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,8 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
         c.gpu, c.microbatches, c.opt_ms,
         fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf, plan.unshard_async_op,
         plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward,
-        params.issue_overhead_ms, params.overlap_slowdown - 1.0, params.collective_latency_ms, s, k, ev, mem,
+        params.issue_overhead_ms, params.overlap_slowdown - 1.0, params.comm_scale, params.collective_latency_ms,
+        s, k, ev, mem,
     )
     t_cpu, t_compute, _, _, _, compute_ms, comm_ms, _ = s.tolist()
     step_ms = max(t_cpu, t_compute)

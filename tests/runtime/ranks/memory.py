@@ -1,0 +1,38 @@
+"""Rank script: tracked unsharded bytes vs the simulator's prediction, per plan.
+
+argv: output JSON. Rank 0 writes {plan: [measured peak bytes, predicted peak bytes]}.
+"""
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from planner.plan import Plan
+from planner.simulator import simulate
+from runtime.apply import apply_plan
+from runtime.launch import init_rank
+from runtime.memory import UnshardedBytesTracker
+from runtime.recorder import record_profile
+from runtime.workload import build_workload, train_step
+from search_spaces import uniform
+
+mesh = init_rank("gloo")
+workload = build_workload("runtime.workloads:mlp", mesh, {"dim": 64, "layers": 5})
+profile = record_profile(workload, warmup_steps=1, steps=1, repeats=1)
+plans = {
+    "default": Plan.default(profile),
+    "depth 1 async": uniform.build(profile, 1, 1, True),
+    "depth 2 async": uniform.build(profile, 2, 2, True),
+    "depth 3 sync": uniform.build(profile, 3, 3, False),
+}
+result = {}
+for name, plan in plans.items():
+    apply_plan(workload.model, plan)
+    with UnshardedBytesTracker() as tracker:
+        train_step(workload, 0)
+    result[name] = [tracker.peak_bytes, simulate(profile, plan).peak_unsharded_bytes]
+if dist.get_rank() == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(result, f)
+dist.destroy_process_group()
