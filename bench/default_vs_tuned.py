@@ -25,21 +25,12 @@ from planner.config import load_study_config  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 
 
-def _spearman(a: list[float], b: list[float]) -> float:
-    import numpy as np
-
-    ra = np.argsort(np.argsort(a)).astype(float)
-    rb = np.argsort(np.argsort(b)).astype(float)
-    if ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
 def rank_main(args: argparse.Namespace) -> None:
     import statistics
 
     import torch.distributed as dist
 
+    from planner.calibrate import spearman
     from planner.plan import Plan
     from planner.simulator import simulate
     from runtime.apply import load_plan
@@ -75,7 +66,7 @@ def rank_main(args: argparse.Namespace) -> None:
                          "predicted_ms": predicted, "error_pct": err, "steps_ms": times})
             print(f"{name:<44} {measured:>11.1f} {measured / default_ms:>10.3f} {predicted:>12.1f} {err:>+8.1f}")
         errs = [abs(r["error_pct"]) for r in rows]
-        rho = _spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
+        rho = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
         print(f"\nprediction error: median |error| {statistics.median(errs):.1f}%, max {max(errs):.1f}%; "
               f"Spearman rank correlation {rho:.2f}")
         if args.json:
