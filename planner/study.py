@@ -17,6 +17,7 @@ plans and gathers the times.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,7 +138,7 @@ def select_candidates(sim_study: optuna.Study, profile: Profile, space_name: str
     default_params = space.grid(profile)[0]
     seen: set[str] = set()
     out: list[Candidate] = []
-    done = [t for t in sim_study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    done = _complete(sim_study)
     default_trial = next((t for t in done if t.params == default_params), None)
     ranked = ([default_trial] if default_trial else []) + sorted(done, key=lambda t: t.value)
     for t in ranked:
@@ -196,8 +197,6 @@ class MeasuredStage:
         Returns:
             The plans with provenance filled in, in ``asked`` order.
         """
-        import statistics
-
         medians = [statistics.median(ms) for ms in step_ms]
         default_ms = next((m for (t, p, c), m in zip(asked, medians) if p.is_default_for(self.profile)), None)
         plans = []
@@ -276,19 +275,14 @@ def _load(url: str, name: str) -> tuple[optuna.Study, optuna.storages.BaseStorag
     try:
         return optuna.load_study(study_name=name, storage=storage), storage
     except KeyError:
-        names = sorted(n for n in storage_study_names(storage) if not n.endswith(SIM_SUFFIX))
+        names = sorted(n for n in optuna.get_all_study_names(storage) if not n.endswith(SIM_SUFFIX))
         raise StudyNotFoundError(
             f"no study {name!r} in {url}; studies there: {', '.join(names) or 'none'}"
         ) from None
 
 
-def storage_study_names(storage: optuna.storages.BaseStorage) -> list[str]:
-    """Names of every Optuna study in ``storage``."""
-    return [s.study_name for s in storage.get_all_studies()]
-
-
 def _complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
 
 
 def list_studies(url: str) -> list[StudySummary]:
@@ -300,7 +294,7 @@ def list_studies(url: str) -> list[StudySummary]:
     """
     check_exists(url)
     storage = open_storage(url)
-    names = storage_study_names(storage)
+    names = optuna.get_all_study_names(storage)
     out = []
     for name in sorted(n for n in names if not n.endswith(SIM_SUFFIX)):
         study = optuna.load_study(study_name=name, storage=storage)

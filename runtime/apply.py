@@ -15,7 +15,7 @@ from torch import nn
 from planner.errors import PlanMismatchError
 from planner.plan import Plan
 from planner.profile import Fingerprint
-from runtime.workload import fsdp_modules
+from runtime.workload import fsdp_modules, own_parameters
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -38,9 +38,8 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     modules = fsdp_modules(model)
     numels, nbytes, dtypes, device = [], [], set(), "cpu"
-    for fqn, module in modules:
-        nested = {id(p) for f, m in modules if _is_nested(f, fqn) for p in m.parameters()}
-        own = [p for p in module.parameters() if id(p) not in nested]
+    for fqn, _ in modules:
+        own = own_parameters(modules, fqn)
         numels.append(sum(p.numel() for p in own))
         nbytes.append(sum(p.numel() * p.element_size() for p in own))
         dtypes.update(str(p.dtype) for p in own)
@@ -94,7 +93,3 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     if hasattr(model, "set_reduce_scatter_max_input_buffers"):
         model.set_reduce_scatter_max_input_buffers(plan.reduce_scatter_max_input_buffers)
 
-
-def _is_nested(fqn: str, parent: str) -> bool:
-    """Whether module ``fqn`` lies strictly inside module ``parent``."""
-    return fqn != parent and (parent == "" or fqn.startswith(parent + "."))

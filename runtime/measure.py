@@ -7,7 +7,6 @@ machine noise hits them alike.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -98,7 +97,3 @@ def measure_plans(
     per_rank = [[g[i * rounds : (i + 1) * rounds] for g in gathered] for i in range(len(plans))]
     return step_ms, per_rank
 
-
-def median(xs: Sequence[float]) -> float:
-    """The median of a non-empty sequence."""
-    return float(statistics.median(xs))

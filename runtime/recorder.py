@@ -38,7 +38,7 @@ from torch import nn
 from planner.profile import ModuleProfile, Profile
 from runtime.apply import model_fingerprint
 from runtime.measure import device_type_of, synchronize
-from runtime.workload import Workload, fsdp_modules, train_step
+from runtime.workload import Workload, fsdp_modules, own_parameters, train_step
 
 _TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms")
 
@@ -271,7 +271,7 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     rs_ms: dict[str, float] = {}
     sharded: dict[str, int] = {}
     for (fqn, m), numel, nbytes in zip(modules, fingerprint.param_numels, fingerprint.param_bytes):
-        own = _own_params(modules, fqn)
+        own = own_parameters(modules, fqn)
         sharded[fqn] = sum(p.to_local().numel() * p.element_size() for p in own)
         dtype = own[0].dtype if own else torch.float32
         padded = -(-numel // world) * world
@@ -315,14 +315,6 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     gathered: list = [None] * world
     dist.all_gather_object(gathered, local)
     return _consolidate(gathered, fingerprint, raf, calls)
-
-
-def _own_params(modules: list[tuple[str, nn.Module]], fqn: str) -> list[nn.Parameter]:
-    from runtime.apply import _is_nested
-
-    m = dict(modules)[fqn]
-    nested = {id(p) for f, other in modules if _is_nested(f, fqn) for p in other.parameters()}
-    return [p for p in m.parameters() if id(p) not in nested]
 
 
 def _consolidate(per_rank: list[dict], fingerprint, raf: dict[str, bool], calls: dict[str, int]) -> Profile:

@@ -82,6 +82,19 @@ def fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
+def own_parameters(modules: list[tuple[str, nn.Module]], fqn: str) -> list[nn.Parameter]:
+    """Parameters FSDP module ``fqn`` manages itself (not those of nested FSDP modules).
+
+    Args:
+        modules: :func:`fsdp_modules` of the root.
+        fqn: one of their FQNs.
+    """
+    nested = {
+        id(p) for f, m in modules if f != fqn and (fqn == "" or f.startswith(fqn + ".")) for p in m.parameters()
+    }
+    return [p for p in dict(modules)[fqn].parameters() if id(p) not in nested]
+
+
 def train_step(workload: Workload, step: int) -> torch.Tensor:
     """One optimizer step on ``make_batch(step)``; returns the (detached) loss."""
     workload.optimizer.zero_grad(set_to_none=True)

@@ -8,7 +8,6 @@ import pytest
 
 from planner.config import StudyConfig
 from planner.errors import StudyNotFoundError
-from planner.plan import Plan
 from planner.study import (
     MeasuredStage, best_plan, list_studies, open_storage, select_candidates, simulated_stage, study_trials,
 )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import sys
 import pytest
 
 from planner import Plan, Profile
-from tests.runtime.conftest import ROOT, rank_env
+from tests.runtime.conftest import rank_env
 
 STUDY = """
 [study]
