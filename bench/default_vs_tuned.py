@@ -34,7 +34,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from planner.plan import Plan
     from planner.simulator import simulate
     from runtime.apply import load_plan
-    from runtime.launch import init_rank
+    from runtime.launch import init_rank, shutdown_rank
     from runtime.measure import measure_plans
     from runtime.recorder import record_profile
     from runtime.workload import build_workload
@@ -71,7 +71,8 @@ def rank_main(args: argparse.Namespace) -> None:
               f"Spearman rank correlation {rho:.2f}")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
-    dist.destroy_process_group()
+    del workload
+    shutdown_rank()
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ def _plans(profile):
     import optuna
 
     from planner.config import StudyConfig
-    from planner.plan import ModulePlan, Plan
+    from planner.plan import Plan
     from planner.study import select_candidates, simulated_stage
     from search_spaces import uniform
 
@@ -65,7 +65,7 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
     from planner.config import load_study_config
     from planner.simulator import simulate
     from runtime.apply import apply_plan
-    from runtime.launch import init_rank
+    from runtime.launch import init_rank, shutdown_rank
     from runtime.measure import max_across_ranks, measure_plans
     from runtime.memory import UnshardedBytesTracker
     from runtime.recorder import record_profile
@@ -128,7 +128,8 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
         if out:
             Path(out).write_text(json.dumps({"study": config.name, "calibration": cal.calibration, "rows": rows,
                                              "held_spearman": [rho_before, rho_after]}, indent=1))
-    dist.destroy_process_group()
+    del workload
+    shutdown_rank()
 
 
 def main() -> None:

@@ -79,6 +79,24 @@ def init_rank(backend: str, timeout_s: float = 900.0) -> Any:
     return init_device_mesh(device, (dist.get_world_size(),))
 
 
+def shutdown_rank() -> None:
+    """Collect garbage, then destroy the process group.
+
+    FSDP2's states hold reference cycles (``FSDPCommContext.post_forward_order``),
+    so a dropped model is freed only by the cycle collector, at worst at
+    interpreter exit, after the process group is gone; with gloo that aborted a
+    rank now and then ("terminate called without an active exception", about
+    1 run in 10). Callers drop their references to the workload first.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _broadcast(payload: Any) -> Any:
     import torch.distributed as dist
 
@@ -112,6 +130,7 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
     mesh = init_rank(config.backend)
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
+    workload = None
     try:
         workload = build_workload(config.factory, mesh, config.kwargs)
         say(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({config.factory})", flush=True)
@@ -171,7 +190,8 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                 say(f"calibration on these {len(observations)} measured plans: {summary(before)} before, "
                     f"{summary(after)} after; saved with the profile for later runs")
     finally:
-        dist.destroy_process_group()
+        workload = None
+        shutdown_rank()
 
 
 def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = None) -> None:
@@ -190,6 +210,7 @@ def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = Non
     from runtime.workload import build_workload, train_step
 
     mesh = init_rank(config.backend)
+    workload = None
     try:
         workload = build_workload(config.factory, mesh, config.kwargs)
         profile = record_profile(workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps,
@@ -205,7 +226,8 @@ def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = Non
             print(f"profile written to {output}: {len(profile.modules)} FSDP modules, measured step "
                   f"{profile.measured_step_ms:.1f} ms (FSDP2 default), predicted {r.step_ms:.1f} ms")
     finally:
-        dist.destroy_process_group()
+        workload = None
+        shutdown_rank()
 
 
 def _report(plans: list, plan_out: str) -> None:

@@ -10,7 +10,7 @@ import sys
 import torch.distributed as dist
 
 from runtime import PlanMismatchError, apply_plan, load_plan
-from runtime.launch import init_rank
+from runtime.launch import init_rank, shutdown_rank
 from runtime.workload import build_workload, fsdp_modules, train_step
 
 plan_path, factory, kwargs, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
@@ -39,4 +39,5 @@ except PlanMismatchError as e:
 if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump({"applied": applied, "async": async_ops, "losses": losses, "errors": errors}, f)
-dist.destroy_process_group()
+del workload, other
+shutdown_rank()

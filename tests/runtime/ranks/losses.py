@@ -7,10 +7,9 @@ argv: factory, kwargs JSON, steps, output JSON. Rank 0 writes
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 
-from runtime.launch import init_rank
+from runtime.launch import init_rank, shutdown_rank
 from runtime.recorder import record_profile
 from runtime.workload import build_workload, train_step
 from runtime import apply_plan
@@ -42,4 +41,5 @@ for name, plan in plans.items():
 if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump(result, f)
-dist.destroy_process_group()
+del workload
+shutdown_rank()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from planner.plan import Plan
 from planner.simulator import simulate
 from runtime.apply import apply_plan
-from runtime.launch import init_rank
+from runtime.launch import init_rank, shutdown_rank
 from runtime.memory import UnshardedBytesTracker
 from runtime.recorder import record_profile
 from runtime.workload import build_workload, train_step
@@ -35,4 +35,5 @@ for name, plan in plans.items():
 if dist.get_rank() == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(result, f)
-dist.destroy_process_group()
+del workload
+shutdown_rank()
