@@ -11,6 +11,7 @@ from planner.errors import (
     StorageError,
     StudyConfigError,
     StudyNotFoundError,
+    TrialFailedError,
     WorkloadError,
 )
 from planner.plan import ModulePlan, Plan, Provenance
@@ -20,5 +21,6 @@ from planner.simulator import SimParams, SimResult, simulate
 __all__ = [
     "Fingerprint", "ModulePlan", "ModuleProfile", "Plan", "PlanFormatError", "PlanMismatchError",
     "PlannerError", "Profile", "ProfileFormatError", "Provenance", "SimParams", "SimResult",
-    "StorageError", "StudyConfigError", "StudyNotFoundError", "WorkloadError", "simulate",
+    "StorageError", "StudyConfigError", "StudyNotFoundError", "TrialFailedError", "WorkloadError",
+    "simulate",
 ]

@@ -23,7 +23,7 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except PlannerError as e:
             click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+            sys.exit(e.exit_code)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -55,16 +55,16 @@ def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out
 
         try:
             tune_rank(config, plan_out, profile_out, progress=not no_progress)
-        except PlannerError as e:
+        except (PlannerError, KeyboardInterrupt) as e:
             rank_error(e)
         return
     # Before starting ranks: fail fast on what the parent can check.
-    from planner.study import open_storage
+    from planner.storage import check_writable
     from runtime.launch import launch_ranks
     from runtime.workload import load_factory
 
     load_factory(config.factory)
-    open_storage(config.storage)
+    check_writable(config.storage)  # reachable, driver installed, not locked; writes nothing
     for out in (plan_out, profile_out):
         if not Path(out).parent.is_dir():
             raise PlannerError(f"cannot write {out!r}: folder {str(Path(out).parent)!r} does not exist")
@@ -72,9 +72,9 @@ def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out
             "--measured-trials", str(config.measured_trials), "--plan-out", plan_out, "--profile-out", profile_out]
     code = launch_ranks(args + (["--no-progress"] if no_progress else []), config.nproc_per_node)
     if code:
-        if code != 2:
+        if code not in (2, 3, 130):  # rank 0 printed the one line of those
             click.echo(f"error: a tuning rank failed with exit code {code}; see its output above", err=True)
-        sys.exit(2 if code == 2 else 1)
+        sys.exit(code if code in (2, 3, 130) else 1)
 
 
 @main.command()

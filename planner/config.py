@@ -5,6 +5,9 @@ Example (``studies/llama-cpu.toml``)::
     [study]
     name = "llama-cpu"
     storage = "sqlite:///studies/llama-cpu.db"   # optional; this is the default
+    heartbeat_interval_s = 10   # a measured trial's heartbeat (Optuna)
+    grace_period_s = 60         # no heartbeat for this long: the trial is stale
+    max_retry = 2               # re-measure a stale trial's plan at most this often
 
     [workload]
     factory = "runtime.workloads:llama"
@@ -13,6 +16,7 @@ Example (``studies/llama-cpu.toml``)::
     [launch]
     nproc_per_node = 2
     backend = "gloo"
+    timeout_s = 900       # the longest any rank waits for another
 
     [search]
     space = "uniform"      # or "per_module"
@@ -36,9 +40,9 @@ from typing import Any
 from planner.errors import StudyConfigError
 
 _KNOWN = {
-    "study": {"name", "storage"},
+    "study": {"name", "storage", "heartbeat_interval_s", "grace_period_s", "max_retry"},
     "workload": {"factory", "kwargs"},
-    "launch": {"nproc_per_node", "backend"},
+    "launch": {"nproc_per_node", "backend", "timeout_s"},
     "search": {"space", "sampler", "sim_trials", "measured_trials", "seed"},
     "measure": {"warmup_steps", "steps", "profile_repeats"},
 }
@@ -66,6 +70,15 @@ class StudyConfig:
         steps: timed steps per plan (rounds of the interleaved measurement).
         profile_repeats: repeats of each recorder measurement.
         directory: the TOML file's folder (default outputs go there).
+        timeout_s: the longest one rank waits for another, in seconds: the
+            process group's timeout (every collective of a training step) and
+            the rank protocol's (``runtime.protocol``).
+        heartbeat_interval_s: how often rank 0 records the heartbeat of its
+            RUNNING measured trials (Optuna's RDB heartbeat), in seconds.
+        grace_period_s: a RUNNING trial without a heartbeat for this long is
+            stale: the next job on the study fails it and re-queues its plan.
+        max_retry: how often a stale trial's plan is re-queued (Optuna's
+            ``RetryFailedTrialCallback``).
     """
 
     name: str
@@ -83,6 +96,10 @@ class StudyConfig:
     steps: int = 5
     profile_repeats: int = 3
     directory: str = "."
+    timeout_s: int = 900
+    heartbeat_interval_s: int = 10
+    grace_period_s: int = 60
+    max_retry: int = 2
 
     def default_output(self, suffix: str) -> str:
         """``<toml folder>/<name><suffix>``, e.g. ``studies/llama-cpu.plan.json``."""
@@ -145,12 +162,16 @@ def load_study_config(path: str | Path, **overrides: Any) -> StudyConfig:
         "steps": get("measure", "steps", int, 5),
         "profile_repeats": get("measure", "profile_repeats", int, 3),
         "directory": str(path.parent),
+        "timeout_s": get("launch", "timeout_s", int, 900),
+        "heartbeat_interval_s": get("study", "heartbeat_interval_s", int, 10),
+        "grace_period_s": get("study", "grace_period_s", int, 60),
+        "max_retry": get("study", "max_retry", int, 2),
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
-    for key in ("nproc_per_node", "steps", "profile_repeats"):
+    for key in ("nproc_per_node", "steps", "profile_repeats", "timeout_s", "heartbeat_interval_s"):
         if values[key] < 1:
             raise StudyConfigError(f"{path}: {key} must be >= 1, found {values[key]}")
-    for key in ("sim_trials", "measured_trials", "warmup_steps"):
+    for key in ("sim_trials", "measured_trials", "warmup_steps", "max_retry"):
         if values[key] < 0:
             raise StudyConfigError(f"{path}: {key} must be >= 0, found {values[key]}")
     from planner.study import SAMPLERS
@@ -159,5 +180,10 @@ def load_study_config(path: str | Path, **overrides: Any) -> StudyConfig:
     if values["sampler"] not in SAMPLERS:
         raise StudyConfigError(f"{path}: unknown sampler {values['sampler']!r}; choose one of {', '.join(SAMPLERS)}")
 
+    if values["grace_period_s"] <= values["heartbeat_interval_s"]:
+        raise StudyConfigError(
+            f"{path}: grace_period_s ({values['grace_period_s']}) must exceed heartbeat_interval_s "
+            f"({values['heartbeat_interval_s']}), or live trials would be failed as stale"
+        )
     get_space(values["space"])  # raises StudyConfigError naming the choices
     return StudyConfig(**values)

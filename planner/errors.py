@@ -6,7 +6,12 @@ prints ``error: <message>`` and exits 2 for any :class:`PlannerError`.
 
 
 class PlannerError(Exception):
-    """Base class of every error this project raises on bad input."""
+    """Base class of every error this project raises on bad input.
+
+    ``exit_code`` is what the CLI exits with (2: bad input).
+    """
+
+    exit_code = 2
 
 
 class PlanFormatError(PlannerError):
@@ -35,3 +40,12 @@ class StudyNotFoundError(PlannerError):
 
 class StorageError(PlannerError):
     """The storage URL cannot be opened."""
+
+
+class TrialFailedError(PlannerError):
+    """A rank raised while measuring a trial: the trial is recorded FAIL and the job stops (CLI exit 3).
+
+    Raised on every rank, with the same message, by ``runtime.protocol``.
+    """
+
+    exit_code = 3

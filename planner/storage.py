@@ -10,7 +10,9 @@ measured runs (per-step and per-rank figures), so plain SQL answers questions::
 from __future__ import annotations
 
 import datetime as dt
+import os
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -78,6 +80,39 @@ def check_exists(url: str) -> None:
             raise StudyNotFoundError(f"no database at {u.database!r}; run `prefetch-planner tune` first or pass --storage")
 
 
+def sqlite_timeout_s() -> float:
+    """How long a SQLite writer waits for another's lock, in s (``PREFETCH_PLANNER_SQLITE_TIMEOUT_S``, default 60)."""
+    return float(os.environ.get("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "60"))
+
+
+def engine_kwargs(url: str) -> dict[str, Any]:
+    """``create_engine`` keyword arguments for ``url``, shared by Optuna's storage and ours.
+
+    SQLite: a busy timeout (:func:`sqlite_timeout_s`), so concurrent jobs
+    queue for the write lock instead of failing at once. PostgreSQL: a 10 s
+    connect timeout, so an unreachable server is an error, not a hang.
+    """
+    backend = sa.engine.make_url(url).get_backend_name()
+    if backend == "sqlite":
+        return {"connect_args": {"timeout": sqlite_timeout_s()}}
+    if backend == "postgresql":
+        return {"connect_args": {"connect_timeout": 10}, "pool_pre_ping": True}
+    return {}
+
+
+def describe_storage_error(url: str, e: BaseException) -> str:
+    """One line naming what is wrong with the storage at ``url`` and how to fix it."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, ImportError):
+        return (f"cannot open storage {url!r}: its database driver is not installed ({text}); "
+                "for PostgreSQL: pip install 'prefetch-planner[postgres]'")
+    if "database is locked" in text:
+        return (f"storage {url!r} is locked: another process held its write lock for more than "
+                f"{sqlite_timeout_s():.0f} s; end that process (or raise PREFETCH_PLANNER_SQLITE_TIMEOUT_S) "
+                "and run again")
+    return f"cannot open storage {url!r}: {text}"
+
+
 def engine_for(url: str) -> sa.Engine:
     """An engine with the planner's tables created.
 
@@ -85,11 +120,42 @@ def engine_for(url: str) -> sa.Engine:
         StorageError: the URL is malformed or the database cannot be opened.
     """
     try:
-        engine = sa.create_engine(url)
+        engine = sa.create_engine(url, **engine_kwargs(url))
         Base.metadata.create_all(engine)
     except (sa.exc.SQLAlchemyError, ImportError, ValueError) as e:
-        raise StorageError(f"cannot open storage {url!r}: {str(e).splitlines()[0]}") from None
+        raise StorageError(describe_storage_error(url, e)) from None
     return engine
+
+
+def check_writable(url: str) -> None:
+    """Check, without changing anything, that a job could write to ``url`` now.
+
+    SQLite: takes the write lock (``BEGIN IMMEDIATE``) and releases it,
+    waiting at most :func:`sqlite_timeout_s`; a file that does not exist yet
+    is not created (its folder must exist). Other databases: connects.
+
+    Raises:
+        StorageError: unreachable server, missing driver, malformed URL, or a
+            SQLite file whose write lock another process holds.
+    """
+    try:
+        u = sa.engine.make_url(url)
+        if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:"):
+            if not Path(u.database).exists():
+                if not Path(u.database).parent.is_dir():
+                    raise StorageError(f"cannot create storage {url!r}: folder "
+                                       f"{str(Path(u.database).parent)!r} does not exist")
+                return
+        engine = sa.create_engine(url, **engine_kwargs(url))
+        with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                conn.exec_driver_sql("ROLLBACK")
+            else:
+                conn.exec_driver_sql("SELECT 1")
+        engine.dispose()
+    except (sa.exc.SQLAlchemyError, ImportError, ValueError) as e:
+        raise StorageError(describe_storage_error(url, e)) from None
 
 
 def session(engine: sa.Engine) -> Session:

@@ -5,28 +5,25 @@
 command; under torchrun (``RANK`` and ``WORLD_SIZE`` set) the command runs as
 that rank. Either way every rank ends up in :func:`tune_rank`.
 
-[Note: Rank protocol of the measured stage]
-Rank 0 alone talks to the Optuna study: it records nothing the others do not
-(every rank records, figures are consolidated with ``all_gather_object``),
-runs the simulated stage, asks one trial per candidate plan, and broadcasts
-the plans (``broadcast_object_list``). Every rank applies the same plans in
-the same interleaved order and times its steps; the per-rank times are
-gathered with ``all_gather_object`` and rank 0 tells the study the median of
-the per-step max across ranks. If rank 0 fails before the broadcast it
-broadcasts the error instead, so no rank waits for ever.
+The measured stage follows the rank protocol documented in
+``runtime.protocol`` (rank 0 alone talks to the study; bounded timeouts; a
+rank that raises fails the trial on every rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
+import signal
+import socket
 import sys
-from typing import Any
+import uuid
+from typing import Any, Iterator
 
 from planner.config import StudyConfig
-from planner.errors import PlannerError
 
 
 def in_torchrun() -> bool:
@@ -41,8 +38,10 @@ def launch_ranks(cli_args: list[str], nproc_per_node: int, script: str | None = 
     standalone rendezvous on a free local port.
 
     Returns:
-        0 if every rank succeeded, else the first failing rank's exit code.
+        0 if every rank succeeded, 130 if the launcher was interrupted (the
+        ranks get the signal too), else the first failing rank's exit code.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -57,13 +56,17 @@ def launch_ranks(cli_args: list[str], nproc_per_node: int, script: str | None = 
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c), 1)
+    except SignalException:  # Ctrl-C / SIGTERM: the ranks were signalled too and said what they did
+        return 130
     return 0
 
 
 def init_rank(backend: str, timeout_s: float = 900.0) -> Any:
     """Initialize the process group and a 1-D device mesh over every rank.
 
-    On CPU, one compute thread per rank (``torch.set_num_threads(1)``).
+    ``timeout_s`` bounds every collective of the process group (a rank waits
+    at most that long for its peers). On CPU, one compute thread per rank
+    (``torch.set_num_threads(1)``).
     """
     import torch
     import torch.distributed as dist
@@ -97,49 +100,66 @@ def shutdown_rank() -> None:
         dist.destroy_process_group()
 
 
-def _broadcast(payload: Any) -> Any:
-    import torch.distributed as dist
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt("SIGINT"|"SIGTERM")`` once; later ones are ignored.
 
-    box = [payload]
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], dict) and "error" in box[0]:
-        raise PlannerError(box[0]["error"])
-    return box[0]
+    torchrun's agent forwards Ctrl-C to the ranks and follows with SIGTERM;
+    ignoring the second signal lets rank 0 finish recording the interrupted
+    trials as FAIL.
+    """
+    def handler(signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bool = True) -> None:
-    """One rank of a tuning study: record, (rank 0) search, measure, (rank 0) write the plan.
+    """One rank of a tuning job: record, (rank 0) search, a measured round, (rank 0) write the plan.
 
     Raises:
-        PlannerError: bad workload, storage, or a failure broadcast by rank 0.
+        PlannerError: bad workload or storage, or a failure broadcast by rank 0.
+        TrialFailedError: a rank raised while measuring (``runtime.protocol``).
+        KeyboardInterrupt: SIGINT or SIGTERM; the round's trials are FAIL.
     """
     import torch.distributed as dist
     from tqdm import tqdm
 
     from planner.plan import Plan
     from planner.simulator import simulate
-    from planner.calibrate import Observation, calibrated, errors_pct, fit, summary
     from planner.study import MeasuredStage, latest_calibration, open_storage, select_candidates, simulated_stage
-    from runtime.measure import measure_plans
+    from runtime.protocol import control_group, measured_round
     from runtime.recorder import record_profile
     from runtime.workload import build_workload
 
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    mesh = init_rank(config.backend)
+    mesh = init_rank(config.backend, config.timeout_s)
+    group = control_group(config.timeout_s)
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     workload = None
+    stages: list[MeasuredStage] = []
     try:
-        workload = build_workload(config.factory, mesh, config.kwargs)
-        say(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({config.factory})", flush=True)
-        profile = record_profile(
-            workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps, repeats=config.profile_repeats
-        )
-        payload: Any = None
-        if rank == 0:
-            try:
+        with interrupts_raise():
+            workload = build_workload(config.factory, mesh, config.kwargs)
+            say(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({config.factory})", flush=True)
+            profile = record_profile(
+                workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps,
+                repeats=config.profile_repeats,
+            )
+            job = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+            def prepare():
+                nonlocal profile
                 profile.to_json(profile_out)
                 default = simulate(profile, Plan.default(profile))
                 exposed = profile.measured_step_ms - default.compute_ms
@@ -149,7 +169,7 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                 say(f"      simulated default: "
                     f"step {default.step_ms:.1f} ms, exposed communication {default.exposed_comm_ms:.1f} ms, "
                     f"lower bound {default.lower_bound_ms:.1f} ms; profile written to {profile_out}")
-                storage = open_storage(config.storage)
+                storage = open_storage(config.storage, config)
                 calibration = latest_calibration(config.storage, config.name, profile)
                 if calibration:
                     profile = dataclasses.replace(profile, calibration=calibration)
@@ -157,41 +177,59 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                         + ", ".join(f"{k} {v:.3g}" for k, v in calibration.items()))
                 say(f"[2/3] simulated stage: {config.sim_trials} trials ({config.space} space)", flush=True)
                 sim = simulated_stage(profile, config, storage, show_progress_bar=progress)
-                candidates = select_candidates(sim, profile, config.space, config.measured_trials)
-                stage = MeasuredStage(config, storage, profile)
-                asked = stage.ask(candidates)
-                payload = [plan.to_dict() for _, plan, _ in asked]
-            except PlannerError as e:
-                payload = {"error": str(e)}
-        plans = [Plan.from_dict(d) for d in _broadcast(payload)]
-        say(f"[3/3] measured stage: {len(plans)} plans x ({config.warmup_steps} warm-up + {config.steps} timed steps), "
-            "interleaved", flush=True)
-        bar = tqdm(total=len(plans) * (config.warmup_steps + config.steps), desc="measured", unit="step",
-                   disable=rank != 0 or not progress)
-        try:
-            step_ms, per_rank = measure_plans(workload, plans, config.steps, config.warmup_steps, bar.update)
-        except Exception as e:
+                stage = MeasuredStage(config, storage, profile, job)
+                stages.append(stage)
+                retries = stage.claim_retries()
+                if retries:
+                    say(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
+                        f"(trials {', '.join(str(r.retry_of) for r in retries)})")
+                candidates = select_candidates(sim, profile, config.space, config.measured_trials,
+                                               exclude=stage.settled_keys())
+                if any(r.plan.is_default_for(profile) for r in retries):
+                    candidates = candidates[1:]
+                return stage, retries + stage.ask(candidates)
+
+            say(f"[3/3] measured stage: plans x ({config.warmup_steps} warm-up + {config.steps} timed steps), "
+                "interleaved", flush=True)
+            bar = tqdm(desc="measured", unit="step", disable=rank != 0 or not progress)
+            try:
+                result = measured_round(workload, prepare if rank == 0 else None, config.steps,
+                                        config.warmup_steps, group, bar.update)
+            finally:
+                bar.close()
             if rank == 0:
-                stage.fail(asked, f"{type(e).__name__}: {e}")
-            raise
-        finally:
-            bar.close()
-        if rank == 0:
-            told = stage.tell(asked, step_ms, per_rank)
-            _report(told, plan_out)
-            observations = [Observation(p, p.provenance.measured_ms) for p in told]
-            if len(observations) >= 2:
-                uncalibrated = dataclasses.replace(profile, calibration=None)
-                before = errors_pct(uncalibrated, observations)
-                profile = calibrated(profile, fit(uncalibrated, observations))
-                after = errors_pct(profile, observations)
-                stage.save_calibration(profile)
-                profile.to_json(profile_out)
-                say(f"calibration on these {len(observations)} measured plans: {summary(before)} before, "
-                    f"{summary(after)} after; saved with the profile for later runs")
+                for number, reason in result.failed.items():
+                    say(f"trial {number} FAIL: {reason}")
+                _finish(config, stages[0], result.told, profile, profile_out, plan_out)
     finally:
         workload = None
+        for stage in stages:
+            stage.close()
         shutdown_rank()
+
+
+def _finish(config: StudyConfig, stage: Any, told: list, profile: Any, profile_out: str, plan_out: str) -> None:
+    """Rank 0 after a measured round: report, write the best plan, calibrate."""
+    from planner.calibrate import Observation, calibrated, errors_pct, fit, summary
+    from planner.study import best_plan
+
+    if not told:
+        print("no plan was measured in this job; nothing written")
+        return
+    _report(told, plan_out)
+    study_best, _ = best_plan(config.storage, config.name)
+    print(f"study-wide best so far: trial {study_best.provenance.trial}, {study_best.provenance.measured_ms:.1f} ms "
+          f"(`prefetch-planner studies best {config.name}`)")
+    observations = [Observation(p, p.provenance.measured_ms) for p in told]
+    if len(observations) >= 2:
+        uncalibrated = dataclasses.replace(profile, calibration=None)
+        before = errors_pct(uncalibrated, observations)
+        profile = calibrated(profile, fit(uncalibrated, observations))
+        after = errors_pct(profile, observations)
+        stage.save_calibration(profile)
+        profile.to_json(profile_out)
+        print(f"calibration on these {len(observations)} measured plans: {summary(before)} before, "
+              f"{summary(after)} after; saved with the profile for later runs")
 
 
 def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = None) -> None:
@@ -253,11 +291,19 @@ def _describe(plan) -> str:
 
 
 def rank_error(e: BaseException) -> None:
-    """Exit 2 on a rank's bad-input error; rank 0 prints the one line.
+    """Exit on a rank's error; rank 0 prints the one line.
 
     Bad input (a factory that raises, a model without ``fully_shard``) fails
-    alike on every rank, so one line is enough.
+    alike on every rank, and a :class:`planner.TrialFailedError` carries the
+    same message on every rank, so one line is enough. Exit codes: the
+    error's ``exit_code`` (2 bad input, 1 a failed trial), 130 interrupted.
     """
+    if isinstance(e, KeyboardInterrupt):
+        message = (f"interrupted ({e or 'SIGINT'}); the measured trials that were running are recorded as FAIL; "
+                   "run `prefetch-planner tune` again to resume the study")
+        code = 130
+    else:
+        message, code = str(e), getattr(e, "exit_code", 2)
     if os.environ.get("RANK", "0") == "0":
-        print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)

@@ -51,14 +51,23 @@ def max_across_ranks(local: list[float]) -> tuple[list[float], list[list[float]]
     return [max(vals) for vals in zip(*gathered)], gathered
 
 
-def measure_plans(
+class StepFailed(Exception):
+    """A training step raised while measuring plan ``index`` (``__cause__`` is the exception)."""
+
+    def __init__(self, index: int, error: BaseException):
+        super().__init__(f"plan {index}: {type(error).__name__}: {error}")
+        self.index = index
+        self.error = error
+
+
+def measure_local(
     workload: Workload,
     plans: Sequence[Plan],
     rounds: int,
     warmup_steps: int = 1,
     on_step: Callable[[], None] | None = None,
-) -> tuple[list[list[float]], list[list[list[float]]]]:
-    """Measure ``plans`` interleaved on every rank (all ranks call this with the same plans).
+) -> list[list[float]]:
+    """This rank's step times for ``plans``, interleaved (all ranks call this with the same plans).
 
     Each plan is first applied and run for ``warmup_steps`` steps; then
     ``rounds`` rounds each run one timed step per plan in order A B C A B C ...
@@ -72,28 +81,50 @@ def measure_plans(
             ``update``; ``len(plans) * (warmup_steps + rounds)`` calls).
 
     Returns:
+        ``times[i]``: plan ``i``'s step times on this rank, ms.
+
+    Raises:
+        StepFailed: a step raised an ``Exception``; names the plan.
+    """
+    step = 0
+    index = 0
+    local: list[list[float]] = [[] for _ in plans]
+    try:
+        for index, plan in enumerate(plans):
+            apply_plan(workload.model, plan, check=False)
+            for _ in range(warmup_steps):
+                train_step(workload, step)
+                step += 1
+                if on_step is not None:
+                    on_step()
+        for _ in range(rounds):
+            for index, plan in enumerate(plans):
+                apply_plan(workload.model, plan, check=False)
+                local[index].append(timed_step(workload, step))
+                step += 1
+                if on_step is not None:
+                    on_step()
+    except Exception as e:
+        raise StepFailed(index, e) from e
+    return local
+
+
+def measure_plans(
+    workload: Workload,
+    plans: Sequence[Plan],
+    rounds: int,
+    warmup_steps: int = 1,
+    on_step: Callable[[], None] | None = None,
+) -> tuple[list[list[float]], list[list[list[float]]]]:
+    """:func:`measure_local`, then the max across ranks (for benchmarks; the study uses ``runtime.protocol``).
+
+    Returns:
         ``(step_ms, per_rank)``: ``step_ms[i]`` lists plan ``i``'s step times
         (max across ranks, ms); ``per_rank[i][r]`` rank ``r``'s own times.
     """
-    step = 0
-    for plan in plans:
-        apply_plan(workload.model, plan, check=False)
-        for _ in range(warmup_steps):
-            train_step(workload, step)
-            step += 1
-            if on_step is not None:
-                on_step()
-    local: list[list[float]] = [[] for _ in plans]
-    for _ in range(rounds):
-        for i, plan in enumerate(plans):
-            apply_plan(workload.model, plan, check=False)
-            local[i].append(timed_step(workload, step))
-            step += 1
-            if on_step is not None:
-                on_step()
+    local = measure_local(workload, plans, rounds, warmup_steps, on_step)
     flat = [ms for times in local for ms in times]
     maxed, gathered = max_across_ranks(flat)
     step_ms = [maxed[i * rounds : (i + 1) * rounds] for i in range(len(plans))]
     per_rank = [[g[i * rounds : (i + 1) * rounds] for g in gathered] for i in range(len(plans))]
     return step_ms, per_rank
-

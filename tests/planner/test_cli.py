@@ -56,7 +56,7 @@ def test_tune_missing_and_malformed_toml(tmp_path):
 def test_tune_unreachable_storage(tmp_path):
     path = _toml(tmp_path, GOOD.format(factory="runtime.workloads:mlp"))
     code, _, err = _invoke(["tune", path, "--storage", "sqlite:////no/such/dir/x.db"])
-    _assert_one_line_error(code, err, "cannot open storage")
+    _assert_one_line_error(code, err, "folder '/no/such/dir' does not exist")
 
 
 def test_simulate_errors(tmp_path, make_profile):
@@ -78,11 +78,12 @@ def study_db(tmp_path, make_profile):
     config = StudyConfig(name="s", storage=f"sqlite:///{tmp_path}/s.db", factory="runtime.workloads:mlp",
                          sim_trials=30, measured_trials=2, directory=str(tmp_path))
     profile = make_profile(n_blocks=3)
-    storage = open_storage(config.storage)
+    storage = open_storage(config.storage, config)
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile)
+    stage = MeasuredStage(config, storage, profile, job="test")
     asked = stage.ask(select_candidates(sim, profile, "uniform", 2))
     stage.tell(asked, [[100.0], [80.0], [90.0]], [[[100.0]], [[80.0]], [[90.0]]])
+    stage.close()
     return config.storage
 
 

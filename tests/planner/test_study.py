@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
+import time
 
 import pytest
 
 from planner.config import StudyConfig
 from planner.errors import StudyNotFoundError
 from planner.study import (
-    MeasuredStage, best_plan, list_studies, open_storage, select_candidates, simulated_stage, study_trials,
+    MeasuredStage, best_plan, list_studies, open_storage, plan_key, select_candidates, simulated_stage,
+    study_trials,
 )
 
 
@@ -23,14 +26,16 @@ def config(tmp_path):
 
 def _run(make_profile, config, measured_ms):
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
-    storage = open_storage(config.storage)
+    storage = open_storage(config.storage, config)
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
     candidates = select_candidates(sim, profile, config.space, config.measured_trials)
-    stage = MeasuredStage(config, storage, profile)
+    stage = MeasuredStage(config, storage, profile, job="test")
     asked = stage.ask(candidates)
     times = [[ms, ms + 1.0, ms - 1.0] for ms in measured_ms[: len(asked)]]
     per_rank = [[t, t] for t in times]
-    return profile, sim, candidates, stage.tell(asked, times, per_rank)
+    told = stage.tell(asked, times, per_rank)
+    stage.close()
+    return profile, sim, candidates, told
 
 
 def test_simulated_stage_enqueues_grid_and_ranks_candidates(make_profile, config):
@@ -75,14 +80,16 @@ def test_rerun_adds_trials_to_the_same_study(make_profile, config):
 
 def test_failed_measurement_is_recorded(make_profile, config):
     profile = make_profile()
-    storage = open_storage(config.storage)
+    storage = open_storage(config.storage, config)
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile)
+    stage = MeasuredStage(config, storage, profile, job="test")
     asked = stage.ask(select_candidates(sim, profile, config.space, 1))
-    stage.fail(asked, "RuntimeError: boom")
+    stage.fail(asked, "RuntimeError: boom", "error")
+    stage.close()
     trials = stage.study.trials
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
     assert trials[0].user_attrs["fail_reason"] == "RuntimeError: boom"
+    assert trials[0].user_attrs["fail_kind"] == "error"
     with pytest.raises(StudyNotFoundError, match="no measured trial"):
         best_plan(config.storage, "t")
 
@@ -94,3 +101,50 @@ def test_unknown_study_and_missing_db(make_profile, config, tmp_path):
     with pytest.raises(StudyNotFoundError, match="no database"):
         list_studies(f"sqlite:///{tmp_path}/none.db")
     assert not (tmp_path / "none.db").exists()
+
+
+def test_a_second_job_skips_settled_plans(make_profile, config):
+    """Measured, running (another job) and rank-failed plans are not measured again; the default always is."""
+    profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
+    storage = open_storage(config.storage, config)
+    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
+    first = MeasuredStage(config, storage, profile, job="a")
+    asked = first.ask(select_candidates(sim, profile, config.space, 3, exclude=first.settled_keys()))
+    first.tell(asked[:2], [[100.0], [90.0]], [[[100.0]], [[90.0]]])  # default + one plan measured
+    first.fail(asked[2:3], "RuntimeError: boom", "error")  # failed on a rank: not again
+    # asked[3] stays RUNNING: job "a" is still measuring it
+    second = MeasuredStage(config, storage, profile, job="b")
+    again = second.ask(select_candidates(sim, profile, config.space, 3, exclude=second.settled_keys()))
+    keys_first = {a.plan.behaviour_key() for a in asked[1:]}
+    assert again[0].plan.is_default_for(profile)
+    assert not keys_first & {a.plan.behaviour_key() for a in again[1:]}
+    assert len({a.number for a in asked} | {a.number for a in again}) == len(asked) + len(again)
+    first.fail(asked[3:], "KeyboardInterrupt: SIGINT", "interrupted")  # interrupted: measured again later
+    assert plan_key(asked[3].plan) not in second.settled_keys()
+    assert plan_key(asked[2].plan) in second.settled_keys()
+    for stage in (first, second):
+        stage.close()
+
+
+def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
+    """A job killed mid-trial: no heartbeat for grace_period_s, the next job fails it and measures it again."""
+    config = dataclasses.replace(config, heartbeat_interval_s=1, grace_period_s=2, max_retry=1)
+    profile = make_profile(n_blocks=4)
+    storage = open_storage(config.storage, config)
+    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
+    dead = MeasuredStage(config, storage, profile, job="dead")
+    [default, other] = dead.ask(select_candidates(sim, profile, config.space, 1))
+    dead.tell([default], [[100.0]], [[[100.0]]])
+    dead.close()  # the job dies: its heartbeat stops, `other` stays RUNNING
+    time.sleep(3.5)
+    job = MeasuredStage(config, storage, profile, job="next")
+    [retry] = job.claim_retries()
+    assert retry.retry_of == other.number and retry.number != other.number
+    assert retry.plan.behaviour_key() == other.plan.behaviour_key()
+    assert job.study.trials[other.number].state.name == "FAIL"
+    assert not MeasuredStage(config, storage, profile, job="third").claim_retries()  # claimed once only
+    job.tell([retry], [[80.0]], [[[80.0]]])
+    job.close()
+    states = [t.state.name for t in job.study.trials]
+    assert states.count("RUNNING") == 0 and states.count("COMPLETE") == 2
+    assert best_plan(config.storage, "t")[0].provenance.trial == retry.number

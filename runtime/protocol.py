@@ -1,0 +1,205 @@
+"""The rank protocol of a measured round: who talks to the study, who waits for whom, for how long.
+
+[Note: Rank protocol of a measured round]
+Every rank runs :func:`measured_round` with the same arguments; rank 0 alone
+holds the study (``planner.study.MeasuredStage``).
+
+1. Plans. Rank 0 asks the study for the round's trials (re-queued plans of
+   dead jobs first, then FSDP2's default and the best simulated plans not yet
+   measured) and broadcasts their plans; if it fails before that, it
+   broadcasts the error instead, and every rank raises it.
+2. Apply. Every rank applies every plan to its own model (fingerprint
+   checked) and the outcomes are all-gathered. A plan that raised on any rank
+   is FAIL on every rank (the reason names the rank and the exception); the
+   round goes on without it.
+3. Measure. Every rank times the remaining plans interleaved
+   (``runtime.measure.measure_local``) and catches its own exception; the
+   outcomes (times, or the failing plan and exception) are all-gathered.
+   - Every rank succeeded: rank 0 tells each trial the median over steps of
+     the max across ranks, and stores every rank's own times.
+   - A rank raised inside a step: its peers wait in one of that step's
+     collectives until the process group's timeout (``[launch] timeout_s``),
+     then raise too. Rank 0 records the trial that raised as FAIL with the
+     rank and the exception (``fail_kind`` ``"error"``: not tried again) and
+     the rest of the round as FAIL ``"interrupted"`` (measured by the next
+     job). The ranks have issued different collectives by then, so the
+     training process group cannot be trusted: every rank raises
+     :class:`planner.TrialFailedError` and the job stops (exit 3). Running
+     ``prefetch-planner tune`` again, or torchrun's ``--max-restarts``,
+     resumes the study.
+
+Every collective of the protocol runs on a separate gloo group (the control
+group) whose timeout is ``2 * timeout_s + 60`` s: long enough for a rank that
+failed early to wait while its peers time out in a training collective,
+short enough that no rank waits for ever. If a rank died (no report at all),
+the gather fails on the others and rank 0 records the trials FAIL with that
+reason. Ctrl-C and SIGTERM: rank 0 records the round's RUNNING trials FAIL
+``"interrupted"``; SIGKILL leaves them RUNNING until their heartbeat goes
+stale and the next job re-queues them (``MeasuredStage.claim_retries``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from planner.errors import PlannerError, TrialFailedError
+from planner.plan import Plan
+from runtime.apply import apply_plan
+from runtime.measure import StepFailed, measure_local
+from runtime.workload import Workload
+
+
+def control_timeout_s(timeout_s: float) -> float:
+    """The control group's timeout for a process-group timeout of ``timeout_s``, in s."""
+    return 2 * timeout_s + 60
+
+
+def control_group(timeout_s: float) -> Any:
+    """A gloo group over every rank for the protocol's collectives (all ranks call this)."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s(timeout_s)))
+
+
+def broadcast_from_rank0(payload: Any, group: Any) -> Any:
+    """Rank 0's ``payload`` on every rank; ``{"error": msg}`` raises :class:`PlannerError` everywhere."""
+    box = [payload]
+    dist.broadcast_object_list(box, src=0, group=group)
+    if isinstance(box[0], dict) and "error" in box[0]:
+        raise PlannerError(box[0]["error"])
+    return box[0]
+
+
+def gather(local: Any, group: Any) -> list[Any]:
+    """``all_gather_object`` on the control group.
+
+    Raises:
+        TrialFailedError: a rank did not report (it died, or it is stuck past
+            the control group's timeout).
+    """
+    out: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(out, local, group=group)
+    except Exception as e:  # noqa: BLE001 - gloo reports a dead peer in several ways
+        raise TrialFailedError(f"a rank did not report to rank {dist.get_rank()}: {_one_line(e)}") from None
+    return out
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_victim(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because of another rank (a timeout, a closed peer)."""
+    return isinstance(error, getattr(dist, "DistError", ())) or "Timed out" in str(error) or "Connection" in str(error)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a measured round left: measured plans (rank 0 only) and failed trial numbers."""
+
+    told: list[Plan]
+    failed: dict[int, str]
+
+
+def measured_round(
+    workload: Workload,
+    prepare: Callable[[], tuple[Any, list[Any]]] | None,
+    rounds: int,
+    warmup_steps: int,
+    group: Any,
+    on_step: Callable[[], None] | None = None,
+) -> RoundResult:
+    """One measured round on every rank (see the Note above).
+
+    Args:
+        workload: this rank's workload.
+        prepare: rank 0: returns the ``MeasuredStage`` and the round's
+            RUNNING ``MeasuredTrial`` list (step 1); ``None`` on other ranks.
+        rounds: timed steps per plan.
+        warmup_steps: untimed steps per plan.
+        group: the control group (:func:`control_group`).
+        on_step: progress callback per step.
+
+    Returns:
+        :class:`RoundResult` (``told`` empty on ranks other than 0).
+
+    Raises:
+        PlannerError: rank 0 could not ask the study (bad storage, ...).
+        TrialFailedError: a rank raised inside a step, or a rank did not
+            report; the trials are recorded FAIL first.
+    """
+    rank = dist.get_rank()
+    stage: Any = None
+    asked: list[Any] = []
+    payload: Any = None
+    if rank == 0:
+        try:
+            stage, asked = prepare()
+            payload = [a.plan.to_dict() for a in asked]
+        except PlannerError as e:
+            payload = {"error": str(e)}
+    try:
+        return _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, group, on_step)
+    except BaseException as e:
+        # Ctrl-C, SIGTERM, a lost rank, a storage error: no trial of this round stays RUNNING.
+        if rank == 0 and asked:
+            stage.fail(asked, f"interrupted: {_one_line(e)}", "interrupted")
+        raise
+
+
+def _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, group, on_step) -> RoundResult:
+    rank = dist.get_rank()
+    plans = [Plan.from_dict(d) for d in broadcast_from_rank0(payload, group)]
+    failed: dict[int, str] = {}
+    # 2. Apply every plan on every rank; drop those that fail anywhere.
+    local_errors = []
+    for plan in plans:
+        try:
+            apply_plan(workload.model, plan, check=True)
+            local_errors.append(None)
+        except Exception as e:  # noqa: BLE001 - any exception fails this plan, not the round
+            local_errors.append(_one_line(e))
+    outcomes = gather(local_errors, group)
+    keep = []
+    for i in range(len(plans)):
+        reasons = [f"rank {r}: {errs[i]}" for r, errs in enumerate(outcomes) if errs[i] is not None]
+        if reasons:
+            failed[i] = "applying the plan failed on " + "; ".join(reasons)
+        else:
+            keep.append(i)
+    if rank == 0 and failed:
+        for i, reason in failed.items():
+            stage.fail([asked[i]], reason, "error")
+    # 3. Measure the rest, interleaved; every rank reports.
+    report: dict[str, Any]
+    try:
+        times = measure_local(workload, [plans[i] for i in keep], rounds, warmup_steps, on_step)
+        report = {"times": times}
+    except StepFailed as e:
+        report = {"index": keep[e.index], "error": _one_line(e.error), "victim": _is_victim(e.error)}
+    reports = gather(report, group)
+    errors = [(r, rep) for r, rep in enumerate(reports) if "error" in rep]
+    if errors:
+        causes = [(r, rep) for r, rep in errors if not rep["victim"]] or errors
+        index = min(rep["index"] for _, rep in causes)
+        reason = "; ".join(f"rank {r}: {rep['error']}" for r, rep in causes)
+        trial = "a trial"
+        if rank == 0:
+            trial = f"trial {asked[index].number}"
+            stage.fail([asked[index]], reason, "error")
+            stage.fail([a for i, a in enumerate(asked) if i != index],
+                       f"not measured: {trial} failed in the same round ({reason})", "interrupted")
+        raise TrialFailedError(
+            f"{trial} failed on {reason}; it is recorded as FAIL and this job stops (its ranks' process group "
+            "is out of step after a failure inside a training step): run `prefetch-planner tune` again to go on"
+        )
+    if rank != 0:
+        return RoundResult([], {})
+    step_ms = [[max(vals) for vals in zip(*(rep["times"][j] for rep in reports))] for j in range(len(keep))]
+    per_rank = [[rep["times"][j] for rep in reports] for j in range(len(keep))]
+    told = stage.tell([asked[i] for i in keep], step_ms, per_rank)
+    return RoundResult(told, {asked[i].number: r for i, r in failed.items()})
