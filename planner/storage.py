@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from planner.errors import StorageError, StudyNotFoundError
+
+
+T = TypeVar("T")
 
 
 class Base(DeclarativeBase):
@@ -113,6 +117,25 @@ def describe_storage_error(url: str, e: BaseException) -> str:
     return f"cannot open storage {url!r}: {text}"
 
 
+def create_racing(create: Callable[[], T], attempts: int = 5) -> T:
+    """Run ``create`` (tables made with check-then-create), retrying when a concurrent job made them first.
+
+    Two jobs starting on a new database both see a table missing and both
+    create it; the second gets "already exists" (SQLite) or a duplicate key
+    on the catalog (PostgreSQL). The tables are then there: trying again
+    succeeds.
+    """
+    for attempt in range(attempts):
+        try:
+            return create()
+        except sa.exc.SQLAlchemyError as e:
+            text = str(e).lower()
+            if attempt == attempts - 1 or not ("already exists" in text or "duplicate key" in text):
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def engine_for(url: str) -> sa.Engine:
     """An engine with the planner's tables created.
 
@@ -121,7 +144,7 @@ def engine_for(url: str) -> sa.Engine:
     """
     try:
         engine = sa.create_engine(url, **engine_kwargs(url))
-        Base.metadata.create_all(engine)
+        create_racing(lambda: Base.metadata.create_all(engine))
     except (sa.exc.SQLAlchemyError, ImportError, ValueError) as e:
         raise StorageError(describe_storage_error(url, e)) from None
     return engine

@@ -42,6 +42,7 @@ from planner.storage import (
     PlanRow,
     ProfileRow,
     check_exists,
+    create_racing,
     describe_storage_error,
     engine_for,
     engine_kwargs,
@@ -66,17 +67,19 @@ def open_storage(url: str, config: StudyConfig | None = None) -> optuna.storages
     Raises:
         StorageError: the URL cannot be opened (the message says why).
     """
-    heartbeat: dict[str, Any] = {}
-    if config is not None:
-        heartbeat = {
-            "heartbeat_interval": config.heartbeat_interval_s,
-            "grace_period": config.grace_period_s,
-            _STALE_CALLBACK_ARG: _RetryCallback(max_retry=config.max_retry),
-        }
     try:
-        with warnings.catch_warnings():  # the heartbeat is "experimental" since Optuna 2.9
+        with warnings.catch_warnings():  # the heartbeat and its callback are "experimental" since Optuna 2.8
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url), **heartbeat)
+            heartbeat: dict[str, Any] = {}
+            if config is not None:
+                heartbeat = {
+                    "heartbeat_interval": config.heartbeat_interval_s,
+                    "grace_period": config.grace_period_s,
+                    _STALE_CALLBACK_ARG: _RetryCallback(max_retry=config.max_retry),
+                }
+            storage = create_racing(
+                lambda: optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url), **heartbeat)
+            )
         if storage.engine.dialect.name == "sqlite":
             sa.event.listen(storage.engine, "connect", _sqlite_pragmas)
             storage.engine.dispose()  # reconnect with the pragmas

@@ -187,10 +187,12 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                                                exclude=stage.settled_keys())
                 if any(r.plan.is_default_for(profile) for r in retries):
                     candidates = candidates[1:]
-                return stage, retries + stage.ask(candidates)
+                asked = retries + stage.ask(candidates)
+                say(f"[3/3] measured stage: {len(asked)} plans x ({config.warmup_steps} warm-up + "
+                    f"{config.steps} timed steps), interleaved; trials "
+                    f"{', '.join(str(a.number) for a in asked)} (job {job})", flush=True)
+                return stage, asked
 
-            say(f"[3/3] measured stage: plans x ({config.warmup_steps} warm-up + {config.steps} timed steps), "
-                "interleaved", flush=True)
             bar = tqdm(desc="measured", unit="step", disable=rank != 0 or not progress)
             try:
                 result = measured_round(workload, prepare if rank == 0 else None, config.steps,

@@ -43,3 +43,27 @@ def synthetic_profile(
 @pytest.fixture
 def make_profile():
     return synthetic_profile
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server on loopback (``tests/postgres.py``); yields a factory of fresh database URLs.
+
+    Skipped where no server binaries are installed, except under CI
+    (``CI`` set), where ``.ci/run`` installs them and a skip would hide a gap.
+    """
+    import os
+
+    from tests.postgres import PostgresServer
+
+    try:
+        import psycopg2  # noqa: F401
+        server = PostgresServer()
+    except (ImportError, FileNotFoundError) as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no PostgreSQL here: {e}")
+    server.start()
+    counter = iter(range(1_000_000))
+    yield lambda: server.create_database(f"planner_{next(counter)}")
+    server.stop()

@@ -12,3 +12,32 @@ def raises(mesh, **kwargs):
 def unwrapped(mesh, **kwargs):
     model = torch.nn.Linear(4, 4)
     return Workload(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda s: torch.ones(2, 4), lambda m, b: m(b).sum())
+
+
+def deep_prefetch_fails_on_rank1(mesh, **kwargs):
+    """The test MLP, but rank 1 raises inside a forward whenever explicit forward prefetch is on.
+
+    Stands in for a rank-specific failure in the middle of a step (an
+    out-of-memory error on one GPU under a deeper prefetch): the raise comes
+    after the second block's all-gather, so rank 0 goes on into the next
+    all-gather and waits there for rank 1.
+    """
+    from runtime.workloads import mlp
+
+    workload = mlp(mesh, **kwargs)
+    blocks = workload.model.blocks
+    configured = {"depth": 0}
+    setter = blocks[0].set_modules_to_forward_prefetch
+
+    def set_forward_prefetch(modules):
+        configured["depth"] = len(modules)
+        setter(modules)
+
+    blocks[0].set_modules_to_forward_prefetch = set_forward_prefetch
+
+    def fail(module, args):
+        if mesh.get_rank() == 1 and configured["depth"] >= 1:
+            raise RuntimeError("CUDA out of memory (simulated on rank 1)")
+
+    blocks[1].register_forward_pre_hook(fail)
+    return workload

@@ -1,0 +1,225 @@
+"""Studies that survive a cluster: concurrent jobs on one study, a rank that fails, SIGKILL, Ctrl-C.
+
+Every job here is a real ``prefetch-planner tune`` process with its own two
+gloo ranks (``torch.distributed.run``), on SQLite and on a PostgreSQL server
+started by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import sqlalchemy as sa
+
+from tests.runtime.conftest import rank_env
+
+STUDY = """
+[study]
+name = "shared"
+storage = "{url}"
+heartbeat_interval_s = 1
+grace_period_s = {grace}
+[workload]
+factory = "{factory}"
+kwargs = {{ dim = 64, layers = 4 }}
+[launch]
+timeout_s = {timeout}
+[search]
+space = "{space}"
+sim_trials = {sim}
+measured_trials = {measured}
+[measure]
+warmup_steps = 0
+steps = {steps}
+profile_repeats = 1
+"""
+
+
+def write_study(path: Path, url: str, factory: str = "runtime.workloads:mlp", space: str = "per_module",
+                sim: int = 40, measured: int = 9, steps: int = 1, grace: int = 30, timeout: int = 120) -> Path:
+    path.write_text(STUDY.format(url=url, factory=factory, space=space, sim=sim, measured=measured, steps=steps,
+                                 grace=grace, timeout=timeout))
+    return path
+
+
+def start_tune(toml: Path, cwd: Path, *extra: str) -> subprocess.Popen:
+    """``prefetch-planner tune`` in its own session (so a signal reaches the launcher and its ranks)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "planner.cli", "tune", str(toml), "--no-progress", *extra],
+        cwd=cwd, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def trials(url: str, name: str = "shared") -> list[optuna.trial.FrozenTrial]:
+    storage = optuna.storages.RDBStorage(url, skip_compatibility_check=True)
+    try:
+        return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    finally:
+        storage.engine.dispose()
+
+
+def wait_for_running(url: str, proc: subprocess.Popen, timeout: float = 300) -> list[int]:
+    """Poll the study until the job has measured trials RUNNING; return their numbers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, finish(proc)
+        try:
+            running = [t.number for t in trials(url) if t.state.name == "RUNNING"]
+        except KeyError:  # the study does not exist yet
+            running = []
+        if running:
+            return running
+        time.sleep(0.2)
+    raise AssertionError("no measured trial started in time")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun starts each rank in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def storage_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/shared.db"
+    return request.getfixturevalue("postgres")()
+
+
+@pytest.mark.slow
+def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
+    """3 jobs x 10 measured trials each on one study: every trial accounted for, one best plan for all readers."""
+    toml = write_study(tmp_path / "shared.toml", storage_url)
+    jobs = [start_tune(toml, tmp_path, "--plan-out", f"plan{i}.json", "--profile-out", f"profile{i}.json")
+            for i in range(3)]
+    results = [finish(p) for p in jobs]
+    for code, out, err in results:
+        assert code == 0, out + err
+        assert "best plan: trial" in out
+
+    measured = trials(storage_url)
+    assert len(measured) == 30
+    assert Counter(t.state.name for t in measured) == {"COMPLETE": 30}
+    per_job = Counter(t.user_attrs["job"] for t in measured)
+    assert sorted(per_job.values()) == [10, 10, 10]
+    assert sum(t.user_attrs["is_default"] for t in measured) == 3  # every job measured its own baseline
+    assert len({t.number for t in measured}) == 30
+    # our rows: one plan row and one run row per measured trial, no duplicate
+    engine = sa.create_engine(storage_url)
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("select trial_number from planner_plans where study_name = 'shared'").all()
+        runs = conn.exec_driver_sql("select count(*) from planner_measured_runs").scalar()
+        profiles = conn.exec_driver_sql("select count(*) from planner_profiles").scalar()
+    engine.dispose()
+    assert sorted(r[0] for r in rows) == sorted(t.number for t in measured)
+    assert runs == 30 and profiles == 3
+    assert len(trials(storage_url, "shared.sim")) == 3 * 40
+
+    # The best plan is the same whichever job (process) reads it.
+    readers = [subprocess.Popen([sys.executable, "-m", "planner.cli", "studies", "best", "shared", "--storage",
+                                 storage_url], cwd=tmp_path, env=rank_env(), stdout=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    answers = [r.communicate(timeout=120)[0] for r in readers]
+    assert all(r.returncode == 0 for r in readers)
+    assert answers[0] and answers.count(answers[0]) == 3
+    best = min((t for t in measured), key=lambda t: (t.value, t.number))
+    assert f"trial {best.number}" in answers[0]
+
+
+@pytest.mark.slow
+def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
+    """Rank 1 raises mid-step: no hang, the trial is FAIL with the reason, the study goes on in the next job."""
+    url = f"sqlite:///{tmp_path}/shared.db"
+    bad = write_study(tmp_path / "bad.toml", url, factory="bad_factories:deep_prefetch_fails_on_rank1",
+                      space="uniform", sim=30, measured=3, steps=2, timeout=5)
+    t0 = time.monotonic()
+    code, out, err = finish(start_tune(bad, tmp_path))
+    elapsed = time.monotonic() - t0
+    assert code == 3, out + err
+    line = one_error_line(err)
+    assert "failed on rank 1: RuntimeError: CUDA out of memory (simulated on rank 1)" in line, line
+    assert "run `prefetch-planner tune` again" in line
+    assert elapsed < 150  # bounded by [launch] timeout_s, not a hang
+    first = trials(url)
+    assert "RUNNING" not in {t.state.name for t in first}
+    [failed] = [t for t in first if t.user_attrs.get("fail_kind") == "error"]
+    assert "rank 1: RuntimeError: CUDA out of memory" in failed.user_attrs["fail_reason"]
+    assert failed.params["forward_depth"] >= 1
+
+    # The study goes on: the next job (a healthy model, same study) resumes, skipping the failed plan.
+    good = write_study(tmp_path / "good.toml", url, space="uniform", sim=30, measured=3, steps=2)
+    code, out, err = finish(start_tune(good, tmp_path))
+    assert code == 0, out + err
+    second = [t for t in trials(url) if t.number >= len(first)]
+    assert second and all(t.state.name == "COMPLETE" for t in second)
+    assert failed.user_attrs["plan_key"] not in {t.user_attrs["plan_key"] for t in second}
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_leaves_no_trial_running(tmp_path):
+    """SIGKILL mid-trial leaves trials RUNNING; the next job fails them (stale heartbeat) and measures them again."""
+    url = f"sqlite:///{tmp_path}/shared.db"
+    toml = write_study(tmp_path / "shared.toml", url, measured=3, steps=200, grace=3)
+    job = start_tune(toml, tmp_path)
+    running = wait_for_running(url, job)
+    for pid in process_tree(job.pid):  # the node dies: launcher and ranks at once
+        os.kill(pid, signal.SIGKILL)
+    job.wait(timeout=60)
+    assert {t.number for t in trials(url) if t.state.name == "RUNNING"} >= set(running)
+
+    resumed = write_study(tmp_path / "resume.toml", url, measured=3, steps=2, grace=3)
+    code, out, err = finish(start_tune(resumed, tmp_path))
+    assert code == 0, out + err
+    assert "resuming:" in out
+    after = trials(url)
+    assert "RUNNING" not in {t.state.name for t in after}
+    assert all(after[n].state.name == "FAIL" for n in running)
+    retried = {t.system_attrs.get("failed_trial") for t in after if t.state.name == "COMPLETE"}
+    assert set(running) <= retried  # every killed trial's plan was measured again
+
+
+@pytest.mark.slow
+def test_ctrl_c_fails_the_running_trials_cleanly(tmp_path):
+    url = f"sqlite:///{tmp_path}/shared.db"
+    toml = write_study(tmp_path / "shared.toml", url, measured=3, steps=200)
+    job = start_tune(toml, tmp_path)
+    running = wait_for_running(url, job)
+    os.killpg(job.pid, signal.SIGINT)  # Ctrl-C: the launcher's process group; torchrun forwards it to the ranks
+    code, out, err = finish(job, timeout=120)
+    assert code == 130, out + err
+    assert "interrupted (SIGINT)" in one_error_line(err)
+    after = trials(url)
+    assert "RUNNING" not in {t.state.name for t in after}
+    for n in running:
+        assert after[n].state.name == "FAIL" and after[n].user_attrs["fail_kind"] == "interrupted"
