@@ -91,11 +91,7 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
 
     profile = Profile.load(profile_json)
     plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
-    difference = plan.fingerprint.first_difference(profile.fingerprint)
-    if difference is not None:
-        from planner.errors import PlanMismatchError
-
-        raise PlanMismatchError(f"plan does not match the profile: {difference}")
+    plan.check_matches(profile)
     r = run(profile, plan, trace=bool(trace_out or png_out))
     title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
     if trace_out:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.errors import PlanFormatError
+from planner.errors import PlanFormatError, PlanMismatchError
 from planner.profile import Fingerprint, Profile
 
 PLAN_SCHEMA_VERSION = 1
@@ -104,6 +104,18 @@ class Plan:
         d = self.to_dict()
         d.pop("provenance")
         return json.dumps(d, sort_keys=True)
+
+    def check_matches(self, profile: Profile) -> None:
+        """Check the plan was made for the model and world size ``profile`` was recorded on.
+
+        Raises:
+            PlanMismatchError: naming the first difference of the fingerprints.
+        """
+        difference = self.fingerprint.first_difference(profile.fingerprint)
+        if difference is not None:
+            raise PlanMismatchError(
+                f"plan does not match the profile: {difference}; tune a plan for this model and world size"
+            )
 
     def is_default_for(self, profile: Profile) -> bool:
         """Whether this plan behaves like :meth:`default` for ``profile``."""

@@ -26,3 +26,16 @@ def test_losses_bitwise_identical_across_plans(ranks, tmp_path, workload):
     assert len(set(default[0])) == 3  # the loss changes from step to step: training happened
     for name, got in losses.items():
         assert got == default, f"plan {name!r} changed the loss: {got} vs {default}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload, examples", [("mlp", 60), ("llama", 15)])
+def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples):
+    """Hypothesis: plans drawn from every search space (and the other knobs) leave 3 steps' losses bitwise equal."""
+    factory, kwargs = WORKLOADS[workload]
+    out = tmp_path / "property.json"
+    ranks("property.py", factory, json.dumps(kwargs), "3", str(examples), str(out))
+    result = json.loads(out.read_text())
+    assert result["failure"] is None, result["failure"]
+    assert result["examples"] >= examples
+    assert set(result["spaces"]) == {"uniform", "per_module"}
