@@ -1,0 +1,243 @@
+"""Every kind of wrong input: one line ``error: ...`` and exit 2 at the CLI, a named exception in the API,
+and the study database exactly as it was.
+
+Each case runs against a real study database (measured and simulated trials,
+our tables) and compares a full SQL dump of it before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from click.testing import CliRunner
+
+from planner.cli import main
+from planner.config import StudyConfig, load_study_config
+from planner.errors import (
+    PlanFormatError,
+    PlanMismatchError,
+    ProfileFormatError,
+    StorageError,
+    StudyConfigError,
+    WorkloadError,
+)
+from planner.plan import Plan
+from planner.profile import Profile
+from planner.storage import check_writable
+from planner.study import MeasuredStage, open_storage, select_candidates, simulated_stage
+from tests.conftest import synthetic_profile
+from tests.runtime.conftest import HERE as RUNTIME_TESTS
+from tests.runtime.conftest import rank_env
+
+GOOD_TOML = '[study]\nname = "s"\n[workload]\nfactory = "{factory}"\nkwargs = {{ dim = 64, layers = 4 }}\n'
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    """A study database with results, a profile, its default plan, and a good study TOML."""
+    monkeypatch.syspath_prepend(str(RUNTIME_TESTS))  # bad_factories, for the API cases
+    db = tmp_path / "s.db"
+    config = StudyConfig(name="s", storage=f"sqlite:///{db}", factory="runtime.workloads:mlp", sim_trials=20,
+                         measured_trials=2, directory=str(tmp_path))
+    profile = synthetic_profile(n_blocks=4)
+    storage = open_storage(config.storage, config)
+    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
+    stage = MeasuredStage(config, storage, profile, job="fixture")
+    asked = stage.ask(select_candidates(sim, profile, "uniform", 2))
+    stage.tell(asked, [[100.0], [80.0], [90.0]], [[[100.0]], [[80.0]], [[90.0]]])
+    stage.close()
+    storage.engine.dispose()
+    profile.to_json(tmp_path / "profile.json")
+    Plan.default(profile).to_json(tmp_path / "plan.json")
+    (tmp_path / "good.toml").write_text(GOOD_TOML.format(factory="runtime.workloads:mlp"))
+    return tmp_path
+
+
+def dump(db: Path) -> str:
+    con = sqlite3.connect(db)
+    try:
+        return "\n".join(con.iterdump())
+    finally:
+        con.close()
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def plan_json(world: Path, mutate: Callable[[dict], None]) -> str:
+    d = json.loads((world / "plan.json").read_text())
+    mutate(d)
+    return write(world / "bad_plan.json", json.dumps(d))
+
+
+def other_model_plan(world: Path) -> str:
+    Plan.default(synthetic_profile(n_blocks=3)).to_json(world / "bad_plan.json")
+    return str(world / "bad_plan.json")
+
+
+def truncated(path: Path, out: Path) -> str:
+    text = path.read_text()
+    return write(out, text[: len(text) // 2])
+
+
+def set_world_size(d: dict) -> None:
+    d["fingerprint"]["world_size"] = 4
+
+
+def set_schema(d: dict) -> None:
+    d["schema_version"] = 99
+
+
+def non_fsdp_fqn(d: dict) -> None:
+    d["modules"]["b0.fc1"] = d["modules"]["b0"]
+
+
+def unknown_prefetch_target(d: dict) -> None:
+    d["modules"]["b0"]["forward_prefetch"] = ["b9"]
+
+
+def profile_schema(world: Path) -> str:
+    d = json.loads((world / "profile.json").read_text())
+    d["schema_version"] = 99
+    return write(world / "bad_profile.json", json.dumps(d))
+
+
+@dataclass
+class Case:
+    """``cli(world)`` gives the CLI arguments; ``api(world)`` must raise ``error``."""
+
+    cli: Callable[[Path], list[str]]
+    needle: str
+    api: Callable[[Path], Any]
+    error: type[Exception]
+
+
+def simulate_with_plan(world: Path, plan: str) -> None:
+    Plan.load(plan).check_matches(Profile.load(world / "profile.json"))
+
+
+CASES = {
+    "malformed toml": Case(
+        lambda w: ["tune", write(w / "bad.toml", "[study\nname = 's'\n")], "is not valid TOML",
+        lambda w: load_study_config(w / "bad.toml"), StudyConfigError),
+    "truncated toml": Case(
+        lambda w: ["tune", write(w / "bad.toml", GOOD_TOML.format(factory="runtime.workloads:mlp")[:40])],
+        "is not valid TOML", lambda w: load_study_config(w / "bad.toml"), StudyConfigError),
+    "malformed plan json": Case(
+        lambda w: ["simulate", str(w / "profile.json"), write(w / "bad_plan.json", "{plan: yes")],
+        "plan is not valid JSON", lambda w: Plan.load(w / "bad_plan.json"), PlanFormatError),
+    "truncated plan json": Case(
+        lambda w: ["simulate", str(w / "profile.json"), truncated(w / "plan.json", w / "bad_plan.json")],
+        "plan is not valid JSON", lambda w: Plan.load(w / "bad_plan.json"), PlanFormatError),
+    "truncated profile json": Case(
+        lambda w: ["simulate", truncated(w / "profile.json", w / "bad_profile.json")],
+        "profile is not valid JSON", lambda w: Profile.load(w / "bad_profile.json"), ProfileFormatError),
+    "unknown plan schema": Case(
+        lambda w: ["simulate", str(w / "profile.json"), plan_json(w, set_schema)],
+        "schema_version 99", lambda w: Plan.load(w / "bad_plan.json"), PlanFormatError),
+    "unknown profile schema": Case(
+        lambda w: ["simulate", profile_schema(w)],
+        "schema_version 99", lambda w: Profile.load(w / "bad_profile.json"), ProfileFormatError),
+    "plan for another model": Case(
+        lambda w: ["simulate", str(w / "profile.json"), other_model_plan(w)], "FSDP module count",
+        lambda w: simulate_with_plan(w, str(w / "bad_plan.json")), PlanMismatchError),
+    "plan for another world size": Case(
+        lambda w: ["simulate", str(w / "profile.json"), plan_json(w, set_world_size)],
+        "world size: plan was made for 4 ranks, this run has 2",
+        lambda w: simulate_with_plan(w, str(w / "bad_plan.json")), PlanMismatchError),
+    "fqn that is not an fsdp module": Case(
+        lambda w: ["simulate", str(w / "profile.json"), plan_json(w, non_fsdp_fqn)],
+        "plan sets module 'b0.fc1', which is not an FSDP module",
+        lambda w: Plan.load(w / "bad_plan.json"), PlanFormatError),
+    "prefetch of a module that does not exist": Case(
+        lambda w: ["simulate", str(w / "profile.json"), plan_json(w, unknown_prefetch_target)],
+        "module 'b0' prefetches 'b9', which is not an FSDP module",
+        lambda w: Plan.load(w / "bad_plan.json"), PlanFormatError),
+    "unreachable storage (tune)": Case(
+        lambda w: ["tune", str(w / "good.toml"), "--storage", "postgresql+psycopg2://planner@127.0.0.1:9/x"],
+        "cannot open storage 'postgresql+psycopg2://planner@127.0.0.1:9/x'",
+        lambda w: check_writable("postgresql+psycopg2://planner@127.0.0.1:9/x"), StorageError),
+    "unreachable storage (studies list)": Case(
+        lambda w: ["studies", "list", "--storage", "postgresql+psycopg2://planner@127.0.0.1:9/x"],
+        "cannot open storage", lambda w: open_storage("postgresql+psycopg2://planner@127.0.0.1:9/x"),
+        StorageError),
+    "unknown storage dialect": Case(
+        lambda w: ["tune", str(w / "good.toml"), "--storage", "nosuchdb://x"], "cannot open storage 'nosuchdb://x'",
+        lambda w: check_writable("nosuchdb://x"), StorageError),
+}
+
+
+def assert_one_line_error(code: int, err: str, needle: str, exit_code: int = 2) -> None:
+    assert code == exit_code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input(world, name):
+    case = CASES[name]
+    before = dump(world / "s.db")
+    args = case.cli(world)
+    if args[0] == "tune" and "--storage" not in args:
+        args += ["--storage", f"sqlite:///{world / 's.db'}"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert_one_line_error(result.exit_code, result.stderr, case.needle)
+    with pytest.raises(case.error) as info:
+        case.api(world)
+    assert case.needle.split(" '")[0] in str(info.value)
+    assert dump(world / "s.db") == before
+
+
+def test_locked_sqlite_file(world, monkeypatch):
+    """Another process holds the write lock: a bounded wait, then one line naming the lock and the fix."""
+    monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "1")
+    db = world / "s.db"
+    before = dump(db)
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        url = f"sqlite:///{db}"
+        result = CliRunner().invoke(main, ["tune", str(world / "good.toml"), "--storage", url],
+                                    catch_exceptions=False)
+        assert_one_line_error(result.exit_code, result.stderr, f"storage '{url}' is locked")
+        assert "PREFETCH_PLANNER_SQLITE_TIMEOUT_S" in result.stderr
+        with pytest.raises(StorageError, match="is locked"):
+            check_writable(url)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert dump(db) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "factory, needle",
+    [
+        ("bad_factories:raises", "workload factory 'bad_factories:raises' raised RuntimeError: out of coffee"),
+        ("bad_factories:unwrapped", "not wrapped with fully_shard"),
+    ],
+)
+def test_bad_workload_factory(world, factory, needle):
+    """Found on the ranks: rank 0 prints the one line, every rank exits 2, the database is untouched."""
+    before = dump(world / "s.db")
+    toml = write(world / "bad.toml", GOOD_TOML.format(factory=factory))
+    proc = subprocess.run([sys.executable, "-m", "planner.cli", "tune", toml, "--storage",
+                           f"sqlite:///{world / 's.db'}", "--no-progress"],
+                          capture_output=True, text=True, env=rank_env(), cwd=world, timeout=300)
+    assert_one_line_error(proc.returncode, proc.stderr, needle)
+    from runtime.workload import build_workload
+
+    with pytest.raises(WorkloadError, match=needle.split(":")[0]):
+        build_workload(factory, None, {})
+    assert dump(world / "s.db") == before
+    assert not list(world.glob("s.*.json"))  # no plan or profile written either
