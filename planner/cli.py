@@ -193,8 +193,12 @@ def studies_show(name, storage, top) -> None:
         if r["predicted_ms"] and r["measured_ms"]:
             err = f"{100 * (r['predicted_ms'] - r['measured_ms']) / r['measured_ms']:+.1f}"
         tag = "default " if r["is_default"] else ""
+        if r["retry_of"] is not None:
+            tag += f"retry of {r['retry_of']} "
         click.echo(f"  {r['number']:>5} {r['state']:<8} {_ms(r['predicted_ms']):>12} {_ms(r['measured_ms']):>11} "
                    f"{err:>8}  {tag}{json.dumps(_short(r['params']))}")
+        if r["fail_reason"]:
+            click.echo(f"  {'':>5} {'':<8} reason: {r['fail_reason']}")
     best = sorted((r for r in simulated if r["predicted_ms"] is not None), key=lambda r: r["predicted_ms"])[:top]
     click.echo(f"\nsimulated stage (best {len(best)})\n  {'trial':>5} {'predicted ms':>12}  params")
     for r in best:

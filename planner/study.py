@@ -542,7 +542,8 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
     """Trials of study ``name``: measured ones, then simulated ones.
 
     Each row: ``stage``, ``number``, ``state``, ``predicted_ms``,
-    ``measured_ms``, ``is_default``, ``params``.
+    ``measured_ms``, ``is_default``, ``params``; measured rows also ``job``,
+    ``fail_reason`` and ``retry_of`` (the stale trial a retry re-measures).
 
     Raises:
         StudyNotFoundError: no such study.
@@ -553,6 +554,8 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
             "stage": "measured", "number": t.number, "state": t.state.name,
             "predicted_ms": t.user_attrs.get("predicted_ms"), "measured_ms": t.value,
             "is_default": bool(t.user_attrs.get("is_default")), "params": t.params,
+            "job": t.user_attrs.get("job"), "fail_reason": t.user_attrs.get("fail_reason"),
+            "retry_of": t.system_attrs.get("failed_trial"),
         }
         for t in study.trials
     ]

@@ -57,7 +57,7 @@ def postgres():
     from tests.postgres import PostgresServer
 
     try:
-        import psycopg2  # noqa: F401
+        import psycopg2  # noqa: F401  (the driver the server tests need)
         server = PostgresServer()
     except (ImportError, FileNotFoundError) as e:
         if os.environ.get("CI"):

@@ -176,6 +176,9 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
     [failed] = [t for t in first if t.user_attrs.get("fail_kind") == "error"]
     assert "rank 1: RuntimeError: CUDA out of memory" in failed.user_attrs["fail_reason"]
     assert failed.params["forward_depth"] >= 1
+    show = subprocess.run([sys.executable, "-m", "planner.cli", "studies", "show", "shared", "--storage", url],
+                          capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=120)
+    assert "reason: rank 1: RuntimeError: CUDA out of memory" in show.stdout, show.stdout + show.stderr
 
     # The study goes on: the next job (a healthy model, same study) resumes, skipping the failed plan.
     good = write_study(tmp_path / "good.toml", url, space="uniform", sim=30, measured=3, steps=2)

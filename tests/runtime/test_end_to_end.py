@@ -93,23 +93,6 @@ def test_tune_under_torchrun_is_the_same_code_path(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "factory, needle",
-    [
-        ("bad_factories:raises", "raised RuntimeError: out of coffee"),
-        ("bad_factories:unwrapped", "not wrapped with fully_shard"),
-    ],
-)
-def test_rank_time_workload_errors(cli, tmp_path, factory, needle):
-    (tmp_path / "s.toml").write_text(f'[study]\nname = "s"\n[workload]\nfactory = "{factory}"\n')
-    proc = cli("tune", "s.toml", "--no-progress", cwd=tmp_path)
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and needle in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.slow
 def test_profile_command_with_torch_trace(cli, tmp_path):
     (tmp_path / "s.toml").write_text(STUDY.format(space="uniform"))
     proc = cli("profile", "s.toml", "-o", "p.json", "--torch-trace", "torch.json", cwd=tmp_path)
