@@ -14,15 +14,21 @@ def unwrapped(mesh, **kwargs):
     return Workload(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda s: torch.ones(2, 4), lambda m, b: m(b).sum())
 
 
-def deep_prefetch_fails_on_rank1(mesh, **kwargs):
+def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
     """The test MLP, but rank 1 raises inside a forward whenever explicit forward prefetch is on.
 
     Stands in for a rank-specific failure in the middle of a step (an
     out-of-memory error on one GPU under a deeper prefetch): the raise comes
     after the second block's all-gather, so rank 0 goes on into the next
-    all-gather and waits there for rank 1.
+    all-gather and waits there for rank 1. With ``first_attempt_only``, only
+    in torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): a
+    transient fault that a restart gets past.
     """
+    import os
+
     from runtime.workloads import mlp
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
     workload = mlp(mesh, **kwargs)
     blocks = workload.model.blocks
@@ -36,7 +42,7 @@ def deep_prefetch_fails_on_rank1(mesh, **kwargs):
     blocks[0].set_modules_to_forward_prefetch = set_forward_prefetch
 
     def fail(module, args):
-        if mesh.get_rank() == 1 and configured["depth"] >= 1:
+        if mesh.get_rank() == 1 and configured["depth"] >= 1 and not (first_attempt_only and restarted):
             raise RuntimeError("CUDA out of memory (simulated on rank 1)")
 
     blocks[1].register_forward_pre_hook(fail)

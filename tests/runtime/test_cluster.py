@@ -190,6 +190,28 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_max_restarts_resumes_the_study(tmp_path):
+    """A transient rank failure under `torchrun --max-restarts 1`: the restarted ranks go on with the study."""
+    url = f"sqlite:///{tmp_path}/shared.db"
+    toml = write_study(tmp_path / "shared.toml", url, factory="bad_factories:deep_prefetch_fails_on_rank1",
+                       space="uniform", sim=30, measured=3, steps=2, timeout=5)
+    toml.write_text(toml.read_text().replace("layers = 4 }", "layers = 4, first_attempt_only = true }"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+         "-m", "planner.cli", "tune", str(toml), "--no-progress"],
+        capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = trials(url)
+    assert "RUNNING" not in {t.state.name for t in got}
+    [failed] = [t for t in got if t.user_attrs.get("fail_kind") == "error"]  # the first attempt's
+    done = [t for t in got if t.state.name == "COMPLETE"]
+    assert len(done) == 4 and all(t.number > failed.number for t in done)
+    assert failed.user_attrs["plan_key"] not in {t.user_attrs["plan_key"] for t in done}
+    assert (tmp_path / "shared.plan.json").exists()
+
+
+@pytest.mark.slow
 def test_sigkill_then_resume_leaves_no_trial_running(tmp_path):
     """SIGKILL mid-trial leaves trials RUNNING; the next job fails them (stale heartbeat) and measures them again."""
     url = f"sqlite:///{tmp_path}/shared.db"
