@@ -397,18 +397,13 @@ class MeasuredStage:
         """
         medians = [statistics.median(ms) for ms in step_ms]
         default_ms = next((m for a, m in zip(asked, medians) if a.plan.is_default_for(self.profile)), None)
-        plans = []
+        plans = [
+            a.plan.with_provenance(source="measured", study=self.config.name, trial=a.number,
+                                   predicted_ms=a.predicted_ms, measured_ms=ms, default_measured_ms=default_ms)
+            for a, ms in zip(asked, medians)
+        ]
         with self._storage_errors():
-            for a, ms, times, ranks in zip(asked, medians, step_ms, per_rank):
-                self.storage.set_trial_user_attr(a.trial_id, "step_ms", times)
-                self.storage.set_trial_user_attr(a.trial_id, "per_rank_step_ms", ranks)
-                self.study.tell(a.number, ms)
-                self.heartbeat.discard(a.trial_id)
-                plans.append(a.plan.with_provenance(
-                    source="measured", study=self.config.name, trial=a.number,
-                    predicted_ms=a.predicted_ms, measured_ms=ms, default_measured_ms=default_ms,
-                ))
-            # Our rows after Optuna's writes: one SQLite writer at a time.
+            # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan.
             with session(self.engine) as s:
                 for plan, a, times, ranks in zip(plans, asked, step_ms, per_rank):
                     row = PlanRow(
@@ -424,6 +419,11 @@ class MeasuredStage:
                         step_ms_json=json.dumps(times), per_rank_json=json.dumps(ranks),
                     ))
                 s.commit()
+            for a, ms, times, ranks in zip(asked, medians, step_ms, per_rank):
+                self.storage.set_trial_user_attr(a.trial_id, "step_ms", times)
+                self.storage.set_trial_user_attr(a.trial_id, "per_rank_step_ms", ranks)
+                self.study.tell(a.number, ms, skip_if_finished=True)  # a trial failed as stale stays FAIL
+                self.heartbeat.discard(a.trial_id)
         return plans
 
     def fail(self, asked: list[MeasuredTrial], reason: str, kind: str) -> None:

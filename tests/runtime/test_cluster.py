@@ -196,10 +196,13 @@ def test_torchrun_max_restarts_resumes_the_study(tmp_path):
     toml = write_study(tmp_path / "shared.toml", url, factory="bad_factories:deep_prefetch_fails_on_rank1",
                        space="uniform", sim=30, measured=3, steps=2, timeout=5)
     toml.write_text(toml.read_text().replace("layers = 4 }", "layers = 4, first_attempt_only = true }"))
+    # torchrun shares its rendezvous store with the restarted ranks' process group, which then can read
+    # the previous attempt's addresses (pytorch/pytorch#135712); README says to set this with --max-restarts.
+    env = dict(rank_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
          "-m", "planner.cli", "tune", str(toml), "--no-progress"],
-        capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=600,
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = trials(url)
