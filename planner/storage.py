@@ -122,15 +122,16 @@ def create_racing(create: Callable[[], T], attempts: int = 5) -> T:
 
     Two jobs starting on a new database both see a table missing and both
     create it; the second gets "already exists" (SQLite) or a duplicate key
-    on the catalog (PostgreSQL). The tables are then there: trying again
-    succeeds.
+    on the catalog (PostgreSQL), and Optuna's version row a unique-constraint
+    error. The tables are then there: trying again succeeds.
     """
     for attempt in range(attempts):
         try:
             return create()
         except sa.exc.SQLAlchemyError as e:
             text = str(e).lower()
-            if attempt == attempts - 1 or not ("already exists" in text or "duplicate key" in text):
+            racing = ("already exists", "duplicate key", "unique constraint")  # SQLite, PostgreSQL, both
+            if attempt == attempts - 1 or not any(r in text for r in racing):
                 raise
             time.sleep(0.1 * (attempt + 1))
     raise AssertionError("unreachable")
