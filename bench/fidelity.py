@@ -9,7 +9,9 @@ re-all-gathers the previous module in every pre-forward); measure them
 interleaved; track the unsharded parameter bytes alive through FSDP's own
 unshard/reshard for one step of each. Then fit the calibration on half of the
 plans and report, on the held-back half, the prediction error and the
-Spearman rank correlation before and after; the memory error for all plans.
+Spearman rank correlation before and after; then leave-one-out (each plan
+predicted by a calibration fitted on all the others) over every plan, and the
+step-to-step noise; the memory error for all plans.
 """
 
 from __future__ import annotations
@@ -119,6 +121,18 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
         hm = [o.measured_ms for o in held]
         rho_before = spearman([simulate(profile, o.plan).step_ms for o in held], hm)
         rho_after = spearman([simulate(cal, o.plan).step_ms for o in held], hm)
+        # Leave-one-out: every plan predicted by a calibration fitted on the 11 others.
+        loo = [simulate(calibrated(profile, fit(profile, obs[:i] + obs[i + 1:])), o.plan).step_ms
+               for i, o in enumerate(obs)]
+        loo_err = [100 * (p - m) / m for p, m in zip(loo, measured)]
+        spread = [100 * (statistics.quantiles(t, n=4)[2] - statistics.quantiles(t, n=4)[0]) / statistics.median(t)
+                  for t in step_ms]
+        print(f"leave-one-out (each plan held back from its own fit, all {len(obs)} plans): {summary(loo_err)}, "
+              f"Spearman {spearman(loo, measured):.2f}")
+        print(f"measurement noise: step-to-step interquartile range, median over plans {statistics.median(spread):.1f}% "
+              f"of the step time")
+        for r, p_ms, e in zip(rows, loo, loo_err):
+            r["loo_predicted_ms"], r["loo_error_pct"] = p_ms, e
         mem = [abs(r["memory_error_pct"]) for r in rows]
         print(f"held-back plans ({len(held)}): before calibration {summary(h_before)}, Spearman {rho_before:.2f}; "
               f"after {summary(h_after)}, Spearman {rho_after:.2f}")
@@ -127,7 +141,8 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
         print(f"unsharded parameter memory: median |error| {statistics.median(mem):.1f}%, max {max(mem):.1f}%")
         if out:
             Path(out).write_text(json.dumps({"study": config.name, "calibration": cal.calibration, "rows": rows,
-                                             "held_spearman": [rho_before, rho_after]}, indent=1))
+                                             "held_spearman": [rho_before, rho_after],
+                                             "loo_spearman": spearman(loo, measured)}, indent=1))
     del workload
     shutdown_rank()
 

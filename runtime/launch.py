@@ -306,6 +306,9 @@ def rank_error(e: BaseException) -> None:
         code = 130
     else:
         message, code = str(e), getattr(e, "exit_code", 2)
-    if os.environ.get("RANK", "0") == "0":
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
+    elif getattr(e, "local", False):  # e.g. rank 0 died: nobody else would say it
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
     sys.exit(code)

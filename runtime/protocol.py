@@ -83,7 +83,9 @@ def gather(local: Any, group: Any) -> list[Any]:
     try:
         dist.all_gather_object(out, local, group=group)
     except Exception as e:  # noqa: BLE001 - gloo reports a dead peer in several ways
-        raise TrialFailedError(f"a rank did not report to rank {dist.get_rank()}: {_one_line(e)}") from None
+        error = TrialFailedError(f"a rank did not report to rank {dist.get_rank()}: {_one_line(e)}")
+        error.local = True  # this rank's own view: it prints it even if it is not rank 0 (rank 0 may be dead)
+        raise error from None
     return out
 
 
