@@ -110,7 +110,7 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
         for i, n in enumerate(names):
             raw, c = simulate(profile, plans[n]), simulate(cal, plans[n])
             mem_err = 100 * (raw.peak_unsharded_bytes - peaks[i]) / peaks[i] if peaks[i] else float("nan")
-            rows.append({"plan": n, "fit": i in train_idx, "measured_ms": measured[i], "steps_ms": step_ms[i],
+            rows.append({"plan": n, "plan_json": plans[n].to_dict(), "fit": i in train_idx, "measured_ms": measured[i], "steps_ms": step_ms[i],
                          "predicted_ms": raw.step_ms, "error_pct": before[i], "calibrated_ms": c.step_ms,
                          "calibrated_error_pct": after[i], "measured_unsharded_bytes": peaks[i],
                          "predicted_unsharded_bytes": raw.peak_unsharded_bytes, "memory_error_pct": mem_err})
@@ -140,7 +140,8 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
               f"after {summary(after)}, Spearman {spearman([r['calibrated_ms'] for r in rows], measured):.2f}")
         print(f"unsharded parameter memory: median |error| {statistics.median(mem):.1f}%, max {max(mem):.1f}%")
         if out:
-            Path(out).write_text(json.dumps({"study": config.name, "calibration": cal.calibration, "rows": rows,
+            Path(out).write_text(json.dumps({"study": config.name, "profile": profile.to_dict(),
+                                             "calibration": cal.calibration, "rows": rows,
                                              "held_spearman": [rho_before, rho_after],
                                              "loo_spearman": spearman(loo, measured)}, indent=1))
     del workload
