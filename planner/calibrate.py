@@ -80,9 +80,12 @@ def summary(errs: list[float]) -> str:
 
 
 def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman rank correlation of two equal-length sequences (ties by order)."""
-    ra = np.argsort(np.argsort(a)).astype(float)
-    rb = np.argsort(np.argsort(b)).astype(float)
-    if ra.std() == 0 or rb.std() == 0:
+    """Spearman rank correlation (``scipy.stats.spearmanr``: tied values share their average rank).
+
+    ``nan`` when either sequence is constant.
+    """
+    from scipy.stats import spearmanr
+
+    if len(set(a)) < 2 or len(set(b)) < 2:
         return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
+    return float(spearmanr(a, b).statistic)

@@ -45,3 +45,5 @@ def test_fit_needs_two_observations(make_profile):
 def test_spearman():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    # a tie in the prediction shares the average rank instead of taking the order it came in
+    assert spearman([1, 1, 3], [10, 20, 30]) == spearman([1, 1, 3], [20, 10, 30]) == pytest.approx(0.866, abs=1e-3)
