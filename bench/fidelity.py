@@ -1,6 +1,7 @@
 """Benchmark: simulator fidelity against the real ranks, before and after calibration.
 
     python bench/fidelity.py [studies/llama-cpu.toml studies/gpt2-cpu.toml] [--rounds 5] [--json out.json]
+    python bench/fidelity.py --refit llama.json gpt2.json   # saved runs, today's calibration, no ranks
 
 For each study, in one run on its ranks: record a profile; build 12 plans
 (FSDP2's default; uniform depths 0-3 with and without async unshard; the two
@@ -148,12 +149,49 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
     shutdown_rank()
 
 
+def refit(path: str) -> None:
+    """Report a saved run (``--json``) again with today's calibration code: no ranks, no new measurement."""
+    from planner.calibrate import Observation, calibrated, errors_pct, fit, spearman, summary
+    from planner.plan import Plan
+    from planner.profile import Profile
+    from planner.simulator import simulate
+
+    d = json.loads(Path(path).read_text())
+    profile = Profile.from_dict(d["profile"])
+    rows = d["rows"]
+    obs = [Observation(Plan.from_dict(r["plan_json"]), r["measured_ms"]) for r in rows]
+    measured = [o.measured_ms for o in obs]
+    train = [o for o, r in zip(obs, rows) if r["fit"]]
+    held = [o for o, r in zip(obs, rows) if not r["fit"]]
+    cal = calibrated(profile, fit(profile, train))
+    print(f"\n{d['study']} (measurements from {path}); calibration fitted on the {len(train)} plans marked 'fit': "
+          + ", ".join(f"{k} {v:.3g}" for k, v in cal.calibration.items()))
+    print(f"{'plan':<38} {'set':<5} {'measured':>9} {'predicted':>9} {'err %':>7} {'calibr.':>9} {'err %':>7}")
+    for r, o in zip(rows, obs):
+        raw, c = simulate(profile, o.plan).step_ms, simulate(cal, o.plan).step_ms
+        print(f"{r['plan']:<38} {'fit' if r['fit'] else 'held':<5} {o.measured_ms:>9.1f} {raw:>9.1f} "
+              f"{100 * (raw / o.measured_ms - 1):>+7.1f} {c:>9.1f} {100 * (c / o.measured_ms - 1):>+7.1f}")
+    hm = [o.measured_ms for o in held]
+    print(f"held-back plans ({len(held)}): before calibration {summary(errors_pct(profile, held))}, Spearman "
+          f"{spearman([simulate(profile, o.plan).step_ms for o in held], hm):.2f}; after "
+          f"{summary(errors_pct(cal, held))}, Spearman {spearman([simulate(cal, o.plan).step_ms for o in held], hm):.2f}")
+    loo = [simulate(calibrated(profile, fit(profile, obs[:i] + obs[i + 1:])), o.plan).step_ms
+           for i, o in enumerate(obs)]
+    print(f"leave-one-out (all {len(obs)} plans): {summary([100 * (p / m - 1) for p, m in zip(loo, measured)])}, "
+          f"Spearman {spearman(loo, measured):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("studies", nargs="*", default=["studies/llama-cpu.toml", "studies/gpt2-cpu.toml"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the rows of the (single) study here")
+    parser.add_argument("--refit", nargs="+", metavar="JSON", help="report saved --json runs again, measuring nothing")
     args = parser.parse_args()
+    if args.refit:
+        for path in args.refit:
+            refit(path)
+        return
     try:
         from planner.config import load_study_config
         from runtime.launch import in_torchrun, launch_ranks

@@ -69,12 +69,17 @@ class SimParams:
         comm_scale: factor on every measured collective time (isolated
             measurements after a barrier include rank skew; in a step they
             can run faster or slower).
+        compute_scale: factor on every measured compute time (forward,
+            backward, optimizer): the recorder times compute with parameters
+            pre-unsharded and nothing else running; inside a real step caches
+            and the allocator are colder.
     """
 
     issue_overhead_ms: float = 0.0
     overlap_slowdown: float = 1.0
     collective_latency_ms: float = 0.0
     comm_scale: float = 1.0
+    compute_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -223,14 +228,16 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
     if params is None:
         params = SimParams(**profile.calibration) if profile.calibration else _NO_CALIBRATION
     fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf = _plan_arrays(plan, c)
+    x = params.compute_scale
+    fwd, bwd, opt_ms = (c.fwd, c.bwd, c.opt_ms) if x == 1.0 else (c.fwd * x, c.bwd * x, c.opt_ms * x)
     s = np.zeros(8)
     k = np.zeros(8, np.int64)
     ev = np.zeros((c.trace_rows, 4)) if trace else _NO_TRACE
     mem = np.zeros((c.trace_rows, 2)) if trace else _NO_MEMORY
     _kernel.step(
-        c.ag, c.rs, c.fwd, c.bwd, c.ub, c.gb, c.ab, c.children, c.post, c.root, c.root_post_index,
-        c.root_fwd_pre, c.root_fwd_post, c.root_bwd_pre, c.root_bwd_post, c.root_ab_pre,
-        c.gpu, c.microbatches, c.opt_ms,
+        c.ag, c.rs, fwd, bwd, c.ub, c.gb, c.ab, c.children, c.post, c.root, c.root_post_index,
+        c.root_fwd_pre * x, c.root_fwd_post * x, c.root_bwd_pre * x, c.root_bwd_post * x, c.root_ab_pre,
+        c.gpu, c.microbatches, opt_ms,
         fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf, plan.unshard_async_op,
         plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward,
         params.issue_overhead_ms, params.overlap_slowdown - 1.0, params.comm_scale, params.collective_latency_ms,

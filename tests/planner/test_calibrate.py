@@ -47,3 +47,15 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
     # a tie in the prediction shares the average rank instead of taking the order it came in
     assert spearman([1, 1, 3], [10, 20, 30]) == spearman([1, 1, 3], [20, 10, 30]) == pytest.approx(0.866, abs=1e-3)
+
+
+def test_cross_validation_keeps_the_simple_family_when_it_explains_the_data(make_profile):
+    """Truth = compute 1.3x slower, collectives 1.1x: the two-parameter family wins and is recovered."""
+    p = make_profile(n_blocks=6, fwd=[10, 30, 5, 12, 8, 20], bwd=20.0, ag=[8, 4, 15, 6, 9, 5], rs=4.0,
+                     optimizer_ms=7.0)
+    truth = SimParams(compute_scale=1.3, comm_scale=1.1)
+    obs = [Observation(plan, simulate(p, plan, truth).step_ms) for plan in _plans(p)[:8]]
+    params = fit(p, obs)
+    assert params.compute_scale == pytest.approx(1.3, abs=0.02)
+    assert params.comm_scale == pytest.approx(1.1, abs=0.05)
+    assert (params.issue_overhead_ms, params.overlap_slowdown, params.collective_latency_ms) == (0.0, 1.0, 0.0)
