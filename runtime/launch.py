@@ -218,7 +218,7 @@ def _finish(config: StudyConfig, stage: Any, told: list, profile: Any, profile_o
     if not told:
         print("no plan was measured in this job; nothing written")
         return
-    _report(told, plan_out)
+    _report(told, plan_out, profile)
     study_best, _ = best_plan(config.storage, config.name)
     print(f"study-wide best so far: trial {study_best.provenance.trial}, {study_best.provenance.measured_ms:.1f} ms "
           f"(`prefetch-planner studies best {config.name}`)")
@@ -270,13 +270,13 @@ def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = Non
         shutdown_rank()
 
 
-def _report(plans: list, plan_out: str) -> None:
+def _report(plans: list, plan_out: str, profile: Any) -> None:
     default_ms = plans[0].provenance.default_measured_ms
     print(f"\n  {'trial':>5}  {'predicted ms':>12}  {'measured ms':>11}  {'vs default':>10}  plan")
     for p in plans:
         pv = p.provenance
         ratio = pv.measured_ms / default_ms if default_ms else float("nan")
-        label = "FSDP2 default" if p.provenance.trial == plans[0].provenance.trial else _describe(p)
+        label = "FSDP2 default" if p.is_default_for(profile) else _describe(p)
         print(f"  {pv.trial:>5}  {pv.predicted_ms:>12.1f}  {pv.measured_ms:>11.1f}  {ratio:>10.3f}  {label}")
     best = min(plans, key=lambda p: p.provenance.measured_ms)
     best.to_json(plan_out)

@@ -56,8 +56,11 @@ def postgres():
 
     from tests.postgres import PostgresServer
 
+    import importlib.util
+
     try:
-        import psycopg2  # noqa: F401  (the driver the server tests need)
+        if importlib.util.find_spec("psycopg2") is None:
+            raise ImportError("psycopg2 is not installed: pip install -e '.[test]'")
         server = PostgresServer()
     except (ImportError, FileNotFoundError) as e:
         if os.environ.get("CI"):
