@@ -70,3 +70,20 @@ def postgres():
     counter = iter(range(1_000_000))
     yield lambda: server.create_database(f"planner_{next(counter)}")
     server.stop()
+
+
+def make_study_db(directory, profile: Profile, sim_trials: int) -> str:
+    """A study ``s`` in ``directory/s.db`` with simulated trials and 3 measured plans (100, 80, 90 ms); its URL."""
+    from planner.config import StudyConfig
+    from planner.study import MeasuredStage, open_storage, select_candidates, simulated_stage
+
+    config = StudyConfig(name="s", storage=f"sqlite:///{directory}/s.db", factory="runtime.workloads:mlp",
+                         sim_trials=sim_trials, measured_trials=2, directory=str(directory))
+    storage = open_storage(config.storage, config)
+    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
+    stage = MeasuredStage(config, storage, profile, job="test")
+    asked = stage.ask(select_candidates(sim, profile, "uniform", 2))
+    stage.tell(asked, [[100.0], [80.0], [90.0]], [[[100.0]], [[80.0]], [[90.0]]])
+    stage.close()
+    storage.engine.dispose()
+    return config.storage

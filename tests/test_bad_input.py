@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from planner.cli import main
-from planner.config import StudyConfig, load_study_config
+from planner.config import load_study_config
 from planner.errors import (
     PlanFormatError,
     PlanMismatchError,
@@ -31,8 +31,8 @@ from planner.errors import (
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.storage import check_writable
-from planner.study import MeasuredStage, open_storage, select_candidates, simulated_stage
-from tests.conftest import synthetic_profile
+from planner.study import open_storage
+from tests.conftest import make_study_db, synthetic_profile
 from tests.runtime.conftest import HERE as RUNTIME_TESTS
 from tests.runtime.conftest import rank_env
 
@@ -43,17 +43,8 @@ GOOD_TOML = '[study]\nname = "s"\n[workload]\nfactory = "{factory}"\nkwargs = {{
 def world(tmp_path, monkeypatch):
     """A study database with results, a profile, its default plan, and a good study TOML."""
     monkeypatch.syspath_prepend(str(RUNTIME_TESTS))  # bad_factories, for the API cases
-    db = tmp_path / "s.db"
-    config = StudyConfig(name="s", storage=f"sqlite:///{db}", factory="runtime.workloads:mlp", sim_trials=20,
-                         measured_trials=2, directory=str(tmp_path))
     profile = synthetic_profile(n_blocks=4)
-    storage = open_storage(config.storage, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile, job="fixture")
-    asked = stage.ask(select_candidates(sim, profile, "uniform", 2))
-    stage.tell(asked, [[100.0], [80.0], [90.0]], [[[100.0]], [[80.0]], [[90.0]]])
-    stage.close()
-    storage.engine.dispose()
+    make_study_db(tmp_path, profile, sim_trials=20)
     profile.to_json(tmp_path / "profile.json")
     Plan.default(profile).to_json(tmp_path / "plan.json")
     (tmp_path / "good.toml").write_text(GOOD_TOML.format(factory="runtime.workloads:mlp"))

@@ -9,9 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from planner.cli import main
-from planner.config import StudyConfig
 from planner.plan import Plan
-from planner.study import MeasuredStage, open_storage, select_candidates, simulated_stage
+from tests.conftest import make_study_db
 
 GOOD = '[study]\nname = "s"\n[workload]\nfactory = "{factory}"\n'
 
@@ -75,16 +74,7 @@ def test_simulate_errors(tmp_path, make_profile):
 
 @pytest.fixture
 def study_db(tmp_path, make_profile):
-    config = StudyConfig(name="s", storage=f"sqlite:///{tmp_path}/s.db", factory="runtime.workloads:mlp",
-                         sim_trials=30, measured_trials=2, directory=str(tmp_path))
-    profile = make_profile(n_blocks=3)
-    storage = open_storage(config.storage, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile, job="test")
-    asked = stage.ask(select_candidates(sim, profile, "uniform", 2))
-    stage.tell(asked, [[100.0], [80.0], [90.0]], [[[100.0]], [[80.0]], [[90.0]]])
-    stage.close()
-    return config.storage
+    return make_study_db(tmp_path, make_profile(n_blocks=3), sim_trials=30)
 
 
 def test_studies_queries(study_db, tmp_path):
