@@ -247,9 +247,13 @@ class _Heartbeat:
         self.thread.start()
 
     def add(self, trial_id: int) -> None:
-        self.storage.record_heartbeat(trial_id)
-        with self.lock:
+        with self.lock:  # held before the first beat, so an interrupt here still finds it (``fail_held``)
             self.ids.add(trial_id)
+        self.storage.record_heartbeat(trial_id)
+
+    def held(self) -> list[int]:
+        with self.lock:
+            return sorted(self.ids)
 
     def discard(self, trial_id: int) -> None:
         with self.lock:
@@ -276,7 +280,8 @@ class MeasuredStage:
     One job's round: :meth:`claim_retries` (fail stale trials of dead jobs,
     take over their re-queued plans), :meth:`settled_keys` (plans not to
     measure again), :meth:`ask` (one RUNNING trial per candidate, heartbeat
-    on), then :meth:`tell` or :meth:`fail`, and :meth:`close`. Trials are
+    on), then :meth:`tell` or :meth:`fail` (:meth:`fail_held` when the job
+    stops early), and :meth:`close`. Trials are
     created RUNNING directly in the storage, so concurrent jobs on one study
     never take each other's trials; Optuna numbers them.
 
@@ -438,6 +443,25 @@ class MeasuredStage:
             for a in asked:
                 self._fail_one(a.number, a.trial_id, reason, kind)
 
+    def fail_held(self, reason: str, kind: str = "interrupted") -> list[int]:
+        """Record as FAIL every trial this stage still holds RUNNING (claimed or asked, not yet told).
+
+        The last word of a job that stops for any reason (an interrupt that
+        came before the round's trials were handed out, a storage error):
+        none of its trials is left RUNNING for the next job to wait out.
+
+        Returns:
+            The trial numbers failed.
+        """
+        numbers = []
+        with self._storage_errors():
+            for trial_id in self.heartbeat.held():
+                number = self.storage.get_trial_number_from_id(trial_id)
+                if self.storage.get_trial(trial_id).state == optuna.trial.TrialState.RUNNING:
+                    numbers.append(number)
+                self._fail_one(number, trial_id, reason, kind)
+        return numbers
+
     def _fail_one(self, number: int, trial_id: int, reason: str, kind: str) -> None:
         self.heartbeat.discard(trial_id)
         if self.storage.get_trial(trial_id).state != optuna.trial.TrialState.RUNNING:
@@ -454,7 +478,7 @@ class MeasuredStage:
             s.commit()
 
     def close(self) -> None:
-        """Stop the heartbeat thread."""
+        """Stop the heartbeat thread (trials still held stay RUNNING until stale: see :meth:`fail_held`)."""
         self.heartbeat.stop()
 
 

@@ -17,11 +17,10 @@ import dataclasses
 import datetime
 import logging
 import os
-import signal
 import socket
 import sys
 import uuid
-from typing import Any, Iterator
+from typing import Any
 
 from planner.config import StudyConfig
 
@@ -100,27 +99,6 @@ def shutdown_rank() -> None:
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """SIGINT and SIGTERM raise ``KeyboardInterrupt("SIGINT"|"SIGTERM")`` once; later ones are ignored.
-
-    torchrun's agent forwards Ctrl-C to the ranks and follows with SIGTERM;
-    ignoring the second signal lets rank 0 finish recording the interrupted
-    trials as FAIL.
-    """
-    def handler(signum: int, _frame: Any) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bool = True) -> None:
     """One rank of a tuning job: record, (rank 0) search, a measured round, (rank 0) write the plan.
 
@@ -135,6 +113,7 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
     from planner.plan import Plan
     from planner.simulator import simulate
     from planner.study import MeasuredStage, latest_calibration, open_storage, select_candidates, simulated_stage
+    from runtime.interrupts import interrupts_deferred, interrupts_raise
     from runtime.protocol import control_group, measured_round
     from runtime.recorder import record_profile
     from runtime.workload import build_workload
@@ -179,7 +158,8 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                 sim = simulated_stage(profile, config, storage, show_progress_bar=progress)
                 stage = MeasuredStage(config, storage, profile, job)
                 stages.append(stage)
-                retries = stage.claim_retries()
+                with interrupts_deferred():  # trials created RUNNING are held by `stage` (fail_held)
+                    retries = stage.claim_retries()
                 if retries:
                     say(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
                         f"(trials {', '.join(str(r.retry_of) for r in retries)})")
@@ -187,7 +167,8 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                                                exclude=stage.settled_keys())
                 if any(r.plan.is_default_for(profile) for r in retries):
                     candidates = candidates[1:]
-                asked = retries + stage.ask(candidates)
+                with interrupts_deferred():
+                    asked = retries + stage.ask(candidates)
                 say(f"[3/3] measured stage: {len(asked)} plans x ({config.warmup_steps} warm-up + "
                     f"{config.steps} timed steps), interleaved; trials "
                     f"{', '.join(str(a.number) for a in asked)} (job {job})", flush=True)
@@ -203,6 +184,11 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                 for number, reason in result.failed.items():
                     say(f"trial {number} FAIL: {reason}")
                 _finish(config, stages[0], result.told, profile, profile_out, plan_out)
+    except BaseException as e:
+        for stage in stages:  # e.g. Ctrl-C while rank 0 was still handing out the round's trials
+            with contextlib.suppress(Exception):
+                stage.fail_held(f"interrupted: {type(e).__name__}: {e}".splitlines()[0], "interrupted")
+        raise
     finally:
         workload = None
         for stage in stages:

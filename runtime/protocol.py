@@ -34,8 +34,11 @@ failed early to wait while its peers time out in a training collective,
 short enough that no rank waits for ever. If a rank died (no report at all),
 the gather fails on the others and rank 0 records the trials FAIL with that
 reason. Ctrl-C and SIGTERM: rank 0 records the round's RUNNING trials FAIL
-``"interrupted"``; SIGKILL leaves them RUNNING until their heartbeat goes
-stale and the next job re-queues them (``MeasuredStage.claim_retries``).
+``"interrupted"`` (``MeasuredStage.fail_held`` also catches trials created
+before the round was handed out; ``runtime.interrupts`` holds a signal back
+while rank 0 writes the study); SIGKILL leaves them RUNNING until their
+heartbeat goes stale and the next job re-queues them
+(``MeasuredStage.claim_retries``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import torch.distributed as dist
 from planner.errors import PlannerError, TrialFailedError
 from planner.plan import Plan
 from runtime.apply import apply_plan
+from runtime.interrupts import interrupts_deferred
 from runtime.measure import StepFailed, measure_local
 from runtime.workload import Workload
 
@@ -203,5 +207,6 @@ def _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, gr
         return RoundResult([], {})
     step_ms = [[max(vals) for vals in zip(*(rep["times"][j] for rep in reports))] for j in range(len(keep))]
     per_rank = [[rep["times"][j] for rep in reports] for j in range(len(keep))]
-    told = stage.tell([asked[i] for i in keep], step_ms, per_rank)
+    with interrupts_deferred():  # a Ctrl-C during the writes waits until every trial is told
+        told = stage.tell([asked[i] for i in keep], step_ms, per_rank)
     return RoundResult(told, {asked[i].number: r for i, r in failed.items()})

@@ -148,3 +148,25 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     states = [t.state.name for t in job.study.trials]
     assert states.count("RUNNING") == 0 and states.count("COMPLETE") == 2
     assert best_plan(config.storage, "t")[0].provenance.trial == retry.number
+
+
+def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
+    """A job that stops before its round was handed out (Ctrl-C during ask): its trials become FAIL."""
+    profile = make_profile(n_blocks=4)
+    storage = open_storage(config.storage, config)
+    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
+    other = MeasuredStage(config, storage, profile, job="other")
+    [theirs] = other.ask(select_candidates(sim, profile, config.space, 0))
+    stage = MeasuredStage(config, storage, profile, job="stopping")
+    asked = stage.ask(select_candidates(sim, profile, config.space, 2, exclude=stage.settled_keys()))
+    stage.tell(asked[:1], [[100.0]], [[[100.0]]])
+    failed = stage.fail_held("interrupted: KeyboardInterrupt: SIGINT")
+    assert failed == [a.number for a in asked[1:]]
+    trials = stage.study.trials
+    assert trials[asked[0].number].state.name == "COMPLETE"
+    for a in asked[1:]:
+        assert trials[a.number].state.name == "FAIL" and trials[a.number].user_attrs["fail_kind"] == "interrupted"
+    assert trials[theirs.number].state.name == "RUNNING"  # another job's trial is not ours to fail
+    assert stage.fail_held("again") == []
+    for s in (stage, other):
+        s.close()
