@@ -13,6 +13,8 @@ State arrays:
         samples, [4] [5] head and tail of the in-flight reduce-scatter queue (GPU),
         [6] unsharded parameter bytes alive, [7] their peak
     state (int64, per module): 0 sharded, 1 pending all-gather, 2 unsharded
+    pend (int64): [0] count, then the pending modules in issue order
+    ag_ev (int64, per module): trace row of its last all-gather (-1 none)
 Trace kinds: 0 forward, 1 backward, 2 optimizer, 3 all-gather,
     4 reduce-scatter, 5 CPU wait.
 """
@@ -57,7 +59,7 @@ def _mem(s, k, mem, delta):
 
 
 @njit(cache=True)
-def _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem):
+def _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem, pend, ag_ev):
     # FSDPParamGroup.unshard (callers skip modules already pending/unsharded)
     issue = s[0]
     if gpu and s[3] > issue:
@@ -70,16 +72,25 @@ def _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latenc
     k[6] += ub[i]
     if k[6] > k[7]:
         k[7] = k[6]
+    ag_ev[i] = k[2] if ev.shape[0] > 1 else -1
     _event(ev, k, 3, i, start, end)
     if cpu_blocks:  # [Note: CPU device] a sync collective blocks the thread
         s[0] = end
     state[i] = PENDING
     ag_end[i] = end
+    pend[0] += 1
+    pend[pend[0]] = i
 
 
 @njit(cache=True)
-def _wait(i, forward, s, k, state, ag_end, gpu, async_op, ev):
+def _wait(i, forward, s, k, state, ag_end, gpu, async_op, ev, pend):
     # FSDPParamGroup.wait_for_unshard (callers check the module is pending)
+    for q in range(1, pend[0] + 1):
+        if pend[q] == i:
+            for r in range(q, pend[0]):
+                pend[r] = pend[r + 1]
+            pend[0] -= 1
+            break
     end = ag_end[i]
     if gpu:
         if end > s[1]:
@@ -98,18 +109,34 @@ def _wait(i, forward, s, k, state, ag_end, gpu, async_op, ev):
 
 
 @njit(cache=True)
-def _reshard(i, s, k, state, ag_end, ub, gpu, async_op, ev, mem):
+def _reshard(i, s, k, state, ag_end, ub, gpu, async_op, ev, mem, pend):
     # FSDPParamGroup.reshard: frees the unsharded parameters; a stray
     # prefetch still pending is waited on first.
     if state[i] == PENDING:
-        _wait(i, False, s, k, state, ag_end, gpu, async_op, ev)
+        _wait(i, False, s, k, state, ag_end, gpu, async_op, ev, pend)
     _mem(s, k, mem, -ub[i])
     k[6] -= ub[i]
     state[i] = SHARDED
 
 
 @njit(cache=True)
-def _compute(i, kind, ms, s, k, gpu, slow, ev):
+def _delay_in_flight(since, delay, s, ag_end, pend, ag_ev, ev):
+    # Every collective still in flight after ``since`` ends ``delay`` later
+    # (the process group runs them one after another; queued ones start later).
+    s[2] += delay
+    for q in range(1, pend[0] + 1):
+        j = pend[q]
+        if ag_end[j] > since:
+            ag_end[j] += delay
+            row = ag_ev[j]
+            if row >= 0:
+                if ev[row, 2] > since:
+                    ev[row, 2] += delay
+                ev[row, 3] += delay
+
+
+@njit(cache=True)
+def _compute(i, kind, ms, s, k, gpu, slow, ev, ag_end, pend, ag_ev):
     if gpu:
         start = s[1] if s[1] > s[0] else s[0]
         end = start + ms
@@ -117,8 +144,15 @@ def _compute(i, kind, ms, s, k, gpu, slow, ev):
     else:
         start = s[0]
         end = start + ms
-        if slow != 0.0 and s[2] > start:  # a collective runs beside this compute
-            end += (min(s[2], end) - start) * slow
+        if slow != 0.0 and s[2] > start:
+            # [Note: CPU device] a collective runs beside this compute: they
+            # share the cores, so for the overlapped work both progress at
+            # 1/overlap_slowdown of their speed. The compute ends later by
+            # overlap * (slowdown - 1), and so does every collective still in
+            # flight (the process group runs them one after another).
+            delay = (min(s[2], end) - start) * slow
+            end += delay
+            _delay_in_flight(start, delay, s, ag_end, pend, ag_ev, ev)
         s[0] = end
     s[5] += end - start
     _event(ev, k, kind, i, start, end)
@@ -136,6 +170,8 @@ def step(
     n = ag.shape[0]
     state = np.zeros(n, np.int64)
     ag_end = np.zeros(n)
+    pend = np.zeros(n + 1, np.int64)
+    ag_ev = np.full(n, -1, np.int64)
     grads_alive = np.zeros(n, np.bool_)
     rs_end = np.zeros(post.shape[0] * microbatches + 1)
     rs_bytes = np.zeros(post.shape[0] * microbatches + 1, np.int64)
@@ -152,30 +188,30 @@ def step(
             # explicit forward prefetch (FSDPParamGroup._prefetch_unshard).
             s[0] += overhead
             if state[i] == SHARDED:
-                _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
+                _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem, pend, ag_ev)
             if state[i] == PENDING:
-                _wait(i, True, s, k, state, ag_end, gpu, async_op, ev)
+                _wait(i, True, s, k, state, ag_end, gpu, async_op, ev, pend)
             for p in range(fwd_off[i], fwd_off[i + 1]):
                 t = fwd_tgt[p]
                 if state[t] == SHARDED:
-                    _unshard(t, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
+                    _unshard(t, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem, pend, ag_ev)
             if j < 0:
                 if root_fwd_pre > 0:
-                    _compute(i, 0, root_fwd_pre, s, k, gpu, slow, ev)
+                    _compute(i, 0, root_fwd_pre, s, k, gpu, slow, ev, ag_end, pend, ag_ev)
                 _mem(s, k, mem, root_ab_pre)
                 continue
-            _compute(i, 0, fwd[i], s, k, gpu, slow, ev)
+            _compute(i, 0, fwd[i], s, k, gpu, slow, ev, ag_end, pend, ag_ev)
             _mem(s, k, mem, ab[i])  # saved for backward
             # FSDPParamGroup.post_forward: reshard if reshard_after_forward
             s[0] += overhead
             if raf[i] and state[i] != SHARDED:
-                _reshard(i, s, k, state, ag_end, ub, gpu, async_op, ev, mem)
+                _reshard(i, s, k, state, ag_end, ub, gpu, async_op, ev, mem, pend)
         if root_fwd_post > 0:
-            _compute(root, 0, root_fwd_post, s, k, gpu, slow, ev)
+            _compute(root, 0, root_fwd_post, s, k, gpu, slow, ev, ag_end, pend, ag_ev)
         _mem(s, k, mem, ab[root] - root_ab_pre)
         s[0] += overhead
         if raf[root] and state[root] != SHARDED:
-            _reshard(root, s, k, state, ag_end, ub, gpu, async_op, ev, mem)
+            _reshard(root, s, k, state, ag_end, ub, gpu, async_op, ev, mem, pend)
         # -- backward in reverse post-forward order: the root's pre-backward
         # fires first (its output's gradient), its post-backward last (final
         # callback). Without gradient sync, set_reshard_after_backward decides.
@@ -193,25 +229,27 @@ def step(
             # explicit list, else FSDPParamGroup._backward_prefetch.
             s[0] += overhead
             if state[i] == SHARDED:
-                _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
+                _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem, pend, ag_ev)
             if state[i] == PENDING:
-                _wait(i, False, s, k, state, ag_end, gpu, async_op, ev)
+                _wait(i, False, s, k, state, ag_end, gpu, async_op, ev, pend)
             if bwd_off[i + 1] > bwd_off[i]:
                 for p in range(bwd_off[i], bwd_off[i + 1]):
                     t = bwd_tgt[p]
                     if state[t] == SHARDED:
-                        _unshard(t, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
+                        _unshard(t, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem, pend, ag_ev)
             elif post_index > 0 and state[post[post_index - 1]] == SHARDED:
-                _unshard(post[post_index - 1], s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem)
+                _unshard(post[post_index - 1], s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latency, ev, mem, pend, ag_ev)
             if i == root:
                 if root_bwd_pre > 0:
-                    _compute(i, 1, root_bwd_pre, s, k, gpu, slow, ev)
+                    _compute(i, 1, root_bwd_pre, s, k, gpu, slow, ev, ag_end, pend, ag_ev)
                 continue
             _backward(i, bwd[i], last, reshard_after, s, k, state, ag_end, ub, gb, ab, rs, grads_alive,
-                      rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem)
+                      rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem,
+                      pend, ag_ev)
             rs_head, rs_tail = int(k[4]), int(k[5])
         _backward(root, root_bwd_post, last, reshard_after, s, k, state, ag_end, ub, gb, ab, rs, grads_alive,
-                  rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem)
+                  rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem,
+                  pend, ag_ev)
         rs_head, rs_tail = int(k[4]), int(k[5])
     # FSDPState._root_post_backward_final_callback: wait for every reduce-scatter.
     if gpu:
@@ -222,22 +260,23 @@ def step(
     elif s[7] > s[0]:
         s[0] = s[7]
     if opt_ms > 0:
-        _compute(root, 2, opt_ms, s, k, gpu, slow, ev)
+        _compute(root, 2, opt_ms, s, k, gpu, slow, ev, ag_end, pend, ag_ev)
 
 
 @njit(cache=True)
 def _backward(i, ms, reduce, reshard_after, s, k, state, ag_end, ub, gb, ab, rs, grads_alive,
-              rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem):
+              rs_end, rs_bytes, rs_head, rs_tail, rs_cap, gpu, async_op, overhead, slow, comm_scale, latency, ev, mem,
+              pend, ag_ev):
     if not grads_alive[i]:  # autograd allocates the unsharded gradient once
         grads_alive[i] = True
         _mem(s, k, mem, gb[i])
-    _compute(i, 1, ms, s, k, gpu, slow, ev)
+    _compute(i, 1, ms, s, k, gpu, slow, ev, ag_end, pend, ag_ev)
     _mem(s, k, mem, -ab[i])
     # FSDPParamGroup.post_backward: reshard, then reduce-scatter (only with
     # gradient sync, set_requires_gradient_sync).
     s[0] += overhead
     if reshard_after and state[i] != SHARDED:
-        _reshard(i, s, k, state, ag_end, ub, gpu, async_op, ev, mem)
+        _reshard(i, s, k, state, ag_end, ub, gpu, async_op, ev, mem, pend)
     if reduce:
         if gpu:
             # reduce_scatter_max_input_buffers: the compute stream waits on the
@@ -248,11 +287,13 @@ def _backward(i, ms, reduce, reshard_after, s, k, state, ag_end, ub, gb, ab, rs,
                 _mem(s, k, mem, -rs_bytes[rs_head])
                 rs_head += 1
             issue = s[1] if s[1] > s[0] else s[0]
+            start = issue if issue > s[2] else s[2]
+            end = start + rs[i] * comm_scale + latency
+            s[2] = end
         else:
-            issue = s[0]
-        start = issue if issue > s[2] else s[2]
-        end = start + rs[i] * comm_scale + latency
-        s[2] = end
+            start = s[0] if s[0] > s[2] else s[2]
+            end = start + rs[i] * comm_scale + latency
+            s[2] = end
         s[6] += rs[i] * comm_scale + latency
         _event(ev, k, 4, i, start, end)
         grads_alive[i] = False

@@ -14,6 +14,12 @@ all-gathers run beside compute (in the gloo backend's threads). The
 reduce-scatter in ``foreach_reduce`` is always issued with ``async_op=False``,
 so on CPU it blocks the thread, queued behind any all-gather still in flight
 on the same process group.
+Compute and the gloo threads share the same cores: while they overlap, both
+progress at ``1 / overlap_slowdown`` of their speed (a calibrated parameter),
+so an overlap of ``x`` ms costs ``x * (overlap_slowdown - 1)`` ms on the
+compute and on every collective in flight. Slowing the compute alone would
+let a communication-bound step hide all of its compute for free, which the
+CPU reference workloads do not show (bench/fidelity.py).
 
 [Note: Model structure]
 The torchtitan pattern: ``fully_shard`` per block, then the root. The root's
@@ -62,8 +68,10 @@ class SimParams:
     Attributes:
         issue_overhead_ms: CPU time spent in each FSDP hook (pre/post
             forward/backward), ms.
-        overlap_slowdown: factor by which compute slows while a collective
-            runs beside it (>= 1; CPU device: both compete for the cores).
+        overlap_slowdown: CPU device: while compute and a collective run at
+            once they share the cores, and for the overlapped work both
+            progress at ``1 / overlap_slowdown`` of their speed (>= 1; 2 is
+            fair sharing of one core). No effect on GPU.
         collective_latency_ms: fixed cost added to every collective (copy-in,
             copy-out, launch), ms.
         comm_scale: factor on every measured collective time (isolated

@@ -71,11 +71,17 @@ def _clear_unsharded_grads(module: nn.Module) -> None:
 
 
 class _ComputeRecorder:
-    """Marks forward/backward entry and exit of each FSDP module and attributes time."""
+    """Marks forward/backward entry and exit of each FSDP module and attributes time.
 
-    def __init__(self, modules: list[tuple[str, nn.Module]], root: str):
+    On CPU a mark is ``time.perf_counter()``; on GPU the hooks run ahead of
+    the kernels they launch, so a mark is a CUDA event recorded on the current
+    stream, turned into seconds (``Event.elapsed_time``) after the run.
+    """
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], root: str, device: str = "cpu"):
         self.root = root
-        self.marks: list[tuple[float, str, str]] = []
+        self.cuda = device == "cuda"
+        self.marks: list[tuple[Any, str, str]] = []
         self.live: list[str] = []  # forward stack, for activation attribution
         self.act_bytes: dict[str, int] = defaultdict(int)
         self.seen_storages: set[int] = set()
@@ -86,7 +92,18 @@ class _ComputeRecorder:
             self.handles.append(m.register_forward_hook(self._post_hook(fqn)))
 
     def mark(self, kind: str, fqn: str) -> None:
-        self.marks.append((time.perf_counter(), kind, fqn))
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((event, kind, fqn))
+        else:
+            self.marks.append((time.perf_counter(), kind, fqn))
+
+    def _marks_to_seconds(self) -> None:
+        if self.cuda and self.marks:
+            torch.cuda.synchronize()
+            first = self.marks[0][0]
+            self.marks = [(first.elapsed_time(e) / 1e3, kind, fqn) for e, kind, fqn in self.marks]
 
     def _once(self, kind: str, fqn: str):
         fired = [False]
@@ -145,6 +162,7 @@ class _ComputeRecorder:
         self.mark("enter", self.root)
         loss.backward()
         self.mark("exit", self.root)
+        self._marks_to_seconds()
 
     def attribute(self) -> tuple[dict[str, dict[str, float]], list[str], list[str], dict[str, int]]:
         """Exclusive ms per module and phase, pre-/post-forward order, forward calls."""
@@ -234,7 +252,7 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     model.set_reshard_after_backward(False)
     for _, m in modules:
         m.unshard()
-    rec = _ComputeRecorder(modules, root)
+    rec = _ComputeRecorder(modules, root, device)
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     try:
         for r in range(repeats + 1):

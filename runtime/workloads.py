@@ -17,10 +17,10 @@ from torch.distributed.fsdp import fully_shard
 from runtime.workload import Workload
 
 
-def _batch_fn(vocab_size: int, batch_size: int, seq_len: int, rank: int):
-    def make_batch(step: int) -> torch.Tensor:
+def _batch_fn(vocab_size: int, batch_size: int, seq_len: int, rank: int, device: str = "cpu"):
+    def make_batch(step: int) -> torch.Tensor:  # drawn on CPU: the same tokens on every device
         g = torch.Generator().manual_seed(10_000 * step + rank)
-        return torch.randint(0, vocab_size, (batch_size, seq_len), generator=g)
+        return torch.randint(0, vocab_size, (batch_size, seq_len), generator=g).to(device)
 
     return make_batch
 
@@ -65,7 +65,8 @@ def llama(
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    return Workload(model, optimizer, _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank()), _lm_loss)
+    batches = _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank(), mesh.device_type)
+    return Workload(model, optimizer, batches, _lm_loss)
 
 
 def gpt2(
@@ -97,7 +98,8 @@ def gpt2(
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    return Workload(model, optimizer, _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank()), _lm_loss)
+    batches = _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank(), mesh.device_type)
+    return Workload(model, optimizer, batches, _lm_loss)
 
 
 class _MLPBlock(nn.Module):
@@ -138,7 +140,8 @@ def mlp(mesh: Any, dim: int = 256, layers: int = 4, batch_size: int = 8, lr: flo
     rank = mesh.get_rank()
 
     def make_batch(step: int) -> torch.Tensor:
-        return torch.randn(batch_size, dim, generator=torch.Generator().manual_seed(10_000 * step + rank))
+        g = torch.Generator().manual_seed(10_000 * step + rank)
+        return torch.randn(batch_size, dim, generator=g).to(mesh.device_type)
 
     def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x).pow(2).mean()

@@ -54,8 +54,12 @@ def test_missing_file(tmp_path):
         load_study_config(tmp_path / "none.toml")
 
 
-def test_reference_study_parses():
+def test_reference_studies_parse():
     from pathlib import Path
 
-    c = load_study_config(Path(__file__).parents[2] / "studies" / "llama-cpu.toml")
+    studies = Path(__file__).parents[2] / "studies"
+    c = load_study_config(studies / "llama-cpu.toml")
     assert c.factory == "runtime.workloads:llama" and c.nproc_per_node == 2
+    assert load_study_config(studies / "gpt2-cpu.toml").factory == "runtime.workloads:gpt2"
+    gpu = load_study_config(studies / "llama-gpu.toml")
+    assert gpu.backend == "nccl" and gpu.name == "llama-gpu"

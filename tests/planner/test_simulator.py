@@ -154,15 +154,29 @@ def test_lower_bound(make_profile):
     assert lower_bound_ms(comm_bound) == pytest.approx(2 * 53.0)
 
 
-def test_overlap_slowdown_stretches_compute_beside_collectives(make_profile):
-    """With slowdown 2, the 5 ms of F b0 that run beside AG b1 take 10 ms."""
-    p = make_profile()
-    plan = uniform.build(p, 1, 1, True)
-    base = simulate(p, plan).step_ms
-    slow = simulate(p, plan, SimParams(overlap_slowdown=2.0)).step_ms
-    assert slow > base
+def test_overlap_slowdown_shares_the_cores_between_compute_and_collectives(make_profile):
+    """CPU, forward depth 2, async, F 10 ms, AG 20 ms, slowdown 2: during an
+    overlap both compute and the collectives in flight run at half speed.
+
+    AG b0 0-20; b0 prefetches b1 (20-40) and b2 (40-60); F b0 starts at 20
+    with 40 ms of communication in flight: its 10 ms overlap cost 10 ms more
+    on both sides, F b0 20-40, AG b1 ends 50, AG b2 50-70. F b1 50-60 beside
+    AG b2 (in flight until 70): +10 on both, F b1 50-70, AG b2 ends 80.
+    F b2 80-90. Compute-only slowdown would give F b1 40-50 (the all-gathers
+    would not wait for the cores)."""
+    p = make_profile(n_blocks=3, fwd=10.0, ag=20.0)
+    r = simulate(p, uniform.build(p, 2, 1, True), SimParams(overlap_slowdown=2.0), trace=True)
+    compute = _slices(r, "compute")
+    assert [compute[f"forward b{i}"] for i in range(3)] == [
+        pytest.approx((20.0, 40.0)), pytest.approx((50.0, 70.0)), pytest.approx((80.0, 90.0))]
+    forward_ag = {}
+    for e in r.events:
+        if e.track == "all-gather":
+            forward_ag.setdefault(e.name, (e.start_ms, e.end_ms))  # first occurrence: forward
+    assert forward_ag["all-gather b1"] == pytest.approx((20.0, 50.0))
+    assert forward_ag["all-gather b2"] == pytest.approx((50.0, 80.0))
     no_overlap = simulate(p, Plan.default(p), SimParams(overlap_slowdown=2.0)).step_ms
-    assert no_overlap == pytest.approx(86.0)  # nothing overlaps, nothing slows
+    assert no_overlap == pytest.approx(simulate(p, Plan.default(p)).step_ms)  # nothing overlaps, nothing slows
 
 
 def test_issue_overhead_adds_per_hook(make_profile):
