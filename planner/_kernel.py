@@ -72,14 +72,15 @@ def _unshard(i, s, k, state, ag_end, ag, ub, gpu, cpu_blocks, comm_scale, latenc
     k[6] += ub[i]
     if k[6] > k[7]:
         k[7] = k[6]
-    ag_ev[i] = k[2] if ev.shape[0] > 1 else -1
+    if pend.shape[0] > 1:  # kept only where compute can slow collectives (_delay_in_flight)
+        ag_ev[i] = k[2] if ev.shape[0] > 1 else -1
+        pend[0] += 1
+        pend[pend[0]] = i
     _event(ev, k, 3, i, start, end)
     if cpu_blocks:  # [Note: CPU device] a sync collective blocks the thread
         s[0] = end
     state[i] = PENDING
     ag_end[i] = end
-    pend[0] += 1
-    pend[pend[0]] = i
 
 
 @njit(cache=True)
@@ -170,8 +171,10 @@ def step(
     n = ag.shape[0]
     state = np.zeros(n, np.int64)
     ag_end = np.zeros(n)
-    pend = np.zeros(n + 1, np.int64)
-    ag_ev = np.full(n, -1, np.int64)
+    # The pending all-gathers in issue order: only where an overlap can slow them (CPU, async, slowdown).
+    track = (not gpu) and async_op and slow != 0.0
+    pend = np.zeros(n + 1 if track else 1, np.int64)
+    ag_ev = np.full(n if track else 1, -1, np.int64)
     grads_alive = np.zeros(n, np.bool_)
     rs_end = np.zeros(post.shape[0] * microbatches + 1)
     rs_bytes = np.zeros(post.shape[0] * microbatches + 1, np.int64)
