@@ -77,13 +77,13 @@ def _plans(profile):
     for i, f in enumerate(post[:-1]):
         backward_bad[f] = dataclasses.replace(default.modules[f], backward_prefetch=(post[i + 1],))
     plans["bad: re-gather a finished module"] = dataclasses.replace(default, modules=backward_bad)
-    keep = {f: dataclasses.replace(m, reshard_after_forward=False) if f != profile.root_fqn else m
-            for f, m in default.modules.items()}
-    plans["no reshard after forward"] = dataclasses.replace(default, modules=keep)
-    prefetching = uniform.build(profile, 1, 1, True)
-    plans["no reshard after forward, prefetch 1 async"] = dataclasses.replace(
-        prefetching, modules={f: dataclasses.replace(m, reshard_after_forward=keep[f].reshard_after_forward)
-                              for f, m in prefetching.modules.items()})
+    def without_reshard(plan):  # every block keeps its parameters after forward (the root always does)
+        return dataclasses.replace(plan, modules={
+            f: m if f == profile.root_fqn else dataclasses.replace(m, reshard_after_forward=False)
+            for f, m in plan.modules.items()})
+
+    plans["no reshard after forward"] = without_reshard(default)
+    plans["no reshard after forward, prefetch 1 async"] = without_reshard(uniform.build(profile, 1, 1, True))
     return plans
 
 
