@@ -457,18 +457,19 @@ class MeasuredStage:
         with self._storage_errors():
             for trial_id in self.heartbeat.held():
                 number = self.storage.get_trial_number_from_id(trial_id)
-                if self.storage.get_trial(trial_id).state == optuna.trial.TrialState.RUNNING:
+                if self._fail_one(number, trial_id, reason, kind):
                     numbers.append(number)
-                self._fail_one(number, trial_id, reason, kind)
         return numbers
 
-    def _fail_one(self, number: int, trial_id: int, reason: str, kind: str) -> None:
+    def _fail_one(self, number: int, trial_id: int, reason: str, kind: str) -> bool:
+        """FAIL the trial if it is still RUNNING; whether it was."""
         self.heartbeat.discard(trial_id)
         if self.storage.get_trial(trial_id).state != optuna.trial.TrialState.RUNNING:
-            return
+            return False
         self.storage.set_trial_user_attr(trial_id, "fail_reason", reason)
         self.storage.set_trial_user_attr(trial_id, "fail_kind", kind)
         self.study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        return True
 
     def save_calibration(self, profile: Profile) -> None:
         """Store the calibrated profile in this run's profile row."""
