@@ -114,7 +114,7 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
     from planner.simulator import simulate
     from planner.study import MeasuredStage, latest_calibration, open_storage, select_candidates, simulated_stage
     from runtime.interrupts import interrupts_deferred, interrupts_raise
-    from runtime.protocol import control_group, measured_round
+    from runtime.protocol import control_group, measured_round, one_line
     from runtime.recorder import record_profile
     from runtime.workload import build_workload
 
@@ -129,66 +129,70 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
     stages: list[MeasuredStage] = []
     try:
         with interrupts_raise():
-            workload = build_workload(config.factory, mesh, config.kwargs)
-            say(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({config.factory})", flush=True)
-            profile = record_profile(
-                workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps,
-                repeats=config.profile_repeats,
-            )
-            job = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-            def prepare():
-                nonlocal profile
-                profile.to_json(profile_out)
-                default = simulate(profile, Plan.default(profile))
-                exposed = profile.measured_step_ms - default.compute_ms
-                say(f"      measured step {profile.measured_step_ms:.1f} ms with FSDP2's default, of which "
-                    f"{exposed:.1f} ms ({100 * exposed / profile.measured_step_ms:.0f}%) is not compute "
-                    "(exposed communication and overhead)")
-                say(f"      simulated default: "
-                    f"step {default.step_ms:.1f} ms, exposed communication {default.exposed_comm_ms:.1f} ms, "
-                    f"lower bound {default.lower_bound_ms:.1f} ms; profile written to {profile_out}")
-                storage = open_storage(config.storage, config)
-                calibration = latest_calibration(config.storage, config.name, profile)
-                if calibration:
-                    profile = dataclasses.replace(profile, calibration=calibration)
-                    say("      using the calibration of an earlier run of this study: "
-                        + ", ".join(f"{k} {v:.3g}" for k, v in calibration.items()))
-                say(f"[2/3] simulated stage: {config.sim_trials} trials ({config.space} space)", flush=True)
-                sim = simulated_stage(profile, config, storage, show_progress_bar=progress)
-                stage = MeasuredStage(config, storage, profile, job)
-                stages.append(stage)
-                with interrupts_deferred():  # trials created RUNNING are held by `stage` (fail_held)
-                    retries = stage.claim_retries()
-                if retries:
-                    say(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
-                        f"(trials {', '.join(str(r.retry_of) for r in retries)})")
-                candidates = select_candidates(sim, profile, config.space, config.measured_trials,
-                                               exclude=stage.settled_keys())
-                if any(r.plan.is_default_for(profile) for r in retries):
-                    candidates = candidates[1:]
-                with interrupts_deferred():
-                    asked = retries + stage.ask(candidates)
-                say(f"[3/3] measured stage: {len(asked)} plans x ({config.warmup_steps} warm-up + "
-                    f"{config.steps} timed steps), interleaved; trials "
-                    f"{', '.join(str(a.number) for a in asked)} (job {job})", flush=True)
-                return stage, asked
-
-            bar = tqdm(desc="measured", unit="step", disable=rank != 0 or not progress)
             try:
-                result = measured_round(workload, prepare if rank == 0 else None, config.steps,
-                                        config.warmup_steps, group, bar.update)
-            finally:
-                bar.close()
-            if rank == 0:
-                for number, reason in result.failed.items():
-                    say(f"trial {number} FAIL: {reason}")
-                _finish(config, stages[0], result.told, profile, profile_out, plan_out)
-    except BaseException as e:
-        for stage in stages:  # e.g. Ctrl-C while rank 0 was still handing out the round's trials
-            with contextlib.suppress(Exception):
-                stage.fail_held(f"interrupted: {type(e).__name__}: {e}".splitlines()[0], "interrupted")
-        raise
+                workload = build_workload(config.factory, mesh, config.kwargs)
+                say(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({config.factory})", flush=True)
+                profile = record_profile(
+                    workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps,
+                    repeats=config.profile_repeats,
+                )
+                job = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+                def prepare():
+                    nonlocal profile
+                    profile.to_json(profile_out)
+                    default = simulate(profile, Plan.default(profile))
+                    exposed = profile.measured_step_ms - default.compute_ms
+                    say(f"      measured step {profile.measured_step_ms:.1f} ms with FSDP2's default, of which "
+                        f"{exposed:.1f} ms ({100 * exposed / profile.measured_step_ms:.0f}%) is not compute "
+                        "(exposed communication and overhead)")
+                    say(f"      simulated default: "
+                        f"step {default.step_ms:.1f} ms, exposed communication {default.exposed_comm_ms:.1f} ms, "
+                        f"lower bound {default.lower_bound_ms:.1f} ms; profile written to {profile_out}")
+                    storage = open_storage(config.storage, config)
+                    calibration = latest_calibration(config.storage, config.name, profile)
+                    if calibration:
+                        profile = dataclasses.replace(profile, calibration=calibration)
+                        say("      using the calibration of an earlier run of this study: "
+                            + ", ".join(f"{k} {v:.3g}" for k, v in calibration.items()))
+                    say(f"[2/3] simulated stage: {config.sim_trials} trials ({config.space} space)", flush=True)
+                    sim = simulated_stage(profile, config, storage, show_progress_bar=progress)
+                    stage = MeasuredStage(config, storage, profile, job)
+                    stages.append(stage)
+                    with interrupts_deferred():  # trials created RUNNING are held by `stage` (fail_held)
+                        retries = stage.claim_retries()
+                    if retries:
+                        say(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
+                            f"(trials {', '.join(str(r.retry_of) for r in retries)})")
+                    candidates = select_candidates(sim, profile, config.space, config.measured_trials,
+                                                   exclude=stage.settled_keys())
+                    if any(r.plan.is_default_for(profile) for r in retries):
+                        candidates = candidates[1:]
+                    with interrupts_deferred():
+                        asked = retries + stage.ask(candidates)
+                    say(f"[3/3] measured stage: {len(asked)} plans x ({config.warmup_steps} warm-up + "
+                        f"{config.steps} timed steps), interleaved; trials "
+                        f"{', '.join(str(a.number) for a in asked)} (job {job})", flush=True)
+                    return stage, asked
+
+                bar = tqdm(desc="measured", unit="step", disable=rank != 0 or not progress)
+                try:
+                    result = measured_round(workload, prepare if rank == 0 else None, config.steps,
+                                            config.warmup_steps, group, bar.update)
+                finally:
+                    bar.close()
+                if rank == 0:
+                    for number, reason in result.failed.items():
+                        say(f"trial {number} FAIL: {reason}")
+                    _finish(config, stages[0], result.told, profile, profile_out, plan_out)
+            except BaseException as e:
+                # No trial of this job stays RUNNING, whatever stopped it (Ctrl-C, SIGTERM, a lost rank,
+                # a storage error), also one created before the round was handed out. Inside
+                # interrupts_raise, so torchrun's follow-up SIGTERM cannot cut this short.
+                for stage in stages:
+                    with contextlib.suppress(Exception):
+                        stage.fail_held(f"interrupted: {one_line(e)}", "interrupted")
+                raise
     finally:
         workload = None
         for stage in stages:

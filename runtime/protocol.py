@@ -32,13 +32,13 @@ Every collective of the protocol runs on a separate gloo group (the control
 group) whose timeout is ``2 * timeout_s + 60`` s: long enough for a rank that
 failed early to wait while its peers time out in a training collective,
 short enough that no rank waits for ever. If a rank died (no report at all),
-the gather fails on the others and rank 0 records the trials FAIL with that
-reason. Ctrl-C and SIGTERM: rank 0 records the round's RUNNING trials FAIL
-``"interrupted"`` (``MeasuredStage.fail_held`` also catches trials created
-before the round was handed out; ``runtime.interrupts`` holds a signal back
-while rank 0 writes the study); SIGKILL leaves them RUNNING until their
-heartbeat goes stale and the next job re-queues them
-(``MeasuredStage.claim_retries``).
+the gather fails on the others. On that, on Ctrl-C, SIGTERM or a storage
+error, the job (``runtime.launch.tune_rank``) records every trial its stage
+still holds FAIL ``"interrupted"`` with the reason
+(``MeasuredStage.fail_held``: trials created before the round was handed out
+too; ``runtime.interrupts`` holds a signal back while rank 0 writes the
+study). SIGKILL leaves them RUNNING until their heartbeat goes stale and the
+next job re-queues them (``MeasuredStage.claim_retries``).
 """
 
 from __future__ import annotations
@@ -87,13 +87,14 @@ def gather(local: Any, group: Any) -> list[Any]:
     try:
         dist.all_gather_object(out, local, group=group)
     except Exception as e:  # noqa: BLE001 - gloo reports a dead peer in several ways
-        error = TrialFailedError(f"a rank did not report to rank {dist.get_rank()}: {_one_line(e)}")
+        error = TrialFailedError(f"a rank did not report to rank {dist.get_rank()}: {one_line(e)}")
         error.local = True  # this rank's own view: it prints it even if it is not rank 0 (rank 0 may be dead)
         raise error from None
     return out
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line, at most ``limit`` characters (for FAIL reasons and errors)."""
     text = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -135,8 +136,9 @@ def measured_round(
 
     Raises:
         PlannerError: rank 0 could not ask the study (bad storage, ...).
-        TrialFailedError: a rank raised inside a step, or a rank did not
-            report; the trials are recorded FAIL first.
+        TrialFailedError: a rank raised inside a step (the round's trials
+            are recorded FAIL first), or a rank did not report (the caller
+            fails them: ``MeasuredStage.fail_held``).
     """
     rank = dist.get_rank()
     stage: Any = None
@@ -148,13 +150,7 @@ def measured_round(
             payload = [a.plan.to_dict() for a in asked]
         except PlannerError as e:
             payload = {"error": str(e)}
-    try:
-        return _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, group, on_step)
-    except BaseException as e:
-        # Ctrl-C, SIGTERM, a lost rank, a storage error: no trial of this round stays RUNNING.
-        if rank == 0 and asked:
-            stage.fail(asked, f"interrupted: {_one_line(e)}", "interrupted")
-        raise
+    return _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, group, on_step)
 
 
 def _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, group, on_step) -> RoundResult:
@@ -168,7 +164,7 @@ def _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, gr
             apply_plan(workload.model, plan, check=True)
             local_errors.append(None)
         except Exception as e:  # noqa: BLE001 - any exception fails this plan, not the round
-            local_errors.append(_one_line(e))
+            local_errors.append(one_line(e))
     outcomes = gather(local_errors, group)
     keep = []
     for i in range(len(plans)):
@@ -186,7 +182,7 @@ def _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, gr
         times = measure_local(workload, [plans[i] for i in keep], rounds, warmup_steps, on_step)
         report = {"times": times}
     except StepFailed as e:
-        report = {"index": keep[e.index], "error": _one_line(e.error), "victim": _is_victim(e.error)}
+        report = {"index": keep[e.index], "error": one_line(e.error), "victim": _is_victim(e.error)}
     reports = gather(report, group)
     errors = [(r, rep) for r, rep in enumerate(reports) if "error" in rep]
     if errors:
