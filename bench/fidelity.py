@@ -183,8 +183,8 @@ def report(run: dict) -> None:
         r["loo_predicted_ms"], r["loo_error_pct"] = p_ms, e
     # The measurement's own ranking noise: odd rounds against even rounds, and the step-to-step spread.
     split_half = spearman([statistics.median(t[0::2]) for t in steps], [statistics.median(t[1::2]) for t in steps])
-    spread = [100 * (statistics.quantiles(t, n=4)[2] - statistics.quantiles(t, n=4)[0]) / statistics.median(t)
-              for t in steps]
+    quartiles = [statistics.quantiles(t, n=4) for t in steps]
+    spread = [100 * (q[2] - q[0]) / m for q, m in zip(quartiles, measured)]
     mem = [abs(r["memory_error_pct"]) for r in rows]
     run.update(calibration=cal.calibration, held_spearman=[rho_before, rho_after], loo_spearman=spearman(loo, measured),
                split_half_spearman=split_half)
