@@ -81,22 +81,36 @@ def init_rank(backend: str, timeout_s: float = 900.0) -> Any:
     return init_device_mesh(device, (dist.get_world_size(),))
 
 
-def shutdown_rank() -> None:
-    """Collect garbage, then destroy the process group.
+def shutdown_rank(together: bool = True) -> None:
+    """Collect garbage, wait for the other ranks, then destroy the process group.
 
     FSDP2's states hold reference cycles (``FSDPCommContext.post_forward_order``),
     so a dropped model is freed only by the cycle collector, at worst at
     interpreter exit, after the process group is gone; with gloo that aborted a
     rank now and then ("terminate called without an active exception", about
-    1 run in 10). Callers drop their references to the workload first.
+    1 run in 10). Callers drop their references to the workload first. A rank
+    that tears its gloo connections down while a peer is still finishing its
+    last collective aborted the same way (1 CI run in ~10), so the ranks meet
+    at a barrier first (at most 30 s, ``monitored_barrier`` on gloo).
+
+    Args:
+        together: the ranks ended their work together. ``False`` after an
+            error: they may have issued different collectives, so no barrier.
     """
     import gc
 
     import torch.distributed as dist
 
     gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if together:
+        with contextlib.suppress(Exception):  # a peer that is gone: nothing to wait for
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+            else:
+                dist.barrier()
+    dist.destroy_process_group()
 
 
 def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bool = True) -> None:
@@ -127,6 +141,7 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
     say = print if rank == 0 else (lambda *a, **k: None)
     workload = None
     stages: list[MeasuredStage] = []
+    ended = False
     try:
         with interrupts_raise():
             try:
@@ -185,6 +200,7 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                     for number, reason in result.failed.items():
                         say(f"trial {number} FAIL: {reason}")
                     _finish(config, stages[0], result.told, profile, profile_out, plan_out)
+                ended = True
             except BaseException as e:
                 # No trial of this job stays RUNNING, whatever stopped it (Ctrl-C, SIGTERM, a lost rank,
                 # a storage error), also one created before the round was handed out. Inside
@@ -197,7 +213,7 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
         workload = None
         for stage in stages:
             stage.close()
-        shutdown_rank()
+        shutdown_rank(together=ended)
 
 
 def _finish(config: StudyConfig, stage: Any, told: list, profile: Any, profile_out: str, plan_out: str) -> None:
@@ -241,6 +257,7 @@ def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = Non
 
     mesh = init_rank(config.backend)
     workload = None
+    ended = False
     try:
         workload = build_workload(config.factory, mesh, config.kwargs)
         profile = record_profile(workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps,
@@ -255,9 +272,10 @@ def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = Non
             r = simulate(profile, Plan.default(profile))
             print(f"profile written to {output}: {len(profile.modules)} FSDP modules, measured step "
                   f"{profile.measured_step_ms:.1f} ms (FSDP2 default), predicted {r.step_ms:.1f} ms")
+        ended = True
     finally:
         workload = None
-        shutdown_rank()
+        shutdown_rank(together=ended)
 
 
 def _report(plans: list, plan_out: str, profile: Any) -> None:
