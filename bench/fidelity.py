@@ -1,6 +1,6 @@
 """Benchmark: simulator fidelity against the real ranks, before and after calibration.
 
-    python bench/fidelity.py [studies/llama-cpu.toml studies/gpt2-cpu.toml] [--rounds 21] [--json out.json]
+    python bench/fidelity.py [studies/llama-cpu.toml studies/gpt2-cpu.toml] [--rounds 31] [--json out.json]
     python bench/fidelity.py --refit llama.json gpt2.json   # saved runs, today's calibration, no ranks
 
 For each study, in one run on its ranks: record a profile; build 15 plans
@@ -247,10 +247,10 @@ def refit(path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("studies", nargs="*", default=["studies/llama-cpu.toml", "studies/gpt2-cpu.toml"])
-    parser.add_argument("--rounds", type=int, default=21,
-                        help="interleaved rounds, one step of every plan each (about 22 minutes per study at 21 on "
-                             "the 2-core CPU testbed; at 9 the odd and even rounds ranked the plans with Spearman "
-                             "0.79-0.90, at 21 0.92-0.94)")
+    parser.add_argument("--rounds", type=int, default=31,
+                        help="interleaved rounds, one step of every plan each (about 30 minutes per study at 31 on "
+                             "the 2-core CPU testbed; odd and even rounds ranked the plans with Spearman 0.79-0.90 "
+                             "at 9 rounds, 0.92-0.94 at 21 and 31)")
     parser.add_argument("--json", help="write the rows of the (single) study here")
     parser.add_argument("--refit", nargs="+", metavar="JSON", help="report saved --json runs again, measuring nothing")
     args = parser.parse_args()
