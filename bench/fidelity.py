@@ -166,7 +166,7 @@ def report(run: dict, splits: int = 40) -> None:
     """
     import dataclasses
 
-    from planner.calibrate import Observation, calibrated, errors_pct, fit, spearman, summary
+    from planner.calibrate import Observation, calibrated, fit, spearman, summary
     from planner.plan import Plan
     from planner.profile import Profile
     from planner.simulator import simulate
@@ -178,7 +178,7 @@ def report(run: dict, splits: int = 40) -> None:
     measured = [statistics.median(t) for t in steps]
     obs = [Observation(p, m) for p, m in zip(plans, measured)]
     raw = [simulate(profile, p) for p in plans]
-    before = errors_pct(profile, obs)
+    before = [100 * (r.step_ms - m) / m for r, m in zip(raw, measured)]
     # Leave-one-out: every plan predicted by a calibration fitted on all the others.
     loo = [simulate(calibrated(profile, fit(profile, obs[:i] + obs[i + 1:])), o.plan).step_ms
            for i, o in enumerate(obs)]
@@ -202,11 +202,11 @@ def report(run: dict, splits: int = 40) -> None:
         cal = calibrated(profile, fit(profile, [obs[i] for i in sorted(train_idx)]))
         pred = [simulate(cal, plans[i]).step_ms for i in held]
         hm = [measured[i] for i in held]
+        after = [abs(100 * (p - m) / m) for p, m in zip(pred, hm)]
         held_runs.append({
             "fit": sorted(train_idx), "calibration": cal.calibration,
             "error_before": statistics.median(abs(before[i]) for i in held),
-            "error_after": statistics.median(abs(100 * (p - m) / m) for p, m in zip(pred, hm)),
-            "max_error_after": max(abs(100 * (p - m) / m) for p, m in zip(pred, hm)),
+            "error_after": statistics.median(after), "max_error_after": max(after),
             "spearman_before": spearman([raw[i].step_ms for i in held], hm),
             "spearman_after": spearman(pred, hm),
         })
@@ -219,7 +219,8 @@ def report(run: dict, splits: int = 40) -> None:
     def over(key):
         return [h[key] for h in held_runs if h[key] == h[key]]  # nan: a constant side, no rank correlation
 
-    run.update(calibration=cal_all.calibration, held_splits=held_runs, loo_spearman=spearman(loo, measured),
+    loo_rho = spearman(loo, measured)
+    run.update(calibration=cal_all.calibration, held_splits=held_runs, loo_spearman=loo_rho,
                split_half_spearman=split_half,
                held_median_error_pct=statistics.median(over("error_after")),
                held_median_spearman=statistics.median(over("spearman_after")))
@@ -232,7 +233,7 @@ def report(run: dict, splits: int = 40) -> None:
           f"max |error| {_quartiles(over('max_error_after'), '{:.1f}%')}, "
           f"Spearman {_quartiles(over('spearman_after'), '{:.2f}')}")
     print(f"leave-one-out (each plan held back from its own fit, all {len(obs)} plans): {summary(loo_err)}, "
-          f"Spearman {spearman(loo, measured):.2f}")
+          f"Spearman {loo_rho:.2f}")
     print(f"all plans: before {summary(before)}, Spearman {spearman([r.step_ms for r in raw], measured):.2f}")
     print(f"measurement noise: step-to-step interquartile range, median over plans {statistics.median(spread):.1f}% "
           f"of the step time; odd rounds vs even rounds rank the plans with Spearman {split_half:.2f}")
