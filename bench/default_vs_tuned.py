@@ -41,9 +41,9 @@ def rank_main(args: argparse.Namespace) -> None:
     from search_spaces import uniform
 
     config = load_study_config(args.study)
-    mesh = init_rank(config.backend)
-    workload = build_workload(config.factory, mesh, config.kwargs)
-    profile = record_profile(workload, warmup_steps=1, steps=config.steps, repeats=config.profile_repeats)
+    mesh = init_rank(config.launch.backend)
+    workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats)
     plans = {"FSDP2 default": Plan.default(profile)}
     plan_path = args.plan or config.default_output(".plan.json")
     if os.path.exists(plan_path):
@@ -56,7 +56,7 @@ def rank_main(args: argparse.Namespace) -> None:
         default_ms = statistics.median(step_ms[0])
         rows = []
         print(f"\n{config.name}: {len(names)} plans x {args.rounds} rounds, interleaved, "
-              f"{dist.get_world_size()} ranks ({config.backend})")
+              f"{dist.get_world_size()} ranks ({config.launch.backend})")
         print(f"{'plan':<44} {'measured ms':>11} {'vs default':>10} {'predicted ms':>12} {'error %':>8}")
         for name, times in zip(names, step_ms):
             measured = statistics.median(times)
@@ -92,7 +92,7 @@ def main() -> None:
             forward = [args.study, "--rounds", str(args.rounds)]
             forward += ["--plan", args.plan] if args.plan else []
             forward += ["--json", args.json] if args.json else []
-            sys.exit(launch_ranks(forward, config.nproc_per_node, script=__file__))
+            sys.exit(launch_ranks(forward, config.launch.nproc_per_node, script=__file__))
     except PlannerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -59,8 +59,8 @@ def _plans(profile):
         for a in (False, True):
             if (d, a) != (0, False):
                 plans[f"uniform depth {d}{' async' if a else ''}"] = uniform.build(profile, d, max(1, d), a)
-    config = StudyConfig(name="fidelity", storage="sqlite://", factory="-", space="per_module", sampler="nsga2",
-                         sim_trials=300, seed=1)
+    config = StudyConfig.build(name="fidelity", storage="sqlite://", factory="-", space="per_module",
+                               sampler="nsga2", sim_trials=300, seed=1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sim = simulated_stage(profile, config, optuna.storages.InMemoryStorage(), show_progress_bar=False)
     seen = {p.behaviour_key() for p in plans.values()}
@@ -101,9 +101,9 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
     from runtime.workload import build_workload, train_step
 
     config = load_study_config(study)
-    mesh = init_rank(config.backend)
-    workload = build_workload(config.factory, mesh, config.kwargs)
-    profile = record_profile(workload, warmup_steps=1, steps=config.steps, repeats=config.profile_repeats)
+    mesh = init_rank(config.launch.backend)
+    workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats)
     plans = _plans(profile)
     names = list(plans)
     step_ms, _ = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1)
@@ -269,7 +269,7 @@ def main() -> None:
         for study in args.studies:
             config = load_study_config(study)
             forward = [study, "--rounds", str(args.rounds)] + (["--json", args.json] if args.json else [])
-            code = launch_ranks(forward, config.nproc_per_node, script=__file__)
+            code = launch_ranks(forward, config.launch.nproc_per_node, script=__file__)
             if code:
                 sys.exit(code)
     except PlannerError as e:

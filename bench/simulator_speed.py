@@ -25,9 +25,10 @@ import optuna  # noqa: E402
 
 from planner.config import StudyConfig  # noqa: E402
 from planner.simulator import simulate  # noqa: E402
-from planner.study import open_storage, simulated_stage  # noqa: E402
+from planner.storages import open_storage  # noqa: E402
+from planner.study import simulated_stage  # noqa: E402
 from search_spaces import uniform  # noqa: E402
-from tests.conftest import synthetic_profile  # noqa: E402
+from planner.testing import synthetic_profile  # noqa: E402
 
 
 def evals_per_second(n_modules: int, fresh: bool, seconds: float = 1.0) -> float:
@@ -47,10 +48,10 @@ def evals_per_second(n_modules: int, fresh: bool, seconds: float = 1.0) -> float
 def study_seconds(n_modules: int, trials: int, space: str, sampler: str) -> float:
     p = synthetic_profile(n_blocks=n_modules - 1, fwd=10.0, bwd=20.0, ag=8.0, rs=4.0)
     with tempfile.TemporaryDirectory() as d:
-        config = StudyConfig(name="speed", storage=f"sqlite:///{d}/speed.db", factory="-", space=space,
-                             sampler=sampler, sim_trials=trials, directory=d)
+        config = StudyConfig.build(name="speed", storage=f"sqlite:///{d}/speed.db", factory="-", space=space,
+                                   sampler=sampler, sim_trials=trials, directory=d)
         t0 = time.perf_counter()
-        simulated_stage(p, config, open_storage(config.storage), show_progress_bar=False)
+        simulated_stage(p, config, open_storage(config.storage_url), show_progress_bar=False)
         return time.perf_counter() - t0
 
 

@@ -59,18 +59,18 @@ def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out
             rank_error(e)
         return
     # Before starting ranks: fail fast on what the parent can check.
-    from planner.storage import check_writable
+    from planner.storages import check_writable
     from runtime.launch import launch_ranks
     from runtime.workload import load_factory
 
-    load_factory(config.factory)
-    check_writable(config.storage)  # reachable, driver installed, not locked; writes nothing
+    load_factory(config.workload.factory)
+    check_writable(config.storage_url)  # reachable, driver installed, not locked; writes nothing
     for out in (plan_out, profile_out):
         if not Path(out).parent.is_dir():
             raise PlannerError(f"cannot write {out!r}: folder {str(Path(out).parent)!r} does not exist")
-    args = ["tune", study_toml, "--storage", config.storage, "--sim-trials", str(config.sim_trials),
-            "--measured-trials", str(config.measured_trials), "--plan-out", plan_out, "--profile-out", profile_out]
-    code = launch_ranks(args + (["--no-progress"] if no_progress else []), config.nproc_per_node)
+    args = ["tune", study_toml, "--storage", config.storage_url, "--sim-trials", str(config.search.sim_trials),
+            "--measured-trials", str(config.search.measured_trials), "--plan-out", plan_out, "--profile-out", profile_out]
+    code = launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch.nproc_per_node)
     if code:
         if code not in (2, 3, 130):  # rank 0 printed the one line of those
             click.echo(f"error: a tuning rank failed with exit code {code}; see its output above", err=True)
@@ -133,12 +133,12 @@ def profile(study_toml, output, torch_trace) -> None:
     from runtime.launch import launch_ranks
     from runtime.workload import load_factory
 
-    load_factory(config.factory)
+    load_factory(config.workload.factory)
     for out in filter(None, (output, torch_trace)):
         if not Path(out).parent.is_dir():
             raise PlannerError(f"cannot write {out!r}: folder {str(Path(out).parent)!r} does not exist")
     code = launch_ranks(["profile", study_toml, "-o", output] + (["--torch-trace", torch_trace] if torch_trace else []),
-                        config.nproc_per_node)
+                        config.launch.nproc_per_node)
     if code:
         if code != 2:
             click.echo(f"error: a profiling rank failed with exit code {code}; see its output above", err=True)
@@ -167,7 +167,7 @@ def studies_list(storage) -> None:
     for url in urls:
         for s in list_studies(url):
             ratio = f"{s.best_ms / s.default_ms:.3f}" if s.best_ms and s.default_ms else "-"
-            click.echo(f"{s.name:<24} {s.measured_trials:>8} {s.simulated_trials:>9} {_ms(s.best_ms):>10} "
+            click.echo(f"{s.name:<24} {s.measured_trial_count:>8} {s.simulated_trial_count:>9} {_ms(s.best_ms):>10} "
                        f"{_ms(s.default_ms):>10} {ratio:>6}  {url}")
 
 

@@ -1,4 +1,4 @@
-"""Study definitions: a TOML file, validated once at the edge.
+"""Study definitions: a TOML file, validated once at the edge into typed tables.
 
 Example (``studies/llama-cpu.toml``)::
 
@@ -10,7 +10,7 @@ Example (``studies/llama-cpu.toml``)::
     max_retry = 2               # re-measure a stale trial's plan at most this often
 
     [workload]
-    factory = "runtime.workloads:llama"
+    factory = "runtime.reference_workloads:llama"
     kwargs = { hidden_size = 1024, num_hidden_layers = 8 }
 
     [launch]
@@ -28,82 +28,189 @@ Example (``studies/llama-cpu.toml``)::
     [measure]
     warmup_steps = 1
     steps = 5
+
+Each table is a pydantic model (``extra="forbid"``, strict types); a default
+is written once, on its field. Any error is one :class:`StudyConfigError`
+line naming the file, the table and key, and what to write instead.
 """
 
 from __future__ import annotations
 
+import enum
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator, model_validator
+
 from planner.errors import StudyConfigError
-
-_KNOWN = {
-    "study": {"name", "storage", "heartbeat_interval_s", "grace_period_s", "max_retry"},
-    "workload": {"factory", "kwargs"},
-    "launch": {"nproc_per_node", "backend", "timeout_s"},
-    "search": {"space", "sampler", "sim_trials", "measured_trials", "seed"},
-    "measure": {"warmup_steps", "steps", "profile_repeats"},
-}
+from planner.samplers import SAMPLERS
+from search_spaces import SPACES
 
 
-@dataclass(frozen=True)
-class StudyConfig:
-    """A validated study definition.
+class Backend(enum.StrEnum):
+    """``torch.distributed`` backend of the ranks: ``gloo`` on CPU, ``nccl`` on CUDA GPUs."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StudyTable(_Table):
+    """``[study]``: the study's name and storage, and the measured trials' liveness.
 
     Attributes:
         name: the study's name (Optuna study names ``name`` and ``name.sim``).
-        storage: SQLAlchemy URL of the database.
-        factory: workload factory ``"package.module:function"``.
-        kwargs: keyword arguments for the factory.
+        storage: SQLAlchemy URL of the database; ``None``:
+            ``sqlite:///<toml folder>/<name>.db`` (:attr:`StudyConfig.storage_url`).
+        heartbeat_interval_s: how often rank 0 records the heartbeat of its
+            RUNNING measured trials (Optuna's RDB heartbeat), s.
+        grace_period_s: a RUNNING trial without a heartbeat for this long is
+            stale: the next job on the study fails it and re-queues its plan, s.
+        max_retry: how often a stale trial's plan is re-queued (Optuna's
+            stale-trial retry callback).
+    """
+
+    name: StrictStr = Field(min_length=1)
+    storage: StrictStr | None = None
+    heartbeat_interval_s: StrictInt = Field(10, ge=1)
+    grace_period_s: StrictInt = Field(60, ge=1)
+    max_retry: StrictInt = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _grace_exceeds_heartbeat(self) -> "StudyTable":
+        if self.grace_period_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"grace_period_s ({self.grace_period_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or live trials would be failed as stale"
+            )
+        return self
+
+
+class WorkloadTable(_Table):
+    """``[workload]``: ``factory`` ``"package.module:function"``, called on every rank as ``factory(mesh, **kwargs)``."""
+
+    factory: StrictStr
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class LaunchTable(_Table):
+    """``[launch]``: the ranks.
+
+    Attributes:
         nproc_per_node: ranks to start when not launched by torchrun.
-        backend: ``torch.distributed`` backend (``gloo`` on CPU, ``nccl`` on GPU).
-        space: search space name (see ``search_spaces``).
-        sampler: Optuna sampler of the simulated stage: ``tpe``, ``nsga2``
-            (much cheaper per trial with hundreds of parameters) or ``random``.
+        backend: ``gloo`` (CPU) or ``nccl`` (CUDA GPUs, one per rank).
+        timeout_s: the longest one rank waits for another, s: the process
+            group's timeout (every collective of a training step) and the
+            rank protocol's (``runtime.protocol``).
+    """
+
+    nproc_per_node: StrictInt = Field(2, ge=1)
+    backend: Backend = Backend.GLOO
+    timeout_s: StrictInt = Field(900, ge=1)
+
+
+class SearchTable(_Table):
+    """``[search]``: the simulated stage and how many of its plans are measured.
+
+    Attributes:
+        space: search space name (``search_spaces.SPACES``).
+        sampler: Optuna sampler of the simulated stage (:data:`planner.samplers.SAMPLERS`):
+            ``tpe``, ``nsga2`` (much cheaper per trial with hundreds of
+            parameters) or ``random``.
         sim_trials: trials of the simulated stage.
         measured_trials: best distinct simulated plans measured on the ranks
             (FSDP2's default is measured besides them).
         seed: the sampler's seed.
+    """
+
+    space: StrictStr = "uniform"
+    sampler: StrictStr = "tpe"
+    sim_trials: StrictInt = Field(200, ge=0)
+    measured_trials: StrictInt = Field(3, ge=0)
+    seed: StrictInt = 0
+
+    @field_validator("space")
+    @classmethod
+    def _known_space(cls, name: str) -> str:
+        if name not in SPACES:
+            raise ValueError(f"unknown search space {name!r}; choose one of {', '.join(sorted(SPACES))}")
+        return name
+
+    @field_validator("sampler")
+    @classmethod
+    def _known_sampler(cls, name: str) -> str:
+        if name not in SAMPLERS:
+            raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
+        return name
+
+
+class MeasureTable(_Table):
+    """``[measure]``: steps on the real ranks.
+
+    Attributes:
         warmup_steps: untimed steps per plan before measuring.
         steps: timed steps per plan (rounds of the interleaved measurement).
         profile_repeats: repeats of each recorder measurement.
-        directory: the TOML file's folder (default outputs go there).
-        timeout_s: the longest one rank waits for another, in seconds: the
-            process group's timeout (every collective of a training step) and
-            the rank protocol's (``runtime.protocol``).
-        heartbeat_interval_s: how often rank 0 records the heartbeat of its
-            RUNNING measured trials (Optuna's RDB heartbeat), in seconds.
-        grace_period_s: a RUNNING trial without a heartbeat for this long is
-            stale: the next job on the study fails it and re-queues its plan.
-        max_retry: how often a stale trial's plan is re-queued (Optuna's
-            ``RetryFailedTrialCallback``).
     """
 
-    name: str
-    storage: str
-    factory: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    nproc_per_node: int = 2
-    backend: str = "gloo"
-    space: str = "uniform"
-    sampler: str = "tpe"
-    sim_trials: int = 200
-    measured_trials: int = 3
-    seed: int = 0
-    warmup_steps: int = 1
-    steps: int = 5
-    profile_repeats: int = 3
+    warmup_steps: StrictInt = Field(1, ge=0)
+    steps: StrictInt = Field(5, ge=1)
+    profile_repeats: StrictInt = Field(3, ge=1)
+
+
+TABLES: dict[str, type[_Table]] = {
+    "study": StudyTable, "workload": WorkloadTable, "launch": LaunchTable, "search": SearchTable,
+    "measure": MeasureTable,
+}
+# Every key's table: keys are unique across tables, so a flat override (the CLI's --sim-trials) finds its table.
+_TABLE_OF: dict[str, str] = {key: table for table, model in TABLES.items() for key in model.model_fields}
+
+
+class StudyConfig(_Table):
+    """A validated study definition: one typed model per TOML table.
+
+    Attributes:
+        study, workload, launch, search, measure: the tables.
+        directory: the TOML file's folder (default outputs and the default
+            SQLite storage go there); not a TOML key.
+    """
+
+    study: StudyTable
+    workload: WorkloadTable
+    launch: LaunchTable = Field(default_factory=LaunchTable)
+    search: SearchTable = Field(default_factory=SearchTable)
+    measure: MeasureTable = Field(default_factory=MeasureTable)
     directory: str = "."
-    timeout_s: int = 900
-    heartbeat_interval_s: int = 10
-    grace_period_s: int = 60
-    max_retry: int = 2
+
+    @property
+    def name(self) -> str:
+        """``[study] name``."""
+        return self.study.name
+
+    @property
+    def storage_url(self) -> str:
+        """``[study] storage``, else ``sqlite:///<directory>/<name>.db``."""
+        return self.study.storage or default_storage(self.study.name, self.directory)
 
     def default_output(self, suffix: str) -> str:
         """``<toml folder>/<name><suffix>``, e.g. ``studies/llama-cpu.plan.json``."""
         return str(Path(self.directory) / f"{self.name}{suffix}")
+
+    @classmethod
+    def build(cls, directory: str | Path = ".", source: str = "study config", **fields: Any) -> "StudyConfig":
+        """A config from flat keys (``name=..., factory=..., sim_trials=...``), each put in its table.
+
+        The Python API's way to write what a TOML file says; validated the
+        same way.
+
+        Raises:
+            StudyConfigError: an unknown key, or a value of the wrong type or range.
+        """
+        return _validate({}, directory, source, fields)
 
 
 def default_storage(name: str, directory: str | Path = "studies") -> str:
@@ -116,8 +223,9 @@ def load_study_config(path: str | Path, **overrides: Any) -> StudyConfig:
 
     Args:
         path: the TOML file.
-        overrides: fields to replace (``None`` values are ignored), e.g. the
-            CLI's ``storage``, ``sim_trials``, ``measured_trials``.
+        overrides: flat keys to replace (``None`` values are ignored), e.g.
+            the CLI's ``storage``, ``sim_trials``, ``measured_trials``;
+            validated like the file's own.
 
     Raises:
         StudyConfigError: missing file, malformed TOML, unknown table or key,
@@ -130,60 +238,51 @@ def load_study_config(path: str | Path, **overrides: Any) -> StudyConfig:
         raise StudyConfigError(f"cannot read study file {str(path)!r}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise StudyConfigError(f"study file {str(path)!r} is not valid TOML: {e}") from None
+    return _validate(raw, path.parent, str(path), overrides)
+
+
+def _validate(raw: dict[str, Any], directory: str | Path, source: str, overrides: dict[str, Any]) -> StudyConfig:
     for table, value in raw.items():
-        if table not in _KNOWN or not isinstance(value, dict):
-            raise StudyConfigError(f"{path}: unknown table [{table}]; expected {', '.join(sorted(_KNOWN))}")
-        unknown = set(value) - _KNOWN[table]
-        if unknown:
-            raise StudyConfigError(f"{path}: unknown key(s) {sorted(unknown)} in [{table}]")
+        if table not in TABLES:
+            raise StudyConfigError(f"{source}: unknown table [{table}]; expected {', '.join(sorted(TABLES))}")
+        if not isinstance(value, dict):
+            raise StudyConfigError(f"{source}: {table} must be a table: write [{table}] and its keys below it")
+    tables = {table: dict(raw.get(table, {})) for table in TABLES}
+    for key, value in overrides.items():
+        if key not in _TABLE_OF:
+            raise StudyConfigError(f"{source}: unknown key {key!r}; keys are {', '.join(sorted(_TABLE_OF))}")
+        if value is not None:
+            tables[_TABLE_OF[key]][key] = value
+    try:
+        return StudyConfig.model_validate({**tables, "directory": str(directory)})
+    except ValidationError as e:
+        raise StudyConfigError(f"{source}: {_describe(e)}") from None
 
-    def get(table: str, key: str, typ: type, default: Any = None, required: bool = False) -> Any:
-        value = raw.get(table, {}).get(key, default)
-        if value is None and required:
-            raise StudyConfigError(f"{path}: [{table}] {key} is required")
-        if value is not None and (not isinstance(value, typ) or (typ is int and isinstance(value, bool))):
-            raise StudyConfigError(f"{path}: [{table}] {key} must be {typ.__name__}, found {value!r}")
-        return value
 
-    name = get("study", "name", str, required=True)
-    values = {
-        "name": name,
-        "storage": get("study", "storage", str) or default_storage(name, path.parent),
-        "factory": get("workload", "factory", str, required=True),
-        "kwargs": get("workload", "kwargs", dict, {}),
-        "nproc_per_node": get("launch", "nproc_per_node", int, 2),
-        "backend": get("launch", "backend", str, "gloo"),
-        "space": get("search", "space", str, "uniform"),
-        "sampler": get("search", "sampler", str, "tpe"),
-        "sim_trials": get("search", "sim_trials", int, 200),
-        "measured_trials": get("search", "measured_trials", int, 3),
-        "seed": get("search", "seed", int, 0),
-        "warmup_steps": get("measure", "warmup_steps", int, 1),
-        "steps": get("measure", "steps", int, 5),
-        "profile_repeats": get("measure", "profile_repeats", int, 3),
-        "directory": str(path.parent),
-        "timeout_s": get("launch", "timeout_s", int, 900),
-        "heartbeat_interval_s": get("study", "heartbeat_interval_s", int, 10),
-        "grace_period_s": get("study", "grace_period_s", int, 60),
-        "max_retry": get("study", "max_retry", int, 2),
-    }
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    for key in ("nproc_per_node", "steps", "profile_repeats", "timeout_s", "heartbeat_interval_s"):
-        if values[key] < 1:
-            raise StudyConfigError(f"{path}: {key} must be >= 1, found {values[key]}")
-    for key in ("sim_trials", "measured_trials", "warmup_steps", "max_retry"):
-        if values[key] < 0:
-            raise StudyConfigError(f"{path}: {key} must be >= 0, found {values[key]}")
-    from planner.study import SAMPLERS
-    from search_spaces import get_space
-
-    if values["sampler"] not in SAMPLERS:
-        raise StudyConfigError(f"{path}: unknown sampler {values['sampler']!r}; choose one of {', '.join(SAMPLERS)}")
-
-    if values["grace_period_s"] <= values["heartbeat_interval_s"]:
-        raise StudyConfigError(
-            f"{path}: grace_period_s ({values['grace_period_s']}) must exceed heartbeat_interval_s "
-            f"({values['heartbeat_interval_s']}), or live trials would be failed as stale"
-        )
-    get_space(values["space"])  # raises StudyConfigError naming the choices
-    return StudyConfig(**values)
+def _describe(error: ValidationError) -> str:
+    """The first problem of a pydantic error as ``[table] key ...`` with what to write instead."""
+    errors = error.errors()
+    first = errors[0]
+    loc = [str(part) for part in first["loc"]]
+    table, key = loc[0], ".".join(loc[1:])
+    where = f"[{table}] {key}" if key else f"[{table}]"
+    kind, found = first["type"], first.get("input")
+    if kind == "extra_forbidden":
+        unknown = sorted(".".join(map(str, e["loc"][1:])) for e in errors
+                         if e["type"] == "extra_forbidden" and e["loc"][0] == first["loc"][0])
+        return (f"unknown key(s) {unknown} in [{table}]; "
+                f"keys there are {', '.join(sorted(TABLES[table].model_fields))}")
+    if kind == "missing":
+        return f"{where} is required"
+    if kind in ("int_type", "string_type", "dict_type"):
+        expected = {"int_type": "int", "string_type": "str", "dict_type": "dict"}[kind]
+        return f"{where} must be {expected}, found {found!r}"
+    if kind in ("greater_than_equal", "string_too_short"):
+        bound = first["ctx"].get("ge", 1)
+        return f"{where} must be >= {bound}, found {found!r}"
+    if kind == "enum":
+        return f"{where} must be one of {first['ctx']['expected']}, found {found!r}"
+    if kind == "value_error":
+        message = str(first["ctx"]["error"])
+        return f"{where}: {message}" if key else f"{where} {message}"
+    return f"{where}: {first['msg']}"

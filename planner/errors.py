@@ -4,6 +4,23 @@ Every message says what was expected, what was found, and what to do. The CLI
 prints ``error: <message>`` and exits 2 for any :class:`PlannerError`.
 """
 
+import enum
+
+
+class FailKind(enum.StrEnum):
+    """Why a measured trial is FAIL (its user attribute ``fail_kind``), which decides whether it is retried.
+
+    Attributes:
+        ERROR: a rank raised applying or running the plan; the plan is not
+            measured again in this study.
+        INTERRUPTED: the job stopped (Ctrl-C, SIGTERM, a lost rank, another
+            trial's failure) before the plan was measured; the next job
+            measures it.
+    """
+
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+
 
 class PlannerError(Exception):
     """Base class of every error this project raises on bad input.

@@ -10,6 +10,7 @@ against plan.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +42,18 @@ class ModulePlan:
     reshard_after_forward: bool = True
 
 
+class Source(enum.StrEnum):
+    """What made a plan: FSDP2's default behaviour, or a measured trial of a study."""
+
+    DEFAULT = "default"
+    MEASURED = "measured"
+
+
 @dataclass(frozen=True)
 class Provenance:
     """Where a plan came from. Times in ms; ``None`` where not known."""
 
-    source: str = "default"
+    source: Source = Source.DEFAULT
     study: str | None = None
     trial: int | None = None
     predicted_ms: float | None = None
@@ -187,7 +195,7 @@ class Plan:
                 unshard_async_op=async_op,
                 reduce_scatter_max_input_buffers=int(d.get("reduce_scatter_max_input_buffers", 1)),
                 reshard_after_backward=bool(d.get("reshard_after_backward", True)),
-                provenance=Provenance(**d.get("provenance", {})),
+                provenance=_provenance(d.get("provenance", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanFormatError(f"plan is missing or has a bad field: {e}") from None
@@ -229,6 +237,15 @@ class Plan:
         except OSError as e:
             raise PlanFormatError(f"cannot read plan {str(path)!r}: {e.strerror}") from None
         return cls.from_json(text)
+
+
+def _provenance(d: Any) -> Provenance:
+    if not isinstance(d, dict):
+        raise TypeError(f"provenance must be an object, found {d!r}")
+    source = d.get("source", Source.DEFAULT)
+    if source not in set(Source):
+        raise ValueError(f"provenance.source must be one of {', '.join(Source)}, found {source!r}")
+    return Provenance(**{**d, "source": Source(source)})
 
 
 def _fqn_list(x: Any) -> list[str]:

@@ -126,7 +126,8 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
 
     from planner.plan import Plan
     from planner.simulator import simulate
-    from planner.study import MeasuredStage, latest_calibration, open_storage, select_candidates, simulated_stage
+    from planner.storages import open_storage
+    from planner.study import MeasuredStage, latest_calibration, select_candidates, simulated_stage
     from runtime.interrupts import interrupts_deferred, interrupts_raise
     from runtime.protocol import control_group, measured_round, one_line
     from runtime.recorder import record_profile
@@ -135,8 +136,8 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    mesh = init_rank(config.backend, config.timeout_s)
-    group = control_group(config.timeout_s)
+    mesh = init_rank(config.launch.backend, config.launch.timeout_s)
+    group = control_group(config.launch.timeout_s)
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     workload = None
@@ -145,11 +146,11 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
     try:
         with interrupts_raise():
             try:
-                workload = build_workload(config.factory, mesh, config.kwargs)
-                say(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({config.factory})", flush=True)
+                workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+                say(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({config.workload.factory})", flush=True)
                 profile = record_profile(
-                    workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps,
-                    repeats=config.profile_repeats,
+                    workload, warmup_steps=max(1, config.measure.warmup_steps), steps=config.measure.steps,
+                    repeats=config.measure.profile_repeats,
                 )
                 job = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -164,13 +165,13 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                     say(f"      simulated default: "
                         f"step {default.step_ms:.1f} ms, exposed communication {default.exposed_comm_ms:.1f} ms, "
                         f"lower bound {default.lower_bound_ms:.1f} ms; profile written to {profile_out}")
-                    storage = open_storage(config.storage, config)
-                    calibration = latest_calibration(config.storage, config.name, profile)
+                    storage = open_storage(config.storage_url, config)
+                    calibration = latest_calibration(storage, config.name, profile)
                     if calibration:
                         profile = dataclasses.replace(profile, calibration=calibration)
                         say("      using the calibration of an earlier run of this study: "
                             + ", ".join(f"{k} {v:.3g}" for k, v in calibration.items()))
-                    say(f"[2/3] simulated stage: {config.sim_trials} trials ({config.space} space)", flush=True)
+                    say(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)", flush=True)
                     sim = simulated_stage(profile, config, storage, show_progress_bar=progress)
                     stage = MeasuredStage(config, storage, profile, job)
                     stages.append(stage)
@@ -179,21 +180,21 @@ def tune_rank(config: StudyConfig, plan_out: str, profile_out: str, progress: bo
                     if retries:
                         say(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
                             f"(trials {', '.join(str(r.retry_of) for r in retries)})")
-                    candidates = select_candidates(sim, profile, config.space, config.measured_trials,
+                    candidates = select_candidates(sim, profile, config.search.space, config.search.measured_trials,
                                                    exclude=stage.settled_keys())
                     if any(r.plan.is_default_for(profile) for r in retries):
                         candidates = candidates[1:]
                     with interrupts_deferred():
                         asked = retries + stage.ask(candidates)
-                    say(f"[3/3] measured stage: {len(asked)} plans x ({config.warmup_steps} warm-up + "
-                        f"{config.steps} timed steps), interleaved; trials "
+                    say(f"[3/3] measured stage: {len(asked)} plans x ({config.measure.warmup_steps} warm-up + "
+                        f"{config.measure.steps} timed steps), interleaved; trials "
                         f"{', '.join(str(a.number) for a in asked)} (job {job})", flush=True)
                     return stage, asked
 
                 bar = tqdm(desc="measured", unit="step", disable=rank != 0 or not progress)
                 try:
-                    result = measured_round(workload, prepare if rank == 0 else None, config.steps,
-                                            config.warmup_steps, group, bar.update)
+                    result = measured_round(workload, prepare if rank == 0 else None, config.measure.steps,
+                                            config.measure.warmup_steps, group, bar.update)
                 finally:
                     bar.close()
                 if rank == 0:
@@ -225,7 +226,7 @@ def _finish(config: StudyConfig, stage: Any, told: list, profile: Any, profile_o
         print("no plan was measured in this job; nothing written")
         return
     _report(told, plan_out, profile)
-    study_best, _ = best_plan(config.storage, config.name)
+    study_best, _ = best_plan(config.storage_url, config.name)
     print(f"study-wide best so far: trial {study_best.provenance.trial}, {study_best.provenance.measured_ms:.1f} ms "
           f"(`prefetch-planner studies best {config.name}`)")
     observations = [Observation(p, p.provenance.measured_ms) for p in told]
@@ -255,13 +256,13 @@ def profile_rank(config: StudyConfig, output: str, torch_trace: str | None = Non
     from runtime.recorder import record_profile
     from runtime.workload import build_workload, train_step
 
-    mesh = init_rank(config.backend)
+    mesh = init_rank(config.launch.backend)
     workload = None
     ended = False
     try:
-        workload = build_workload(config.factory, mesh, config.kwargs)
-        profile = record_profile(workload, warmup_steps=max(1, config.warmup_steps), steps=config.steps,
-                                 repeats=config.profile_repeats)
+        workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+        profile = record_profile(workload, warmup_steps=max(1, config.measure.warmup_steps), steps=config.measure.steps,
+                                 repeats=config.measure.profile_repeats)
         if torch_trace:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 train_step(workload, 0)

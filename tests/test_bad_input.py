@@ -30,9 +30,8 @@ from planner.errors import (
 )
 from planner.plan import Plan
 from planner.profile import Profile
-from planner.storage import check_writable
-from planner.study import open_storage
-from tests.conftest import make_study_db, synthetic_profile
+from planner.storages import check_writable, open_storage
+from planner.testing import make_study_db, synthetic_profile
 from tests.runtime.conftest import HERE as RUNTIME_TESTS
 from tests.runtime.conftest import rank_env
 
@@ -47,7 +46,7 @@ def world(tmp_path, monkeypatch):
     make_study_db(tmp_path, profile, sim_trials=20)
     profile.to_json(tmp_path / "profile.json")
     Plan.default(profile).to_json(tmp_path / "plan.json")
-    (tmp_path / "good.toml").write_text(GOOD_TOML.format(factory="runtime.workloads:mlp"))
+    (tmp_path / "good.toml").write_text(GOOD_TOML.format(factory="runtime.reference_workloads:mlp"))
     return tmp_path
 
 
@@ -121,7 +120,7 @@ CASES = {
         lambda w: ["tune", write(w / "bad.toml", "[study\nname = 's'\n")], "is not valid TOML",
         lambda w: load_study_config(w / "bad.toml"), StudyConfigError),
     "truncated toml": Case(
-        lambda w: ["tune", write(w / "bad.toml", GOOD_TOML.format(factory="runtime.workloads:mlp")[:40])],
+        lambda w: ["tune", write(w / "bad.toml", GOOD_TOML.format(factory="runtime.reference_workloads:mlp")[:40])],
         "is not valid TOML", lambda w: load_study_config(w / "bad.toml"), StudyConfigError),
     "malformed plan json": Case(
         lambda w: ["simulate", str(w / "profile.json"), write(w / "bad_plan.json", "{plan: yes")],

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from planner.cli import main
 from planner.plan import Plan
-from tests.conftest import make_study_db
+from planner.testing import make_study_db
 
 GOOD = '[study]\nname = "s"\n[workload]\nfactory = "{factory}"\n'
 
@@ -37,7 +37,7 @@ def _toml(tmp_path, text):
     "factory, needle",
     [
         ("no_such_pkg.mod:fn", "cannot import workload module 'no_such_pkg.mod'"),
-        ("runtime.workloads:nope", "has no function 'nope'"),
+        ("runtime.reference_workloads:nope", "has no function 'nope'"),
         ("not-a-spec", "must look like 'package.module:function'"),
     ],
 )
@@ -53,7 +53,7 @@ def test_tune_missing_and_malformed_toml(tmp_path):
 
 
 def test_tune_unreachable_storage(tmp_path):
-    path = _toml(tmp_path, GOOD.format(factory="runtime.workloads:mlp"))
+    path = _toml(tmp_path, GOOD.format(factory="runtime.reference_workloads:mlp"))
     code, _, err = _invoke(["tune", path, "--storage", "sqlite:////no/such/dir/x.db"])
     _assert_one_line_error(code, err, "folder '/no/such/dir' does not exist")
 

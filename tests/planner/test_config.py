@@ -11,7 +11,7 @@ GOOD = """
 [study]
 name = "s"
 [workload]
-factory = "runtime.workloads:mlp"
+factory = "runtime.reference_workloads:mlp"
 kwargs = { dim = 64 }
 [search]
 space = "per_module"
@@ -23,10 +23,11 @@ def test_defaults_and_overrides(tmp_path):
     f = tmp_path / "s.toml"
     f.write_text(GOOD)
     c = load_study_config(f)
-    assert c.storage == f"sqlite:///{tmp_path}/s.db"
-    assert (c.space, c.sim_trials, c.measured_trials, c.nproc_per_node, c.kwargs) == ("per_module", 7, 3, 2, {"dim": 64})
+    assert c.storage_url == f"sqlite:///{tmp_path}/s.db"
+    assert (c.search.space, c.search.sim_trials, c.search.measured_trials, c.launch.nproc_per_node,
+            c.workload.kwargs) == ("per_module", 7, 3, 2, {"dim": 64})
     c2 = load_study_config(f, storage="sqlite:///x.db", sim_trials=None, measured_trials=1)
-    assert (c2.storage, c2.sim_trials, c2.measured_trials) == ("sqlite:///x.db", 7, 1)
+    assert (c2.storage_url, c2.search.sim_trials, c2.search.measured_trials) == ("sqlite:///x.db", 7, 1)
     assert c.default_output(".plan.json") == str(tmp_path / "s.plan.json")
 
 
@@ -59,7 +60,7 @@ def test_reference_studies_parse():
 
     studies = Path(__file__).parents[2] / "studies"
     c = load_study_config(studies / "llama-cpu.toml")
-    assert c.factory == "runtime.workloads:llama" and c.nproc_per_node == 2
-    assert load_study_config(studies / "gpt2-cpu.toml").factory == "runtime.workloads:gpt2"
+    assert c.workload.factory == "runtime.reference_workloads:llama" and c.launch.nproc_per_node == 2
+    assert load_study_config(studies / "gpt2-cpu.toml").workload.factory == "runtime.reference_workloads:gpt2"
     gpu = load_study_config(studies / "llama-gpu.toml")
-    assert gpu.backend == "nccl" and gpu.name == "llama-gpu"
+    assert gpu.launch.backend == "nccl" and gpu.name == "llama-gpu"

@@ -2,33 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sqlite3
 import time
 
 import pytest
 
-from planner.config import StudyConfig
-from planner.errors import StudyNotFoundError
+from planner.errors import FailKind, StudyNotFoundError
+from planner.storages import open_storage
 from planner.study import (
-    MeasuredStage, best_plan, list_studies, open_storage, plan_key, select_candidates, simulated_stage,
-    study_trials,
+    MeasuredStage, best_plan, list_studies, plan_key, select_candidates, simulated_stage, study_trials,
 )
+from planner.testing import study_config
 
 
 @pytest.fixture
 def config(tmp_path):
-    return StudyConfig(
-        name="t", storage=f"sqlite:///{tmp_path}/t.db", factory="runtime.workloads:mlp",
-        space="uniform", sim_trials=40, measured_trials=3, directory=str(tmp_path),
-    )
+    return study_config(tmp_path, name="t", space="uniform", sim_trials=40, measured_trials=3)
 
 
 def _run(make_profile, config, measured_ms):
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
-    storage = open_storage(config.storage, config)
+    storage = open_storage(config.storage_url, config)
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    candidates = select_candidates(sim, profile, config.space, config.measured_trials)
+    candidates = select_candidates(sim, profile, config.search.space, config.search.measured_trials)
     stage = MeasuredStage(config, storage, profile, job="test")
     asked = stage.ask(candidates)
     times = [[ms, ms + 1.0, ms - 1.0] for ms in measured_ms[: len(asked)]]
@@ -55,16 +51,16 @@ def test_tell_best_and_queries(make_profile, config):
     _, _, candidates, plans = _run(make_profile, config, [100.0, 90.0, 80.0, 95.0])
     assert [p.provenance.measured_ms for p in plans] == [100.0, 90.0, 80.0, 95.0]
     assert all(p.provenance.default_measured_ms == 100.0 for p in plans)
-    best, default_ms = best_plan(config.storage, "t")
+    best, default_ms = best_plan(config.storage_url, "t")
     assert best.provenance.measured_ms == 80.0 and default_ms == 100.0
     assert best.behaviour_key() == candidates[2].plan.behaviour_key()
-    [summary] = list_studies(config.storage)
-    assert (summary.name, summary.measured_trials, summary.simulated_trials) == ("t", 4, 40)
+    [summary] = list_studies(config.storage_url)
+    assert (summary.name, summary.measured_trial_count, summary.simulated_trial_count) == ("t", 4, 40)
     assert (summary.best_ms, summary.default_ms) == (80.0, 100.0)
-    rows = study_trials(config.storage, "t")
+    rows = study_trials(config.storage_url, "t")
     assert sum(r["stage"] == "measured" for r in rows) == 4 and sum(r["stage"] == "simulated" for r in rows) == 40
     # plain SQL answers without Python objects
-    db = config.storage.removeprefix("sqlite:///")
+    db = config.storage_url.removeprefix("sqlite:///")
     got = sqlite3.connect(db).execute(
         "select measured_ms from planner_plans where is_default = 1").fetchall()
     assert got == [(100.0,)]
@@ -73,31 +69,31 @@ def test_tell_best_and_queries(make_profile, config):
 def test_rerun_adds_trials_to_the_same_study(make_profile, config):
     _run(make_profile, config, [100.0, 90.0, 80.0, 95.0])
     _run(make_profile, config, [100.0, 70.0, 85.0, 99.0])
-    [summary] = list_studies(config.storage)
-    assert summary.measured_trials == 8 and summary.simulated_trials == 80
-    assert best_plan(config.storage, "t")[0].provenance.measured_ms == 70.0
+    [summary] = list_studies(config.storage_url)
+    assert summary.measured_trial_count == 8 and summary.simulated_trial_count == 80
+    assert best_plan(config.storage_url, "t")[0].provenance.measured_ms == 70.0
 
 
 def test_failed_measurement_is_recorded(make_profile, config):
     profile = make_profile()
-    storage = open_storage(config.storage, config)
+    storage = open_storage(config.storage_url, config)
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
     stage = MeasuredStage(config, storage, profile, job="test")
-    asked = stage.ask(select_candidates(sim, profile, config.space, 1))
-    stage.fail(asked, "RuntimeError: boom", "error")
+    asked = stage.ask(select_candidates(sim, profile, config.search.space, 1))
+    stage.fail(asked, "RuntimeError: boom", FailKind.ERROR)
     stage.close()
     trials = stage.study.trials
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
     assert trials[0].user_attrs["fail_reason"] == "RuntimeError: boom"
     assert trials[0].user_attrs["fail_kind"] == "error"
     with pytest.raises(StudyNotFoundError, match="no measured trial"):
-        best_plan(config.storage, "t")
+        best_plan(config.storage_url, "t")
 
 
 def test_unknown_study_and_missing_db(make_profile, config, tmp_path):
     _run(make_profile, config, [100.0, 90.0, 80.0, 95.0])
     with pytest.raises(StudyNotFoundError, match="no study 'x'.*studies there: t"):
-        best_plan(config.storage, "x")
+        best_plan(config.storage_url, "x")
     with pytest.raises(StudyNotFoundError, match="no database"):
         list_studies(f"sqlite:///{tmp_path}/none.db")
     assert not (tmp_path / "none.db").exists()
@@ -106,20 +102,20 @@ def test_unknown_study_and_missing_db(make_profile, config, tmp_path):
 def test_a_second_job_skips_settled_plans(make_profile, config):
     """Measured, running (another job) and rank-failed plans are not measured again; the default always is."""
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
-    storage = open_storage(config.storage, config)
+    storage = open_storage(config.storage_url, config)
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
     first = MeasuredStage(config, storage, profile, job="a")
-    asked = first.ask(select_candidates(sim, profile, config.space, 3, exclude=first.settled_keys()))
+    asked = first.ask(select_candidates(sim, profile, config.search.space, 3, exclude=first.settled_keys()))
     first.tell(asked[:2], [[100.0], [90.0]], [[[100.0]], [[90.0]]])  # default + one plan measured
-    first.fail(asked[2:3], "RuntimeError: boom", "error")  # failed on a rank: not again
+    first.fail(asked[2:3], "RuntimeError: boom", FailKind.ERROR)  # failed on a rank: not again
     # asked[3] stays RUNNING: job "a" is still measuring it
     second = MeasuredStage(config, storage, profile, job="b")
-    again = second.ask(select_candidates(sim, profile, config.space, 3, exclude=second.settled_keys()))
+    again = second.ask(select_candidates(sim, profile, config.search.space, 3, exclude=second.settled_keys()))
     keys_first = {a.plan.behaviour_key() for a in asked[1:]}
     assert again[0].plan.is_default_for(profile)
     assert not keys_first & {a.plan.behaviour_key() for a in again[1:]}
     assert len({a.number for a in asked} | {a.number for a in again}) == len(asked) + len(again)
-    first.fail(asked[3:], "KeyboardInterrupt: SIGINT", "interrupted")  # interrupted: measured again later
+    first.fail(asked[3:], "KeyboardInterrupt: SIGINT", FailKind.INTERRUPTED)  # interrupted: measured again later
     assert plan_key(asked[3].plan) not in second.settled_keys()
     assert plan_key(asked[2].plan) in second.settled_keys()
     for stage in (first, second):
@@ -128,12 +124,13 @@ def test_a_second_job_skips_settled_plans(make_profile, config):
 
 def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     """A job killed mid-trial: no heartbeat for grace_period_s, the next job fails it and measures it again."""
-    config = dataclasses.replace(config, heartbeat_interval_s=1, grace_period_s=2, max_retry=1)
+    config = config.model_copy(update={"study": config.study.model_copy(
+        update={"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1})})
     profile = make_profile(n_blocks=4)
-    storage = open_storage(config.storage, config)
+    storage = open_storage(config.storage_url, config)
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
     dead = MeasuredStage(config, storage, profile, job="dead")
-    [default, other] = dead.ask(select_candidates(sim, profile, config.space, 1))
+    [default, other] = dead.ask(select_candidates(sim, profile, config.search.space, 1))
     dead.tell([default], [[100.0]], [[[100.0]]])
     dead.close()  # the job dies: its heartbeat stops, `other` stays RUNNING
     time.sleep(3.5)
@@ -147,18 +144,18 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     job.close()
     states = [t.state.name for t in job.study.trials]
     assert states.count("RUNNING") == 0 and states.count("COMPLETE") == 2
-    assert best_plan(config.storage, "t")[0].provenance.trial == retry.number
+    assert best_plan(config.storage_url, "t")[0].provenance.trial == retry.number
 
 
 def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
     """A job that stops before its round was handed out (Ctrl-C during ask): its trials become FAIL."""
     profile = make_profile(n_blocks=4)
-    storage = open_storage(config.storage, config)
+    storage = open_storage(config.storage_url, config)
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
     other = MeasuredStage(config, storage, profile, job="other")
-    [theirs] = other.ask(select_candidates(sim, profile, config.space, 0))
+    [theirs] = other.ask(select_candidates(sim, profile, config.search.space, 0))
     stage = MeasuredStage(config, storage, profile, job="stopping")
-    asked = stage.ask(select_candidates(sim, profile, config.space, 2, exclude=stage.settled_keys()))
+    asked = stage.ask(select_candidates(sim, profile, config.search.space, 2, exclude=stage.settled_keys()))
     stage.tell(asked[:1], [[100.0]], [[[100.0]]])
     failed = stage.fail_held("interrupted: KeyboardInterrupt: SIGINT")
     assert failed == [a.number for a in asked[1:]]

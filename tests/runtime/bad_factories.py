@@ -26,7 +26,7 @@ def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
     """
     import os
 
-    from runtime.workloads import mlp
+    from runtime.reference_workloads import mlp
 
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 

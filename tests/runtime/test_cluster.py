@@ -43,7 +43,7 @@ profile_repeats = 1
 """
 
 
-def write_study(path: Path, url: str, factory: str = "runtime.workloads:mlp", space: str = "per_module",
+def write_study(path: Path, url: str, factory: str = "runtime.reference_workloads:mlp", space: str = "per_module",
                 sim: int = 40, measured: int = 9, steps: int = 1, grace: int = 30, timeout: int = 120) -> Path:
     path.write_text(STUDY.format(url=url, factory=factory, space=space, sim=sim, measured=measured, steps=steps,
                                  grace=grace, timeout=timeout))

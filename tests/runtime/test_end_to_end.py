@@ -16,7 +16,7 @@ STUDY = """
 [study]
 name = "e2e"
 [workload]
-factory = "runtime.workloads:mlp"
+factory = "runtime.reference_workloads:mlp"
 kwargs = {{ dim = 128, layers = 4 }}
 [search]
 space = "{space}"
@@ -65,7 +65,7 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
 
     # Fresh process group: load and apply the plan at training start.
     out = tmp_path / "apply.json"
-    ranks("apply_check.py", str(tmp_path / "studies" / "e2e.plan.json"), "runtime.workloads:mlp",
+    ranks("apply_check.py", str(tmp_path / "studies" / "e2e.plan.json"), "runtime.reference_workloads:mlp",
           json.dumps({"dim": 128, "layers": 4}), str(out))
     got = json.loads(out.read_text())
     expected = {fqn: [len(m.forward_prefetch), len(m.backward_prefetch)] for fqn, m in plan.modules.items()}

@@ -7,10 +7,10 @@ import json
 import pytest
 
 WORKLOADS = {
-    "mlp": ("runtime.workloads:mlp", {"dim": 64, "layers": 4}),
-    "llama": ("runtime.workloads:llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+    "mlp": ("runtime.reference_workloads:mlp", {"dim": 64, "layers": 4}),
+    "llama": ("runtime.reference_workloads:llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
                                           "num_attention_heads": 4, "vocab_size": 128, "seq_len": 16}),
-    "gpt2": ("runtime.workloads:gpt2", {"n_embd": 64, "n_layer": 3, "n_head": 4, "vocab_size": 128, "seq_len": 16}),
+    "gpt2": ("runtime.reference_workloads:gpt2", {"n_embd": 64, "n_layer": 3, "n_head": 4, "vocab_size": 128, "seq_len": 16}),
 }
 
 

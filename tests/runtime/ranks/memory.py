@@ -18,7 +18,7 @@ from runtime.workload import build_workload, train_step
 from search_spaces import uniform
 
 mesh = init_rank("gloo")
-workload = build_workload("runtime.workloads:mlp", mesh, {"dim": 64, "layers": 5})
+workload = build_workload("runtime.reference_workloads:mlp", mesh, {"dim": 64, "layers": 5})
 profile = record_profile(workload, warmup_steps=1, steps=1, repeats=1)
 plans = {
     "default": Plan.default(profile),

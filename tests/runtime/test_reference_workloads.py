@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.workloads import _batch_fn
+from runtime.reference_workloads import _batch_fn
 
 
 def test_batches_follow_the_mesh_device_and_stay_deterministic():

@@ -1,0 +1,160 @@
+"""SQLAlchemy engine helpers shared by Optuna's storage and the planner's tables.
+
+One engine per storage URL: Optuna's (``RDBStorage.engine``), opened by
+:func:`planner.storages.open_storage`; the planner's tables use it too. What
+is here configures it (timeouts, SQLite pragmas), checks a URL before a job
+starts, and turns database errors into one-line :class:`StorageError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from planner.errors import StorageError, StudyNotFoundError
+
+T = TypeVar("T")
+
+
+def sqlite_timeout_s() -> float:
+    """How long a SQLite writer waits for another's lock, in s (``PREFETCH_PLANNER_SQLITE_TIMEOUT_S``, default 60)."""
+    return float(os.environ.get("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "60"))
+
+
+def engine_kwargs(url: str) -> dict[str, Any]:
+    """``create_engine`` keyword arguments for ``url``.
+
+    SQLite: a busy timeout (:func:`sqlite_timeout_s`), so concurrent jobs
+    queue for the write lock instead of failing at once. PostgreSQL: a 10 s
+    connect timeout, so an unreachable server is an error, not a hang.
+    """
+    backend = sa.engine.make_url(url).get_backend_name()
+    if backend == "sqlite":
+        return {"connect_args": {"timeout": sqlite_timeout_s()}}
+    if backend == "postgresql":
+        return {"connect_args": {"connect_timeout": 10}, "pool_pre_ping": True}
+    return {}
+
+
+def use_sqlite_pragmas(engine: sa.Engine) -> None:
+    """Switch a SQLite engine's connections to write-ahead logging with ``synchronous=NORMAL``.
+
+    Commits cost less (copying 2000 simulated trials drops from about 21 s to
+    12 s) and readers do not block the writer. Reconnects the pool so every
+    connection has them. No effect on other databases.
+    """
+    if engine.dialect.name != "sqlite":
+        return
+    sa.event.listen(engine, "connect", _sqlite_pragmas)
+    engine.dispose()
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def describe_storage_error(url: str, e: BaseException) -> str:
+    """One line naming what is wrong with the storage at ``url`` and how to fix it."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, ImportError):
+        return (f"cannot open storage {url!r}: its database driver is not installed ({text}); "
+                "for PostgreSQL: pip install 'prefetch-planner[postgres]'")
+    if "database is locked" in text:
+        return (f"storage {url!r} is locked: another process held its write lock for more than "
+                f"{sqlite_timeout_s():.0f} s; end that process (or raise PREFETCH_PLANNER_SQLITE_TIMEOUT_S) "
+                "and run again")
+    return f"cannot open storage {url!r}: {text}"
+
+
+@contextlib.contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """Database errors inside become one-line :class:`StorageError`."""
+    try:
+        yield
+    except sa.exc.SQLAlchemyError as e:
+        raise StorageError(describe_storage_error(url, e)) from None
+
+
+def create_racing(create: Callable[[], T], attempts: int = 5) -> T:
+    """Run ``create`` (tables made with check-then-create), retrying when a concurrent job made them first.
+
+    Two jobs starting on a new database both see a table missing and both
+    create it; the second gets "already exists" (SQLite) or a duplicate key
+    on the catalog (PostgreSQL), and Optuna's version row a unique-constraint
+    error. The tables are then there: trying again succeeds.
+    """
+    for attempt in range(attempts):
+        try:
+            return create()
+        except sa.exc.SQLAlchemyError as e:
+            text = str(e).lower()
+            racing = ("already exists", "duplicate key", "unique constraint")  # SQLite, PostgreSQL, both
+            if attempt == attempts - 1 or not any(r in text for r in racing):
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The file a SQLite URL names, else ``None`` (other databases, in-memory SQLite)."""
+    u = sa.engine.make_url(url)
+    if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:"):
+        return Path(u.database)
+    return None
+
+
+def check_exists(url: str) -> None:
+    """For query commands: a SQLite URL must name an existing file.
+
+    Raises:
+        StudyNotFoundError: the SQLite file does not exist (opening it would
+            create an empty database).
+    """
+    path = _sqlite_file(url)
+    if path is not None and not path.exists():
+        raise StudyNotFoundError(f"no database at {str(path)!r}; run `prefetch-planner tune` first or pass --storage")
+
+
+def check_writable(url: str) -> None:
+    """Check, without changing anything, that a job could write to ``url`` now.
+
+    SQLite: takes the write lock (``BEGIN IMMEDIATE``) and releases it,
+    waiting at most :func:`sqlite_timeout_s`; a file that does not exist yet
+    is not created (its folder must exist). Other databases: connects.
+
+    Raises:
+        StorageError: unreachable server, missing driver, malformed URL, or a
+            SQLite file whose write lock another process holds.
+    """
+    try:
+        path = _sqlite_file(url)
+        if path is not None and not path.exists():
+            if not path.parent.is_dir():
+                raise StorageError(f"cannot create storage {url!r}: folder {str(path.parent)!r} does not exist")
+            return
+        engine = sa.create_engine(url, **engine_kwargs(url))
+        try:
+            with engine.connect() as conn:
+                if engine.dialect.name == "sqlite":
+                    conn.exec_driver_sql("BEGIN IMMEDIATE")
+                    conn.exec_driver_sql("ROLLBACK")
+                else:
+                    conn.exec_driver_sql("SELECT 1")
+        finally:
+            engine.dispose()
+    except (sa.exc.SQLAlchemyError, ImportError, ValueError) as e:
+        raise StorageError(describe_storage_error(url, e)) from None
+
+
+def session(engine: sa.Engine) -> Session:
+    """A session on ``engine`` that keeps loaded rows usable after commit (use as a context manager)."""
+    return Session(engine, expire_on_commit=False)

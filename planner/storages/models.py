@@ -1,0 +1,65 @@
+"""The planner's own tables, beside Optuna's in the same database (SQLAlchemy ORM models).
+
+Optuna's RDB storage holds the studies and trials; these tables hold what
+Optuna does not: the recorded profiles, every measured plan's JSON, and the
+measured runs (per-step and per-rank figures), so plain SQL answers questions::
+
+    sqlite3 studies/llama-cpu.db 'select trial_number, predicted_ms, measured_ms from planner_plans'
+
+The tables are created when the storage is opened
+(:func:`planner.storages.open_storage`), on Optuna's own engine.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the planner's tables (``Base.metadata``)."""
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class ProfileRow(Base):
+    """A recorded profile (``planner_profiles``); ``json`` is the Profile JSON, calibration included."""
+
+    __tablename__ = "planner_profiles"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_name: Mapped[str] = mapped_column(sa.String(512), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=_now)
+    measured_step_ms: Mapped[float | None]
+    json: Mapped[str] = mapped_column(sa.Text)
+
+
+class PlanRow(Base):
+    """A plan measured on the real ranks (``planner_plans``); times in ms, sizes in bytes."""
+
+    __tablename__ = "planner_plans"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_name: Mapped[str] = mapped_column(sa.String(512), index=True)
+    trial_number: Mapped[int]
+    profile_id: Mapped[int | None] = mapped_column(sa.ForeignKey("planner_profiles.id"))
+    is_default: Mapped[bool]
+    predicted_ms: Mapped[float | None]
+    measured_ms: Mapped[float | None]
+    predicted_peak_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(default=_now)
+    json: Mapped[str] = mapped_column(sa.Text)
+
+
+class MeasuredRunRow(Base):
+    """One interleaved measurement of one plan (``planner_measured_runs``); times in ms."""
+
+    __tablename__ = "planner_measured_runs"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    plan_id: Mapped[int] = mapped_column(sa.ForeignKey("planner_plans.id"), index=True)
+    study_name: Mapped[str] = mapped_column(sa.String(512), index=True)
+    step_ms_json: Mapped[str] = mapped_column(sa.Text)  # max across ranks, per step
+    per_rank_json: Mapped[str] = mapped_column(sa.Text)  # [rank][step]
+    created_at: Mapped[dt.datetime] = mapped_column(default=_now)

@@ -1,0 +1,25 @@
+"""The Optuna study driver, in the style of Optuna's ``study/``: one file per part.
+
+Two Optuna studies share the storage:
+
+- ``NAME.sim`` (:mod:`planner.study.simulated`): the simulated stage;
+  objective = predicted step ms. FSDP2's default and the search space's grid
+  are enqueued first, then the sampler explores. Thousands of trials per
+  minute.
+- ``NAME`` (:mod:`planner.study.measured`): the measured stage; objective =
+  measured step ms on the real ranks. Trials are kept alive with
+  :mod:`planner.study.heartbeat`.
+
+:mod:`planner.study.queries` answers the CLI's questions about both.
+"""
+
+from planner.study.heartbeat import Heartbeat
+from planner.study.measured import MeasuredStage, MeasuredTrial
+from planner.study.queries import StudyOverview, TrialStage, best_plan, latest_calibration, list_studies, study_trials
+from planner.study.simulated import SIM_SUFFIX, Candidate, complete_trials, plan_key, select_candidates, simulated_stage
+
+__all__ = [
+    "SIM_SUFFIX", "Candidate", "Heartbeat", "MeasuredStage", "MeasuredTrial", "StudyOverview", "TrialStage",
+    "best_plan", "complete_trials", "latest_calibration", "list_studies", "plan_key", "select_candidates",
+    "simulated_stage", "study_trials",
+]

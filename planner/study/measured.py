@@ -1,0 +1,261 @@
+"""The measured stage (study ``NAME``): rank 0's side of a measured round.
+
+Each trial is one plan measured on the real ranks: FSDP2's default and the
+best distinct simulated plans, created with the same parameters as their
+simulated trial; objective = measured step ms (median over interleaved
+steps, max across ranks). ``runtime.protocol`` broadcasts the plans and
+gathers the times; only rank 0 talks to the study.
+
+Several jobs may share one study (one SQLite file or a PostgreSQL server):
+each creates its own RUNNING trials, keeps them alive with a
+:class:`~planner.study.heartbeat.Heartbeat`, and skips plans other jobs
+measured or are measuring; a job that dies leaves stale trials that the next
+job fails and re-queues (:meth:`MeasuredStage.claim_retries`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import warnings
+from dataclasses import dataclass
+
+import optuna
+
+from planner.config import StudyConfig
+from planner.errors import FailKind, PlannerError
+from planner.plan import Plan, Source
+from planner.profile import Profile
+from planner.simulator import simulate
+from planner.storages import MeasuredRunRow, PlanRow, ProfileRow, session, storage_errors
+from planner.study.heartbeat import Heartbeat
+from planner.study.simulated import Candidate, plan_key
+from search_spaces import get_space
+
+
+@dataclass(frozen=True)
+class MeasuredTrial:
+    """A RUNNING trial of the measured study and the plan it measures.
+
+    Attributes:
+        number: the Optuna trial number.
+        trial_id: the storage's trial id (heartbeats).
+        plan: the plan, built from the trial's parameters for this profile.
+        predicted_ms: the simulated step time, ms.
+        predicted_peak_bytes: the simulated peak memory, bytes.
+        retry_of: for a re-queued stale trial, the number of the trial first
+            failed (Optuna's ``failed_trial`` system attribute), else ``None``.
+    """
+
+    number: int
+    trial_id: int
+    plan: Plan
+    predicted_ms: float
+    predicted_peak_bytes: int
+    retry_of: int | None = None
+
+
+class MeasuredStage:
+    """Rank 0's side of the measured stage (study ``NAME``).
+
+    One job's round: :meth:`claim_retries` (fail stale trials of dead jobs,
+    take over their re-queued plans), :meth:`settled_keys` (plans not to
+    measure again), :meth:`ask` (one RUNNING trial per candidate, heartbeat
+    on), then :meth:`tell` or :meth:`fail` (:meth:`fail_held` when the job
+    stops early), and :meth:`close`. Trials are created RUNNING directly in
+    the storage, so concurrent jobs on one study never take each other's
+    trials; Optuna numbers them.
+
+    Raises (every method):
+        StorageError: the database cannot be written (e.g. locked too long).
+    """
+
+    def __init__(self, config: StudyConfig, storage: optuna.storages.RDBStorage, profile: Profile, job: str):
+        self.config = config
+        self.profile = profile
+        self.job = job
+        self.space = get_space(config.search.space)
+        self.storage = storage
+        with self._storage_errors():
+            self.study = optuna.create_study(
+                study_name=config.name, storage=storage, direction="minimize", load_if_exists=True
+            )
+            self.study.set_user_attr("space", config.search.space)
+            self.study_id = storage.get_study_id_from_name(config.name)
+            with session(storage.engine) as s:
+                row = ProfileRow(study_name=config.name, measured_step_ms=profile.measured_step_ms,
+                                 json=profile.to_json())
+                s.add(row)
+                s.commit()
+                self.profile_id = row.id
+        self.heartbeat = Heartbeat(storage, config.study.heartbeat_interval_s)
+
+    def _storage_errors(self):
+        return storage_errors(self.config.storage_url)
+
+    def claim_retries(self) -> list[MeasuredTrial]:
+        """Fail stale trials, then take over the WAITING trials that re-queue their plans.
+
+        Stale = RUNNING with no heartbeat for ``grace_period_s`` (its job
+        died). Optuna's ``fail_stale_trials`` marks them FAIL and its retry
+        callback enqueues each plan again as a WAITING trial (at most
+        ``max_retry`` times); a WAITING trial is claimed atomically
+        (``set_trial_state_values`` to RUNNING), so one job measures it.
+        """
+        out = []
+        with self._storage_errors(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+            for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+                trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, t.number)
+                try:
+                    if not self.storage.set_trial_state_values(trial_id, optuna.trial.TrialState.RUNNING):
+                        continue  # another job claimed it first
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    continue
+                self.heartbeat.add(trial_id)
+                self.storage.set_trial_user_attr(trial_id, "job", self.job)
+                try:
+                    plan = self.space.suggest(optuna.trial.FixedTrial(t.params), self.profile)
+                    result = simulate(self.profile, plan)
+                except (PlannerError, KeyError, ValueError) as e:
+                    self._fail_one(t.number, trial_id, f"cannot rebuild the plan: {e}", FailKind.ERROR)
+                    continue
+                retry_of = t.system_attrs.get("failed_trial")
+                out.append(MeasuredTrial(t.number, trial_id, plan, result.step_ms, result.peak_bytes, retry_of))
+        return out
+
+    def settled_keys(self) -> set[str]:
+        """:func:`~planner.study.simulated.plan_key` of plans not to measure again in this study.
+
+        Measured (COMPLETE), being measured by another job (RUNNING), or
+        failed on a rank (FAIL with ``fail_kind`` :attr:`FailKind.ERROR`).
+        Plans whose trial was interrupted or went stale are measured again.
+        """
+        with self._storage_errors():
+            trials = self.study.get_trials(deepcopy=False)
+        keys = set()
+        for t in trials:
+            key = t.user_attrs.get("plan_key")
+            state = t.state
+            if key and (state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
+                        or (state == optuna.trial.TrialState.FAIL and t.user_attrs.get("fail_kind") == FailKind.ERROR)):
+                keys.add(key)
+        return keys
+
+    def ask(self, candidates: list[Candidate]) -> list[MeasuredTrial]:
+        """Create one RUNNING trial per candidate, with its parameters and prediction."""
+        out = []
+        with self._storage_errors():
+            for c in candidates:
+                template = optuna.trial.create_trial(
+                    state=optuna.trial.TrialState.RUNNING, params=c.params, distributions=c.distributions,
+                    user_attrs={
+                        "predicted_ms": c.predicted_ms, "predicted_peak_bytes": c.predicted_peak_bytes,
+                        "is_default": c.plan.is_default_for(self.profile), "plan_key": plan_key(c.plan),
+                        "job": self.job,
+                    },
+                )
+                trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)
+                self.heartbeat.add(trial_id)
+                number = self.storage.get_trial_number_from_id(trial_id)
+                out.append(MeasuredTrial(number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes))
+        return out
+
+    def tell(
+        self,
+        asked: list[MeasuredTrial],
+        step_ms: list[list[float]],
+        per_rank: list[list[list[float]]],
+    ) -> list[Plan]:
+        """Tell each trial its median step ms (max across ranks) and store plans and runs.
+
+        Args:
+            asked: the trials, in measurement order.
+            step_ms: per trial, the per-step max across ranks, ms.
+            per_rank: per trial, per rank, that rank's step times, ms.
+
+        Returns:
+            The plans with provenance filled in, in ``asked`` order.
+        """
+        medians = [statistics.median(ms) for ms in step_ms]
+        default_ms = next((m for a, m in zip(asked, medians) if a.plan.is_default_for(self.profile)), None)
+        plans = [
+            a.plan.with_provenance(source=Source.MEASURED, study=self.config.name, trial=a.number,
+                                   predicted_ms=a.predicted_ms, measured_ms=ms, default_measured_ms=default_ms)
+            for a, ms in zip(asked, medians)
+        ]
+        with self._storage_errors():
+            # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan.
+            with session(self.storage.engine) as s:
+                for plan, a, times, ranks in zip(plans, asked, step_ms, per_rank):
+                    row = PlanRow(
+                        study_name=self.config.name, trial_number=a.number, profile_id=self.profile_id,
+                        is_default=plan.is_default_for(self.profile), predicted_ms=a.predicted_ms,
+                        measured_ms=plan.provenance.measured_ms, predicted_peak_bytes=a.predicted_peak_bytes,
+                        json=plan.to_json(),
+                    )
+                    s.add(row)
+                    s.flush()
+                    s.add(MeasuredRunRow(
+                        plan_id=row.id, study_name=self.config.name,
+                        step_ms_json=json.dumps(times), per_rank_json=json.dumps(ranks),
+                    ))
+                s.commit()
+            for a, ms, times, ranks in zip(asked, medians, step_ms, per_rank):
+                self.storage.set_trial_user_attr(a.trial_id, "step_ms", times)
+                self.storage.set_trial_user_attr(a.trial_id, "per_rank_step_ms", ranks)
+                self.study.tell(a.number, ms, skip_if_finished=True)  # a trial failed as stale stays FAIL
+                self.heartbeat.discard(a.trial_id)
+        return plans
+
+    def fail(self, asked: list[MeasuredTrial], reason: str, kind: FailKind) -> None:
+        """Record every still-RUNNING trial of ``asked`` as FAIL.
+
+        Args:
+            reason: one line, stored as user attribute ``fail_reason``.
+            kind: stored as user attribute ``fail_kind``; decides whether the
+                plan is measured again (:class:`~planner.errors.FailKind`).
+        """
+        with self._storage_errors():
+            for a in asked:
+                self._fail_one(a.number, a.trial_id, reason, kind)
+
+    def fail_held(self, reason: str, kind: FailKind = FailKind.INTERRUPTED) -> list[int]:
+        """Record as FAIL every trial this stage still holds RUNNING (claimed or asked, not yet told).
+
+        The last word of a job that stops for any reason (an interrupt that
+        came before the round's trials were handed out, a storage error):
+        none of its trials is left RUNNING for the next job to wait out.
+
+        Returns:
+            The trial numbers failed.
+        """
+        numbers = []
+        with self._storage_errors():
+            for trial_id in self.heartbeat.held():
+                number = self.storage.get_trial_number_from_id(trial_id)
+                if self._fail_one(number, trial_id, reason, kind):
+                    numbers.append(number)
+        return numbers
+
+    def _fail_one(self, number: int, trial_id: int, reason: str, kind: FailKind) -> bool:
+        """FAIL the trial if it is still RUNNING; whether it was."""
+        self.heartbeat.discard(trial_id)
+        if self.storage.get_trial(trial_id).state != optuna.trial.TrialState.RUNNING:
+            return False
+        self.storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+        self.storage.set_trial_user_attr(trial_id, "fail_kind", str(kind))
+        self.study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        return True
+
+    def save_calibration(self, profile: Profile) -> None:
+        """Store the calibrated profile in this run's profile row."""
+        with self._storage_errors(), session(self.storage.engine) as s:
+            row = s.get(ProfileRow, self.profile_id)
+            row.json = profile.to_json()
+            s.commit()
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (trials still held stay RUNNING until stale: see :meth:`fail_held`)."""
+        self.heartbeat.stop()

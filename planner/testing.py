@@ -1,0 +1,67 @@
+"""Fixtures shared by the tests and ``bench/``, as Optuna keeps ``optuna/testing/``.
+
+Synthetic profiles with hand-chosen figures (no ranks, no torch), and a study
+database with measured and simulated trials.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from planner.config import StudyConfig
+from planner.profile import Fingerprint, ModuleProfile, Profile
+
+
+def synthetic_profile(
+    n_blocks: int = 2,
+    fwd: float | list[float] = 10.0,
+    bwd: float | list[float] = 20.0,
+    ag: float | list[float] = 5.0,
+    rs: float | list[float] = 3.0,
+    device: str = "cpu",
+    unsharded_bytes: int = 1000,
+    grad_bytes: int = 0,
+    activation_bytes: int = 0,
+    optimizer_ms: float = 0.0,
+) -> Profile:
+    """Root ``""`` (no compute, no communication) plus blocks ``b0..b{n-1}``.
+
+    Per-block figures (ms, bytes) are a scalar (same for all) or a list (one
+    per block). Sharded bytes and optimizer state are 0, so the predicted
+    peak is what the plan keeps alive.
+    """
+    def at(x, i):
+        return x[i] if isinstance(x, list) else x
+
+    blocks = [f"b{i}" for i in range(n_blocks)]
+    modules = {"": ModuleProfile("", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, reshard_after_forward=False)}
+    for i, b in enumerate(blocks):
+        modules[b] = ModuleProfile(
+            b, at(fwd, i), at(bwd, i), at(fwd, i), at(bwd, i), at(ag, i), at(rs, i),
+            unsharded_bytes, 0, grad_bytes, activation_bytes, reshard_after_forward=True,
+        )
+    fqns = ("", *blocks)
+    fp = Fingerprint(fqns, tuple(100 for _ in fqns), tuple(400 for _ in fqns), 2, device, ("torch.float32",), "test")
+    return Profile(fp, ("", *blocks), (*blocks, ""), modules, optimizer_ms)
+
+
+def study_config(directory: str | Path, name: str = "s", **fields) -> StudyConfig:
+    """A study ``name`` stored in ``directory/<name>.db`` on the test MLP; ``fields`` as in :meth:`StudyConfig.build`."""
+    fields = {"storage": f"sqlite:///{directory}/{name}.db", "factory": "runtime.reference_workloads:mlp", **fields}
+    return StudyConfig.build(directory=str(directory), name=name, **fields)
+
+
+def make_study_db(directory: str | Path, profile: Profile, sim_trials: int) -> str:
+    """A study ``s`` in ``directory/s.db`` with simulated trials and 3 measured plans (100, 80, 90 ms); its URL."""
+    from planner.storages import open_storage
+    from planner.study import MeasuredStage, select_candidates, simulated_stage
+
+    config = study_config(directory, sim_trials=sim_trials, measured_trials=2)
+    storage = open_storage(config.storage_url, config)
+    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
+    stage = MeasuredStage(config, storage, profile, job="test")
+    asked = stage.ask(select_candidates(sim, profile, "uniform", 2))
+    stage.tell(asked, [[100.0], [80.0], [90.0]], [[[100.0]], [[80.0]], [[90.0]]])
+    stage.close()
+    storage.engine.dispose()
+    return config.storage_url
