@@ -34,7 +34,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from planner.plan import Plan
     from planner.simulator import simulate
     from runtime.apply import load_plan
-    from runtime.launch import init_rank, shutdown_rank
+    from runtime.rank import init_rank, shutdown_rank
     from runtime.measure import measure_plans
     from runtime.recorder import record_profile
     from runtime.workload import build_workload

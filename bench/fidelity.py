@@ -94,7 +94,7 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
 
     from planner.config import load_study_config
     from runtime.apply import apply_plan
-    from runtime.launch import init_rank, shutdown_rank
+    from runtime.rank import init_rank, shutdown_rank
     from runtime.measure import max_across_ranks, measure_plans
     from runtime.memory import UnshardedBytesTracker
     from runtime.recorder import record_profile

@@ -1,6 +1,9 @@
-"""The ``prefetch-planner`` command line: a thin layer over the Python API.
+"""The ``prefetch-planner`` commands that need no ranks: ``simulate`` and ``studies``; a thin layer over the Python API.
 
-Every bad input prints one line ``error: ...`` to stderr and exits 2.
+They never import torch. The full command line (these plus ``tune`` and
+``profile``, which run on ranks) is ``jobs.cli``; ``python -m planner.cli``
+runs these alone, where torch is absent. Every bad input prints one line
+``error: ...`` to stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from pathlib import Path
 
 import click
 
-from planner.config import default_storage, load_study_config
+from planner.config import default_storage
 from planner.errors import PlannerError
 
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
-class _Group(click.Group):
+
+class PlannerGroup(click.Group):
     """A click group that turns :class:`PlannerError` into ``error: ...`` and exit 2."""
 
     def invoke(self, ctx: click.Context):
@@ -26,55 +31,9 @@ class _Group(click.Group):
             sys.exit(e.exit_code)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PlannerGroup, context_settings=CONTEXT_SETTINGS)
 def main() -> None:
-    """Auto-tune FSDP2 prefetching: record, simulate, search, measure, apply."""
-
-
-@main.command()
-@click.argument("study_toml")
-@click.option("--storage", help="SQLAlchemy URL (default: [study] storage, else sqlite:///<toml dir>/<name>.db).")
-@click.option("--sim-trials", type=int, help="Simulated trials (default: [search] sim_trials).")
-@click.option("--measured-trials", type=int, help="Best simulated plans to measure (default: [search] measured_trials).")
-@click.option("--plan-out", help="Where to write the best plan (default: <toml dir>/<name>.plan.json).")
-@click.option("--profile-out", help="Where to write the profile (default: <toml dir>/<name>.profile.json).")
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
-def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out, no_progress) -> None:
-    """Run a tuning study: record a profile, simulate, measure the best plans, write the best.
-
-    Outside torchrun this starts the study's nproc_per_node ranks itself;
-    under torchrun it runs as that rank.
-    """
-    config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials)
-    plan_out = plan_out or config.default_output(".plan.json")
-    profile_out = profile_out or config.default_output(".profile.json")
-    from runtime.launch import in_torchrun
-
-    if in_torchrun():
-        from runtime.launch import rank_error, tune_rank
-
-        try:
-            tune_rank(config, plan_out, profile_out, progress=not no_progress)
-        except (PlannerError, KeyboardInterrupt) as e:
-            rank_error(e)
-        return
-    # Before starting ranks: fail fast on what the parent can check.
-    from planner.storages import check_writable
-    from runtime.launch import launch_ranks
-    from runtime.workload import load_factory
-
-    load_factory(config.workload.factory)
-    check_writable(config.storage_url)  # reachable, driver installed, not locked; writes nothing
-    for out in (plan_out, profile_out):
-        if not Path(out).parent.is_dir():
-            raise PlannerError(f"cannot write {out!r}: folder {str(Path(out).parent)!r} does not exist")
-    args = ["tune", study_toml, "--storage", config.storage_url, "--sim-trials", str(config.search.sim_trials),
-            "--measured-trials", str(config.search.measured_trials), "--plan-out", plan_out, "--profile-out", profile_out]
-    code = launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch.nproc_per_node)
-    if code:
-        if code not in (2, 3, 130):  # rank 0 printed the one line of those
-            click.echo(f"error: a tuning rank failed with exit code {code}; see its output above", err=True)
-        sys.exit(code if code in (2, 3, 130) else 1)
+    """Simulate plans and query studies (the commands that need no ranks; the full CLI is `prefetch-planner`)."""
 
 
 @main.command()
@@ -110,39 +69,6 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
     click.echo(f"exposed comm  {r.exposed_comm_ms:10.1f} ms")
     click.echo(f"peak memory   {r.peak_bytes / 2**20:10.1f} MiB")
     click.echo(f"lower bound   {r.lower_bound_ms:10.1f} ms  (step / bound = {r.ratio_to_lower_bound:.3f})")
-
-
-@main.command()
-@click.argument("study_toml")
-@click.option("-o", "--output", help="Profile JSON to write (default: <toml dir>/<name>.profile.json).")
-@click.option("--torch-trace", help="Also write one default-plan step's torch.profiler trace (rank 0) here.")
-def profile(study_toml, output, torch_trace) -> None:
-    """Record a profile on the study's ranks (the recorder `tune` uses)."""
-    config = load_study_config(study_toml)
-    output = output or config.default_output(".profile.json")
-    from runtime.launch import in_torchrun
-
-    if in_torchrun():
-        from runtime.launch import profile_rank, rank_error
-
-        try:
-            profile_rank(config, output, torch_trace)
-        except PlannerError as e:
-            rank_error(e)
-        return
-    from runtime.launch import launch_ranks
-    from runtime.workload import load_factory
-
-    load_factory(config.workload.factory)
-    for out in filter(None, (output, torch_trace)):
-        if not Path(out).parent.is_dir():
-            raise PlannerError(f"cannot write {out!r}: folder {str(Path(out).parent)!r} does not exist")
-    code = launch_ranks(["profile", study_toml, "-o", output] + (["--torch-trace", torch_trace] if torch_trace else []),
-                        config.launch.nproc_per_node)
-    if code:
-        if code != 2:
-            click.echo(f"error: a profiling rank failed with exit code {code}; see its output above", err=True)
-        sys.exit(2 if code == 2 else 1)
 
 
 @main.group()

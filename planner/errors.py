@@ -43,8 +43,12 @@ class PlanMismatchError(PlannerError):
     """A plan was made for another model or world size than the one it is applied to."""
 
 
+class UnsupportedPlanError(PlannerError):
+    """A plan uses an FSDP2 setting the running torch does not have; the message names the torch version."""
+
+
 class StudyConfigError(PlannerError):
-    """A study TOML is missing, malformed, or names an unknown search space."""
+    """A study TOML is missing, malformed, names an unknown search space, or asks for what this machine lacks."""
 
 
 class WorkloadError(PlannerError):
@@ -63,6 +67,15 @@ class TrialFailedError(PlannerError):
     """A rank raised while measuring a trial: the trial is recorded FAIL and the job stops (CLI exit 3).
 
     Raised on every rank, with the same message, by ``runtime.protocol``.
+
+    Attributes:
+        local: the message is this rank's own view (a peer did not report),
+            so this rank prints it even if it is not rank 0 (rank 0 may be
+            the one that died).
     """
 
     exit_code = 3
+
+    def __init__(self, message: str, local: bool = False):
+        super().__init__(message)
+        self.local = local

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.errors import PlanMismatchError
+from planner.errors import PlanMismatchError, UnsupportedPlanError
 from planner.plan import Plan
 from planner.profile import Fingerprint
+from runtime.torch_private import TESTED_TORCH, unshard_async_op_setter
 from runtime.workload import fsdp_modules, own_parameters
 
 
@@ -61,7 +62,8 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
 
     Calls, per FSDP module: ``set_modules_to_forward_prefetch``,
     ``set_modules_to_backward_prefetch``, ``set_reshard_after_forward``
-    (not recursive); on the root: ``_set_unshard_async_op`` and
+    (not recursive); on the root: ``_set_unshard_async_op``
+    (:func:`runtime.torch_private.unshard_async_op_setter`) and
     ``set_reduce_scatter_max_input_buffers``. Applying a plan replaces the
     previous one entirely (empty lists restore FSDP2's defaults).
 
@@ -74,8 +76,18 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     Raises:
         PlanMismatchError: the plan was made for another model or world size;
             the message names the first difference.
+        UnsupportedPlanError: the plan uses a setting the running torch does
+            not have (the message names the torch version); nothing is applied.
     """
     modules = dict(fsdp_modules(model))
+    set_async_op = unshard_async_op_setter(model)
+    rs_buffers = getattr(model, "set_reduce_scatter_max_input_buffers", None)
+    if rs_buffers is None and plan.reduce_scatter_max_input_buffers != 1:
+        raise UnsupportedPlanError(
+            f"the plan sets reduce_scatter_max_input_buffers = {plan.reduce_scatter_max_input_buffers}, but torch "
+            f"{torch.__version__} has no FSDPModule.set_reduce_scatter_max_input_buffers (tested with torch "
+            f"{TESTED_TORCH}); install torch=={TESTED_TORCH}.* or use a plan with 1 input buffer"
+        )
     if check:
         difference = plan.fingerprint.first_difference(model_fingerprint(model))
         if difference is not None:
@@ -89,7 +101,7 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
         module.set_modules_to_forward_prefetch([modules[t] for t in mp.forward_prefetch])
         module.set_modules_to_backward_prefetch([modules[t] for t in mp.backward_prefetch])
         module.set_reshard_after_forward(mp.reshard_after_forward, recurse=False)
-    model._set_unshard_async_op(plan.unshard_async_op)
-    if hasattr(model, "set_reduce_scatter_max_input_buffers"):
-        model.set_reduce_scatter_max_input_buffers(plan.reduce_scatter_max_input_buffers)
+    set_async_op(plan.unshard_async_op)
+    if rs_buffers is not None:  # without it FSDP2 always has 1, which the plan then asks for
+        rs_buffers(plan.reduce_scatter_max_input_buffers)
 

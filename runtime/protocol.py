@@ -2,7 +2,7 @@
 
 [Note: Rank protocol of a measured round]
 Every rank runs :func:`measured_round` with the same arguments; rank 0 alone
-holds the study (``planner.study.MeasuredStage``).
+holds the study (a :class:`RoundStage`: ``planner.study.MeasuredStage``).
 
 1. Plans. Rank 0 asks the study for the round's trials (re-queued plans of
    dead jobs first, then FSDP2's default and the best simulated plans not yet
@@ -20,8 +20,8 @@ holds the study (``planner.study.MeasuredStage``).
    - A rank raised inside a step: its peers wait in one of that step's
      collectives until the process group's timeout (``[launch] timeout_s``),
      then raise too. Rank 0 records the trial that raised as FAIL with the
-     rank and the exception (``fail_kind`` ``"error"``: not tried again) and
-     the rest of the round as FAIL ``"interrupted"`` (measured by the next
+     rank and the exception (``FailKind.ERROR``: not tried again) and
+     the rest of the round as FAIL ``FailKind.INTERRUPTED`` (measured by the next
      job). The ranks have issued different collectives by then, so the
      training process group cannot be trusted: every rank raises
      :class:`planner.TrialFailedError` and the job stops (exit 3). Running
@@ -33,8 +33,8 @@ group) whose timeout is ``2 * timeout_s + 60`` s: long enough for a rank that
 failed early to wait while its peers time out in a training collective,
 short enough that no rank waits for ever. If a rank died (no report at all),
 the gather fails on the others. On that, on Ctrl-C, SIGTERM or a storage
-error, the job (``runtime.launch.tune_rank``) records every trial its stage
-still holds FAIL ``"interrupted"`` with the reason
+error, the job (``jobs.tune.TuneJob``) records every trial its stage
+still holds FAIL ``FailKind.INTERRUPTED`` with the reason
 (``MeasuredStage.fail_held``: trials created before the round was handed out
 too; ``runtime.interrupts`` holds a signal back while rank 0 writes the
 study). SIGKILL leaves them RUNNING until their heartbeat goes stale and the
@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from planner.errors import PlannerError, TrialFailedError
+from planner.errors import FailKind, PlannerError, TrialFailedError
 from planner.plan import Plan
 from runtime.apply import apply_plan
 from runtime.interrupts import interrupts_deferred
@@ -57,17 +57,45 @@ from runtime.measure import StepFailed, measure_local
 from runtime.workload import Workload
 
 
+class RoundTrial(Protocol):
+    """A trial of the round as rank 0 holds it (``planner.study.MeasuredTrial``)."""
+
+    @property
+    def number(self) -> int:
+        """The Optuna trial number."""
+
+    @property
+    def plan(self) -> Plan:
+        """The plan every rank measures."""
+
+
+TrialT = TypeVar("TrialT", bound=RoundTrial)
+
+
+class RoundStage(Protocol[TrialT]):
+    """What rank 0 tells the study after a round (``planner.study.MeasuredStage`` over its ``MeasuredTrial``)."""
+
+    def tell(self, asked: list[TrialT], step_ms: list[list[float]], per_rank: list[list[list[float]]]) -> list[Plan]:
+        """Record the measured trials: per trial, the per-step max across ranks and every rank's own times, ms."""
+
+    def fail(self, asked: list[TrialT], reason: str, kind: FailKind) -> None:
+        """Record the trials FAIL with a one-line ``reason``."""
+
+
+Prepare = Callable[[], tuple[RoundStage[TrialT], list[TrialT]]]
+
+
 def control_timeout_s(timeout_s: float) -> float:
     """The control group's timeout for a process-group timeout of ``timeout_s``, in s."""
     return 2 * timeout_s + 60
 
 
-def control_group(timeout_s: float) -> Any:
+def control_group(timeout_s: float) -> dist.ProcessGroup:
     """A gloo group over every rank for the protocol's collectives (all ranks call this)."""
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s(timeout_s)))
 
 
-def broadcast_from_rank0(payload: Any, group: Any) -> Any:
+def broadcast_from_rank0(payload: Any, group: dist.ProcessGroup) -> Any:
     """Rank 0's ``payload`` on every rank; ``{"error": msg}`` raises :class:`PlannerError` everywhere."""
     box = [payload]
     dist.broadcast_object_list(box, src=0, group=group)
@@ -76,7 +104,7 @@ def broadcast_from_rank0(payload: Any, group: Any) -> Any:
     return box[0]
 
 
-def gather(local: Any, group: Any) -> list[Any]:
+def gather(local: Any, group: dist.ProcessGroup) -> list[Any]:
     """``all_gather_object`` on the control group.
 
     Raises:
@@ -87,9 +115,7 @@ def gather(local: Any, group: Any) -> list[Any]:
     try:
         dist.all_gather_object(out, local, group=group)
     except Exception as e:  # noqa: BLE001 - gloo reports a dead peer in several ways
-        error = TrialFailedError(f"a rank did not report to rank {dist.get_rank()}: {one_line(e)}")
-        error.local = True  # this rank's own view: it prints it even if it is not rank 0 (rank 0 may be dead)
-        raise error from None
+        raise TrialFailedError(f"a rank did not report to rank {dist.get_rank()}: {one_line(e)}", local=True) from None
     return out
 
 
@@ -114,18 +140,18 @@ class RoundResult:
 
 def measured_round(
     workload: Workload,
-    prepare: Callable[[], tuple[Any, list[Any]]] | None,
+    prepare: Prepare[TrialT] | None,
     rounds: int,
     warmup_steps: int,
-    group: Any,
+    group: dist.ProcessGroup,
     on_step: Callable[[], None] | None = None,
 ) -> RoundResult:
     """One measured round on every rank (see the Note above).
 
     Args:
         workload: this rank's workload.
-        prepare: rank 0: returns the ``MeasuredStage`` and the round's
-            RUNNING ``MeasuredTrial`` list (step 1); ``None`` on other ranks.
+        prepare: rank 0: returns the stage and the round's RUNNING trials
+            (step 1); ``None`` on other ranks.
         rounds: timed steps per plan.
         warmup_steps: untimed steps per plan.
         group: the control group (:func:`control_group`).
@@ -141,8 +167,8 @@ def measured_round(
             fails them: ``MeasuredStage.fail_held``).
     """
     rank = dist.get_rank()
-    stage: Any = None
-    asked: list[Any] = []
+    stage: RoundStage[TrialT] | None = None
+    asked: list[TrialT] = []
     payload: Any = None
     if rank == 0:
         try:
@@ -153,7 +179,16 @@ def measured_round(
     return _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, group, on_step)
 
 
-def _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, group, on_step) -> RoundResult:
+def _apply_and_measure(
+    workload: Workload,
+    stage: RoundStage[TrialT] | None,
+    asked: list[TrialT],
+    payload: Any,
+    rounds: int,
+    warmup_steps: int,
+    group: dist.ProcessGroup,
+    on_step: Callable[[], None] | None,
+) -> RoundResult:
     rank = dist.get_rank()
     plans = [Plan.from_dict(d) for d in broadcast_from_rank0(payload, group)]
     failed: dict[int, str] = {}
@@ -175,7 +210,7 @@ def _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, gr
             keep.append(i)
     if rank == 0 and failed:
         for i, reason in failed.items():
-            stage.fail([asked[i]], reason, "error")
+            stage.fail([asked[i]], reason, FailKind.ERROR)
     # 3. Measure the rest, interleaved; every rank reports.
     report: dict[str, Any]
     try:
@@ -192,9 +227,9 @@ def _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, gr
         trial = "a trial"
         if rank == 0:
             trial = f"trial {asked[index].number}"
-            stage.fail([asked[index]], reason, "error")
+            stage.fail([asked[index]], reason, FailKind.ERROR)
             stage.fail([a for i, a in enumerate(asked) if i != index],
-                       f"not measured: {trial} failed in the same round ({reason})", "interrupted")
+                       f"not measured: {trial} failed in the same round ({reason})", FailKind.INTERRUPTED)
         raise TrialFailedError(
             f"{trial} failed on {reason}; it is recorded as FAIL and this job stops (its ranks' process group "
             "is out of step after a failure inside a training step): run `prefetch-planner tune` again to go on"

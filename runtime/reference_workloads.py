@@ -57,8 +57,8 @@ def llama(
         vocab_size=vocab_size,
         max_position_embeddings=max(seq_len, 128),
         tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
-    config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     for layer in model.model.layers:
@@ -90,8 +90,8 @@ def gpt2(
     config = GPT2Config(
         n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size,
         n_positions=max(seq_len, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation="sdpa",
     )
-    config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
     for block in model.transformer.h:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
+from jobs.cli import main
 from planner.config import load_study_config
 from planner.errors import (
     PlanFormatError,
@@ -221,7 +221,7 @@ def test_bad_workload_factory(world, factory, needle):
     """Found on the ranks: rank 0 prints the one line, every rank exits 2, the database is untouched."""
     before = dump(world / "s.db")
     toml = write(world / "bad.toml", GOOD_TOML.format(factory=factory))
-    proc = subprocess.run([sys.executable, "-m", "planner.cli", "tune", toml, "--storage",
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "tune", toml, "--storage",
                            f"sqlite:///{world / 's.db'}", "--no-progress"],
                           capture_output=True, text=True, env=rank_env(), cwd=world, timeout=300)
     assert_one_line_error(proc.returncode, proc.stderr, needle)

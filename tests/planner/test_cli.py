@@ -8,7 +8,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
+from jobs.cli import main
 from planner.plan import Plan
 from planner.testing import make_study_db
 
@@ -98,7 +98,7 @@ def test_studies_unknown_study(study_db, tmp_path):
 def test_console_script_error_is_one_line(tmp_path):
     """The installed entry point, not only click's runner."""
     proc = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "tune", str(tmp_path / "missing.toml")],
+        [sys.executable, "-m", "jobs.cli", "tune", str(tmp_path / "missing.toml")],
         capture_output=True, text=True,
     )
     _assert_one_line_error(proc.returncode, proc.stderr, "cannot read study file")

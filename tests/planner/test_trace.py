@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
+from jobs.cli import main
 from planner.plan import Plan
 from planner.simulator import simulate
 from planner.trace import TRACKS, chrome_trace

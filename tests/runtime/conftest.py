@@ -33,8 +33,8 @@ def run_ranks(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> 
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run ``prefetch-planner`` (as ``python -m planner.cli``) in ``cwd``."""
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True,
+    """Run ``prefetch-planner`` (as ``python -m jobs.cli``) in ``cwd``."""
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True, text=True,
                           env=rank_env(), timeout=timeout, cwd=cwd)
 
 

@@ -53,7 +53,7 @@ def write_study(path: Path, url: str, factory: str = "runtime.reference_workload
 def start_tune(toml: Path, cwd: Path, *extra: str) -> subprocess.Popen:
     """``prefetch-planner tune`` in its own session (so a signal reaches the launcher and its ranks)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "planner.cli", "tune", str(toml), "--no-progress", *extra],
+        [sys.executable, "-m", "jobs.cli", "tune", str(toml), "--no-progress", *extra],
         cwd=cwd, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 
@@ -147,7 +147,7 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     assert len(trials(storage_url, "shared.sim")) == 3 * 40
 
     # The best plan is the same whichever job (process) reads it.
-    readers = [subprocess.Popen([sys.executable, "-m", "planner.cli", "studies", "best", "shared", "--storage",
+    readers = [subprocess.Popen([sys.executable, "-m", "jobs.cli", "studies", "best", "shared", "--storage",
                                  storage_url], cwd=tmp_path, env=rank_env(), stdout=subprocess.PIPE, text=True)
                for _ in range(3)]
     answers = [r.communicate(timeout=120)[0] for r in readers]
@@ -176,7 +176,7 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
     [failed] = [t for t in first if t.user_attrs.get("fail_kind") == "error"]
     assert "rank 1: RuntimeError: CUDA out of memory" in failed.user_attrs["fail_reason"]
     assert failed.params["forward_depth"] >= 1
-    show = subprocess.run([sys.executable, "-m", "planner.cli", "studies", "show", "shared", "--storage", url],
+    show = subprocess.run([sys.executable, "-m", "jobs.cli", "studies", "show", "shared", "--storage", url],
                           capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=120)
     assert "reason: rank 1: RuntimeError: CUDA out of memory" in show.stdout, show.stdout + show.stderr
 
@@ -201,7 +201,7 @@ def test_torchrun_max_restarts_resumes_the_study(tmp_path):
     env = dict(rank_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-         "-m", "planner.cli", "tune", str(toml), "--no-progress"],
+         "-m", "jobs.cli", "tune", str(toml), "--no-progress"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

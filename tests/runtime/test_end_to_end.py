@@ -78,12 +78,12 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
 
 @pytest.mark.slow
 def test_tune_under_torchrun_is_the_same_code_path(tmp_path):
-    """`torchrun ... -m planner.cli tune` runs as the launched ranks."""
+    """`torchrun ... -m jobs.cli tune` runs as the launched ranks."""
     (tmp_path / "studies").mkdir()
     (tmp_path / "studies" / "e2e.toml").write_text(STUDY.format(space="uniform"))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "planner.cli", "tune", "studies/e2e.toml", "--sim-trials", "10", "--measured-trials", "1",
+         "-m", "jobs.cli", "tune", "studies/e2e.toml", "--sim-trials", "10", "--measured-trials", "1",
          "--no-progress"],
         capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=600,
     )

@@ -10,7 +10,8 @@ import sys
 import torch.distributed as dist
 
 from runtime import PlanMismatchError, apply_plan, load_plan
-from runtime.launch import init_rank, shutdown_rank
+from runtime.rank import init_rank, shutdown_rank
+from runtime.torch_private import prefetch_counts, unshard_async_op
 from runtime.workload import build_workload, fsdp_modules, train_step
 
 plan_path, factory, kwargs, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
@@ -19,11 +20,8 @@ plan = load_plan(plan_path)
 workload = build_workload(factory, mesh, kwargs)
 apply_plan(workload.model, plan)
 modules = dict(fsdp_modules(workload.model))
-applied = {
-    fqn: [len(m._get_fsdp_state()._states_to_forward_prefetch), len(m._get_fsdp_state()._states_to_backward_prefetch)]
-    for fqn, m in modules.items()
-}
-async_ops = sorted({m._get_fsdp_state()._fsdp_param_group.unshard_async_op for m in modules.values()})
+applied = {fqn: list(prefetch_counts(m)) for fqn, m in modules.items()}
+async_ops = sorted({unshard_async_op(m) for m in modules.values()})
 losses = [train_step(workload, s).item() for s in range(2)]
 errors = {}
 other = build_workload(factory, mesh, {**kwargs, "layers": kwargs.get("layers", 4) - 1})

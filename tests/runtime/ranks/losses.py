@@ -9,7 +9,7 @@ import sys
 
 import torch.distributed as dist
 
-from runtime.launch import init_rank, shutdown_rank
+from runtime.rank import init_rank, shutdown_rank
 from runtime.recorder import record_profile
 from runtime.workload import build_workload, train_step
 from runtime import apply_plan

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from planner.plan import Plan
 from planner.simulator import simulate
 from runtime.apply import apply_plan
-from runtime.launch import init_rank, shutdown_rank
+from runtime.rank import init_rank, shutdown_rank
 from runtime.memory import UnshardedBytesTracker
 from runtime.recorder import record_profile
 from runtime.workload import build_workload, train_step

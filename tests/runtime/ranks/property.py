@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from planner.plan import Plan
 from runtime import apply_plan
-from runtime.launch import init_rank, shutdown_rank
+from runtime.rank import init_rank, shutdown_rank
 from runtime.recorder import record_profile
 from runtime.workload import build_workload, train_step
 from search_spaces import SPACES

@@ -1,0 +1,7 @@
+"""The jobs: composition roots that wire ``runtime`` (ranks, FSDP2) to ``planner`` (study, simulator).
+
+``planner`` never imports ``runtime``; what needs both lives here, one job
+per file: :mod:`jobs.tune` (``prefetch-planner tune``), :mod:`jobs.profile`
+(``prefetch-planner profile``), and the command line that starts them,
+:mod:`jobs.cli`.
+"""

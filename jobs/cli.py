@@ -1,0 +1,148 @@
+"""The ``prefetch-planner`` command line: the jobs that run on ranks (``tune``, ``profile``) plus ``planner.cli``'s commands.
+
+Outside torchrun, ``tune`` and ``profile`` check what they can in this
+process, then start ``[launch] nproc_per_node`` ranks running the same
+command (``runtime.launch``); under torchrun each process is one rank. Rank 0
+prints the progress (the jobs' ``logging`` records) and the report; every bad
+input prints one line ``error: ...`` to stderr and exits 2. Importing this
+module does not import torch: the jobs are imported by the commands that run
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from planner import cli as planner_cli
+from planner.config import StudyConfig, load_study_config
+from planner.errors import PlannerError
+
+
+@click.group(cls=planner_cli.PlannerGroup, context_settings=planner_cli.CONTEXT_SETTINGS)
+def main() -> None:
+    """Auto-tune FSDP2 prefetching: record, simulate, search, measure, apply."""
+
+
+main.add_command(planner_cli.simulate)
+main.add_command(planner_cli.studies)
+
+_EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
+
+
+@main.command()
+@click.argument("study_toml")
+@click.option("--storage", help="SQLAlchemy URL (default: [study] storage, else sqlite:///<toml dir>/<name>.db).")
+@click.option("--sim-trials", type=int, help="Simulated trials (default: [search] sim_trials).")
+@click.option("--measured-trials", type=int, help="Best simulated plans to measure (default: [search] measured_trials).")
+@click.option("--plan-out", help="Where to write the best plan (default: <toml dir>/<name>.plan.json).")
+@click.option("--profile-out", help="Where to write the profile (default: <toml dir>/<name>.profile.json).")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out, no_progress) -> None:
+    """Run a tuning study: record a profile, simulate, measure the best plans, write the best.
+
+    Outside torchrun this starts the study's nproc_per_node ranks itself;
+    under torchrun it runs as that rank.
+    """
+    from jobs.tune import TuneJob
+    from runtime.launch import in_torchrun, launch_ranks
+
+    config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials)
+    plan_out = plan_out or config.default_output(".plan.json")
+    profile_out = profile_out or config.default_output(".profile.json")
+    if in_torchrun():
+        _log_rank0_progress()
+        try:
+            outcome = TuneJob(config, plan_out, profile_out, progress=not no_progress).run()
+        except (PlannerError, KeyboardInterrupt) as e:
+            _exit_on_rank_error(e)
+        if outcome is not None:
+            from jobs.report import tune_report
+
+            for line in tune_report(outcome, config.name):
+                click.echo(line)
+        return
+    TuneJob.check_before_launch(config, plan_out, profile_out)
+    args = ["tune", study_toml, "--storage", config.storage_url, "--sim-trials", str(config.search.sim_trials),
+            "--measured-trials", str(config.search.measured_trials), "--plan-out", plan_out,
+            "--profile-out", profile_out]
+    _exit_with_ranks(launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch.nproc_per_node),
+                     "tuning", _EXPECTED_RANK_EXITS)
+
+
+@main.command()
+@click.argument("study_toml")
+@click.option("-o", "--output", help="Profile JSON to write (default: <toml dir>/<name>.profile.json).")
+@click.option("--torch-trace", help="Also write one default-plan step's torch.profiler trace (rank 0) here.")
+def profile(study_toml, output, torch_trace) -> None:
+    """Record a profile on the study's ranks (the recorder `tune` uses)."""
+    from jobs.profile import ProfileJob
+    from runtime.launch import in_torchrun, launch_ranks
+
+    config: StudyConfig = load_study_config(study_toml)
+    output = output or config.default_output(".profile.json")
+    if in_torchrun():
+        _log_rank0_progress()
+        try:
+            result = ProfileJob(config, output, torch_trace).run()
+        except PlannerError as e:
+            _exit_on_rank_error(e)
+        if result is not None:
+            recorded, predicted_ms = result
+            click.echo(f"profile written to {output}: {len(recorded.modules)} FSDP modules, measured step "
+                       f"{recorded.measured_step_ms:.1f} ms (FSDP2 default), predicted {predicted_ms:.1f} ms")
+        return
+    ProfileJob.check_before_launch(config, output, torch_trace)
+    code = launch_ranks(["profile", study_toml, "-o", output] + (["--torch-trace", torch_trace] if torch_trace else []),
+                        config.launch.nproc_per_node)
+    _exit_with_ranks(code, "profiling", (2,))
+
+
+def _log_rank0_progress() -> None:
+    """Rank 0 prints the jobs' and libraries' progress records (INFO) to stdout; other ranks only warnings."""
+    rank0 = os.environ.get("RANK", "0") == "0"
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("jobs", "planner", "runtime"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(logging.INFO if rank0 else logging.WARNING)
+        logger.propagate = False
+
+
+def _exit_with_ranks(code: int, what: str, expected: tuple[int, ...]) -> None:
+    """Exit with the ranks' code; for an unexpected one (a crash), say so in one line."""
+    if not code:
+        return
+    if code not in expected:
+        click.echo(f"error: a {what} rank failed with exit code {code}; see its output above", err=True)
+    sys.exit(code if code in expected else 1)
+
+
+def _exit_on_rank_error(e: BaseException) -> None:
+    """Exit on a rank's error; rank 0 prints the one line.
+
+    Bad input (a factory that raises, a model without ``fully_shard``) fails
+    alike on every rank, and a :class:`planner.TrialFailedError` carries the
+    same message on every rank, so one line is enough. Exit codes: the
+    error's ``exit_code`` (2 bad input, 3 a failed trial), 130 interrupted.
+    """
+    if isinstance(e, KeyboardInterrupt):
+        message = (f"interrupted ({e or 'SIGINT'}); the measured trials that were running are recorded as FAIL; "
+                   "run `prefetch-planner tune` again to resume the study")
+        code = 130
+    else:
+        message, code = str(e), getattr(e, "exit_code", 2)
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    elif getattr(e, "local", False):  # e.g. rank 0 died: nobody else would say it
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

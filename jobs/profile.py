@@ -1,0 +1,77 @@
+"""The profile job: one rank of ``prefetch-planner profile``, the recorder that ``tune`` uses, on the study's ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from jobs.outputs import check_output_folders
+from planner.config import StudyConfig
+from planner.plan import Plan
+from planner.profile import Profile
+from planner.simulator import simulate
+from runtime.rank import check_runnable, init_rank, shutdown_rank
+from runtime.recorder import record_profile
+from runtime.workload import Workload, build_workload, load_factory, train_step
+
+
+class ProfileJob:
+    """Record a profile on every rank; rank 0 writes it (and, with ``torch_trace``, one step's torch.profiler trace).
+
+    Args:
+        config: the study (workload, launch, measure tables).
+        output: where rank 0 writes the profile JSON.
+        torch_trace: where rank 0 writes one more default-plan step's
+            ``torch.profiler`` Chrome trace, to compare with ``prefetch-planner
+            simulate --trace`` track by track; ``None``: no trace.
+    """
+
+    def __init__(self, config: StudyConfig, output: str, torch_trace: str | None = None):
+        self.config = config
+        self.output = output
+        self.torch_trace = torch_trace
+
+    @staticmethod
+    def check_before_launch(config: StudyConfig, *outputs: str | None) -> None:
+        """What the launching process checks before it starts any rank; writes nothing.
+
+        Raises:
+            WorkloadError: the factory cannot be imported.
+            StudyConfigError: this machine cannot run the study's ranks.
+            PlannerError: an output's folder does not exist.
+        """
+        load_factory(config.workload.factory)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node)
+        check_output_folders(*outputs)
+
+    def run(self) -> tuple[Profile, float] | None:
+        """Run this rank's part (every rank calls it).
+
+        Returns:
+            Rank 0: the profile written and FSDP2's default plan's predicted
+            step ms on it; other ranks ``None``.
+
+        Raises:
+            PlannerError: a bad workload (the same on every rank).
+        """
+        mesh = init_rank(self.config.launch.backend)
+        workload: Workload | None = None
+        ended = False
+        try:
+            workload = build_workload(self.config.workload.factory, mesh, self.config.workload.kwargs)
+            measure = self.config.measure
+            profile = record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
+                                     repeats=measure.profile_repeats)
+            if self.torch_trace:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    train_step(workload, 0)
+                if dist.get_rank() == 0:
+                    prof.export_chrome_trace(self.torch_trace)
+            ended = True
+            if dist.get_rank() != 0:
+                return None
+            profile.to_json(self.output)
+            return profile, simulate(profile, Plan.default(profile)).step_ms
+        finally:
+            workload = None
+            shutdown_rank(together=ended)

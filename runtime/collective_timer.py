@@ -1,0 +1,43 @@
+"""All-gather and reduce-scatter times per FSDP module, measured in isolation with every rank together."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from runtime.measure import synchronize
+
+
+def _median_ms(run: Callable[[], None], after: Callable[[], None], repeats: int, device: str) -> float:
+    """Median wall time of ``run`` in ms over ``repeats`` (one extra warm-up dropped), each after a barrier."""
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        after()
+    return statistics.median(times[1:])
+
+
+def all_gather_ms(modules: list[tuple[str, FSDPModule]], repeats: int, device: str) -> dict[str, float]:
+    """Per FSDP module: one ``module.unshard()`` (all-gather + copy-out) after a barrier, ms (median)."""
+    return {fqn: _median_ms(m.unshard, m.reshard, repeats, device) for fqn, m in modules}
+
+
+def reduce_scatter_ms(numel: int, dtype: torch.dtype, repeats: int, device: str) -> float:
+    """One reduce-scatter of a gradient of ``numel`` elements of ``dtype`` (padded as FSDP2 pads), ms (median)."""
+    world = dist.get_world_size()
+    padded = -(-numel // world) * world
+    inp = torch.zeros(padded, dtype=dtype, device=device)
+    out = torch.empty(padded // world, dtype=dtype, device=device)
+    # reduce_scatter_single replaces the deprecated reduce_scatter_tensor in newer torch
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _median_ms(lambda: reduce_scatter(out, inp), lambda: None, repeats, device)

@@ -1,0 +1,168 @@
+"""Compute time per FSDP module, forward and backward, exclusive of nested FSDP modules.
+
+The recorder runs this with every module already unsharded and no
+communication in the window (``runtime.recorder``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.workload import Workload
+
+TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+class ComputeTimer:
+    """Marks forward/backward entry and exit of each FSDP module and attributes time to it.
+
+    Forward windows come from forward pre/post hooks; backward windows from
+    gradient hooks on each module's outputs (its backward starts) and inputs
+    (its backward ends). Time between two marks belongs to the innermost open
+    module, so times are exclusive of nested FSDP modules. Activation bytes
+    saved for backward are counted per module with
+    ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded,
+    storages counted once).
+
+    On CPU a mark is ``time.perf_counter()``; on GPU the hooks run ahead of
+    the kernels they launch, so a mark is a CUDA event recorded on the current
+    stream, turned into seconds (``Event.elapsed_time``) after the run.
+    """
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], root: str, device: str = "cpu"):
+        self.root = root
+        self.cuda = device == "cuda"
+        self.marks: list[tuple[Any, str, str]] = []
+        self.live: list[str] = []  # forward stack, for activation attribution
+        self.act_bytes: dict[str, int] = defaultdict(int)
+        self.seen_storages: set[int] = set()
+        self.param_storages: set[int] = set()
+        self.handles = []
+        for fqn, m in modules:
+            self.handles.append(m.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post_hook(fqn)))
+
+    def mark(self, kind: str, fqn: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((event, kind, fqn))
+        else:
+            self.marks.append((time.perf_counter(), kind, fqn))
+
+    def _marks_to_seconds(self) -> None:
+        if self.cuda and self.marks:
+            torch.cuda.synchronize()
+            first = self.marks[0][0]
+            self.marks = [(first.elapsed_time(e) / 1e3, kind, fqn) for e, kind, fqn in self.marks]
+
+    def _once(self, kind: str, fqn: str):
+        fired = [False]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                self.mark(kind, fqn)
+
+        return hook
+
+    def _pre_hook(self, fqn: str):
+        def hook(module, args, kwargs):
+            self.mark("enter", fqn)
+            self.live.append(fqn)
+            if fqn != self.root:
+                end_hook = self._once("bexit", fqn)
+                for t in _tensors((args, kwargs)):
+                    if t.requires_grad:
+                        t.register_hook(end_hook)
+
+        return hook
+
+    def _post_hook(self, fqn: str):
+        def hook(module, args, output):
+            self.mark("exit", fqn)
+            self.live.remove(fqn)
+            if fqn != self.root:
+                start_hook = self._once("benter", fqn)
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(start_hook)
+
+        return hook
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            key = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if self.live and key not in self.seen_storages and key not in self.param_storages:
+            self.seen_storages.add(key)
+            self.act_bytes[self.live[-1]] += t.untyped_storage().nbytes()
+        return t
+
+    def run(self, workload: Workload, step: int) -> None:
+        """One forward + backward, marking windows."""
+        self.marks.clear()
+        self.seen_storages.clear()
+        self.act_bytes.clear()
+        self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()}
+        self.mark("enter", self.root)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            loss = workload.loss_fn(workload.model, workload.make_batch(step))
+        self.mark("exit", self.root)
+        self.mark("enter", self.root)
+        loss.backward()
+        self.mark("exit", self.root)
+        self._marks_to_seconds()
+
+    def attribute(self) -> tuple[dict[str, dict[str, float]], list[str], list[str], dict[str, int]]:
+        """Exclusive ms per module and phase, pre-/post-forward order, forward calls."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(TIMED, 0.0))
+        pre_order, post_order = [], []
+        calls: dict[str, int] = defaultdict(int)
+        stack: list[str] = []
+        child_seen: set[str] = set()
+        backward = False
+        for i, (t, kind, fqn) in enumerate(self.marks):
+            if kind in ("enter", "benter"):
+                if kind == "enter" and fqn == self.root and i > 0 and not stack:
+                    backward = True  # the second root entry opens the backward window
+                    child_seen.clear()
+                if stack and stack[-1] != fqn:
+                    child_seen.add(stack[-1])
+                stack.append(fqn)
+                if kind == "enter" and not backward and fqn != self.root:
+                    pre_order.append(fqn)
+                    calls[fqn] += 1
+            else:
+                if fqn in stack:
+                    del stack[len(stack) - 1 - stack[::-1].index(fqn)]
+                if kind == "exit" and not backward and fqn != self.root:
+                    post_order.append(fqn)
+            if stack and i + 1 < len(self.marks):
+                dt = (self.marks[i + 1][0] - t) * 1e3
+                top = stack[-1]
+                phase = "bwd" if backward else "fwd"
+                out[top][f"{phase}_ms"] += dt
+                if top not in child_seen:
+                    out[top][f"{phase}_pre_ms"] += dt
+        return dict(out), pre_order, post_order, dict(calls)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

@@ -1,0 +1,95 @@
+"""One rank's lifecycle: check the machine, join the process group, leave it cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from planner.config import Backend
+from planner.errors import StudyConfigError
+
+
+def check_runnable(backend: Backend | str, ranks_per_node: int) -> None:
+    """Refuse a study this machine cannot run, before any rank starts.
+
+    ``nccl`` needs one CUDA device per rank on the node; ``gloo`` runs
+    anywhere.
+
+    Args:
+        backend: ``[launch] backend``.
+        ranks_per_node: ranks this node will run (``[launch] nproc_per_node``,
+            or torchrun's ``LOCAL_WORLD_SIZE``).
+
+    Raises:
+        StudyConfigError: naming the key and what to set instead.
+    """
+    if Backend(backend) != Backend.NCCL:
+        return
+    if not torch.cuda.is_available():
+        raise StudyConfigError(
+            f"[launch] backend = 'nccl' needs CUDA GPUs, and torch {torch.__version__} sees none on this machine; "
+            "set backend = 'gloo' to run on CPU, or run the study on a GPU node"
+        )
+    gpus = torch.cuda.device_count()
+    if ranks_per_node > gpus:
+        raise StudyConfigError(
+            f"[launch] nproc_per_node = {ranks_per_node} with backend = 'nccl' needs a GPU per rank, and this "
+            f"machine has {gpus}; set nproc_per_node = {gpus} (or torchrun --nproc-per-node {gpus})"
+        )
+
+
+def init_rank(backend: Backend | str, timeout_s: float = 900.0) -> DeviceMesh:
+    """Initialize the process group and a 1-D device mesh over every rank.
+
+    ``timeout_s`` bounds every collective of the process group (a rank waits
+    at most that long for its peers). On CPU, one compute thread per rank
+    (``torch.set_num_threads(1)``).
+
+    Raises:
+        StudyConfigError: the machine cannot run ``backend`` with this many
+            ranks per node (:func:`check_runnable`).
+    """
+    backend = Backend(backend)
+    check_runnable(backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = "cuda" if backend == Backend.NCCL else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(str(backend), timeout=datetime.timedelta(seconds=timeout_s))
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def shutdown_rank(together: bool = True) -> None:
+    """Collect garbage, wait for the other ranks, then destroy the process group.
+
+    FSDP2's states hold reference cycles (``FSDPCommContext.post_forward_order``),
+    so a dropped model is freed only by the cycle collector, at worst at
+    interpreter exit, after the process group is gone; with gloo that aborted a
+    rank now and then ("terminate called without an active exception", about
+    1 run in 10). Callers drop their references to the workload first. A rank
+    that tears its gloo connections down while a peer is still finishing its
+    last collective aborted the same way (1 CI run in ~10), so the ranks meet
+    at a barrier first (at most 30 s, ``monitored_barrier`` on gloo).
+
+    Args:
+        together: the ranks ended their work together. ``False`` after an
+            error: they may have issued different collectives, so no barrier.
+    """
+    gc.collect()
+    if not dist.is_initialized():
+        return
+    if together:
+        with contextlib.suppress(Exception):  # a peer that is gone: nothing to wait for
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+            else:
+                dist.barrier()
+    dist.destroy_process_group()

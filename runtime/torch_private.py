@@ -1,0 +1,154 @@
+"""Every private torch attribute this project touches, in one place, each with why it is needed.
+
+FSDP2's public API (``FSDPModule``'s ``set_*`` methods, ``unshard``,
+``reshard``) configures a model but cannot read its state back, and the one
+knob a plan needs that has no public setter yet is ``_set_unshard_async_op``.
+What the recorder, the memory tracker and the tests must read lives in
+``torch.distributed.fsdp._fully_shard`` (``FSDPState``, ``FSDPParamGroup``,
+``FSDPParam``). Everything else in the project uses public torch.
+
+``tests/runtime/test_torch_private.py`` builds a real FSDP2 model and
+exercises every function here, so a torch upgrade that renames or removes
+one fails that test by name instead of corrupting a profile.
+:data:`TESTED_TORCH` is the torch release line the project has been run on
+(``pyproject.toml`` pins the same range).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+from planner.errors import UnsupportedPlanError
+
+TESTED_TORCH = "2.13"
+
+
+def param_group(module: nn.Module) -> FSDPParamGroup | None:
+    """The ``FSDPParamGroup`` of an FSDP module (``None`` if it manages no parameters of its own).
+
+    Why: the recorder reads how the module was wrapped and clears gradients
+    accumulated with sync off; no public accessor exists
+    (``FSDPModule._get_fsdp_state()._fsdp_param_group``).
+    """
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+def reshard_after_forward(module: nn.Module) -> bool:
+    """Whether an FSDP module frees its unsharded parameters after forward, as wrapped.
+
+    Why: the profile records each module's setting (FSDP2's default plan
+    keeps the root's parameters: ``FSDPState._lazy_init`` sets its
+    ``post_forward_mesh_info`` to ``None``); ``set_reshard_after_forward``
+    has no getter.
+    """
+    group = param_group(module)
+    return group is not None and group.post_forward_mesh_info is not None
+
+
+def clear_unsharded_grads(module: nn.Module) -> None:
+    """Drop gradients accumulated on an FSDP module's unsharded parameters (sync off).
+
+    Why: the recorder times compute with ``set_requires_gradient_sync(False)``;
+    the gradients it leaves on the unsharded parameters
+    (``FSDPParam.unsharded_accumulated_grad``, ``FSDPParam._unsharded_param.grad``)
+    would otherwise be reduced by the next synced backward and change training.
+    """
+    group = param_group(module)
+    for fsdp_param in group.fsdp_params if group is not None else ():
+        fsdp_param.unsharded_accumulated_grad = None
+        if hasattr(fsdp_param, "_unsharded_param"):  # absent until the first all-gather
+            fsdp_param._unsharded_param.grad = None
+
+
+def unshard_async_op_setter(model: nn.Module) -> Callable[[bool], None]:
+    """The setter of ``async_op`` for every FSDP module's pre-forward/pre-backward all-gathers under ``model``.
+
+    Why: a plan's ``unshard_async_op``; FSDP2 has only the private setter
+    ``FSDPModule._set_unshard_async_op``. On a CPU device this is what lets a
+    prefetched all-gather run beside compute. Looked up before a plan is
+    applied, so a torch without it changes nothing.
+
+    Raises:
+        UnsupportedPlanError: the running torch has no such setter.
+    """
+    setter = getattr(model, "_set_unshard_async_op", None)
+    if setter is None:
+        raise UnsupportedPlanError(
+            f"plans set unshard_async_op, but torch {torch.__version__} has no FSDPModule._set_unshard_async_op "
+            f"(tested with torch {TESTED_TORCH}); install torch=={TESTED_TORCH}.*"
+        )
+    return setter
+
+
+def unshard_async_op(module: nn.Module) -> bool:
+    """The ``async_op`` an FSDP module's unshard uses (``FSDPParamGroup.unshard_async_op``); for tests."""
+    return param_group(module).unshard_async_op
+
+
+def prefetch_counts(module: nn.Module) -> tuple[int, int]:
+    """``(forward, backward)``: how many modules an FSDP module explicitly prefetches; for tests.
+
+    Why: ``set_modules_to_forward_prefetch`` has no getter
+    (``FSDPState._states_to_forward_prefetch``, ``_states_to_backward_prefetch``).
+    """
+    state = module._get_fsdp_state()
+    return len(state._states_to_forward_prefetch), len(state._states_to_backward_prefetch)
+
+
+def param_group_unsharded_bytes(group: FSDPParamGroup) -> int:
+    """Bytes of a parameter group's unsharded parameters (all-gather output), padding excluded.
+
+    Why: the memory tracker counts what each all-gather keeps alive
+    (``FSDPParam._orig_size``: the unsharded shape).
+    """
+    return sum(fp._orig_size.numel() * fp.sharded_param.element_size() for fp in group.fsdp_params)
+
+
+def all_gather_issued(group: FSDPParamGroup) -> bool:
+    """Whether a parameter group's all-gather is in flight or done (its output allocated).
+
+    Why: ``FSDPParamGroup.unshard`` returns early for a group already
+    unsharded; the tracker counts bytes only when an all-gather really ran
+    (``FSDPParamGroup._all_gather_result``).
+    """
+    return group._all_gather_result is not None or group.is_unsharded
+
+
+def is_sharded(group: FSDPParamGroup) -> bool:
+    """Whether a parameter group holds only its shards (``FSDPParamGroup.is_sharded``)."""
+    return group.is_sharded
+
+
+@contextlib.contextmanager
+def watching_unshard_and_reshard(
+    on_unshard: Callable[[FSDPParamGroup], None], on_reshard: Callable[[FSDPParamGroup], None]
+) -> Iterator[None]:
+    """Call ``on_unshard(group)`` after every ``FSDPParamGroup.unshard`` and ``on_reshard(group)`` after every reshard.
+
+    Why: on a CPU device there is no allocator peak to read; the unsharded
+    parameter bytes alive are followed through FSDP2's own unshard/reshard,
+    which the public API does not report. Patches the class methods inside
+    the block (every FSDP module of the process) and restores them on leaving.
+    """
+    unshard, reshard = FSDPParamGroup.unshard, FSDPParamGroup.reshard
+
+    def watched_unshard(group: FSDPParamGroup, *args: Any, **kwargs: Any) -> Any:
+        out = unshard(group, *args, **kwargs)
+        on_unshard(group)
+        return out
+
+    def watched_reshard(group: FSDPParamGroup, *args: Any, **kwargs: Any) -> Any:
+        out = reshard(group, *args, **kwargs)
+        on_reshard(group)
+        return out
+
+    FSDPParamGroup.unshard, FSDPParamGroup.reshard = watched_unshard, watched_reshard
+    try:
+        yield
+    finally:
+        FSDPParamGroup.unshard, FSDPParamGroup.reshard = unshard, reshard
