@@ -120,7 +120,7 @@ class ModuleProfile:
 
 @dataclass(frozen=True)
 class Profile:
-    """A recorded profile of one training step (see DESIGN.md, Artifacts).
+    """A recorded profile of one training step (docs/architecture.md, "Artifacts").
 
     Attributes:
         fingerprint: the model and world this was recorded on.

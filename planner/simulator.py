@@ -5,7 +5,8 @@ one step, in program order, keeping the time at which each resource is next
 free: the issuing CPU thread, the compute stream (GPU only), the all-gather
 stream, and the process group that serializes every collective. The rules
 follow ``torch/distributed/fsdp/_fully_shard/`` (torch 2.13); each rule cites
-the function it models.
+the function it models (docs/architecture.md, "Where each FSDP2 rule is
+modelled", maps them).
 
 [Note: CPU device]
 On a CPU device there are no streams: compute blocks the issuing thread, a
@@ -50,19 +51,26 @@ starts at 0, this is the initial state of every resource.
 Profiling the pure-Python version showed the time spread over small calls
 (about 9,000 evaluations/s at 32 modules, against a 20,000 target), so the
 step is one numeric kernel (:mod:`planner._kernel`) compiled by numba, over
-per-module arrays built once per profile (:func:`_compiled`) and once per
-plan. The same kernel writes the trace, so traced and untraced runs cannot
-disagree. ``bench/simulator_speed.py`` prints the figures.
+per-module arrays built once per profile (:class:`planner._kernel.ProfileArrays`,
+cached on the profile) and once per plan (:class:`planner._kernel.PlanArrays`,
+cached on the plan). The same kernel writes the trace, so traced and
+untraced runs cannot disagree. ``bench/simulator_speed.py`` prints the
+figures. Inside the kernel, the per-module functions take plain arrays and
+callers check a module's state before calling them: passing bundles per
+module, or calling unconditionally, made the step 2-3x slower ([Note: Arrays,
+not bundles, in the hot path] in :mod:`planner._kernel.state`).
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from planner import _kernel
+from planner._kernel import PlanArrays, ProfileArrays
 from planner.plan import Plan
 from planner.profile import Profile
 
@@ -95,13 +103,31 @@ class SimParams:
     comm_scale: float = 1.0
     compute_scale: float = 1.0
 
+    def kernel_fields(self) -> tuple[float, ...]:
+        """The fields of :class:`planner._kernel.KernelParams` as a plain tuple of floats (one compiled kernel)."""
+        return (float(self.issue_overhead_ms), float(self.overlap_slowdown) - 1.0, float(self.comm_scale),
+                float(self.collective_latency_ms), float(self.compute_scale))
+
+
+class Track(enum.StrEnum):
+    """A resource of the predicted timeline: one row of the trace."""
+
+    COMPUTE = "compute"
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
+    CPU_WAIT = "cpu-wait"
+
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One slice of the predicted timeline. Times in ms from step start."""
+    """One slice of the predicted timeline. Times in ms from step start.
+
+    ``name`` is ``"<kind> <module FQN>"``, e.g. ``"all-gather layers.3"``
+    (``<root>`` for the root).
+    """
 
     name: str
-    track: str  # "compute", "all-gather", "reduce-scatter", "cpu-wait"
+    track: Track
     start_ms: float
     end_ms: float
 
@@ -146,39 +172,45 @@ class SimResult:
 
 def lower_bound_ms(profile: Profile) -> float:
     """``max(Σ compute, Σ (all-gather + reduce-scatter))`` for ``profile``, ms."""
-    return _compiled(profile).lower_bound
+    return _compiled(profile).lower_bound_ms
 
 
 class _Compiled:
-    """Per-module arrays of a profile, indexed by position in ``module_fqns``."""
+    """A profile as the kernel reads it: module names and indices, :class:`ProfileArrays` and its tuple."""
 
     def __init__(self, p: Profile):
         self.names = list(p.fingerprint.module_fqns)
         self.index = {f: i for i, f in enumerate(self.names)}
         mods = [p.modules[f] for f in self.names]
-        f64 = np.float64
-        self.ag = np.array([m.all_gather_ms for m in mods], f64)
-        self.rs = np.array([m.reduce_scatter_ms for m in mods], f64)
-        self.fwd = np.array([m.fwd_ms / m.calls for m in mods], f64)  # per call
-        self.bwd = np.array([m.bwd_ms / m.calls for m in mods], f64)
-        self.ub = np.array([m.unsharded_bytes for m in mods], np.int64)
-        self.gb = np.array([m.grad_bytes // m.calls for m in mods], np.int64)
-        self.ab = np.array([m.activation_bytes // m.calls for m in mods], np.int64)
-        self.root = self.index[p.root_fqn]
-        r = mods[self.root]
-        self.root_fwd_pre, self.root_fwd_post = r.fwd_pre_ms, r.fwd_ms - r.fwd_pre_ms
-        self.root_bwd_pre, self.root_bwd_post = r.bwd_pre_ms, r.bwd_ms - r.bwd_pre_ms
-        self.root_ab_pre = int(r.activation_bytes * r.fwd_pre_ms / r.fwd_ms) if r.fwd_ms > 0 else 0
-        self.children = np.array([self.index[f] for f in p.pre_forward_order if f != p.root_fqn], np.int64)
+        f64, i64 = np.float64, np.int64
+        root = self.index[p.root_fqn]
+        r = mods[root]
         post = [self.index[f] for f in p.post_forward_order]
-        self.post = np.array(post, np.int64)
-        self.root_post_index = len(post) - 1 - post[::-1].index(self.root)
-        self.gpu = p.fingerprint.device_type != "cpu"
-        self.microbatches = p.microbatches
-        self.opt_ms = p.optimizer_ms
-        self.baseline = sum(m.sharded_bytes * 2 for m in mods) + p.optimizer_state_bytes
+        self.arrays = ProfileArrays(
+            all_gather_ms=np.array([m.all_gather_ms for m in mods], f64),
+            reduce_scatter_ms=np.array([m.reduce_scatter_ms for m in mods], f64),
+            forward_ms=np.array([m.fwd_ms / m.calls for m in mods], f64),
+            backward_ms=np.array([m.bwd_ms / m.calls for m in mods], f64),
+            unsharded_bytes=np.array([m.unsharded_bytes for m in mods], i64),
+            grad_bytes=np.array([m.grad_bytes // m.calls for m in mods], i64),
+            activation_bytes=np.array([m.activation_bytes // m.calls for m in mods], i64),
+            children=np.array([self.index[f] for f in p.pre_forward_order if f != p.root_fqn], i64),
+            post_forward=np.array(post, i64),
+            root=root,
+            root_post_index=len(post) - 1 - post[::-1].index(root),
+            root_forward_pre_ms=float(r.fwd_pre_ms),
+            root_forward_post_ms=float(r.fwd_ms - r.fwd_pre_ms),
+            root_backward_pre_ms=float(r.bwd_pre_ms),
+            root_backward_post_ms=float(r.bwd_ms - r.bwd_pre_ms),
+            root_activation_pre_bytes=int(r.activation_bytes * r.fwd_pre_ms / r.fwd_ms) if r.fwd_ms > 0 else 0,
+            gpu=p.fingerprint.device_type != "cpu",
+            microbatches=int(p.microbatches),
+            optimizer_ms=float(p.optimizer_ms),
+        )
+        self.fields = tuple(self.arrays)  # [Note: Plain tuples at the boundary] in planner._kernel
+        self.baseline_bytes = sum(m.sharded_bytes * 2 for m in mods) + p.optimizer_state_bytes
         compute = sum(m.fwd_ms + m.bwd_ms for m in mods) * p.microbatches + p.optimizer_ms
-        self.lower_bound = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
+        self.lower_bound_ms = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
         self.trace_rows = 8 * (len(post) + len(self.names)) * p.microbatches + 16
 
 
@@ -190,8 +222,8 @@ def _compiled(profile: Profile) -> _Compiled:
     return c
 
 
-def _plan_arrays(plan: Plan, c: _Compiled) -> tuple:
-    """CSR prefetch lists and reshard flags of ``plan`` (cached on the plan)."""
+def _plan_fields(plan: Plan, c: _Compiled) -> tuple:
+    """The fields of ``plan``'s :class:`PlanArrays` for the profile ``c`` (cached on the plan)."""
     cached = plan.__dict__.get("_arrays")
     if cached is not None and cached[0] is c:
         return cached[1]
@@ -201,21 +233,25 @@ def _plan_arrays(plan: Plan, c: _Compiled) -> tuple:
         i = idx[fqn]
         fwd_lists[i], bwd_lists[i], raf[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
     i64 = np.int64
-    arrays = (
-        np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),
-        np.array([idx[t] for ts in fwd_lists for t in ts], i64),
-        np.array([0, *itertools.accumulate(map(len, bwd_lists))], i64),
-        np.array([idx[t] for ts in bwd_lists for t in ts], i64),
-        np.array(raf, np.bool_),
-    )
-    object.__setattr__(plan, "_arrays", (c, arrays))
-    return arrays
+    fields = tuple(PlanArrays(
+        forward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),
+        forward_prefetch_targets=np.array([idx[t] for ts in fwd_lists for t in ts], i64),
+        backward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, bwd_lists))], i64),
+        backward_prefetch_targets=np.array([idx[t] for ts in bwd_lists for t in ts], i64),
+        reshard_after_forward=np.array(raf, np.bool_),
+        unshard_async_op=bool(plan.unshard_async_op),
+        reduce_scatter_max_input_buffers=int(plan.reduce_scatter_max_input_buffers),
+        reshard_after_backward=bool(plan.reshard_after_backward),
+    ))
+    object.__setattr__(plan, "_arrays", (c, fields))
+    return fields
 
 
+# Kernel event kinds (planner._kernel.FORWARD ...): name prefix and track.
 _KINDS = ("forward", "backward", "optimizer", "all-gather", "reduce-scatter", "wait")
-_TRACKS = ("compute", "compute", "compute", "all-gather", "reduce-scatter", "cpu-wait")
-_NO_TRACE = np.zeros((1, 4))
-_NO_MEMORY = np.zeros((1, 2))
+_TRACKS = (Track.COMPUTE, Track.COMPUTE, Track.COMPUTE, Track.ALL_GATHER, Track.REDUCE_SCATTER, Track.CPU_WAIT)
+_NO_EVENTS = np.zeros((1, 4))
+_NO_SAMPLES = np.zeros((1, 2))
 
 
 def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trace: bool = False) -> SimResult:
@@ -241,39 +277,27 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
     c = _compiled(profile)
     if params is None:
         params = SimParams(**profile.calibration) if profile.calibration else _NO_CALIBRATION
-    fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf = _plan_arrays(plan, c)
-    x = params.compute_scale
-    fwd, bwd, opt_ms = (c.fwd, c.bwd, c.opt_ms) if x == 1.0 else (c.fwd * x, c.bwd * x, c.opt_ms * x)
-    s = np.zeros(8)
-    k = np.zeros(8, np.int64)
-    ev = np.zeros((c.trace_rows, 4)) if trace else _NO_TRACE
-    mem = np.zeros((c.trace_rows, 2)) if trace else _NO_MEMORY
-    _kernel.step(
-        c.ag, c.rs, fwd, bwd, c.ub, c.gb, c.ab, c.children, c.post, c.root, c.root_post_index,
-        c.root_fwd_pre * x, c.root_fwd_post * x, c.root_bwd_pre * x, c.root_bwd_post * x, c.root_ab_pre,
-        c.gpu, c.microbatches, opt_ms,
-        fwd_off, fwd_tgt, bwd_off, bwd_tgt, raf, plan.unshard_async_op,
-        plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward,
-        params.issue_overhead_ms, params.overlap_slowdown - 1.0, params.comm_scale, params.collective_latency_ms,
-        s, k, ev, mem,
+    events = np.zeros((c.trace_rows, 4)) if trace else _NO_EVENTS
+    samples = np.zeros((c.trace_rows, 2)) if trace else _NO_SAMPLES
+    t_cpu, t_compute, compute_ms, comm_ms, peak, peak_unsharded, n_events, n_samples = _kernel.step(
+        c.fields, _plan_fields(plan, c), params.kernel_fields(), events, samples
     )
-    t_cpu, t_compute, _, _, _, compute_ms, comm_ms, _ = s.tolist()
     step_ms = max(t_cpu, t_compute)
-    events, memory = [], []
+    timeline, memory = [], []
     if trace:
-        for kind, i, start, end in ev[: k[2]].tolist():
+        for kind, i, start, end in events[:n_events].tolist():
             name = c.names[int(i)] or "<root>"
-            events.append(TraceEvent(f"{_KINDS[int(kind)]} {name}", _TRACKS[int(kind)], start, end))
-        memory = [(t, c.baseline + int(b)) for t, b in mem[: k[3]].tolist()]
+            timeline.append(TraceEvent(f"{_KINDS[int(kind)]} {name}", _TRACKS[int(kind)], start, end))
+        memory = [(t, c.baseline_bytes + int(b)) for t, b in samples[:n_samples].tolist()]
     return SimResult(
         step_ms=step_ms,
         exposed_comm_ms=max(0.0, step_ms - compute_ms),
-        peak_bytes=c.baseline + int(k[1]),
-        lower_bound_ms=c.lower_bound,
+        peak_bytes=c.baseline_bytes + int(peak),
+        lower_bound_ms=c.lower_bound_ms,
         compute_ms=compute_ms,
         comm_ms=comm_ms,
-        peak_unsharded_bytes=int(k[7]),
-        events=events,
+        peak_unsharded_bytes=int(peak_unsharded),
+        events=timeline,
         memory=memory,
     )
 

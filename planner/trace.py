@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError
-from planner.simulator import SimResult
+from planner.simulator import SimResult, Track
 
-TRACKS = ("compute", "all-gather", "reduce-scatter", "cpu-wait")
+TRACKS = tuple(Track)  # one row per resource, top to bottom
 
 
 def chrome_trace(result: SimResult, title: str = "predicted step") -> dict[str, Any]:

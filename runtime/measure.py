@@ -1,7 +1,7 @@
 """Timing real training steps: one step, and several plans interleaved.
 
 Step ms for a plan is the median over measured steps of the max across ranks
-(DESIGN.md, Measurement). Plans are interleaved A B A B ... in one run so that
+(docs/architecture.md, "Measurement"). Plans are interleaved A B A B ... in one run so that
 machine noise hits them alike.
 """
 

@@ -1,0 +1,178 @@
+"""One FSDP2 step: the hooks ``FSDPState`` runs, in program order, over every microbatch.
+
+Follows ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py`` (the pre/post
+forward and backward hooks and the final callback); the rules and their
+sources are described in :mod:`planner.simulator`. Each phase unpacks the
+bundles once ([Note: Arrays, not bundles, in the hot path] in
+:mod:`planner._kernel.state`).
+
+[Note: Plain tuples at the boundary]
+numba types a NamedTuple argument on a slow path (7 µs a call for two
+19-field bundles, against 3 µs for the same fields as plain tuples), so
+:func:`step` takes each bundle's fields as a plain tuple and rebuilds the
+NamedTuple inside compiled code, where it costs nothing.
+"""
+
+from __future__ import annotations
+
+from planner._kernel.param_group import reduce_scatter, reshard, unshard, wait_for_unshard
+from planner._kernel.state import (
+    BACKWARD, COMM_TOTAL, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, FORWARD, GRAD_ALIVE, LAST_REDUCE_SCATTER_END,
+    OPTIMIZER, PEAK, PENDING, RS_HEAD, RS_TAIL, SAMPLES, SHARDED, UNSHARD_STATE, UNSHARDED_PEAK, KernelParams, PlanArrays, ProfileArrays, Trace,
+    new_step, njit,
+)
+from planner._kernel.timeline import allocate, compute
+
+
+@njit(cache=True)
+def _forward(prof, plan, cfg, st, trace, compute_scale):
+    """One microbatch's forward: root pre-forward, the root's own head (embedding), each child, the root's tail.
+
+    Per module: ``FSDPState._pre_forward`` -> ``FSDPParamGroup.pre_forward``
+    (unshard, wait), the explicit forward prefetch
+    (``FSDPParamGroup._prefetch_unshard``), the forward compute, then
+    ``FSDPParamGroup.post_forward`` (reshard if ``reshard_after_forward``).
+    """
+    clock, counters, module_state = st.clock, st.counters, st.module_state
+    ag_end, in_flight, events, samples = st.all_gather_end, st.in_flight, trace.events, trace.samples
+    ag_ms, unsharded, activation = prof.all_gather_ms, prof.unsharded_bytes, prof.activation_bytes
+    offsets, targets, raf = plan.forward_prefetch_offsets, plan.forward_prefetch_targets, plan.reshard_after_forward
+    root = prof.root
+    for j in range(-1, prof.children.shape[0]):
+        i = root if j < 0 else prof.children[j]
+        clock[CPU] += cfg.issue_overhead_ms
+        if module_state[i, UNSHARD_STATE] == SHARDED:
+            unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+        if module_state[i, UNSHARD_STATE] == PENDING:
+            wait_for_unshard(i, True, cfg, clock, counters, module_state, ag_end, in_flight, events)
+        for p in range(offsets[i], offsets[i + 1]):
+            t = targets[p]
+            if module_state[t, UNSHARD_STATE] == SHARDED:
+                unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+        if j < 0:
+            if prof.root_forward_pre_ms > 0:
+                compute(i, FORWARD, prof.root_forward_pre_ms * compute_scale, cfg, clock, counters, in_flight, ag_end,
+                        module_state, events)
+            allocate(clock, counters, samples, prof.root_activation_pre_bytes)
+            continue
+        compute(i, FORWARD, prof.forward_ms[i] * compute_scale, cfg, clock, counters, in_flight, ag_end,
+                module_state, events)
+        allocate(clock, counters, samples, activation[i])  # saved for backward
+        clock[CPU] += cfg.issue_overhead_ms
+        if raf[i] and module_state[i, UNSHARD_STATE] != SHARDED:
+            reshard(i, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+    if prof.root_forward_post_ms > 0:
+        compute(root, FORWARD, prof.root_forward_post_ms * compute_scale, cfg, clock, counters, in_flight, ag_end,
+                module_state, events)
+    allocate(clock, counters, samples, activation[root] - prof.root_activation_pre_bytes)
+    clock[CPU] += cfg.issue_overhead_ms
+    if raf[root] and module_state[root, UNSHARD_STATE] != SHARDED:
+        reshard(root, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+
+
+@njit(cache=True, inline="always")  # per module: no call, no bundle copies
+def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
+    """``FSDPState._pre_backward`` -> ``FSDPParamGroup.pre_backward`` (unshard, wait), then the explicit backward
+    list, else ``FSDPParamGroup._backward_prefetch`` (the previous module in post-forward order)."""
+    clock, counters, module_state = st.clock, st.counters, st.module_state
+    ag_end, in_flight, events, samples = st.all_gather_end, st.in_flight, trace.events, trace.samples
+    ag_ms, unsharded = prof.all_gather_ms, prof.unsharded_bytes
+    clock[CPU] += cfg.issue_overhead_ms
+    if module_state[i, UNSHARD_STATE] == SHARDED:
+        unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+    if module_state[i, UNSHARD_STATE] == PENDING:
+        wait_for_unshard(i, False, cfg, clock, counters, module_state, ag_end, in_flight, events)
+    first, last = plan.backward_prefetch_offsets[i], plan.backward_prefetch_offsets[i + 1]
+    for p in range(first, last):
+        t = plan.backward_prefetch_targets[p]
+        if module_state[t, UNSHARD_STATE] == SHARDED:
+            unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+    if last == first and post_index > 0:
+        t = prof.post_forward[post_index - 1]
+        if module_state[t, UNSHARD_STATE] == SHARDED:
+            unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+
+
+@njit(cache=True, inline="always")
+def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
+    """Module ``i``'s backward compute, then ``FSDPParamGroup.post_backward``: reshard, then reduce-scatter
+    (only with gradient sync, ``set_requires_gradient_sync``)."""
+    clock, counters, module_state = st.clock, st.counters, st.module_state
+    ag_end, in_flight, events, samples = st.all_gather_end, st.in_flight, trace.events, trace.samples
+    if not module_state[i, GRAD_ALIVE]:  # autograd allocates the unsharded gradient once
+        module_state[i, GRAD_ALIVE] = 1
+        allocate(clock, counters, samples, prof.grad_bytes[i])
+    compute(i, BACKWARD, ms, cfg, clock, counters, in_flight, ag_end, module_state, events)
+    allocate(clock, counters, samples, -prof.activation_bytes[i])
+    clock[CPU] += cfg.issue_overhead_ms
+    if reshard_after and module_state[i, UNSHARD_STATE] != SHARDED:
+        reshard(i, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+    if reduce:
+        reduce_scatter(i, prof.reduce_scatter_ms, prof.grad_bytes, cfg, clock, counters, st.reduce_scatter_end,
+                       st.reduce_scatter_bytes, events, samples)
+        module_state[i, GRAD_ALIVE] = 0
+
+
+@njit(cache=True)
+def _microbatch_backward(last, prof, plan, cfg, st, trace, compute_scale):
+    """One microbatch's backward, in reverse post-forward order.
+
+    The root's pre-backward fires first (its output's gradient), its
+    post-backward last (final callback). Without gradient sync (all but the
+    ``last`` microbatch), ``set_reshard_after_backward`` decides whether
+    modules reshard.
+    """
+    reshard_after = last or plan.reshard_after_backward
+    post, root = prof.post_forward, prof.root
+    _pre_backward(root, prof.root_post_index, prof, plan, cfg, st, trace)
+    if prof.root_backward_pre_ms > 0:
+        compute(root, BACKWARD, prof.root_backward_pre_ms * compute_scale, cfg, st.clock, st.counters, st.in_flight,
+                st.all_gather_end, st.module_state, trace.events)
+    for index in range(post.shape[0] - 1, -1, -1):
+        i = post[index]
+        if i == root:
+            continue
+        _pre_backward(i, index, prof, plan, cfg, st, trace)
+        _backward(i, prof.backward_ms[i] * compute_scale, last, reshard_after, prof, cfg, st, trace)
+    _backward(root, prof.root_backward_post_ms * compute_scale, last, reshard_after, prof, cfg, st, trace)
+
+
+@njit(cache=True)
+def step(profile_fields, plan_fields, param_fields, events, samples):
+    """Simulate one step (all microbatches, then the optimizer).
+
+    Args:
+        profile_fields, plan_fields, param_fields: the fields of a
+            :class:`ProfileArrays`, :class:`PlanArrays` and
+            :class:`KernelParams` as plain tuples ([Note: Plain tuples at the
+            boundary]).
+        events: ``float64[rows, 4]`` filled with the timeline, or one row: no trace.
+        samples: ``float64[rows, 2]`` filled with ``(ms, bytes alive)``, or one row.
+
+    Returns:
+        ``(cpu_ms, compute_stream_ms, compute_ms, comm_ms, peak_bytes,
+        peak_unsharded_bytes, events_written, samples_written)``; the step
+        ends at the later of the first two.
+    """
+    prof = ProfileArrays(*profile_fields)
+    plan = PlanArrays(*plan_fields)
+    params = KernelParams(*param_fields)
+    trace = Trace(events, samples)
+    cfg, st = new_step(prof, plan, params)
+    for mb in range(prof.microbatches):
+        _forward(prof, plan, cfg, st, trace, params.compute_scale)
+        _microbatch_backward(mb == prof.microbatches - 1, prof, plan, cfg, st, trace, params.compute_scale)
+    # FSDPState._root_post_backward_final_callback: wait for every reduce-scatter.
+    clock, counters = st.clock, st.counters
+    if prof.gpu:
+        if clock[LAST_REDUCE_SCATTER_END] > clock[COMPUTE_STREAM]:
+            clock[COMPUTE_STREAM] = clock[LAST_REDUCE_SCATTER_END]
+        for q in range(counters[RS_HEAD], counters[RS_TAIL]):
+            allocate(clock, counters, samples, -st.reduce_scatter_bytes[q])
+    elif clock[LAST_REDUCE_SCATTER_END] > clock[CPU]:
+        clock[CPU] = clock[LAST_REDUCE_SCATTER_END]
+    if prof.optimizer_ms > 0:
+        compute(prof.root, OPTIMIZER, prof.optimizer_ms * params.compute_scale, cfg, clock, counters, st.in_flight,
+                st.all_gather_end, st.module_state, events)
+    return (clock[CPU], clock[COMPUTE_STREAM], clock[COMPUTE_TOTAL], clock[COMM_TOTAL], counters[PEAK],
+            counters[UNSHARDED_PEAK], counters[EVENTS], counters[SAMPLES])

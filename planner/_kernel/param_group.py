@@ -1,0 +1,133 @@
+"""What a parameter group does to the step's resources: unshard, wait for it, reshard, reduce-scatter.
+
+Follows ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``
+(``FSDPParamGroup``) and ``_fsdp_collectives.py`` (``foreach_reduce``). The
+arrays are :class:`~planner._kernel.state.StepState`'s and
+:class:`~planner._kernel.state.Trace`'s, passed one by one ([Note: Arrays,
+not bundles, in the hot path]).
+"""
+
+from __future__ import annotations
+
+from planner._kernel.state import (
+    ALL_GATHER, ALL_GATHER_ROW, ALL_GATHER_STREAM, COMM_TOTAL, COMPUTE_STREAM, CPU, CPU_WAIT, EVENTS, IN_FLIGHT,
+    LAST_COPY_OUT, LAST_REDUCE_SCATTER_END, PENDING, PROCESS_GROUP, REDUCE_SCATTER, RS_HEAD, RS_TAIL, SHARDED,
+    UNSHARD_STATE, UNSHARDED, UNSHARDED_ALIVE, UNSHARDED_PEAK, njit,
+)
+from planner._kernel.timeline import allocate, event
+
+
+@njit(cache=True)
+def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight,
+            events, samples):
+    """``FSDPParamGroup.unshard`` of module ``i``: issue its all-gather.
+
+    Callers skip modules already pending or unsharded, as
+    ``FSDPParamGroup.unshard`` returns early for them. The all-gather starts
+    when the issuing thread (GPU: and the all-gather streams) and the process
+    group are free; its output is allocated at issue
+    (``foreach_all_gather``). On a CPU device without ``async_op`` the thread
+    blocks until it ends.
+    """
+    issue = clock[CPU]
+    if cfg.gpu and clock[ALL_GATHER_STREAM] > issue:
+        issue = clock[ALL_GATHER_STREAM]
+    start = issue if issue > clock[PROCESS_GROUP] else clock[PROCESS_GROUP]
+    # Evaluated as written (not through a shared subtotal), so rounding matches the reference timelines.
+    end = start + all_gather_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+    clock[PROCESS_GROUP] = end
+    clock[COMM_TOTAL] += all_gather_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+    allocate(clock, counters, samples, unsharded_bytes[i])
+    counters[UNSHARDED_ALIVE] += unsharded_bytes[i]
+    if counters[UNSHARDED_ALIVE] > counters[UNSHARDED_PEAK]:
+        counters[UNSHARDED_PEAK] = counters[UNSHARDED_ALIVE]
+    if cfg.track_in_flight:
+        module_state[i, ALL_GATHER_ROW] = counters[EVENTS] if events.shape[0] > 1 else -1
+        in_flight[counters[IN_FLIGHT]] = i
+        counters[IN_FLIGHT] += 1
+    event(events, counters, ALL_GATHER, i, start, end)
+    if not cfg.gpu and not cfg.unshard_async_op:  # [Note: CPU device] a sync collective blocks the thread
+        clock[CPU] = end
+    module_state[i, UNSHARD_STATE] = PENDING
+    all_gather_end[i] = end
+
+
+@njit(cache=True)
+def wait_for_unshard(i, forward, cfg, clock, counters, module_state, all_gather_end, in_flight, events):
+    """``FSDPParamGroup.wait_for_unshard`` of module ``i`` (callers check its all-gather is pending).
+
+    GPU: the compute stream waits for the all-gather; in forward without
+    ``async_op`` this is the copy-out that lets the next implicit prefetch
+    start. CPU: the thread waits.
+    """
+    for q in range(counters[IN_FLIGHT]):
+        if in_flight[q] == i:
+            for r in range(q, counters[IN_FLIGHT] - 1):
+                in_flight[r] = in_flight[r + 1]
+            counters[IN_FLIGHT] -= 1
+            break
+    end = all_gather_end[i]
+    if cfg.gpu:
+        if end > clock[COMPUTE_STREAM]:
+            clock[COMPUTE_STREAM] = end
+        if forward and not cfg.unshard_async_op:
+            # Implicit prefetch keeps two all-gather outputs alive: the
+            # all-gather streams wait for the previous copy-out before the next
+            # all-gather ([Note: Overlapping all-gather copy-in and all-gather]).
+            if clock[LAST_COPY_OUT] >= 0 and clock[LAST_COPY_OUT] > clock[ALL_GATHER_STREAM]:
+                clock[ALL_GATHER_STREAM] = clock[LAST_COPY_OUT]
+            clock[LAST_COPY_OUT] = clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]
+    elif end > clock[CPU]:
+        event(events, counters, CPU_WAIT, i, clock[CPU], end)
+        clock[CPU] = end
+    module_state[i, UNSHARD_STATE] = UNSHARDED
+
+
+@njit(cache=True)
+def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events, samples):
+    """``FSDPParamGroup.reshard`` of module ``i`` (callers check it is not sharded): free its unsharded parameters.
+
+    A prefetch still pending is waited on first.
+    """
+    if module_state[i, UNSHARD_STATE] == PENDING:
+        wait_for_unshard(i, False, cfg, clock, counters, module_state, all_gather_end, in_flight, events)
+    allocate(clock, counters, samples, -unsharded_bytes[i])
+    counters[UNSHARDED_ALIVE] -= unsharded_bytes[i]
+    module_state[i, UNSHARD_STATE] = SHARDED
+
+
+@njit(cache=True)
+def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue_end, queue_bytes, events, samples):
+    """``foreach_reduce`` of module ``i``'s gradient, issued by ``FSDPParamGroup.post_backward``.
+
+    GPU: queued behind at most ``reduce_scatter_max_input_buffers`` earlier
+    ones (``ReduceScatterState``; ``queue_end``/``queue_bytes`` from
+    ``counters[RS_HEAD]`` to ``counters[RS_TAIL]``), each holding its input
+    buffer until it ends. CPU: synchronous ([Note: CPU device]).
+    """
+    if cfg.gpu:
+        # reduce_scatter_max_input_buffers: the compute stream waits on the
+        # oldest reduce-scatter before reusing its input buffer.
+        while counters[RS_TAIL] - counters[RS_HEAD] >= cfg.reduce_scatter_max_input_buffers:
+            head = counters[RS_HEAD]
+            if queue_end[head] > clock[COMPUTE_STREAM]:
+                clock[COMPUTE_STREAM] = queue_end[head]
+            allocate(clock, counters, samples, -queue_bytes[head])
+            counters[RS_HEAD] = head + 1
+        issue = clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]
+    else:
+        issue = clock[CPU]
+    start = issue if issue > clock[PROCESS_GROUP] else clock[PROCESS_GROUP]
+    end = start + reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+    clock[PROCESS_GROUP] = end
+    clock[COMM_TOTAL] += reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+    event(events, counters, REDUCE_SCATTER, i, start, end)
+    if cfg.gpu:
+        tail = counters[RS_TAIL]
+        queue_end[tail] = end
+        queue_bytes[tail] = grad_bytes[i]
+        counters[RS_TAIL] = tail + 1
+    else:
+        clock[CPU] = end  # [Note: CPU device] the reduce-scatter is synchronous
+        allocate(clock, counters, samples, -grad_bytes[i])
+    clock[LAST_REDUCE_SCATTER_END] = end

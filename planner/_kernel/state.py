@@ -1,0 +1,166 @@
+"""The kernel's data: input bundles, the state of a step, and the named slots of its arrays.
+
+Inputs come in three bundles: :class:`ProfileArrays` (per profile),
+:class:`PlanArrays` (per plan) and :class:`KernelParams` (the calibrated
+``planner.simulator.SimParams``). A step's state is :class:`StepState`: its
+clocks, its byte and event counters, each module's state (FSDP2's
+``FSDPParamGroup``: unsharded or not, its all-gather), the all-gathers in
+flight (``AllGatherState``) and the reduce-scatters in flight
+(``ReduceScatterState``); :class:`Trace` holds the timeline. The slots of
+the clock, counter and module-state arrays are named by the module-level
+constants below, which numba folds.
+
+[Note: Arrays, not bundles, in the hot path]
+Taking an array out of a NamedTuple in compiled code costs a reference-count
+increment and decrement; passing it as an argument costs nothing. Bundling
+the state the old way cost 3x the step time (697 increments in the step's
+optimized IR, against 111). So the hooks (:mod:`planner._kernel.hooks`)
+unpack the bundles once per microbatch, and the per-module functions they
+call take plain arrays; :class:`StepConfig` holds only scalars, which cost
+nothing to read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+try:  # compiled where numba is installed (a dependency); plain Python otherwise, same results
+    from numba import njit
+except ImportError:  # pragma: no cover
+    def njit(*args, **kwargs):
+        if args and callable(args[0]):
+            return args[0]
+        return lambda f: f
+
+# StepState.clock slots, ms.
+CPU = 0  # the thread that runs the hooks (and, on a CPU device, the compute)
+COMPUTE_STREAM = 1  # GPU: the compute stream is free from here
+PROCESS_GROUP = 2  # the process group runs collectives one after another: free from here
+ALL_GATHER_STREAM = 3  # GPU: the all-gather streams may start from here
+LAST_COPY_OUT = 4  # GPU implicit prefetch: when the previous all-gather output was consumed (-1: none)
+COMPUTE_TOTAL = 5  # compute issued so far
+COMM_TOTAL = 6  # communication issued so far
+LAST_REDUCE_SCATTER_END = 7  # when the last reduce-scatter issued ends
+CLOCKS = 8
+
+# StepState.counters slots.
+ALIVE = 0  # bytes alive beyond the sharded state and optimizer state
+PEAK = 1  # their peak
+UNSHARDED_ALIVE = 2  # all-gather output bytes, from issue to reshard
+UNSHARDED_PEAK = 3
+EVENTS = 4  # trace events written
+SAMPLES = 5  # memory samples written
+IN_FLIGHT = 6  # length of StepState.in_flight
+RS_HEAD = 7  # GPU: the oldest reduce-scatter in flight (index into the reduce-scatter queue)
+RS_TAIL = 8  # GPU: one past the newest
+COUNTERS = 9
+
+# StepState.module_state columns, per module.
+UNSHARD_STATE = 0  # SHARDED, PENDING (all-gather issued, not waited on) or UNSHARDED
+ALL_GATHER_ROW = 1  # the trace row of the module's last all-gather (-1: none)
+GRAD_ALIVE = 2  # 1 while its unsharded gradient is allocated
+MODULE_FIELDS = 3
+SHARDED, PENDING, UNSHARDED = 0, 1, 2
+
+# Trace event kinds (planner.simulator names them).
+FORWARD, BACKWARD, OPTIMIZER, ALL_GATHER, REDUCE_SCATTER, CPU_WAIT = 0, 1, 2, 3, 4, 5
+
+
+class ProfileArrays(NamedTuple):
+    """A profile's figures by module index (position in ``Fingerprint.module_fqns``); times ms, sizes bytes."""
+
+    all_gather_ms: np.ndarray  # float64[n]
+    reduce_scatter_ms: np.ndarray  # float64[n]
+    forward_ms: np.ndarray  # float64[n], per call
+    backward_ms: np.ndarray  # float64[n], per call
+    unsharded_bytes: np.ndarray  # int64[n]
+    grad_bytes: np.ndarray  # int64[n], per call
+    activation_bytes: np.ndarray  # int64[n], per call
+    children: np.ndarray  # int64: the modules other than the root, in pre-forward order
+    post_forward: np.ndarray  # int64: the post-forward order, with multiplicity
+    root: int
+    root_post_index: int  # the root's last position in post_forward
+    root_forward_pre_ms: float  # the root's forward before its first child's
+    root_forward_post_ms: float
+    root_backward_pre_ms: float  # the root's backward before its first child's
+    root_backward_post_ms: float
+    root_activation_pre_bytes: int  # activations the root saves before its first child
+    gpu: bool
+    microbatches: int
+    optimizer_ms: float
+
+
+class PlanArrays(NamedTuple):
+    """A plan by module index: prefetch lists as CSR (offsets ``int64[n + 1]``, targets ``int64``) and the knobs."""
+
+    forward_prefetch_offsets: np.ndarray
+    forward_prefetch_targets: np.ndarray
+    backward_prefetch_offsets: np.ndarray
+    backward_prefetch_targets: np.ndarray
+    reshard_after_forward: np.ndarray  # bool[n]
+    unshard_async_op: bool
+    reduce_scatter_max_input_buffers: int
+    reshard_after_backward: bool
+
+
+class KernelParams(NamedTuple):
+    """``planner.simulator.SimParams`` as the kernel uses them."""
+
+    issue_overhead_ms: float
+    overlap_excess: float  # overlap_slowdown - 1: the extra time per ms of overlap
+    comm_scale: float
+    collective_latency_ms: float
+    compute_scale: float
+
+
+class StepConfig(NamedTuple):
+    """The scalars every per-module function reads (free to read: [Note: Arrays, not bundles, in the hot path])."""
+
+    gpu: bool
+    unshard_async_op: bool
+    # Keep the all-gathers in flight in issue order: only where an overlap can slow them (CPU, async, slowdown).
+    track_in_flight: bool
+    reduce_scatter_max_input_buffers: int
+    issue_overhead_ms: float
+    overlap_excess: float
+    comm_scale: float
+    collective_latency_ms: float
+
+
+class StepState(NamedTuple):
+    """The state of one simulated step."""
+
+    clock: np.ndarray  # float64[CLOCKS], ms
+    counters: np.ndarray  # int64[COUNTERS]
+    module_state: np.ndarray  # int64[n, MODULE_FIELDS]
+    all_gather_end: np.ndarray  # float64[n]: when each module's last all-gather ends, ms
+    in_flight: np.ndarray  # int64[n]: modules whose all-gather is in flight, in issue order (counters[IN_FLIGHT])
+    reduce_scatter_end: np.ndarray  # float64: GPU reduce-scatter queue, oldest first (RS_HEAD..RS_TAIL), ms
+    reduce_scatter_bytes: np.ndarray  # int64: the input buffer each holds
+
+
+class Trace(NamedTuple):
+    """The timeline, when traced (arrays of one row otherwise)."""
+
+    events: np.ndarray  # float64[rows, 4]: kind, module, start ms, end ms
+    samples: np.ndarray  # float64[rows, 2]: ms, bytes alive
+
+
+@njit(cache=True)
+def new_step(prof, plan, params):
+    """The :class:`StepConfig` and a fresh :class:`StepState` for one step of ``prof`` under ``plan``."""
+    n = prof.all_gather_ms.shape[0]
+    cfg = StepConfig(prof.gpu, plan.unshard_async_op,
+                     (not prof.gpu) and plan.unshard_async_op and params.overlap_excess != 0.0,
+                     plan.reduce_scatter_max_input_buffers, params.issue_overhead_ms, params.overlap_excess,
+                     params.comm_scale, params.collective_latency_ms)
+    clock = np.zeros(CLOCKS)
+    clock[LAST_COPY_OUT] = -1.0
+    module_state = np.zeros((n, MODULE_FIELDS), np.int64)
+    module_state[:, ALL_GATHER_ROW] = -1
+    slots = prof.post_forward.shape[0] * prof.microbatches + 1
+    st = StepState(clock, np.zeros(COUNTERS, np.int64), module_state, np.zeros(n), np.zeros(n, np.int64),
+                   np.zeros(slots), np.zeros(slots, np.int64))
+    return cfg, st

@@ -1,0 +1,75 @@
+"""Time and memory accounting of a step: trace events, allocations, and compute on the device."""
+
+from __future__ import annotations
+
+from planner._kernel.state import (
+    ALIVE, ALL_GATHER_ROW, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, IN_FLIGHT, PEAK, PROCESS_GROUP, SAMPLES, njit,
+)
+
+
+@njit(cache=True)
+def event(events, counters, kind, module, start, end):
+    """Append a timeline slice when traced (``events`` has more than one row); ``kind`` as in :mod:`.state`."""
+    if events.shape[0] > 1:
+        n = counters[EVENTS]
+        events[n, 0] = kind
+        events[n, 1] = module
+        events[n, 2] = start
+        events[n, 3] = end
+        counters[EVENTS] = n + 1
+
+
+@njit(cache=True)
+def allocate(clock, counters, samples, delta):
+    """Add ``delta`` bytes to the bytes alive, in issue order ([Note: Memory in program order] in planner.simulator)."""
+    alive = counters[ALIVE] + delta
+    counters[ALIVE] = alive
+    if alive > counters[PEAK]:
+        counters[PEAK] = alive
+    if samples.shape[0] > 1:
+        n = counters[SAMPLES]
+        samples[n, 0] = max(clock[CPU], clock[COMPUTE_STREAM])
+        samples[n, 1] = alive
+        counters[SAMPLES] = n + 1
+
+
+@njit(cache=True)
+def delay_in_flight(since, delay, clock, counters, in_flight, all_gather_end, module_state, events):
+    """Every collective still in flight after ``since`` ends ``delay`` ms later.
+
+    The process group runs them one after another, so queued ones start later too.
+    """
+    clock[PROCESS_GROUP] += delay
+    for q in range(counters[IN_FLIGHT]):
+        j = in_flight[q]
+        if all_gather_end[j] > since:
+            all_gather_end[j] += delay
+            row = module_state[j, ALL_GATHER_ROW]
+            if row >= 0:
+                if events[row, 2] > since:
+                    events[row, 2] += delay
+                events[row, 3] += delay
+
+
+@njit(cache=True)
+def compute(i, kind, ms, cfg, clock, counters, in_flight, all_gather_end, module_state, events):
+    """Run ``ms`` of compute for module ``i``: on the compute stream (GPU) or the issuing thread (CPU)."""
+    if cfg.gpu:
+        start = clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]
+        end = start + ms
+        clock[COMPUTE_STREAM] = end
+    else:
+        start = clock[CPU]
+        end = start + ms
+        if cfg.overlap_excess != 0.0 and clock[PROCESS_GROUP] > start:
+            # [Note: CPU device] a collective runs beside this compute: they
+            # share the cores, so for the overlapped work both progress at
+            # 1/overlap_slowdown of their speed. The compute ends later by
+            # overlap * (slowdown - 1), and so does every collective still in
+            # flight (the process group runs them one after another).
+            delay = (min(clock[PROCESS_GROUP], end) - start) * cfg.overlap_excess
+            end += delay
+            delay_in_flight(start, delay, clock, counters, in_flight, all_gather_end, module_state, events)
+        clock[CPU] = end
+    clock[COMPUTE_TOTAL] += end - start
+    event(events, counters, kind, i, start, end)
