@@ -45,6 +45,14 @@ def synthetic_profile(
     return Profile(fp, ("", *blocks), (*blocks, ""), modules, optimizer_ms)
 
 
+def assert_one_line_error(code: int, err: str, needle: str, exit_code: int = 2) -> None:
+    """A command failed as bad input should: exit ``exit_code``, one line ``error: ...`` containing ``needle``, no traceback."""
+    assert code == exit_code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert "Traceback" not in err
+
+
 def study_config(directory: str | Path, name: str = "s", **fields) -> StudyConfig:
     """A study ``name`` stored in ``directory/<name>.db`` on the test MLP; ``fields`` as in :meth:`StudyConfig.build`."""
     fields = {"storage": f"sqlite:///{directory}/{name}.db", "factory": "runtime.reference_workloads:mlp", **fields}

@@ -8,6 +8,7 @@ our tables) and compares a full SQL dump of it before and after.
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from jobs.cli import main
@@ -31,22 +33,32 @@ from planner.errors import (
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.storages import check_writable, open_storage
-from planner.testing import make_study_db, synthetic_profile
+from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
+from runtime.rank import check_runnable
 from tests.runtime.conftest import HERE as RUNTIME_TESTS
 from tests.runtime.conftest import rank_env
 
+STUDIES = Path(__file__).parents[1] / "studies"
 GOOD_TOML = '[study]\nname = "s"\n[workload]\nfactory = "{factory}"\nkwargs = {{ dim = 64, layers = 4 }}\n'
 
 
-@pytest.fixture
-def world(tmp_path, monkeypatch):
-    """A study database with results, a profile, its default plan, and a good study TOML."""
-    monkeypatch.syspath_prepend(str(RUNTIME_TESTS))  # bad_factories, for the API cases
+@pytest.fixture(scope="module")
+def world_template(tmp_path_factory):
+    """Built once for the module: a study database with results, a profile, its default plan, a good study TOML."""
+    directory = tmp_path_factory.mktemp("world")
     profile = synthetic_profile(n_blocks=4)
-    make_study_db(tmp_path, profile, sim_trials=20)
-    profile.to_json(tmp_path / "profile.json")
-    Plan.default(profile).to_json(tmp_path / "plan.json")
-    (tmp_path / "good.toml").write_text(GOOD_TOML.format(factory="runtime.reference_workloads:mlp"))
+    make_study_db(directory, profile, sim_trials=20)
+    profile.to_json(directory / "profile.json")
+    Plan.default(profile).to_json(directory / "plan.json")
+    (directory / "good.toml").write_text(GOOD_TOML.format(factory="runtime.reference_workloads:mlp"))
+    return directory
+
+
+@pytest.fixture
+def world(world_template, tmp_path, monkeypatch):
+    """A fresh copy of the template per test (each may write bad files beside the database)."""
+    monkeypatch.syspath_prepend(str(RUNTIME_TESTS))  # bad_factories, for the API cases
+    shutil.copytree(world_template, tmp_path, dirs_exist_ok=True)
     return tmp_path
 
 
@@ -164,13 +176,10 @@ CASES = {
         lambda w: ["tune", str(w / "good.toml"), "--storage", "nosuchdb://x"], "cannot open storage 'nosuchdb://x'",
         lambda w: check_writable("nosuchdb://x"), StorageError),
 }
-
-
-def assert_one_line_error(code: int, err: str, needle: str, exit_code: int = 2) -> None:
-    assert code == exit_code, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
-    assert "Traceback" not in err
+if not torch.cuda.is_available():  # the machine decides: a GPU study is bad input only where there is no GPU
+    CASES["a study this machine cannot run"] = Case(
+        lambda w: ["tune", str(STUDIES / "llama-gpu.toml")], "[launch] backend = 'nccl' needs CUDA GPUs",
+        lambda w: check_runnable("nccl", 1), StudyConfigError)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.config import load_study_config
+import pydantic
+
+from planner.config import Backend, StudyConfig, load_study_config
 from planner.errors import StudyConfigError
 
 GOOD = """
@@ -41,6 +43,14 @@ def test_defaults_and_overrides(tmp_path):
         (GOOD.replace("sim_trials = 7", 'sim_trials = "many"'), "sim_trials must be int"),
         (GOOD.replace('"per_module"', '"nope"'), "unknown search space 'nope'"),
         (GOOD + "[measure]\nsteps = 0\n", "steps must be >= 1"),
+        (GOOD + "[launch]\nbackend = \"mpi\"\n", r"\[launch\] backend must be one of 'gloo' or 'nccl', found 'mpi'"),
+        (GOOD + "[launch]\nnproc_per_node = true\n", r"\[launch\] nproc_per_node must be int, found True"),
+        (GOOD + "[launch]\nnproc_per_node = 2.0\n", r"\[launch\] nproc_per_node must be int, found 2.0"),
+        (GOOD.replace('sim_trials = 7', 'sim_trials = 7\nsampler = "cma"'), r"\[search\] sampler: unknown sampler 'cma'"),
+        (GOOD + "[study]\n", "Cannot declare"),  # TOML itself refuses a table twice
+        ('study = 3\n[workload]\nfactory = "x:y"\n', "study must be a table"),
+        ('[study]\nname = "s"\nheartbeat_interval_s = 60\n[workload]\nfactory = "x:y"\n',
+         r"\[study\] grace_period_s \(60\) must exceed heartbeat_interval_s \(60\)"),
     ],
 )
 def test_bad_toml(tmp_path, text, message):
@@ -64,3 +74,35 @@ def test_reference_studies_parse():
     assert load_study_config(studies / "gpt2-cpu.toml").workload.factory == "runtime.reference_workloads:gpt2"
     gpu = load_study_config(studies / "llama-gpu.toml")
     assert gpu.launch.backend == "nccl" and gpu.name == "llama-gpu"
+
+
+def test_every_error_is_one_line_naming_file_table_and_key(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(GOOD.replace("sim_trials = 7", "sim_trials = 7\ntrials = 3\nbogus = 1"))
+    with pytest.raises(StudyConfigError) as info:
+        load_study_config(f)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(str(f))
+    assert "unknown key(s) ['bogus', 'trials'] in [search]; keys there are" in message and "sim_trials" in message
+
+
+def test_overrides_are_validated_like_the_file(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(GOOD)
+    with pytest.raises(StudyConfigError, match=r"\[search\] measured_trials must be >= 0, found -2"):
+        load_study_config(f, measured_trials=-2)
+    with pytest.raises(StudyConfigError, match="unknown key 'trials'"):
+        load_study_config(f, trials=3)
+
+
+def test_build_puts_flat_keys_in_their_tables_with_the_same_defaults(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text('[study]\nname = "s"\n[workload]\nfactory = "runtime.reference_workloads:mlp"\n')
+    from_file = load_study_config(f)
+    built = StudyConfig.build(directory=tmp_path, name="s", factory="runtime.reference_workloads:mlp")
+    assert built == from_file  # one place per default: the table models'
+    assert built.launch.backend == Backend.GLOO and built.measure.steps == 5 and built.study.grace_period_s == 60
+    tuned = StudyConfig.build(name="t", factory="x:y", sim_trials=9, backend="nccl", steps=2)
+    assert (tuned.search.sim_trials, tuned.launch.backend, tuned.measure.steps) == (9, Backend.NCCL, 2)
+    with pytest.raises(pydantic.ValidationError):
+        tuned.search.sim_trials = 3  # frozen: validated once, then plain typed objects

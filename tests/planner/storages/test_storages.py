@@ -1,0 +1,129 @@
+"""The study database layer, one suite over every backend (SQLite and PostgreSQL), as Optuna tests its storages."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import optuna
+import pytest
+import sqlalchemy as sa
+
+from planner.errors import StorageError, StudyNotFoundError
+from planner.storages import (
+    PlanRow,
+    ProfileRow,
+    check_exists,
+    check_writable,
+    describe_storage_error,
+    open_storage,
+    session,
+    storage_errors,
+)
+from planner.storages.engine import create_racing
+from planner.storages.models import Base
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/s.db"
+    return request.getfixturevalue("postgres")()
+
+
+def test_open_storage_creates_the_planner_tables_on_optunas_engine(url):
+    storage = open_storage(url)
+    try:
+        tables = set(sa.inspect(storage.engine).get_table_names())
+        assert {"planner_profiles", "planner_plans", "planner_measured_runs"} <= tables
+        assert "trials" in tables  # Optuna's, same database
+        with session(storage.engine) as s:  # the one engine of this URL serves our rows too
+            s.add(ProfileRow(study_name="s", measured_step_ms=1.0, json="{}"))
+            s.commit()
+        again = open_storage(url)  # tables exist: opening again changes nothing
+        with session(again.engine) as s:
+            assert s.scalar(sa.select(sa.func.count()).select_from(ProfileRow)) == 1
+        again.engine.dispose()
+    finally:
+        storage.engine.dispose()
+
+
+def test_sqlite_uses_write_ahead_logging(tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path}/s.db")
+    with storage.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+    storage.engine.dispose()
+
+
+def test_optuna_reads_the_database(url):
+    storage = open_storage(url)
+    optuna.create_study(study_name="s", storage=storage).add_trial(optuna.trial.create_trial(value=1.0))
+    storage.engine.dispose()
+    plain = optuna.storages.RDBStorage(url)  # Optuna alone, no planner code: what optuna-dashboard opens
+    assert [t.value for t in optuna.load_study(study_name="s", storage=plain).trials] == [1.0]
+    plain.engine.dispose()
+
+
+def test_check_exists_refuses_a_missing_sqlite_file_without_creating_it(tmp_path):
+    missing = tmp_path / "none.db"
+    with pytest.raises(StudyNotFoundError, match="no database at"):
+        check_exists(f"sqlite:///{missing}")
+    assert not missing.exists()
+    check_exists("sqlite://")  # in memory: nothing to find
+    check_exists("postgresql+psycopg2://x@127.0.0.1:9/y")  # servers are checked when opened
+
+
+def test_check_writable_writes_nothing(tmp_path):
+    new = tmp_path / "new.db"
+    check_writable(f"sqlite:///{new}")
+    assert not new.exists()
+    with pytest.raises(StorageError, match="folder .* does not exist"):
+        check_writable(f"sqlite:///{tmp_path}/no/dir/x.db")
+
+
+def test_check_writable_names_a_held_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "0.2")
+    db = tmp_path / "s.db"
+    open_storage(f"sqlite:///{db}").engine.dispose()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StorageError, match="is locked: another process held its write lock for more than 0 s"):
+            check_writable(f"sqlite:///{db}")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_storage_errors_become_one_line():
+    with pytest.raises(StorageError) as info, storage_errors("sqlite:///x.db"):
+        raise sa.exc.OperationalError("SELECT 1", {}, Exception("disk I/O error\nsecond line"))
+    assert "\n" not in str(info.value) and "cannot open storage 'sqlite:///x.db'" in str(info.value)
+    missing_driver = describe_storage_error("postgresql://h/db", ImportError("No module named 'psycopg2'"))
+    assert "pip install 'prefetch-planner[postgres]'" in missing_driver
+
+
+def test_create_racing_retries_only_a_concurrent_creation():
+    calls = []
+
+    def racing():
+        calls.append(1)
+        if len(calls) < 3:
+            raise sa.exc.OperationalError("CREATE TABLE", {}, Exception("table planner_plans already exists"))
+        return "created"
+
+    assert create_racing(racing) == "created" and len(calls) == 3
+
+    def broken():
+        calls.append(1)
+        raise sa.exc.OperationalError("CREATE TABLE", {}, Exception("disk full"))
+
+    calls.clear()
+    with pytest.raises(sa.exc.OperationalError, match="disk full"):
+        create_racing(broken)
+    assert len(calls) == 1  # not a race: no retry
+
+
+def test_models_are_the_planner_tables():
+    assert set(Base.metadata.tables) == {"planner_profiles", "planner_plans", "planner_measured_runs"}
+    assert PlanRow.__table__.c.predicted_peak_bytes.type.python_type is int

@@ -1,0 +1,123 @@
+"""Every private torch attribute the project uses still exists and means what runtime/torch_private.py says.
+
+A one-rank gloo process group in this process and a real FSDP2 model: if a
+torch upgrade renames or changes one of them, the test of that function
+fails, by name.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from runtime import torch_private
+from runtime.memory import UnshardedBytesTracker
+from runtime.reference_workloads import MLPStack
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def model(mesh):
+    torch.manual_seed(0)
+    m = MLPStack(dim=16, layers=3)
+    for block in m.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _step(model):
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+
+
+def test_tested_torch_is_the_running_torch():
+    assert torch.__version__.startswith(torch_private.TESTED_TORCH), (
+        f"torch {torch.__version__} is not the tested {torch_private.TESTED_TORCH}: check runtime/torch_private.py "
+        "against it, then update TESTED_TORCH and pyproject.toml"
+    )
+
+
+def test_param_group_and_reshard_after_forward(model):
+    _step(model)  # lazy init: the root's setting is decided there (FSDPState._lazy_init)
+    block = model.blocks[0]
+    group = torch_private.param_group(block)
+    assert group is not None and len(group.fsdp_params) == 6  # norm, fc1, fc2: weight and bias each
+    assert torch_private.reshard_after_forward(block) is True
+    assert torch_private.reshard_after_forward(model) is False
+    block.set_reshard_after_forward(False, recurse=False)
+    assert torch_private.reshard_after_forward(block) is False
+
+
+def test_unshard_async_op_setter_reaches_every_module(model):
+    torch_private.unshard_async_op_setter(model)(True)
+    assert [torch_private.unshard_async_op(m) for m in (model, *model.blocks)] == [True] * 4
+    torch_private.unshard_async_op_setter(model)(False)
+    assert torch_private.unshard_async_op(model.blocks[2]) is False
+
+
+def test_prefetch_counts_read_back_the_public_setters(model):
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1], model.blocks[2]])
+    model.blocks[2].set_modules_to_backward_prefetch([model.blocks[1]])
+    assert torch_private.prefetch_counts(model.blocks[0]) == (2, 0)
+    assert torch_private.prefetch_counts(model.blocks[2]) == (0, 1)
+
+
+def test_clear_unsharded_grads_drops_accumulated_gradients(model):
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    _step(model)
+    group = torch_private.param_group(model.blocks[0])
+    assert any(fp._unsharded_param.grad is not None or fp.unsharded_accumulated_grad is not None
+               for fp in group.fsdp_params)
+    torch_private.clear_unsharded_grads(model.blocks[0])
+    assert all(fp._unsharded_param.grad is None and fp.unsharded_accumulated_grad is None
+               for fp in group.fsdp_params)
+    model.set_requires_gradient_sync(True)
+    model.set_reshard_after_backward(True)
+
+
+def test_unsharded_bytes_and_the_unshard_reshard_watch(model):
+    block = model.blocks[1]
+    group = torch_private.param_group(block)
+    dim = 16
+    expected = 4 * (dim * 4 * dim * 2 + 4 * dim + dim + 2 * dim)  # fc1, fc2, biases, layer norm; float32
+    assert torch_private.param_group_unsharded_bytes(group) == expected
+    assert torch_private.is_sharded(group) and not torch_private.all_gather_issued(group)
+    seen = []
+    with torch_private.watching_unshard_and_reshard(lambda g: seen.append(("unshard", g)),
+                                                    lambda g: seen.append(("reshard", g))):
+        block.unshard()
+        assert torch_private.all_gather_issued(group)
+        block.reshard()
+    assert seen == [("unshard", group), ("reshard", group)]
+    assert torch_private.is_sharded(group)
+    block.unshard()  # the patch is gone: nothing recorded outside the block
+    block.reshard()
+    assert len(seen) == 2
+
+
+def test_tracker_counts_the_blocks_alive(model):
+    torch_private.unshard_async_op_setter(model)(True)
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+    with UnshardedBytesTracker() as tracker:
+        _step(model)
+    one_block = torch_private.param_group_unsharded_bytes(torch_private.param_group(model.blocks[0]))
+    root = torch_private.param_group_unsharded_bytes(torch_private.param_group(model))
+    assert tracker.peak_bytes >= root + 2 * one_block  # the root stays unsharded; a block computing, one prefetched
