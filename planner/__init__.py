@@ -12,6 +12,7 @@ from planner.errors import (
     StudyConfigError,
     StudyNotFoundError,
     TrialFailedError,
+    UnsupportedPlanError,
     WorkloadError,
 )
 from planner.plan import ModulePlan, Plan, Provenance
@@ -21,6 +22,7 @@ from planner.simulator import SimParams, SimResult, simulate
 __all__ = [
     "Fingerprint", "ModulePlan", "ModuleProfile", "Plan", "PlanFormatError", "PlanMismatchError",
     "PlannerError", "Profile", "ProfileFormatError", "Provenance", "SimParams", "SimResult",
-    "StorageError", "StudyConfigError", "StudyNotFoundError", "TrialFailedError", "WorkloadError",
+    "StorageError", "StudyConfigError", "StudyNotFoundError", "TrialFailedError", "UnsupportedPlanError",
+    "WorkloadError",
     "simulate",
 ]

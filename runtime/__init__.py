@@ -6,11 +6,12 @@ Training start::
     apply_plan(model, load_plan("plan.json"))
 """
 
-from planner.errors import PlanFormatError, PlanMismatchError, WorkloadError
+from planner.errors import PlanFormatError, PlanMismatchError, UnsupportedPlanError, WorkloadError
 from runtime.apply import apply_plan, load_plan, model_fingerprint
 from runtime.workload import Workload, build_workload, fsdp_modules, load_factory, train_step
 
 __all__ = [
-    "PlanFormatError", "PlanMismatchError", "Workload", "WorkloadError", "apply_plan", "build_workload",
+    "PlanFormatError", "PlanMismatchError", "UnsupportedPlanError", "Workload", "WorkloadError", "apply_plan",
+    "build_workload",
     "fsdp_modules", "load_factory", "load_plan", "model_fingerprint", "train_step",
 ]
