@@ -7,9 +7,15 @@ database with measured and simulated trials.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.config import StudyConfig
 from planner.profile import Fingerprint, ModuleProfile, Profile
+from planner.race import RaceSettings
+from planner.schedule import ConfirmSettings, Schedule
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def synthetic_profile(
@@ -73,3 +79,23 @@ def make_study_db(directory: str | Path, profile: Profile, sim_trials: int) -> s
     stage.close()
     storage.engine.dispose()
     return config.storage_url
+
+
+def synthetic_schedule(effects: list[float], noise_iqr_pct: float, rng: np.random.Generator,
+                       race: RaceSettings | None = None, confirm: ConfirmSettings | None = None) -> Schedule:
+    """Run a :class:`planner.schedule.Schedule` to the end on synthetic steps; returns it.
+
+    Plan ``p``'s steps take ``100 ms * effects[p]`` times independent
+    lognormal noise whose interquartile range / median is ``noise_iqr_pct``
+    (no shared round effect: the hardest case for paired rounds). Plan 0 is
+    the default; ``race`` and ``confirm`` default to the settings' defaults.
+    """
+    import math
+
+    sigma = noise_iqr_pct / 100.0 / 1.3490  # the IQR of a normal is 1.349 sigma
+    schedule = Schedule(len(effects), race or RaceSettings(), confirm or ConfirmSettings(), clock=lambda: 0.0)
+    while (block := schedule.next_block()) is not None:
+        schedule.record([{p: 100.0 * effects[p] * math.exp(rng.normal(0.0, sigma)) for p in order}
+                         for order in block])
+    return schedule
+

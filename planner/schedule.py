@@ -1,0 +1,124 @@
+"""Rank 0's schedule of a measured round: the race's blocks, then the confirmation on fresh rounds.
+
+The ranks ask :meth:`Schedule.next_block` for the next block of rounds (each
+round: plan indices in running order), run them, and hand the step times back
+through :meth:`Schedule.record`, until the schedule says it is done. The
+schedule is pure Python: the same object drives the real ranks
+(``runtime.protocol``) and the synthetic races of the tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from planner.race import Race, RaceSettings
+from planner.verdict import Confirmation, confirm, confirmation_rounds, step_noise_pct
+
+
+class Phase(enum.StrEnum):
+    """Where a schedule is."""
+
+    RACE = "race"
+    CONFIRM = "confirm"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class ConfirmSettings:
+    """How the confirmation is sized.
+
+    Attributes:
+        resolve: the difference it should resolve (0.03 = 3%) at 95% confidence and 80% power.
+        min_rounds, max_rounds: bounds on its rounds.
+        seed: the bootstrap's seed.
+    """
+
+    resolve: float = 0.03
+    min_rounds: int = 8
+    max_rounds: int = 30
+    seed: int = 0
+
+
+@dataclass
+class Schedule:
+    """The measured round of ``n_plans`` plans, plan ``default`` being FSDP2's default.
+
+    Attributes:
+        race: the race (its rounds, drops, survivor).
+        confirmation: set once the confirmation ran (``None`` if every candidate was dropped).
+        confirm_ms: ``{plan: step times}`` of the confirmation rounds, ms.
+        on_drop: called with each dropped plan and the rounds run (progress reports).
+        clock: seconds, for the race's time budget.
+    """
+
+    n_plans: int
+    race_settings: RaceSettings = field(default_factory=RaceSettings)
+    confirm_settings: ConfirmSettings = field(default_factory=ConfirmSettings)
+    default: int = 0
+    on_drop: Callable[[int, int], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    race: Race = field(init=False)
+    phase: Phase = field(init=False, default=Phase.RACE)
+    confirmation: Confirmation | None = field(init=False, default=None)
+    confirm_ms: dict[int, list[float]] = field(init=False, default_factory=dict)
+    _started: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.race = Race(self.n_plans, self.race_settings, self.default)
+        if not self.race.candidates:
+            self.phase = Phase.DONE
+
+    @property
+    def survivor(self) -> int | None:
+        """The plan the race kept (confirmed or being confirmed); ``None`` before the race ends or if none is left."""
+        return self.race.survivor() if self.phase != Phase.RACE else None
+
+    def next_block(self) -> list[list[int]] | None:
+        """The next rounds to run (plan indices per round, in order); ``None`` when the schedule is done."""
+        if self._started is None:
+            self._started = self.clock()
+        if self.phase == Phase.RACE:
+            done = len(self.race.rounds)
+            first = self.race_settings.min_rounds
+            size = first - done if done < first else self.race_settings.block_rounds
+            return self.race.orders(max(1, min(size, self.race_settings.max_rounds - done)))
+        if self.phase == Phase.CONFIRM:
+            pair = (self.survivor, self.default)
+            rounds = confirmation_rounds(self.race.ratio_sigma(), self.confirm_settings.resolve,
+                                         (self.confirm_settings.min_rounds, self.confirm_settings.max_rounds))
+            return [list(pair) if r % 2 == 0 else list(pair[::-1]) for r in range(rounds)]
+        return None
+
+    def record(self, block: list[dict[int, float]]) -> None:
+        """The step times of the block just run: per round, plan -> ms (max across ranks)."""
+        if self.phase == Phase.RACE:
+            for step_ms in block:
+                self.race.record(step_ms)
+            if self.race.due() or len(self.race.rounds) >= self.race_settings.max_rounds:
+                for plan in self.race.look():
+                    if self.on_drop is not None:
+                        self.on_drop(plan, len(self.race.rounds))
+            if self.race.finished(self.clock() - self._started):
+                self.phase = Phase.CONFIRM if self.race.survivor() is not None else Phase.DONE
+        elif self.phase == Phase.CONFIRM:
+            survivor = self.survivor
+            for step_ms in block:
+                for plan, ms in step_ms.items():
+                    self.confirm_ms.setdefault(plan, []).append(ms)
+            noise = step_noise_pct([self.confirm_ms[survivor], self.confirm_ms[self.default]])
+            self.confirmation = confirm(self.confirm_ms[survivor], self.confirm_ms[self.default], noise,
+                                        self.confirm_settings.seed)
+            self.phase = Phase.DONE
+
+    def planned_steps(self) -> int:
+        """Steps still to run at most, as known now (progress bars): the race's rest and the largest confirmation."""
+        if self.phase == Phase.DONE:
+            return 0
+        confirm_steps = 2 * self.confirm_settings.max_rounds
+        if self.phase == Phase.CONFIRM:
+            return confirm_steps
+        return (self.race_settings.max_rounds - len(self.race.rounds)) * len(self.race.alive) + confirm_steps
+
