@@ -1,10 +1,10 @@
-"""What the CLI prints after a tuning job: the measured round, the best plan, the calibration."""
+"""What the CLI prints after a tuning job: the race, the confirmation and its verdict, the calibration."""
 
 from __future__ import annotations
 
 from jobs.tune import TuneOutcome
-from planner.calibrate import summary
 from planner.plan import Plan
+from planner.verdict import Verdict, confirmation_rounds, confirmation_text, detectable_effect
 
 
 def describe(plan: Plan) -> str:
@@ -17,25 +17,42 @@ def describe(plan: Plan) -> str:
 def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
     """The lines ``prefetch-planner tune`` prints when the job ends (rank 0)."""
     lines = [f"trial {number} FAIL: {reason}" for number, reason in outcome.failed.items()]
-    if not outcome.told:
+    race = outcome.race
+    if not outcome.told or race is None:
         return lines + ["no plan was measured in this job; nothing written"]
-    default_ms = outcome.told[0].provenance.default_measured_ms
-    lines.append(f"\n  {'trial':>5}  {'predicted ms':>12}  {'measured ms':>11}  {'vs default':>10}  plan")
-    for p in outcome.told:
+    lines.append(f"\n  {'trial':>5}  {'predicted ms':>12}  {'race ms':>9}  {'vs default':>10}  {'rounds':>6}  plan")
+    for j, p in enumerate(outcome.told):
         pv = p.provenance
-        ratio = pv.measured_ms / default_ms if default_ms else float("nan")
+        ratio = 1.0 if j == race.default else pv.measured_ms / pv.default_measured_ms
         label = "FSDP2 default" if p.is_default_for(outcome.profile) else describe(p)
-        lines.append(f"  {pv.trial:>5}  {pv.predicted_ms:>12.1f}  {pv.measured_ms:>11.1f}  {ratio:>10.3f}  {label}")
-    best = outcome.best.provenance
-    ratio = best.measured_ms / default_ms if default_ms else float("nan")
-    lines.append(f"\nbest plan: trial {best.trial}, {best.measured_ms:.1f} ms vs FSDP2 default "
-                 f"{default_ms:.1f} ms (ratio {ratio:.3f}); written to {outcome.plan_out}")
-    study_best = outcome.study_best.provenance
-    lines.append(f"study-wide best so far: trial {study_best.trial}, {study_best.measured_ms:.1f} ms "
-                 f"(`prefetch-planner studies best {study}`)")
-    if outcome.calibration is not None:
-        c = outcome.calibration
-        lines.append(f"calibration on these {len(c.before_pct)} measured plans: {summary(c.before_pct)} before, "
-                     f"{summary(c.after_pct)} after; saved with the profile for later runs")
+        if j in race.dropped:
+            label += f"; dropped after {race.dropped[j]} rounds"
+        lines.append(f"  {pv.trial:>5}  {pv.predicted_ms:>12.1f}  {pv.measured_ms:>9.1f}  {ratio:>10.3f}  "
+                     f"{len(race.step_ms(j)):>6}  {label}")
+    rounds, sigma = len(race.rounds), race.ratio_sigma()
+    lines.append(f"race: {rounds} rounds, noise {race.noise_pct():.1f}% (step IQR / median); these rounds detect "
+                 f"differences of {100 * detectable_effect(sigma, rounds):.1f}% or more")
+    lines += _verdict_lines(outcome, study)
+    c = outcome.calibration
+    if c is not None:
+        saved = "saved with the profile for later runs" if c.accepted else "not saved"
+        lines.append(f"calibration on these {len(outcome.told)} measured plans: {c.reason}; {saved}")
     lines.append(f"profile written to {outcome.profile_out}")
     return lines
+
+
+def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
+    candidate, race = outcome.candidate, outcome.race
+    if candidate is None:
+        return [f"best plan: FSDP2's default, written to {outcome.plan_out}: every candidate was significantly slower"]
+    pv = candidate.provenance
+    confirmed = f"trial {pv.trial} vs FSDP2's default: {confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds)}: {pv.verdict} (noise {pv.noise_pct:.1f}%)"
+    if pv.verdict == Verdict.FASTER:
+        return [f"confirmation: {confirmed}",
+                f"best plan: trial {pv.trial}, faster than FSDP2's default; written to {outcome.plan_out} "
+                f"(`prefetch-planner studies best {study}`)"]
+    needed = confirmation_rounds(race.ratio_sigma(), max(abs(1.0 - pv.measured_ratio), 0.005), (1, 10**6))
+    return [f"confirmation: {confirmed}",
+            f"best plan: FSDP2's default, written to {outcome.plan_out}; the closest candidate, trial {pv.trial}, is "
+            f"{pv.verdict}: about {needed} confirmation rounds would resolve a difference of "
+            f"{100 * abs(1.0 - pv.measured_ratio):.1f}% ([measure] confirm_max_rounds)"]

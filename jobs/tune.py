@@ -21,15 +21,17 @@ import optuna
 import torch.distributed as dist
 from tqdm import tqdm
 
-from planner.calibrate import Observation, calibrated, errors_pct, fit
+from planner.calibrate import CalibrationResult, Observation, calibrate
 from planner.config import StudyConfig
 from jobs.outputs import check_output_folders
 from planner.errors import FailKind
 from planner.plan import Plan
 from planner.profile import Profile
+from planner.race import Race
 from planner.simulator import simulate
 from planner.storages import check_writable, open_storage
-from planner.study import MeasuredStage, MeasuredTrial, best_plan, latest_calibration, select_candidates, simulated_stage
+from planner.study import MeasuredStage, MeasuredTrial, latest_calibration, select_candidates, simulated_stage
+from planner.verdict import Verdict, detectable_effect
 from runtime.interrupts import interrupts_deferred, interrupts_raise
 from runtime.protocol import RoundResult, control_group, measured_round, one_line
 from runtime.rank import check_runnable, init_rank, shutdown_rank
@@ -40,38 +42,33 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Calibration:
-    """A calibration fitted after the round: signed prediction errors (%) per measured plan, before and after."""
-
-    before_pct: list[float]
-    after_pct: list[float]
-
-
-@dataclass(frozen=True)
 class TuneOutcome:
     """What a tuning job leaves (rank 0).
 
     Attributes:
         told: the plans measured in this job, provenance filled in, in
-            measurement order (empty when nothing was measured).
+            measurement order, FSDP2's default first (empty when nothing was measured).
         failed: trial number -> why applying its plan failed on some rank.
-        profile: the profile as written (calibrated when ``calibration``).
+        profile: the profile as written (calibrated when the calibration was accepted).
         profile_out: where it was written.
-        best: the round's fastest plan, written to ``plan_out``; ``None``
-            when nothing was measured.
-        plan_out: where the best plan was written.
-        study_best: the study's best plan over every job so far.
-        calibration: the calibration fitted on ``told`` (2 plans or more).
+        race: the race (rounds, drops, noise); ``None`` when nothing was measured.
+        candidate: the race's survivor, confirmed against the default (its
+            provenance has the verdict); ``None`` if every candidate was dropped.
+        written: the plan written to ``plan_out``: ``candidate`` when its
+            verdict is "faster", else FSDP2's default; ``None`` when nothing was measured.
+        plan_out: where it was written.
+        calibration: what calibration concluded on ``told``.
     """
 
     told: list[Plan]
     failed: dict[int, str]
     profile: Profile
     profile_out: str
-    best: Plan | None
+    race: Race | None
+    candidate: Plan | None
+    written: Plan | None
     plan_out: str
-    study_best: Plan | None
-    calibration: Calibration | None
+    calibration: CalibrationResult | None
 
 
 class TuneJob:
@@ -92,6 +89,7 @@ class TuneJob:
         self.job = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.profile: Profile | None = None
         self.stage: MeasuredStage | None = None
+        self._bar: tqdm | None = None
 
     @staticmethod
     def check_before_launch(config: StudyConfig, *outputs: str) -> None:
@@ -155,13 +153,27 @@ class TuneJob:
                               repeats=measure.profile_repeats)
 
     def _measure(self, workload: Workload, group: dist.ProcessGroup, rank0: bool) -> RoundResult:
-        measure = self.config.measure
-        bar = tqdm(desc="measured", unit="step", disable=not rank0 or not self.progress)
+        self._bar = tqdm(desc="measured", unit="step", disable=not rank0 or not self.progress)
         try:
-            return measured_round(workload, self._prepare_round if rank0 else None, measure.steps,
-                                  measure.warmup_steps, group, bar.update)
+            return measured_round(workload, self._prepare_round if rank0 else None, self.config.measure.warmup_steps,
+                                  group, self._stepped)
         finally:
-            bar.close()
+            self._bar.close()
+
+    def _stepped(self) -> None:
+        """Progress: one step more; the total is what the schedule may still run (an ETA at its worst)."""
+        bar = self._bar
+        schedule = self.stage.schedule if self.stage is not None else None
+        if schedule is not None:
+            bar.total = bar.n + 1 + schedule.planned_steps()
+        bar.update()
+
+    def _dropped(self, trial: MeasuredTrial, rounds: int) -> None:
+        race = self.stage.schedule.race
+        sigma = race.ratio_sigma()
+        self._bar.write(f"      dropped trial {trial.number} after {rounds} rounds: significantly slower than the "
+                        f"leader (noise {race.noise_pct():.1f}% step IQR / median; these rounds detect "
+                        f"{100 * detectable_effect(sigma, rounds):.1f}%)")
 
     def _prepare_round(self) -> tuple[MeasuredStage, list[MeasuredTrial]]:
         """Rank 0, step 1 of the rank protocol: simulate, then ask the study for the round's trials."""
@@ -181,7 +193,7 @@ class TuneJob:
                         + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
         logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
         sim = simulated_stage(profile, config, storage, show_progress_bar=self.progress)
-        self.stage = MeasuredStage(config, storage, profile, self.job)
+        self.stage = MeasuredStage(config, storage, profile, self.job, on_drop=self._dropped)
         with interrupts_deferred():  # trials created RUNNING are held by the stage (fail_held)
             retries = self.stage.claim_retries()
         if retries:
@@ -193,25 +205,31 @@ class TuneJob:
             candidates = candidates[1:]
         with interrupts_deferred():
             asked = retries + self.stage.ask(candidates)
-        logger.info(f"[3/3] measured stage: {len(asked)} plans x ({config.measure.warmup_steps} warm-up + "
-                    f"{config.measure.steps} timed steps), interleaved; trials "
-                    f"{', '.join(str(a.number) for a in asked)} (job {self.job})")
+        asked.sort(key=lambda a: not a.plan.is_default_for(profile))  # FSDP2's default first: the race's baseline
+        m = config.measure
+        logger.info(f"[3/3] measured stage: a race of FSDP2's default and {len(asked) - 1} candidate(s) "
+                    f"({m.warmup_steps} warm-up step each, then rounds in balanced order, at most {m.max_rounds}; "
+                    f"a candidate significantly slower than the leader is dropped at alpha {m.alpha:g}), then the "
+                    f"survivor against the default on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds; "
+                    f"trials {', '.join(str(a.number) for a in asked)} (job {self.job})")
         return self.stage, asked
 
     def _finish(self, result: RoundResult) -> TuneOutcome:
-        """Rank 0 after the round: write the round's best plan, calibrate on the measured plans."""
-        told, calibration, best, study_best = result.told, None, None, None
-        if told:
-            best = min(told, key=lambda p: p.provenance.measured_ms)
-            best.to_json(self.plan_out)
-            study_best, _ = best_plan(self.config.storage_url, self.config.name)
-        if len(told) >= 2:
-            observations = [Observation(p, p.provenance.measured_ms) for p in told]
-            uncalibrated = dataclasses.replace(self.profile, calibration=None)
-            before = errors_pct(uncalibrated, observations)
-            self.profile = calibrated(self.profile, fit(uncalibrated, observations))
-            calibration = Calibration(before, errors_pct(self.profile, observations))
+        """Rank 0 after the round: write the confirmed plan (or FSDP2's default), calibrate on the measured plans."""
+        told = result.told
+        schedule = self.stage.schedule if self.stage is not None else None
+        if not told or schedule is None:
+            return TuneOutcome(told, result.failed, self.profile, self.profile_out, None, None, None, self.plan_out,
+                               None)
+        survivor = schedule.survivor
+        candidate = told[survivor] if survivor is not None and schedule.confirmation is not None else None
+        faster = candidate is not None and candidate.provenance.verdict == Verdict.FASTER
+        written = candidate if faster else told[0]  # FSDP2's default, as measured in this round
+        written.to_json(self.plan_out)
+        observations = [Observation(p, p.provenance.measured_ms) for p in told]
+        calibration = calibrate(self.profile, observations)
+        if calibration.accepted:
+            self.profile = calibration.apply(self.profile)
             self.stage.save_calibration(self.profile)
-        return TuneOutcome(told, result.failed, self.profile, self.profile_out, best, self.plan_out, study_best,
-                           calibration)
-
+        return TuneOutcome(told, result.failed, self.profile, self.profile_out, schedule.race, candidate, written,
+                           self.plan_out, calibration)

@@ -16,6 +16,7 @@ import click
 
 from planner.config import default_storage
 from planner.errors import PlannerError
+from planner.verdict import confirmation_text
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
@@ -113,7 +114,8 @@ def studies_show(name, storage, top) -> None:
     measured = [r for r in rows if r["stage"] == "measured"]
     simulated = [r for r in rows if r["stage"] == "simulated"]
     click.echo(f"study {name}: {len(measured)} measured trials, {len(simulated)} simulated trials")
-    click.echo(f"\nmeasured stage\n  {'trial':>5} {'state':<8} {'predicted ms':>12} {'measured ms':>11} {'error %':>8}  params")
+    click.echo(f"\nmeasured stage (race medians; the confirmation on the plan it confirmed)\n  {'trial':>5} {'state':<8} "
+               f"{'predicted ms':>12} {'measured ms':>11} {'error %':>8}  params")
     for r in measured:
         err = ""
         if r["predicted_ms"] and r["measured_ms"]:
@@ -121,8 +123,13 @@ def studies_show(name, storage, top) -> None:
         tag = "default " if r["is_default"] else ""
         if r["retry_of"] is not None:
             tag += f"retry of {r['retry_of']} "
+        if r["dropped_after_round"] is not None:
+            tag += f"dropped after {r['dropped_after_round']} rounds "
         click.echo(f"  {r['number']:>5} {r['state']:<8} {_ms(r['predicted_ms']):>12} {_ms(r['measured_ms']):>11} "
                    f"{err:>8}  {tag}{json.dumps(_short(r['params']))}")
+        if r["verdict"]:
+            click.echo(f"  {'':>5} {'':<8} {r['verdict']}: "
+                       f"{confirmation_text(r['measured_ratio'], r['ratio_ci95'], r['rounds'])}")
         if r["fail_reason"]:
             click.echo(f"  {'':>5} {'':<8} reason: {r['fail_reason']}")
     best = sorted((r for r in simulated if r["predicted_ms"] is not None), key=lambda r: r["predicted_ms"])[:top]
@@ -146,14 +153,23 @@ def _short(params: dict) -> dict:
 @click.argument("name")
 @click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
 def studies_best(name, storage) -> None:
-    """The best measured plan against FSDP2's default."""
+    """The plan the study recommends: the best confirmed faster than FSDP2's default, else the default."""
     from planner.study import best_plan
 
-    plan, default_ms = best_plan(_storage_for(name, storage), name)
-    pv = plan.provenance
-    click.echo(f"study {name}: best trial {pv.trial}")
-    click.echo(f"  measured   {pv.measured_ms:.1f} ms   (FSDP2 default {_ms(default_ms)} ms"
-               + (f", ratio {pv.measured_ms / default_ms:.3f})" if default_ms else ")"))
+    best = best_plan(_storage_for(name, storage), name)
+    plan, pv = best.plan, best.plan.provenance
+    if best.closest is None:
+        click.echo(f"study {name}: best trial {pv.trial}, {pv.verdict} than FSDP2's default: "
+                   f"{confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds)}")
+    else:
+        c = best.closest.provenance
+        click.echo(f"study {name}: no plan is confirmed faster than FSDP2's default; best: FSDP2's default "
+                   f"(trial {pv.trial})")
+        click.echo(f"  closest candidate: trial {c.trial}, {c.verdict}: "
+                   f"{confirmation_text(c.measured_ratio, c.ratio_ci95, c.rounds)}")
+    click.echo(f"  measured   {pv.measured_ms:.1f} ms   (FSDP2 default {_ms(best.default_ms)} ms"
+               + (f", ratio {pv.measured_ms / best.default_ms:.3f})" if best.default_ms else ")")
+               + " in the race")
     click.echo(f"  predicted  {_ms(pv.predicted_ms)} ms")
     click.echo(f"  unshard_async_op {plan.unshard_async_op}")
     for fqn, m in plan.modules.items():
@@ -166,10 +182,10 @@ def studies_best(name, storage) -> None:
 @click.option("-o", "--output", required=True, help="Plan JSON to write.")
 @click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
 def studies_export(name, output, storage) -> None:
-    """Write the best measured plan as Plan JSON."""
+    """Write the plan the study recommends (as `studies best` names it) as Plan JSON."""
     from planner.study import best_plan
 
-    plan, _ = best_plan(_storage_for(name, storage), name)
+    plan = best_plan(_storage_for(name, storage), name).plan
     try:
         plan.to_json(output)
     except OSError as e:

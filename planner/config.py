@@ -41,10 +41,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
 from planner.errors import StudyConfigError
+from planner.race import RaceSettings
 from planner.samplers import SAMPLERS
+from planner.schedule import ConfirmSettings
 from search_spaces import SPACES
 
 
@@ -149,17 +151,52 @@ class SearchTable(_Table):
 
 
 class MeasureTable(_Table):
-    """``[measure]``: steps on the real ranks.
+    """``[measure]``: steps on the real ranks: the recorder, the race, the confirmation (``planner.schedule``).
 
     Attributes:
         warmup_steps: untimed steps per plan before measuring.
-        steps: timed steps per plan (rounds of the interleaved measurement).
+        steps: timed steps of FSDP2's default plan when recording the profile.
         profile_repeats: repeats of each recorder measurement.
+        alpha: the race drops a candidate significantly slower than the
+            leader; the chance of ever dropping the true best is at most this.
+        min_rounds: race rounds before its first look.
+        block_rounds: race rounds between looks.
+        max_rounds: the race stops after this many rounds.
+        time_budget_s: the race stops once it has run this long, s (at the end
+            of a block); unset: no limit.
+        resolve_pct: the difference the confirmation should resolve, %
+            (its rounds follow from the noise the race measured).
+        confirm_min_rounds, confirm_max_rounds: bounds on the confirmation's rounds.
     """
 
     warmup_steps: StrictInt = Field(1, ge=0)
     steps: StrictInt = Field(5, ge=1)
     profile_repeats: StrictInt = Field(3, ge=1)
+    alpha: StrictFloat = Field(0.05, gt=0.0, le=0.5)
+    min_rounds: StrictInt = Field(4, ge=2)
+    block_rounds: StrictInt = Field(2, ge=1)
+    max_rounds: StrictInt = Field(12, ge=2)
+    time_budget_s: StrictFloat | None = Field(None, gt=0.0)
+    resolve_pct: StrictFloat = Field(3.0, gt=0.0, lt=100.0)
+    confirm_min_rounds: StrictInt = Field(8, ge=4)
+    confirm_max_rounds: StrictInt = Field(30, ge=4)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> "MeasureTable":
+        if self.max_rounds < self.min_rounds:
+            raise ValueError(f"max_rounds ({self.max_rounds}) must be >= min_rounds ({self.min_rounds})")
+        if self.confirm_max_rounds < self.confirm_min_rounds:
+            raise ValueError(f"confirm_max_rounds ({self.confirm_max_rounds}) must be >= confirm_min_rounds "
+                             f"({self.confirm_min_rounds})")
+        return self
+
+    def race_settings(self) -> RaceSettings:
+        """The race these keys describe."""
+        return RaceSettings(self.alpha, self.min_rounds, self.block_rounds, self.max_rounds, self.time_budget_s)
+
+    def confirm_settings(self, seed: int = 0) -> ConfirmSettings:
+        """The confirmation these keys describe."""
+        return ConfirmSettings(self.resolve_pct / 100.0, self.confirm_min_rounds, self.confirm_max_rounds, seed)
 
 
 TABLES: dict[str, type[_Table]] = {
@@ -274,12 +311,16 @@ def _describe(error: ValidationError) -> str:
                 f"keys there are {', '.join(sorted(TABLES[table].model_fields))}")
     if kind == "missing":
         return f"{where} is required"
-    if kind in ("int_type", "string_type", "dict_type"):
-        expected = {"int_type": "int", "string_type": "str", "dict_type": "dict"}[kind]
+    if kind in ("int_type", "string_type", "dict_type", "float_type"):
+        expected = {"int_type": "int", "string_type": "str", "dict_type": "dict", "float_type": "a number"}[kind]
         return f"{where} must be {expected}, found {found!r}"
-    if kind in ("greater_than_equal", "string_too_short"):
-        bound = first["ctx"].get("ge", 1)
-        return f"{where} must be >= {bound}, found {found!r}"
+    if kind == "string_too_short":
+        return f"{where} must not be empty"
+    comparisons = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+                   "less_than": ("<", "lt")}
+    if kind in comparisons:
+        sign, key = comparisons[kind]
+        return f"{where} must be {sign} {first['ctx'][key]}, found {found!r}"
     if kind == "enum":
         return f"{where} must be one of {first['ctx']['expected']}, found {found!r}"
     if kind == "value_error":

@@ -51,7 +51,21 @@ class Source(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Provenance:
-    """Where a plan came from. Times in ms; ``None`` where not known."""
+    """Where a plan came from. Times in ms; ``None`` where not known.
+
+    Attributes:
+        source: what made the plan.
+        study, trial: the measured trial.
+        predicted_ms: the simulated step time.
+        measured_ms: the median step time in the race (max across ranks).
+        default_measured_ms: FSDP2's default's, in the same race.
+        verdict: the confirmation's verdict against FSDP2's default
+            (``planner.verdict.Verdict`` values), for the plan it confirmed.
+        measured_ratio: the confirmation's median per-round ratio, plan / default.
+        ratio_ci95: ``[low, high]``, its paired 95% bootstrap interval.
+        rounds: the confirmation's rounds.
+        noise_pct: step interquartile range / median in the confirmation, %.
+    """
 
     source: Source = Source.DEFAULT
     study: str | None = None
@@ -59,6 +73,11 @@ class Provenance:
     predicted_ms: float | None = None
     measured_ms: float | None = None
     default_measured_ms: float | None = None
+    verdict: str | None = None
+    measured_ratio: float | None = None
+    ratio_ci95: tuple[float, float] | None = None
+    rounds: int | None = None
+    noise_pct: float | None = None
 
 
 @dataclass(frozen=True)
@@ -245,7 +264,10 @@ def _provenance(d: Any) -> Provenance:
     source = d.get("source", Source.DEFAULT)
     if source not in set(Source):
         raise ValueError(f"provenance.source must be one of {', '.join(Source)}, found {source!r}")
-    return Provenance(**{**d, "source": Source(source)})
+    ci = d.get("ratio_ci95")
+    if ci is not None and (not isinstance(ci, (list, tuple)) or len(ci) != 2):
+        raise ValueError(f"provenance.ratio_ci95 must be [low, high], found {ci!r}")
+    return Provenance(**{**d, "source": Source(source), "ratio_ci95": tuple(ci) if ci is not None else None})
 
 
 def _fqn_list(x: Any) -> list[str]:

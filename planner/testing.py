@@ -17,6 +17,9 @@ from planner.schedule import ConfirmSettings, Schedule
 if TYPE_CHECKING:
     import numpy as np
 
+    from planner.plan import Plan
+    from planner.study import MeasuredStage, MeasuredTrial
+
 
 def synthetic_profile(
     n_blocks: int = 2,
@@ -75,10 +78,27 @@ def make_study_db(directory: str | Path, profile: Profile, sim_trials: int) -> s
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
     stage = MeasuredStage(config, storage, profile, job="test")
     asked = stage.ask(select_candidates(sim, profile, "uniform", 2))
-    stage.tell(asked, [[100.0], [80.0], [90.0]], [[[100.0]], [[80.0]], [[90.0]]])
+    run_round(stage, asked, [100.0, 80.0, 90.0])
     stage.close()
     storage.engine.dispose()
     return config.storage_url
+
+
+def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: list[float],
+              ranks: int = 2) -> list[Plan]:
+    """Drive ``stage`` through a whole round where trial ``i`` always takes ``step_ms[i]`` ms on every rank.
+
+    The race then drops no one (no spread, no test), runs ``max_rounds``, and
+    the confirmation's ratio is exact. Returns what :meth:`MeasuredStage.tell` returns.
+    """
+    schedule = stage.start(asked)
+    times: list[list[float]] = [[] for _ in asked]
+    while (block := schedule.next_block()) is not None:
+        schedule.record([{i: step_ms[i] for i in order} for order in block])
+        for order in block:
+            for i in order:
+                times[i].append(step_ms[i])
+    return stage.tell(asked, times, [[t] * ranks for t in times])
 
 
 def synthetic_schedule(effects: list[float], noise_iqr_pct: float, rng: np.random.Generator,

@@ -127,3 +127,9 @@ def confirm(plan_ms: list[float], default_ms: list[float], noise_pct: float, see
         low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
     ci95 = (math.exp(low), math.exp(high))
     return Confirmation(math.exp(float(np.median(logs))), ci95, len(logs), noise_pct, verdict_of(ci95))
+
+
+def confirmation_text(ratio: float, ci95: tuple[float, float] | list[float], rounds: int) -> str:
+    """``ratio 0.893, 95% CI [0.861, 0.925] over 12 fresh rounds``."""
+    low, high = ci95
+    return f"ratio {ratio:.3f}, 95% CI [{low:.3f}, {high:.3f}] over {rounds} fresh rounds"

@@ -60,6 +60,78 @@ class StepFailed(Exception):
         self.error = error
 
 
+class StepCounter:
+    """The global step index: each training step draws ``make_batch(index)``; every rank counts alike."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+    def next(self) -> int:
+        """The index of the step about to run."""
+        self.index += 1
+        return self.index - 1
+
+
+def warm_up(
+    workload: Workload,
+    plans: Sequence[Plan],
+    warmup_steps: int,
+    steps: StepCounter,
+    on_step: Callable[[], None] | None = None,
+) -> None:
+    """Apply each plan (checked before) and run ``warmup_steps`` untimed steps with it.
+
+    Raises:
+        StepFailed: a step raised; names the plan.
+    """
+    index = 0
+    try:
+        for index, plan in enumerate(plans):
+            apply_plan(workload.model, plan, check=False)
+            for _ in range(warmup_steps):
+                train_step(workload, steps.next())
+                if on_step is not None:
+                    on_step()
+    except Exception as e:
+        raise StepFailed(index, e) from e
+
+
+def run_block(
+    workload: Workload,
+    plans: Sequence[Plan],
+    block: list[list[int]],
+    steps: StepCounter,
+    on_step: Callable[[], None] | None = None,
+) -> list[list[float]]:
+    """This rank's step times of a block of rounds (all ranks call this with the same block).
+
+    Args:
+        plans: the plans, indexed by the block.
+        block: per round, the plan indices in running order; each step applies
+            its plan first (a plan's settings are switched between steps).
+
+    Returns:
+        Per round, per position, this rank's step time, ms.
+
+    Raises:
+        StepFailed: a step raised; names the plan.
+    """
+    out = []
+    index = 0
+    try:
+        for order in block:
+            times = []
+            for index in order:
+                apply_plan(workload.model, plans[index], check=False)
+                times.append(timed_step(workload, steps.next()))
+                if on_step is not None:
+                    on_step()
+            out.append(times)
+    except Exception as e:
+        raise StepFailed(index, e) from e
+    return out
+
+
 def measure_local(
     workload: Workload,
     plans: Sequence[Plan],
@@ -67,18 +139,10 @@ def measure_local(
     warmup_steps: int = 1,
     on_step: Callable[[], None] | None = None,
 ) -> list[list[float]]:
-    """This rank's step times for ``plans``, interleaved (all ranks call this with the same plans).
+    """This rank's step times for ``plans``, interleaved A B C A B C ... (all ranks call this with the same plans).
 
-    Each plan is first applied and run for ``warmup_steps`` steps; then
-    ``rounds`` rounds each run one timed step per plan in order A B C A B C ...
-
-    Args:
-        workload: this rank's workload.
-        plans: plans already checked against the model (same on every rank).
-        rounds: timed steps per plan.
-        warmup_steps: untimed steps per plan before the first round.
-        on_step: called after each step, warm-up included (a progress bar's
-            ``update``; ``len(plans) * (warmup_steps + rounds)`` calls).
+    Each plan is first warmed up (:func:`warm_up`); then ``rounds`` rounds each
+    run one timed step per plan in order.
 
     Returns:
         ``times[i]``: plan ``i``'s step times on this rank, ms.
@@ -86,27 +150,10 @@ def measure_local(
     Raises:
         StepFailed: a step raised an ``Exception``; names the plan.
     """
-    step = 0
-    index = 0
-    local: list[list[float]] = [[] for _ in plans]
-    try:
-        for index, plan in enumerate(plans):
-            apply_plan(workload.model, plan, check=False)
-            for _ in range(warmup_steps):
-                train_step(workload, step)
-                step += 1
-                if on_step is not None:
-                    on_step()
-        for _ in range(rounds):
-            for index, plan in enumerate(plans):
-                apply_plan(workload.model, plan, check=False)
-                local[index].append(timed_step(workload, step))
-                step += 1
-                if on_step is not None:
-                    on_step()
-    except Exception as e:
-        raise StepFailed(index, e) from e
-    return local
+    steps = StepCounter()
+    warm_up(workload, plans, warmup_steps, steps, on_step)
+    block = run_block(workload, plans, [list(range(len(plans)))] * rounds, steps, on_step)
+    return [[times[i] for times in block] for i in range(len(plans))]
 
 
 def measure_plans(

@@ -4,19 +4,23 @@
 Every rank runs :func:`measured_round` with the same arguments; rank 0 alone
 holds the study (a :class:`RoundStage`: ``planner.study.MeasuredStage``).
 
-1. Plans. Rank 0 asks the study for the round's trials (re-queued plans of
-   dead jobs first, then FSDP2's default and the best simulated plans not yet
-   measured) and broadcasts their plans; if it fails before that, it
+1. Plans. Rank 0 asks the study for the round's trials (FSDP2's default
+   first, then re-queued plans of dead jobs, then the best simulated plans
+   not yet measured) and broadcasts their plans; if it fails before that, it
    broadcasts the error instead, and every rank raises it.
 2. Apply. Every rank applies every plan to its own model (fingerprint
    checked) and the outcomes are all-gathered. A plan that raised on any rank
    is FAIL on every rank (the reason names the rank and the exception); the
-   round goes on without it.
-3. Measure. Every rank times the remaining plans interleaved
-   (``runtime.measure.measure_local``) and catches its own exception; the
-   outcomes (times, or the failing plan and exception) are all-gathered.
-   - Every rank succeeded: rank 0 tells each trial the median over steps of
-     the max across ranks, and stores every rank's own times.
+   round goes on without it (without FSDP2's default there is no round).
+3. Measure. Every rank warms each plan up, then runs blocks of rounds:
+   rank 0's schedule (the race, then the confirmation: ``planner.schedule``)
+   hands out each block, every rank runs it (``runtime.measure.run_block``)
+   and catches its own exception, and the outcomes (times, or the failing
+   plan and exception) are all-gathered after each block.
+   - Every rank succeeded: rank 0 feeds the per-step max across ranks to the
+     schedule, which drops candidates or decides the next block; when it is
+     done, rank 0 tells each trial its figures and stores every rank's own
+     times.
    - A rank raised inside a step: its peers wait in one of that step's
      collectives until the process group's timeout (``[launch] timeout_s``),
      then raise too. Rank 0 records the trial that raised as FAIL with the
@@ -53,7 +57,7 @@ from planner.errors import FailKind, PlannerError, TrialFailedError
 from planner.plan import Plan
 from runtime.apply import apply_plan
 from runtime.interrupts import interrupts_deferred
-from runtime.measure import StepFailed, measure_local
+from runtime.measure import StepCounter, StepFailed, run_block, warm_up
 from runtime.workload import Workload
 
 
@@ -72,11 +76,24 @@ class RoundTrial(Protocol):
 TrialT = TypeVar("TrialT", bound=RoundTrial)
 
 
+class Scheduler(Protocol):
+    """Rank 0's schedule of the round's steps (``planner.schedule.Schedule``)."""
+
+    def next_block(self) -> list[list[int]] | None:
+        """The next rounds (plan indices in running order), ``None`` when done."""
+
+    def record(self, block: list[dict[int, float]]) -> None:
+        """The block's step times: per round, plan index -> ms (max across ranks)."""
+
+
 class RoundStage(Protocol[TrialT]):
-    """What rank 0 tells the study after a round (``planner.study.MeasuredStage`` over its ``MeasuredTrial``)."""
+    """What rank 0 asks and tells the study in a round (``planner.study.MeasuredStage`` over its ``MeasuredTrial``)."""
+
+    def start(self, kept: list[TrialT]) -> Scheduler:
+        """The schedule of the trials that applied on every rank (FSDP2's default first)."""
 
     def tell(self, asked: list[TrialT], step_ms: list[list[float]], per_rank: list[list[list[float]]]) -> list[Plan]:
-        """Record the measured trials: per trial, the per-step max across ranks and every rank's own times, ms."""
+        """Record the measured trials: per trial, every step's max across ranks and every rank's own times, ms."""
 
     def fail(self, asked: list[TrialT], reason: str, kind: FailKind) -> None:
         """Record the trials FAIL with a one-line ``reason``."""
@@ -141,7 +158,6 @@ class RoundResult:
 def measured_round(
     workload: Workload,
     prepare: Prepare[TrialT] | None,
-    rounds: int,
     warmup_steps: int,
     group: dist.ProcessGroup,
     on_step: Callable[[], None] | None = None,
@@ -151,9 +167,8 @@ def measured_round(
     Args:
         workload: this rank's workload.
         prepare: rank 0: returns the stage and the round's RUNNING trials
-            (step 1); ``None`` on other ranks.
-        rounds: timed steps per plan.
-        warmup_steps: untimed steps per plan.
+            (step 1), FSDP2's default first; ``None`` on other ranks.
+        warmup_steps: untimed steps per plan before the first block.
         group: the control group (:func:`control_group`).
         on_step: progress callback per step.
 
@@ -161,7 +176,8 @@ def measured_round(
         :class:`RoundResult` (``told`` empty on ranks other than 0).
 
     Raises:
-        PlannerError: rank 0 could not ask the study (bad storage, ...).
+        PlannerError: rank 0 could not ask the study (bad storage, ...) or
+            could not go on with the schedule.
         TrialFailedError: a rank raised inside a step (the round's trials
             are recorded FAIL first), or a rank did not report (the caller
             fails them: ``MeasuredStage.fail_held``).
@@ -176,68 +192,102 @@ def measured_round(
             payload = [a.plan.to_dict() for a in asked]
         except PlannerError as e:
             payload = {"error": str(e)}
-    return _apply_and_measure(workload, stage, asked, payload, rounds, warmup_steps, group, on_step)
-
-
-def _apply_and_measure(
-    workload: Workload,
-    stage: RoundStage[TrialT] | None,
-    asked: list[TrialT],
-    payload: Any,
-    rounds: int,
-    warmup_steps: int,
-    group: dist.ProcessGroup,
-    on_step: Callable[[], None] | None,
-) -> RoundResult:
-    rank = dist.get_rank()
     plans = [Plan.from_dict(d) for d in broadcast_from_rank0(payload, group)]
-    failed: dict[int, str] = {}
-    # 2. Apply every plan on every rank; drop those that fail anywhere.
-    local_errors = []
-    for plan in plans:
+    round_ = _Round(workload, stage, asked, plans, group)
+    keep, failed = round_.apply_everywhere()
+    if 0 not in keep:  # FSDP2's default is the baseline: without it nothing can be compared
+        if rank == 0 and stage is not None:
+            stage.fail(asked, "not measured: FSDP2's default plan failed to apply, so there is nothing to compare "
+                              "with", FailKind.INTERRUPTED)
+        return RoundResult([], {asked[i].number: r for i, r in failed.items()} if rank == 0 else {})
+    return round_.measure(keep, failed, warmup_steps, on_step)
+
+
+class _Round:
+    """Steps 2 and 3 of the Note on every rank; ``stage`` and ``asked`` on rank 0 only."""
+
+    def __init__(self, workload: Workload, stage: RoundStage | None, asked: list, plans: list[Plan],
+                 group: dist.ProcessGroup):
+        self.workload, self.stage, self.asked, self.plans, self.group = workload, stage, asked, plans, group
+        self.rank0 = dist.get_rank() == 0
+
+    def apply_everywhere(self) -> tuple[list[int], dict[int, str]]:
+        """Apply every plan on every rank (fingerprint checked); the plans that failed anywhere are FAIL."""
+        local_errors = []
+        for plan in self.plans:
+            try:
+                apply_plan(self.workload.model, plan, check=True)
+                local_errors.append(None)
+            except Exception as e:  # noqa: BLE001 - any exception fails this plan, not the round
+                local_errors.append(one_line(e))
+        outcomes = gather(local_errors, self.group)
+        keep, failed = [], {}
+        for i in range(len(self.plans)):
+            reasons = [f"rank {r}: {errs[i]}" for r, errs in enumerate(outcomes) if errs[i] is not None]
+            if reasons:
+                failed[i] = "applying the plan failed on " + "; ".join(reasons)
+            else:
+                keep.append(i)
+        if self.rank0:
+            for i, reason in failed.items():
+                self.stage.fail([self.asked[i]], reason, FailKind.ERROR)
+        return keep, failed
+
+    def measure(self, keep: list[int], failed: dict[int, str], warmup_steps: int,
+                on_step: Callable[[], None] | None) -> RoundResult:
+        """Warm up, then run the schedule's blocks until rank 0's schedule is done; rank 0 tells the study."""
+        plans = [self.plans[i] for i in keep]
+        steps = StepCounter()
+        schedule = self.stage.start([self.asked[i] for i in keep]) if self.rank0 else None
+        self._everywhere(keep, lambda: warm_up(self.workload, plans, warmup_steps, steps, on_step))
+        step_ms: list[list[float]] = [[] for _ in keep]
+        per_rank: list[list[list[float]]] = [[[] for _ in range(dist.get_world_size())] for _ in keep]
+        while True:
+            payload: Any = None
+            if self.rank0:
+                try:
+                    payload = schedule.next_block()
+                except Exception as e:  # noqa: BLE001 - every rank must hear that rank 0 cannot go on
+                    payload = {"error": f"the measured round's schedule failed: {one_line(e)}"}
+            block = broadcast_from_rank0(payload, self.group)
+            if block is None:
+                break
+            reports = self._everywhere(keep, lambda: run_block(self.workload, plans, block, steps, on_step))
+            if self.rank0:
+                maxed = []
+                for k, order in enumerate(block):
+                    maxed.append({j: max(rep[k][pos] for rep in reports) for pos, j in enumerate(order)})
+                    for pos, j in enumerate(order):
+                        step_ms[j].append(maxed[-1][j])
+                        for r, rep in enumerate(reports):
+                            per_rank[j][r].append(rep[k][pos])
+                schedule.record(maxed)
+        if not self.rank0:
+            return RoundResult([], {})
+        with interrupts_deferred():  # a Ctrl-C during the writes waits until every trial is told
+            told = self.stage.tell([self.asked[i] for i in keep], step_ms, per_rank)
+        return RoundResult(told, {self.asked[i].number: r for i, r in failed.items()})
+
+    def _everywhere(self, keep: list[int], run: Callable[[], Any]) -> list[Any]:
+        """``run()`` on every rank, then every rank's result; a step that raised anywhere fails the round."""
         try:
-            apply_plan(workload.model, plan, check=True)
-            local_errors.append(None)
-        except Exception as e:  # noqa: BLE001 - any exception fails this plan, not the round
-            local_errors.append(one_line(e))
-    outcomes = gather(local_errors, group)
-    keep = []
-    for i in range(len(plans)):
-        reasons = [f"rank {r}: {errs[i]}" for r, errs in enumerate(outcomes) if errs[i] is not None]
-        if reasons:
-            failed[i] = "applying the plan failed on " + "; ".join(reasons)
-        else:
-            keep.append(i)
-    if rank == 0 and failed:
-        for i, reason in failed.items():
-            stage.fail([asked[i]], reason, FailKind.ERROR)
-    # 3. Measure the rest, interleaved; every rank reports.
-    report: dict[str, Any]
-    try:
-        times = measure_local(workload, [plans[i] for i in keep], rounds, warmup_steps, on_step)
-        report = {"times": times}
-    except StepFailed as e:
-        report = {"index": keep[e.index], "error": one_line(e.error), "victim": _is_victim(e.error)}
-    reports = gather(report, group)
-    errors = [(r, rep) for r, rep in enumerate(reports) if "error" in rep]
-    if errors:
+            report: dict[str, Any] = {"result": run()}
+        except StepFailed as e:
+            report = {"index": keep[e.index], "error": one_line(e.error), "victim": _is_victim(e.error)}
+        reports = gather(report, self.group)
+        errors = [(r, rep) for r, rep in enumerate(reports) if "error" in rep]
+        if not errors:
+            return [rep["result"] for rep in reports]
         causes = [(r, rep) for r, rep in errors if not rep["victim"]] or errors
         index = min(rep["index"] for _, rep in causes)
         reason = "; ".join(f"rank {r}: {rep['error']}" for r, rep in causes)
         trial = "a trial"
-        if rank == 0:
-            trial = f"trial {asked[index].number}"
-            stage.fail([asked[index]], reason, FailKind.ERROR)
-            stage.fail([a for i, a in enumerate(asked) if i != index],
-                       f"not measured: {trial} failed in the same round ({reason})", FailKind.INTERRUPTED)
+        if self.rank0:
+            trial = f"trial {self.asked[index].number}"
+            self.stage.fail([self.asked[index]], reason, FailKind.ERROR)
+            self.stage.fail([a for i, a in enumerate(self.asked) if i != index],
+                            f"not measured: {trial} failed in the same round ({reason})", FailKind.INTERRUPTED)
         raise TrialFailedError(
             f"{trial} failed on {reason}; it is recorded as FAIL and this job stops (its ranks' process group "
             "is out of step after a failure inside a training step): run `prefetch-planner tune` again to go on"
         )
-    if rank != 0:
-        return RoundResult([], {})
-    step_ms = [[max(vals) for vals in zip(*(rep["times"][j] for rep in reports))] for j in range(len(keep))]
-    per_rank = [[rep["times"][j] for rep in reports] for j in range(len(keep))]
-    with interrupts_deferred():  # a Ctrl-C during the writes waits until every trial is told
-        told = stage.tell([asked[i] for i in keep], step_ms, per_rank)
-    return RoundResult(told, {asked[i].number: r for i, r in failed.items()})

@@ -16,9 +16,11 @@ job fails and re-queues (:meth:`MeasuredStage.claim_retries`).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import warnings
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import optuna
 
@@ -26,11 +28,16 @@ from planner.config import StudyConfig
 from planner.errors import FailKind, PlannerError
 from planner.plan import Plan, Source
 from planner.profile import Profile
+from planner.race import Race
+from planner.schedule import Schedule
 from planner.simulator import simulate
+from planner.verdict import Confirmation
 from planner.storages import MeasuredRunRow, PlanRow, ProfileRow, session, storage_errors
 from planner.study.heartbeat import Heartbeat
-from planner.study.simulated import Candidate, plan_key
+from planner.study.simulated import Candidate, name_objective, plan_key
 from search_spaces import get_space
+
+METRIC = "step_ms"  # the measured study's objective: median step time in the race, ms (max across ranks)
 
 
 @dataclass(frozen=True)
@@ -70,10 +77,14 @@ class MeasuredStage:
         StorageError: the database cannot be written (e.g. locked too long).
     """
 
-    def __init__(self, config: StudyConfig, storage: optuna.storages.RDBStorage, profile: Profile, job: str):
+    def __init__(self, config: StudyConfig, storage: optuna.storages.RDBStorage, profile: Profile, job: str,
+                 on_drop: Callable[[MeasuredTrial, int], None] | None = None):
         self.config = config
         self.profile = profile
         self.job = job
+        self.on_drop = on_drop
+        self.schedule: Schedule | None = None
+        self._started: list[MeasuredTrial] = []
         self.space = get_space(config.search.space)
         self.storage = storage
         with self._storage_errors():
@@ -81,6 +92,7 @@ class MeasuredStage:
                 study_name=config.name, storage=storage, direction="minimize", load_if_exists=True
             )
             self.study.set_user_attr("space", config.search.space)
+            name_objective(self.study, METRIC)
             self.study_id = storage.get_study_id_from_name(config.name)
             with session(storage.engine) as s:
                 row = ProfileRow(study_name=config.name, measured_step_ms=profile.measured_step_ms,
@@ -162,29 +174,56 @@ class MeasuredStage:
                 out.append(MeasuredTrial(number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes))
         return out
 
+    def start(self, kept: list[MeasuredTrial]) -> Schedule:
+        """The schedule of the round's race and confirmation over ``kept`` (FSDP2's default first).
+
+        Raises:
+            PlannerError: the first trial is not FSDP2's default.
+        """
+        if not kept or not kept[0].plan.is_default_for(self.profile):
+            raise PlannerError("a measured round starts with FSDP2's default plan, its baseline")
+        self._started = list(kept)
+        on_drop = None
+        if self.on_drop is not None:
+            on_drop = lambda plan, rounds: self.on_drop(self._started[plan], rounds)  # noqa: E731
+        measure = self.config.measure
+        self.schedule = Schedule(len(kept), measure.race_settings(), measure.confirm_settings(self.config.search.seed),
+                                 on_drop=on_drop)
+        return self.schedule
+
     def tell(
         self,
         asked: list[MeasuredTrial],
         step_ms: list[list[float]],
         per_rank: list[list[list[float]]],
     ) -> list[Plan]:
-        """Tell each trial its median step ms (max across ranks) and store plans and runs.
+        """Tell each trial its race median (max across ranks), with the confirmation on the survivor; store plans and runs.
 
         Args:
-            asked: the trials, in measurement order.
-            step_ms: per trial, the per-step max across ranks, ms.
+            asked: the trials :meth:`start` was given, in that order.
+            step_ms: per trial, every step's max across ranks (race, then confirmation), ms.
             per_rank: per trial, per rank, that rank's step times, ms.
 
         Returns:
             The plans with provenance filled in, in ``asked`` order.
+
+        Raises:
+            PlannerError: :meth:`start` was not called with these trials.
         """
-        medians = [statistics.median(ms) for ms in step_ms]
-        default_ms = next((m for a, m in zip(asked, medians) if a.plan.is_default_for(self.profile)), None)
-        plans = [
-            a.plan.with_provenance(source=Source.MEASURED, study=self.config.name, trial=a.number,
-                                   predicted_ms=a.predicted_ms, measured_ms=ms, default_measured_ms=default_ms)
-            for a, ms in zip(asked, medians)
-        ]
+        if self.schedule is None or [a.number for a in asked] != [a.number for a in self._started]:
+            raise PlannerError("tell the trials the round was started with (MeasuredStage.start)")
+        race, survivor, confirmation = self.schedule.race, self.schedule.survivor, self.schedule.confirmation
+        default_ms = statistics.median(race.step_ms(0))
+        plans, attrs = [], []
+        for j, a in enumerate(asked):
+            figures = _trial_figures(j, race, survivor, confirmation)
+            attrs.append(figures)
+            confirmed = {k: figures[k] for k in ("verdict", "measured_ratio", "rounds", "noise_pct") if k in figures}
+            if "ratio_ci95" in figures:
+                confirmed["ratio_ci95"] = tuple(figures["ratio_ci95"])
+            plans.append(a.plan.with_provenance(
+                source=Source.MEASURED, study=self.config.name, trial=a.number, predicted_ms=a.predicted_ms,
+                measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms, **confirmed))
         with self._storage_errors():
             # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan.
             with session(self.storage.engine) as s:
@@ -202,10 +241,12 @@ class MeasuredStage:
                         step_ms_json=json.dumps(times), per_rank_json=json.dumps(ranks),
                     ))
                 s.commit()
-            for a, ms, times, ranks in zip(asked, medians, step_ms, per_rank):
+            for a, plan, times, ranks, figures in zip(asked, plans, step_ms, per_rank, attrs):
                 self.storage.set_trial_user_attr(a.trial_id, "step_ms", times)
                 self.storage.set_trial_user_attr(a.trial_id, "per_rank_step_ms", ranks)
-                self.study.tell(a.number, ms, skip_if_finished=True)  # a trial failed as stale stays FAIL
+                for key, value in figures.items():
+                    self.storage.set_trial_user_attr(a.trial_id, key, value)
+                self.study.tell(a.number, plan.provenance.measured_ms, skip_if_finished=True)  # a stale FAIL stays
                 self.heartbeat.discard(a.trial_id)
         return plans
 
@@ -259,3 +300,19 @@ class MeasuredStage:
     def close(self) -> None:
         """Stop the heartbeat thread (trials still held stay RUNNING until stale: see :meth:`fail_held`)."""
         self.heartbeat.stop()
+
+
+def _trial_figures(j: int, race: Race, survivor: int | None, confirmation: Confirmation | None) -> dict[str, Any]:
+    """Plan ``j``'s figures from the round, as trial user attributes (JSON values)."""
+    figures: dict[str, Any] = {"race_rounds": len(race.step_ms(j))}
+    if math.isfinite(race.noise_pct()):
+        figures["race_noise_pct"] = race.noise_pct()
+    if j != race.default:
+        figures["race_ratio"] = math.exp(statistics.median(race.log_ratios(j, race.default)))
+    if j in race.dropped:
+        figures["dropped_after_round"] = race.dropped[j]
+    if j == survivor and confirmation is not None:
+        figures.update(verdict=str(confirmation.verdict), measured_ratio=confirmation.ratio,
+                       ratio_ci95=list(confirmation.ci95), rounds=confirmation.rounds,
+                       noise_pct=confirmation.noise_pct)
+    return figures

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import optuna
 import sqlalchemy as sa
@@ -18,6 +18,7 @@ from planner.plan import Plan
 from planner.profile import Profile
 from planner.storages import PlanRow, ProfileRow, check_exists, open_storage, session
 from planner.study.simulated import SIM_SUFFIX, complete_trials
+from planner.verdict import Verdict
 
 
 class TrialStage(enum.StrEnum):
@@ -107,8 +108,10 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
 
     Each row: ``stage`` (:class:`TrialStage`), ``number``, ``state``,
     ``predicted_ms``, ``measured_ms``, ``is_default``, ``params``; measured
-    rows also ``job``, ``fail_reason`` and ``retry_of`` (the stale trial a
-    retry re-measures).
+    rows also ``job``, ``fail_reason``, ``retry_of`` (the stale trial a
+    retry re-measures), ``race_ratio`` and ``dropped_after_round`` (the
+    race), ``verdict``, ``measured_ratio`` and ``ratio_ci95`` (the
+    confirmation, on the plan it confirmed).
 
     Raises:
         StudyNotFoundError: no such study.
@@ -120,7 +123,10 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
             "predicted_ms": t.user_attrs.get("predicted_ms"), "measured_ms": t.value,
             "is_default": bool(t.user_attrs.get("is_default")), "params": t.params,
             "job": t.user_attrs.get("job"), "fail_reason": t.user_attrs.get("fail_reason"),
-            "retry_of": t.system_attrs.get("failed_trial"),
+            "retry_of": t.system_attrs.get("failed_trial"), "verdict": t.user_attrs.get("verdict"),
+            "measured_ratio": t.user_attrs.get("measured_ratio"), "ratio_ci95": t.user_attrs.get("ratio_ci95"),
+            "rounds": t.user_attrs.get("rounds"),
+            "race_ratio": t.user_attrs.get("race_ratio"), "dropped_after_round": t.user_attrs.get("dropped_after_round"),
         }
         for t in study.trials
     ]
@@ -136,8 +142,44 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
     return rows
 
 
-def best_plan(url: str, name: str) -> tuple[Plan, float | None]:
-    """The best measured plan of study ``name`` (lowest step ms, ties to the lower trial) and the default's ms.
+class BestPlan(NamedTuple):
+    """A study's answer to "which plan should I train with?".
+
+    Attributes:
+        plan: the plan confirmed faster than FSDP2's default with the lowest
+            ratio (ties to the lower trial); FSDP2's default's own stored plan
+            when no plan is confirmed faster.
+        default_ms: FSDP2's default's latest race median, ms.
+        closest: when no plan is confirmed faster, the confirmed candidate
+            with the lowest ratio (its provenance has the verdict and
+            interval); else ``None``.
+    """
+
+    plan: Plan
+    default_ms: float | None
+    closest: Plan | None
+
+
+def _stored_plan(storage: optuna.storages.RDBStorage, name: str, number: int) -> Plan:
+    with session(storage.engine) as s:
+        row = s.scalars(
+            sa.select(PlanRow).where(PlanRow.study_name == name, PlanRow.trial_number == number)
+            .order_by(PlanRow.id.desc())
+        ).first()
+    if row is None:
+        raise StudyNotFoundError(f"study {name!r} trial {number} has no stored plan")
+    return Plan.from_json(row.json)
+
+
+def confirmed_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """COMPLETE trials with a confirmation, confirmed faster first, then by ratio and trial number."""
+    confirmed = [t for t in complete_trials(study) if t.user_attrs.get("verdict")]
+    return sorted(confirmed, key=lambda t: (t.user_attrs["verdict"] != Verdict.FASTER,
+                                            t.user_attrs["measured_ratio"], t.number))
+
+
+def best_plan(url: str, name: str) -> BestPlan:
+    """The plan study ``name`` recommends: the best confirmed faster than FSDP2's default, else the default.
 
     Raises:
         StudyNotFoundError: no such study, or no measured plan in it yet.
@@ -146,13 +188,12 @@ def best_plan(url: str, name: str) -> tuple[Plan, float | None]:
     done = complete_trials(study)
     if not done:
         raise StudyNotFoundError(f"study {name!r} has no measured trial yet; run `prefetch-planner tune` on it")
-    best = min(done, key=lambda t: (t.value, t.number))
-    defaults = [t.value for t in done if t.user_attrs.get("is_default")]
-    with session(storage.engine) as s:
-        row = s.scalars(
-            sa.select(PlanRow).where(PlanRow.study_name == name, PlanRow.trial_number == best.number)
-            .order_by(PlanRow.id.desc())
-        ).first()
-    if row is None:
-        raise StudyNotFoundError(f"study {name!r} trial {best.number} has no stored plan")
-    return Plan.from_json(row.json), (defaults[-1] if defaults else None)
+    defaults = [t for t in done if t.user_attrs.get("is_default")]
+    default_ms = defaults[-1].value if defaults else None
+    confirmed = confirmed_trials(study)
+    if confirmed and confirmed[0].user_attrs["verdict"] == Verdict.FASTER:
+        return BestPlan(_stored_plan(storage, name, confirmed[0].number), default_ms, None)
+    if not defaults:
+        raise StudyNotFoundError(f"study {name!r} has no measurement of FSDP2's default to recommend")
+    closest = _stored_plan(storage, name, confirmed[0].number) if confirmed else None
+    return BestPlan(_stored_plan(storage, name, defaults[-1].number), default_ms, closest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from planner.simulator import SimParams, simulate
 from search_spaces import get_space
 
 SIM_SUFFIX = ".sim"
+SIM_METRIC = "predicted_step_ms"  # the simulated study's objective, ms
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,13 @@ class Candidate:
     plan: Plan
     predicted_ms: float
     predicted_peak_bytes: int
+
+
+def name_objective(study: optuna.Study, name: str) -> None:
+    """``study.set_metric_names([name])`` (optuna-dashboard shows it), without its "experimental" warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names([name])
 
 
 def plan_key(plan: Plan) -> str:
@@ -75,6 +84,7 @@ def simulated_stage(
         study_name=config.name + SIM_SUFFIX, storage=storage, direction="minimize", load_if_exists=True
     )
     stored.set_user_attr("space", search.space)
+    name_objective(stored, SIM_METRIC)
     previous = [t for t in stored.trials if t.state.is_finished()]
     study = optuna.create_study(direction="minimize", sampler=make_sampler(search.sampler, search.seed + len(previous)))
     study.add_trials(previous)

@@ -3,37 +3,62 @@
 from __future__ import annotations
 
 from jobs.report import describe, tune_report
-from jobs.tune import Calibration, TuneOutcome
+from jobs.tune import TuneOutcome
+from planner.calibrate import CalibrationResult
 from planner.plan import Plan, Source
+from planner.race import Race
 from planner.testing import synthetic_profile
 from search_spaces import uniform
 
 
-def _measured(plan: Plan, trial: int, ms: float) -> Plan:
-    return plan.with_provenance(source=Source.MEASURED, study="s", trial=trial, predicted_ms=ms - 10.0,
-                                measured_ms=ms, default_measured_ms=100.0)
+def _race(ms: dict[int, list[float]], dropped: dict[int, int]) -> Race:
+    race = Race(len(ms))
+    for k in range(max(len(v) for v in ms.values())):
+        race.record({p: v[k] for p, v in ms.items() if k < len(v)})
+    race.dropped.update(dropped)
+    return race
 
 
-def test_report_lists_the_round_and_names_the_files():
+def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
     p = synthetic_profile(n_blocks=3)
-    default, tuned = _measured(Plan.default(p), 0, 100.0), _measured(uniform.build(p, 1, 2, True), 1, 80.0)
-    outcome = TuneOutcome(told=[default, tuned], failed={2: "applying the plan failed on rank 1: boom"}, profile=p,
-                          profile_out="s.profile.json", best=tuned, plan_out="s.plan.json", study_best=tuned,
-                          calibration=Calibration(before_pct=[-20.0, -10.0], after_pct=[1.0, -2.0]))
-    lines = tune_report(outcome, "s")
-    assert lines[0] == "trial 2 FAIL: applying the plan failed on rank 1: boom"
-    table = "\n".join(lines)
-    assert "FSDP2 default" in table and "forward prefetch 1, backward prefetch 2, async unshard True" in table
-    assert "\nbest plan: trial 1, 80.0 ms vs FSDP2 default 100.0 ms (ratio 0.800); written to s.plan.json" in lines
-    assert "study-wide best so far: trial 1, 80.0 ms (`prefetch-planner studies best s`)" in lines
-    assert any(line.startswith("calibration on these 2 measured plans: median |error| 15.0%, max 20.0% before, "
-                               "median |error| 1.5%, max 2.0% after") for line in lines)
+    base = {"source": Source.MEASURED, "study": "s", "default_measured_ms": 100.0}
+    default = Plan.default(p).with_provenance(trial=0, predicted_ms=90.0, measured_ms=100.0, **base)
+    tuned = uniform.build(p, 1, 2, True).with_provenance(
+        trial=1, predicted_ms=70.0, measured_ms=80.0, verdict=verdict, measured_ratio=ratio, ratio_ci95=ci, rounds=12,
+        noise_pct=6.5, **base)
+    slow = uniform.build(p, 3, 3, False).with_provenance(trial=2, predicted_ms=95.0, measured_ms=130.0, **base)
+    race = _race({0: [100.0, 104.0, 98.0, 101.0, 99.0, 100.0], 1: [80.0, 82.0, 79.0, 81.0, 80.0, 78.0],
+                  2: [130.0, 128.0, 131.0, 129.0]}, {2: 4})
+    written = tuned if verdict == "faster" else Plan.default(p)
+    calibration = CalibrationResult(None, None, None, 12.0, "not fitted: 3 measured plans, a calibration needs at least 6")
+    return TuneOutcome([default, tuned, slow], {3: "applying the plan failed on rank 1: boom"}, p, "s.profile.json",
+                       race, tuned, written, "s.plan.json", calibration)
+
+
+def test_report_of_a_faster_plan():
+    lines = tune_report(_outcome("faster", 0.8, (0.78, 0.82)), "s")
+    text = "\n".join(lines)
+    assert lines[0] == "trial 3 FAIL: applying the plan failed on rank 1: boom"
+    assert "FSDP2 default" in text and "forward prefetch 1, backward prefetch 2, async unshard True" in text
+    assert "dropped after 4 rounds" in text
+    assert "race: 6 rounds, noise" in text and "these rounds detect differences of" in text
+    assert ("confirmation: trial 1 vs FSDP2's default: ratio 0.800, 95% CI [0.780, 0.820] over 12 fresh rounds: "
+            "faster (noise 6.5%)") in lines
+    assert "best plan: trial 1, faster than FSDP2's default; written to s.plan.json" in text
+    assert ("calibration on these 3 measured plans: not fitted: 3 measured plans, a calibration needs at least 6; "
+            "not saved") in lines
     assert lines[-1] == "profile written to s.profile.json"
+
+
+def test_report_when_the_confirmation_cannot_tell():
+    text = "\n".join(tune_report(_outcome("no significant difference", 0.98, (0.95, 1.01)), "s"))
+    assert "best plan: FSDP2's default, written to s.plan.json; the closest candidate, trial 1, is " in text
+    assert "no significant difference: about " in text and "would resolve a difference of 2.0%" in text
 
 
 def test_nothing_measured_writes_nothing():
     p = synthetic_profile()
-    outcome = TuneOutcome([], {}, p, "p.json", None, "plan.json", None, None)
+    outcome = TuneOutcome([], {}, p, "p.json", None, None, None, "plan.json", None)
     assert tune_report(outcome, "s") == ["no plan was measured in this job; nothing written"]
 
 

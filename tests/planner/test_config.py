@@ -48,6 +48,9 @@ def test_defaults_and_overrides(tmp_path):
         (GOOD + "[launch]\nnproc_per_node = 2.0\n", r"\[launch\] nproc_per_node must be int, found 2.0"),
         (GOOD.replace('sim_trials = 7', 'sim_trials = 7\nsampler = "cma"'), r"\[search\] sampler: unknown sampler 'cma'"),
         (GOOD + "[study]\n", "Cannot declare"),  # TOML itself refuses a table twice
+        (GOOD + "[measure]\nalpha = 0.0\n", r"\[measure\] alpha must be > 0.0, found 0.0"),
+        (GOOD + "[measure]\nalpha = \"low\"\n", r"\[measure\] alpha must be a number, found 'low'"),
+        (GOOD + "[measure]\nmin_rounds = 6\nmax_rounds = 4\n", r"\[measure\] max_rounds \(4\) must be >= min_rounds"),
         ('study = 3\n[workload]\nfactory = "x:y"\n', "study must be a table"),
         ('[study]\nname = "s"\nheartbeat_interval_s = 60\n[workload]\nfactory = "x:y"\n',
          r"\[study\] grace_period_s \(60\) must exceed heartbeat_interval_s \(60\)"),

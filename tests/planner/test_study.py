@@ -12,7 +12,7 @@ from planner.storages import open_storage
 from planner.study import (
     MeasuredStage, best_plan, list_studies, plan_key, select_candidates, simulated_stage, study_trials,
 )
-from planner.testing import study_config
+from planner.testing import run_round, study_config
 
 
 @pytest.fixture
@@ -27,9 +27,7 @@ def _run(make_profile, config, measured_ms):
     candidates = select_candidates(sim, profile, config.search.space, config.search.measured_trials)
     stage = MeasuredStage(config, storage, profile, job="test")
     asked = stage.ask(candidates)
-    times = [[ms, ms + 1.0, ms - 1.0] for ms in measured_ms[: len(asked)]]
-    per_rank = [[t, t] for t in times]
-    told = stage.tell(asked, times, per_rank)
+    told = run_round(stage, asked, measured_ms[: len(asked)])
     stage.close()
     return profile, sim, candidates, told
 
@@ -51,7 +49,8 @@ def test_tell_best_and_queries(make_profile, config):
     _, _, candidates, plans = _run(make_profile, config, [100.0, 90.0, 80.0, 95.0])
     assert [p.provenance.measured_ms for p in plans] == [100.0, 90.0, 80.0, 95.0]
     assert all(p.provenance.default_measured_ms == 100.0 for p in plans)
-    best, default_ms = best_plan(config.storage_url, "t")
+    best, default_ms, closest = best_plan(config.storage_url, "t")
+    assert closest is None and best.provenance.verdict == "faster" and best.provenance.measured_ratio == 0.8
     assert best.provenance.measured_ms == 80.0 and default_ms == 100.0
     assert best.behaviour_key() == candidates[2].plan.behaviour_key()
     [summary] = list_studies(config.storage_url)
@@ -106,7 +105,7 @@ def test_a_second_job_skips_settled_plans(make_profile, config):
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
     first = MeasuredStage(config, storage, profile, job="a")
     asked = first.ask(select_candidates(sim, profile, config.search.space, 3, exclude=first.settled_keys()))
-    first.tell(asked[:2], [[100.0], [90.0]], [[[100.0]], [[90.0]]])  # default + one plan measured
+    run_round(first, asked[:2], [100.0, 90.0])  # default + one plan measured
     first.fail(asked[2:3], "RuntimeError: boom", FailKind.ERROR)  # failed on a rank: not again
     # asked[3] stays RUNNING: job "a" is still measuring it
     second = MeasuredStage(config, storage, profile, job="b")
@@ -131,7 +130,7 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     sim = simulated_stage(profile, config, storage, show_progress_bar=False)
     dead = MeasuredStage(config, storage, profile, job="dead")
     [default, other] = dead.ask(select_candidates(sim, profile, config.search.space, 1))
-    dead.tell([default], [[100.0]], [[[100.0]]])
+    run_round(dead, [default], [100.0])
     dead.close()  # the job dies: its heartbeat stops, `other` stays RUNNING
     time.sleep(3.5)
     job = MeasuredStage(config, storage, profile, job="next")
@@ -140,10 +139,11 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     assert retry.plan.behaviour_key() == other.plan.behaviour_key()
     assert job.study.trials[other.number].state.name == "FAIL"
     assert not MeasuredStage(config, storage, profile, job="third").claim_retries()  # claimed once only
-    job.tell([retry], [[80.0]], [[[80.0]]])
+    [baseline] = job.ask(select_candidates(sim, profile, config.search.space, 0))  # every round has the default
+    run_round(job, [baseline, retry], [100.0, 80.0])
     job.close()
     states = [t.state.name for t in job.study.trials]
-    assert states.count("RUNNING") == 0 and states.count("COMPLETE") == 2
+    assert states.count("RUNNING") == 0 and states.count("COMPLETE") == 3  # two defaults and the retry
     assert best_plan(config.storage_url, "t")[0].provenance.trial == retry.number
 
 
@@ -156,7 +156,7 @@ def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
     [theirs] = other.ask(select_candidates(sim, profile, config.search.space, 0))
     stage = MeasuredStage(config, storage, profile, job="stopping")
     asked = stage.ask(select_candidates(sim, profile, config.search.space, 2, exclude=stage.settled_keys()))
-    stage.tell(asked[:1], [[100.0]], [[[100.0]]])
+    run_round(stage, asked[:1], [100.0])
     failed = stage.fail_held("interrupted: KeyboardInterrupt: SIGINT")
     assert failed == [a.number for a in asked[1:]]
     trials = stage.study.trials

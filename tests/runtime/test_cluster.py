@@ -38,14 +38,18 @@ sim_trials = {sim}
 measured_trials = {measured}
 [measure]
 warmup_steps = 0
-steps = {steps}
+steps = 1
+min_rounds = {rounds}
+max_rounds = {rounds}
+confirm_min_rounds = 4
+confirm_max_rounds = 4
 profile_repeats = 1
 """
 
 
 def write_study(path: Path, url: str, factory: str = "runtime.reference_workloads:mlp", space: str = "per_module",
-                sim: int = 40, measured: int = 9, steps: int = 1, grace: int = 30, timeout: int = 120) -> Path:
-    path.write_text(STUDY.format(url=url, factory=factory, space=space, sim=sim, measured=measured, steps=steps,
+                sim: int = 40, measured: int = 9, rounds: int = 2, grace: int = 30, timeout: int = 120) -> Path:
+    path.write_text(STUDY.format(url=url, factory=factory, space=space, sim=sim, measured=measured, rounds=rounds,
                                  grace=grace, timeout=timeout))
     return path
 
@@ -126,7 +130,7 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     results = [finish(p) for p in jobs]
     for code, out, err in results:
         assert code == 0, out + err
-        assert "best plan: trial" in out
+        assert "best plan: " in out and "confirmation: trial" in out
 
     measured = trials(storage_url)
     assert len(measured) == 30
@@ -153,8 +157,13 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     answers = [r.communicate(timeout=120)[0] for r in readers]
     assert all(r.returncode == 0 for r in readers)
     assert answers[0] and answers.count(answers[0]) == 3
-    best = min((t for t in measured), key=lambda t: (t.value, t.number))
-    assert f"trial {best.number}" in answers[0]
+    faster = [t for t in measured if t.user_attrs.get("verdict") == "faster"]
+    if faster:  # the study recommends the plan confirmed faster with the lowest ratio
+        best = min(faster, key=lambda t: (t.user_attrs["measured_ratio"], t.number))
+        assert answers[0].startswith(f"study shared: best trial {best.number}, faster than")
+    else:  # else FSDP2's default, its latest measurement
+        default = max((t for t in measured if t.user_attrs["is_default"]), key=lambda t: t.number)
+        assert f"best: FSDP2's default (trial {default.number})" in answers[0]
 
 
 @pytest.mark.slow
@@ -162,7 +171,7 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
     """Rank 1 raises mid-step: no hang, the trial is FAIL with the reason, the study goes on in the next job."""
     url = f"sqlite:///{tmp_path}/shared.db"
     bad = write_study(tmp_path / "bad.toml", url, factory="bad_factories:deep_prefetch_fails_on_rank1",
-                      space="uniform", sim=30, measured=3, steps=2, timeout=5)
+                      space="uniform", sim=30, measured=3, rounds=2, timeout=5)
     t0 = time.monotonic()
     code, out, err = finish(start_tune(bad, tmp_path))
     elapsed = time.monotonic() - t0
@@ -181,7 +190,7 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
     assert "reason: rank 1: RuntimeError: CUDA out of memory" in show.stdout, show.stdout + show.stderr
 
     # The study goes on: the next job (a healthy model, same study) resumes, skipping the failed plan.
-    good = write_study(tmp_path / "good.toml", url, space="uniform", sim=30, measured=3, steps=2)
+    good = write_study(tmp_path / "good.toml", url, space="uniform", sim=30, measured=3, rounds=2)
     code, out, err = finish(start_tune(good, tmp_path))
     assert code == 0, out + err
     second = [t for t in trials(url) if t.number >= len(first)]
@@ -194,7 +203,7 @@ def test_torchrun_max_restarts_resumes_the_study(tmp_path):
     """A transient rank failure under `torchrun --max-restarts 1`: the restarted ranks go on with the study."""
     url = f"sqlite:///{tmp_path}/shared.db"
     toml = write_study(tmp_path / "shared.toml", url, factory="bad_factories:deep_prefetch_fails_on_rank1",
-                       space="uniform", sim=30, measured=3, steps=2, timeout=5)
+                       space="uniform", sim=30, measured=3, rounds=2, timeout=5)
     toml.write_text(toml.read_text().replace("layers = 4 }", "layers = 4, first_attempt_only = true }"))
     # torchrun shares its rendezvous store with the restarted ranks' process group, which then can read
     # the previous attempt's addresses (pytorch/pytorch#135712); README says to set this with --max-restarts.
@@ -218,7 +227,7 @@ def test_torchrun_max_restarts_resumes_the_study(tmp_path):
 def test_sigkill_then_resume_leaves_no_trial_running(tmp_path):
     """SIGKILL mid-trial leaves trials RUNNING; the next job fails them (stale heartbeat) and measures them again."""
     url = f"sqlite:///{tmp_path}/shared.db"
-    toml = write_study(tmp_path / "shared.toml", url, measured=3, steps=200, grace=3)
+    toml = write_study(tmp_path / "shared.toml", url, measured=3, rounds=200, grace=3)
     job = start_tune(toml, tmp_path)
     running = wait_for_running(url, job)
     for pid in process_tree(job.pid):  # the node dies: launcher and ranks at once
@@ -226,7 +235,7 @@ def test_sigkill_then_resume_leaves_no_trial_running(tmp_path):
     job.wait(timeout=60)
     assert {t.number for t in trials(url) if t.state.name == "RUNNING"} >= set(running)
 
-    resumed = write_study(tmp_path / "resume.toml", url, measured=3, steps=2, grace=3)
+    resumed = write_study(tmp_path / "resume.toml", url, measured=3, rounds=2, grace=3)
     code, out, err = finish(start_tune(resumed, tmp_path))
     assert code == 0, out + err
     assert "resuming:" in out
@@ -240,7 +249,7 @@ def test_sigkill_then_resume_leaves_no_trial_running(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_fails_the_running_trials_cleanly(tmp_path):
     url = f"sqlite:///{tmp_path}/shared.db"
-    toml = write_study(tmp_path / "shared.toml", url, measured=3, steps=200)
+    toml = write_study(tmp_path / "shared.toml", url, measured=3, rounds=200)
     job = start_tune(toml, tmp_path)
     running = wait_for_running(url, job)
     os.killpg(job.pid, signal.SIGINT)  # Ctrl-C: the launcher's process group; torchrun forwards it to the ranks

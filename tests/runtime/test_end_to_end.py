@@ -25,6 +25,8 @@ measured_trials = 2
 [measure]
 warmup_steps = 1
 steps = 3
+max_rounds = 6
+confirm_max_rounds = 8
 profile_repeats = 2
 """
 
@@ -36,7 +38,7 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
     toml.write_text(STUDY.format(space="per_module"))
     proc = cli("tune", "studies/e2e.toml", "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "best plan: trial" in proc.stdout
+    assert "best plan: " in proc.stdout and "confirmation: trial" in proc.stdout
 
     # Profile: orders, figures, consolidation = max across the 2 ranks.
     profile = Profile.load(tmp_path / "studies" / "e2e.profile.json")
@@ -89,7 +91,7 @@ def test_tune_under_torchrun_is_the_same_code_path(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "studies" / "e2e.plan.json").exists()
-    assert proc.stdout.count("best plan: trial") == 1  # rank 0 alone reports
+    assert proc.stdout.count("best plan: ") == 1  # rank 0 alone reports
 
 
 @pytest.mark.slow

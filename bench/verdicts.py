@@ -1,0 +1,222 @@
+"""Benchmark: do the tool's verdicts hold on the real ranks?
+
+    python bench/verdicts.py studies/llama-cpu.toml [--aa-races 5] [--rounds 20] [--skip-aa] [--skip-coverage]
+
+(a) A/A. Races in which the one candidate *is* FSDP2's default (the same plan
+    under another index), each followed by its confirmation on fresh rounds,
+    exactly as ``tune`` runs them (``planner.schedule.Schedule``). Counts the
+    false "faster" verdicts (a sound tool gives one in 40 at most, by the
+    95% interval's one-sided error).
+(b) Coverage. ``prefetch-planner tune`` on the study (a fresh SQLite
+    storage), then, in a separate process, the written plan re-measured
+    against FSDP2's default: one model instance per plan, ``--rounds``
+    interleaved rounds (order alternating), median per-round ratio and its
+    95% bootstrap interval. Reports whether the independent ratio falls inside
+    the interval ``tune`` reported.
+
+Starts the study's ranks itself (or runs under torchrun for one part:
+``--part aa`` / ``--part remeasure``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planner.errors import PlannerError  # noqa: E402
+
+
+def _run_schedule_on_ranks(workload, plans, schedule, warmup_steps: int) -> None:
+    """Every rank: warm up, then run the blocks rank 0's ``schedule`` hands out (max across ranks fed back)."""
+    import torch.distributed as dist
+
+    from runtime.measure import StepCounter, run_block, warm_up
+    from runtime.protocol import broadcast_from_rank0, gather
+
+    group = dist.group.WORLD
+    steps = StepCounter()
+    warm_up(workload, plans, warmup_steps, steps)
+    while True:
+        block = broadcast_from_rank0(schedule.next_block() if dist.get_rank() == 0 else None, group)
+        if block is None:
+            return
+        reports = gather(run_block(workload, plans, block, steps), group)
+        if dist.get_rank() == 0:
+            schedule.record([{j: max(rep[k][pos] for rep in reports) for pos, j in enumerate(order)}
+                             for k, order in enumerate(block)])
+
+
+def aa_main(study: str, races: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from planner.config import load_study_config
+    from planner.plan import Plan
+    from planner.schedule import Schedule
+    from runtime.rank import init_rank, shutdown_rank
+    from runtime.recorder import record_profile
+    from runtime.workload import build_workload
+
+    config = load_study_config(study)
+    mesh = init_rank(config.launch.backend)
+    workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    profile = record_profile(workload, warmup_steps=1, steps=2, repeats=1)
+    default = Plan.default(profile)
+    results = []
+    for race in range(races):
+        schedule = Schedule(2, config.measure.race_settings(), config.measure.confirm_settings(seed=race))
+        t0 = time.monotonic()
+        _run_schedule_on_ranks(workload, [default, default], schedule, config.measure.warmup_steps)
+        if dist.get_rank() == 0:
+            c = schedule.confirmation
+            row = {"race": race, "verdict": str(c.verdict), "ratio": c.ratio, "ci95": list(c.ci95),
+                   "rounds": c.rounds, "race_rounds": len(schedule.race.rounds), "noise_pct": c.noise_pct,
+                   "seconds": time.monotonic() - t0}
+            results.append(row)
+            print(f"A/A race {race + 1}/{races}: {c.verdict}, ratio {c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}]"
+                  f" over {c.rounds} rounds (race {row['race_rounds']} rounds), noise {c.noise_pct:.1f}%, "
+                  f"{row['seconds']:.0f} s", flush=True)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+    del workload
+    shutdown_rank()
+
+
+def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
+    """Every rank: two model instances (FSDP2's default, the plan), ``rounds`` interleaved rounds; rank 0 reports."""
+    import torch.distributed as dist
+
+    from planner.config import load_study_config
+    from planner.plan import Plan
+    from runtime.apply import apply_plan, load_plan
+    from runtime.measure import StepCounter, timed_step
+    from runtime.protocol import gather
+    from runtime.rank import init_rank, shutdown_rank
+    from runtime.workload import build_workload
+
+    config = load_study_config(study)
+    mesh = init_rank(config.launch.backend)
+    plan = load_plan(plan_path)
+    tuned = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    apply_plan(tuned.model, plan)
+    default = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    apply_plan(default.model, Plan(plan.fingerprint, {}))  # leaves every module as wrapped: FSDP2's default
+    steps = StepCounter()
+    for w in (tuned, default, tuned, default):  # warm-up
+        timed_step(w, steps.next())
+    local: dict[str, list[float]] = {"tuned": [], "default": []}
+    for r in range(rounds):
+        order = [("tuned", tuned), ("default", default)] if r % 2 == 0 else [("default", default), ("tuned", tuned)]
+        for name, w in order:
+            local[name].append(timed_step(w, steps.next()))
+    reports = gather(local, dist.group.WORLD)
+    if dist.get_rank() == 0:
+        maxed = {k: [max(rep[k][i] for rep in reports) for i in range(rounds)] for k in local}
+        Path(out).write_text(json.dumps(maxed))
+    del tuned, default
+    shutdown_rank()
+
+
+def _launch(args: list[str], nproc: int) -> None:
+    from runtime.launch import launch_ranks
+
+    code = launch_ranks(args, nproc, script=__file__)
+    if code:
+        sys.exit(code)
+
+
+def coverage(study: str, rounds: int, work: Path) -> dict:
+    """Tune into a fresh storage, then re-measure its plan independently; the report row."""
+    from planner.config import load_study_config
+    from planner.plan import Plan
+    from planner.verdict import confirm
+
+    config = load_study_config(study)
+    storage, plan_out = f"sqlite:///{work}/coverage.db", str(work / "plan.json")
+    t0 = time.monotonic()
+    tune = subprocess.run([sys.executable, "-m", "jobs.cli", "tune", study, "--storage", storage, "--plan-out", plan_out,
+                           "--profile-out", str(work / "profile.json"), "--no-progress"],
+                          capture_output=True, text=True)
+    tune_s = time.monotonic() - t0
+    print(tune.stdout)
+    if tune.returncode:
+        print(tune.stderr, file=sys.stderr)
+        sys.exit(tune.returncode)
+    written = Plan.load(plan_out)
+    from planner.study import best_plan
+
+    best = best_plan(storage, config.name)
+    reported = best.plan if best.closest is None else best.closest  # the confirmed candidate
+    pv = reported.provenance
+    measured = work / "remeasure.json"
+    reported.to_json(work / "reported.json")  # the confirmed candidate, written or not
+    _launch(["--part", "remeasure", study, "--plan", str(work / "reported.json"), "--rounds", str(rounds),
+             "--out", str(measured)], config.launch.nproc_per_node)
+    times = json.loads(measured.read_text())
+    independent = confirm(times["tuned"], times["default"], noise_pct=float("nan"), seed=1)
+    inside = pv.ratio_ci95[0] <= independent.ratio <= pv.ratio_ci95[1]
+    print(f"\ncoverage: tune took {tune_s:.0f} s; it reported trial {pv.trial}: {pv.verdict}, ratio "
+          f"{pv.measured_ratio:.3f} [{pv.ratio_ci95[0]:.3f}, {pv.ratio_ci95[1]:.3f}] over {pv.rounds} rounds; "
+          f"written: {'that plan' if written.behaviour_key() == reported.behaviour_key() else 'FSDP2 default'}")
+    print(f"independent re-measurement ({rounds} interleaved rounds, one model instance per plan, a separate "
+          f"process): ratio {independent.ratio:.3f} [{independent.ci95[0]:.3f}, {independent.ci95[1]:.3f}]; "
+          f"inside the reported interval: {'yes' if inside else 'NO'}")
+    return {"tune_s": tune_s, "trial": pv.trial, "verdict": pv.verdict, "ratio": pv.measured_ratio,
+            "ci95": list(pv.ratio_ci95), "rounds": pv.rounds, "independent_ratio": independent.ratio,
+            "independent_ci95": list(independent.ci95), "independent_rounds": rounds, "inside": inside}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study", nargs="?", default="studies/llama-cpu.toml")
+    parser.add_argument("--aa-races", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of the independent re-measurement")
+    parser.add_argument("--skip-aa", action="store_true")
+    parser.add_argument("--skip-coverage", action="store_true")
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--part", choices=["aa", "remeasure"], help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    try:
+        from runtime.launch import in_torchrun
+
+        if in_torchrun():
+            if args.part == "aa":
+                aa_main(args.study, args.aa_races, args.out)
+            else:
+                remeasure_main(args.study, args.plan, args.rounds, args.out)
+            return
+        from planner.config import load_study_config
+
+        config = load_study_config(args.study)
+        figures: dict = {}
+        with tempfile.TemporaryDirectory() as d:
+            work = Path(d)
+            if not args.skip_aa:
+                _launch(["--part", "aa", args.study, "--aa-races", str(args.aa_races), "--out", str(work / "aa.json")],
+                        config.launch.nproc_per_node)
+                races = json.loads((work / "aa.json").read_text())
+                false = sum(r["verdict"] == "faster" for r in races)
+                ratios = ", ".join(f"{r['ratio']:.3f}" for r in races)
+                print(f"\nA/A: {len(races)} races, {false} false 'faster' verdict(s); ratios {ratios}; median noise "
+                      f"{statistics.median(r['noise_pct'] for r in races):.1f}%")
+                figures["aa"] = races
+            if not args.skip_coverage:
+                figures["coverage"] = coverage(args.study, args.rounds, work)
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=1, default=lambda x: None if x != x else x))
+    except PlannerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
