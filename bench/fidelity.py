@@ -50,7 +50,7 @@ def _plans(profile):
 
     from planner.config import StudyConfig
     from planner.plan import Plan
-    from planner.study import select_candidates, simulated_stage
+    from planner.study import distinct_plans, simulated_stage
     from search_spaces import uniform
 
     default = Plan.default(profile)
@@ -64,8 +64,7 @@ def _plans(profile):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sim = simulated_stage(profile, config, optuna.storages.InMemoryStorage(), show_progress_bar=False)
     seen = {p.behaviour_key() for p in plans.values()}
-    ranked = [c.plan for c in select_candidates(sim, profile, "per_module", 300)[1:]
-              if c.plan.behaviour_key() not in seen]
+    ranked = [plan for _, plan in distinct_plans(sim, profile, "per_module") if plan.behaviour_key() not in seen]
     for label, index in (("best", 0), ("1/3", len(ranked) // 3), ("2/3", 2 * len(ranked) // 3)):
         if ranked:
             plans[f"per-module {label} of {len(ranked)}"] = ranked[min(index, len(ranked) - 1)]

@@ -200,7 +200,7 @@ class TuneJob:
             logger.info(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
                         f"(trials {', '.join(str(r.retry_of) for r in retries)})")
         candidates = select_candidates(sim, profile, config.search.space, config.search.measured_trials,
-                                       exclude=self.stage.settled_keys())
+                                       exclude=self.stage.settled_keys(), band_pct=config.search.candidate_band_pct)
         if any(r.plan.is_default_for(profile) for r in retries):
             candidates = candidates[1:]
         with interrupts_deferred():

@@ -124,9 +124,12 @@ class SearchTable(_Table):
             ``tpe``, ``nsga2`` (much cheaper per trial with hundreds of
             parameters) or ``random``.
         sim_trials: trials of the simulated stage.
-        measured_trials: best distinct simulated plans measured on the ranks
-            (FSDP2's default is measured besides them).
+        measured_trials: simulated plans raced on the ranks (FSDP2's default
+            races besides them; ``planner.study.select_candidates``).
         seed: the sampler's seed.
+        candidate_band_pct: plans predicted within this many % of the best are
+            as good as the model can tell; among them the candidates differ
+            in what they do.
     """
 
     space: StrictStr = "uniform"
@@ -134,6 +137,7 @@ class SearchTable(_Table):
     sim_trials: StrictInt = Field(200, ge=0)
     measured_trials: StrictInt = Field(3, ge=0)
     seed: StrictInt = 0
+    candidate_band_pct: StrictFloat = Field(5.0, ge=0.0)
 
     @field_validator("space")
     @classmethod

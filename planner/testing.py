@@ -32,8 +32,9 @@ def synthetic_profile(
     grad_bytes: int = 0,
     activation_bytes: int = 0,
     optimizer_ms: float = 0.0,
+    blocks: list[str] | None = None,
 ) -> Profile:
-    """Root ``""`` (no compute, no communication) plus blocks ``b0..b{n-1}``.
+    """Root ``""`` (no compute, no communication) plus blocks ``b0..b{n-1}`` (or named ``blocks``).
 
     Per-block figures (ms, bytes) are a scalar (same for all) or a list (one
     per block). Sharded bytes and optimizer state are 0, so the predicted
@@ -42,7 +43,7 @@ def synthetic_profile(
     def at(x, i):
         return x[i] if isinstance(x, list) else x
 
-    blocks = [f"b{i}" for i in range(n_blocks)]
+    blocks = blocks or [f"b{i}" for i in range(n_blocks)]
     modules = {"": ModuleProfile("", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, reshard_after_forward=False)}
     for i, b in enumerate(blocks):
         modules[b] = ModuleProfile(

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from planner.profile import Fingerprint
 from runtime.torch_private import TESTED_TORCH, unshard_async_op_setter
 from runtime.workload import fsdp_modules, own_parameters
 
+logger = logging.getLogger(__name__)
+
 
 def load_plan(path: str | Path) -> Plan:
     """Read a plan JSON file.
@@ -27,6 +30,38 @@ def load_plan(path: str | Path) -> Plan:
             version, or FQNs that are not modules of the plan's fingerprint.
     """
     return Plan.load(path)
+
+
+def load_best_plan(storage_url: str, study_name: str, model: nn.Module) -> Plan:
+    """The study's best plan confirmed faster than FSDP2's default for this model and world size, else the default.
+
+    For a training job on a cluster: no plan file to copy around. The
+    storage is opened read-only (``planner.storages.open_storage_read_only``),
+    so many jobs can ask at once and none writes. A log line (logger
+    ``runtime.apply``) says which plan it is, or why FSDP2's default.
+
+    Args:
+        storage_url: the study's SQLAlchemy URL (SQLite or PostgreSQL).
+        study_name: ``[study] name``.
+        model: the root FSDP module, after ``fully_shard`` (its fingerprint selects the plan).
+
+    Returns:
+        The plan; FSDP2's default is a plan that changes nothing (every module
+        as wrapped, synchronous unshard): :func:`apply_plan` takes either.
+
+    Raises:
+        planner.StudyNotFoundError: no database or no such study.
+        planner.StorageError: the storage cannot be opened.
+    """
+    from planner.study import best_plan_for  # the study driver (Optuna) only for the jobs that ask it
+
+    fingerprint = model_fingerprint(model)
+    plan, why = best_plan_for(storage_url, study_name, fingerprint)
+    if plan is None:
+        logger.info(f"load_best_plan: FSDP2's default: {why}")
+        return Plan(fingerprint, {})
+    logger.info(f"load_best_plan: {why}")
+    return plan
 
 
 def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Fingerprint:

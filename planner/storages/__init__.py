@@ -16,9 +16,9 @@ from planner.storages.engine import (
     storage_errors,
 )
 from planner.storages.models import MeasuredRunRow, PlanRow, ProfileRow
-from planner.storages.rdb import open_storage
+from planner.storages.rdb import open_storage, open_storage_read_only
 
 __all__ = [
     "MeasuredRunRow", "PlanRow", "ProfileRow", "check_exists", "check_writable", "describe_storage_error",
-    "open_storage", "session", "sqlite_timeout_s", "storage_errors",
+    "open_storage", "open_storage_read_only", "session", "sqlite_timeout_s", "storage_errors",
 ]

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
+import sqlalchemy as sa
 
 from planner.errors import StorageError
-from planner.storages.engine import create_racing, describe_storage_error, engine_kwargs, use_sqlite_pragmas
+from planner.storages.engine import (
+    check_exists, create_racing, describe_storage_error, engine_kwargs, use_sqlite_pragmas,
+)
 from planner.storages.models import Base
 
 if TYPE_CHECKING:
@@ -54,5 +58,31 @@ def open_storage(url: str, config: StudyConfig | None = None) -> optuna.storages
         use_sqlite_pragmas(storage.engine)
         create_racing(lambda: Base.metadata.create_all(storage.engine))
         return storage
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy/driver errors of every kind
+        raise StorageError(describe_storage_error(url, e)) from None
+
+
+def open_storage_read_only(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage at ``url``, opened so that nothing can be written through it.
+
+    For a training job that only reads its study. SQLite: the file is opened
+    with ``mode=ro`` (it must exist); PostgreSQL: every transaction is
+    ``READ ONLY``. No table is created and no schema is upgraded.
+
+    Raises:
+        StudyNotFoundError: a SQLite file that does not exist.
+        StorageError: the URL cannot be opened.
+    """
+    check_exists(url)
+    try:
+        u = sa.engine.make_url(url)
+        kwargs = engine_kwargs(url)
+        if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:"):
+            url = f"sqlite:///file:{Path(u.database).resolve()}?mode=ro&uri=true"
+        elif u.get_backend_name() == "postgresql":
+            kwargs["connect_args"] = {**kwargs.get("connect_args", {}),
+                                      "options": "-c default_transaction_read_only=on"}
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_compatibility_check=True,
+                                          skip_table_creation=True)
     except Exception as e:  # noqa: BLE001 - SQLAlchemy/driver errors of every kind
         raise StorageError(describe_storage_error(url, e)) from None

@@ -16,9 +16,10 @@ import sqlalchemy as sa
 from planner.errors import PlannerError, StudyNotFoundError
 from planner.plan import Plan
 from planner.profile import Profile
-from planner.storages import PlanRow, ProfileRow, check_exists, open_storage, session
+from planner.profile import Fingerprint
+from planner.storages import PlanRow, ProfileRow, check_exists, open_storage, open_storage_read_only, session
 from planner.study.simulated import SIM_SUFFIX, complete_trials
-from planner.verdict import Verdict
+from planner.verdict import Verdict, confirmation_text
 
 
 class TrialStage(enum.StrEnum):
@@ -68,8 +69,8 @@ def _open_existing(url: str) -> optuna.storages.RDBStorage:
     return open_storage(url)
 
 
-def _load(url: str, name: str) -> tuple[optuna.Study, optuna.storages.RDBStorage]:
-    storage = _open_existing(url)
+def _load(url: str, name: str, read_only: bool = False) -> tuple[optuna.Study, optuna.storages.RDBStorage]:
+    storage = open_storage_read_only(url) if read_only else _open_existing(url)
     try:
         return optuna.load_study(study_name=name, storage=storage), storage
     except KeyError:
@@ -197,3 +198,37 @@ def best_plan(url: str, name: str) -> BestPlan:
         raise StudyNotFoundError(f"study {name!r} has no measurement of FSDP2's default to recommend")
     closest = _stored_plan(storage, name, confirmed[0].number) if confirmed else None
     return BestPlan(_stored_plan(storage, name, defaults[-1].number), default_ms, closest)
+
+
+def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan | None, str]:
+    """The best plan of study ``name`` confirmed faster than FSDP2's default and made for ``fingerprint``.
+
+    Reads through :func:`planner.storages.open_storage_read_only`: nothing is
+    written, tables included.
+
+    Returns:
+        ``(plan, why)``: the plan (``None`` if there is none) and one line
+        saying which plan it is or why there is none.
+
+    Raises:
+        StudyNotFoundError: no database or no such study.
+        StorageError: the storage cannot be opened.
+    """
+    study, storage = _load(url, name, read_only=True)
+    try:
+        faster = [t for t in confirmed_trials(study) if t.user_attrs["verdict"] == Verdict.FASTER]
+        if not faster:
+            return None, f"study {name!r} has no plan confirmed faster than FSDP2's default"
+        differences = []
+        for t in faster:
+            plan = _stored_plan(storage, name, t.number)
+            difference = plan.fingerprint.first_difference(fingerprint)
+            if difference is None:
+                pv = plan.provenance
+                return plan, (f"trial {t.number} of study {name!r}, faster than FSDP2's default: "
+                              f"{confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds)}")
+            differences.append(f"trial {t.number}: {difference}")
+        return None, (f"study {name!r} has {len(faster)} plan(s) confirmed faster, none made for this model and "
+                      f"world size ({differences[0]})")
+    finally:
+        storage.engine.dispose()

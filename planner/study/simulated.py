@@ -20,6 +20,16 @@ from search_spaces import get_space
 SIM_SUFFIX = ".sim"
 SIM_METRIC = "predicted_step_ms"  # the simulated study's objective, ms
 
+# [Note: Candidates worth racing]
+# The race can only confirm what it is given, and the uncalibrated model ties
+# plans that behave differently on the ranks (four candidates at one
+# predicted ms on a holdout workload). So the candidates are: the best plan
+# of the uniform grid (FSDP2's usual hand-set knobs), always, so a per-module
+# plan has to beat it on the real ranks; then, among plans predicted within
+# ``band_pct`` of the best, one plan per kind (the same knobs and the same
+# predicted timeline make near-copies the model cannot tell apart), the one
+# with the lowest predicted peak memory; then the next best by prediction.
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -112,31 +122,69 @@ def complete_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
 
 
-def select_candidates(
-    sim_study: optuna.Study, profile: Profile, space_name: str, k: int, exclude: frozenset[str] | set[str] = frozenset()
-) -> list[Candidate]:
-    """FSDP2's default followed by the ``k`` best distinct simulated plans.
-
-    Plans are distinct by behaviour (:meth:`Plan.behaviour_key`), so two
-    parameter sets giving one plan are measured once. Plans whose
-    :func:`plan_key` is in ``exclude`` (measured already, being measured by
-    another job, or failed on a rank) are skipped; the default never is: it
-    is every job's baseline.
-    """
+def distinct_plans(sim_study: optuna.Study, profile: Profile, space_name: str
+                   ) -> list[tuple[optuna.trial.FrozenTrial, Plan]]:
+    """The study's COMPLETE trials and their plans, one per behaviour (:meth:`Plan.behaviour_key`), best predicted first."""
     space = get_space(space_name)
-    default_params = space.grid(profile)[0]
     seen: set[str] = set()
-    out: list[Candidate] = []
-    done = complete_trials(sim_study)
-    default_trial = next((t for t in done if t.params == default_params), None)
-    ranked = ([default_trial] if default_trial else []) + sorted(done, key=lambda t: (t.value, t.number))
-    for t in ranked:
+    out = []
+    for t in sorted(complete_trials(sim_study), key=lambda t: (t.value, t.number)):
         plan = space.suggest(optuna.trial.FixedTrial(t.params), profile)
-        key = plan.behaviour_key()
-        if key in seen or (out and plan_key(plan) in exclude):
-            continue
-        seen.add(key)
-        out.append(Candidate(t.params, t.distributions, plan, t.value, t.user_attrs.get("peak_bytes", 0)))
-        if len(out) == k + 1:
-            break
+        if plan.behaviour_key() not in seen:
+            seen.add(plan.behaviour_key())
+            out.append((t, plan))
     return out
+
+
+def select_candidates(
+    sim_study: optuna.Study, profile: Profile, space_name: str, k: int, exclude: frozenset[str] | set[str] = frozenset(),
+    band_pct: float = 5.0,
+) -> list[Candidate]:
+    """FSDP2's default followed by up to ``k`` simulated plans worth racing ([Note: Candidates worth racing]).
+
+    Plans whose :func:`plan_key` is in ``exclude`` (measured already, being
+    measured by another job, or failed on a rank) are skipped; the default
+    never is: it is every job's baseline.
+
+    Args:
+        band_pct: plans predicted within this many % of the best are "as good
+            as the model can tell"; among them the selection prefers plans
+            that differ in what they do.
+    """
+    grid = get_space(space_name).grid(profile)
+    ranked = distinct_plans(sim_study, profile, space_name)
+    default = next(((t, p) for t, p in ranked if p.is_default_for(profile)), None)
+    rest = [(t, p) for t, p in ranked if not p.is_default_for(profile) and plan_key(p) not in exclude]
+    chosen: list[tuple[optuna.trial.FrozenTrial, Plan]] = []
+    uniform = [(t, p) for t, p in rest if t.params in grid]
+    if uniform and k > 0:
+        chosen.append(uniform[0])  # the best uniform plan: a per-module plan must beat it on the ranks
+    if rest:
+        best_ms = rest[0][0].value
+        kinds: dict[tuple, list[tuple[optuna.trial.FrozenTrial, Plan]]] = {}
+        for t, p in rest:
+            if t.value <= best_ms * (1.0 + band_pct / 100.0):
+                kinds.setdefault(_what_it_does(t, p, best_ms), []).append((t, p))
+        # One plan per kind: the lowest predicted peak, then the faster, then the earlier trial.
+        picks = [min(g, key=lambda tp: (tp[0].user_attrs.get("peak_bytes", 0), tp[0].value, tp[0].number))
+                 for g in kinds.values()]
+        taken = {_what_it_does(t, p, best_ms) for t, p in chosen}
+        for t, p in sorted(picks, key=lambda tp: (tp[0].value, tp[0].user_attrs.get("peak_bytes", 0), tp[0].number)):
+            if len(chosen) < k and _what_it_does(t, p, best_ms) not in taken:
+                chosen.append((t, p))
+                taken.add(_what_it_does(t, p, best_ms))
+        for t, p in rest:  # fewer kinds than slots: the next best by prediction
+            if len(chosen) < k and all(t is not c for c, _ in chosen):
+                chosen.append((t, p))
+    return [_candidate(t, p) for t, p in ([default] if default else []) + chosen[:k]]
+
+
+def _what_it_does(trial: optuna.trial.FrozenTrial, plan: Plan, best_ms: float) -> tuple:
+    """Plans alike here are near-copies the model cannot tell apart: the same knobs and the same predicted step."""
+    kept = frozenset(f for f, m in plan.modules.items() if not m.reshard_after_forward)
+    return (plan.unshard_async_op, plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward, kept,
+            round(trial.value / best_ms, 3), round(trial.user_attrs.get("exposed_comm_ms", 0.0) / max(best_ms, 1e-9), 3))
+
+
+def _candidate(trial: optuna.trial.FrozenTrial, plan: Plan) -> Candidate:
+    return Candidate(trial.params, trial.distributions, plan, trial.value, trial.user_attrs.get("peak_bytes", 0))

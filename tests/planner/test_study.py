@@ -10,9 +10,10 @@ import pytest
 from planner.errors import FailKind, StudyNotFoundError
 from planner.storages import open_storage
 from planner.study import (
-    MeasuredStage, best_plan, list_studies, plan_key, select_candidates, simulated_stage, study_trials,
+    MeasuredStage, best_plan, distinct_plans, list_studies, plan_key, select_candidates, simulated_stage, study_trials,
 )
 from planner.testing import run_round, study_config
+from search_spaces import get_space
 
 
 @pytest.fixture
@@ -42,7 +43,9 @@ def test_simulated_stage_enqueues_grid_and_ranks_candidates(make_profile, config
     assert len(candidates) == 4
     assert len({c.plan.behaviour_key() for c in candidates}) == 4
     rest = [c.predicted_ms for c in candidates[1:]]
-    assert rest == sorted(rest) and rest[0] == min(t.value for t in sim.trials if t.value is not None)
+    assert rest[0] == min(t.value for t in sim.trials if t.value is not None)  # the best (uniform) plan first
+    kinds = [(c.plan.unshard_async_op, round(c.predicted_ms, 3)) for c in candidates[1:]]
+    assert kinds[:2] == sorted(set(kinds), key=lambda k: k[1])[:2]  # then another kind before a near-copy
 
 
 def test_tell_best_and_queries(make_profile, config):
@@ -167,3 +170,34 @@ def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
     assert stage.fail_held("again") == []
     for s in (stage, other):
         s.close()
+
+
+def test_candidates_worth_racing(make_profile, tmp_path):
+    """Per-module study: the best uniform plan is always raced; near-copies the model ties give way to the one
+    keeping the least memory alive; plans of another kind in the band come before further near-copies."""
+    from planner.study.simulated import _what_it_does
+
+    profile = make_profile(n_blocks=5, fwd=10.0, bwd=20.0, ag=[8.0, 2.0, 12.0, 3.0, 9.0], rs=3.0, unsharded_bytes=1000)
+    config = study_config(tmp_path, name="pm", space="per_module", sim_trials=150)
+    storage = open_storage(config.storage_url, config)
+    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
+    candidates = select_candidates(sim, profile, "per_module", 3)
+    assert candidates[0].plan.is_default_for(profile)
+    grid = [tuple(sorted(g.items())) for g in get_space("per_module").grid(profile)]
+    uniform = [t for t in sim.trials if t.value is not None and tuple(sorted(t.params.items())) in grid
+               and t.params != get_space("per_module").grid(profile)[0]]
+    best_uniform = min(uniform, key=lambda t: (t.value, t.number))
+    assert candidates[1].params == best_uniform.params
+    ranked = distinct_plans(sim, profile, "per_module")
+    best_ms = min(t.value for t, p in ranked if not p.is_default_for(profile))
+    checked = 0
+    for c in candidates[2:]:  # each in-band pick is the lowest-peak plan of its kind
+        trial = next(t for t, _ in ranked if t.params == c.params)
+        if trial.value > best_ms * 1.05:
+            continue  # a fill-in: fewer kinds than slots
+        kind = [t for t, p in ranked if t.value <= best_ms * 1.05
+                and _what_it_does(t, p, best_ms) == _what_it_does(trial, c.plan, best_ms)]
+        assert c.predicted_peak_bytes == min(t.user_attrs["peak_bytes"] for t in kind)
+        checked += 1
+    assert checked >= 1
+    assert len({c.plan.behaviour_key() for c in candidates}) == len(candidates)

@@ -46,3 +46,19 @@ def ranks():
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-rank gloo process group in this process, and its CPU mesh (for FSDP2 models in unit tests)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()

@@ -16,6 +16,7 @@ from planner.storages import (
     check_writable,
     describe_storage_error,
     open_storage,
+    open_storage_read_only,
     session,
     storage_errors,
 )
@@ -127,3 +128,26 @@ def test_create_racing_retries_only_a_concurrent_creation():
 def test_models_are_the_planner_tables():
     assert set(Base.metadata.tables) == {"planner_profiles", "planner_plans", "planner_measured_runs"}
     assert PlanRow.__table__.c.predicted_peak_bytes.type.python_type is int
+
+
+def test_read_only_storage_reads_and_cannot_write(url):
+    storage = open_storage(url)
+    optuna.create_study(study_name="s", storage=storage).add_trial(optuna.trial.create_trial(value=2.0))
+    storage.engine.dispose()
+    read_only = open_storage_read_only(url)
+    try:
+        assert [t.value for t in optuna.load_study(study_name="s", storage=read_only).trials] == [2.0]
+        with pytest.raises(optuna.exceptions.StorageInternalError) as info:
+            optuna.create_study(study_name="t", storage=read_only)
+        assert "read" in str(info.value.__cause__).lower() and "only" in str(info.value.__cause__).lower()
+    finally:
+        read_only.engine.dispose()
+    writable = open_storage(url)
+    assert optuna.get_all_study_names(writable) == ["s"]  # the refused study was not created
+    writable.engine.dispose()
+
+
+def test_read_only_storage_needs_the_file(tmp_path):
+    with pytest.raises(StudyNotFoundError, match="no database at"):
+        open_storage_read_only(f"sqlite:///{tmp_path}/none.db")
+    assert not (tmp_path / "none.db").exists()
