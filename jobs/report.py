@@ -53,6 +53,7 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
                 f"(`prefetch-planner studies best {study}`)"]
     needed = confirmation_rounds(race.ratio_sigma(), max(abs(1.0 - pv.measured_ratio), 0.005), (1, 10**6))
     return [f"confirmation: {confirmed}",
-            f"best plan: FSDP2's default, written to {outcome.plan_out}; the closest candidate, trial {pv.trial}, is "
-            f"{pv.verdict}: about {needed} confirmation rounds would resolve a difference of "
+            f"best plan: FSDP2's default, written to {outcome.plan_out}; the closest candidate, trial {pv.trial}, "
+            f"{'is slower' if pv.verdict == Verdict.SLOWER else 'shows no significant difference'}: about {needed} "
+            f"confirmation rounds would resolve a difference of "
             f"{100 * abs(1.0 - pv.measured_ratio):.1f}% ([measure] confirm_max_rounds)"]
