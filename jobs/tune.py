@@ -25,6 +25,7 @@ from planner.calibrate import CalibrationResult, Observation, calibrate
 from planner.config import StudyConfig
 from jobs.outputs import check_output_folders
 from planner.errors import FailKind
+from planner.in_step import in_step_params
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.race import Race
@@ -185,6 +186,10 @@ class TuneJob:
                     "(exposed communication and overhead)")
         logger.info(f"      simulated default: step {default.step_ms:.1f} ms, exposed communication "
                     f"{default.exposed_comm_ms:.1f} ms, lower bound {default.lower_bound_ms:.1f} ms")
+        if profile.in_step is not None:
+            params = in_step_params(profile)
+            logger.info(f"      in-step parameters: comm_scale {params.comm_scale:.2f} (solved from the measured "
+                        f"default step), overlap_slowdown {params.overlap_slowdown:.2f} (measured)")
         storage = open_storage(config.storage_url, config)
         stored = latest_calibration(storage, config.name, profile)
         if stored:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.errors import PlannerError
+from planner.in_step import in_step_params
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.simulator import SimParams, simulate
@@ -110,13 +111,17 @@ def min_observations(family: tuple[str, ...]) -> int:
 
 
 def fit_family(profile: Profile, observations: list[Observation], names: tuple[str, ...]) -> SimParams:
-    """Regularized least squares on relative error over the parameters ``names`` (the others keep their defaults)."""
+    """Regularized least squares on relative error over the parameters ``names``.
+
+    The others keep, and the priors are centred on, the uncalibrated values
+    (:func:`planner.in_step.in_step_params`).
+    """
     from scipy.optimize import least_squares
 
     lower = np.array([PARAMETERS[n][0] for n in names])
     upper = np.array([PARAMETERS[n][1] for n in names])
     prior_sd = np.array([PARAMETERS[n][2] for n in names])
-    default = SimParams()
+    default = in_step_params(dataclasses.replace(profile, calibration=None))
     x0 = np.array([getattr(default, n) for n in names], float)
 
     def params_at(x: np.ndarray) -> SimParams:
@@ -149,9 +154,8 @@ def _loo_error_pct(profile: Profile, observations: list[Observation], family: tu
     return _median_abs_pct(errs)
 
 
-def _on_a_bound(params: SimParams, family: tuple[str, ...]) -> str | None:
-    """The first parameter of ``family`` within 1% of a bound that is not its uncalibrated value."""
-    default = SimParams()
+def _on_a_bound(params: SimParams, family: tuple[str, ...], default: SimParams) -> str | None:
+    """The first parameter of ``family`` within 1% of a bound that is not its uncalibrated value (``default``)."""
     for name in family:
         low, high, _ = PARAMETERS[name]
         value, tolerance = getattr(params, name), 0.01 * (high - low)
@@ -166,7 +170,8 @@ def calibrate(profile: Profile, observations: list[Observation], families: tuple
     """Fit :class:`SimParams` to ``observations`` and decide whether the fit is worth keeping.
 
     Args:
-        profile: the profile (its own calibration is ignored: fits start from the uncalibrated model).
+        profile: the profile (its own calibration is ignored: fits start from the uncalibrated model,
+            :func:`planner.in_step.in_step_params`).
         observations: measured plans.
         families: the parameter families to try, simplest first.
 
@@ -185,10 +190,10 @@ def calibrate(profile: Profile, observations: list[Observation], families: tuple
     scored = [(round(_loo_error_pct(profile, observations, f), 4), len(f), f) for f in allowed]
     loo, _, family = min(scored)
     params = fit_family(profile, observations, family)
-    on_bound = _on_a_bound(params, family)
+    on_bound = _on_a_bound(params, family, in_step_params(profile))
     if on_bound:
         return CalibrationResult(None, family, loo, uncalibrated, f"rejected: {on_bound}")
-    if not loo < uncalibrated:
+    if not round(loo, 2) < round(uncalibrated, 2):  # a gain below 0.01% is no gain
         return CalibrationResult(None, family, loo, uncalibrated,
                                  f"rejected: leave-one-out error {loo:.1f}% is not below the uncalibrated "
                                  f"model's {uncalibrated:.1f}%")
@@ -204,7 +209,7 @@ def fit(profile: Profile, observations: list[Observation]) -> SimParams:
     """
     if len(observations) < 2:
         raise PlannerError(f"calibration needs at least 2 measured plans, found {len(observations)}")
-    return calibrate(profile, observations).params or SimParams()
+    return calibrate(profile, observations).params or in_step_params(dataclasses.replace(profile, calibration=None))
 
 
 def calibrated(profile: Profile, params: SimParams) -> Profile:

@@ -119,6 +119,26 @@ class ModuleProfile:
 
 
 @dataclass(frozen=True)
+class InStepTimings:
+    """In-step measurements the simulator's global parameters are solved from (:mod:`planner.in_step`).
+
+    The module figures are measured in isolation; these are not.
+
+    Attributes:
+        default_step_ms: median step time of FSDP2's default plan, timed after
+            the other measurements (warm: allocator, gloo and caches), max
+            across ranks. The in-step ``comm_scale`` is solved from it.
+        overlap: on a CPU device, ``{"module", "all_gather_ms", "compute_ms",
+            "overlapped_ms"}``: the largest all-gather, matrix multiplies of
+            about as long, and both at once (``runtime.overlap_timer``), ms,
+            mean across ranks (each rank's figure is a median); ``None`` on GPU.
+    """
+
+    default_step_ms: float
+    overlap: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class Profile:
     """A recorded profile of one training step (docs/architecture.md, "Artifacts").
 
@@ -139,6 +159,10 @@ class Profile:
             accumulation); the module figures are per microbatch.
         calibration: fitted :class:`planner.simulator.SimParams` fields, used
             by every later simulation of this profile; ``None`` before any fit.
+        in_step: in-step timings (:class:`InStepTimings`); without a
+            calibration the simulator's parameters are solved from them
+            (:func:`planner.in_step.in_step_params`). ``None`` in profiles
+            recorded before they were measured.
         schema_version: :data:`PROFILE_SCHEMA_VERSION`.
     """
 
@@ -154,6 +178,7 @@ class Profile:
     consolidation: str = "max"
     microbatches: int = 1
     calibration: dict[str, float] | None = None
+    in_step: InStepTimings | None = None
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property
@@ -203,6 +228,7 @@ class Profile:
                 consolidation=str(d.get("consolidation", "max")),
                 microbatches=int(d.get("microbatches", 1)),
                 calibration=d.get("calibration"),
+                in_step=InStepTimings(**d["in_step"]) if d.get("in_step") else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileFormatError(f"profile is missing or has a bad field: {e!r}") from None

@@ -263,8 +263,9 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
             backward passes (gradient accumulation), reduce-scattering only
             in the last (``set_requires_gradient_sync``).
         plan: the plan to simulate; FQNs must be modules of the profile.
-        params: calibrated global parameters (default: the profile's
-            calibration if it has one, else no overhead and no slowdown).
+        params: global parameters (default: the profile's calibration if it
+            has one, else those solved from its in-step timings,
+            :func:`planner.in_step.in_step_params`).
         trace: also return the timeline events and memory samples.
 
     Returns:
@@ -276,7 +277,7 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
     """
     c = _compiled(profile)
     if params is None:
-        params = SimParams(**profile.calibration) if profile.calibration else _NO_CALIBRATION
+        params = SimParams(**profile.calibration) if profile.calibration else _uncalibrated(profile)
     events = np.zeros((c.trace_rows, 4)) if trace else _NO_EVENTS
     samples = np.zeros((c.trace_rows, 2)) if trace else _NO_SAMPLES
     t_cpu, t_compute, compute_ms, comm_ms, peak, peak_unsharded, n_events, n_samples = _kernel.step(
@@ -302,4 +303,11 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
     )
 
 
-_NO_CALIBRATION = SimParams()
+def _uncalibrated(profile: Profile) -> SimParams:
+    """The profile's in-step parameters (cached on it by :func:`planner.in_step.in_step_params`)."""
+    cached = profile.__dict__.get("_in_step_params")
+    if cached is not None:
+        return cached
+    from planner.in_step import in_step_params  # in_step simulates: imported here, not at module level
+
+    return in_step_params(profile)

@@ -3,7 +3,9 @@
 What it records and how (docs/architecture.md, "Measurement"):
 
 - Step ms, optimizer ms (and peak memory on GPU) of FSDP2's default plan:
-  median over timed steps after warm-up.
+  median over timed steps after warm-up, timed last, when the run is warm
+  (the first steps after the model is built ran 50% slower: [Note: Why the
+  isolated figures are not enough] in :mod:`planner.in_step`).
 - Pre- and post-forward order of the FSDP modules, with multiplicity, from
   forward hooks; compute ms per module, forward and backward, exclusive of
   nested FSDP modules (:class:`runtime.compute_timer.ComputeTimer`): every
@@ -14,6 +16,8 @@ What it records and how (docs/architecture.md, "Measurement"):
 - Activation bytes saved for backward, per module.
 - All-gather ms and reduce-scatter ms in isolation, all ranks together
   (:mod:`runtime.collective_timer`). Medians of several repeats.
+- On a CPU device, the largest all-gather and compute alone and at once
+  (:mod:`runtime.overlap_timer`).
 - Per-rank figures are consolidated with ``all_gather_object``: max across
   ranks, per-rank kept.
 """
@@ -28,20 +32,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.profile import Fingerprint, ModuleProfile, Profile
+from planner.profile import Fingerprint, InStepTimings, ModuleProfile, Profile
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import all_gather_ms, reduce_scatter_ms
 from runtime.compute_timer import TIMED, ComputeTimer
 from runtime.measure import device_type_of, synchronize
+from runtime.overlap_timer import overlap_timings
 from runtime.torch_private import clear_unsharded_grads, reshard_after_forward
 from runtime.workload import Workload, fsdp_modules, own_parameters, train_step
 
 
-def _default_plan_steps(workload: Workload, warmup_steps: int, steps: int, device: str) -> dict[str, Any]:
-    """FSDP2's default plan: median step ms and optimizer ms, and the allocator peak on GPU."""
+def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
+    """FSDP2's default plan: median step ms and optimizer ms, and the allocator peak on GPU (run warm)."""
     model, optimizer = workload.model, workload.optimizer
-    for s in range(warmup_steps):
-        train_step(workload, s)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     step_ms, opt_ms = [], []
@@ -105,7 +108,7 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         workload: this rank's workload; its model must not have run a plan
             other than FSDP2's default.
         warmup_steps: untimed default-plan steps first.
-        steps: timed default-plan steps (step ms, optimizer ms).
+        steps: timed default-plan steps (step ms, optimizer ms), run last.
         repeats: repeats of each compute and communication measurement
             (medians are kept; one extra warm-up repeat is dropped).
 
@@ -117,10 +120,12 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     modules = fsdp_modules(model)
     device = device_type_of(workload)
     fingerprint = model_fingerprint(model, dist.get_world_size())
-    default = _default_plan_steps(workload, warmup_steps, steps, device)
+    for s in range(warmup_steps):  # the optimizer state exists before its bytes are counted
+        train_step(workload, s)
     raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
     compute = _compute_unsharded(workload, repeats, device, raf)
     ag_ms = all_gather_ms(modules, repeats, device)
+    overlap = overlap_timings(modules, ag_ms, max(repeats, 10)) if device != "cuda" else None
     rs_ms, sharded = {}, {}
     for fqn, numel in zip(fingerprint.module_fqns, fingerprint.param_numels):
         own = own_parameters(modules, fqn)
@@ -132,9 +137,11 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         for v in state.values()
         if isinstance(v, torch.Tensor)
     )
+    default = _default_plan_steps(workload, steps, device)
     local = {
         "rank": dist.get_rank(),
         **default,
+        "overlap": overlap,
         "optimizer_state_bytes": opt_state,
         "pre_forward_order": compute["pre_forward_order"],
         "post_forward_order": compute["post_forward_order"],
@@ -183,6 +190,11 @@ def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, 
         )
     root = fingerprint.module_fqns[0]
     peaks = [r["peak_bytes"] for r in per_rank if r["peak_bytes"] is not None]
+    overlap = None
+    if first["overlap"] is not None:
+        overlap = {"module": first["overlap"]["module"],
+                   **{k: statistics.fmean(r["overlap"][k] for r in per_rank) for k in first["overlap"] if k != "module"}}
+    step_ms = max(r["step_ms"] for r in per_rank)
     return Profile(
         fingerprint=fingerprint,
         pre_forward_order=(root, *first["pre_forward_order"]),
@@ -190,8 +202,9 @@ def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, 
         modules=modules,
         optimizer_ms=max(r["optimizer_ms"] for r in per_rank),
         optimizer_state_bytes=max(r["optimizer_state_bytes"] for r in per_rank),
-        measured_step_ms=max(r["step_ms"] for r in per_rank),
+        measured_step_ms=step_ms,
         measured_peak_bytes=max(peaks) if peaks else None,
         per_rank=per_rank,
         consolidation="max",
+        in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap),
     )

@@ -1,0 +1,84 @@
+"""How much compute and an all-gather slow each other when they run at once on a CPU device.
+
+On CPU, gloo runs a collective in its own threads on the same cores as the
+training step's compute. With ``unshard_async_op=True`` an all-gather runs
+beside forward or backward compute, and both slow down. The simulator models
+this with one parameter, ``overlap_slowdown`` (:class:`planner.simulator.SimParams`):
+while both run, both progress at ``1 / overlap_slowdown`` of their speed, so
+compute of ``C`` ms beside an all-gather of ``M`` ms takes
+``max(C, M) + min(C, M) * (overlap_slowdown - 1)``. This module measures the
+three times the parameter is solved from, on the module with the largest
+all-gather, with a matrix multiply as the compute (:func:`overlap_timings`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+# The compute beside the all-gather: (rows x inner) @ (inner x inner) float32 matrix multiplies.
+_ROWS, _INNER = 64, 1024
+
+
+def _matmuls(count: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    for _ in range(count):
+        torch.mm(a, b)
+
+
+def _timed_ms(run) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    run()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def overlap_timings(modules: list[tuple[str, FSDPModule]], all_gather_ms: dict[str, float], repeats: int = 5
+                    ) -> dict[str, float | str]:
+    """Compute alone, all-gather alone, and both at once, interleaved over ``repeats`` rounds (CPU device).
+
+    Every rank calls this together. The all-gather is ``module.unshard()``
+    (all-gather and copy-out, as :func:`runtime.collective_timer.all_gather_ms`
+    times it) of the module with the largest ``all_gather_ms``; the compute is
+    as many matrix multiplies as take about as long. "Both" issues
+    ``module.unshard(async_op=True)``, runs the compute, then waits on the
+    handle, as FSDP2 does with ``unshard_async_op=True``.
+
+    Args:
+        modules: the FSDP modules, ``(fqn, module)``, all resharded.
+        all_gather_ms: isolated all-gather ms per FQN (chooses the module and
+            sizes the compute).
+        repeats: rounds; each round times the three in a rotated order.
+
+    Returns:
+        ``{"module": fqn, "all_gather_ms", "compute_ms", "overlapped_ms"}``:
+        medians over the rounds, this rank's wall times, ms.
+    """
+    fqn = max(all_gather_ms, key=lambda f: all_gather_ms[f])
+    module = dict(modules)[fqn]
+    a, b = torch.randn(_ROWS, _INNER), torch.randn(_INNER, _INNER)
+    one = statistics.median(_timed_ms(lambda: _matmuls(4, a, b)) / 4 for _ in range(5))
+    count = max(1, round(all_gather_ms[fqn] / max(one, 1e-3)))
+
+    def gather() -> None:
+        module.unshard()
+
+    def both() -> None:
+        handle = module.unshard(async_op=True)
+        _matmuls(count, a, b)
+        if handle is not None:
+            handle.wait()
+
+    runs = {"all_gather_ms": gather, "compute_ms": lambda: _matmuls(count, a, b), "overlapped_ms": both}
+    names = list(runs)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats + 1):  # the first round warms up and is dropped
+        for name in names[r % 3:] + names[:r % 3]:
+            ms = _timed_ms(runs[name])
+            module.reshard()
+            if r:
+                samples[name].append(ms)
+    return {"module": fqn, **{n: statistics.median(v) for n, v in samples.items()}}
