@@ -8,10 +8,11 @@ from planner.verdict import Verdict, confirmation_rounds, confirmation_text, det
 
 
 def describe(plan: Plan) -> str:
-    """A short human description of a plan (prefetch depths, async unshard)."""
+    """A short human description of a plan (prefetch depths, async unshard, no reshard after forward)."""
     fwd = max(len(m.forward_prefetch) for m in plan.modules.values())
     bwd = max(max(1, len(m.backward_prefetch)) for m in plan.modules.values())
-    return f"forward prefetch {fwd or 'implicit'}, backward prefetch {bwd}, async unshard {plan.unshard_async_op}"
+    kept = "" if any(m.reshard_after_forward for m in plan.modules.values()) else ", no reshard after forward"
+    return f"forward prefetch {fwd or 'implicit'}, backward prefetch {bwd}, async unshard {plan.unshard_async_op}{kept}"
 
 
 def tune_report(outcome: TuneOutcome, study: str) -> list[str]:

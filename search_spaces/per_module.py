@@ -71,6 +71,8 @@ def grid(profile: Profile) -> list[dict[str, Any]]:
     names = [name for name, _ in groups(profile)]
     out = []
     for g in uniform.grid(profile):
+        if not g["reshard_after_forward"]:  # this space keeps each module's setting
+            continue
         params: dict[str, Any] = {f"fwd:{n}": g["forward_depth"] for n in names}
         params.update({f"bwd:{n}": g["backward_depth"] for n in names})
         params["unshard_async_op"] = g["unshard_async_op"]

@@ -1,4 +1,4 @@
-"""``uniform``: one forward depth, one backward depth, async unshard, for every module.
+"""``uniform``: one forward depth, one backward depth, async unshard, reshard after forward, for every module.
 
 Parameters:
     forward_depth (0-3): each module explicitly prefetches the next k modules
@@ -6,6 +6,11 @@ Parameters:
     backward_depth (1-3): each module prefetches the next k modules in
         backward order; 1 keeps FSDP2's default (previous in post-forward order).
     unshard_async_op (bool): ``_set_unshard_async_op``.
+    reshard_after_forward (bool): True keeps each module's setting as wrapped
+        (FSDP2's default); False keeps every module's parameters unsharded
+        from its forward to its backward (``set_reshard_after_forward(False)``:
+        one all-gather per module less, its unsharded bytes held through the
+        step), torchtitan's ``reshard_after_forward`` policy.
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ NAME = "uniform"
 MAX_DEPTH = 3
 
 
-def build(profile: Profile, forward_depth: int, backward_depth: int, unshard_async_op: bool) -> Plan:
-    """The plan with the given uniform depths (see module docstring)."""
+def build(profile: Profile, forward_depth: int, backward_depth: int, unshard_async_op: bool,
+          reshard_after_forward: bool = True) -> Plan:
+    """The plan with the given uniform knobs (see module docstring)."""
     o = orders(profile)
     modules = {
         fqn: ModulePlan(
             forward_prefetch=o.next_in_forward(fqn, forward_depth),
             backward_prefetch=o.next_in_backward(fqn, backward_depth) if backward_depth > 1 else (),
-            reshard_after_forward=o.reshard_after_forward[fqn],
+            reshard_after_forward=o.reshard_after_forward[fqn] and reshard_after_forward,
         )
         for fqn in profile.fingerprint.module_fqns
     }
@@ -42,12 +48,13 @@ def suggest(trial: Any, profile: Profile) -> Plan:
         trial.suggest_int("forward_depth", 0, MAX_DEPTH),
         trial.suggest_int("backward_depth", 1, MAX_DEPTH),
         trial.suggest_categorical("unshard_async_op", [False, True]),
+        trial.suggest_categorical("reshard_after_forward", [True, False]),
     )
 
 
 def grid(profile: Profile) -> list[dict[str, Any]]:
     """Every parameter set of the space, FSDP2's default first."""
     return [
-        {"forward_depth": f, "backward_depth": b, "unshard_async_op": a}
-        for a, f, b in itertools.product([False, True], range(MAX_DEPTH + 1), range(1, MAX_DEPTH + 1))
+        {"forward_depth": f, "backward_depth": b, "unshard_async_op": a, "reshard_after_forward": r}
+        for r, a, f, b in itertools.product([True, False], [False, True], range(MAX_DEPTH + 1), range(1, MAX_DEPTH + 1))
     ]

@@ -99,7 +99,7 @@ def simulated_stage(
     study = optuna.create_study(direction="minimize", sampler=make_sampler(search.sampler, search.seed + len(previous)))
     study.add_trials(previous)
     if not previous:
-        for p in space.grid(profile):
+        for p in space.grid(profile)[: search.sim_trials]:  # none left waiting
             study.enqueue_trial(p)
 
     def objective(trial: optuna.Trial) -> float:

@@ -36,9 +36,10 @@ def _run(make_profile, config, measured_ms):
 def test_simulated_stage_enqueues_grid_and_ranks_candidates(make_profile, config):
     profile, sim, candidates, _ = _run(make_profile, config, [100.0, 90.0, 80.0, 95.0])
     assert len(sim.trials) == 40
-    # FSDP2's default and the 24-point uniform grid come first
-    assert sim.trials[0].params == {"forward_depth": 0, "backward_depth": 1, "unshard_async_op": False}
-    assert len({tuple(sorted(t.params.items())) for t in sim.trials[:24]}) == 24
+    # FSDP2's default and the 48-point uniform grid come first (the first 40 of it here)
+    assert sim.trials[0].params == {"forward_depth": 0, "backward_depth": 1, "unshard_async_op": False,
+                                    "reshard_after_forward": True}
+    assert len({tuple(sorted(t.params.items())) for t in sim.trials}) == 40
     assert candidates[0].plan.is_default_for(profile)
     assert len(candidates) == 4
     assert len({c.plan.behaviour_key() for c in candidates}) == 4
