@@ -36,28 +36,30 @@ def _timed_ms(run) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def overlap_timings(modules: list[tuple[str, FSDPModule]], all_gather_ms: dict[str, float], repeats: int = 5
-                    ) -> dict[str, float | str]:
+def overlap_timings(modules: list[tuple[str, FSDPModule]], unsharded_numels: dict[str, int],
+                    all_gather_ms: dict[str, float], repeats: int = 5) -> dict[str, float | str]:
     """Compute alone, all-gather alone, and both at once, interleaved over ``repeats`` rounds (CPU device).
 
     Every rank calls this together. The all-gather is ``module.unshard()``
     (all-gather and copy-out, as :func:`runtime.collective_timer.all_gather_ms`
-    times it) of the module with the largest ``all_gather_ms``; the compute is
-    as many matrix multiplies as take about as long. "Both" issues
+    times it) of the module with the most unsharded parameters; the compute is
+    as many matrix multiplies as this rank's ``all_gather_ms`` of it. "Both" issues
     ``module.unshard(async_op=True)``, runs the compute, then waits on the
     handle, as FSDP2 does with ``unshard_async_op=True``.
 
     Args:
         modules: the FSDP modules, ``(fqn, module)``, all resharded.
-        all_gather_ms: isolated all-gather ms per FQN (chooses the module and
-            sizes the compute).
+        unsharded_numels: unsharded parameter elements per FQN, the same on
+            every rank: chooses the module (a choice by this rank's timings
+            could differ between ranks and mismatch the collectives).
+        all_gather_ms: this rank's isolated all-gather ms per FQN (sizes the compute).
         repeats: rounds; each round times the three in a rotated order.
 
     Returns:
         ``{"module": fqn, "all_gather_ms", "compute_ms", "overlapped_ms"}``:
         medians over the rounds, this rank's wall times, ms.
     """
-    fqn = max(all_gather_ms, key=lambda f: all_gather_ms[f])
+    fqn = max(unsharded_numels, key=lambda f: unsharded_numels[f])  # the first of equals: the same on every rank
     module = dict(modules)[fqn]
     a, b = torch.randn(_ROWS, _INNER), torch.randn(_INNER, _INNER)
     one = statistics.median(_timed_ms(lambda: _matmuls(4, a, b)) / 4 for _ in range(5))

@@ -125,7 +125,8 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
     compute = _compute_unsharded(workload, repeats, device, raf)
     ag_ms = all_gather_ms(modules, repeats, device)
-    overlap = overlap_timings(modules, ag_ms, max(repeats, 10)) if device != "cuda" else None
+    numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels))
+    overlap = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
     rs_ms, sharded = {}, {}
     for fqn, numel in zip(fingerprint.module_fqns, fingerprint.param_numels):
         own = own_parameters(modules, fqn)

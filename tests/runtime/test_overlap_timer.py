@@ -9,12 +9,14 @@ from runtime.reference_workloads import mlp
 from runtime.workload import fsdp_modules
 
 
-def test_overlap_timings_time_the_largest_all_gather_and_reshard(mesh):
+def test_overlap_timings_time_the_largest_module_and_reshard(mesh):
     workload = mlp(mesh, dim=64, layers=3)
     modules = fsdp_modules(workload.model)
     largest = modules[2][0]
-    all_gather_ms = {fqn: (5.0 if fqn == largest else 1.0) for fqn, _ in modules}
-    timings = overlap_timings(modules, all_gather_ms, repeats=2)
+    numels = {fqn: (500 if fqn == largest else 100) for fqn, _ in modules}
+    # chosen by size, the same on every rank, not by this rank's timings (which name another module here)
+    all_gather_ms = {fqn: (1.0 if fqn == largest else 5.0) for fqn, _ in modules}
+    timings = overlap_timings(modules, numels, all_gather_ms, repeats=2)
     assert timings["module"] == largest
     assert all(timings[k] > 0 for k in ("all_gather_ms", "compute_ms", "overlapped_ms"))
     # "both" runs the compute too: it cannot take less than most of the compute alone
