@@ -15,7 +15,8 @@ def unwrapped(mesh, **kwargs):
 
 
 def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
-    """The test MLP, but rank 1 raises inside a forward whenever explicit forward prefetch is on.
+    """The test MLP, but rank 1 raises inside a forward whenever explicit forward prefetch is on, or the first
+    block keeps its parameters unsharded after forward (both hold more memory).
 
     Stands in for a rank-specific failure in the middle of a step (an
     out-of-memory error on one GPU under a deeper prefetch): the raise comes
@@ -32,17 +33,23 @@ def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
 
     workload = mlp(mesh, **kwargs)
     blocks = workload.model.blocks
-    configured = {"depth": 0}
-    setter = blocks[0].set_modules_to_forward_prefetch
+    configured = {"depth": 0, "kept": False}
+    setter, reshard_setter = blocks[0].set_modules_to_forward_prefetch, blocks[0].set_reshard_after_forward
 
     def set_forward_prefetch(modules):
         configured["depth"] = len(modules)
         setter(modules)
 
+    def set_reshard_after_forward(reshard, **kwargs):
+        configured["kept"] = not reshard
+        reshard_setter(reshard, **kwargs)
+
     blocks[0].set_modules_to_forward_prefetch = set_forward_prefetch
+    blocks[0].set_reshard_after_forward = set_reshard_after_forward
 
     def fail(module, args):
-        if mesh.get_rank() == 1 and configured["depth"] >= 1 and not (first_attempt_only and restarted):
+        memory_hungry = configured["depth"] >= 1 or configured["kept"]
+        if mesh.get_rank() == 1 and memory_hungry and not (first_attempt_only and restarted):
             raise RuntimeError("CUDA out of memory (simulated on rank 1)")
 
     blocks[1].register_forward_pre_hook(fail)
