@@ -18,10 +18,11 @@ before this module). Three causes, each measured:
   two cores (fair sharing would be 2; a small MLP forward or backward instead
   of the matrix multiplies gave the same). Real steps see about half that
   excess: calibration on 15 measured plans found ``overlap_slowdown`` 1.56
-  (Llama) and 1.47 (GPT-2). The simulator's overlap window is the whole
-  scaled all-gather from its issue, longer than the time the two really
-  share; :data:`STEP_OVERLAP_SHARE` is that empirical half, chosen on those
-  runs and checked on later ones (``bench/fidelity.py``).
+  (Llama) and 1.47 (GPT-2). A likely reason, not yet measured: the
+  simulator's overlap window is the whole scaled all-gather from its issue,
+  which may be longer than the time the two really share in a step.
+  :data:`STEP_OVERLAP_SHARE` is that empirical half, chosen on those runs and
+  checked on later ones (``bench/fidelity.py``).
 Calibration then starts from these values (:mod:`planner.calibrate`).
 """
 

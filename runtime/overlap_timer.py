@@ -7,8 +7,9 @@ this with one parameter, ``overlap_slowdown`` (:class:`planner.simulator.SimPara
 while both run, both progress at ``1 / overlap_slowdown`` of their speed, so
 compute of ``C`` ms beside an all-gather of ``M`` ms takes
 ``max(C, M) + min(C, M) * (overlap_slowdown - 1)``. This module measures the
-three times the parameter is solved from, on the module with the largest
-all-gather, with a matrix multiply as the compute (:func:`overlap_timings`).
+three times the parameter is solved from (:mod:`planner.in_step`), on the
+module with the most unsharded parameters, with matrix multiplies as the
+compute (:func:`overlap_timings`).
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ What it records and how (docs/architecture.md, "Measurement"):
 - Activation bytes saved for backward, per module.
 - All-gather ms and reduce-scatter ms in isolation, all ranks together
   (:mod:`runtime.collective_timer`). Medians of several repeats.
-- On a CPU device, the largest all-gather and compute alone and at once
-  (:mod:`runtime.overlap_timer`).
+- On a CPU device, the all-gather of the module with the most unsharded
+  parameters and compute, alone and at once (:mod:`runtime.overlap_timer`).
 - Per-rank figures are consolidated with ``all_gather_object``: max across
-  ranks, per-rank kept.
+  ranks (the overlap timings: mean across ranks), per-rank kept.
 """
 
 from __future__ import annotations
