@@ -121,7 +121,7 @@ def fit_family(profile: Profile, observations: list[Observation], names: tuple[s
     lower = np.array([PARAMETERS[n][0] for n in names])
     upper = np.array([PARAMETERS[n][1] for n in names])
     prior_sd = np.array([PARAMETERS[n][2] for n in names])
-    default = in_step_params(dataclasses.replace(profile, calibration=None))
+    default = in_step_params(profile)
     x0 = np.array([getattr(default, n) for n in names], float)
 
     def params_at(x: np.ndarray) -> SimParams:
@@ -209,7 +209,7 @@ def fit(profile: Profile, observations: list[Observation]) -> SimParams:
     """
     if len(observations) < 2:
         raise PlannerError(f"calibration needs at least 2 measured plans, found {len(observations)}")
-    return calibrate(profile, observations).params or in_step_params(dataclasses.replace(profile, calibration=None))
+    return calibrate(profile, observations).params or in_step_params(profile)
 
 
 def calibrated(profile: Profile, params: SimParams) -> Profile:
