@@ -19,11 +19,12 @@ Example (``studies/llama-cpu.toml``)::
     timeout_s = 900       # the longest any rank waits for another
 
     [search]
-    space = "uniform"      # or "per_module"
+    space = "uniform"      # or "per_module", "assign"
     sampler = "tpe"        # or "nsga2" (cheaper per trial with many parameters), "random"
     sim_trials = 200
     measured_trials = 3
     seed = 0
+    memory_budget = "+150MiB"  # or "1.5GiB", "+10%"; unset: no budget
 
     [measure]
     warmup_steps = 1
@@ -44,6 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
 from planner.errors import StudyConfigError
+from planner.memory_budget import MemoryBudget
 from planner.race import RaceSettings
 from planner.samplers import SAMPLERS
 from planner.schedule import ConfirmSettings
@@ -130,6 +132,9 @@ class SearchTable(_Table):
         candidate_band_pct: plans predicted within this many % of the best are
             as good as the model can tell; among them the candidates differ
             in what they do.
+        memory_budget: the per-rank peak a written plan may reach
+            (:class:`planner.memory_budget.MemoryBudget`: ``"1.5GiB"``,
+            ``"+150MiB"``, ``"+10%"``); unset: no budget.
     """
 
     space: StrictStr = "uniform"
@@ -138,6 +143,21 @@ class SearchTable(_Table):
     measured_trials: StrictInt = Field(3, ge=0)
     seed: StrictInt = 0
     candidate_band_pct: StrictFloat = Field(5.0, ge=0.0)
+    memory_budget: StrictStr | None = None
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _parses(cls, text: str | None) -> str | None:
+        if text is not None:
+            try:
+                MemoryBudget.parse(text)
+            except StudyConfigError as e:
+                raise ValueError(str(e)) from None
+        return text
+
+    def budget(self) -> MemoryBudget | None:
+        """The parsed :attr:`memory_budget`, ``None`` when unset."""
+        return MemoryBudget.parse(self.memory_budget) if self.memory_budget is not None else None
 
     @field_validator("space")
     @classmethod

@@ -150,9 +150,14 @@ class Profile:
         modules: per FSDP module figures, keyed by FQN.
         optimizer_ms: ``optimizer.step()`` time.
         optimizer_state_bytes: bytes of optimizer state on this rank.
+        optimizer_temp_bytes: bytes ``optimizer.step()`` allocates above
+            what is alive when it starts, at its peak (temporaries), this rank.
         measured_step_ms: median step time of the recording run (default plan),
             max across ranks.
-        measured_peak_bytes: allocator peak of the recording run on GPU, else None.
+        measured_peak_bytes: FSDP2's default plan's peak in the recording run,
+            max across ranks, bytes (``runtime.peak_memory``: the allocator's
+            peak on GPU, profiled tensor bytes on CPU); ``None`` in profiles
+            recorded before it was measured on CPU.
         per_rank: each rank's raw figures, as gathered with ``all_gather_object``.
         consolidation: how per-rank figures were merged (``"max"``).
         microbatches: forward/backward passes per optimizer step (gradient
@@ -172,6 +177,7 @@ class Profile:
     modules: dict[str, ModuleProfile]
     optimizer_ms: float
     optimizer_state_bytes: int = 0
+    optimizer_temp_bytes: int = 0
     measured_step_ms: float | None = None
     measured_peak_bytes: int | None = None
     per_rank: list[dict[str, Any]] = field(default_factory=list)
@@ -222,6 +228,7 @@ class Profile:
                 modules=modules,
                 optimizer_ms=float(d["optimizer_ms"]),
                 optimizer_state_bytes=int(d.get("optimizer_state_bytes", 0)),
+                optimizer_temp_bytes=int(d.get("optimizer_temp_bytes", 0)),
                 measured_step_ms=d.get("measured_step_ms"),
                 measured_peak_bytes=d.get("measured_peak_bytes"),
                 per_rank=list(d.get("per_rank", [])),

@@ -140,9 +140,11 @@ class SimResult:
         step_ms: predicted step time (all microbatches' forward and backward,
             then the optimizer), ms.
         exposed_comm_ms: step time not covered by compute, ms.
-        peak_bytes: predicted peak memory per rank, bytes (sharded state +
-            optimizer state + the peak of unsharded parameters, gradients,
-            reduce-scatter buffers and activations alive at once).
+        peak_bytes: predicted peak memory per rank, bytes: sharded
+            parameters and optimizer state, plus the peak of what the step
+            allocates at once (unsharded parameters, unsharded and sharded
+            gradients, reduce-scatter buffers, activations, the optimizer's
+            temporaries); [Note: Memory in program order].
         lower_bound_ms: ``max(sum of compute, sum of communication)`` with one
             all-gather and one reduce-scatter per module: no plan does better.
         compute_ms: total compute, ms.
@@ -194,6 +196,7 @@ class _Compiled:
             unsharded_bytes=np.array([m.unsharded_bytes for m in mods], i64),
             grad_bytes=np.array([m.grad_bytes // m.calls for m in mods], i64),
             activation_bytes=np.array([m.activation_bytes // m.calls for m in mods], i64),
+            sharded_bytes=np.array([m.sharded_bytes for m in mods], i64),
             children=np.array([self.index[f] for f in p.pre_forward_order if f != p.root_fqn], i64),
             post_forward=np.array(post, i64),
             root=root,
@@ -206,9 +209,10 @@ class _Compiled:
             gpu=p.fingerprint.device_type != "cpu",
             microbatches=int(p.microbatches),
             optimizer_ms=float(p.optimizer_ms),
+            optimizer_temp_bytes=int(p.optimizer_temp_bytes),
         )
         self.fields = tuple(self.arrays)  # [Note: Plain tuples at the boundary] in planner._kernel
-        self.baseline_bytes = sum(m.sharded_bytes * 2 for m in mods) + p.optimizer_state_bytes
+        self.baseline_bytes = sum(m.sharded_bytes for m in mods) + p.optimizer_state_bytes  # alive at step start
         compute = sum(m.fwd_ms + m.bwd_ms for m in mods) * p.microbatches + p.optimizer_ms
         self.lower_bound_ms = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
         self.trace_rows = 8 * (len(post) + len(self.names)) * p.microbatches + 16

@@ -2,10 +2,12 @@
 
 What it records and how (docs/architecture.md, "Measurement"):
 
-- Step ms, optimizer ms (and peak memory on GPU) of FSDP2's default plan:
-  median over timed steps after warm-up, timed last, when the run is warm
+- Step ms, optimizer ms and peak memory of FSDP2's default plan: median
+  over timed steps after warm-up, timed last, when the run is warm
   (the first steps after the model is built ran 50% slower: [Note: Why the
-  isolated figures are not enough] in :mod:`planner.in_step`).
+  isolated figures are not enough] in :mod:`planner.in_step`); then the
+  peak of :data:`runtime.peak_memory.PEAK_STEPS` untimed steps, and what
+  the optimizer step allocates on top (:func:`runtime.peak_memory.measure_peak`).
 - Pre- and post-forward order of the FSDP modules, with multiplicity, from
   forward hooks; compute ms per module, forward and backward, exclusive of
   nested FSDP modules (:class:`runtime.compute_timer.ComputeTimer`): every
@@ -38,15 +40,14 @@ from runtime.collective_timer import all_gather_ms, reduce_scatter_ms
 from runtime.compute_timer import TIMED, ComputeTimer
 from runtime.measure import device_type_of, synchronize
 from runtime.overlap_timer import overlap_timings
+from runtime.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
 from runtime.torch_private import clear_unsharded_grads, reshard_after_forward
 from runtime.workload import Workload, fsdp_modules, own_parameters, train_step
 
 
 def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
-    """FSDP2's default plan: median step ms and optimizer ms, and the allocator peak on GPU (run warm)."""
+    """FSDP2's default plan: median step ms and optimizer ms, then its peak memory (run warm)."""
     model, optimizer = workload.model, workload.optimizer
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     step_ms, opt_ms = [], []
     for s in range(steps):
         dist.barrier()
@@ -61,8 +62,10 @@ def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str
         t2 = time.perf_counter()
         step_ms.append((t2 - t0) * 1e3)
         opt_ms.append((t2 - t1) * 1e3)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    return {"step_ms": statistics.median(step_ms), "optimizer_ms": statistics.median(opt_ms), "peak_bytes": peak}
+    peaks = [measure_peak(workload, steps + s) for s in range(PEAK_STEPS)]
+    return {"step_ms": statistics.median(step_ms), "optimizer_ms": statistics.median(opt_ms),
+            "peak_bytes": [p.peak_bytes for p in peaks],
+            "optimizer_temp_bytes": max(p.optimizer_temp_bytes for p in peaks)}
 
 
 def _compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[str, bool]) -> dict[str, Any]:
@@ -190,7 +193,6 @@ def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, 
             calls=max(1, calls.get(fqn, 1)),
         )
     root = fingerprint.module_fqns[0]
-    peaks = [r["peak_bytes"] for r in per_rank if r["peak_bytes"] is not None]
     overlap = None
     if first["overlap"] is not None:
         overlap = {"module": first["overlap"]["module"],
@@ -204,7 +206,8 @@ def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, 
         optimizer_ms=max(r["optimizer_ms"] for r in per_rank),
         optimizer_state_bytes=max(r["optimizer_state_bytes"] for r in per_rank),
         measured_step_ms=step_ms,
-        measured_peak_bytes=max(peaks) if peaks else None,
+        optimizer_temp_bytes=max(r["optimizer_temp_bytes"] for r in per_rank),
+        measured_peak_bytes=peak_of_steps([r["peak_bytes"] for r in per_rank]),
         per_rank=per_rank,
         consolidation="max",
         in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap),

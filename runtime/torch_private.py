@@ -152,3 +152,32 @@ def watching_unshard_and_reshard(
         yield
     finally:
         FSDPParamGroup.unshard, FSDPParamGroup.reshard = unshard, reshard
+
+
+def profiler_allocations(prof: Any, within: str | None = None) -> list[tuple[int, int, int]]:
+    """``(time ns, bytes allocated (+) or freed (-), total allocated after it)`` of a memory profile, in time order.
+
+    ``within``: only the allocations inside a ``torch.profiler.record_function(within)`` block.
+
+    Why: the measured peak on a CPU device. ``torch.profiler.profile(profile_memory=True)``
+    records every allocation with the allocator's running total
+    (``c10::ProfiledCPUMemoryReporter``: "Total Allocated", bytes allocated
+    while profiling and still alive, from every thread); the public
+    ``prof.events()`` folds allocations into their ops and keeps no running
+    total. Read from ``prof.profiler.kineto_results.experimental_event_tree()``,
+    events tagged ``torch._C._profiler._EventType.Allocation``
+    (``extra_fields.alloc_size``, ``total_allocated``).
+    """
+    from torch._C._profiler import _EventType
+
+    out: list[tuple[int, int, int]] = []
+    stack = [(e, within is None) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        event, inside = stack.pop()
+        if event.tag == _EventType.Allocation and inside:
+            fields = event.extra_fields
+            out.append((event.start_time_ns, int(fields.alloc_size), int(fields.total_allocated)))
+        inside = inside or event.name == within
+        stack.extend((child, inside) for child in event.children)
+    out.sort()
+    return out

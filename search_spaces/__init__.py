@@ -10,9 +10,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from planner.errors import StudyConfigError
-from search_spaces import per_module, uniform
+from search_spaces import assign, per_module, uniform
 
-SPACES: dict[str, ModuleType] = {uniform.NAME: uniform, per_module.NAME: per_module}
+SPACES: dict[str, ModuleType] = {uniform.NAME: uniform, per_module.NAME: per_module, assign.NAME: assign}
 
 
 def get_space(name: str) -> ModuleType:

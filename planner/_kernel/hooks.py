@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from planner._kernel.param_group import reduce_scatter, reshard, unshard, wait_for_unshard
 from planner._kernel.state import (
-    BACKWARD, COMM_TOTAL, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, FORWARD, GRAD_ALIVE, LAST_REDUCE_SCATTER_END,
+    BACKWARD, COMM_TOTAL, SHARDED_GRAD_ALIVE, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, FORWARD, GRAD_ALIVE, LAST_REDUCE_SCATTER_END,
     OPTIMIZER, PEAK, PENDING, RS_HEAD, RS_TAIL, SAMPLES, SHARDED, UNSHARD_STATE, UNSHARDED_PEAK, KernelParams, PlanArrays, ProfileArrays, Trace,
     new_step, njit,
 )
@@ -44,7 +44,7 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
         if module_state[i, UNSHARD_STATE] == SHARDED:
             unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
         if module_state[i, UNSHARD_STATE] == PENDING:
-            wait_for_unshard(i, True, cfg, clock, counters, module_state, ag_end, in_flight, events)
+            wait_for_unshard(i, True, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
         for p in range(offsets[i], offsets[i + 1]):
             t = targets[p]
             if module_state[t, UNSHARD_STATE] == SHARDED:
@@ -81,7 +81,7 @@ def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
     if module_state[i, UNSHARD_STATE] == SHARDED:
         unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
     if module_state[i, UNSHARD_STATE] == PENDING:
-        wait_for_unshard(i, False, cfg, clock, counters, module_state, ag_end, in_flight, events)
+        wait_for_unshard(i, False, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
     first, last = plan.backward_prefetch_offsets[i], plan.backward_prefetch_offsets[i + 1]
     for p in range(first, last):
         t = plan.backward_prefetch_targets[p]
@@ -111,6 +111,9 @@ def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
         reduce_scatter(i, prof.reduce_scatter_ms, prof.grad_bytes, cfg, clock, counters, st.reduce_scatter_end,
                        st.reduce_scatter_bytes, events, samples)
         module_state[i, GRAD_ALIVE] = 0
+        if not module_state[i, SHARDED_GRAD_ALIVE]:  # foreach_reduce: the sharded gradient, kept to the optimizer
+            module_state[i, SHARDED_GRAD_ALIVE] = 1
+            allocate(clock, counters, samples, prof.sharded_bytes[i])
 
 
 @njit(cache=True)
@@ -125,6 +128,9 @@ def _microbatch_backward(last, prof, plan, cfg, st, trace, compute_scale):
     reshard_after = last or plan.reshard_after_backward
     post, root = prof.post_forward, prof.root
     _pre_backward(root, prof.root_post_index, prof, plan, cfg, st, trace)
+    if not st.module_state[root, GRAD_ALIVE]:  # the root's head (LM head) gets its gradients first
+        st.module_state[root, GRAD_ALIVE] = 1
+        allocate(st.clock, st.counters, trace.samples, prof.grad_bytes[root])
     if prof.root_backward_pre_ms > 0:
         compute(root, BACKWARD, prof.root_backward_pre_ms * compute_scale, cfg, st.clock, st.counters, st.in_flight,
                 st.all_gather_end, st.module_state, trace.events)
@@ -171,8 +177,10 @@ def step(profile_fields, plan_fields, param_fields, events, samples):
             allocate(clock, counters, samples, -st.reduce_scatter_bytes[q])
     elif clock[LAST_REDUCE_SCATTER_END] > clock[CPU]:
         clock[CPU] = clock[LAST_REDUCE_SCATTER_END]
+    allocate(clock, counters, samples, prof.optimizer_temp_bytes)  # e.g. Adam's foreach temporaries
     if prof.optimizer_ms > 0:
         compute(prof.root, OPTIMIZER, prof.optimizer_ms * params.compute_scale, cfg, clock, counters, st.in_flight,
                 st.all_gather_end, st.module_state, events)
+    allocate(clock, counters, samples, -prof.optimizer_temp_bytes)
     return (clock[CPU], clock[COMPUTE_STREAM], clock[COMPUTE_TOTAL], clock[COMM_TOTAL], counters[PEAK],
             counters[UNSHARDED_PEAK], counters[EVENTS], counters[SAMPLES])

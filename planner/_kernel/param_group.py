@@ -16,6 +16,16 @@ from planner._kernel.state import (
 )
 from planner._kernel.timeline import allocate, event
 
+# [Note: Gloo's all-gather buffer]
+# On a CPU device (gloo) an all-gather allocates, besides FSDP2's output,
+# a second buffer of the output's size (seen in the profiler under
+# ``FSDP::all_gather`` as two ``aten::empty`` of the unsharded bytes). A
+# synchronous all-gather frees it before returning; with ``async_op=True``
+# it stays alive while the all-gather is in flight, beside the compute,
+# until ``wait_for_unshard``. On the reference Llama this put the measured
+# peak of every async plan one block's unsharded bytes above FSDP2's
+# default, which the model missed (bench/peak_memory.py).
+
 
 @njit(cache=True)
 def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight,
@@ -46,14 +56,18 @@ def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_stat
         in_flight[counters[IN_FLIGHT]] = i
         counters[IN_FLIGHT] += 1
     event(events, counters, ALL_GATHER, i, start, end)
+    if not cfg.gpu:
+        allocate(clock, counters, samples, unsharded_bytes[i])  # [Note: Gloo's all-gather buffer]
     if not cfg.gpu and not cfg.unshard_async_op:  # [Note: CPU device] a sync collective blocks the thread
         clock[CPU] = end
+        allocate(clock, counters, samples, -unsharded_bytes[i])
     module_state[i, UNSHARD_STATE] = PENDING
     all_gather_end[i] = end
 
 
 @njit(cache=True)
-def wait_for_unshard(i, forward, cfg, clock, counters, module_state, all_gather_end, in_flight, events):
+def wait_for_unshard(i, forward, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events,
+                     samples):
     """``FSDPParamGroup.wait_for_unshard`` of module ``i`` (callers check its all-gather is pending).
 
     GPU: the compute stream waits for the all-gather; in forward without
@@ -77,9 +91,16 @@ def wait_for_unshard(i, forward, cfg, clock, counters, module_state, all_gather_
             if clock[LAST_COPY_OUT] >= 0 and clock[LAST_COPY_OUT] > clock[ALL_GATHER_STREAM]:
                 clock[ALL_GATHER_STREAM] = clock[LAST_COPY_OUT]
             clock[LAST_COPY_OUT] = clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]
-    elif end > clock[CPU]:
-        event(events, counters, CPU_WAIT, i, clock[CPU], end)
-        clock[CPU] = end
+    else:
+        if end > clock[CPU]:
+            event(events, counters, CPU_WAIT, i, clock[CPU], end)
+            clock[CPU] = end
+        if cfg.unshard_async_op:  # [Note: Gloo's all-gather buffer] released with the waited work
+            allocate(clock, counters, samples, -unsharded_bytes[i])
+    # foreach_all_gather_copy_out: the unsharded parameters are allocated and filled from the all-gather
+    # output, which is freed after the copy: for a moment both are alive.
+    allocate(clock, counters, samples, unsharded_bytes[i])
+    allocate(clock, counters, samples, -unsharded_bytes[i])
     module_state[i, UNSHARD_STATE] = UNSHARDED
 
 
@@ -90,7 +111,8 @@ def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_e
     A prefetch still pending is waited on first.
     """
     if module_state[i, UNSHARD_STATE] == PENDING:
-        wait_for_unshard(i, False, cfg, clock, counters, module_state, all_gather_end, in_flight, events)
+        wait_for_unshard(i, False, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight,
+                         events, samples)
     allocate(clock, counters, samples, -unsharded_bytes[i])
     counters[UNSHARDED_ALIVE] -= unsharded_bytes[i]
     module_state[i, UNSHARD_STATE] = SHARDED
@@ -103,11 +125,13 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
     GPU: queued behind at most ``reduce_scatter_max_input_buffers`` earlier
     ones (``ReduceScatterState``; ``queue_end``/``queue_bytes`` from
     ``counters[RS_HEAD]`` to ``counters[RS_TAIL]``), each holding its input
-    buffer until it ends. CPU: synchronous ([Note: CPU device]).
+    buffer until it ends. CPU: synchronous ([Note: CPU device]). The input
+    buffer is a copy of the unsharded gradient, which is freed once copied
+    in; for that moment both are alive.
     """
     if cfg.gpu:
-        # reduce_scatter_max_input_buffers: the compute stream waits on the
-        # oldest reduce-scatter before reusing its input buffer.
+        # reduce_scatter_max_input_buffers: before foreach_reduce, the compute stream waits on the
+        # oldest reduce-scatter and its input buffer is freed (FSDPParamGroup.post_backward).
         while counters[RS_TAIL] - counters[RS_HEAD] >= cfg.reduce_scatter_max_input_buffers:
             head = counters[RS_HEAD]
             if queue_end[head] > clock[COMPUTE_STREAM]:
@@ -117,6 +141,10 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
         issue = clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]
     else:
         issue = clock[CPU]
+    # foreach_reduce copies the unsharded gradient into a new input buffer, then drops the gradient:
+    # for a moment both are alive.
+    allocate(clock, counters, samples, grad_bytes[i])
+    allocate(clock, counters, samples, -grad_bytes[i])
     start = issue if issue > clock[PROCESS_GROUP] else clock[PROCESS_GROUP]
     end = start + reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
     clock[PROCESS_GROUP] = end
@@ -129,5 +157,5 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
         counters[RS_TAIL] = tail + 1
     else:
         clock[CPU] = end  # [Note: CPU device] the reduce-scatter is synchronous
-        allocate(clock, counters, samples, -grad_bytes[i])
+        allocate(clock, counters, samples, -grad_bytes[i])  # its input buffer
     clock[LAST_REDUCE_SCATTER_END] = end

@@ -61,7 +61,8 @@ COUNTERS = 9
 UNSHARD_STATE = 0  # SHARDED, PENDING (all-gather issued, not waited on) or UNSHARDED
 ALL_GATHER_ROW = 1  # the trace row of the module's last all-gather (-1: none)
 GRAD_ALIVE = 2  # 1 while its unsharded gradient is allocated
-MODULE_FIELDS = 3
+SHARDED_GRAD_ALIVE = 3  # 1 once its sharded gradient exists (the reduce-scatter's output, kept to the optimizer)
+MODULE_FIELDS = 4
 SHARDED, PENDING, UNSHARDED = 0, 1, 2
 
 # Trace event kinds (planner.simulator names them).
@@ -78,6 +79,7 @@ class ProfileArrays(NamedTuple):
     unsharded_bytes: np.ndarray  # int64[n]
     grad_bytes: np.ndarray  # int64[n], per call
     activation_bytes: np.ndarray  # int64[n], per call
+    sharded_bytes: np.ndarray  # int64[n]: this rank's parameter shard, and so its sharded gradient
     children: np.ndarray  # int64: the modules other than the root, in pre-forward order
     post_forward: np.ndarray  # int64: the post-forward order, with multiplicity
     root: int
@@ -90,6 +92,7 @@ class ProfileArrays(NamedTuple):
     gpu: bool
     microbatches: int
     optimizer_ms: float
+    optimizer_temp_bytes: int  # what optimizer.step() allocates above its start, at its peak
 
 
 class PlanArrays(NamedTuple):

@@ -19,11 +19,12 @@ from planner.study.queries import (
     BestPlan, StudyOverview, TrialStage, best_plan, best_plan_for, confirmed_trials, latest_calibration, list_studies, study_trials,
 )
 from planner.study.simulated import (
-    SIM_SUFFIX, Candidate, complete_trials, distinct_plans, plan_key, select_candidates, simulated_stage,
+    SIM_METRICS, SIM_SUFFIX, Candidate, complete_trials, distinct_plans, plan_key, select_candidates, simulated_stage,
+    smallest_peak,
 )
 
 __all__ = [
     "SIM_SUFFIX", "BestPlan", "Candidate", "Heartbeat", "MeasuredStage", "MeasuredTrial", "StudyOverview", "TrialStage",
     "best_plan", "best_plan_for", "complete_trials", "confirmed_trials", "distinct_plans", "latest_calibration", "list_studies", "plan_key", "select_candidates",
-    "simulated_stage", "study_trials",
+    "simulated_stage", "smallest_peak", "study_trials", "SIM_METRICS",
 ]

@@ -128,6 +128,8 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
             "measured_ratio": t.user_attrs.get("measured_ratio"), "ratio_ci95": t.user_attrs.get("ratio_ci95"),
             "rounds": t.user_attrs.get("rounds"),
             "race_ratio": t.user_attrs.get("race_ratio"), "dropped_after_round": t.user_attrs.get("dropped_after_round"),
+            "predicted_peak_bytes": t.user_attrs.get("predicted_peak_bytes"),
+            "measured_peak_bytes": t.user_attrs.get("measured_peak_bytes"),
         }
         for t in study.trials
     ]
@@ -138,7 +140,8 @@ def study_trials(url: str, name: str) -> list[dict[str, Any]]:
     for t in sim.trials if sim else []:
         rows.append({
             "stage": TrialStage.SIMULATED, "number": t.number, "state": t.state.name,
-            "predicted_ms": t.value, "measured_ms": None, "is_default": None, "params": t.params,
+            "predicted_ms": t.values[0] if t.values else None, "measured_ms": None, "is_default": None,
+            "params": t.params, "predicted_peak_bytes": t.user_attrs.get("peak_bytes"),
         })
     return rows
 

@@ -10,7 +10,7 @@ from typing import Any
 import optuna
 
 from planner.config import StudyConfig
-from planner.errors import PlannerError
+from planner.errors import PlannerError, StudyConfigError
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.samplers import make_sampler
@@ -18,7 +18,9 @@ from planner.simulator import SimParams, simulate
 from search_spaces import get_space
 
 SIM_SUFFIX = ".sim"
-SIM_METRIC = "predicted_step_ms"  # the simulated study's objective, ms
+# The simulated study's objectives: predicted step ms and predicted peak bytes per rank (a Pareto front).
+SIM_METRICS = ("predicted_step_ms", "predicted_peak_bytes")
+SIM_METRIC = SIM_METRICS[0]
 
 # [Note: Candidates worth racing]
 # The race can only confirm what it is given, and the uncalibrated model ties
@@ -50,11 +52,11 @@ class Candidate:
     predicted_peak_bytes: int
 
 
-def name_objective(study: optuna.Study, name: str) -> None:
-    """``study.set_metric_names([name])`` (optuna-dashboard shows it), without its "experimental" warning."""
+def name_objective(study: optuna.Study, *names: str) -> None:
+    """``study.set_metric_names(names)`` (optuna-dashboard shows them), without its "experimental" warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study.set_metric_names([name])
+        study.set_metric_names(list(names))
 
 
 def plan_key(plan: Plan) -> str:
@@ -68,8 +70,15 @@ def simulated_stage(
     storage: optuna.storages.BaseStorage,
     params: SimParams | None = None,
     show_progress_bar: bool = True,
+    budget_bytes: int | None = None,
 ) -> optuna.Study:
     """Run ``[search] sim_trials`` simulated trials and store them in study ``NAME.sim``.
+
+    Two objectives, both minimized (:data:`SIM_METRICS`): the predicted step
+    ms and the predicted peak bytes per rank, so the study holds the
+    time/memory Pareto front (``study.best_trials``; ``prefetch-planner
+    studies pareto``). With a memory budget the sampler is given it as
+    Optuna's ``constraints_func`` (peak - budget <= 0 is feasible).
 
     The trials run in an in-memory Optuna study (an RDB storage costs tens of
     ms per trial, the simulator tens of µs), warm-started with the trials
@@ -84,37 +93,60 @@ def simulated_stage(
         storage: where ``NAME.sim`` lives.
         params: simulator parameters instead of the profile's calibration.
         show_progress_bar: Optuna's progress bar.
+        budget_bytes: the memory budget, bytes per rank; ``None``: none.
 
     Returns:
         The in-memory study (stored and new trials).
+
+    Raises:
+        StudyConfigError: ``NAME.sim`` exists with one objective (made by an
+            older prefetch-planner).
     """
     search = config.search
     space = get_space(search.space)
-    stored = optuna.create_study(
-        study_name=config.name + SIM_SUFFIX, storage=storage, direction="minimize", load_if_exists=True
-    )
+    try:
+        stored = optuna.create_study(study_name=config.name + SIM_SUFFIX, storage=storage,
+                                     directions=["minimize", "minimize"], load_if_exists=True)
+    except ValueError as e:
+        raise StudyConfigError(
+            f"study {config.name + SIM_SUFFIX!r} has one objective (made by an older prefetch-planner; {e}); "
+            f"delete it (`optuna delete-study --study-name {config.name + SIM_SUFFIX} --storage URL`) or name the "
+            "study anew") from None
     stored.set_user_attr("space", search.space)
-    name_objective(stored, SIM_METRIC)
+    name_objective(stored, *SIM_METRICS)
     previous = [t for t in stored.trials if t.state.is_finished()]
-    study = optuna.create_study(direction="minimize", sampler=make_sampler(search.sampler, search.seed + len(previous)))
+    constraints = None
+    if budget_bytes is not None:
+        constraints = lambda t: [float(t.values[1] - budget_bytes) if t.values else 0.0]  # noqa: E731
+    study = optuna.create_study(directions=["minimize", "minimize"],
+                                sampler=make_sampler(search.sampler, search.seed + len(previous), constraints))
     study.add_trials(previous)
     if not previous:
         for p in space.grid(profile)[: search.sim_trials]:  # none left waiting
             study.enqueue_trial(p)
 
-    def objective(trial: optuna.Trial) -> float:
+    def objective(trial: optuna.Trial) -> tuple[float, float]:
         plan = space.suggest(trial, profile)
         result = simulate(profile, plan, params)
         trial.set_user_attr("peak_bytes", result.peak_bytes)
         trial.set_user_attr("exposed_comm_ms", result.exposed_comm_ms)
-        return result.step_ms
+        return result.step_ms, float(result.peak_bytes)
 
-    study.optimize(
-        objective, n_trials=search.sim_trials, show_progress_bar=show_progress_bar,
-        catch=(PlannerError, KeyError, ValueError),
-    )
+    with warnings.catch_warnings():  # TPE's multi-objective mode warns on each start
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.optimize(
+            objective, n_trials=search.sim_trials, show_progress_bar=show_progress_bar,
+            catch=(PlannerError, KeyError, ValueError),
+        )
     stored.add_trials(study.trials[len(previous):])
     return study
+
+
+def smallest_peak(profile: Profile, space_name: str, params: SimParams | None = None) -> int:
+    """The smallest predicted peak over the space's grid, bytes per rank (the least memory any plan needs)."""
+    space = get_space(space_name)
+    return min(simulate(profile, space.suggest(optuna.trial.FixedTrial(g), profile), params).peak_bytes
+               for g in space.grid(profile))
 
 
 def complete_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -128,7 +160,7 @@ def distinct_plans(sim_study: optuna.Study, profile: Profile, space_name: str
     space = get_space(space_name)
     seen: set[str] = set()
     out = []
-    for t in sorted(complete_trials(sim_study), key=lambda t: (t.value, t.number)):
+    for t in sorted(complete_trials(sim_study), key=lambda t: (t.values[0], t.number)):
         plan = space.suggest(optuna.trial.FixedTrial(t.params), profile)
         if plan.behaviour_key() not in seen:
             seen.add(plan.behaviour_key())
@@ -138,7 +170,7 @@ def distinct_plans(sim_study: optuna.Study, profile: Profile, space_name: str
 
 def select_candidates(
     sim_study: optuna.Study, profile: Profile, space_name: str, k: int, exclude: frozenset[str] | set[str] = frozenset(),
-    band_pct: float = 5.0,
+    band_pct: float = 5.0, budget_bytes: int | None = None,
 ) -> list[Candidate]:
     """FSDP2's default followed by up to ``k`` simulated plans worth racing ([Note: Candidates worth racing]).
 
@@ -150,26 +182,29 @@ def select_candidates(
         band_pct: plans predicted within this many % of the best are "as good
             as the model can tell"; among them the selection prefers plans
             that differ in what they do.
+        budget_bytes: only plans predicted within this peak (bytes per rank)
+            are candidates; ``None``: no budget.
     """
     grid = get_space(space_name).grid(profile)
     ranked = distinct_plans(sim_study, profile, space_name)
     default = next(((t, p) for t, p in ranked if p.is_default_for(profile)), None)
-    rest = [(t, p) for t, p in ranked if not p.is_default_for(profile) and plan_key(p) not in exclude]
+    rest = [(t, p) for t, p in ranked if not p.is_default_for(profile) and plan_key(p) not in exclude
+            and (budget_bytes is None or _peak(t) <= budget_bytes)]
     chosen: list[tuple[optuna.trial.FrozenTrial, Plan]] = []
     uniform = [(t, p) for t, p in rest if t.params in grid]
     if uniform and k > 0:
         chosen.append(uniform[0])  # the best uniform plan: a per-module plan must beat it on the ranks
     if rest:
-        best_ms = rest[0][0].value
+        best_ms = rest[0][0].values[0]
         kinds: dict[tuple, list[tuple[optuna.trial.FrozenTrial, Plan]]] = {}
         for t, p in rest:
-            if t.value <= best_ms * (1.0 + band_pct / 100.0):
+            if t.values[0] <= best_ms * (1.0 + band_pct / 100.0):
                 kinds.setdefault(_what_it_does(t, p, best_ms), []).append((t, p))
         # One plan per kind: the lowest predicted peak, then the faster, then the earlier trial.
-        picks = [min(g, key=lambda tp: (tp[0].user_attrs.get("peak_bytes", 0), tp[0].value, tp[0].number))
+        picks = [min(g, key=lambda tp: (_peak(tp[0]), tp[0].values[0], tp[0].number))
                  for g in kinds.values()]
         taken = {_what_it_does(t, p, best_ms) for t, p in chosen}
-        for t, p in sorted(picks, key=lambda tp: (tp[0].value, tp[0].user_attrs.get("peak_bytes", 0), tp[0].number)):
+        for t, p in sorted(picks, key=lambda tp: (tp[0].values[0], _peak(tp[0]), tp[0].number)):
             if len(chosen) < k and _what_it_does(t, p, best_ms) not in taken:
                 chosen.append((t, p))
                 taken.add(_what_it_does(t, p, best_ms))
@@ -183,8 +218,13 @@ def _what_it_does(trial: optuna.trial.FrozenTrial, plan: Plan, best_ms: float) -
     """Plans alike here are near-copies the model cannot tell apart: the same knobs and the same predicted step."""
     kept = frozenset(f for f, m in plan.modules.items() if not m.reshard_after_forward)
     return (plan.unshard_async_op, plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward, kept,
-            round(trial.value / best_ms, 3), round(trial.user_attrs.get("exposed_comm_ms", 0.0) / max(best_ms, 1e-9), 3))
+            round(trial.values[0] / best_ms, 3), round(trial.user_attrs.get("exposed_comm_ms", 0.0) / max(best_ms, 1e-9), 3))
+
+
+def _peak(trial: optuna.trial.FrozenTrial) -> int:
+    """A simulated trial's predicted peak, bytes per rank."""
+    return int(trial.user_attrs.get("peak_bytes", 0))
 
 
 def _candidate(trial: optuna.trial.FrozenTrial, plan: Plan) -> Candidate:
-    return Candidate(trial.params, trial.distributions, plan, trial.value, trial.user_attrs.get("peak_bytes", 0))
+    return Candidate(trial.params, trial.distributions, plan, trial.values[0], _peak(trial))

@@ -113,14 +113,31 @@ def test_reduce_scatter_serialized_behind_all_gather(make_profile):
 
 
 def test_peak_memory_depth_2_vs_depth_1(make_profile):
-    """Unsharded bytes U per block, nothing else: depth 1 keeps 2 blocks
-    unsharded at once (computing + prefetched), depth 2 keeps 3."""
+    """Unsharded bytes U per block, nothing else, CPU, async: depth 1 keeps 2
+    blocks' all-gather outputs at once (computing + prefetched), depth 2
+    keeps 3. The total adds gloo's buffer of each all-gather in flight
+    ([Note: Gloo's all-gather buffer]): at b0's forward, b0 (U) + b1 in
+    flight (2U) = 3U; at depth 2, b0's copy-out is over, b1 (2U) and b2 (2U)
+    are in flight: 5U."""
     u = 1000
     p = make_profile(n_blocks=4, unsharded_bytes=u)
     d1 = simulate(p, uniform.build(p, 1, 1, True))
     d2 = simulate(p, uniform.build(p, 2, 1, True))
-    assert d1.peak_bytes == 2 * u
-    assert d2.peak_bytes == 3 * u
+    assert (d1.peak_unsharded_bytes, d2.peak_unsharded_bytes) == (2 * u, 3 * u)
+    assert (d1.peak_bytes, d2.peak_bytes) == (3 * u, 5 * u)
+
+
+def test_copy_out_and_sync_all_gather_transients(make_profile):
+    """CPU, sync (FSDP2's default), one block, U unsharded: the all-gather
+    holds its output and gloo's buffer (2U) until it returns; the copy-out
+    holds the output and the unsharded parameters (2U) until the output is
+    freed. Nothing else is alive, so the peak is 2U, not U."""
+    u = 1000
+    p = make_profile(n_blocks=1, unsharded_bytes=u)
+    r = simulate(p, Plan.default(p), trace=True)
+    assert r.peak_bytes == 2 * u
+    # (the root has no parameters) output, gloo buffer, returned, copy-out, copied
+    assert [b for _, b in r.memory if b > 0][:5] == [u, 2 * u, u, 2 * u, u]
 
 
 def test_reshard_after_forward_false_skips_backward_all_gather(make_profile):
@@ -138,10 +155,11 @@ def test_reshard_after_forward_false_skips_backward_all_gather(make_profile):
 
 def test_activation_and_gradient_memory(make_profile):
     """Activations A per block stay alive from forward to that block's
-    backward: the peak holds both blocks' (2A) plus one unsharded block."""
+    backward: the peak holds both blocks' (2A), b1 computing (U) and b0
+    prefetched (U), with gloo's buffer of b0's sync all-gather (U) for a moment."""
     p = make_profile(unsharded_bytes=10, activation_bytes=1000)
     r = simulate(p, Plan.default(p))
-    assert r.peak_bytes == 2 * 1000 + 2 * 10  # backward: b1 computing + b0 prefetched
+    assert r.peak_bytes == 2 * 1000 + 3 * 10
 
 
 def test_lower_bound(make_profile):
@@ -212,13 +230,27 @@ def test_reshard_after_backward_false_keeps_parameters_between_microbatches(make
 
 def test_accumulated_gradients_stay_alive_across_microbatches(make_profile):
     """Gradient bytes G per block: one microbatch never holds more than one
-    block's gradient (reduce-scatter frees it); with two, mb0 leaves both
-    blocks' unsharded gradients alive until the last reduce-scatter."""
+    block's gradient and its reduce-scatter input copy (2G); with two, mb0
+    leaves both blocks' unsharded gradients alive, so b1's copy-in in mb1
+    makes 3G."""
     g = 100
     one = make_profile(unsharded_bytes=0, grad_bytes=g)
     two = dataclasses.replace(one, microbatches=2)
-    assert simulate(one, Plan.default(one)).peak_bytes == g
-    assert simulate(two, Plan.default(two)).peak_bytes == 2 * g
+    assert simulate(one, Plan.default(one)).peak_bytes == 2 * g
+    assert simulate(two, Plan.default(two)).peak_bytes == 3 * g
+
+
+def test_sharded_gradients_live_until_the_optimizer(make_profile):
+    """Sharded bytes S per block: each reduce-scatter leaves a sharded
+    gradient (S) alive through the optimizer step, whose temporaries T come
+    on top: baseline 3S (the shards) + 2S (gradients) + T at the optimizer."""
+    s, t = 50, 70
+    p = make_profile(unsharded_bytes=0)
+    p = dataclasses.replace(p, optimizer_temp_bytes=t, optimizer_ms=1.0,
+                            modules={f: dataclasses.replace(m, sharded_bytes=s if f else 0) for f, m in p.modules.items()})
+    r = simulate(p, Plan.default(p), trace=True)
+    assert r.peak_bytes == 2 * s + 2 * s + t
+    assert r.memory[-1][1] == 2 * s + 2 * s  # the optimizer's temporaries freed, the gradients kept
 
 
 def _gpu_rs_profile(make_profile):
@@ -239,8 +271,9 @@ def test_gpu_reduce_scatter_input_buffer_cap(make_profile):
     assert _slices(one, "compute")["backward <root>"] == pytest.approx((15.0, 25.0))
     assert _slices(two, "compute")["backward <root>"] == pytest.approx((7.0, 17.0))
     assert one.step_ms == pytest.approx(25.0) and two.step_ms == pytest.approx(25.0)
-    # root backward: one buffer (b0's) + root gradient, vs two buffers + root gradient
-    assert (one.peak_bytes, two.peak_bytes) == (200, 300)
+    # b0's copy-in: root gradient (allocated first, for the LM head) + b0's gradient + its input buffer, with
+    # b1's buffer freed first (one) or still held (two)
+    assert (one.peak_bytes, two.peak_bytes) == (300, 400)
 
 
 def test_root_keeps_parameters_after_forward(make_profile):

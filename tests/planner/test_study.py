@@ -44,7 +44,7 @@ def test_simulated_stage_enqueues_grid_and_ranks_candidates(make_profile, config
     assert len(candidates) == 4
     assert len({c.plan.behaviour_key() for c in candidates}) == 4
     rest = [c.predicted_ms for c in candidates[1:]]
-    assert rest[0] == min(t.value for t in sim.trials if t.value is not None)  # the best (uniform) plan first
+    assert rest[0] == min(t.values[0] for t in sim.trials if t.values)  # the best (uniform) plan first
     kinds = [(c.plan.unshard_async_op, round(c.predicted_ms, 3)) for c in candidates[1:]]
     assert kinds[:2] == sorted(set(kinds), key=lambda k: k[1])[:2]  # then another kind before a near-copy
 
@@ -185,18 +185,18 @@ def test_candidates_worth_racing(make_profile, tmp_path):
     candidates = select_candidates(sim, profile, "per_module", 3)
     assert candidates[0].plan.is_default_for(profile)
     grid = [tuple(sorted(g.items())) for g in get_space("per_module").grid(profile)]
-    uniform = [t for t in sim.trials if t.value is not None and tuple(sorted(t.params.items())) in grid
+    uniform = [t for t in sim.trials if t.values and tuple(sorted(t.params.items())) in grid
                and t.params != get_space("per_module").grid(profile)[0]]
-    best_uniform = min(uniform, key=lambda t: (t.value, t.number))
+    best_uniform = min(uniform, key=lambda t: (t.values[0], t.number))
     assert candidates[1].params == best_uniform.params
     ranked = distinct_plans(sim, profile, "per_module")
-    best_ms = min(t.value for t, p in ranked if not p.is_default_for(profile))
+    best_ms = min(t.values[0] for t, p in ranked if not p.is_default_for(profile))
     checked = 0
     for c in candidates[2:]:  # each in-band pick is the lowest-peak plan of its kind
         trial = next(t for t, _ in ranked if t.params == c.params)
-        if trial.value > best_ms * 1.05:
+        if trial.values[0] > best_ms * 1.05:
             continue  # a fill-in: fewer kinds than slots
-        kind = [t for t, p in ranked if t.value <= best_ms * 1.05
+        kind = [t for t, p in ranked if t.values[0] <= best_ms * 1.05
                 and _what_it_does(t, p, best_ms) == _what_it_does(trial, c.plan, best_ms)]
         assert c.predicted_peak_bytes == min(t.user_attrs["peak_bytes"] for t in kind)
         checked += 1

@@ -6,17 +6,18 @@ import optuna
 import pytest
 
 from planner.errors import StudyConfigError
-from search_spaces import SPACES, get_space, per_module, uniform
+from planner.simulator import simulate
+from search_spaces import SPACES, assign, get_space, per_module, uniform
 
 
 def test_search_spaces_build_valid_distinct_plans(make_profile):
     p = make_profile(n_blocks=5)
-    for space in (uniform, per_module):
+    for space in (uniform, per_module, assign):
         plans = [space.suggest(optuna.trial.FixedTrial(params), p) for params in space.grid(p)]
         assert plans[0].is_default_for(p)
         for plan in plans:
             plan.validate()
-        assert len({pl.behaviour_key() for pl in plans}) == len(plans) == (48 if space is uniform else 24)
+        assert len({pl.behaviour_key() for pl in plans}) == len(plans) == (24 if space is per_module else 48)
     # per_module: one module's own window, others untouched
     params = per_module.grid(p)[0] | {"fwd:b1": 3, "bwd:b3": 2}
     plan = per_module.suggest(optuna.trial.FixedTrial(params), p)
@@ -56,5 +57,51 @@ def test_every_space_starts_its_grid_with_fsdp2_default(make_profile):
 
 
 def test_unknown_space_names_the_choices():
-    with pytest.raises(StudyConfigError, match="unknown search space 'nope'; choose one of per_module, uniform"):
+    with pytest.raises(StudyConfigError, match="unknown search space 'nope'; choose one of assign, per_module, uniform"):
         get_space("nope")
+
+
+def test_assign_grid_behaves_as_the_uniform_grid(make_profile):
+    """Uniform depth d is every issue distance d: the same simulated step and peak, point for point."""
+    p = make_profile(n_blocks=5)
+    for a, u in zip(assign.grid(p), uniform.grid(p), strict=True):
+        pa, pu = (s.suggest(optuna.trial.FixedTrial(g), p) for s, g in ((assign, a), (uniform, u)))
+        ra, ru = simulate(p, pa), simulate(p, pu)
+        assert (ra.step_ms, ra.peak_bytes) == (ru.step_ms, ru.peak_bytes), u
+    assert len({assign.suggest(optuna.trial.FixedTrial(g), p).behaviour_key() for g in assign.grid(p)}) == 48
+
+
+def test_assign_maps_distances_onto_issuers(make_profile):
+    """Forward distance k: appended to the list of the module k before it (the root when fewer precede it);
+    backward alike in reverse post-forward order; raf per module, the root keeps its parameters."""
+    p = make_profile(n_blocks=5)
+    params = assign.grid(p)[0] | {"fwd:b3": 2, "fwd:b1": 3, "fwd:b4": 1, "bwd:b1": 3, "raf:b2": False, "raf:<root>": True}
+    plan = assign.suggest(optuna.trial.FixedTrial(params), p)
+    m = plan.modules
+    assert m[""].forward_prefetch == ("b1",)  # b1 at distance 3 has only 2 modules before it: the root issues it
+    assert m["b1"].forward_prefetch == ("b3",) and m["b3"].forward_prefetch == ("b4",)
+    assert m["b0"].forward_prefetch == m["b2"].forward_prefetch == m["b4"].forward_prefetch == ()
+    # backward order: root, b4, b3, b2, b1, b0. b1 at distance 3 is issued by b4; the rest at 1 by their predecessor
+    assert m["b4"].backward_prefetch == ("b3", "b1") and m["b2"].backward_prefetch == ()
+    assert m[""].backward_prefetch == ("b4",) and m["b1"].backward_prefetch == ("b0",)
+    assert not m["b2"].reshard_after_forward and m["b3"].reshard_after_forward
+    assert not m[""].reshard_after_forward  # as wrapped
+    # a module kept unsharded is predicted to hold its bytes: more memory, one backward all-gather less
+    default = simulate(p, plan.__class__.default(p))
+    kept = simulate(p, assign.keep_unsharded(plan.__class__.default(p), p, 2))
+    assert kept.comm_ms == pytest.approx(default.comm_ms - 2 * 5.0)
+    assert kept.peak_bytes == default.peak_bytes  # b4, b3 (2U) held while b2 is gathered: as the default's 2U + buffer
+    every = simulate(p, assign.keep_unsharded(plan.__class__.default(p), p, 5))
+    assert every.peak_unsharded_bytes == 5 * 1000 and every.peak_bytes > default.peak_bytes
+
+
+def test_assign_offers_gpu_and_accumulation_knobs_only_where_they_act(make_profile):
+    import dataclasses
+
+    cpu = make_profile(n_blocks=2)
+    assert "reduce_scatter_max_input_buffers" not in assign.grid(cpu)[0]
+    assert "reshard_after_backward" not in assign.grid(cpu)[0]
+    gpu = dataclasses.replace(make_profile(n_blocks=2, device="cuda"), microbatches=2)
+    params = assign.grid(gpu)[0] | {"reduce_scatter_max_input_buffers": 2, "reshard_after_backward": False}
+    plan = assign.suggest(optuna.trial.FixedTrial(params), gpu)
+    assert plan.reduce_scatter_max_input_buffers == 2 and plan.reshard_after_backward is False

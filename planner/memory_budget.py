@@ -1,0 +1,91 @@
+"""The memory budget: a per-rank peak every plan the tool writes must stay within.
+
+Written ``[search] memory_budget = "1.5GiB"`` (absolute) or ``"+150MiB"`` /
+``"+10%"`` (above FSDP2's default's measured peak), or ``tune --memory-budget``.
+The peak is per rank, max across ranks, as ``runtime.peak_memory`` measures
+it and ``planner.simulator`` predicts it (``SimResult.peak_bytes``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from planner.errors import PlannerError, StudyConfigError
+
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+         "TB": 10**12}
+_FORMAT = re.compile(r"^\s*(\+)?\s*(\d+(?:\.\d+)?)\s*(%|[KMGT]i?B|B)\s*$")
+
+
+class MemoryBudgetError(PlannerError):
+    """No plan fits the memory budget: even the smallest predicted peak is above it."""
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A parsed budget.
+
+    Attributes:
+        text: as written.
+        value: bytes (absolute or added), or percent when ``percent``.
+        relative: above FSDP2's default's measured peak.
+        percent: ``value`` is a percentage of that peak.
+    """
+
+    text: str
+    value: float
+    relative: bool
+    percent: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "MemoryBudget":
+        """Parse ``"1.5GiB"``, ``"+150MiB"`` or ``"+10%"``.
+
+        Raises:
+            StudyConfigError: any other form (one line, with the three forms).
+        """
+        m = _FORMAT.match(text) if isinstance(text, str) else None
+        if m is None or (m.group(3) == "%" and not m.group(1)):
+            raise StudyConfigError(
+                f"memory budget {text!r} is not understood; write an absolute peak per rank (\"1.5GiB\") or one "
+                f"relative to FSDP2's default's measured peak (\"+150MiB\", \"+10%\")")
+        plus, number, unit = m.groups()
+        percent = unit == "%"
+        return cls(text.strip(), float(number) * (1 if percent else UNITS[unit]), bool(plus), percent)
+
+    def resolve(self, default_peak_bytes: int | None) -> int:
+        """The budget in bytes.
+
+        Args:
+            default_peak_bytes: FSDP2's default's measured peak (``Profile.measured_peak_bytes``).
+
+        Raises:
+            MemoryBudgetError: a relative budget and no measured peak to add it to.
+        """
+        if not self.relative:
+            return int(self.value)
+        if default_peak_bytes is None:
+            raise MemoryBudgetError(
+                f"memory budget {self.text!r} is relative to FSDP2's default's measured peak, which this profile "
+                "lacks; record the profile again, or give an absolute budget such as \"1.5GiB\"")
+        if self.percent:
+            return int(default_peak_bytes * (1 + self.value / 100))
+        return int(default_peak_bytes + self.value)
+
+
+def check_feasible(budget_bytes: int, smallest_predicted_bytes: int, text: str) -> None:
+    """Raise when no plan can fit.
+
+    Raises:
+        MemoryBudgetError: ``budget_bytes < smallest_predicted_bytes``; names both, in MiB.
+    """
+    if budget_bytes < smallest_predicted_bytes:
+        raise MemoryBudgetError(
+            f"memory budget {text} ({mib(budget_bytes)}) is below the smallest predicted peak of any plan "
+            f"({mib(smallest_predicted_bytes)}, FSDP2's default with no prefetch); raise the budget")
+
+
+def mib(n: int | float | None) -> str:
+    """``"1234.5 MiB"``; ``"-"`` for ``None``."""
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"

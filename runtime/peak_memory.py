@@ -1,0 +1,135 @@
+"""Measured peak memory of one training step, per rank.
+
+What the simulator predicts as ``SimResult.peak_bytes``: the most bytes of
+tensors alive at once during a step, on this rank.
+
+- GPU: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``
+  (and ``max_memory_reserved``, which the caching allocator adds on top).
+- CPU: there is no allocator peak to read, so the step runs under
+  ``torch.profiler.profile(profile_memory=True)``. Its allocation events carry
+  the running total of bytes allocated while profiling
+  (:func:`runtime.torch_private.profiler_allocations`); their peak above the
+  total at step start is the step's own peak. Added to it: the bytes alive at
+  step start, counted from their storages (the sharded parameters, their
+  gradients if any and the optimizer state; each storage once), counted after
+  ``zero_grad(set_to_none=True)``, which ``train_step`` runs first. Memory outside
+  tensors (gloo's buffers, the interpreter) is not counted, on either device.
+
+The profiler slows the step, so a measured-peak step is never a timed one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from runtime.measure import device_type_of, synchronize
+from runtime.torch_private import profiler_allocations
+from runtime.workload import Workload
+
+# A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
+# some steps of the same plan peak one block's unsharded bytes higher than most (the reference Llama: 1 step
+# in 4 to 8, either rank; not the garbage collector: the same with gc.collect() before and gc off during).
+PEAK_STEPS = 3
+OPTIMIZER_BLOCK = "prefetch-planner: optimizer.step"  # the record_function around the optimizer step
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """One rank's peak in one step, bytes.
+
+    Attributes:
+        peak_bytes: the most tensor bytes alive at once (CPU: alive at step
+            start + the step's own peak; GPU: ``max_memory_allocated``).
+        start_bytes: tensor bytes alive at step start.
+        optimizer_temp_bytes: what ``optimizer.step()`` allocated above what
+            was alive when it started, at its peak (its temporaries).
+        reserved_bytes: GPU: ``max_memory_reserved``; CPU: ``None``.
+    """
+
+    peak_bytes: int
+    start_bytes: int
+    optimizer_temp_bytes: int
+    reserved_bytes: int | None = None
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def bytes_alive(workload: Workload) -> int:
+    """Bytes of the parameters, their gradients and the optimizer state alive now (each storage once)."""
+    tensors: list[torch.Tensor] = []
+    for p in workload.model.parameters():
+        tensors.append(p)
+        if p.grad is not None:
+            tensors.append(p.grad)
+    for state in workload.optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return _storages(tensors)
+
+
+def step_peak(allocations: list[tuple[int, int, int]]) -> int:
+    """The step's own peak from :func:`runtime.torch_private.profiler_allocations`, bytes above the total at its start.
+
+    The total before the first event is its total minus its size; frees of
+    tensors allocated before profiling are not counted by the profiler, so
+    the peak is never below 0.
+    """
+    if not allocations:
+        return 0
+    start = allocations[0][2] - allocations[0][1]
+    return max(0, max(total for _, _, total in allocations) - start)
+
+
+def peak_of_steps(per_rank: list[list[int]]) -> int:
+    """A plan's measured peak, bytes: the median over steps of the max across ranks.
+
+    Args:
+        per_rank: ``per_rank[r][s]``: rank ``r``'s peak in step ``s``.
+    """
+    return int(statistics.median_low([max(step) for step in zip(*per_rank)]))
+
+
+def measure_peak(workload: Workload, step: int) -> PeakMemory:
+    """Run training step ``step`` and measure this rank's peak.
+
+    The step is ``runtime.workload.train_step``'s (``zero_grad(set_to_none=True)``,
+    forward and backward on ``make_batch(step)``, ``optimizer.step()``),
+    written out so that the optimizer step's own peak is read apart. All
+    ranks call this together (the step runs collectives).
+    """
+    device = device_type_of(workload)
+    model, optimizer = workload.model, workload.optimizer
+    optimizer.zero_grad(set_to_none=True)
+    synchronize(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        workload.loss_fn(model, workload.make_batch(step)).backward()
+        synchronize(device)
+        peak, before, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated(), \
+            torch.cuda.max_memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        optimizer.step()
+        synchronize(device)
+        optimizer_peak = torch.cuda.max_memory_allocated()
+        return PeakMemory(max(peak, optimizer_peak), start, optimizer_peak - before,
+                          max(reserved, torch.cuda.max_memory_reserved()))
+    start = bytes_alive(workload)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        workload.loss_fn(model, workload.make_batch(step)).backward()
+        with record_function(OPTIMIZER_BLOCK):
+            optimizer.step()
+    return PeakMemory(start + step_peak(profiler_allocations(prof)), start,
+                      step_peak(profiler_allocations(prof, within=OPTIMIZER_BLOCK)))

@@ -1,0 +1,123 @@
+"""``assign``: for each FSDP module, how far ahead its all-gather is issued, and whether it reshards after forward.
+
+Parameters, for every parameter group ``m`` of :func:`search_spaces.per_module.groups`
+(one per module up to ``MAX_GROUPS`` modules, else runs of consecutive modules):
+    ``fwd:m`` (0..WINDOW): forward issue distance. 0: on demand, in the
+        module's own pre-forward (FSDP2's implicit forward prefetch, which
+        needs CPU run-ahead: none on a CPU device); k: issued by the module k
+        before it in pre-forward order (the root, when fewer precede it).
+    ``bwd:m`` (1..WINDOW): backward issue distance, the same in backward
+        order (reverse post-forward order). 1 is FSDP2's default (the module
+        before it in backward order prefetches it). 0 is not offered: a
+        plan's empty backward list means FSDP2's default, so "on demand in
+        backward" is not expressible.
+    ``raf:m`` (bool): the module reshards after forward (the root keeps its
+        parameters, as FSDP2 wraps it); False keeps its parameters unsharded
+        from forward to backward: one all-gather less, its unsharded bytes
+        held across the step.
+    ``unshard_async_op`` (bool): ``_set_unshard_async_op``.
+    ``reduce_scatter_max_input_buffers`` (1, 2; GPU only: on a CPU device
+        the reduce-scatter is synchronous and the cap changes nothing).
+    ``reshard_after_backward`` (bool; only with microbatches > 1): reshard
+        after the backward of the microbatches before the last.
+
+The distances map onto FSDP2's per-issuer lists: a module issued at forward
+distance k is appended to ``forward_prefetch`` of the module k before it
+(``set_modules_to_forward_prefetch`` on the issuing module); backward alike
+(``set_modules_to_backward_prefetch``). An issuer whose targets are all issued
+earlier keeps an empty list. The uniform grid is expressible here too and is
+enqueued first: uniform depth d is every distance d.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from planner.plan import ModulePlan, Plan
+from planner.profile import Profile
+from search_spaces import uniform
+from search_spaces._orders import orders
+from search_spaces.per_module import groups
+
+NAME = "assign"
+WINDOW = 3
+
+
+def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], reshard_after_forward: dict[str, bool],
+          unshard_async_op: bool, reduce_scatter_max_input_buffers: int = 1,
+          reshard_after_backward: bool = True) -> Plan:
+    """The plan with per-module issue distances and reshard flags (see module docstring).
+
+    Args:
+        forward: FQN -> forward issue distance (0: on demand).
+        backward: FQN -> backward issue distance (>= 1; 1: FSDP2's default).
+        reshard_after_forward: FQN -> whether it reshards after forward
+            (ignored for modules wrapped not to, e.g. the root).
+
+    Raises:
+        KeyError: an FQN of the profile is missing from a mapping.
+    """
+    o = orders(profile)
+    fwd_lists: dict[str, list[str]] = {f: [] for f in o.forward}
+    for pos, target in enumerate(o.forward):
+        if forward[target] > 0 and pos > 0:
+            fwd_lists[o.forward[max(0, pos - forward[target])]].append(target)
+    bwd_lists: dict[str, list[str]] = {f: [] for f in o.backward}
+    explicit = any(backward[f] != 1 for f in o.backward[1:])
+    for pos, target in enumerate(o.backward):
+        if explicit and pos > 0:
+            bwd_lists[o.backward[max(0, pos - backward[target])]].append(target)
+    modules = {
+        fqn: ModulePlan(
+            forward_prefetch=tuple(fwd_lists[fqn]),
+            backward_prefetch=tuple(bwd_lists[fqn]),
+            reshard_after_forward=o.reshard_after_forward[fqn] and reshard_after_forward[fqn],
+        )
+        for fqn in profile.fingerprint.module_fqns
+    }
+    return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op,
+                reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
+                reshard_after_backward=reshard_after_backward)
+
+
+def suggest(trial: Any, profile: Profile) -> Plan:
+    """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
+    forward, backward, raf = {}, {}, {}
+    for name, members in groups(profile):
+        fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
+        bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
+        keep = trial.suggest_categorical(f"raf:{name}", [True, False])
+        for f in members:
+            forward[f], backward[f], raf[f] = fwd, bwd, keep
+    knobs: dict[str, Any] = {"unshard_async_op": trial.suggest_categorical("unshard_async_op", [False, True])}
+    if profile.fingerprint.device_type != "cpu":
+        knobs["reduce_scatter_max_input_buffers"] = trial.suggest_int("reduce_scatter_max_input_buffers", 1, 2)
+    if profile.microbatches > 1:
+        knobs["reshard_after_backward"] = trial.suggest_categorical("reshard_after_backward", [True, False])
+    return build(profile, forward, backward, raf, **knobs)
+
+
+def grid(profile: Profile) -> list[dict[str, Any]]:
+    """The uniform grid written in this space's parameters, FSDP2's default first."""
+    names = [name for name, _ in groups(profile)]
+    out = []
+    for g in uniform.grid(profile):
+        params: dict[str, Any] = {f"fwd:{n}": g["forward_depth"] for n in names}
+        params.update({f"bwd:{n}": g["backward_depth"] for n in names})
+        params.update({f"raf:{n}": g["reshard_after_forward"] for n in names})
+        params["unshard_async_op"] = g["unshard_async_op"]
+        if profile.fingerprint.device_type != "cpu":
+            params["reduce_scatter_max_input_buffers"] = 1
+        if profile.microbatches > 1:
+            params["reshard_after_backward"] = True
+        out.append(params)
+    return out
+
+
+def keep_unsharded(plan: Plan, profile: Profile, blocks: int) -> Plan:
+    """``plan`` with the last ``blocks`` modules in post-forward order (the first in backward) kept unsharded
+    after forward (``reshard_after_forward=False``); the root is not counted."""
+    last = [f for f in orders(profile).backward if f != profile.root_fqn][:blocks]
+    return dataclasses.replace(plan, modules={
+        f: dataclasses.replace(m, reshard_after_forward=False) if f in last else m for f, m in plan.modules.items()})
