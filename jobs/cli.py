@@ -38,10 +38,12 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 @click.option("--storage", help="SQLAlchemy URL (default: [study] storage, else sqlite:///<toml dir>/<name>.db).")
 @click.option("--sim-trials", type=int, help="Simulated trials (default: [search] sim_trials).")
 @click.option("--measured-trials", type=int, help="Best simulated plans to measure (default: [search] measured_trials).")
+@click.option("--memory-budget", help='Peak per rank a written plan may reach: "1.5GiB", or above FSDP2\'s default\'s '
+                                     'measured peak, "+150MiB", "+10%" (default: [search] memory_budget; none).')
 @click.option("--plan-out", help="Where to write the best plan (default: <toml dir>/<name>.plan.json).")
 @click.option("--profile-out", help="Where to write the profile (default: <toml dir>/<name>.profile.json).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out, no_progress) -> None:
+def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_out, profile_out, no_progress) -> None:
     """Run a tuning study: record a profile, simulate, measure the best plans, write the best.
 
     Outside torchrun this starts the study's nproc_per_node ranks itself;
@@ -50,7 +52,8 @@ def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out
     from jobs.tune import TuneJob
     from runtime.launch import in_torchrun, launch_ranks
 
-    config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials)
+    config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials,
+                               memory_budget=memory_budget)
     plan_out = plan_out or config.default_output(".plan.json")
     profile_out = profile_out or config.default_output(".profile.json")
     if in_torchrun():
@@ -69,6 +72,8 @@ def tune(study_toml, storage, sim_trials, measured_trials, plan_out, profile_out
     args = ["tune", study_toml, "--storage", config.storage_url, "--sim-trials", str(config.search.sim_trials),
             "--measured-trials", str(config.search.measured_trials), "--plan-out", plan_out,
             "--profile-out", profile_out]
+    if config.search.memory_budget is not None:
+        args += ["--memory-budget", config.search.memory_budget]
     _exit_with_ranks(launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch.nproc_per_node),
                      "tuning", _EXPECTED_RANK_EXITS)
 

@@ -8,10 +8,12 @@ from planner.verdict import Verdict, confirmation_rounds, confirmation_text, det
 
 
 def describe(plan: Plan) -> str:
-    """A short human description of a plan (prefetch depths, async unshard, no reshard after forward)."""
+    """A short human description of a plan (prefetch depths, async unshard, modules kept unsharded after forward)."""
     fwd = max(len(m.forward_prefetch) for m in plan.modules.values())
     bwd = max(max(1, len(m.backward_prefetch)) for m in plan.modules.values())
-    kept = "" if any(m.reshard_after_forward for m in plan.modules.values()) else ", no reshard after forward"
+    n = len(plan.modules)
+    k = sum(not m.reshard_after_forward for m in plan.modules.values())
+    kept = ", no reshard after forward" if k == n else f", {k} of {n} modules unsharded after forward" if k > 1 else ""
     return f"forward prefetch {fwd or 'implicit'}, backward prefetch {bwd}, async unshard {plan.unshard_async_op}{kept}"
 
 
@@ -21,19 +23,25 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
     race = outcome.race
     if not outcome.told or race is None:
         return lines + ["no plan was measured in this job; nothing written"]
-    lines.append(f"\n  {'trial':>5}  {'predicted ms':>12}  {'race ms':>9}  {'vs default':>10}  {'rounds':>6}  plan")
+    lines.append(f"\n  {'trial':>5}  {'predicted ms':>12}  {'race ms':>9}  {'vs default':>10}  {'rounds':>6}  "
+                 f"{'peak MiB pred/meas':>18}  plan")
     for j, p in enumerate(outcome.told):
         pv = p.provenance
         ratio = 1.0 if j == race.default else pv.measured_ms / pv.default_measured_ms
         label = "FSDP2 default" if p.is_default_for(outcome.profile) else describe(p)
         if j in race.dropped:
             label += f"; dropped after {race.dropped[j]} rounds"
+        peaks = f"{_mib(pv.predicted_peak_bytes)} / {_mib(pv.measured_peak_bytes)}"
         lines.append(f"  {pv.trial:>5}  {pv.predicted_ms:>12.1f}  {pv.measured_ms:>9.1f}  {ratio:>10.3f}  "
-                     f"{len(race.step_ms(j)):>6}  {label}")
+                     f"{len(race.step_ms(j)):>6}  {peaks:>18}  {label}")
     rounds, sigma = len(race.rounds), race.ratio_sigma()
     lines.append(f"race: {rounds} rounds, noise {race.noise_pct():.1f}% (step IQR / median); these rounds detect "
                  f"differences of {100 * detectable_effect(sigma, rounds):.1f}% or more")
     lines += _verdict_lines(outcome, study)
+    budget = outcome.told[0].provenance.memory_budget_bytes
+    if budget is not None and outcome.written is not None:
+        peak = outcome.written.provenance.measured_peak_bytes
+        lines.append(f"memory budget {_mib(budget)} MiB per rank: the written plan's measured peak is {_mib(peak)} MiB")
     c = outcome.calibration
     if c is not None:
         saved = "saved with the profile for later runs" if c.accepted else "not saved"
@@ -58,3 +66,7 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
             f"{'is slower' if pv.verdict == Verdict.SLOWER else 'shows no significant difference'}: about {needed} "
             f"confirmation rounds would resolve a difference of "
             f"{100 * abs(1.0 - pv.measured_ratio):.1f}% ([measure] confirm_max_rounds)"]
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"

@@ -26,12 +26,15 @@ from planner.config import StudyConfig
 from jobs.outputs import check_output_folders
 from planner.errors import FailKind
 from planner.in_step import in_step_params
+from planner.memory_budget import check_feasible, mib
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.race import Race
 from planner.simulator import simulate
 from planner.storages import check_writable, open_storage
-from planner.study import MeasuredStage, MeasuredTrial, latest_calibration, select_candidates, simulated_stage
+from planner.study import (
+    MeasuredStage, MeasuredTrial, latest_calibration, select_candidates, simulated_stage, smallest_peak,
+)
 from planner.verdict import Verdict, detectable_effect
 from runtime.interrupts import interrupts_deferred, interrupts_raise
 from runtime.protocol import RoundResult, control_group, measured_round, one_line
@@ -190,6 +193,7 @@ class TuneJob:
             params = in_step_params(profile)
             logger.info(f"      in-step parameters: comm_scale {params.comm_scale:.2f} (solved from the measured "
                         f"default step), overlap_slowdown {params.overlap_slowdown:.2f} (measured)")
+        budget_bytes = self._memory_budget(profile)  # before the storage is opened: a refused budget writes nothing
         storage = open_storage(config.storage_url, config)
         stored = latest_calibration(storage, config.name, profile)
         if stored:
@@ -197,15 +201,16 @@ class TuneJob:
             logger.info("      using the calibration of an earlier run of this study: "
                         + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
         logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
-        sim = simulated_stage(profile, config, storage, show_progress_bar=self.progress)
-        self.stage = MeasuredStage(config, storage, profile, self.job, on_drop=self._dropped)
+        sim = simulated_stage(profile, config, storage, show_progress_bar=self.progress, budget_bytes=budget_bytes)
+        self.stage = MeasuredStage(config, storage, profile, self.job, on_drop=self._dropped, budget_bytes=budget_bytes)
         with interrupts_deferred():  # trials created RUNNING are held by the stage (fail_held)
             retries = self.stage.claim_retries()
         if retries:
             logger.info(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
                         f"(trials {', '.join(str(r.retry_of) for r in retries)})")
         candidates = select_candidates(sim, profile, config.search.space, config.search.measured_trials,
-                                       exclude=self.stage.settled_keys(), band_pct=config.search.candidate_band_pct)
+                                       exclude=self.stage.settled_keys(), band_pct=config.search.candidate_band_pct,
+                                       budget_bytes=budget_bytes)
         if any(r.plan.is_default_for(profile) for r in retries):
             candidates = candidates[1:]
         with interrupts_deferred():
@@ -218,6 +223,21 @@ class TuneJob:
                     f"survivor against the default on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds; "
                     f"trials {', '.join(str(a.number) for a in asked)} (job {self.job})")
         return self.stage, asked
+
+    def _memory_budget(self, profile: Profile) -> int | None:
+        """``[search] memory_budget`` in bytes per rank, checked against the smallest predicted peak; ``None``: unset.
+
+        Raises:
+            MemoryBudgetError: relative without a measured default peak, or below every plan's predicted peak.
+        """
+        budget = self.config.search.budget()
+        if budget is None:
+            return None
+        budget_bytes = budget.resolve(profile.measured_peak_bytes)
+        check_feasible(budget_bytes, smallest_peak(profile, self.config.search.space), budget.text)
+        logger.info(f"      memory budget {budget.text}: {mib(budget_bytes)} per rank (FSDP2's default measured "
+                    f"{mib(profile.measured_peak_bytes)}, predicted {mib(simulate(profile, Plan.default(profile)).peak_bytes)})")
+        return budget_bytes
 
     def _finish(self, result: RoundResult) -> TuneOutcome:
         """Rank 0 after the round: write the confirmed plan (or FSDP2's default), calibrate on the measured plans."""

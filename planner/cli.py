@@ -177,6 +177,54 @@ def studies_best(name, storage) -> None:
                    f"backward {list(m.backward_prefetch) or 'default'}  reshard_after_forward {m.reshard_after_forward}")
 
 
+@studies.command("pareto")
+@click.argument("name")
+@click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
+@click.option("--png", help="Also draw the front and the measured points to this PNG.")
+def studies_pareto(name, storage, png) -> None:
+    """The predicted time/memory Pareto front of the simulated stage, and the measured points."""
+    from planner.study import pareto_front, study_trials
+
+    url = _storage_for(name, storage)
+    rows = study_trials(url, name)
+    simulated = [r for r in rows if r["stage"] == "simulated" and r["predicted_peak_bytes"] is not None
+                 and r["predicted_ms"] is not None]
+    measured = [r for r in rows if r["stage"] == "measured" and r["measured_peak_bytes"] is not None]
+    front = pareto_front(simulated)
+    click.echo(f"study {name}: predicted Pareto front, {len(front)} plans of {len(simulated)} simulated trials "
+               "(peak per rank; faster needs more memory)")
+    click.echo(f"  {'peak MiB':>9} {'predicted ms':>12} {'trial':>6}  plan")
+    for r in front:
+        click.echo(f"  {r['predicted_peak_bytes'] / 2**20:>9.1f} {r['predicted_ms']:>12.1f} {r['number']:>6}  "
+                   f"{_plan_line(r['params'])}")
+    click.echo(f"measured points ({len(measured)}): peak per rank (max across ranks), race median")
+    click.echo(f"  {'peak MiB':>9} {'predicted':>9} {'measured ms':>11} {'trial':>6}  outcome")
+    for r in measured:
+        outcome = "FSDP2 default" if r["is_default"] else (r["verdict"] or r["state"])
+        if r["fail_reason"]:
+            outcome = f"FAIL: {r['fail_reason']}"
+        click.echo(f"  {r['measured_peak_bytes'] / 2**20:>9.1f} {_mib(r['predicted_peak_bytes']):>9} "
+                   f"{_ms(r['measured_ms']):>11} {r['number']:>6}  {outcome}")
+    if png:
+        from planner.pareto_plot import plot_pareto
+
+        plot_pareto(name, simulated, front, measured, png)
+        click.echo(f"wrote {png}")
+
+
+def _plan_line(params: dict) -> str:
+    """A plan's parameters on one line; per-module reshard flags as "k of n groups kept unsharded after forward"."""
+    raf = [v for k, v in params.items() if k.startswith("raf:")]
+    line = json.dumps(_short({k: v for k, v in params.items() if not k.startswith("raf:")}))
+    if raf:
+        line += f", {sum(not v for v in raf)} of {len(raf)} module groups kept unsharded after forward"
+    return line
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
 @studies.command("export")
 @click.argument("name")
 @click.option("-o", "--output", required=True, help="Plan JSON to write.")

@@ -148,11 +148,8 @@ class SearchTable(_Table):
     @field_validator("memory_budget")
     @classmethod
     def _parses(cls, text: str | None) -> str | None:
-        if text is not None:
-            try:
-                MemoryBudget.parse(text)
-            except StudyConfigError as e:
-                raise ValueError(str(e)) from None
+        if text is not None and MemoryBudget.error(text):
+            raise ValueError(MemoryBudget.error(text))
         return text
 
     def budget(self) -> MemoryBudget | None:

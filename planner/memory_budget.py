@@ -38,6 +38,15 @@ class MemoryBudget:
     relative: bool
     percent: bool
 
+    @staticmethod
+    def error(text: str) -> str | None:
+        """Why ``text`` is not a budget (one line), ``None`` if it is one."""
+        try:
+            MemoryBudget.parse(text)
+        except StudyConfigError as e:
+            return str(e)
+        return None
+
     @classmethod
     def parse(cls, text: str) -> "MemoryBudget":
         """Parse ``"1.5GiB"``, ``"+150MiB"`` or ``"+10%"``.

@@ -65,6 +65,11 @@ class Provenance:
         ratio_ci95: ``[low, high]``, its paired 95% bootstrap interval.
         rounds: the confirmation's rounds.
         noise_pct: step interquartile range / median in the confirmation, %.
+        predicted_peak_bytes: the simulated peak per rank, bytes.
+        measured_peak_bytes: the measured peak per rank, max across ranks,
+            median over steps, bytes (``runtime.peak_memory``).
+        memory_budget_bytes: the budget the plan was chosen under, bytes per
+            rank; ``None``: no budget.
     """
 
     source: Source = Source.DEFAULT
@@ -78,6 +83,9 @@ class Provenance:
     ratio_ci95: tuple[float, float] | None = None
     rounds: int | None = None
     noise_pct: float | None = None
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    memory_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)

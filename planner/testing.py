@@ -86,13 +86,14 @@ def make_study_db(directory: str | Path, profile: Profile, sim_trials: int) -> s
 
 
 def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: list[float],
-              ranks: int = 2) -> list[Plan]:
+              ranks: int = 2, start: bool = True) -> list[Plan]:
     """Drive ``stage`` through a whole round where trial ``i`` always takes ``step_ms[i]`` ms on every rank.
 
     The race then drops no one (no spread, no test), runs ``max_rounds``, and
-    the confirmation's ratio is exact. Returns what :meth:`MeasuredStage.tell` returns.
+    the confirmation's ratio is exact. ``start=False``: the caller started
+    the stage (with measured peaks). Returns what :meth:`MeasuredStage.tell` returns.
     """
-    schedule = stage.start(asked)
+    schedule = stage.start(asked) if start else stage.schedule
     times: list[list[float]] = [[] for _ in asked]
     while (block := schedule.next_block()) is not None:
         schedule.record([{i: step_ms[i] for i in order} for order in block])

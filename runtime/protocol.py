@@ -12,7 +12,11 @@ holds the study (a :class:`RoundStage`: ``planner.study.MeasuredStage``).
    checked) and the outcomes are all-gathered. A plan that raised on any rank
    is FAIL on every rank (the reason names the rank and the exception); the
    round goes on without it (without FSDP2's default there is no round).
-3. Measure. Every rank warms each plan up, then runs blocks of rounds:
+3. Measure. Every rank warms each plan up, measuring its peak memory on
+   the way (``runtime.peak_memory.warm_up_measuring_peaks``; per plan the
+   median over steps of the max across ranks). Rank 0 records FAIL the
+   candidates whose measured peak exceeds the memory budget
+   (``FailKind.ERROR``), and every rank leaves them out. Then it runs blocks of rounds:
    rank 0's schedule (the race, then the confirmation: ``planner.schedule``)
    hands out each block, every rank runs it (``runtime.measure.run_block``)
    and catches its own exception, and the outcomes (times, or the failing
@@ -57,7 +61,8 @@ from planner.errors import FailKind, PlannerError, TrialFailedError
 from planner.plan import Plan
 from runtime.apply import apply_plan
 from runtime.interrupts import interrupts_deferred
-from runtime.measure import StepCounter, StepFailed, run_block, warm_up
+from runtime.measure import StepCounter, StepFailed, run_block
+from runtime.peak_memory import peak_of_steps, warm_up_measuring_peaks
 from runtime.workload import Workload
 
 
@@ -89,8 +94,12 @@ class Scheduler(Protocol):
 class RoundStage(Protocol[TrialT]):
     """What rank 0 asks and tells the study in a round (``planner.study.MeasuredStage`` over its ``MeasuredTrial``)."""
 
-    def start(self, kept: list[TrialT]) -> Scheduler:
-        """The schedule of the trials that applied on every rank (FSDP2's default first)."""
+    def over_budget(self, kept: list[TrialT], peak_bytes: list[int]) -> dict[int, str]:
+        """Position in ``kept`` -> why, for the trials whose measured peak exceeds the memory budget, recorded FAIL
+        (never FSDP2's default, the baseline)."""
+
+    def start(self, kept: list[TrialT], peak_bytes: list[int]) -> Scheduler:
+        """The schedule of the trials that applied on every rank and fit (FSDP2's default first), with their peaks."""
 
     def tell(self, asked: list[TrialT], step_ms: list[list[float]], per_rank: list[list[list[float]]]) -> list[Plan]:
         """Record the measured trials: per trial, every step's max across ranks and every rank's own times, ms."""
@@ -238,13 +247,30 @@ class _Round:
         """Warm up, then run the schedule's blocks until rank 0's schedule is done; rank 0 tells the study."""
         plans = [self.plans[i] for i in keep]
         steps = StepCounter()
-        schedule = self.stage.start([self.asked[i] for i in keep]) if self.rank0 else None
-        self._everywhere(keep, lambda: warm_up(self.workload, plans, warmup_steps, steps, on_step))
+        local_peaks = self._everywhere(
+            keep, lambda: warm_up_measuring_peaks(self.workload, plans, warmup_steps, steps, on_step))
+        over: Any = None
+        if self.rank0:
+            peaks = [peak_of_steps([rank[j] for rank in local_peaks]) for j in range(len(keep))]
+            over = self.stage.over_budget([self.asked[i] for i in keep], peaks)
+            failed = {**failed, **{keep[j]: reason for j, reason in over.items()}}
+        over = set(broadcast_from_rank0(sorted(over) if self.rank0 else None, self.group))
+        keep = [i for j, i in enumerate(keep) if j not in over]
+        plans = [p for j, p in enumerate(plans) if j not in over]
+        schedule, start_error = None, None
+        if self.rank0:
+            try:
+                schedule = self.stage.start([self.asked[i] for i in keep],
+                                            [p for j, p in enumerate(peaks) if j not in over])
+            except PlannerError as e:  # every rank must hear it (next broadcast)
+                start_error = str(e)
         step_ms: list[list[float]] = [[] for _ in keep]
         per_rank: list[list[list[float]]] = [[[] for _ in range(dist.get_world_size())] for _ in keep]
         while True:
             payload: Any = None
-            if self.rank0:
+            if self.rank0 and start_error is not None:
+                payload = {"error": start_error}
+            elif self.rank0:
                 try:
                     payload = schedule.next_block()
                 except Exception as e:  # noqa: BLE001 - every rank must hear that rank 0 cannot go on

@@ -2,7 +2,8 @@
 
 A space is a module with ``NAME``, ``suggest(trial, profile) -> Plan`` and
 ``grid(profile) -> list[dict]`` (parameter sets to enqueue first, FSDP2's
-default first). A new space is one new file plus one line in ``SPACES``.
+default first); a space whose grid holds more than uniform plans also has
+``uniform_grid(profile)``, the uniform part (the candidate every study races). A new space is one new file plus one line in ``SPACES``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ distance k is appended to ``forward_prefetch`` of the module k before it
 (``set_modules_to_forward_prefetch`` on the issuing module); backward alike
 (``set_modules_to_backward_prefetch``). An issuer whose targets are all issued
 earlier keeps an empty list. The uniform grid is expressible here too and is
-enqueued first: uniform depth d is every distance d.
+enqueued first (uniform depth d is every distance d), then plans that keep
+the last k modules unsharded (:func:`grid`).
 """
 
 from __future__ import annotations
@@ -99,20 +100,40 @@ def suggest(trial: Any, profile: Profile) -> Plan:
 
 
 def grid(profile: Profile) -> list[dict[str, Any]]:
-    """The uniform grid written in this space's parameters, FSDP2's default first."""
+    """The uniform grid written in this space's parameters (FSDP2's default first), then "keep the last k".
+
+    The second part: prefetch 1 (sync and async) and 2 (async) with the last
+    k parameter groups in post-forward order kept unsharded after forward,
+    for every k between none and all. They are the cheapest way to spend
+    memory on fewer all-gathers: the last modules' parameters are held the
+    shortest, from their forward to their backward, which comes first.
+    """
     names = [name for name, _ in groups(profile)]
-    out = []
-    for g in uniform.grid(profile):
-        params: dict[str, Any] = {f"fwd:{n}": g["forward_depth"] for n in names}
-        params.update({f"bwd:{n}": g["backward_depth"] for n in names})
-        params.update({f"raf:{n}": g["reshard_after_forward"] for n in names})
-        params["unshard_async_op"] = g["unshard_async_op"]
-        if profile.fingerprint.device_type != "cpu":
-            params["reduce_scatter_max_input_buffers"] = 1
-        if profile.microbatches > 1:
-            params["reshard_after_backward"] = True
-        out.append(params)
+    out = uniform_grid(profile)
+    for fwd, bwd, async_op in ((1, 1, True), (1, 1, False), (2, 2, True)):
+        for k in range(1, len(names) - 1):
+            out.append(_params(profile, names, fwd, bwd, async_op, [True] * (len(names) - k) + [False] * k))
     return out
+
+
+def uniform_grid(profile: Profile) -> list[dict[str, Any]]:
+    """The uniform grid (``search_spaces.uniform.grid``) in this space's parameters, FSDP2's default first."""
+    names = [name for name, _ in groups(profile)]
+    return [_params(profile, names, g["forward_depth"], g["backward_depth"], g["unshard_async_op"],
+                    [g["reshard_after_forward"]] * len(names)) for g in uniform.grid(profile)]
+
+
+def _params(profile: Profile, names: list[str], fwd: int, bwd: int, async_op: bool, raf: list[bool]
+            ) -> dict[str, Any]:
+    params: dict[str, Any] = {f"fwd:{n}": fwd for n in names}
+    params.update({f"bwd:{n}": bwd for n in names})
+    params.update({f"raf:{n}": r for n, r in zip(names, raf)})
+    params["unshard_async_op"] = async_op
+    if profile.fingerprint.device_type != "cpu":
+        params["reduce_scatter_max_input_buffers"] = 1
+    if profile.microbatches > 1:
+        params["reshard_after_backward"] = True
+    return params
 
 
 def keep_unsharded(plan: Plan, profile: Profile, blocks: int) -> Plan:

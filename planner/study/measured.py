@@ -26,6 +26,7 @@ import optuna
 
 from planner.config import StudyConfig
 from planner.errors import FailKind, PlannerError
+from planner.memory_budget import mib
 from planner.plan import Plan, Source
 from planner.profile import Profile
 from planner.race import Race
@@ -78,9 +79,11 @@ class MeasuredStage:
     """
 
     def __init__(self, config: StudyConfig, storage: optuna.storages.RDBStorage, profile: Profile, job: str,
-                 on_drop: Callable[[MeasuredTrial, int], None] | None = None):
+                 on_drop: Callable[[MeasuredTrial, int], None] | None = None, budget_bytes: int | None = None):
         self.config = config
         self.profile = profile
+        self.budget_bytes = budget_bytes
+        self._peaks: list[int] = []
         self.job = job
         self.on_drop = on_drop
         self.schedule: Schedule | None = None
@@ -174,15 +177,40 @@ class MeasuredStage:
                 out.append(MeasuredTrial(number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes))
         return out
 
-    def start(self, kept: list[MeasuredTrial]) -> Schedule:
+    def over_budget(self, kept: list[MeasuredTrial], peak_bytes: list[int]) -> dict[int, str]:
+        """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
+
+        ``kept``: the round's trials, FSDP2's default first; ``peak_bytes``: their measured peaks, bytes per rank.
+
+        Returns:
+            Position in ``kept`` -> the reason recorded. FSDP2's default, the baseline, is never
+            failed (a budget below every predicted peak is refused earlier: ``check_feasible``).
+        """
+        out: dict[int, str] = {}
+        if self.budget_bytes is None:
+            return out
+        with self._storage_errors():
+            for j, (a, peak) in enumerate(zip(kept, peak_bytes)):
+                if j == 0 or peak <= self.budget_bytes:
+                    continue
+                reason = (f"measured peak {mib(peak)} exceeds the memory budget {mib(self.budget_bytes)} "
+                          f"(predicted {mib(a.predicted_peak_bytes)})")
+                self.storage.set_trial_user_attr(a.trial_id, "measured_peak_bytes", peak)
+                self._fail_one(a.number, a.trial_id, reason, FailKind.ERROR)
+                out[j] = reason
+        return out
+
+    def start(self, kept: list[MeasuredTrial], peak_bytes: list[int] | None = None) -> Schedule:
         """The schedule of the round's race and confirmation over ``kept`` (FSDP2's default first).
 
+        ``peak_bytes``: their measured peaks, bytes per rank (told with the times).
         Raises:
             PlannerError: the first trial is not FSDP2's default.
         """
         if not kept or not kept[0].plan.is_default_for(self.profile):
             raise PlannerError("a measured round starts with FSDP2's default plan, its baseline")
         self._started = list(kept)
+        self._peaks = list(peak_bytes) if peak_bytes is not None else []
         on_drop = None
         if self.on_drop is not None:
             on_drop = lambda plan, rounds: self.on_drop(self._started[plan], rounds)  # noqa: E731
@@ -217,13 +245,17 @@ class MeasuredStage:
         plans, attrs = [], []
         for j, a in enumerate(asked):
             figures = _trial_figures(j, race, survivor, confirmation)
+            if j < len(self._peaks):
+                figures["measured_peak_bytes"] = self._peaks[j]
             attrs.append(figures)
             confirmed = {k: figures[k] for k in ("verdict", "measured_ratio", "rounds", "noise_pct") if k in figures}
             if "ratio_ci95" in figures:
                 confirmed["ratio_ci95"] = tuple(figures["ratio_ci95"])
             plans.append(a.plan.with_provenance(
                 source=Source.MEASURED, study=self.config.name, trial=a.number, predicted_ms=a.predicted_ms,
-                measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms, **confirmed))
+                measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms,
+                predicted_peak_bytes=a.predicted_peak_bytes, measured_peak_bytes=figures.get("measured_peak_bytes"),
+                memory_budget_bytes=self.budget_bytes, **confirmed))
         with self._storage_errors():
             # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan.
             with session(self.storage.engine) as s:

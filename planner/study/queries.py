@@ -235,3 +235,18 @@ def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan |
                       f"world size ({differences[0]})")
     finally:
         storage.engine.dispose()
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows no other row beats on both ``predicted_ms`` and ``predicted_peak_bytes``, by peak ascending.
+
+    One row per distinct point (the earliest trial); rows are those of
+    :func:`study_trials` (simulated, with both figures).
+    """
+    out: list[dict[str, Any]] = []
+    best_ms = float("inf")
+    for r in sorted(rows, key=lambda r: (r["predicted_peak_bytes"], r["predicted_ms"], r["number"])):
+        if r["predicted_ms"] < best_ms:
+            out.append(r)
+            best_ms = r["predicted_ms"]
+    return out

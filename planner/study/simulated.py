@@ -77,8 +77,9 @@ def simulated_stage(
     Two objectives, both minimized (:data:`SIM_METRICS`): the predicted step
     ms and the predicted peak bytes per rank, so the study holds the
     time/memory Pareto front (``study.best_trials``; ``prefetch-planner
-    studies pareto``). With a memory budget the sampler is given it as
-    Optuna's ``constraints_func`` (peak - budget <= 0 is feasible).
+    studies pareto``). With a memory budget each trial carries it as
+    Optuna's constraint (``Trial.set_constraint``: peak - budget <= 0 is
+    feasible), which TPE and NSGA-II use.
 
     The trials run in an in-memory Optuna study (an RDB storage costs tens of
     ms per trial, the simulator tens of µs), warm-started with the trials
@@ -115,11 +116,8 @@ def simulated_stage(
     stored.set_user_attr("space", search.space)
     name_objective(stored, *SIM_METRICS)
     previous = [t for t in stored.trials if t.state.is_finished()]
-    constraints = None
-    if budget_bytes is not None:
-        constraints = lambda t: [float(t.values[1] - budget_bytes) if t.values else 0.0]  # noqa: E731
     study = optuna.create_study(directions=["minimize", "minimize"],
-                                sampler=make_sampler(search.sampler, search.seed + len(previous), constraints))
+                                sampler=make_sampler(search.sampler, search.seed + len(previous)))
     study.add_trials(previous)
     if not previous:
         for p in space.grid(profile)[: search.sim_trials]:  # none left waiting
@@ -130,6 +128,8 @@ def simulated_stage(
         result = simulate(profile, plan, params)
         trial.set_user_attr("peak_bytes", result.peak_bytes)
         trial.set_user_attr("exposed_comm_ms", result.exposed_comm_ms)
+        if budget_bytes is not None:  # Optuna's constraint: <= 0 is feasible; TPE and NSGA-II favour feasible trials
+            trial.set_constraint("peak_over_budget_bytes", float(result.peak_bytes - budget_bytes))
         return result.step_ms, float(result.peak_bytes)
 
     with warnings.catch_warnings():  # TPE's multi-objective mode warns on each start
@@ -185,7 +185,8 @@ def select_candidates(
         budget_bytes: only plans predicted within this peak (bytes per rank)
             are candidates; ``None``: no budget.
     """
-    grid = get_space(space_name).grid(profile)
+    space = get_space(space_name)
+    grid = getattr(space, "uniform_grid", space.grid)(profile)  # the hand-set baseline: uniform knobs only
     ranked = distinct_plans(sim_study, profile, space_name)
     default = next(((t, p) for t, p in ranked if p.is_default_for(profile)), None)
     rest = [(t, p) for t, p in ranked if not p.is_default_for(profile) and plan_key(p) not in exclude

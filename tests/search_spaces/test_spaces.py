@@ -17,7 +17,9 @@ def test_search_spaces_build_valid_distinct_plans(make_profile):
         assert plans[0].is_default_for(p)
         for plan in plans:
             plan.validate()
-        assert len({pl.behaviour_key() for pl in plans}) == len(plans) == (24 if space is per_module else 48)
+        # assign: the uniform grid, then prefetch 1 sync/async and 2 async keeping the last 1..4 of 5 blocks
+        expected = {uniform: 48, per_module: 24, assign: 48 + 3 * 4}[space]
+        assert len({pl.behaviour_key() for pl in plans}) == len(plans) == expected
     # per_module: one module's own window, others untouched
     params = per_module.grid(p)[0] | {"fwd:b1": 3, "bwd:b3": 2}
     plan = per_module.suggest(optuna.trial.FixedTrial(params), p)
@@ -64,11 +66,14 @@ def test_unknown_space_names_the_choices():
 def test_assign_grid_behaves_as_the_uniform_grid(make_profile):
     """Uniform depth d is every issue distance d: the same simulated step and peak, point for point."""
     p = make_profile(n_blocks=5)
-    for a, u in zip(assign.grid(p), uniform.grid(p), strict=True):
+    assert assign.grid(p)[:48] == assign.uniform_grid(p)
+    keep = assign.suggest(optuna.trial.FixedTrial(assign.grid(p)[48 + 1]), p)  # prefetch 1 async, last 2 kept
+    assert [f for f, m in keep.modules.items() if not m.reshard_after_forward] == ["", "b3", "b4"]
+    for a, u in zip(assign.uniform_grid(p), uniform.grid(p), strict=True):
         pa, pu = (s.suggest(optuna.trial.FixedTrial(g), p) for s, g in ((assign, a), (uniform, u)))
         ra, ru = simulate(p, pa), simulate(p, pu)
         assert (ra.step_ms, ra.peak_bytes) == (ru.step_ms, ru.peak_bytes), u
-    assert len({assign.suggest(optuna.trial.FixedTrial(g), p).behaviour_key() for g in assign.grid(p)}) == 48
+    assert len({assign.suggest(optuna.trial.FixedTrial(g), p).behaviour_key() for g in assign.uniform_grid(p)}) == 48
 
 
 def test_assign_maps_distances_onto_issuers(make_profile):
