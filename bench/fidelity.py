@@ -30,7 +30,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.errors import PlannerError  # noqa: E402
 
 
 def _plans(profile):
@@ -258,23 +257,11 @@ def main() -> None:
         for path in args.refit:
             refit(path)
         return
-    try:
-        from planner.config import load_study_config
-        from runtime.launch import in_torchrun, launch_ranks
+    from _ranks import run_studies
 
-        if in_torchrun():
-            rank_main(args.studies[0], args.rounds, args.json)
-            return
-        for study in args.studies:
-            config = load_study_config(study)
-            forward = [study, "--rounds", str(args.rounds)] + (["--json", args.json] if args.json else [])
-            code = launch_ranks(forward, config.launch.nproc_per_node, script=__file__)
-            if code:
-                sys.exit(code)
-    except PlannerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
+    run_studies(__file__, args.studies,
+                lambda study: [study, "--rounds", str(args.rounds)] + (["--json", args.json] if args.json else []),
+                lambda: rank_main(args.studies[0], args.rounds, args.json))
 
 if __name__ == "__main__":
     main()

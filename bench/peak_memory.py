@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from planner.errors import PlannerError  # noqa: E402
 
 MIB = 2**20
 
@@ -121,23 +120,10 @@ def main() -> None:
         for path in args.refit:
             report(json.loads(Path(path).read_text()))
         return
-    try:
-        from planner.config import load_study_config
-        from runtime.launch import in_torchrun, launch_ranks
+    from _ranks import run_studies
 
-        if in_torchrun():
-            rank_main(args.studies[0], args.json)
-            return
-        for study in args.studies:
-            config = load_study_config(study)
-            code = launch_ranks([study] + (["--json", args.json] if args.json else []),
-                                config.launch.nproc_per_node, script=__file__)
-            if code:
-                sys.exit(code)
-    except PlannerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
+    run_studies(__file__, args.studies, lambda study: [study] + (["--json", args.json] if args.json else []),
+                lambda: rank_main(args.studies[0], args.json))
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,29 @@
+"""What the rank-running benches share: run a study's ranks on this script, or be one of them."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+
+def run_studies(script: str, studies: list[str], forward: Callable[[str], list[str]], rank_main: Callable[[], None]
+                ) -> None:
+    """Under torchrun, call ``rank_main()``; else launch each study's ranks on ``script`` with ``forward(study)``.
+
+    Exits with the first failing rank's code, or 2 with one line on a ``PlannerError`` (e.g. a bad study TOML).
+    """
+    from planner.config import load_study_config
+    from planner.errors import PlannerError
+    from runtime.launch import in_torchrun, launch_ranks
+
+    try:
+        if in_torchrun():
+            rank_main()
+            return
+        for study in studies:
+            code = launch_ranks(forward(study), load_study_config(study).launch.nproc_per_node, script=script)
+            if code:
+                sys.exit(code)
+    except PlannerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
