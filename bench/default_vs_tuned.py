@@ -37,12 +37,12 @@ def rank_main(args: argparse.Namespace) -> None:
     from runtime.rank import init_rank, shutdown_rank
     from runtime.measure import measure_plans
     from runtime.recorder import record_profile
-    from runtime.workload import build_workload
+    from runtime.workload import build_study_workload
     from search_spaces import uniform
 
     config = load_study_config(args.study)
     mesh = init_rank(config.launch.backend)
-    workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    workload = build_study_workload(config.workload, mesh)
     profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats)
     plans = {"FSDP2 default": Plan.default(profile)}
     plan_path = args.plan or config.default_output(".plan.json")

@@ -96,11 +96,11 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
     from runtime.measure import max_across_ranks, measure_plans
     from runtime.memory import UnshardedBytesTracker
     from runtime.recorder import record_profile
-    from runtime.workload import build_workload, train_step
+    from runtime.workload import build_study_workload, train_step
 
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
-    workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    workload = build_study_workload(config.workload, mesh)
     profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats)
     plans = _plans(profile)
     names = list(plans)

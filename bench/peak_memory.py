@@ -54,11 +54,11 @@ def rank_main(study: str, out: str | None) -> None:
     from runtime.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
     from runtime.rank import init_rank, shutdown_rank
     from runtime.recorder import record_profile
-    from runtime.workload import build_workload, train_step
+    from runtime.workload import build_study_workload, train_step
 
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
-    workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    workload = build_study_workload(config.workload, mesh)
     profile = record_profile(workload, warmup_steps=1, steps=2, repeats=config.measure.profile_repeats)
     plans = plans_for(profile)
     local = []

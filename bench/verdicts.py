@@ -62,11 +62,11 @@ def aa_main(study: str, races: int, out: str) -> None:
     from planner.schedule import Schedule
     from runtime.rank import init_rank, shutdown_rank
     from runtime.recorder import record_profile
-    from runtime.workload import build_workload
+    from runtime.workload import build_study_workload
 
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
-    workload = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    workload = build_study_workload(config.workload, mesh)
     profile = record_profile(workload, warmup_steps=1, steps=2, repeats=1)
     default = Plan.default(profile)
     results = []
@@ -99,14 +99,14 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     from runtime.measure import StepCounter, timed_step
     from runtime.protocol import gather
     from runtime.rank import init_rank, shutdown_rank
-    from runtime.workload import build_workload
+    from runtime.workload import build_study_workload
 
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
     plan = load_plan(plan_path)
-    tuned = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    tuned = build_study_workload(config.workload, mesh)
     apply_plan(tuned.model, plan)
-    default = build_workload(config.workload.factory, mesh, config.workload.kwargs)
+    default = build_study_workload(config.workload, mesh)
     apply_plan(default.model, Plan(plan.fingerprint, {}))  # leaves every module as wrapped: FSDP2's default
     steps = StepCounter()
     for w in (tuned, default, tuned, default):  # warm-up

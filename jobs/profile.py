@@ -12,7 +12,7 @@ from planner.profile import Profile
 from planner.simulator import simulate
 from runtime.rank import check_runnable, init_rank, shutdown_rank
 from runtime.recorder import record_profile
-from runtime.workload import Workload, build_workload, load_factory, train_step
+from runtime.workload import Workload, build_study_workload, load_factory, train_step
 
 
 class ProfileJob:
@@ -58,7 +58,7 @@ class ProfileJob:
         workload: Workload | None = None
         ended = False
         try:
-            workload = build_workload(self.config.workload.factory, mesh, self.config.workload.kwargs)
+            workload = build_study_workload(self.config.workload, mesh)
             measure = self.config.measure
             profile = record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
                                      repeats=measure.profile_repeats)

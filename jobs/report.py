@@ -8,12 +8,15 @@ from planner.verdict import Verdict, confirmation_rounds, confirmation_text, det
 
 
 def describe(plan: Plan) -> str:
-    """A short human description of a plan (prefetch depths, async unshard, modules kept unsharded after forward)."""
+    """A short human description of a plan: the longest prefetch lists (a uniform plan's depths), async unshard,
+    modules kept unsharded after forward, and the knobs left at FSDP2's default otherwise."""
     fwd = max(len(m.forward_prefetch) for m in plan.modules.values())
     bwd = max(max(1, len(m.backward_prefetch)) for m in plan.modules.values())
     n = len(plan.modules)
     k = sum(not m.reshard_after_forward for m in plan.modules.values())
     kept = ", no reshard after forward" if k == n else f", {k} of {n} modules unsharded after forward" if k > 1 else ""
+    kept += ", reduce-scatter on its own process group" if plan.separate_reduce_scatter_group else ""
+    kept += ", no reshard after backward between microbatches" if not plan.reshard_after_backward else ""
     return f"forward prefetch {fwd or 'implicit'}, backward prefetch {bwd}, async unshard {plan.unshard_async_op}{kept}"
 
 

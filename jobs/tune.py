@@ -40,7 +40,7 @@ from runtime.interrupts import interrupts_deferred, interrupts_raise
 from runtime.protocol import RoundResult, control_group, measured_round, one_line
 from runtime.rank import check_runnable, init_rank, shutdown_rank
 from runtime.recorder import record_profile
-from runtime.workload import Workload, build_workload, load_factory
+from runtime.workload import Workload, build_study_workload, load_factory
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class TuneJob:
         try:
             with interrupts_raise():
                 try:
-                    workload = build_workload(self.config.workload.factory, mesh, self.config.workload.kwargs)
+                    workload = build_study_workload(self.config.workload, mesh)
                     self.profile = self._record(workload)
                     result = self._measure(workload, group, rank0)
                     outcome = self._finish(result) if rank0 else None

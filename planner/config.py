@@ -23,7 +23,6 @@ Example (``studies/llama-cpu.toml``)::
     sampler = "tpe"        # or "nsga2" (cheaper per trial with many parameters), "random"
     sim_trials = 200
     measured_trials = 3
-    seed = 0
     memory_budget = "+150MiB"  # or "1.5GiB", "+10%"; unset: no budget
 
     [measure]
@@ -95,10 +94,12 @@ class StudyTable(_Table):
 
 
 class WorkloadTable(_Table):
-    """``[workload]``: ``factory`` ``"package.module:function"``, called on every rank as ``factory(mesh, **kwargs)``."""
+    """``[workload]``: ``factory`` ``"package.module:function"``, called on every rank as ``factory(mesh, **kwargs)``;
+    ``microbatches``: forward/backward passes per optimizer step (gradient accumulation, ``runtime.accumulation``)."""
 
     factory: StrictStr
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    microbatches: StrictInt = Field(1, ge=1)
 
 
 class LaunchTable(_Table):
@@ -220,10 +221,8 @@ class MeasureTable(_Table):
         return ConfirmSettings(self.resolve_pct / 100.0, self.confirm_min_rounds, self.confirm_max_rounds, seed)
 
 
-TABLES: dict[str, type[_Table]] = {
-    "study": StudyTable, "workload": WorkloadTable, "launch": LaunchTable, "search": SearchTable,
-    "measure": MeasureTable,
-}
+TABLES: dict[str, type[_Table]] = {"study": StudyTable, "workload": WorkloadTable, "launch": LaunchTable,
+                                   "search": SearchTable, "measure": MeasureTable}
 # Every key's table: keys are unique across tables, so a flat override (the CLI's --sim-trials) finds its table.
 _TABLE_OF: dict[str, str] = {key: table for table, model in TABLES.items() for key in model.model_fields}
 

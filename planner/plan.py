@@ -35,11 +35,18 @@ class ModulePlan:
         reshard_after_forward: free the unsharded parameters after forward
             (and all-gather them again in backward). ``False`` trades memory
             for one all-gather less.
+        unshard_in_backward: all-gather the parameters in backward
+            (``set_unshard_in_backward``). ``False`` only for a module whose
+            parameters backward does not read
+            (``ModuleProfile.needs_parameters_in_backward``, e.g. an
+            embedding): its backward all-gather is skipped. Written to JSON
+            only when false.
     """
 
     forward_prefetch: tuple[str, ...] = ()
     backward_prefetch: tuple[str, ...] = ()
     reshard_after_forward: bool = True
+    unshard_in_backward: bool = True
 
 
 class Source(enum.StrEnum):
@@ -105,6 +112,10 @@ class Plan:
             the backward of microbatches other than the last
             (``set_reshard_after_backward``); ``False`` keeps parameters
             unsharded between microbatches, trading memory for all-gathers.
+        separate_reduce_scatter_group: reduce-scatter on its own process
+            group (``set_separate_reduce_scatter_group``), so it does not queue
+            behind an all-gather on the shared one. Written to JSON only when
+            true, so plans from before keep their behaviour key.
         provenance: where the plan came from.
         schema_version: :data:`PLAN_SCHEMA_VERSION`.
     """
@@ -114,6 +125,7 @@ class Plan:
     unshard_async_op: bool = False
     reduce_scatter_max_input_buffers: int = 1
     reshard_after_backward: bool = True
+    separate_reduce_scatter_group: bool = False
     provenance: Provenance = field(default_factory=Provenance)
     schema_version: int = PLAN_SCHEMA_VERSION
 
@@ -167,11 +179,13 @@ class Plan:
             "unshard_async_op": self.unshard_async_op,
             "reduce_scatter_max_input_buffers": self.reduce_scatter_max_input_buffers,
             "reshard_after_backward": self.reshard_after_backward,
+            **({"separate_reduce_scatter_group": True} if self.separate_reduce_scatter_group else {}),
             "modules": {
                 fqn: {
                     "forward_prefetch": list(m.forward_prefetch),
                     "backward_prefetch": list(m.backward_prefetch),
                     "reshard_after_forward": m.reshard_after_forward,
+                    **({} if m.unshard_in_backward else {"unshard_in_backward": False}),
                 }
                 for fqn, m in self.modules.items()
             },
@@ -206,22 +220,25 @@ class Plan:
             fingerprint = Fingerprint.from_dict(d["fingerprint"])
             modules = {}
             for fqn, m in d["modules"].items():
-                if not isinstance(m["reshard_after_forward"], bool):
-                    raise TypeError(f"modules[{fqn!r}].reshard_after_forward must be true or false")
+                for key in ("reshard_after_forward", "unshard_in_backward"):
+                    if not isinstance(m.get(key, True), bool):
+                        raise TypeError(f"modules[{fqn!r}].{key} must be true or false")
                 modules[fqn] = ModulePlan(
                     forward_prefetch=tuple(_fqn_list(m["forward_prefetch"])),
                     backward_prefetch=tuple(_fqn_list(m["backward_prefetch"])),
                     reshard_after_forward=m["reshard_after_forward"],
+                    unshard_in_backward=m.get("unshard_in_backward", True),
                 )
-            async_op = d["unshard_async_op"]
-            if not isinstance(async_op, bool):
-                raise TypeError("unshard_async_op must be true or false")
+            async_op, separate_rs = d["unshard_async_op"], d.get("separate_reduce_scatter_group", False)
+            if not isinstance(async_op, bool) or not isinstance(separate_rs, bool):
+                raise TypeError("unshard_async_op and separate_reduce_scatter_group must be true or false")
             plan = cls(
                 fingerprint=fingerprint,
                 modules=modules,
                 unshard_async_op=async_op,
                 reduce_scatter_max_input_buffers=int(d.get("reduce_scatter_max_input_buffers", 1)),
                 reshard_after_backward=bool(d.get("reshard_after_backward", True)),
+                separate_reduce_scatter_group=separate_rs,
                 provenance=_provenance(d.get("provenance", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:

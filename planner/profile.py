@@ -101,6 +101,10 @@ class ModuleProfile:
         reshard_after_forward: the module's setting when recorded.
         calls: how often the module runs forward per step (its multiplicity in
             the post-forward order); times are totals over the calls.
+        needs_parameters_in_backward: autograd saves some of its parameters
+            for backward (a linear layer's weight); ``False`` (an embedding)
+            makes ``set_unshard_in_backward(False)`` safe. ``True`` when not
+            recorded.
     """
 
     fqn: str
@@ -116,6 +120,7 @@ class ModuleProfile:
     activation_bytes: int
     reshard_after_forward: bool
     calls: int = 1
+    needs_parameters_in_backward: bool = True
 
 
 @dataclass(frozen=True)

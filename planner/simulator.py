@@ -152,6 +152,12 @@ class SimResult:
         peak_unsharded_bytes: peak of the unsharded parameter bytes alive
             (all-gather outputs from issue to reshard), what the runtime can
             track on CPU through FSDP's own unshard/reshard.
+        reserved_peak_bytes: ``peak_bytes`` plus the blocks freed but held
+            from reuse at that moment (GPU, async unshard: [Note:
+            record_stream holds all-gather outputs] in
+            :mod:`planner._kernel.param_group`), what the caching allocator
+            must reserve (compare ``torch.cuda.max_memory_reserved``); equal
+            to ``peak_bytes`` on CPU.
         events: the timeline, when ``simulate(..., trace=True)``.
         memory: ``(time ms, bytes alive)`` samples, when traced.
     """
@@ -163,6 +169,7 @@ class SimResult:
     compute_ms: float
     comm_ms: float
     peak_unsharded_bytes: int = 0
+    reserved_peak_bytes: int = 0
     events: list[TraceEvent] = field(default_factory=list)
     memory: list[tuple[float, int]] = field(default_factory=list)
 
@@ -232,10 +239,11 @@ def _plan_fields(plan: Plan, c: _Compiled) -> tuple:
     if cached is not None and cached[0] is c:
         return cached[1]
     idx, n = c.index, len(c.names)
-    fwd_lists, bwd_lists, raf = [()] * n, [()] * n, [True] * n  # modules left out keep FSDP2's defaults
+    fwd_lists, bwd_lists, raf, uib = [()] * n, [()] * n, [True] * n, [True] * n  # modules left out: FSDP2's defaults
     for fqn, m in plan.modules.items():
         i = idx[fqn]
         fwd_lists[i], bwd_lists[i], raf[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
+        uib[i] = m.unshard_in_backward
     i64 = np.int64
     fields = tuple(PlanArrays(
         forward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),
@@ -243,9 +251,11 @@ def _plan_fields(plan: Plan, c: _Compiled) -> tuple:
         backward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, bwd_lists))], i64),
         backward_prefetch_targets=np.array([idx[t] for ts in bwd_lists for t in ts], i64),
         reshard_after_forward=np.array(raf, np.bool_),
+        unshard_in_backward=np.array(uib, np.bool_),
         unshard_async_op=bool(plan.unshard_async_op),
         reduce_scatter_max_input_buffers=int(plan.reduce_scatter_max_input_buffers),
         reshard_after_backward=bool(plan.reshard_after_backward),
+        separate_reduce_scatter_group=bool(plan.separate_reduce_scatter_group),
     ))
     object.__setattr__(plan, "_arrays", (c, fields))
     return fields
@@ -284,7 +294,7 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
         params = SimParams(**profile.calibration) if profile.calibration else _uncalibrated(profile)
     events = np.zeros((c.trace_rows, 4)) if trace else _NO_EVENTS
     samples = np.zeros((c.trace_rows, 2)) if trace else _NO_SAMPLES
-    t_cpu, t_compute, compute_ms, comm_ms, peak, peak_unsharded, n_events, n_samples = _kernel.step(
+    t_cpu, t_compute, compute_ms, comm_ms, peak, peak_unsharded, reserved, n_events, n_samples = _kernel.step(
         c.fields, _plan_fields(plan, c), params.kernel_fields(), events, samples
     )
     step_ms = max(t_cpu, t_compute)
@@ -302,6 +312,7 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
         compute_ms=compute_ms,
         comm_ms=comm_ms,
         peak_unsharded_bytes=int(peak_unsharded),
+        reserved_peak_bytes=c.baseline_bytes + int(reserved),
         events=timeline,
         memory=memory,
     )

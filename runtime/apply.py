@@ -16,7 +16,8 @@ from torch import nn
 from planner.errors import PlanMismatchError, UnsupportedPlanError
 from planner.plan import Plan
 from planner.profile import Fingerprint
-from runtime.torch_private import TESTED_TORCH, unshard_async_op_setter
+from runtime.accumulation import set_accumulation
+from runtime.torch_private import TESTED_TORCH, separate_reduce_scatter_group_setter, unshard_async_op_setter
 from runtime.workload import fsdp_modules, own_parameters
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,14 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
 
     Calls, per FSDP module: ``set_modules_to_forward_prefetch``,
     ``set_modules_to_backward_prefetch``, ``set_reshard_after_forward``
-    (not recursive); on the root: ``_set_unshard_async_op``
+    (not recursive), ``set_unshard_in_backward``; on the root: ``_set_unshard_async_op``
     (:func:`runtime.torch_private.unshard_async_op_setter`) and
-    ``set_reduce_scatter_max_input_buffers``. Applying a plan replaces the
+    ``set_reduce_scatter_max_input_buffers`` and
+    ``set_separate_reduce_scatter_group``
+    (:func:`runtime.torch_private.separate_reduce_scatter_group_setter`); and records
+    ``reshard_after_backward`` for gradient accumulation, which
+    :func:`runtime.accumulation.prepare_microbatch` sets before each
+    microbatch but the last. Applying a plan replaces the
     previous one entirely (empty lists restore FSDP2's defaults).
 
     Args:
@@ -116,12 +122,21 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     """
     modules = dict(fsdp_modules(model))
     set_async_op = unshard_async_op_setter(model)
+    set_separate_rs = None  # also switched off by a plan without it, after one with it (raises if torch lacks it)
+    if plan.separate_reduce_scatter_group or hasattr(model, "set_separate_reduce_scatter_group"):
+        set_separate_rs = separate_reduce_scatter_group_setter(model)
     rs_buffers = getattr(model, "set_reduce_scatter_max_input_buffers", None)
     if rs_buffers is None and plan.reduce_scatter_max_input_buffers != 1:
         raise UnsupportedPlanError(
             f"the plan sets reduce_scatter_max_input_buffers = {plan.reduce_scatter_max_input_buffers}, but torch "
             f"{torch.__version__} has no FSDPModule.set_reduce_scatter_max_input_buffers (tested with torch "
             f"{TESTED_TORCH}); install torch=={TESTED_TORCH}.* or use a plan with 1 input buffer"
+        )
+    has_unshard_in_backward = hasattr(model, "set_unshard_in_backward")
+    if not has_unshard_in_backward and not all(m.unshard_in_backward for m in plan.modules.values()):
+        raise UnsupportedPlanError(
+            f"the plan turns unshard_in_backward off, but torch {torch.__version__} has no "
+            f"FSDPModule.set_unshard_in_backward (tested with torch {TESTED_TORCH}); install torch=={TESTED_TORCH}.*"
         )
     if check:
         difference = plan.fingerprint.first_difference(model_fingerprint(model))
@@ -136,7 +151,12 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
         module.set_modules_to_forward_prefetch([modules[t] for t in mp.forward_prefetch])
         module.set_modules_to_backward_prefetch([modules[t] for t in mp.backward_prefetch])
         module.set_reshard_after_forward(mp.reshard_after_forward, recurse=False)
+        if has_unshard_in_backward:
+            module.set_unshard_in_backward(mp.unshard_in_backward)
     set_async_op(plan.unshard_async_op)
+    if set_separate_rs is not None:
+        set_separate_rs(plan.separate_reduce_scatter_group)
+    set_accumulation(model, plan.reshard_after_backward)
     if rs_buffers is not None:  # without it FSDP2 always has 1, which the plan then asks for
         rs_buffers(plan.reduce_scatter_max_input_buffers)
 

@@ -37,7 +37,9 @@ class ComputeTimer:
     module, so times are exclusive of nested FSDP modules. Activation bytes
     saved for backward are counted per module with
     ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded,
-    storages counted once).
+    storages counted once); the parameters saved for backward are noted
+    (:attr:`saved_parameter_storages`): a module none of whose parameters is
+    saved (an embedding) needs no all-gather in backward.
 
     On CPU a mark is ``time.perf_counter()``; on GPU the hooks run ahead of
     the kernels they launch, so a mark is a CUDA event recorded on the current
@@ -52,6 +54,7 @@ class ComputeTimer:
         self.act_bytes: dict[str, int] = defaultdict(int)
         self.seen_storages: set[int] = set()
         self.param_storages: set[int] = set()
+        self.saved_parameter_storages: set[int] = set()  # storages of parameters autograd saved for backward
         self.handles = []
         for fqn, m in modules:
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
@@ -110,7 +113,9 @@ class ComputeTimer:
             key = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return t
-        if self.live and key not in self.seen_storages and key not in self.param_storages:
+        if key in self.param_storages:
+            self.saved_parameter_storages.add(key)
+        elif self.live and key not in self.seen_storages:
             self.seen_storages.add(key)
             self.act_bytes[self.live[-1]] += t.untyped_storage().nbytes()
         return t
@@ -120,6 +125,7 @@ class ComputeTimer:
         self.marks.clear()
         self.seen_storages.clear()
         self.act_bytes.clear()
+        self.saved_parameter_storages.clear()
         self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()}
         self.mark("enter", self.root)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):

@@ -32,7 +32,7 @@ from planner.plan import Plan
 from runtime.apply import apply_plan
 from runtime.measure import StepCounter, StepFailed, device_type_of, synchronize
 from runtime.torch_private import profiler_allocations
-from runtime.workload import Workload, train_step
+from runtime.workload import Workload, forward_backward, train_step
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
 # some steps of the same plan peak one block's unsharded bytes higher than most (the reference Llama: 1 step
@@ -108,7 +108,7 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
     """Run training step ``step`` and measure this rank's peak.
 
     The step is ``runtime.workload.train_step``'s (``zero_grad(set_to_none=True)``,
-    forward and backward on ``make_batch(step)``, ``optimizer.step()``),
+    ``forward_backward`` (every microbatch), ``optimizer.step()``),
     written out so that the optimizer step's own peak is read apart. All
     ranks call this together (the step runs collectives).
     """
@@ -119,7 +119,7 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        workload.loss_fn(model, workload.make_batch(step)).backward()
+        forward_backward(workload, step)
         synchronize(device)
         peak, before, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated(), \
             torch.cuda.max_memory_reserved()
@@ -131,7 +131,7 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
                           max(reserved, torch.cuda.max_memory_reserved()))
     start = bytes_alive(workload)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        workload.loss_fn(model, workload.make_batch(step)).backward()
+        forward_backward(workload, step)
         with record_function(OPTIMIZER_BLOCK):
             optimizer.step()
     return PeakMemory(start + step_peak(profiler_allocations(prof)), start,

@@ -2,6 +2,9 @@
 
 What it records and how (docs/architecture.md, "Measurement"):
 
+- Gradient accumulation: the workload's microbatches per step
+  (``Profile.microbatches``); the module figures below are per microbatch,
+  the step figures per step (every microbatch and the optimizer).
 - Step ms, optimizer ms and peak memory of FSDP2's default plan: median
   over timed steps after warm-up, timed last, when the run is warm
   (the first steps after the model is built ran 50% slower: [Note: Why the
@@ -15,7 +18,9 @@ What it records and how (docs/architecture.md, "Measurement"):
   gradient sync off (``set_requires_gradient_sync(False)``) and
   ``set_reshard_after_backward(False)``, so no collective runs inside the
   window.
-- Activation bytes saved for backward, per module.
+- Activation bytes saved for backward, per module; and whether autograd
+  saves any of its parameters (if not, e.g. an embedding, its parameters
+  need no all-gather in backward: ``set_unshard_in_backward(False)``).
 - All-gather ms and reduce-scatter ms in isolation, all ranks together
   (:mod:`runtime.collective_timer`). Medians of several repeats.
 - On a CPU device, the all-gather of the module with the most unsharded
@@ -42,7 +47,7 @@ from runtime.measure import device_type_of, synchronize
 from runtime.overlap_timer import overlap_timings
 from runtime.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
 from runtime.torch_private import clear_unsharded_grads, reshard_after_forward
-from runtime.workload import Workload, fsdp_modules, own_parameters, train_step
+from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, train_step
 
 
 def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
@@ -54,7 +59,7 @@ def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str
         synchronize(device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        workload.loss_fn(model, workload.make_batch(s)).backward()
+        forward_backward(workload, s)
         synchronize(device)
         t1 = time.perf_counter()
         optimizer.step()
@@ -79,11 +84,15 @@ def _compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[
         m.unshard()
     timer = ComputeTimer(modules, modules[0][0], device)
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    needs: dict[str, bool] = {}
     try:
         for r in range(repeats + 1):  # the first repeat warms up and is dropped
             timer.run(workload, r)
             times, pre_order, post_order, calls = timer.attribute()
-            if r == 0:
+            if r == 0:  # with every module unsharded, the registered parameters are the unsharded ones
+                for fqn, _ in modules:
+                    own = [p.untyped_storage().data_ptr() for p in own_parameters(modules, fqn)]
+                    needs[fqn] = not own or any(ptr in timer.saved_parameter_storages for ptr in own)
                 continue
             for fqn, _ in modules:
                 for key in TIMED:
@@ -100,7 +109,7 @@ def _compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[
     return {
         "times": {fqn: {k: statistics.median(samples[fqn][k]) for k in TIMED} for fqn, _ in modules},
         "pre_forward_order": pre_order, "post_forward_order": post_order, "calls": calls,
-        "activation_bytes": dict(timer.act_bytes),
+        "activation_bytes": dict(timer.act_bytes), "needs_parameters_in_backward": needs,
     }
 
 
@@ -156,17 +165,18 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
                 "reduce_scatter_ms": rs_ms[fqn],
                 "sharded_bytes": sharded[fqn],
                 "activation_bytes": compute["activation_bytes"].get(fqn, 0),
+                "needs_parameters_in_backward": compute["needs_parameters_in_backward"][fqn],
             }
             for fqn, _ in modules
         },
     }
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
-    return _consolidate(gathered, fingerprint, raf, compute["calls"])
+    return _consolidate(gathered, fingerprint, raf, compute["calls"], workload.microbatches)
 
 
-def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int]
-                 ) -> Profile:
+def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
+                 microbatches: int = 1) -> Profile:
     """Max across ranks of every figure; orders must agree across ranks."""
     first = per_rank[0]
     for other in per_rank[1:]:
@@ -190,6 +200,7 @@ def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, 
             grad_bytes=unsharded[fqn],
             activation_bytes=int(figures["activation_bytes"]),
             reshard_after_forward=raf[fqn],
+            needs_parameters_in_backward=bool(figures["needs_parameters_in_backward"]),  # any rank: max
             calls=max(1, calls.get(fqn, 1)),
         )
     root = fingerprint.module_fqns[0]
@@ -208,6 +219,7 @@ def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, 
         measured_step_ms=step_ms,
         optimizer_temp_bytes=max(r["optimizer_temp_bytes"] for r in per_rank),
         measured_peak_bytes=peak_of_steps([r["peak_bytes"] for r in per_rank]),
+        microbatches=microbatches,
         per_rank=per_rank,
         consolidation="max",
         in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap),

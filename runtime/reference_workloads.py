@@ -40,11 +40,14 @@ def llama(
     seq_len: int = 64,
     lr: float = 1e-4,
     seed: int = 0,
+    shard_embedding: bool = False,
 ) -> Workload:
     """Llama (``transformers.LlamaForCausalLM``) from a config, random weights.
 
     Each ``model.layers[i]`` is one FSDP module; the root holds embedding,
-    final norm and LM head.
+    final norm and LM head. ``shard_embedding``: the token embedding is an
+    FSDP module of its own (as torchtitan wraps it): its backward reads no
+    parameter, so ``set_unshard_in_backward(False)`` applies to it.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -61,6 +64,8 @@ def llama(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if shard_embedding:
+        fully_shard(model.model.embed_tokens, mesh=mesh)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

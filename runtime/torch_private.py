@@ -17,6 +17,7 @@ one fails that test by name instead of corrupting a profile.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -83,6 +84,56 @@ def unshard_async_op_setter(model: nn.Module) -> Callable[[bool], None]:
             f"(tested with torch {TESTED_TORCH}); install torch=={TESTED_TORCH}.*"
         )
     return setter
+
+
+# model -> its dedicated reduce-scatter process group, created once (separate_reduce_scatter_group_setter).
+_DEDICATED_REDUCE_SCATTER: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def separate_reduce_scatter_group_setter(model: nn.Module) -> Callable[[bool], None]:
+    """The setter of a plan's ``separate_reduce_scatter_group`` for every FSDP module under ``model``.
+
+    Why: ``FSDPModule.set_separate_reduce_scatter_group(True)`` gives
+    reduce-scatter its own process group, so that it need not queue behind an
+    all-gather on the shared one; but enabled again after being disabled it
+    creates a new process group each time
+    (``FSDPParamGroup._set_separate_reduce_scatter_group``), and plans are
+    switched between steps (the race). So the public setter creates the group
+    once; later it is enabled by putting that group back on each parameter
+    group's ``mesh_info.reduce_scatter_process_group``, and disabled by the
+    public setter. Enabling is collective (all ranks apply the same plan).
+
+    Raises:
+        UnsupportedPlanError: the running torch has no ``set_separate_reduce_scatter_group``.
+    """
+    public = getattr(model, "set_separate_reduce_scatter_group", None)
+    if public is None:
+        raise UnsupportedPlanError(
+            f"the plan sets separate_reduce_scatter_group, but torch {torch.__version__} has no "
+            f"FSDPModule.set_separate_reduce_scatter_group (tested with torch {TESTED_TORCH}); install "
+            f"torch=={TESTED_TORCH}.* or use a plan without it")
+
+    def set_separate(enable: bool) -> None:
+        groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                  for g in m._get_fsdp_state()._fsdp_param_groups]
+        dedicated = _DEDICATED_REDUCE_SCATTER.get(model)
+        if not enable:
+            if dedicated is not None:
+                public(False)
+        elif dedicated is None:
+            public(True)
+            if groups:
+                _DEDICATED_REDUCE_SCATTER[model] = groups[0].mesh_info.reduce_scatter_process_group
+        else:
+            for g in groups:
+                g.mesh_info.reduce_scatter_process_group = dedicated
+
+    return set_separate
+
+
+def reduce_scatter_group(module: nn.Module) -> Any:
+    """The process group an FSDP module's reduce-scatter runs on (``FSDPParamGroup._reduce_scatter_process_group``); for tests."""
+    return param_group(module)._reduce_scatter_process_group
 
 
 def unshard_async_op(module: nn.Module) -> bool:

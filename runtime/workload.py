@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from planner.errors import WorkloadError
+from runtime.accumulation import prepare_microbatch
 
 
 @dataclass
@@ -28,12 +29,18 @@ class Workload:
         make_batch: ``make_batch(step: int)`` returns the inputs of that step;
             the same step gives the same batch, so plans can be compared bitwise.
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss tensor.
+        microbatches: forward/backward passes per optimizer step (gradient
+            accumulation, ``[workload] microbatches``): step ``s`` runs
+            microbatch ``i`` on ``make_batch(s * microbatches + i)`` and
+            backpropagates its loss divided by ``microbatches``
+            (:mod:`runtime.accumulation` sets FSDP2 for each).
     """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     make_batch: Callable[[int], Any]
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    microbatches: int = 1
 
 
 def load_factory(spec: str) -> Callable[..., Workload]:
@@ -55,13 +62,19 @@ def load_factory(spec: str) -> Callable[..., Workload]:
     return factory
 
 
-def build_workload(spec: str, mesh: Any, kwargs: dict[str, Any]) -> Workload:
+def build_workload(spec: str, mesh: Any, kwargs: dict[str, Any], microbatches: int = 1) -> Workload:
     """Call the factory and check what it returns.
+
+    Args:
+        microbatches: set on the workload (``[workload] microbatches``), unless 1.
 
     Raises:
         WorkloadError: the factory raises, or returns something that is not a
-            :class:`Workload` with a ``fully_shard``-wrapped model.
+            :class:`Workload` with a ``fully_shard``-wrapped model; or
+            ``microbatches`` < 1.
     """
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise WorkloadError(f"microbatches must be an integer >= 1, found {microbatches!r}; fix [workload] microbatches")
     factory = load_factory(spec)
     try:
         workload = factory(mesh, **kwargs)
@@ -74,7 +87,18 @@ def build_workload(spec: str, mesh: Any, kwargs: dict[str, Any]) -> Workload:
             f"workload factory {spec!r} returned a model that is not wrapped with fully_shard; "
             "call fully_shard on each block, then on the root"
         )
+    if microbatches != 1:
+        workload.microbatches = microbatches
     return workload
+
+
+def build_study_workload(table: Any, mesh: Any) -> Workload:
+    """:func:`build_workload` from a study's ``[workload]`` table (``planner.config.WorkloadTable``).
+
+    Raises:
+        WorkloadError: as :func:`build_workload`.
+    """
+    return build_workload(table.factory, mesh, table.kwargs, table.microbatches)
 
 
 def fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
@@ -95,10 +119,31 @@ def own_parameters(modules: list[tuple[str, nn.Module]], fqn: str) -> list[nn.Pa
     return [p for p in dict(modules)[fqn].parameters() if id(p) not in nested]
 
 
+def forward_backward(workload: Workload, step: int) -> torch.Tensor:
+    """Step ``step``'s forward and backward passes, every microbatch; returns the (detached) loss.
+
+    One microbatch: ``loss_fn(model, make_batch(step))``, backpropagated. With
+    N > 1, microbatch ``i`` runs on ``make_batch(step * N + i)`` after
+    :func:`runtime.accumulation.prepare_microbatch` (only the last reduces
+    gradients), backpropagates its loss / N, and the mean loss is returned.
+    """
+    n, model = workload.microbatches, workload.model
+    if n == 1:
+        loss = workload.loss_fn(model, workload.make_batch(step))
+        loss.backward()
+        return loss.detach()
+    total = None
+    for i in range(n):
+        prepare_microbatch(model, i, n)
+        loss = workload.loss_fn(model, workload.make_batch(step * n + i)) / n
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
 def train_step(workload: Workload, step: int) -> torch.Tensor:
-    """One optimizer step on ``make_batch(step)``; returns the (detached) loss."""
+    """One optimizer step: ``zero_grad``, :func:`forward_backward`, ``optimizer.step()``; returns the (detached) loss."""
     workload.optimizer.zero_grad(set_to_none=True)
-    loss = workload.loss_fn(workload.model, workload.make_batch(step))
-    loss.backward()
+    loss = forward_backward(workload, step)
     workload.optimizer.step()
-    return loss.detach()
+    return loss

@@ -15,11 +15,17 @@ Parameters, for every parameter group ``m`` of :func:`search_spaces.per_module.g
         parameters, as FSDP2 wraps it); False keeps its parameters unsharded
         from forward to backward: one all-gather less, its unsharded bytes
         held across the step.
+    ``uib:m`` (bool; only for groups whose parameters backward does not read,
+        ``ModuleProfile.needs_parameters_in_backward``, e.g. an embedding):
+        False skips its all-gather in backward (``set_unshard_in_backward``).
     ``unshard_async_op`` (bool): ``_set_unshard_async_op``.
     ``reduce_scatter_max_input_buffers`` (1, 2; GPU only: on a CPU device
         the reduce-scatter is synchronous and the cap changes nothing).
     ``reshard_after_backward`` (bool; only with microbatches > 1): reshard
         after the backward of the microbatches before the last.
+    ``separate_reduce_scatter_group`` (bool): reduce-scatter on its own
+        process group (``set_separate_reduce_scatter_group``), not queued
+        behind the all-gathers.
 
 The distances map onto FSDP2's per-issuer lists: a module issued at forward
 distance k is appended to ``forward_prefetch`` of the module k before it
@@ -47,7 +53,8 @@ WINDOW = 3
 
 def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], reshard_after_forward: dict[str, bool],
           unshard_async_op: bool, reduce_scatter_max_input_buffers: int = 1,
-          reshard_after_backward: bool = True) -> Plan:
+          reshard_after_backward: bool = True, separate_reduce_scatter_group: bool = False,
+          unshard_in_backward: dict[str, bool] | None = None) -> Plan:
     """The plan with per-module issue distances and reshard flags (see module docstring).
 
     Args:
@@ -55,6 +62,8 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
         backward: FQN -> backward issue distance (>= 1; 1: FSDP2's default).
         reshard_after_forward: FQN -> whether it reshards after forward
             (ignored for modules wrapped not to, e.g. the root).
+        unshard_in_backward: FQN -> False to skip its backward all-gather
+            (modules left out: True).
 
     Raises:
         KeyError: an FQN of the profile is missing from a mapping.
@@ -74,29 +83,33 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
             forward_prefetch=tuple(fwd_lists[fqn]),
             backward_prefetch=tuple(bwd_lists[fqn]),
             reshard_after_forward=o.reshard_after_forward[fqn] and reshard_after_forward[fqn],
+            unshard_in_backward=(unshard_in_backward or {}).get(fqn, True),
         )
         for fqn in profile.fingerprint.module_fqns
     }
     return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op,
                 reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
-                reshard_after_backward=reshard_after_backward)
+                reshard_after_backward=reshard_after_backward,
+                separate_reduce_scatter_group=separate_reduce_scatter_group)
 
 
 def suggest(trial: Any, profile: Profile) -> Plan:
     """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
-    forward, backward, raf = {}, {}, {}
+    forward, backward, raf, uib = {}, {}, {}, {}
     for name, members in groups(profile):
         fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
         bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
         keep = trial.suggest_categorical(f"raf:{name}", [True, False])
+        gather = trial.suggest_categorical(f"uib:{name}", [True, False]) if _skippable(profile, members) else True
         for f in members:
-            forward[f], backward[f], raf[f] = fwd, bwd, keep
+            forward[f], backward[f], raf[f], uib[f] = fwd, bwd, keep, gather
     knobs: dict[str, Any] = {"unshard_async_op": trial.suggest_categorical("unshard_async_op", [False, True])}
     if profile.fingerprint.device_type != "cpu":
         knobs["reduce_scatter_max_input_buffers"] = trial.suggest_int("reduce_scatter_max_input_buffers", 1, 2)
     if profile.microbatches > 1:
         knobs["reshard_after_backward"] = trial.suggest_categorical("reshard_after_backward", [True, False])
-    return build(profile, forward, backward, raf, **knobs)
+    knobs["separate_reduce_scatter_group"] = trial.suggest_categorical("separate_reduce_scatter_group", [False, True])
+    return build(profile, forward, backward, raf, unshard_in_backward=uib, **knobs)
 
 
 def grid(profile: Profile) -> list[dict[str, Any]]:
@@ -128,12 +141,19 @@ def _params(profile: Profile, names: list[str], fwd: int, bwd: int, async_op: bo
     params: dict[str, Any] = {f"fwd:{n}": fwd for n in names}
     params.update({f"bwd:{n}": bwd for n in names})
     params.update({f"raf:{n}": r for n, r in zip(names, raf)})
+    params.update({f"uib:{n}": True for n, members in groups(profile) if _skippable(profile, members)})
     params["unshard_async_op"] = async_op
     if profile.fingerprint.device_type != "cpu":
         params["reduce_scatter_max_input_buffers"] = 1
     if profile.microbatches > 1:
         params["reshard_after_backward"] = True
+    params["separate_reduce_scatter_group"] = False
     return params
+
+
+def _skippable(profile: Profile, members: list[str]) -> bool:
+    """Whether backward reads none of the group's parameters, so its backward all-gather may be skipped."""
+    return not any(profile.modules[f].needs_parameters_in_backward for f in members)
 
 
 def keep_unsharded(plan: Plan, profile: Profile, blocks: int) -> Plan:

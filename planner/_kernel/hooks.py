@@ -18,7 +18,7 @@ from __future__ import annotations
 from planner._kernel.param_group import reduce_scatter, reshard, unshard, wait_for_unshard
 from planner._kernel.state import (
     BACKWARD, COMM_TOTAL, SHARDED_GRAD_ALIVE, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, FORWARD, GRAD_ALIVE, LAST_REDUCE_SCATTER_END,
-    OPTIMIZER, PEAK, PENDING, RS_HEAD, RS_TAIL, SAMPLES, SHARDED, UNSHARD_STATE, UNSHARDED_PEAK, KernelParams, PlanArrays, ProfileArrays, Trace,
+    OPTIMIZER, PEAK, PENDING, RESERVED_PEAK, RS_HEAD, RS_TAIL, SAMPLES, SHARDED, UNSHARD_STATE, UNSHARDED_PEAK, KernelParams, PlanArrays, ProfileArrays, Trace,
     new_step, njit,
 )
 from planner._kernel.timeline import allocate, compute
@@ -34,7 +34,7 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
     ``FSDPParamGroup.post_forward`` (reshard if ``reshard_after_forward``).
     """
     clock, counters, module_state = st.clock, st.counters, st.module_state
-    ag_end, in_flight, events, samples = st.all_gather_end, st.in_flight, trace.events, trace.samples
+    ag_end, in_flight, events, samples, held = st.all_gather_end, st.in_flight, trace.events, trace.samples, st.held
     ag_ms, unsharded, activation = prof.all_gather_ms, prof.unsharded_bytes, prof.activation_bytes
     offsets, targets, raf = plan.forward_prefetch_offsets, plan.forward_prefetch_targets, plan.reshard_after_forward
     root = prof.root
@@ -42,13 +42,13 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
         i = root if j < 0 else prof.children[j]
         clock[CPU] += cfg.issue_overhead_ms
         if module_state[i, UNSHARD_STATE] == SHARDED:
-            unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+            unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
         if module_state[i, UNSHARD_STATE] == PENDING:
-            wait_for_unshard(i, True, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+            wait_for_unshard(i, True, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
         for p in range(offsets[i], offsets[i + 1]):
             t = targets[p]
             if module_state[t, UNSHARD_STATE] == SHARDED:
-                unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+                unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
         if j < 0:
             if prof.root_forward_pre_ms > 0:
                 compute(i, FORWARD, prof.root_forward_pre_ms * compute_scale, cfg, clock, counters, in_flight, ag_end,
@@ -60,37 +60,39 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
         allocate(clock, counters, samples, activation[i])  # saved for backward
         clock[CPU] += cfg.issue_overhead_ms
         if raf[i] and module_state[i, UNSHARD_STATE] != SHARDED:
-            reshard(i, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+            reshard(i, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if prof.root_forward_post_ms > 0:
         compute(root, FORWARD, prof.root_forward_post_ms * compute_scale, cfg, clock, counters, in_flight, ag_end,
                 module_state, events)
     allocate(clock, counters, samples, activation[root] - prof.root_activation_pre_bytes)
     clock[CPU] += cfg.issue_overhead_ms
     if raf[root] and module_state[root, UNSHARD_STATE] != SHARDED:
-        reshard(root, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+        reshard(root, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
 
 
 @njit(cache=True, inline="always")  # per module: no call, no bundle copies
 def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
     """``FSDPState._pre_backward`` -> ``FSDPParamGroup.pre_backward`` (unshard, wait), then the explicit backward
-    list, else ``FSDPParamGroup._backward_prefetch`` (the previous module in post-forward order)."""
+    list, else ``FSDPParamGroup._backward_prefetch`` (the previous module in post-forward order). A module set
+    ``set_unshard_in_backward(False)`` is never all-gathered in backward (``FSDPParamGroup.unshard`` returns early
+    in pre-backward, for its own unshard and for a prefetch of it)."""
     clock, counters, module_state = st.clock, st.counters, st.module_state
-    ag_end, in_flight, events, samples = st.all_gather_end, st.in_flight, trace.events, trace.samples
-    ag_ms, unsharded = prof.all_gather_ms, prof.unsharded_bytes
+    ag_end, in_flight, events, samples, held = st.all_gather_end, st.in_flight, trace.events, trace.samples, st.held
+    ag_ms, unsharded, uib = prof.all_gather_ms, prof.unsharded_bytes, plan.unshard_in_backward
     clock[CPU] += cfg.issue_overhead_ms
-    if module_state[i, UNSHARD_STATE] == SHARDED:
-        unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+    if module_state[i, UNSHARD_STATE] == SHARDED and uib[i]:
+        unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if module_state[i, UNSHARD_STATE] == PENDING:
-        wait_for_unshard(i, False, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+        wait_for_unshard(i, False, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     first, last = plan.backward_prefetch_offsets[i], plan.backward_prefetch_offsets[i + 1]
     for p in range(first, last):
         t = plan.backward_prefetch_targets[p]
-        if module_state[t, UNSHARD_STATE] == SHARDED:
-            unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+        if module_state[t, UNSHARD_STATE] == SHARDED and uib[t]:
+            unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if last == first and post_index > 0:
         t = prof.post_forward[post_index - 1]
-        if module_state[t, UNSHARD_STATE] == SHARDED:
-            unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+        if module_state[t, UNSHARD_STATE] == SHARDED and uib[t]:
+            unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
 
 
 @njit(cache=True, inline="always")
@@ -98,7 +100,7 @@ def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
     """Module ``i``'s backward compute, then ``FSDPParamGroup.post_backward``: reshard, then reduce-scatter
     (only with gradient sync, ``set_requires_gradient_sync``)."""
     clock, counters, module_state = st.clock, st.counters, st.module_state
-    ag_end, in_flight, events, samples = st.all_gather_end, st.in_flight, trace.events, trace.samples
+    ag_end, in_flight, events, samples, held = st.all_gather_end, st.in_flight, trace.events, trace.samples, st.held
     if not module_state[i, GRAD_ALIVE]:  # autograd allocates the unsharded gradient once
         module_state[i, GRAD_ALIVE] = 1
         allocate(clock, counters, samples, prof.grad_bytes[i])
@@ -106,7 +108,7 @@ def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
     allocate(clock, counters, samples, -prof.activation_bytes[i])
     clock[CPU] += cfg.issue_overhead_ms
     if reshard_after and module_state[i, UNSHARD_STATE] != SHARDED:
-        reshard(i, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight, events, samples)
+        reshard(i, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if reduce:
         reduce_scatter(i, prof.reduce_scatter_ms, prof.grad_bytes, cfg, clock, counters, st.reduce_scatter_end,
                        st.reduce_scatter_bytes, events, samples)
@@ -157,7 +159,8 @@ def step(profile_fields, plan_fields, param_fields, events, samples):
 
     Returns:
         ``(cpu_ms, compute_stream_ms, compute_ms, comm_ms, peak_bytes,
-        peak_unsharded_bytes, events_written, samples_written)``; the step
+        peak_unsharded_bytes, reserved_peak_bytes, events_written,
+        samples_written)``; the step
         ends at the later of the first two.
     """
     prof = ProfileArrays(*profile_fields)
@@ -183,4 +186,4 @@ def step(profile_fields, plan_fields, param_fields, events, samples):
                 st.all_gather_end, st.module_state, events)
     allocate(clock, counters, samples, -prof.optimizer_temp_bytes)
     return (clock[CPU], clock[COMPUTE_STREAM], clock[COMPUTE_TOTAL], clock[COMM_TOTAL], counters[PEAK],
-            counters[UNSHARDED_PEAK], counters[EVENTS], counters[SAMPLES])
+            counters[UNSHARDED_PEAK], counters[RESERVED_PEAK], counters[EVENTS], counters[SAMPLES])

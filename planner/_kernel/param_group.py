@@ -10,9 +10,9 @@ not bundles, in the hot path]).
 from __future__ import annotations
 
 from planner._kernel.state import (
-    ALL_GATHER, ALL_GATHER_ROW, ALL_GATHER_STREAM, COMM_TOTAL, COMPUTE_STREAM, CPU, CPU_WAIT, EVENTS, IN_FLIGHT,
-    LAST_COPY_OUT, LAST_REDUCE_SCATTER_END, PENDING, PROCESS_GROUP, REDUCE_SCATTER, RS_HEAD, RS_TAIL, SHARDED,
-    UNSHARD_STATE, UNSHARDED, UNSHARDED_ALIVE, UNSHARDED_PEAK, njit,
+    ALL_GATHER, ALL_GATHER_ROW, ALL_GATHER_STREAM, COMM_TOTAL, COMPUTE_STREAM, CPU, CPU_WAIT, EVENTS, HELD, HELD_HEAD,
+    HELD_TAIL, IN_FLIGHT, LAST_COPY_OUT, LAST_REDUCE_SCATTER_END, PENDING, PROCESS_GROUP, REDUCE_SCATTER, RS_HEAD,
+    REDUCE_SCATTER_GROUP, RS_TAIL, SHARDED, UNSHARD_STATE, UNSHARDED, UNSHARDED_ALIVE, UNSHARDED_PEAK, njit,
 )
 from planner._kernel.timeline import allocate, event
 
@@ -26,10 +26,34 @@ from planner._kernel.timeline import allocate, event
 # peak of every async plan one block's unsharded bytes above FSDP2's
 # default, which the model missed (bench/peak_memory.py).
 
+# [Note: record_stream holds all-gather outputs]
+# On GPU with ``unshard_async_op=True``, c10d's all-gather calls
+# ``record_stream`` on its output for the NCCL stream (seed:
+# fsdp2-async-unshard-memory-overallocation, pytorch issue "FSDP2 memory
+# over-allocation with _set_unshard_async_op(True) and explicit prefetch").
+# When ``wait_for_unshard`` drops the output after the copy-out, the caching
+# allocator counts it freed (``memory_allocated`` falls) but records an event
+# on the NCCL stream and reuses the block only once that event has completed:
+# once every collective the process group has queued by then (the explicit
+# prefetches issued ahead) has ended. It checks the events when the CPU next
+# allocates, so a CPU running ahead of the GPU holds the blocks longer. Held
+# bytes add to what the allocator must reserve (``max_memory_reserved``),
+# not to ``max_memory_allocated``: ``SimResult.reserved_peak_bytes``. Held
+# blocks are released when the CPU next issues an all-gather or a copy-out,
+# if their event has completed by then.
+
+
+@njit(cache=True)
+def release_held(clock, counters, held):
+    """Release the held blocks whose event has completed by the CPU's time ([Note: record_stream holds all-gather outputs])."""
+    while counters[HELD_HEAD] < counters[HELD_TAIL] and held[counters[HELD_HEAD], 0] <= clock[CPU]:
+        counters[HELD] -= int(held[counters[HELD_HEAD], 1])
+        counters[HELD_HEAD] += 1
+
 
 @njit(cache=True)
 def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight,
-            events, samples):
+            events, samples, held):
     """``FSDPParamGroup.unshard`` of module ``i``: issue its all-gather.
 
     Callers skip modules already pending or unsharded, as
@@ -40,8 +64,10 @@ def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_stat
     blocks until it ends.
     """
     issue = clock[CPU]
-    if cfg.gpu and clock[ALL_GATHER_STREAM] > issue:
-        issue = clock[ALL_GATHER_STREAM]
+    if cfg.gpu:
+        release_held(clock, counters, held)
+        if clock[ALL_GATHER_STREAM] > issue:
+            issue = clock[ALL_GATHER_STREAM]
     start = issue if issue > clock[PROCESS_GROUP] else clock[PROCESS_GROUP]
     # Evaluated as written (not through a shared subtotal), so rounding matches the reference timelines.
     end = start + all_gather_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
@@ -67,12 +93,13 @@ def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_stat
 
 @njit(cache=True)
 def wait_for_unshard(i, forward, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events,
-                     samples):
+                     samples, held):
     """``FSDPParamGroup.wait_for_unshard`` of module ``i`` (callers check its all-gather is pending).
 
     GPU: the compute stream waits for the all-gather; in forward without
     ``async_op`` this is the copy-out that lets the next implicit prefetch
-    start. CPU: the thread waits.
+    start; with ``async_op`` the output's block is held from reuse
+    ([Note: record_stream holds all-gather outputs]). CPU: the thread waits.
     """
     for q in range(counters[IN_FLIGHT]):
         if in_flight[q] == i:
@@ -99,20 +126,28 @@ def wait_for_unshard(i, forward, unsharded_bytes, cfg, clock, counters, module_s
             allocate(clock, counters, samples, -unsharded_bytes[i])
     # foreach_all_gather_copy_out: the unsharded parameters are allocated and filled from the all-gather
     # output, which is freed after the copy: for a moment both are alive.
+    if cfg.gpu:
+        release_held(clock, counters, held)
     allocate(clock, counters, samples, unsharded_bytes[i])
+    if cfg.gpu and cfg.unshard_async_op and clock[PROCESS_GROUP] > clock[CPU]:
+        tail = counters[HELD_TAIL]  # reusable once the collectives queued so far have ended
+        held[tail, 0] = clock[PROCESS_GROUP]
+        held[tail, 1] = unsharded_bytes[i]
+        counters[HELD_TAIL] = tail + 1
+        counters[HELD] += unsharded_bytes[i]
     allocate(clock, counters, samples, -unsharded_bytes[i])
     module_state[i, UNSHARD_STATE] = UNSHARDED
 
 
 @njit(cache=True)
-def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events, samples):
+def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events, samples, held):
     """``FSDPParamGroup.reshard`` of module ``i`` (callers check it is not sharded): free its unsharded parameters.
 
     A prefetch still pending is waited on first.
     """
     if module_state[i, UNSHARD_STATE] == PENDING:
         wait_for_unshard(i, False, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight,
-                         events, samples)
+                         events, samples, held)
     allocate(clock, counters, samples, -unsharded_bytes[i])
     counters[UNSHARDED_ALIVE] -= unsharded_bytes[i]
     module_state[i, UNSHARD_STATE] = SHARDED
@@ -127,7 +162,9 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
     ``counters[RS_HEAD]`` to ``counters[RS_TAIL]``), each holding its input
     buffer until it ends. CPU: synchronous ([Note: CPU device]). The input
     buffer is a copy of the unsharded gradient, which is freed once copied
-    in; for that moment both are alive.
+    in; for that moment both are alive. It queues behind the collectives of
+    its process group: the all-gathers' too, unless
+    ``set_separate_reduce_scatter_group`` gave it its own.
     """
     if cfg.gpu:
         # reduce_scatter_max_input_buffers: before foreach_reduce, the compute stream waits on the
@@ -145,9 +182,10 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
     # for a moment both are alive.
     allocate(clock, counters, samples, grad_bytes[i])
     allocate(clock, counters, samples, -grad_bytes[i])
-    start = issue if issue > clock[PROCESS_GROUP] else clock[PROCESS_GROUP]
+    group = REDUCE_SCATTER_GROUP if cfg.separate_reduce_scatter_group else PROCESS_GROUP
+    start = issue if issue > clock[group] else clock[group]
     end = start + reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
-    clock[PROCESS_GROUP] = end
+    clock[group] = end
     clock[COMM_TOTAL] += reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
     event(events, counters, REDUCE_SCATTER, i, start, end)
     if cfg.gpu:

@@ -43,7 +43,8 @@ LAST_COPY_OUT = 4  # GPU implicit prefetch: when the previous all-gather output 
 COMPUTE_TOTAL = 5  # compute issued so far
 COMM_TOTAL = 6  # communication issued so far
 LAST_REDUCE_SCATTER_END = 7  # when the last reduce-scatter issued ends
-CLOCKS = 8
+REDUCE_SCATTER_GROUP = 8  # set_separate_reduce_scatter_group: reduce-scatter's own process group is free from here
+CLOCKS = 9
 
 # StepState.counters slots.
 ALIVE = 0  # bytes alive beyond the sharded state and optimizer state
@@ -55,7 +56,11 @@ SAMPLES = 5  # memory samples written
 IN_FLIGHT = 6  # length of StepState.in_flight
 RS_HEAD = 7  # GPU: the oldest reduce-scatter in flight (index into the reduce-scatter queue)
 RS_TAIL = 8  # GPU: one past the newest
-COUNTERS = 9
+HELD = 9  # GPU: bytes freed but held from reuse by record_stream ([Note: record_stream holds all-gather outputs])
+HELD_HEAD = 10  # the oldest held block (index into StepState.held)
+HELD_TAIL = 11  # one past the newest
+RESERVED_PEAK = 12  # peak of ALIVE + HELD: what the caching allocator must reserve
+COUNTERS = 13
 
 # StepState.module_state columns, per module.
 UNSHARD_STATE = 0  # SHARDED, PENDING (all-gather issued, not waited on) or UNSHARDED
@@ -103,9 +108,11 @@ class PlanArrays(NamedTuple):
     backward_prefetch_offsets: np.ndarray
     backward_prefetch_targets: np.ndarray
     reshard_after_forward: np.ndarray  # bool[n]
+    unshard_in_backward: np.ndarray  # bool[n]: False skips the module's all-gathers in backward
     unshard_async_op: bool
     reduce_scatter_max_input_buffers: int
     reshard_after_backward: bool
+    separate_reduce_scatter_group: bool
 
 
 class KernelParams(NamedTuple):
@@ -126,6 +133,7 @@ class StepConfig(NamedTuple):
     # Keep the all-gathers in flight in issue order: only where an overlap can slow them (CPU, async, slowdown).
     track_in_flight: bool
     reduce_scatter_max_input_buffers: int
+    separate_reduce_scatter_group: bool
     issue_overhead_ms: float
     overlap_excess: float
     comm_scale: float
@@ -142,6 +150,7 @@ class StepState(NamedTuple):
     in_flight: np.ndarray  # int64[n]: modules whose all-gather is in flight, in issue order (counters[IN_FLIGHT])
     reduce_scatter_end: np.ndarray  # float64: GPU reduce-scatter queue, oldest first (RS_HEAD..RS_TAIL), ms
     reduce_scatter_bytes: np.ndarray  # int64: the input buffer each holds
+    held: np.ndarray  # float64[slots, 2]: GPU blocks held by record_stream, oldest first: (reusable from ms, bytes)
 
 
 class Trace(NamedTuple):
@@ -157,7 +166,8 @@ def new_step(prof, plan, params):
     n = prof.all_gather_ms.shape[0]
     cfg = StepConfig(prof.gpu, plan.unshard_async_op,
                      (not prof.gpu) and plan.unshard_async_op and params.overlap_excess != 0.0,
-                     plan.reduce_scatter_max_input_buffers, params.issue_overhead_ms, params.overlap_excess,
+                     plan.reduce_scatter_max_input_buffers, plan.separate_reduce_scatter_group,
+                     params.issue_overhead_ms, params.overlap_excess,
                      params.comm_scale, params.collective_latency_ms)
     clock = np.zeros(CLOCKS)
     clock[LAST_COPY_OUT] = -1.0
@@ -165,5 +175,5 @@ def new_step(prof, plan, params):
     module_state[:, ALL_GATHER_ROW] = -1
     slots = prof.post_forward.shape[0] * prof.microbatches + 1
     st = StepState(clock, np.zeros(COUNTERS, np.int64), module_state, np.zeros(n), np.zeros(n, np.int64),
-                   np.zeros(slots), np.zeros(slots, np.int64))
+                   np.zeros(slots), np.zeros(slots, np.int64), np.zeros((2 * slots, 2)))
     return cfg, st

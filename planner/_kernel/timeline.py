@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from planner._kernel.state import (
-    ALIVE, ALL_GATHER_ROW, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, IN_FLIGHT, PEAK, PROCESS_GROUP, SAMPLES, njit,
+    ALIVE, ALL_GATHER_ROW, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, HELD, IN_FLIGHT, PEAK, PROCESS_GROUP,
+    RESERVED_PEAK, SAMPLES, njit,
 )
 
 
@@ -26,6 +27,8 @@ def allocate(clock, counters, samples, delta):
     counters[ALIVE] = alive
     if alive > counters[PEAK]:
         counters[PEAK] = alive
+    if alive + counters[HELD] > counters[RESERVED_PEAK]:
+        counters[RESERVED_PEAK] = alive + counters[HELD]
     if samples.shape[0] > 1:
         n = counters[SAMPLES]
         samples[n, 0] = max(clock[CPU], clock[COMPUTE_STREAM])

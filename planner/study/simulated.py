@@ -15,6 +15,7 @@ from planner.plan import Plan
 from planner.profile import Profile
 from planner.samplers import make_sampler
 from planner.simulator import SimParams, simulate
+from planner.storages.bulk import add_trials_bulk
 from search_spaces import get_space
 
 SIM_SUFFIX = ".sim"
@@ -83,8 +84,8 @@ def simulated_stage(
 
     The trials run in an in-memory Optuna study (an RDB storage costs tens of
     ms per trial, the simulator tens of µs), warm-started with the trials
-    ``NAME.sim`` already holds; the new trials are then added to ``NAME.sim``
-    in one pass. On a new study FSDP2's default and the search space's grid
+    ``NAME.sim`` already holds; the new trials are then written to
+    ``NAME.sim`` in one transaction (:func:`planner.storages.bulk.add_trials_bulk`). On a new study FSDP2's default and the search space's grid
     are enqueued first. A trial whose plan cannot be simulated is recorded as
     FAIL and the study goes on.
 
@@ -138,7 +139,11 @@ def simulated_stage(
             objective, n_trials=search.sim_trials, show_progress_bar=show_progress_bar,
             catch=(PlannerError, KeyError, ValueError),
         )
-    stored.add_trials(study.trials[len(previous):])
+    new = study.trials[len(previous):]
+    if isinstance(storage, optuna.storages.RDBStorage):
+        add_trials_bulk(storage, config.name + SIM_SUFFIX, new)  # one transaction, not one commit per trial
+    else:
+        stored.add_trials(new)
     return study
 
 
@@ -218,7 +223,8 @@ def select_candidates(
 def _what_it_does(trial: optuna.trial.FrozenTrial, plan: Plan, best_ms: float) -> tuple:
     """Plans alike here are near-copies the model cannot tell apart: the same knobs and the same predicted step."""
     kept = frozenset(f for f, m in plan.modules.items() if not m.reshard_after_forward)
-    return (plan.unshard_async_op, plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward, kept,
+    return (plan.unshard_async_op, plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward,
+            plan.separate_reduce_scatter_group, kept,
             round(trial.values[0] / best_ms, 3), round(trial.user_attrs.get("exposed_comm_ms", 0.0) / max(best_ms, 1e-9), 3))
 
 

@@ -67,3 +67,13 @@ def test_describe_names_depths_and_async():
     p = synthetic_profile(n_blocks=4)
     assert describe(Plan.default(p)) == "forward prefetch implicit, backward prefetch 1, async unshard False"
     assert describe(uniform.build(p, 3, 3, False)) == "forward prefetch 3, backward prefetch 3, async unshard False"
+
+
+def test_describe_names_the_other_knobs_when_set():
+    import dataclasses
+
+    p = synthetic_profile(n_blocks=4)
+    plan = dataclasses.replace(uniform.build(p, 1, 1, True), separate_reduce_scatter_group=True,
+                               reshard_after_backward=False)
+    assert describe(plan) == ("forward prefetch 1, backward prefetch 1, async unshard True, reduce-scatter on its own "
+                              "process group, no reshard after backward between microbatches")

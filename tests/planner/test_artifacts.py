@@ -43,6 +43,14 @@ def test_behaviour_key_ignores_provenance(make_profile):
     assert a.behaviour_key() == a.with_provenance(trial=3).behaviour_key()
 
 
+def test_separate_reduce_scatter_group_round_trips_and_is_written_only_when_set(make_profile):
+    p = make_profile()
+    plan = dataclasses.replace(Plan.default(p), separate_reduce_scatter_group=True)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.behaviour_key() != Plan.default(p).behaviour_key()
+    assert "separate_reduce_scatter_group" not in Plan.default(p).to_dict()  # earlier plans keep their keys
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -52,6 +60,7 @@ def test_behaviour_key_ignores_provenance(make_profile):
         (lambda d: d["modules"]["b0"].update(forward_prefetch=["ghost"]), "'ghost'"),
         (lambda d: d["modules"]["b0"].update(forward_prefetch="b1"), "list of FQN"),
         (lambda d: d.update(unshard_async_op="yes"), "unshard_async_op"),
+        (lambda d: d.update(separate_reduce_scatter_group=1), "separate_reduce_scatter_group"),
     ],
 )
 def test_plan_format_errors(make_profile, mutate, message):

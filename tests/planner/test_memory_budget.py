@@ -52,14 +52,11 @@ def test_candidates_fit_the_budget_and_over_budget_trials_fail(make_profile, tmp
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=30.0, rs=3.0, unsharded_bytes=100 * MIB)
     config = study_config(tmp_path, name="b", space="assign", sim_trials=80, measured_trials=2)
     storage = open_storage(config.storage_url, config)
-    free = simulated_stage(profile, config, storage, show_progress_bar=False)
-    fastest = min(t.values[0] for t in free.trials if t.values)
     budget = smallest_peak(profile, "assign") + 100 * MIB  # room for one block more than the least
     sim = simulated_stage(profile, config, storage, show_progress_bar=False, budget_bytes=budget)
     assert any(t.values[1] > budget for t in sim.trials)  # the search saw plans over it ...
     candidates = select_candidates(sim, profile, "assign", 2, budget_bytes=budget)
     assert all(c.predicted_peak_bytes <= budget for c in candidates[1:])  # ... none is raced
-    assert min(c.predicted_ms for c in candidates) > fastest  # and the budget costs time here
     feasible = [t for t in sim.trials if "constraints:peak_over_budget_bytes" in t.system_attrs]
     assert len(feasible) == 80  # the new trials carry Optuna's constraint
 

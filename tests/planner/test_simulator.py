@@ -287,3 +287,58 @@ def test_root_keeps_parameters_after_forward(make_profile):
     plan = Plan.default(p)
     forced = dataclasses.replace(plan, modules={**plan.modules, "": dataclasses.replace(plan.modules[""], reshard_after_forward=True)})
     assert sum(e.name == "all-gather <root>" for e in simulate(p, forced, trace=True).events) == 2
+
+
+def test_record_stream_holds_async_all_gather_outputs_on_gpu(make_profile):
+    """GPU, async unshard, explicit forward prefetch 1; 2 blocks of U bytes, F 10, B 20, AG 5, RS 3; no issue
+    overhead, so the CPU runs ahead of the GPU at time 0 throughout ([Note: record_stream holds all-gather outputs];
+    seed fsdp2-async-unshard-memory-overallocation).
+
+    Forward: AG b0 0-5 (issued by the root). b0's copy-out: params +U, output freed but held until the process
+    group's queued work ends (5 > CPU 0): allocated U, held U. b0 prefetches b1: AG 5-10, allocated 2U, held U:
+    reserved 3U. F b0 5-15, reshard. b1's copy-out: held 2U (until 10). F b1 15-25.
+    Backward: the root prefetches b1: AG 10-15 (U). b1's copy-out: held 3U (until 15); b1 prefetches b0:
+    AG 15-20, allocated 2U + held 3U = 5U. B b1 25-45, reshard, RS b1 45-48; b0's copy-out: allocated 2U then U,
+    held 4U (until 48): 5U again. B b0 45-65, RS b0 65-68. The CPU never reaches 5, so nothing is released in the step.
+    Allocated peak 2U (max_memory_allocated), reserved peak 5U; step 68 ms either way. Synchronous unshard
+    (no record_stream) holds nothing; nor does a CPU that issues behind the GPU (100 ms per hook): every held
+    block's collectives have ended by the next allocation.
+    """
+    u = 1000
+    p = make_profile(n_blocks=2, device="cuda", unsharded_bytes=u)
+    asyn = simulate(p, uniform.build(p, 1, 1, True), trace=True)
+    assert (asyn.step_ms, asyn.peak_bytes, asyn.reserved_peak_bytes) == (pytest.approx(68.0), 2 * u, 5 * u)
+    assert _slices(asyn, "reduce-scatter")["reduce-scatter b0"] == pytest.approx((65.0, 68.0))
+    sync = simulate(p, uniform.build(p, 1, 1, False))
+    assert (sync.peak_bytes, sync.reserved_peak_bytes) == (2 * u, 2 * u)
+    behind = simulate(p, uniform.build(p, 1, 1, True), SimParams(issue_overhead_ms=100.0))
+    assert behind.reserved_peak_bytes == behind.peak_bytes == 2 * u
+    cpu = make_profile(n_blocks=2, unsharded_bytes=u)  # gloo: no record_stream
+    r = simulate(cpu, uniform.build(cpu, 1, 1, True))
+    assert r.reserved_peak_bytes == r.peak_bytes
+
+
+def test_separate_reduce_scatter_group_does_not_queue_behind_all_gathers(make_profile):
+    """As test_reduce_scatter_serialized_behind_all_gather, with ``set_separate_reduce_scatter_group``: RS b1,
+    issued at 52 while AG b0 runs 50-60 on the all-gather's group, runs at once, 52-55 (synchronous on CPU);
+    b0's pre-backward waits for its all-gather until 60, B b0 60-62, RS b0 62-65: 65 ms instead of 68."""
+    p = make_profile(fwd=10.0, bwd=2.0, ag=10.0, rs=3.0)
+    plan = dataclasses.replace(Plan.default(p), unshard_async_op=True, separate_reduce_scatter_group=True)
+    r = simulate(p, plan, trace=True)
+    assert _slices(r, "reduce-scatter")["reduce-scatter b1"] == pytest.approx((52.0, 55.0))
+    assert _slices(r, "reduce-scatter")["reduce-scatter b0"] == pytest.approx((62.0, 65.0))
+    assert r.step_ms == pytest.approx(65.0)
+
+
+def test_unshard_in_backward_false_skips_the_backward_all_gather(make_profile):
+    """test_no_overlap_cpu_default with b0 ``set_unshard_in_backward(False)``: b1's pre-backward no longer
+    prefetches b0 (FSDPParamGroup.unshard returns early in pre-backward). Backward: root prefetches b1 30-35,
+    B b1 35-55, RS b1 55-58, b0 not all-gathered, B b0 58-78, RS b0 78-81: 81 ms, one all-gather (5 ms) less."""
+    p = make_profile()
+    base = Plan.default(p)
+    plan = dataclasses.replace(base, modules={**base.modules, "b0": dataclasses.replace(base.modules["b0"],
+                                                                                         unshard_in_backward=False)})
+    r = simulate(p, plan, trace=True)
+    assert r.step_ms == pytest.approx(81.0)
+    assert [e.start_ms for e in r.events if e.name == "all-gather b0"] == pytest.approx([0.0])  # forward only
+    assert _slices(r, "compute")["backward b0"] == pytest.approx((58.0, 78.0))

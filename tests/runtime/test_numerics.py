@@ -12,6 +12,9 @@ WORKLOADS = {
     "mlp": ("runtime.reference_workloads:mlp", {"dim": 64, "layers": 4}),
     "llama": ("runtime.reference_workloads:llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
                                           "num_attention_heads": 4, "vocab_size": 128, "seq_len": 16}),
+    "llama-embedding": ("runtime.reference_workloads:llama", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 128, "seq_len": 16, "shard_embedding": True}),  # an FSDP module backward reads nothing of
     "gpt2": ("runtime.reference_workloads:gpt2", {"n_embd": 64, "n_layer": 3, "n_head": 4, "vocab_size": 128, "seq_len": 16}),
 }
 
@@ -31,13 +34,22 @@ def test_losses_bitwise_identical_across_plans(ranks, tmp_path, workload):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload, examples", [("mlp", 60), ("llama", 15)])
-def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples):
-    """Hypothesis: plans drawn from every search space (and the other knobs) leave 3 steps' losses bitwise equal."""
+@pytest.mark.parametrize("workload, examples, microbatches", [("mlp", 60, 1), ("llama", 15, 1), ("mlp", 30, 3),
+                                                               ("llama-embedding", 10, 2)])
+def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples, microbatches):
+    """Hypothesis: plans drawn from every search space (and the other knobs) leave 3 steps' losses bitwise equal.
+
+    With gradient accumulation (microbatches > 1) the plans also draw
+    ``reshard_after_backward`` for the microbatches before the last.
+    """
     factory, kwargs = WORKLOADS[workload]
     out = tmp_path / "property.json"
-    ranks("property.py", factory, json.dumps(kwargs), "3", str(examples), str(out))
+    ranks("property.py", factory, json.dumps(kwargs), "3", str(examples), str(out), str(microbatches))
     result = json.loads(out.read_text())
     assert result["failure"] is None, result["failure"]
     assert result["examples"] >= examples
     assert set(result["spaces"]) == set(SPACES)  # every search space, assign included
+    if microbatches > 1:
+        assert result["no_reshard_after_backward"] > 0  # parameters kept unsharded between microbatches, drawn
+    if workload == "llama-embedding":
+        assert result["no_unshard_in_backward"] > 0  # the embedding's backward all-gather skipped, drawn

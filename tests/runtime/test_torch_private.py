@@ -55,6 +55,22 @@ def test_unshard_async_op_setter_reaches_every_module(model):
     assert torch_private.unshard_async_op(model.blocks[2]) is False
 
 
+def test_separate_reduce_scatter_group_is_created_once_and_switched(model):
+    shared = torch_private.reduce_scatter_group(model.blocks[0])
+    setter = torch_private.separate_reduce_scatter_group_setter(model)
+    setter(False)  # never enabled: nothing to undo, no group created
+    assert torch_private.reduce_scatter_group(model.blocks[0]) is shared
+    setter(True)
+    dedicated = torch_private.reduce_scatter_group(model.blocks[0])
+    assert dedicated is not shared
+    assert [torch_private.reduce_scatter_group(m) for m in (model, *model.blocks)] == [dedicated] * 4
+    setter(False)
+    assert torch_private.reduce_scatter_group(model.blocks[2]) is shared
+    setter(True)  # the same group again, not a new one
+    assert torch_private.reduce_scatter_group(model.blocks[1]) is dedicated
+    _step(model)  # FSDP2 runs its reduce-scatters on it
+
+
 def test_prefetch_counts_read_back_the_public_setters(model):
     model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1], model.blocks[2]])
     model.blocks[2].set_modules_to_backward_prefetch([model.blocks[1]])

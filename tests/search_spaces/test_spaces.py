@@ -110,3 +110,18 @@ def test_assign_offers_gpu_and_accumulation_knobs_only_where_they_act(make_profi
     params = assign.grid(gpu)[0] | {"reduce_scatter_max_input_buffers": 2, "reshard_after_backward": False}
     plan = assign.suggest(optuna.trial.FixedTrial(params), gpu)
     assert plan.reduce_scatter_max_input_buffers == 2 and plan.reshard_after_backward is False
+
+
+def test_assign_skips_backward_all_gathers_only_where_backward_reads_no_parameter(make_profile):
+    import dataclasses
+
+    p = make_profile(n_blocks=3)
+    assert not any(k.startswith("uib:") for k in assign.grid(p)[0])  # every block saves its parameters
+    embedding = dataclasses.replace(p.modules["b0"], needs_parameters_in_backward=False)
+    p = dataclasses.replace(p, modules={**p.modules, "b0": embedding})
+    assert [k for k in assign.grid(p)[0] if k.startswith("uib:")] == ["uib:b0"]
+    params = assign.grid(p)[0] | {"uib:b0": False, "separate_reduce_scatter_group": True}
+    plan = assign.suggest(optuna.trial.FixedTrial(params), p)
+    assert [f for f, m in plan.modules.items() if not m.unshard_in_backward] == ["b0"]
+    assert plan.separate_reduce_scatter_group is True
+    assert simulate(p, plan).comm_ms < simulate(p, assign.suggest(optuna.trial.FixedTrial(assign.grid(p)[0]), p)).comm_ms

@@ -2,13 +2,15 @@
 
 Rank 0 runs a Hypothesis test that draws plans from every search space (each
 space's own ``suggest``, fed by Hypothesis instead of an Optuna sampler) plus
-the knobs no space searches yet (``reshard_after_forward`` per module, the
-reduce-scatter buffer cap), and broadcasts each example, shrinking included,
+the knobs a space may not search (``reshard_after_forward`` per module, the
+reduce-scatter buffer cap, ``reshard_after_backward`` with gradient
+accumulation), and broadcasts each example, shrinking included,
 to the other ranks. Every rank trains ``steps`` steps on a fresh model with
 the plan; the property: each rank's losses are bitwise those of FSDP2's
 default.
 
-argv: factory, kwargs JSON, steps, max_examples, output JSON. Rank 0 writes
+argv: factory, kwargs JSON, steps, max_examples, output JSON, microbatches
+per step (gradient accumulation; only the last syncs gradients). Rank 0 writes
 {"examples": n, "spaces": {space: n}, "failure": null | text}.
 """
 
@@ -27,15 +29,16 @@ from runtime.recorder import record_profile
 from runtime.workload import build_workload, train_step
 from search_spaces import SPACES
 
-factory, kwargs, steps, max_examples, out = (
-    sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+factory, kwargs, steps, max_examples, out, microbatches = (
+    sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
 mesh = init_rank("gloo")
-profile = record_profile(build_workload(factory, mesh, kwargs), warmup_steps=1, steps=1, repeats=1)
+profile = record_profile(build_workload(factory, mesh, kwargs, microbatches), warmup_steps=1, steps=1, repeats=1)
+assert profile.microbatches == microbatches  # the recorder records the accumulation
 
 
 def losses(plan: Plan) -> list[list[str]]:
     """Every rank's losses (float hex) over ``steps`` steps on a fresh model with ``plan``."""
-    workload = build_workload(factory, mesh, kwargs)
+    workload = build_workload(factory, mesh, kwargs, microbatches)
     apply_plan(workload.model, plan)
     local = [train_step(workload, s).double().item().hex() for s in range(steps)]
     gathered = [None] * dist.get_world_size()
@@ -76,6 +79,10 @@ if dist.get_rank() == 0:
                    for fqn, m in plan.modules.items()}
         plan = dataclasses.replace(plan, modules=modules,
                                    reduce_scatter_max_input_buffers=data.draw(st.integers(1, 3), label="rs_bufs"))
+        if microbatches > 1 and space != "assign":  # assign draws it itself
+            plan = dataclasses.replace(plan, reshard_after_backward=data.draw(st.booleans(), label="rab"))
+        seen["reshard_after_backward=False"] += not plan.reshard_after_backward
+        seen["unshard_in_backward=False"] += not all(m.unshard_in_backward for m in plan.modules.values())
         plan.validate()
         seen[space] += 1
         got = losses(Plan.from_dict(share(plan.to_dict())))
@@ -89,7 +96,9 @@ if dist.get_rank() == 0:
     finally:
         share(None)
     with open(out, "w") as f:
-        json.dump({"examples": sum(seen.values()), "spaces": dict(seen), "failure": failure}, f)
+        json.dump({"examples": sum(seen[s] for s in SPACES), "spaces": {s: seen[s] for s in SPACES if seen[s]},
+                   "no_reshard_after_backward": seen["reshard_after_backward=False"],
+                   "no_unshard_in_backward": seen["unshard_in_backward=False"], "failure": failure}, f)
 else:
     while (d := share(None)) is not None:
         losses(Plan.from_dict(d))

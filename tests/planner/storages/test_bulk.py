@@ -1,0 +1,74 @@
+"""The bulk write of finished trials: Optuna reads back exactly what ``Study.add_trials`` would have stored."""
+
+from __future__ import annotations
+
+import math
+
+import optuna
+import pytest
+
+from planner.storages import open_storage
+from planner.storages.bulk import add_trials_bulk
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/s.db"
+    return request.getfixturevalue("postgres")()
+
+
+def _in_memory_trials() -> list[optuna.trial.FrozenTrial]:
+    """Two-objective trials with every kind of field: int, float, log float, categorical (incl. None),
+    constraints, user attributes, an infinite value, and a failed trial."""
+    study = optuna.create_study(directions=["minimize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=3))
+
+    def objective(trial):
+        x = trial.suggest_int("fwd:a.b", 0, 3)
+        y = trial.suggest_float("lr", 1e-5, 1e-1, log=True)
+        c = trial.suggest_categorical("choice", [False, True, None, "x"])
+        trial.set_user_attr("peak_bytes", 123 + x)
+        trial.set_user_attr("nested", {"k": [1, 2.5, "s"]})
+        trial.set_constraint("peak_over_budget_bytes", float(x - 1))
+        if trial.number == 4:
+            raise ValueError("a plan that cannot be simulated")
+        return (math.inf if c == "x" else float(x) + y), float(x * 10)
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study.optimize(objective, n_trials=12, catch=(ValueError,))
+    return study.trials
+
+
+def _comparable(t: optuna.trial.FrozenTrial) -> tuple:
+    return (t.state, t.values, t.params, t.distributions, t.user_attrs, t.system_attrs, t.datetime_start,
+            t.datetime_complete)
+
+
+def test_bulk_write_reads_back_as_optunas_own(url):
+    trials = _in_memory_trials()
+    storage = open_storage(url)
+    optuna.create_study(study_name="bulk", storage=storage, directions=["minimize", "minimize"])
+    reference = optuna.create_study(study_name="one-by-one", storage=storage, directions=["minimize", "minimize"])
+    reference.add_trials(trials)
+    add_trials_bulk(storage, "bulk", trials[:5])
+    add_trials_bulk(storage, "bulk", trials[5:])  # a second write continues the numbering
+    got = optuna.load_study(study_name="bulk", storage=url).trials
+    want = optuna.load_study(study_name="one-by-one", storage=url).trials
+    assert [t.number for t in got] == list(range(len(trials)))
+    assert [_comparable(t) for t in got] == [_comparable(t) for t in want]
+    assert got[4].state == optuna.trial.TrialState.FAIL and got[4].values is None
+    assert any(t.values and math.isinf(t.values[0]) for t in got)
+    assert all(t.system_attrs == {"constraints:peak_over_budget_bytes": t.params["fwd:a.b"] - 1.0} for t in got)
+    # what Optuna builds on it: the Pareto front and constrained sampling
+    study = optuna.load_study(study_name="bulk", storage=url)
+    assert {t.number for t in study.best_trials} == {t.number for t in reference.best_trials}
+
+
+def test_bulk_write_refuses_unfinished_trials_and_writes_nothing(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    storage = open_storage(url)
+    optuna.create_study(study_name="s", storage=storage)
+    running = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING)
+    with pytest.raises(ValueError, match="finished trials only"):
+        add_trials_bulk(storage, "s", [running])
+    assert optuna.load_study(study_name="s", storage=url).trials == []
