@@ -2,6 +2,7 @@
 
     python bench/memory_budget.py [studies/llama-cpu.toml studies/gpt2-cpu.toml] [--json out.json]
     python bench/memory_budget.py --refit run.json ...   # saved runs, today's simulator, no ranks
+    python bench/memory_budget.py --blocks-only ...      # step 6 alone, on fresh ranks
 
 One run per study, on its ranks, one model instance, a fresh process:
 
@@ -96,8 +97,10 @@ def candidates(profile, study: str, sim_trials: int, budget_bytes: int, params) 
 
 
 def rank_main(study: str, args) -> None:
+    import optuna
     import torch.distributed as dist
 
+    from planner.config import load_study_config
     from planner.in_step import in_step_params
     from planner.plan import Plan
     from planner.race import balanced_orders
@@ -110,8 +113,7 @@ def rank_main(study: str, args) -> None:
     from search_spaces import uniform
     from search_spaces.assign import keep_unsharded
 
-    from planner.config import load_study_config
-
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
     group = dist.group.WORLD
@@ -144,29 +146,8 @@ def rank_main(study: str, args) -> None:
                 out[names[i]].append(max(rep[r][pos] for rep in reports))
         return out
 
-    best = shared(lambda: {"unconstrained best": unconstrained_best(profile, study, args.sim_trials, params)})
-    default_peak = profile.measured_peak_bytes
-    best_peak = peaks(best)["unconstrained best"]
-    budget = int(default_peak + args.share * max(0, best_peak - default_peak))
-    run.update(budget_bytes=budget, default_peak_bytes=default_peak, unconstrained=best["unconstrained best"].to_dict(),
-               unconstrained_peak_bytes=best_peak)
-    if rank0:
-        print(f"\n== {config.name}: FSDP2 default peak {default_peak / MIB:.1f} MiB, unconstrained best "
-              f"{best_peak / MIB:.1f} MiB; budget {budget / MIB:.1f} MiB ({args.share:.0%} of the extra)", flush=True)
-    cands = shared(lambda: candidates(profile, study, args.sim_trials, budget, params))
-    cand_peaks = peaks(cands)
-    fit = {n: p for n, p in cands.items() if cand_peaks[n] <= budget}
-    default = {"FSDP2 default": Plan.default(profile)}
-    selection = interleaved({**default, **fit}, args.select_rounds)
-    pick = {}
-    for kind in ("assign", "uniform"):
-        mine = [n for n in fit if n.startswith(kind)]
-        if mine:
-            pick[kind] = min(mine, key=lambda n: sorted(selection[n])[len(selection[n]) // 2])
-    run.update(candidates={n: {"plan": p.to_dict(), "measured_peak_bytes": cand_peaks[n]} for n, p in cands.items()},
-               selection=selection, picked=pick)
-    finalists = {**{pick[k]: fit[pick[k]] for k in pick}, **default}
-    run["confirmation"] = interleaved(finalists, args.rounds)
+    if not args.blocks_only:
+        budget_stages(run, profile, study, args, shared, peaks, interleaved, params)
     if not args.skip_blocks:
         base = uniform.build(profile, 1, 1, True)
         blocks = len(profile.modules) - 1
@@ -184,22 +165,66 @@ def rank_main(study: str, args) -> None:
     shutdown_rank()
 
 
+def budget_stages(run: dict, profile, study: str, args, shared, peaks, interleaved, params) -> None:
+    """Steps 2-5 (every rank): the budget, the candidates, the selection and the confirmation, into ``run``."""
+    import torch.distributed as dist
+
+    from planner.plan import Plan
+
+    rank0 = dist.get_rank() == 0
+    best = shared(lambda: {"unconstrained best": unconstrained_best(profile, study, args.sim_trials, params)})
+    default_peak = profile.measured_peak_bytes
+    best_peak = peaks(best)["unconstrained best"]
+    budget = int(default_peak + args.share * max(0, best_peak - default_peak))
+    run.update(budget_bytes=budget, default_peak_bytes=default_peak, unconstrained=best["unconstrained best"].to_dict(),
+               unconstrained_peak_bytes=best_peak)
+    if rank0:
+        print(f"\n== {run['study']}: FSDP2 default peak {default_peak / MIB:.1f} MiB, unconstrained best "
+              f"{best_peak / MIB:.1f} MiB; budget {budget / MIB:.1f} MiB ({args.share:.0%} of the extra)", flush=True)
+    cands = shared(lambda: candidates(profile, study, args.sim_trials, budget, params))
+    cand_peaks = peaks(cands)
+    fit = {n: p for n, p in cands.items() if cand_peaks[n] <= budget}
+    default = {"FSDP2 default": Plan.default(profile)}
+    selection = interleaved({**default, **fit}, args.select_rounds)
+    pick = {}
+    for kind in ("assign", "uniform"):
+        mine = [n for n in fit if n.startswith(kind)]
+        if mine:
+            pick[kind] = min(mine, key=lambda n: sorted(selection[n])[len(selection[n]) // 2])
+    run.update(candidates={n: {"plan": p.to_dict(), "measured_peak_bytes": cand_peaks[n]} for n, p in cands.items()},
+               selection=selection, picked=pick)
+    finalists = {**{pick[k]: fit[pick[k]] for k in pick}, **default}
+    run["confirmation"] = interleaved(finalists, args.rounds)
+
+
 def report(run: dict) -> dict:
     """Print one run's figures with today's simulator; returns the summary."""
     from planner.in_step import in_step_params
     from planner.plan import Plan
     from planner.profile import Profile
     from planner.simulator import simulate
-    from planner.verdict import confirm, step_noise_pct
 
     profile = Profile.from_dict(run["profile"])
     params = in_step_params(profile) if profile.in_step is not None else None
-    budget = run["budget_bytes"]
-    summary: dict = {"study": run["study"], "budget_mib": budget / MIB}
+    summary: dict = {"study": run["study"]}
 
     def sim(d: dict):
         return simulate(profile, Plan.from_dict(d), params)
 
+    if "budget_bytes" in run:
+        _report_budget(run, sim, summary)
+    else:
+        print(f"\n== {run['study']}")
+    if "blocks_times" in run:
+        _report_blocks(run, sim, summary)
+    return summary
+
+
+def _report_budget(run: dict, sim, summary: dict) -> None:
+    from planner.verdict import confirm, step_noise_pct
+
+    budget = run["budget_bytes"]
+    summary["budget_mib"] = budget / MIB
     print(f"\n== {run['study']}: budget {budget / MIB:.1f} MiB per rank = FSDP2 default's measured "
           f"{run['default_peak_bytes'] / MIB:.1f} + {run['share']:.0%} of the unconstrained best plan's extra "
           f"(measured {run['unconstrained_peak_bytes'] / MIB:.1f}, predicted {sim(run['unconstrained']).peak_bytes / MIB:.1f})")
@@ -220,26 +245,30 @@ def report(run: dict) -> dict:
             c = confirm(times[names[a]], times[names[b]], noise, seed=1)
             summary[f"{a}/{b}"] = {"ratio": c.ratio, "ci95": list(c.ci95), "verdict": str(c.verdict)}
             print(f"  {a}/{b}: ratio {c.ratio:.3f}, 95% CI [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}], {c.verdict}")
-    if "blocks_times" in run:
-        bt, plans = run["blocks_times"], run["blocks"]
-        base = "prefetch 1 async"
-        b_sim = sim(plans[base])
-        print(f"keeping blocks unsharded, against uniform prefetch 1 async ({len(bt[base])} fresh rounds): "
-              "gain measured [95% CI] / predicted; peak measured / predicted MiB")
-        summary["blocks"] = {}
-        for n in plans:
-            r = sim(plans[n])
-            m = run["blocks_peaks"][n]
-            if n == base:
-                print(f"  {n:<28} {'':>31} {m / MIB:>8.1f} / {r.peak_bytes / MIB:.1f}")
-                continue
-            c = confirm(bt[n], bt[base], noise, seed=1)
-            pred = r.step_ms / b_sim.step_ms
-            summary["blocks"][n] = {"measured": c.ratio, "ci95": list(c.ci95), "predicted": pred,
-                                    "points_apart": 100 * abs(pred - c.ratio)}
-            print(f"  {n:<28} {c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}] / {pred:.3f} "
-                  f"({100 * (pred - c.ratio):+.1f} pts) {m / MIB:>8.1f} / {r.peak_bytes / MIB:.1f}")
-    return summary
+
+
+def _report_blocks(run: dict, sim, summary: dict) -> None:
+    from planner.verdict import confirm, step_noise_pct
+
+    bt, plans = run["blocks_times"], run["blocks"]
+    noise = step_noise_pct(list(bt.values()))
+    base = "prefetch 1 async"
+    b_sim = sim(plans[base])
+    print(f"keeping blocks unsharded, against uniform prefetch 1 async ({len(bt[base])} fresh rounds): "
+          "gain measured [95% CI] / predicted; peak measured / predicted MiB")
+    summary["blocks"] = {}
+    for n in plans:
+        r = sim(plans[n])
+        m = run["blocks_peaks"][n]
+        if n == base:
+            print(f"  {n:<28} {'':>31} {m / MIB:>8.1f} / {r.peak_bytes / MIB:.1f}")
+            continue
+        c = confirm(bt[n], bt[base], noise, seed=1)
+        pred = r.step_ms / b_sim.step_ms
+        summary["blocks"][n] = {"measured": c.ratio, "ci95": list(c.ci95), "predicted": pred,
+                                "points_apart": 100 * abs(pred - c.ratio)}
+        print(f"  {n:<28} {c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}] / {pred:.3f} "
+              f"({100 * (pred - c.ratio):+.1f} pts) {m / MIB:>8.1f} / {r.peak_bytes / MIB:.1f}")
 
 
 def main() -> None:
@@ -251,6 +280,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=24, help="fresh rounds of the confirmation")
     parser.add_argument("--block-rounds", type=int, default=16, help="fresh rounds of the keep-blocks comparison")
     parser.add_argument("--skip-blocks", action="store_true")
+    parser.add_argument("--blocks-only", action="store_true", help="step 6 alone: the gains of keeping blocks")
     parser.add_argument("--json", help="write the run of the (single) study here")
     parser.add_argument("--refit", nargs="+", metavar="JSON", help="report saved --json runs again, measuring nothing")
     args = parser.parse_args()
@@ -262,7 +292,8 @@ def main() -> None:
 
     forwarded = ["--sim-trials", str(args.sim_trials), "--share", str(args.share), "--select-rounds",
                  str(args.select_rounds), "--rounds", str(args.rounds), "--block-rounds", str(args.block_rounds)]
-    forwarded += (["--skip-blocks"] if args.skip_blocks else []) + (["--json", args.json] if args.json else [])
+    forwarded += (["--skip-blocks"] if args.skip_blocks else []) + (["--blocks-only"] if args.blocks_only else [])
+    forwarded += ["--json", args.json] if args.json else []
     run_studies(__file__, args.studies, lambda study: [study] + forwarded, lambda: rank_main(args.studies[0], args))
 
 

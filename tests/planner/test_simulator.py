@@ -342,3 +342,20 @@ def test_unshard_in_backward_false_skips_the_backward_all_gather(make_profile):
     assert r.step_ms == pytest.approx(81.0)
     assert [e.start_ms for e in r.events if e.name == "all-gather b0"] == pytest.approx([0.0])  # forward only
     assert _slices(r, "compute")["backward b0"] == pytest.approx((58.0, 78.0))
+
+
+def test_a_changed_kernel_source_drops_numbas_cached_code(tmp_path):
+    from planner._kernel import drop_stale_numba_cache
+
+    (tmp_path / "hooks.py").write_text("x = 1\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+    (cache / "hooks.step-1.py311.nbi").write_text("old")
+    drop_stale_numba_cache(tmp_path)  # no digest yet: whatever is cached may be stale
+    assert not (cache / "hooks.step-1.py311.nbi").exists()
+    (cache / "hooks.step-1.py311.nbi").write_text("compiled from x = 1")
+    drop_stale_numba_cache(tmp_path)  # sources unchanged: the cache stays
+    assert (cache / "hooks.step-1.py311.nbi").exists()
+    (tmp_path / "hooks.py").write_text("x = 2\n")
+    drop_stale_numba_cache(tmp_path)
+    assert not (cache / "hooks.step-1.py311.nbi").exists()
