@@ -176,10 +176,10 @@ def step(profile_fields, plan_fields, param_fields, events, samples):
     if prof.gpu:
         if clock[LAST_REDUCE_SCATTER_END] > clock[COMPUTE_STREAM]:
             clock[COMPUTE_STREAM] = clock[LAST_REDUCE_SCATTER_END]
-        for q in range(counters[RS_HEAD], counters[RS_TAIL]):
-            allocate(clock, counters, samples, -st.reduce_scatter_bytes[q])
     elif clock[LAST_REDUCE_SCATTER_END] > clock[CPU]:
         clock[CPU] = clock[LAST_REDUCE_SCATTER_END]
+    for q in range(counters[RS_HEAD], counters[RS_TAIL]):  # reduce_scatter_states.clear(): the input buffers go
+        allocate(clock, counters, samples, -st.reduce_scatter_bytes[q])
     allocate(clock, counters, samples, prof.optimizer_temp_bytes)  # e.g. Adam's foreach temporaries
     if prof.optimizer_ms > 0:
         compute(prof.root, OPTIMIZER, prof.optimizer_ms * params.compute_scale, cfg, clock, counters, st.in_flight,

@@ -157,24 +157,28 @@ def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_e
 def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue_end, queue_bytes, events, samples):
     """``foreach_reduce`` of module ``i``'s gradient, issued by ``FSDPParamGroup.post_backward``.
 
-    GPU: queued behind at most ``reduce_scatter_max_input_buffers`` earlier
-    ones (``ReduceScatterState``; ``queue_end``/``queue_bytes`` from
-    ``counters[RS_HEAD]`` to ``counters[RS_TAIL]``), each holding its input
-    buffer until it ends. CPU: synchronous ([Note: CPU device]). The input
-    buffer is a copy of the unsharded gradient, which is freed once copied
-    in; for that moment both are alive. It queues behind the collectives of
+    Its input buffer, a copy of the unsharded gradient (freed once copied
+    in: for that moment both are alive), is kept in
+    ``comm_ctx.reduce_scatter_states`` until a later module's post-backward
+    finds ``reduce_scatter_max_input_buffers`` there and drops the oldest,
+    or the final callback clears them (``queue_end``/``queue_bytes`` from
+    ``counters[RS_HEAD]`` to ``counters[RS_TAIL]``). This holds on CPU too:
+    the code is the same, so a synchronous reduce-scatter's buffer outlives
+    it (the profiler shows it alive at the next pre-backward's peak). GPU:
+    dropping the oldest first makes the compute stream wait for it. CPU:
+    synchronous ([Note: CPU device]). It queues behind the collectives of
     its process group: the all-gathers' too, unless
     ``set_separate_reduce_scatter_group`` gave it its own.
     """
+    # reduce_scatter_max_input_buffers: before foreach_reduce, the oldest input buffers are dropped (GPU: the
+    # compute stream waits on their reduce-scatters first; FSDPParamGroup.post_backward).
+    while counters[RS_TAIL] - counters[RS_HEAD] >= cfg.reduce_scatter_max_input_buffers:
+        head = counters[RS_HEAD]
+        if cfg.gpu and queue_end[head] > clock[COMPUTE_STREAM]:
+            clock[COMPUTE_STREAM] = queue_end[head]
+        allocate(clock, counters, samples, -queue_bytes[head])
+        counters[RS_HEAD] = head + 1
     if cfg.gpu:
-        # reduce_scatter_max_input_buffers: before foreach_reduce, the compute stream waits on the
-        # oldest reduce-scatter and its input buffer is freed (FSDPParamGroup.post_backward).
-        while counters[RS_TAIL] - counters[RS_HEAD] >= cfg.reduce_scatter_max_input_buffers:
-            head = counters[RS_HEAD]
-            if queue_end[head] > clock[COMPUTE_STREAM]:
-                clock[COMPUTE_STREAM] = queue_end[head]
-            allocate(clock, counters, samples, -queue_bytes[head])
-            counters[RS_HEAD] = head + 1
         issue = clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]
     else:
         issue = clock[CPU]
@@ -188,12 +192,10 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
     clock[group] = end
     clock[COMM_TOTAL] += reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
     event(events, counters, REDUCE_SCATTER, i, start, end)
-    if cfg.gpu:
-        tail = counters[RS_TAIL]
-        queue_end[tail] = end
-        queue_bytes[tail] = grad_bytes[i]
-        counters[RS_TAIL] = tail + 1
-    else:
+    tail = counters[RS_TAIL]
+    queue_end[tail] = end
+    queue_bytes[tail] = grad_bytes[i]
+    counters[RS_TAIL] = tail + 1
+    if not cfg.gpu:
         clock[CPU] = end  # [Note: CPU device] the reduce-scatter is synchronous
-        allocate(clock, counters, samples, -grad_bytes[i])  # its input buffer
     clock[LAST_REDUCE_SCATTER_END] = end

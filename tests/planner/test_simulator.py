@@ -359,3 +359,17 @@ def test_a_changed_kernel_source_drops_numbas_cached_code(tmp_path):
     (tmp_path / "hooks.py").write_text("x = 2\n")
     drop_stale_numba_cache(tmp_path)
     assert not (cache / "hooks.step-1.py311.nbi").exists()
+
+
+def test_reduce_scatter_input_buffer_outlives_a_synchronous_reduce_scatter_on_cpu(make_profile):
+    """CPU, FSDP2's default, 3 blocks of U = 1000 unsharded and G = 300 gradient bytes. FSDP2 keeps the last
+    reduce-scatter's input buffer in ``comm_ctx.reduce_scatter_states`` until the next post-backward, on CPU too.
+
+    b2's post-backward: reshard (U of b2 freed), RS copy-in: b2's buffer G stays alive. b1's pre-backward: copy-out
+    of b1 (U), then the sync prefetch of b0 holds its output and gloo's buffer (2U): U + 2U + G = 3300 bytes, the
+    peak (without the kept buffer it would be 3U = 3000). At the end of the step every buffer is freed.
+    """
+    p = make_profile(n_blocks=3, unsharded_bytes=1000, grad_bytes=300)
+    r = simulate(p, Plan.default(p), trace=True)
+    assert r.peak_bytes == 3300
+    assert r.memory[-1][1] == 0
