@@ -20,9 +20,12 @@ The profiler slows the step, so a measured-peak step is never a timed one.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -104,6 +107,29 @@ def peak_of_steps(per_rank: list[list[int]]) -> int:
     return int(statistics.median_low([max(step) for step in zip(*per_rank)]))
 
 
+# [Note: Kineto's start and stop lines]
+# The profiler's C++ side (kineto, torch 2.13) writes "USDT: ... profiler_start"
+# and "profiler_stop" to the process's stderr on every start and stop, with no
+# setting to turn them off; a tuning job measures peaks on every rank for
+# every plan, and those lines buried its report. Only the start and stop
+# calls run with file descriptor 2 pointed at /dev/null; the step itself
+# writes to stderr as usual.
+
+
+@contextlib.contextmanager
+def stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 (C++ code's stderr too) goes to /dev/null inside the block; restored on leaving."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def measure_peak(workload: Workload, step: int) -> PeakMemory:
     """Run training step ``step`` and measure this rank's peak.
 
@@ -130,10 +156,16 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
         return PeakMemory(max(peak, optimizer_peak), start, optimizer_peak - before,
                           max(reserved, torch.cuda.max_memory_reserved()))
     start = bytes_alive(workload)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with stderr_silenced():  # [Note: Kineto's start and stop lines]
+        prof.__enter__()
+    try:
         forward_backward(workload, step)
         with record_function(OPTIMIZER_BLOCK):
             optimizer.step()
+    finally:
+        with stderr_silenced():
+            prof.__exit__(None, None, None)
     return PeakMemory(start + step_peak(profiler_allocations(prof)), start,
                       step_peak(profiler_allocations(prof, within=OPTIMIZER_BLOCK)))
 
