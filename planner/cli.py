@@ -171,10 +171,14 @@ def studies_best(name, storage) -> None:
                + (f", ratio {pv.measured_ms / best.default_ms:.3f})" if best.default_ms else ")")
                + " in the race")
     click.echo(f"  predicted  {_ms(pv.predicted_ms)} ms")
-    click.echo(f"  unshard_async_op {plan.unshard_async_op}")
+    knobs = {"unshard_async_op": plan.unshard_async_op, "reduce_scatter_max_input_buffers":
+             plan.reduce_scatter_max_input_buffers, "reshard_after_backward": plan.reshard_after_backward,
+             "separate_reduce_scatter_group": plan.separate_reduce_scatter_group}
+    click.echo("  " + "  ".join(f"{k} {v}" for k, v in knobs.items()))
     for fqn, m in plan.modules.items():
         click.echo(f"  {fqn or '<root>':<28} forward {list(m.forward_prefetch) or 'implicit'}  "
-                   f"backward {list(m.backward_prefetch) or 'default'}  reshard_after_forward {m.reshard_after_forward}")
+                   f"backward {list(m.backward_prefetch) or 'default'}  reshard_after_forward {m.reshard_after_forward}"
+                   + ("" if m.unshard_in_backward else "  unshard_in_backward False"))
 
 
 @studies.command("pareto")

@@ -45,6 +45,7 @@ def test_studies_queries(study_db, tmp_path):
     assert code == 0 and "3 measured trials, 30 simulated trials" in out and "default" in out
     code, out, _ = _invoke(["studies", "best", "s", "--storage", study_db])
     assert code == 0 and "80.0 ms" in out and "FSDP2 default 100.0 ms" in out and "ratio 0.800" in out
+    assert "reshard_after_backward True  separate_reduce_scatter_group False" in out  # every global knob
     target = tmp_path / "best.json"
     code, out, _ = _invoke(["studies", "export", "s", "-o", str(target), "--storage", study_db])
     assert code == 0 and Plan.load(target).provenance.measured_ms == 80.0
