@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Callable
+
+
+def add_saved_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json`` (write the run of the single study there) and ``--refit`` (report saved runs again)."""
+    parser.add_argument("--json", help="write the run of the (single) study here")
+    parser.add_argument("--refit", nargs="+", metavar="JSON", help="report saved --json runs again, measuring nothing")
+
+
+def refitted(args: argparse.Namespace, report: Callable[[dict], object]) -> bool:
+    """With ``--refit``: ``report`` each saved run and return ``True`` (nothing to measure); else ``False``."""
+    for path in args.refit or ():
+        report(json.loads(Path(path).read_text()))
+    return bool(args.refit)
 
 
 def run_studies(script: str, studies: list[str], forward: Callable[[str], list[str]], rank_main: Callable[[], None]

@@ -79,12 +79,12 @@ def candidates(profile, study: str, sim_trials: int, budget_bytes: int, params) 
     from search_spaces import uniform
 
     sim = _sim_study(profile, study, sim_trials, budget_bytes, params)
-    uniform_keys = {uniform.suggest(optuna.trial.FixedTrial(g), profile).behaviour_key() for g in uniform.grid(profile)}
+    grid = [(g, uniform.suggest(optuna.trial.FixedTrial(g), profile)) for g in uniform.grid(profile)]
+    uniform_keys = {plan.behaviour_key() for _, plan in grid}
     per_module = [c for c in select_candidates(sim, profile, "assign", 6, budget_bytes=budget_bytes)
                   if c.plan.behaviour_key() not in uniform_keys][:3]
     fitting = []
-    for g in uniform.grid(profile)[1:]:  # FSDP2's default first: not a candidate
-        plan = uniform.suggest(optuna.trial.FixedTrial(g), profile)
+    for g, plan in grid[1:]:  # FSDP2's default first: not a candidate
         r = simulate(profile, plan, params)
         if r.peak_bytes <= budget_bytes and not plan.is_default_for(profile):
             fitting.append((r.step_ms, g, plan))
@@ -272,6 +272,8 @@ def _report_blocks(run: dict, sim, summary: dict) -> None:
 
 
 def main() -> None:
+    from _ranks import add_saved_run_arguments, refitted, run_studies
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("studies", nargs="*", default=["studies/llama-cpu.toml", "studies/gpt2-cpu.toml"])
     parser.add_argument("--sim-trials", type=int, default=600)
@@ -281,14 +283,10 @@ def main() -> None:
     parser.add_argument("--block-rounds", type=int, default=16, help="fresh rounds of the keep-blocks comparison")
     parser.add_argument("--skip-blocks", action="store_true")
     parser.add_argument("--blocks-only", action="store_true", help="step 6 alone: the gains of keeping blocks")
-    parser.add_argument("--json", help="write the run of the (single) study here")
-    parser.add_argument("--refit", nargs="+", metavar="JSON", help="report saved --json runs again, measuring nothing")
+    add_saved_run_arguments(parser)
     args = parser.parse_args()
-    if args.refit:
-        for path in args.refit:
-            report(json.loads(Path(path).read_text()))
+    if refitted(args, report):
         return
-    from _ranks import run_studies
 
     forwarded = ["--sim-trials", str(args.sim_trials), "--share", str(args.share), "--select-rounds",
                  str(args.select_rounds), "--rounds", str(args.rounds), "--block-rounds", str(args.block_rounds)]

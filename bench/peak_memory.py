@@ -111,16 +111,14 @@ def report(run: dict) -> dict:
 
 
 def main() -> None:
+    from _ranks import add_saved_run_arguments, refitted, run_studies
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("studies", nargs="*", default=["studies/llama-cpu.toml", "studies/gpt2-cpu.toml"])
-    parser.add_argument("--json", help="write the run of the (single) study here")
-    parser.add_argument("--refit", nargs="+", metavar="JSON", help="report saved --json runs again, measuring nothing")
+    add_saved_run_arguments(parser)
     args = parser.parse_args()
-    if args.refit:
-        for path in args.refit:
-            report(json.loads(Path(path).read_text()))
+    if refitted(args, report):
         return
-    from _ranks import run_studies
 
     run_studies(__file__, args.studies, lambda study: [study] + (["--json", args.json] if args.json else []),
                 lambda: rank_main(args.studies[0], args.json))
