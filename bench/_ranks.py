@@ -28,7 +28,7 @@ def run_studies(script: str, studies: list[str], forward: Callable[[str], list[s
 
     Exits with the first failing rank's code, or 2 with one line on a ``PlannerError`` (e.g. a bad study TOML).
     """
-    from planner.config import load_study_config
+    from planner.artifacts.config import load_study_config
     from planner.errors import PlannerError
     from runtime.launch import in_torchrun, launch_ranks
 

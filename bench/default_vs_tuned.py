@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.config import load_study_config  # noqa: E402
+from planner.artifacts.config import load_study_config  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 
 
@@ -30,9 +30,9 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import torch.distributed as dist
 
-    from planner.calibrate import spearman
-    from planner.plan import Plan
-    from planner.simulator import simulate
+    from planner.simulation.calibrate import spearman
+    from planner.artifacts.plan import Plan
+    from planner.simulation.simulator import simulate
     from runtime.apply import load_plan
     from runtime.rank import init_rank, shutdown_rank
     from runtime.measure import measure_plans

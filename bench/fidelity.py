@@ -47,8 +47,8 @@ def _plans(profile):
 
     import optuna
 
-    from planner.config import StudyConfig
-    from planner.plan import Plan
+    from planner.artifacts.config import StudyConfig
+    from planner.artifacts.plan import Plan
     from planner.study import distinct_plans, simulated_stage
     from search_spaces import uniform
 
@@ -90,7 +90,7 @@ def _plans(profile):
 def rank_main(study: str, rounds: int, out: str | None) -> None:
     import torch.distributed as dist
 
-    from planner.config import load_study_config
+    from planner.artifacts.config import load_study_config
     from runtime.apply import apply_plan
     from runtime.rank import init_rank, shutdown_rank
     from runtime.measure import max_across_ranks, measure_plans
@@ -164,10 +164,10 @@ def report(run: dict, splits: int = 40) -> None:
     """
     import dataclasses
 
-    from planner.calibrate import Observation, calibrated, fit, spearman, summary
-    from planner.plan import Plan
-    from planner.profile import Profile
-    from planner.simulator import simulate
+    from planner.simulation.calibrate import Observation, calibrated, fit, spearman, summary
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.simulation.simulator import simulate
 
     profile = dataclasses.replace(Profile.from_dict(run["profile"]), calibration=None)
     rows = run["rows"]

@@ -23,7 +23,7 @@ One run per study, on its ranks, one model instance, a fresh process:
 5. Confirmation on fresh rounds (the selection's rounds are never reported):
    assign, uniform and the default, ``--rounds`` rounds, the order rotated
    (Williams design). Paired per-round ratios, median, 95% bootstrap interval
-   and verdict (``planner.verdict.confirm``): assign/uniform, assign/default,
+   and verdict (``planner.statistics.verdict.confirm``): assign/uniform, assign/default,
    uniform/default.
 6. Keeping blocks unsharded: uniform forward prefetch 1 with async unshard,
    and the same keeping the last 1, 3 and all blocks unsharded after forward
@@ -32,7 +32,7 @@ One run per study, on its ranks, one model instance, a fresh process:
    predicted gain.
 
 The simulator runs with the in-step parameters, as ``tune`` does
-(``planner.in_step``). Targets (the memory-aware plans issue): assign/uniform
+(``planner.simulation.in_step``). Targets (the memory-aware plans issue): assign/uniform
 <= 0.95 with verdict "faster"; every plan's measured peak within the budget;
 the predicted gain of keeping blocks within 3 points of the measured gain.
 """
@@ -55,7 +55,7 @@ def _sim_study(profile, study: str, sim_trials: int, budget_bytes: int | None, p
     """An in-memory simulated ``assign`` study (with Optuna constraints under a budget)."""
     import optuna
 
-    from planner.config import load_study_config
+    from planner.artifacts.config import load_study_config
     from planner.study import simulated_stage
 
     config = load_study_config(study, space="assign", sim_trials=sim_trials)
@@ -74,7 +74,7 @@ def candidates(profile, study: str, sim_trials: int, budget_bytes: int, params) 
     """Named candidates predicted within the budget: up to 3 per-module ``assign`` plans, the 2 best ``uniform`` plans."""
     import optuna
 
-    from planner.simulator import simulate
+    from planner.simulation.simulator import simulate
     from planner.study import select_candidates
     from search_spaces import uniform
 
@@ -100,10 +100,10 @@ def rank_main(study: str, args) -> None:
     import optuna
     import torch.distributed as dist
 
-    from planner.config import load_study_config
-    from planner.in_step import in_step_params
-    from planner.plan import Plan
-    from planner.race import balanced_orders
+    from planner.artifacts.config import load_study_config
+    from planner.simulation.in_step import in_step_params
+    from planner.artifacts.plan import Plan
+    from planner.statistics.race import balanced_orders
     from runtime.measure import StepCounter, run_block
     from runtime.peak_memory import PEAK_STEPS, peak_of_steps, warm_up_measuring_peaks
     from runtime.protocol import broadcast_from_rank0, gather
@@ -169,7 +169,7 @@ def budget_stages(run: dict, profile, study: str, args, shared, peaks, interleav
     """Steps 2-5 (every rank): the budget, the candidates, the selection and the confirmation, into ``run``."""
     import torch.distributed as dist
 
-    from planner.plan import Plan
+    from planner.artifacts.plan import Plan
 
     rank0 = dist.get_rank() == 0
     best = shared(lambda: {"unconstrained best": unconstrained_best(profile, study, args.sim_trials, params)})
@@ -199,10 +199,10 @@ def budget_stages(run: dict, profile, study: str, args, shared, peaks, interleav
 
 def report(run: dict) -> dict:
     """Print one run's figures with today's simulator; returns the summary."""
-    from planner.in_step import in_step_params
-    from planner.plan import Plan
-    from planner.profile import Profile
-    from planner.simulator import simulate
+    from planner.simulation.in_step import in_step_params
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.simulation.simulator import simulate
 
     profile = Profile.from_dict(run["profile"])
     params = in_step_params(profile) if profile.in_step is not None else None
@@ -221,7 +221,7 @@ def report(run: dict) -> dict:
 
 
 def _report_budget(run: dict, sim, summary: dict) -> None:
-    from planner.verdict import confirm, step_noise_pct
+    from planner.statistics.verdict import confirm, step_noise_pct
 
     budget = run["budget_bytes"]
     summary["budget_mib"] = budget / MIB
@@ -248,7 +248,7 @@ def _report_budget(run: dict, sim, summary: dict) -> None:
 
 
 def _report_blocks(run: dict, sim, summary: dict) -> None:
-    from planner.verdict import confirm, step_noise_pct
+    from planner.statistics.verdict import confirm, step_noise_pct
 
     bt, plans = run["blocks_times"], run["blocks"]
     noise = step_noise_pct(list(bt.values()))

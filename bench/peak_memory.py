@@ -49,7 +49,7 @@ def plans_for(profile):
 def rank_main(study: str, out: str | None) -> None:
     import torch.distributed as dist
 
-    from planner.config import load_study_config
+    from planner.artifacts.config import load_study_config
     from runtime.apply import apply_plan
     from runtime.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
     from runtime.rank import init_rank, shutdown_rank
@@ -82,9 +82,9 @@ def rank_main(study: str, out: str | None) -> None:
 
 def report(run: dict) -> dict:
     """Print the per-plan table and the summary of one run; returns the summary."""
-    from planner.plan import Plan
-    from planner.profile import Profile
-    from planner.simulator import simulate
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.simulation.simulator import simulate
 
     profile = Profile.from_dict(run["profile"])
     print(f"\n== {run['study']}: total peak memory per rank, measured vs predicted (MiB)")

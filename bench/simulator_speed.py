@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import optuna  # noqa: E402
 
-from planner.config import StudyConfig  # noqa: E402
-from planner.simulator import simulate  # noqa: E402
+from planner.artifacts.config import StudyConfig  # noqa: E402
+from planner.simulation.simulator import simulate  # noqa: E402
 from planner.storages import open_storage  # noqa: E402
 from planner.study import simulated_stage  # noqa: E402
 from search_spaces import uniform  # noqa: E402

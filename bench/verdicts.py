@@ -4,7 +4,7 @@
 
 (a) A/A. Races in which the one candidate *is* FSDP2's default (the same plan
     under another index), each followed by its confirmation on fresh rounds,
-    exactly as ``tune`` runs them (``planner.schedule.Schedule``). Counts the
+    exactly as ``tune`` runs them (``planner.statistics.schedule.Schedule``). Counts the
     false "faster" verdicts (a sound tool gives one in 40 at most, by the
     95% interval's one-sided error).
 (b) Coverage. ``prefetch-planner tune`` on the study (a fresh SQLite
@@ -57,9 +57,9 @@ def _run_schedule_on_ranks(workload, plans, schedule, warmup_steps: int) -> None
 def aa_main(study: str, races: int, out: str) -> None:
     import torch.distributed as dist
 
-    from planner.config import load_study_config
-    from planner.plan import Plan
-    from planner.schedule import Schedule
+    from planner.artifacts.config import load_study_config
+    from planner.artifacts.plan import Plan
+    from planner.statistics.schedule import Schedule
     from runtime.rank import init_rank, shutdown_rank
     from runtime.recorder import record_profile
     from runtime.workload import build_study_workload
@@ -93,8 +93,8 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     """Every rank: two model instances (FSDP2's default, the plan), ``rounds`` interleaved rounds; rank 0 reports."""
     import torch.distributed as dist
 
-    from planner.config import load_study_config
-    from planner.plan import Plan
+    from planner.artifacts.config import load_study_config
+    from planner.artifacts.plan import Plan
     from runtime.apply import apply_plan, load_plan
     from runtime.measure import StepCounter, timed_step
     from runtime.protocol import gather
@@ -134,9 +134,9 @@ def _launch(args: list[str], nproc: int) -> None:
 
 def coverage(study: str, rounds: int, work: Path) -> dict:
     """Tune into a fresh storage, then re-measure its plan independently; the report row."""
-    from planner.config import load_study_config
-    from planner.plan import Plan
-    from planner.verdict import confirm
+    from planner.artifacts.config import load_study_config
+    from planner.artifacts.plan import Plan
+    from planner.statistics.verdict import confirm
 
     config = load_study_config(study)
     storage, plan_out = f"sqlite:///{work}/coverage.db", str(work / "plan.json")
@@ -194,7 +194,7 @@ def main() -> None:
             else:
                 remeasure_main(args.study, args.plan, args.rounds, args.out)
             return
-        from planner.config import load_study_config
+        from planner.artifacts.config import load_study_config
 
         config = load_study_config(args.study)
         figures: dict = {}

@@ -1,4 +1,4 @@
-"""The ``prefetch-planner`` command line: the jobs that run on ranks (``tune``, ``profile``) plus ``planner.cli``'s commands.
+"""The ``prefetch-planner`` command line: the jobs that run on ranks (``tune``, ``profile``) plus ``planner.presentation.cli``'s commands.
 
 Outside torchrun, ``tune`` and ``profile`` check what they can in this
 process, then start ``[launch] nproc_per_node`` ranks running the same
@@ -17,8 +17,8 @@ import sys
 
 import click
 
-from planner import cli as planner_cli
-from planner.config import StudyConfig, load_study_config
+from planner.presentation import cli as planner_cli
+from planner.artifacts.config import StudyConfig, load_study_config
 from planner.errors import PlannerError
 
 

@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 
 from jobs.outputs import check_output_folders
-from planner.config import StudyConfig
-from planner.plan import Plan
-from planner.profile import Profile
-from planner.simulator import simulate
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.simulation.simulator import simulate
 from runtime.rank import check_runnable, init_rank, shutdown_rank
 from runtime.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory, train_step

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from jobs.tune import TuneOutcome
-from planner.plan import Plan
-from planner.verdict import Verdict, confirmation_rounds, confirmation_text, detectable_effect
+from planner.artifacts.plan import Plan
+from planner.statistics.verdict import Verdict, confirmation_rounds, confirmation_text, detectable_effect
 
 
 def describe(plan: Plan) -> str:

@@ -21,21 +21,21 @@ import optuna
 import torch.distributed as dist
 from tqdm import tqdm
 
-from planner.calibrate import CalibrationResult, Observation, calibrate
-from planner.config import StudyConfig
+from planner.simulation.calibrate import CalibrationResult, Observation, calibrate
+from planner.artifacts.config import StudyConfig
 from jobs.outputs import check_output_folders
 from planner.errors import FailKind
-from planner.in_step import in_step_params
-from planner.memory_budget import check_feasible, mib
-from planner.plan import Plan
-from planner.profile import Profile
-from planner.race import Race
-from planner.simulator import simulate
+from planner.simulation.in_step import in_step_params
+from planner.artifacts.memory_budget import check_feasible, mib
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.statistics.race import Race
+from planner.simulation.simulator import simulate
 from planner.storages import check_writable, open_storage
 from planner.study import (
     MeasuredStage, MeasuredTrial, latest_calibration, select_candidates, simulated_stage, smallest_peak,
 )
-from planner.verdict import Verdict, detectable_effect
+from planner.statistics.verdict import Verdict, detectable_effect
 from runtime.interrupts import interrupts_deferred, interrupts_raise
 from runtime.protocol import RoundResult, control_group, measured_round, one_line
 from runtime.rank import check_runnable, init_rank, shutdown_rank

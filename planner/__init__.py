@@ -15,9 +15,9 @@ from planner.errors import (
     UnsupportedPlanError,
     WorkloadError,
 )
-from planner.plan import ModulePlan, Plan, Provenance
-from planner.profile import Fingerprint, ModuleProfile, Profile
-from planner.simulator import SimParams, SimResult, simulate
+from planner.artifacts.plan import ModulePlan, Plan, Provenance
+from planner.artifacts.profile import Fingerprint, ModuleProfile, Profile
+from planner.simulation.simulator import SimParams, SimResult, simulate
 
 __all__ = [
     "Fingerprint", "ModulePlan", "ModuleProfile", "Plan", "PlanFormatError", "PlanMismatchError",

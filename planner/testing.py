@@ -9,15 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.config import StudyConfig
-from planner.profile import Fingerprint, ModuleProfile, Profile
-from planner.race import RaceSettings
-from planner.schedule import ConfirmSettings, Schedule
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.profile import Fingerprint, ModuleProfile, Profile
+from planner.statistics.race import RaceSettings
+from planner.statistics.schedule import ConfirmSettings, Schedule
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from planner.plan import Plan
+    from planner.artifacts.plan import Plan
     from planner.study import MeasuredStage, MeasuredTrial
 
 
@@ -105,7 +105,7 @@ def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: list[fl
 
 def synthetic_schedule(effects: list[float], noise_iqr_pct: float, rng: np.random.Generator,
                        race: RaceSettings | None = None, confirm: ConfirmSettings | None = None) -> Schedule:
-    """Run a :class:`planner.schedule.Schedule` to the end on synthetic steps; returns it.
+    """Run a :class:`planner.statistics.schedule.Schedule` to the end on synthetic steps; returns it.
 
     Plan ``p``'s steps take ``100 ms * effects[p]`` times independent
     lognormal noise whose interquartile range / median is ``noise_iqr_pct``

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from planner.plan import Plan
+from planner.artifacts.plan import Plan
 from runtime.apply import apply_plan
 from runtime.workload import Workload, train_step
 

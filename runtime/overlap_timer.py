@@ -3,11 +3,11 @@
 On CPU, gloo runs a collective in its own threads on the same cores as the
 training step's compute. With ``unshard_async_op=True`` an all-gather runs
 beside forward or backward compute, and both slow down. The simulator models
-this with one parameter, ``overlap_slowdown`` (:class:`planner.simulator.SimParams`):
+this with one parameter, ``overlap_slowdown`` (:class:`planner.simulation.simulator.SimParams`):
 while both run, both progress at ``1 / overlap_slowdown`` of their speed, so
 compute of ``C`` ms beside an all-gather of ``M`` ms takes
 ``max(C, M) + min(C, M) * (overlap_slowdown - 1)``. This module measures the
-three times the parameter is solved from (:mod:`planner.in_step`), on the
+three times the parameter is solved from (:mod:`planner.simulation.in_step`), on the
 module with the most unsharded parameters, with matrix multiplies as the
 compute (:func:`overlap_timings`).
 """

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from planner.plan import Plan
+from planner.artifacts.plan import Plan
 
 from runtime.apply import apply_plan
 from runtime.measure import StepCounter, StepFailed, device_type_of, synchronize

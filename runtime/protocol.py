@@ -17,7 +17,7 @@ holds the study (a :class:`RoundStage`: ``planner.study.MeasuredStage``).
    median over steps of the max across ranks). Rank 0 records FAIL the
    candidates whose measured peak exceeds the memory budget
    (``FailKind.ERROR``), and every rank leaves them out. Then it runs blocks of rounds:
-   rank 0's schedule (the race, then the confirmation: ``planner.schedule``)
+   rank 0's schedule (the race, then the confirmation: ``planner.statistics.schedule``)
    hands out each block, every rank runs it (``runtime.measure.run_block``)
    and catches its own exception, and the outcomes (times, or the failing
    plan and exception) are all-gathered after each block.
@@ -58,7 +58,7 @@ from typing import Any, Callable, Protocol, TypeVar
 import torch.distributed as dist
 
 from planner.errors import FailKind, PlannerError, TrialFailedError
-from planner.plan import Plan
+from planner.artifacts.plan import Plan
 from runtime.apply import apply_plan
 from runtime.interrupts import interrupts_deferred
 from runtime.measure import StepCounter, StepFailed, run_block
@@ -82,7 +82,7 @@ TrialT = TypeVar("TrialT", bound=RoundTrial)
 
 
 class Scheduler(Protocol):
-    """Rank 0's schedule of the round's steps (``planner.schedule.Schedule``)."""
+    """Rank 0's schedule of the round's steps (``planner.statistics.schedule.Schedule``)."""
 
     def next_block(self) -> list[list[int]] | None:
         """The next rounds (plan indices in running order), ``None`` when done."""

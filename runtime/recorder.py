@@ -8,7 +8,7 @@ What it records and how (docs/architecture.md, "Measurement"):
 - Step ms, optimizer ms and peak memory of FSDP2's default plan: median
   over timed steps after warm-up, timed last, when the run is warm
   (the first steps after the model is built ran 50% slower: [Note: Why the
-  isolated figures are not enough] in :mod:`planner.in_step`); then the
+  isolated figures are not enough] in :mod:`planner.simulation.in_step`); then the
   peak of :data:`runtime.peak_memory.PEAK_STEPS` untimed steps, and what
   the optimizer step allocates on top (:func:`runtime.peak_memory.measure_peak`).
 - Pre- and post-forward order of the FSDP modules, with multiplicity, from
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.profile import Fingerprint, InStepTimings, ModuleProfile, Profile
+from planner.artifacts.profile import Fingerprint, InStepTimings, ModuleProfile, Profile
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import all_gather_ms, reduce_scatter_ms
 from runtime.compute_timer import TIMED, ComputeTimer

@@ -93,7 +93,7 @@ def build_workload(spec: str, mesh: Any, kwargs: dict[str, Any], microbatches: i
 
 
 def build_study_workload(table: Any, mesh: Any) -> Workload:
-    """:func:`build_workload` from a study's ``[workload]`` table (``planner.config.WorkloadTable``).
+    """:func:`build_workload` from a study's ``[workload]`` table (``planner.artifacts.config.WorkloadTable``).
 
     Raises:
         WorkloadError: as :func:`build_workload`.

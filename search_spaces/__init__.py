@@ -1,4 +1,4 @@
-"""Search spaces: each maps an Optuna trial to a :class:`planner.plan.Plan`.
+"""Search spaces: each maps an Optuna trial to a :class:`planner.artifacts.plan.Plan`.
 
 A space is a module with ``NAME``, ``suggest(trial, profile) -> Plan`` and
 ``grid(profile) -> list[dict]`` (parameter sets to enqueue first, FSDP2's

@@ -11,7 +11,7 @@ and cached on it, so building a plan is linear in the number of modules.
 
 from __future__ import annotations
 
-from planner.profile import Profile
+from planner.artifacts.profile import Profile
 
 
 class Orders:

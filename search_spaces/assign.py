@@ -41,8 +41,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from planner.plan import ModulePlan, Plan
-from planner.profile import Profile
+from planner.artifacts.plan import ModulePlan, Plan
+from planner.artifacts.profile import Profile
 from search_spaces import uniform
 from search_spaces._orders import orders
 from search_spaces.per_module import groups

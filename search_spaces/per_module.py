@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.plan import ModulePlan, Plan
-from planner.profile import Profile
+from planner.artifacts.plan import ModulePlan, Plan
+from planner.artifacts.profile import Profile
 from search_spaces import uniform
 from search_spaces._orders import orders
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from planner.plan import ModulePlan, Plan
-from planner.profile import Profile
+from planner.artifacts.plan import ModulePlan, Plan
+from planner.artifacts.profile import Profile
 from search_spaces._orders import orders
 
 NAME = "uniform"

@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from jobs.cli import main
-from planner.config import load_study_config
+from planner.artifacts.config import load_study_config
 from planner.errors import (
     PlanFormatError,
     PlanMismatchError,
@@ -30,8 +30,8 @@ from planner.errors import (
     StudyConfigError,
     WorkloadError,
 )
-from planner.plan import Plan
-from planner.profile import Profile
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
 from planner.storages import check_writable, open_storage
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
 from runtime.rank import check_runnable

@@ -16,7 +16,7 @@ from planner.storages.engine import (
 from planner.storages.models import Base
 
 if TYPE_CHECKING:
-    from planner.config import StudyConfig
+    from planner.artifacts.config import StudyConfig
 
 # Optuna 5 renamed the stale-trial callback; 4.x has only the old name.
 if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback"):

@@ -24,15 +24,15 @@ from typing import Any, Callable
 
 import optuna
 
-from planner.config import StudyConfig
+from planner.artifacts.config import StudyConfig
 from planner.errors import FailKind, PlannerError
-from planner.memory_budget import mib
-from planner.plan import Plan, Source
-from planner.profile import Profile
-from planner.race import Race
-from planner.schedule import Schedule
-from planner.simulator import simulate
-from planner.verdict import Confirmation
+from planner.artifacts.memory_budget import mib
+from planner.artifacts.plan import Plan, Source
+from planner.artifacts.profile import Profile
+from planner.statistics.race import Race
+from planner.statistics.schedule import Schedule
+from planner.simulation.simulator import simulate
+from planner.statistics.verdict import Confirmation
 from planner.storages import MeasuredRunRow, PlanRow, ProfileRow, session, storage_errors
 from planner.study.heartbeat import Heartbeat
 from planner.study.simulated import Candidate, name_objective, plan_key

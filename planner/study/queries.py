@@ -14,12 +14,12 @@ import optuna
 import sqlalchemy as sa
 
 from planner.errors import PlannerError, StudyNotFoundError
-from planner.plan import Plan
-from planner.profile import Profile
-from planner.profile import Fingerprint
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.artifacts.profile import Fingerprint
 from planner.storages import PlanRow, ProfileRow, check_exists, open_storage, open_storage_read_only, session
 from planner.study.simulated import SIM_SUFFIX, complete_trials
-from planner.verdict import Verdict, confirmation_text
+from planner.statistics.verdict import Verdict, confirmation_text
 
 
 class TrialStage(enum.StrEnum):

@@ -9,12 +9,12 @@ from typing import Any
 
 import optuna
 
-from planner.config import StudyConfig
+from planner.artifacts.config import StudyConfig
 from planner.errors import PlannerError, StudyConfigError
-from planner.plan import Plan
-from planner.profile import Profile
-from planner.samplers import make_sampler
-from planner.simulator import SimParams, simulate
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.study.samplers import make_sampler
+from planner.simulation.simulator import SimParams, simulate
 from planner.storages.bulk import add_trials_bulk
 from search_spaces import get_space
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from jobs.report import describe, tune_report
 from jobs.tune import TuneOutcome
-from planner.calibrate import CalibrationResult
-from planner.plan import Plan, Source
-from planner.race import Race
+from planner.simulation.calibrate import CalibrationResult
+from planner.artifacts.plan import Plan, Source
+from planner.statistics.race import Race
 from planner.testing import synthetic_profile
 from search_spaces import uniform
 

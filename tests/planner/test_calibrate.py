@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.calibrate import (
+from planner.simulation.calibrate import (
     FAMILIES, Observation, calibrate, calibrated, errors_pct, fit, fit_family, min_observations, spearman,
 )
 from planner.errors import PlannerError
-from planner.plan import Plan
-from planner.simulator import SimParams, simulate
+from planner.artifacts.plan import Plan
+from planner.simulation.simulator import SimParams, simulate
 from search_spaces import uniform
 
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
-from planner.plan import Plan
+from planner.presentation.cli import main
+from planner.artifacts.plan import Plan
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
 
 def _invoke(args, cwd=None):
@@ -59,7 +59,7 @@ def test_studies_unknown_study(study_db, tmp_path):
 
 def test_planner_does_not_import_torch():
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys, planner, planner.cli, planner.study, planner.storages, planner.config, "
+        [sys.executable, "-c", "import sys, planner, planner.presentation.cli, planner.study, planner.storages, planner.artifacts.config, "
                                "search_spaces, jobs.cli; print('torch' in sys.modules)"],
         capture_output=True, text=True, check=True,
     )

@@ -1,14 +1,14 @@
-"""The simulator's parameters solved from the profile's in-step timings (planner.in_step)."""
+"""The simulator's parameters solved from the profile's in-step timings (planner.simulation.in_step)."""
 
 import dataclasses
 
 import pytest
 
-from planner.calibrate import Observation, calibrate
-from planner.in_step import STEP_OVERLAP_SHARE, in_step_params, measured_slowdown, overlap_slowdown, solve_comm_scale
-from planner.plan import Plan
-from planner.profile import InStepTimings, Profile
-from planner.simulator import SimParams, simulate
+from planner.simulation.calibrate import Observation, calibrate
+from planner.simulation.in_step import STEP_OVERLAP_SHARE, in_step_params, measured_slowdown, overlap_slowdown, solve_comm_scale
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import InStepTimings, Profile
+from planner.simulation.simulator import SimParams, simulate
 from planner.testing import synthetic_profile
 from search_spaces import uniform
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
+from planner.presentation.cli import main
 from planner.errors import FailKind, StudyConfigError
-from planner.memory_budget import MemoryBudget, MemoryBudgetError, check_feasible
+from planner.artifacts.memory_budget import MemoryBudget, MemoryBudgetError, check_feasible
 from planner.storages import open_storage
 from planner.study import MeasuredStage, pareto_front, select_candidates, simulated_stage, smallest_peak, study_trials
 from planner.testing import run_round, study_config

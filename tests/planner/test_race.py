@@ -12,10 +12,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from planner.race import Race, RaceSettings, balanced_orders, holm
-from planner.schedule import ConfirmSettings, Phase, Schedule
+from planner.statistics.race import Race, RaceSettings, balanced_orders, holm
+from planner.statistics.schedule import ConfirmSettings, Phase, Schedule
 from planner.testing import synthetic_schedule
-from planner.verdict import Verdict, confirm, confirmation_rounds, detectable_effect, verdict_of
+from planner.statistics.verdict import Verdict, confirm, confirmation_rounds, detectable_effect, verdict_of
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])

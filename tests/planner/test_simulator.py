@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from planner.plan import Plan
-from planner.simulator import SimParams, lower_bound_ms, simulate
+from planner.artifacts.plan import Plan
+from planner.simulation.simulator import SimParams, lower_bound_ms, simulate
 from search_spaces import uniform
 
 
@@ -345,7 +345,7 @@ def test_unshard_in_backward_false_skips_the_backward_all_gather(make_profile):
 
 
 def test_a_changed_kernel_source_drops_numbas_cached_code(tmp_path):
-    from planner._kernel import drop_stale_numba_cache
+    from planner.simulation._kernel import drop_stale_numba_cache
 
     (tmp_path / "hooks.py").write_text("x = 1\n")
     cache = tmp_path / "__pycache__"

@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from jobs.cli import main
-from planner.plan import Plan
-from planner.simulator import simulate
-from planner.trace import TRACKS, chrome_trace
+from planner.artifacts.plan import Plan
+from planner.simulation.simulator import simulate
+from planner.simulation.trace import TRACKS, chrome_trace
 from search_spaces import uniform
 
 

@@ -13,7 +13,7 @@ from runtime.rank import init_rank, shutdown_rank
 from runtime.recorder import record_profile
 from runtime.workload import build_workload, train_step
 from runtime import apply_plan
-from planner.plan import Plan
+from planner.artifacts.plan import Plan
 from search_spaces import per_module, uniform
 
 factory, kwargs, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

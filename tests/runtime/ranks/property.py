@@ -22,7 +22,7 @@ from collections import Counter
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from planner.plan import Plan
+from planner.artifacts.plan import Plan
 from runtime import apply_plan
 from runtime.rank import init_rank, shutdown_rank
 from runtime.recorder import record_profile

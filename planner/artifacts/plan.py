@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlanFormatError, PlanMismatchError
-from planner.profile import Fingerprint, Profile
+from planner.artifacts.profile import Fingerprint, Profile
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -67,7 +67,7 @@ class Provenance:
         measured_ms: the median step time in the race (max across ranks).
         default_measured_ms: FSDP2's default's, in the same race.
         verdict: the confirmation's verdict against FSDP2's default
-            (``planner.verdict.Verdict`` values), for the plan it confirmed.
+            (``planner.statistics.verdict.Verdict`` values), for the plan it confirmed.
         measured_ratio: the confirmation's median per-round ratio, plan / default.
         ratio_ci95: ``[low, high]``, its paired 95% bootstrap interval.
         rounds: the confirmation's rounds.

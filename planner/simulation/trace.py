@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError
-from planner.simulator import SimResult, Track
+from planner.simulation.simulator import SimResult, Track
 
 TRACKS = tuple(Track)  # one row per resource, top to bottom
 

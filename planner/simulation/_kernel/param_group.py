@@ -2,19 +2,19 @@
 
 Follows ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``
 (``FSDPParamGroup``) and ``_fsdp_collectives.py`` (``foreach_reduce``). The
-arrays are :class:`~planner._kernel.state.StepState`'s and
-:class:`~planner._kernel.state.Trace`'s, passed one by one ([Note: Arrays,
+arrays are :class:`~planner.simulation._kernel.state.StepState`'s and
+:class:`~planner.simulation._kernel.state.Trace`'s, passed one by one ([Note: Arrays,
 not bundles, in the hot path]).
 """
 
 from __future__ import annotations
 
-from planner._kernel.state import (
+from planner.simulation._kernel.state import (
     ALL_GATHER, ALL_GATHER_ROW, ALL_GATHER_STREAM, COMM_TOTAL, COMPUTE_STREAM, CPU, CPU_WAIT, EVENTS, HELD, HELD_HEAD,
     HELD_TAIL, IN_FLIGHT, LAST_COPY_OUT, LAST_REDUCE_SCATTER_END, PENDING, PROCESS_GROUP, REDUCE_SCATTER, RS_HEAD,
     REDUCE_SCATTER_GROUP, RS_TAIL, SHARDED, UNSHARD_STATE, UNSHARDED, UNSHARDED_ALIVE, UNSHARDED_PEAK, njit,
 )
-from planner._kernel.timeline import allocate, event
+from planner.simulation._kernel.timeline import allocate, event
 
 # [Note: Gloo's all-gather buffer]
 # On a CPU device (gloo) an all-gather allocates, besides FSDP2's output,

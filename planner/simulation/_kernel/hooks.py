@@ -2,9 +2,9 @@
 
 Follows ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py`` (the pre/post
 forward and backward hooks and the final callback); the rules and their
-sources are described in :mod:`planner.simulator`. Each phase unpacks the
+sources are described in :mod:`planner.simulation.simulator`. Each phase unpacks the
 bundles once ([Note: Arrays, not bundles, in the hot path] in
-:mod:`planner._kernel.state`).
+:mod:`planner.simulation._kernel.state`).
 
 [Note: Plain tuples at the boundary]
 numba types a NamedTuple argument on a slow path (7 µs a call for two
@@ -15,13 +15,13 @@ NamedTuple inside compiled code, where it costs nothing.
 
 from __future__ import annotations
 
-from planner._kernel.param_group import reduce_scatter, reshard, unshard, wait_for_unshard
-from planner._kernel.state import (
+from planner.simulation._kernel.param_group import reduce_scatter, reshard, unshard, wait_for_unshard
+from planner.simulation._kernel.state import (
     BACKWARD, COMM_TOTAL, SHARDED_GRAD_ALIVE, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, FORWARD, GRAD_ALIVE, LAST_REDUCE_SCATTER_END,
     OPTIMIZER, PEAK, PENDING, RESERVED_PEAK, RS_HEAD, RS_TAIL, SAMPLES, SHARDED, UNSHARD_STATE, UNSHARDED_PEAK, KernelParams, PlanArrays, ProfileArrays, Trace,
     new_step, njit,
 )
-from planner._kernel.timeline import allocate, compute
+from planner.simulation._kernel.timeline import allocate, compute
 
 
 @njit(cache=True)

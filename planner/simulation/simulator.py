@@ -50,15 +50,15 @@ starts at 0, this is the initial state of every resource.
 [Note: Speed]
 Profiling the pure-Python version showed the time spread over small calls
 (about 9,000 evaluations/s at 32 modules, against a 20,000 target), so the
-step is one numeric kernel (:mod:`planner._kernel`) compiled by numba, over
-per-module arrays built once per profile (:class:`planner._kernel.ProfileArrays`,
-cached on the profile) and once per plan (:class:`planner._kernel.PlanArrays`,
+step is one numeric kernel (:mod:`planner.simulation._kernel`) compiled by numba, over
+per-module arrays built once per profile (:class:`planner.simulation._kernel.ProfileArrays`,
+cached on the profile) and once per plan (:class:`planner.simulation._kernel.PlanArrays`,
 cached on the plan). The same kernel writes the trace, so traced and
 untraced runs cannot disagree. ``bench/simulator_speed.py`` prints the
 figures. Inside the kernel, the per-module functions take plain arrays and
 callers check a module's state before calling them: passing bundles per
 module, or calling unconditionally, made the step 2-3x slower ([Note: Arrays,
-not bundles, in the hot path] in :mod:`planner._kernel.state`).
+not bundles, in the hot path] in :mod:`planner.simulation._kernel.state`).
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner import _kernel
-from planner._kernel import PlanArrays, ProfileArrays
-from planner.plan import Plan
-from planner.profile import Profile
+from planner.simulation import _kernel
+from planner.simulation._kernel import PlanArrays, ProfileArrays
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class SimParams:
     compute_scale: float = 1.0
 
     def kernel_fields(self) -> tuple[float, ...]:
-        """The fields of :class:`planner._kernel.KernelParams` as a plain tuple of floats (one compiled kernel)."""
+        """The fields of :class:`planner.simulation._kernel.KernelParams` as a plain tuple of floats (one compiled kernel)."""
         return (float(self.issue_overhead_ms), float(self.overlap_slowdown) - 1.0, float(self.comm_scale),
                 float(self.collective_latency_ms), float(self.compute_scale))
 
@@ -155,7 +155,7 @@ class SimResult:
         reserved_peak_bytes: ``peak_bytes`` plus the blocks freed but held
             from reuse at that moment (GPU, async unshard: [Note:
             record_stream holds all-gather outputs] in
-            :mod:`planner._kernel.param_group`), what the caching allocator
+            :mod:`planner.simulation._kernel.param_group`), what the caching allocator
             must reserve (compare ``torch.cuda.max_memory_reserved``); equal
             to ``peak_bytes`` on CPU.
         events: the timeline, when ``simulate(..., trace=True)``.
@@ -218,7 +218,7 @@ class _Compiled:
             optimizer_ms=float(p.optimizer_ms),
             optimizer_temp_bytes=int(p.optimizer_temp_bytes),
         )
-        self.fields = tuple(self.arrays)  # [Note: Plain tuples at the boundary] in planner._kernel
+        self.fields = tuple(self.arrays)  # [Note: Plain tuples at the boundary] in planner.simulation._kernel
         self.baseline_bytes = sum(m.sharded_bytes for m in mods) + p.optimizer_state_bytes  # alive at step start
         compute = sum(m.fwd_ms + m.bwd_ms for m in mods) * p.microbatches + p.optimizer_ms
         self.lower_bound_ms = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
@@ -261,7 +261,7 @@ def _plan_fields(plan: Plan, c: _Compiled) -> tuple:
     return fields
 
 
-# Kernel event kinds (planner._kernel.FORWARD ...): name prefix and track.
+# Kernel event kinds (planner.simulation._kernel.FORWARD ...): name prefix and track.
 _KINDS = ("forward", "backward", "optimizer", "all-gather", "reduce-scatter", "wait")
 _TRACKS = (Track.COMPUTE, Track.COMPUTE, Track.COMPUTE, Track.ALL_GATHER, Track.REDUCE_SCATTER, Track.CPU_WAIT)
 _NO_EVENTS = np.zeros((1, 4))
@@ -279,7 +279,7 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
         plan: the plan to simulate; FQNs must be modules of the profile.
         params: global parameters (default: the profile's calibration if it
             has one, else those solved from its in-step timings,
-            :func:`planner.in_step.in_step_params`).
+            :func:`planner.simulation.in_step.in_step_params`).
         trace: also return the timeline events and memory samples.
 
     Returns:
@@ -319,10 +319,10 @@ def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trac
 
 
 def _uncalibrated(profile: Profile) -> SimParams:
-    """The profile's in-step parameters (cached on it by :func:`planner.in_step.in_step_params`)."""
+    """The profile's in-step parameters (cached on it by :func:`planner.simulation.in_step.in_step_params`)."""
     cached = profile.__dict__.get("_in_step_params")
     if cached is not None:
         return cached
-    from planner.in_step import in_step_params  # in_step simulates: imported here, not at module level
+    from planner.simulation.in_step import in_step_params  # in_step simulates: imported here, not at module level
 
     return in_step_params(profile)

@@ -125,7 +125,7 @@ class ModuleProfile:
 
 @dataclass(frozen=True)
 class InStepTimings:
-    """In-step measurements the simulator's global parameters are solved from (:mod:`planner.in_step`).
+    """In-step measurements the simulator's global parameters are solved from (:mod:`planner.simulation.in_step`).
 
     The module figures are measured in isolation; these are not.
 
@@ -167,11 +167,11 @@ class Profile:
         consolidation: how per-rank figures were merged (``"max"``).
         microbatches: forward/backward passes per optimizer step (gradient
             accumulation); the module figures are per microbatch.
-        calibration: fitted :class:`planner.simulator.SimParams` fields, used
+        calibration: fitted :class:`planner.simulation.simulator.SimParams` fields, used
             by every later simulation of this profile; ``None`` before any fit.
         in_step: in-step timings (:class:`InStepTimings`); without a
             calibration the simulator's parameters are solved from them
-            (:func:`planner.in_step.in_step_params`). ``None`` in profiles
+            (:func:`planner.simulation.in_step.in_step_params`). ``None`` in profiles
             recorded before they were measured.
         schema_version: :data:`PROFILE_SCHEMA_VERSION`.
     """

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from planner.race import Race, RaceSettings
-from planner.verdict import Confirmation, confirm, confirmation_rounds, step_noise_pct
+from planner.statistics.race import Race, RaceSettings
+from planner.statistics.verdict import Confirmation, confirm, confirmation_rounds, step_noise_pct
 
 
 class Phase(enum.StrEnum):

@@ -2,12 +2,12 @@
 
 Written as plain loops over NumPy arrays so numba can compile it
 (``@njit``); without numba it runs as ordinary Python, same results. One
-file per part, as FSDP2 splits its own: :mod:`~planner._kernel.state` (the
+file per part, as FSDP2 splits its own: :mod:`~planner.simulation._kernel.state` (the
 input bundles, the step's state and the names of its slots),
-:mod:`~planner._kernel.timeline` (time and memory accounting),
-:mod:`~planner._kernel.param_group` (unshard, wait, reshard, reduce-scatter)
-and :mod:`~planner._kernel.hooks` (the hooks of one step, and
-:func:`~planner._kernel.hooks.step`). ``planner.simulator`` is its only caller.
+:mod:`~planner.simulation._kernel.timeline` (time and memory accounting),
+:mod:`~planner.simulation._kernel.param_group` (unshard, wait, reshard, reduce-scatter)
+and :mod:`~planner.simulation._kernel.hooks` (the hooks of one step, and
+:func:`~planner.simulation._kernel.hooks.step`). ``planner.simulation.simulator`` is its only caller.
 """
 
 import hashlib
@@ -42,7 +42,7 @@ def drop_stale_numba_cache(here: Path = Path(__file__).parent) -> None:
 
 drop_stale_numba_cache()
 
-from planner._kernel.hooks import step  # noqa: E402 - after the cache check
-from planner._kernel.state import KernelParams, PlanArrays, ProfileArrays  # noqa: E402
+from planner.simulation._kernel.hooks import step  # noqa: E402 - after the cache check
+from planner.simulation._kernel.state import KernelParams, PlanArrays, ProfileArrays  # noqa: E402
 
 __all__ = ["KernelParams", "PlanArrays", "ProfileArrays", "step"]

@@ -35,18 +35,18 @@ the closing note of that issue). The cost: on the saved 15-plan fidelity
 runs the uncalibrated median error went from 3.6% to 2.8% (Llama) and from
 2.2% to 5.3% (GPT-2); calibration, which starts from these values, brings
 both back to 1-3% on held-back plans.
-Calibration then starts from these values (:mod:`planner.calibrate`).
+Calibration then starts from these values (:mod:`planner.simulation.calibrate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from planner.plan import Plan
-from planner.profile import Profile
-from planner.simulator import SimParams, simulate
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.simulation.simulator import SimParams, simulate
 
-# The range comm_scale is solved in, as planner.calibrate bounds it.
+# The range comm_scale is solved in, as planner.simulation.calibrate bounds it.
 COMM_SCALE_BOUNDS = (0.25, 3.0)
 # overlap_slowdown's range: 1 is no slowdown; 2 is fair sharing of one core.
 OVERLAP_SLOWDOWN_BOUNDS = (1.0, 2.0)

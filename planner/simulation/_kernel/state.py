@@ -2,7 +2,7 @@
 
 Inputs come in three bundles: :class:`ProfileArrays` (per profile),
 :class:`PlanArrays` (per plan) and :class:`KernelParams` (the calibrated
-``planner.simulator.SimParams``). A step's state is :class:`StepState`: its
+``planner.simulation.simulator.SimParams``). A step's state is :class:`StepState`: its
 clocks, its byte and event counters, each module's state (FSDP2's
 ``FSDPParamGroup``: unsharded or not, its all-gather), the all-gathers in
 flight (``AllGatherState``) and the reduce-scatters in flight
@@ -14,7 +14,7 @@ constants below, which numba folds.
 Taking an array out of a NamedTuple in compiled code costs a reference-count
 increment and decrement; passing it as an argument costs nothing. Bundling
 the state the old way cost 3x the step time (697 increments in the step's
-optimized IR, against 111). So the hooks (:mod:`planner._kernel.hooks`)
+optimized IR, against 111). So the hooks (:mod:`planner.simulation._kernel.hooks`)
 unpack the bundles once per microbatch, and the per-module functions they
 call take plain arrays; :class:`StepConfig` holds only scalars, which cost
 nothing to read.
@@ -70,7 +70,7 @@ SHARDED_GRAD_ALIVE = 3  # 1 once its sharded gradient exists (the reduce-scatter
 MODULE_FIELDS = 4
 SHARDED, PENDING, UNSHARDED = 0, 1, 2
 
-# Trace event kinds (planner.simulator names them).
+# Trace event kinds (planner.simulation.simulator names them).
 FORWARD, BACKWARD, OPTIMIZER, ALL_GATHER, REDUCE_SCATTER, CPU_WAIT = 0, 1, 2, 3, 4, 5
 
 
@@ -116,7 +116,7 @@ class PlanArrays(NamedTuple):
 
 
 class KernelParams(NamedTuple):
-    """``planner.simulator.SimParams`` as the kernel uses them."""
+    """``planner.simulation.simulator.SimParams`` as the kernel uses them."""
 
     issue_overhead_ms: float
     overlap_excess: float  # overlap_slowdown - 1: the extra time per ms of overlap

@@ -4,7 +4,7 @@ The profile's figures are measured in isolation; in a real step there is also
 per-hook CPU work, per-collective copy-in/copy-out, and (on a CPU device)
 compute slowed by the collectives running beside it, and compute and
 collective times that differ from their isolated measurement. Five global
-parameters (:class:`planner.simulator.SimParams`) absorb these.
+parameters (:class:`planner.simulation.simulator.SimParams`) absorb these.
 
 [Note: A calibration must earn its place]
 A fit with about as many parameters as points fits the noise: on a holdout
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.errors import PlannerError
-from planner.in_step import in_step_params
-from planner.plan import Plan
-from planner.profile import Profile
-from planner.simulator import SimParams, simulate
+from planner.simulation.in_step import in_step_params
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.simulation.simulator import SimParams, simulate
 
 # Each parameter: (lower bound, upper bound, prior standard deviation around its uncalibrated value).
 # overlap_slowdown stops at 2: sharing a core fairly, compute beside a collective runs at half speed at worst.
@@ -114,7 +114,7 @@ def fit_family(profile: Profile, observations: list[Observation], names: tuple[s
     """Regularized least squares on relative error over the parameters ``names``.
 
     The others keep, and the priors are centred on, the uncalibrated values
-    (:func:`planner.in_step.in_step_params`).
+    (:func:`planner.simulation.in_step.in_step_params`).
     """
     from scipy.optimize import least_squares
 
@@ -171,7 +171,7 @@ def calibrate(profile: Profile, observations: list[Observation], families: tuple
 
     Args:
         profile: the profile (its own calibration is ignored: fits start from the uncalibrated model,
-            :func:`planner.in_step.in_step_params`).
+            :func:`planner.simulation.in_step.in_step_params`).
         observations: measured plans.
         families: the parameter families to try, simplest first.
 

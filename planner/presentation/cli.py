@@ -1,7 +1,7 @@
 """The ``prefetch-planner`` commands that need no ranks: ``simulate`` and ``studies``; a thin layer over the Python API.
 
 They never import torch. The full command line (these plus ``tune`` and
-``profile``, which run on ranks) is ``jobs.cli``; ``python -m planner.cli``
+``profile``, which run on ranks) is ``jobs.cli``; ``python -m planner.presentation.cli``
 runs these alone, where torch is absent. Every bad input prints one line
 ``error: ...`` to stderr and exits 2.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import click
 
-from planner.config import default_storage
+from planner.artifacts.config import default_storage
 from planner.errors import PlannerError
-from planner.verdict import confirmation_text
+from planner.statistics.verdict import confirmation_text
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
@@ -45,9 +45,9 @@ def main() -> None:
 @click.option("--png", "png_out", help="Draw the predicted timeline with matplotlib.")
 def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
     """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default)."""
-    from planner.plan import Plan
-    from planner.profile import Profile
-    from planner.simulator import simulate as run
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.simulation.simulator import simulate as run
 
     profile = Profile.load(profile_json)
     plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
@@ -55,11 +55,11 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
     r = run(profile, plan, trace=bool(trace_out or png_out))
     title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
     if trace_out:
-        from planner.trace import write_chrome_trace
+        from planner.simulation.trace import write_chrome_trace
 
         write_chrome_trace(r, trace_out, title)
     if png_out:
-        from planner.trace import write_png
+        from planner.simulation.trace import write_png
 
         write_png(r, png_out, title)
     if as_json:
@@ -210,7 +210,7 @@ def studies_pareto(name, storage, png) -> None:
         click.echo(f"  {r['measured_peak_bytes'] / 2**20:>9.1f} {_mib(r['predicted_peak_bytes']):>9} "
                    f"{_ms(r['measured_ms']):>11} {r['number']:>6}  {outcome}")
     if png:
-        from planner.pareto_plot import plot_pareto
+        from planner.presentation.pareto_plot import plot_pareto
 
         plot_pareto(name, simulated, front, measured, png)
         click.echo(f"wrote {png}")

@@ -1,0 +1,198 @@
+"""The tables of a study TOML, one pydantic model each, and the names they choose from.
+
+Each table is a pydantic model (``extra="forbid"``, strict types); a default
+is written once, on its field. :mod:`planner.artifacts.config` reads a TOML
+file into them (``StudyConfig``) and turns any validation error into one
+line.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
+
+from planner.artifacts.memory_budget import MemoryBudget
+from planner.statistics.race import RaceSettings
+from planner.statistics.schedule import ConfirmSettings
+
+
+class Backend(enum.StrEnum):
+    """``torch.distributed`` backend of the ranks: ``gloo`` on CPU, ``nccl`` on CUDA GPUs."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class SpaceName(enum.StrEnum):
+    """``[search] space``: the search spaces (``search_spaces.SPACES`` implements each)."""
+
+    UNIFORM = "uniform"
+    PER_MODULE = "per_module"
+    ASSIGN = "assign"
+
+
+class SamplerName(enum.StrEnum):
+    """``[search] sampler``: the Optuna samplers of the simulated stage (``planner.study.samplers``)."""
+
+    TPE = "tpe"
+    NSGA2 = "nsga2"
+    RANDOM = "random"
+
+
+class Table(BaseModel):
+    """A table of the study TOML: unknown keys refused, immutable once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StudyTable(Table):
+    """``[study]``: the study's name and storage, and the measured trials' liveness.
+
+    Attributes:
+        name: the study's name (Optuna study names ``name`` and ``name.sim``).
+        storage: SQLAlchemy URL of the database; ``None``:
+            ``sqlite:///<toml folder>/<name>.db`` (:attr:`StudyConfig.storage_url`).
+        heartbeat_interval_s: how often rank 0 records the heartbeat of its
+            RUNNING measured trials (Optuna's RDB heartbeat), s.
+        grace_period_s: a RUNNING trial without a heartbeat for this long is
+            stale: the next job on the study fails it and re-queues its plan, s.
+        max_retry: how often a stale trial's plan is re-queued (Optuna's
+            stale-trial retry callback).
+    """
+
+    name: StrictStr = Field(min_length=1)
+    storage: StrictStr | None = None
+    heartbeat_interval_s: StrictInt = Field(10, ge=1)
+    grace_period_s: StrictInt = Field(60, ge=1)
+    max_retry: StrictInt = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _grace_exceeds_heartbeat(self) -> "StudyTable":
+        if self.grace_period_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"grace_period_s ({self.grace_period_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or live trials would be failed as stale"
+            )
+        return self
+
+
+class WorkloadTable(Table):
+    """``[workload]``: ``factory`` ``"package.module:function"``, called on every rank as ``factory(mesh, **kwargs)``;
+    ``microbatches``: forward/backward passes per optimizer step (gradient accumulation, ``runtime.accumulation``)."""
+
+    factory: StrictStr
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    microbatches: StrictInt = Field(1, ge=1)
+
+
+class LaunchTable(Table):
+    """``[launch]``: the ranks.
+
+    Attributes:
+        nproc_per_node: ranks to start when not launched by torchrun.
+        backend: ``gloo`` (CPU) or ``nccl`` (CUDA GPUs, one per rank).
+        timeout_s: the longest one rank waits for another, s: the process
+            group's timeout (every collective of a training step) and the
+            rank protocol's (``runtime.protocol``).
+    """
+
+    nproc_per_node: StrictInt = Field(2, ge=1)
+    backend: Backend = Backend.GLOO
+    timeout_s: StrictInt = Field(900, ge=1)
+
+
+class SearchTable(Table):
+    """``[search]``: the simulated stage and how many of its plans are measured.
+
+    Attributes:
+        space: search space name (``search_spaces.SPACES``).
+        sampler: Optuna sampler of the simulated stage (:data:`planner.study.samplers.SAMPLERS`):
+            ``tpe``, ``nsga2`` (much cheaper per trial with hundreds of
+            parameters) or ``random``.
+        sim_trials: trials of the simulated stage.
+        measured_trials: simulated plans raced on the ranks (FSDP2's default
+            races besides them; ``planner.study.select_candidates``).
+        seed: the sampler's seed.
+        candidate_band_pct: plans predicted within this many % of the best are
+            as good as the model can tell; among them the candidates differ
+            in what they do.
+        memory_budget: the per-rank peak a written plan may reach
+            (:class:`planner.artifacts.memory_budget.MemoryBudget`: ``"1.5GiB"``,
+            ``"+150MiB"``, ``"+10%"``); unset: no budget.
+    """
+
+    space: SpaceName = SpaceName.UNIFORM
+    sampler: SamplerName = SamplerName.TPE
+    sim_trials: StrictInt = Field(200, ge=0)
+    measured_trials: StrictInt = Field(3, ge=0)
+    seed: StrictInt = 0
+    candidate_band_pct: StrictFloat = Field(5.0, ge=0.0)
+    memory_budget: StrictStr | None = None
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _parses(cls, text: str | None) -> str | None:
+        if text is not None and MemoryBudget.error(text):
+            raise ValueError(MemoryBudget.error(text))
+        return text
+
+    def budget(self) -> MemoryBudget | None:
+        """The parsed :attr:`memory_budget`, ``None`` when unset."""
+        return MemoryBudget.parse(self.memory_budget) if self.memory_budget is not None else None
+
+
+
+class MeasureTable(Table):
+    """``[measure]``: steps on the real ranks: the recorder, the race, the confirmation (``planner.statistics.schedule``).
+
+    Attributes:
+        warmup_steps: untimed steps per plan before measuring.
+        steps: timed steps of FSDP2's default plan when recording the profile.
+        profile_repeats: repeats of each recorder measurement.
+        alpha: the race drops a candidate significantly slower than the
+            leader; the chance of ever dropping the true best is at most this.
+        min_rounds: race rounds before its first look.
+        block_rounds: race rounds between looks.
+        max_rounds: the race stops after this many rounds.
+        time_budget_s: the race stops once it has run this long, s (at the end
+            of a block); unset: no limit.
+        resolve_pct: the difference the confirmation should resolve, %
+            (its rounds follow from the noise the race measured).
+        confirm_min_rounds, confirm_max_rounds: bounds on the confirmation's rounds.
+    """
+
+    warmup_steps: StrictInt = Field(1, ge=0)
+    steps: StrictInt = Field(5, ge=1)
+    profile_repeats: StrictInt = Field(3, ge=1)
+    alpha: StrictFloat = Field(0.05, gt=0.0, le=0.5)
+    min_rounds: StrictInt = Field(4, ge=2)
+    block_rounds: StrictInt = Field(2, ge=1)
+    max_rounds: StrictInt = Field(12, ge=2)
+    time_budget_s: StrictFloat | None = Field(None, gt=0.0)
+    resolve_pct: StrictFloat = Field(3.0, gt=0.0, lt=100.0)
+    confirm_min_rounds: StrictInt = Field(8, ge=4)
+    confirm_max_rounds: StrictInt = Field(30, ge=4)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> "MeasureTable":
+        if self.max_rounds < self.min_rounds:
+            raise ValueError(f"max_rounds ({self.max_rounds}) must be >= min_rounds ({self.min_rounds})")
+        if self.confirm_max_rounds < self.confirm_min_rounds:
+            raise ValueError(f"confirm_max_rounds ({self.confirm_max_rounds}) must be >= confirm_min_rounds "
+                             f"({self.confirm_min_rounds})")
+        return self
+
+    def race_settings(self) -> RaceSettings:
+        """The race these keys describe."""
+        return RaceSettings(self.alpha, self.min_rounds, self.block_rounds, self.max_rounds, self.time_budget_s)
+
+    def confirm_settings(self, seed: int = 0) -> ConfirmSettings:
+        """The confirmation these keys describe."""
+        return ConfirmSettings(self.resolve_pct / 100.0, self.confirm_min_rounds, self.confirm_max_rounds, seed)
+
+
+TABLES: dict[str, type[Table]] = {"study": StudyTable, "workload": WorkloadTable, "launch": LaunchTable,
+                                   "search": SearchTable, "measure": MeasureTable}
+# Every key's table: keys are unique across tables, so a flat override (the CLI's --sim-trials) finds its table.
