@@ -32,7 +32,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from planner.simulation.calibrate import spearman
     from planner.artifacts.plan import Plan
-    from planner.simulation.simulator import simulate
+    from planner.simulation.parameters import simulate
     from runtime.apply import load_plan
     from runtime.rank import init_rank, shutdown_rank
     from runtime.measure import measure_plans

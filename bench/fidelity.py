@@ -167,7 +167,7 @@ def report(run: dict, splits: int = 40) -> None:
     from planner.simulation.calibrate import Observation, calibrated, fit, spearman, summary
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
-    from planner.simulation.simulator import simulate
+    from planner.simulation.parameters import simulate
 
     profile = dataclasses.replace(Profile.from_dict(run["profile"]), calibration=None)
     rows = run["rows"]

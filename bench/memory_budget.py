@@ -74,7 +74,7 @@ def candidates(profile, study: str, sim_trials: int, budget_bytes: int, params) 
     """Named candidates predicted within the budget: up to 3 per-module ``assign`` plans, the 2 best ``uniform`` plans."""
     import optuna
 
-    from planner.simulation.simulator import simulate
+    from planner.simulation.parameters import simulate
     from planner.study import select_candidates
     from search_spaces import uniform
 
@@ -202,7 +202,7 @@ def report(run: dict) -> dict:
     from planner.simulation.in_step import in_step_params
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
-    from planner.simulation.simulator import simulate
+    from planner.simulation.parameters import simulate
 
     profile = Profile.from_dict(run["profile"])
     params = in_step_params(profile) if profile.in_step is not None else None

@@ -84,7 +84,7 @@ def report(run: dict) -> dict:
     """Print the per-plan table and the summary of one run; returns the summary."""
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
-    from planner.simulation.simulator import simulate
+    from planner.simulation.parameters import simulate
 
     profile = Profile.from_dict(run["profile"])
     print(f"\n== {run['study']}: total peak memory per rank, measured vs predicted (MiB)")

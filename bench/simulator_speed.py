@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import optuna  # noqa: E402
 
 from planner.artifacts.config import StudyConfig  # noqa: E402
-from planner.simulation.simulator import simulate  # noqa: E402
+from planner.simulation.parameters import simulator_for  # noqa: E402
 from planner.storages import open_storage  # noqa: E402
 from planner.study import simulated_stage  # noqa: E402
 from search_spaces import uniform  # noqa: E402
@@ -35,15 +35,15 @@ from planner.testing import synthetic_profile  # noqa: E402
 
 
 def evals_per_second(n_modules: int, fresh: bool, seconds: float = 1.0) -> float:
+    """Simulated steps per second of one ``Simulator``: plans compiled once, or compiled on every run (``fresh``)."""
     p = synthetic_profile(n_blocks=n_modules - 1, fwd=10.0, bwd=20.0, ag=8.0, rs=4.0)
+    simulator = simulator_for(p)
     plans = [uniform.build(p, f, b, a) for f in range(4) for b in (1, 2, 3) for a in (False, True)]
-    simulate(p, plans[0])  # compile / warm caches
+    compiled = [simulator.compile(plan) for plan in plans]
+    simulator.run(compiled[0])  # compile the kernel / load its cache
     k, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        plan = plans[k % len(plans)]
-        if fresh:
-            plan.__dict__.pop("_arrays", None)
-        simulate(p, plan)
+        simulator.run(plans[k % len(plans)] if fresh else compiled[k % len(compiled)])
         k += 1
     return k / (time.perf_counter() - t0)
 

@@ -9,7 +9,7 @@ from jobs.outputs import check_output_folders
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
-from planner.simulation.simulator import simulate
+from planner.simulation.parameters import simulate
 from runtime.rank import check_runnable, init_rank, shutdown_rank
 from runtime.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory, train_step

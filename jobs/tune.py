@@ -30,10 +30,11 @@ from planner.artifacts.memory_budget import check_feasible, mib
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.statistics.race import Race
-from planner.simulation.simulator import simulate
+from planner.simulation.parameters import simulate
 from planner.storages import check_writable, open_storage
+from planner.storages.archive import latest_calibration
 from planner.study import (
-    MeasuredStage, MeasuredTrial, latest_calibration, select_candidates, simulated_stage, smallest_peak,
+    MeasuredStage, MeasuredTrial, select_candidates, simulated_stage, smallest_peak,
 )
 from planner.statistics.verdict import Verdict, detectable_effect
 from runtime.interrupts import interrupts_deferred, interrupts_raise
@@ -195,7 +196,7 @@ class TuneJob:
                         f"default step), overlap_slowdown {params.overlap_slowdown:.2f} (measured)")
         budget_bytes = self._memory_budget(profile)  # before the storage is opened: a refused budget writes nothing
         storage = open_storage(config.storage_url, config)
-        stored = latest_calibration(storage, config.name, profile)
+        stored = latest_calibration(storage.engine, config.name, profile)
         if stored:
             self.profile = profile = dataclasses.replace(profile, calibration=stored)
             logger.info("      using the calibration of an earlier run of this study: "

@@ -55,6 +55,11 @@ class WorkloadError(PlannerError):
     """A workload factory cannot be imported, raises, or returns a bad workload."""
 
 
+class MemoryBudgetError(PlannerError):
+    """No plan fits the memory budget (even the smallest predicted peak is above it), or a relative budget has no
+    measured peak to add to."""
+
+
 class StudyNotFoundError(PlannerError):
     """The storage holds no study of the requested name."""
 

@@ -5,14 +5,27 @@ Training start::
     from runtime import load_plan, load_best_plan, apply_plan
     apply_plan(model, load_plan("plan.json"))
     apply_plan(model, load_best_plan("postgresql+psycopg2://planner@db/studies", "llama", model))
+
+Importing ``runtime`` does no work: each name imports its module (and torch)
+when first used (:mod:`planner.lazy_exports`).
 """
 
-from planner.errors import PlanFormatError, PlanMismatchError, UnsupportedPlanError, WorkloadError
-from runtime.apply import apply_plan, load_best_plan, load_plan, model_fingerprint
-from runtime.workload import Workload, build_workload, fsdp_modules, load_factory, train_step
+from __future__ import annotations
 
-__all__ = [
-    "PlanFormatError", "PlanMismatchError", "UnsupportedPlanError", "Workload", "WorkloadError", "apply_plan",
-    "build_workload",
-    "fsdp_modules", "load_best_plan", "load_factory", "load_plan", "model_fingerprint", "train_step",
-]
+from typing import TYPE_CHECKING
+
+from planner.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from planner.errors import PlanFormatError, PlanMismatchError, UnsupportedPlanError, WorkloadError
+    from runtime.apply import apply_plan, load_best_plan, load_plan, model_fingerprint
+    from runtime.workload import Workload, build_workload, fsdp_modules, load_factory, train_step
+
+_EXPORTS = {
+    **dict.fromkeys(["PlanFormatError", "PlanMismatchError", "UnsupportedPlanError", "WorkloadError"],
+                    "planner.errors"),
+    **dict.fromkeys(["apply_plan", "load_best_plan", "load_plan", "model_fingerprint"], "runtime.apply"),
+    **dict.fromkeys(["Workload", "build_workload", "fsdp_modules", "load_factory", "train_step"], "runtime.workload"),
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.artifacts.profile import Fingerprint, InStepTimings, ModuleProfile, Profile
+from planner.artifacts.profile import Fingerprint, InStepTimings, ModuleProfile, OverlapTimings, Profile
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import all_gather_ms, reduce_scatter_ms
 from runtime.compute_timer import TIMED, ComputeTimer
@@ -206,8 +206,9 @@ def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, 
     root = fingerprint.module_fqns[0]
     overlap = None
     if first["overlap"] is not None:
-        overlap = {"module": first["overlap"]["module"],
-                   **{k: statistics.fmean(r["overlap"][k] for r in per_rank) for k in first["overlap"] if k != "module"}}
+        overlap = OverlapTimings(first["overlap"]["module"],
+                                 **{k: statistics.fmean(r["overlap"][k] for r in per_rank)
+                                    for k in ("all_gather_ms", "compute_ms", "overlapped_ms")})
     step_ms = max(r["step_ms"] for r in per_rank)
     return Profile(
         fingerprint=fingerprint,

@@ -5,8 +5,8 @@ start: the root first, so the root can prefetch the first block); backward
 prefetch targets follow the reverse *post-forward* order, as FSDP2's own
 default backward prefetch does (``FSDPParamGroup._backward_prefetch``).
 
-The orders and each module's position in them are computed once per profile
-and cached on it, so building a plan is linear in the number of modules.
+The orders and each module's position in them are computed per plan built
+(linear in the number of modules, as building the plan is).
 """
 
 from __future__ import annotations
@@ -36,9 +36,5 @@ class Orders:
 
 
 def orders(profile: Profile) -> Orders:
-    """The profile's :class:`Orders`, cached on the profile."""
-    o = profile.__dict__.get("_orders")
-    if o is None:
-        o = Orders(profile)
-        object.__setattr__(profile, "_orders", o)  # a cache, not a field
-    return o
+    """The profile's :class:`Orders`."""
+    return Orders(profile)

@@ -11,15 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from planner.errors import PlannerError, StudyConfigError
+from planner.errors import MemoryBudgetError, StudyConfigError
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
          "TB": 10**12}
 _FORMAT = re.compile(r"^\s*(\+)?\s*(\d+(?:\.\d+)?)\s*(%|[KMGT]i?B|B)\s*$")
-
-
-class MemoryBudgetError(PlannerError):
-    """No plan fits the memory budget: even the smallest predicted peak is above it."""
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,27 @@ class ModuleProfile:
 
 
 @dataclass(frozen=True)
+class OverlapTimings:
+    """An all-gather and compute, alone and at once, on a CPU device (``runtime.overlap_timer``).
+
+    Each figure is a median over rounds on each rank, then the mean across
+    ranks, ms; :func:`planner.simulation.in_step.measured_slowdown` solves the
+    simulator's ``overlap_slowdown`` from them.
+
+    Attributes:
+        module: the FQN of the module all-gathered (the one with the most unsharded parameters).
+        all_gather_ms: its ``unshard()`` alone.
+        compute_ms: matrix multiplies of about as long, alone.
+        overlapped_ms: both at once (``unshard(async_op=True)``, the compute, then the wait).
+    """
+
+    module: str
+    all_gather_ms: float
+    compute_ms: float
+    overlapped_ms: float
+
+
+@dataclass(frozen=True)
 class InStepTimings:
     """In-step measurements the simulator's global parameters are solved from (:mod:`planner.simulation.in_step`).
 
@@ -133,14 +154,12 @@ class InStepTimings:
         default_step_ms: median step time of FSDP2's default plan, timed after
             the other measurements (warm: allocator, gloo and caches), max
             across ranks. The in-step ``comm_scale`` is solved from it.
-        overlap: on a CPU device, ``{"module", "all_gather_ms", "compute_ms",
-            "overlapped_ms"}``: the largest all-gather, matrix multiplies of
-            about as long, and both at once (``runtime.overlap_timer``), ms,
-            mean across ranks (each rank's figure is a median); ``None`` on GPU.
+        overlap: on a CPU device, an all-gather and compute alone and at
+            once (:class:`OverlapTimings`); ``None`` on GPU.
     """
 
     default_step_ms: float
-    overlap: dict[str, Any] | None = None
+    overlap: OverlapTimings | None = None
 
 
 @dataclass(frozen=True)
@@ -240,7 +259,7 @@ class Profile:
                 consolidation=str(d.get("consolidation", "max")),
                 microbatches=int(d.get("microbatches", 1)),
                 calibration=d.get("calibration"),
-                in_step=InStepTimings(**d["in_step"]) if d.get("in_step") else None,
+                in_step=_in_step(d["in_step"]) if d.get("in_step") else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileFormatError(f"profile is missing or has a bad field: {e!r}") from None
@@ -268,3 +287,8 @@ class Profile:
         except OSError as e:
             raise ProfileFormatError(f"cannot read profile {str(path)!r}: {e.strerror}") from None
         return cls.from_json(text)
+
+
+def _in_step(d: dict[str, Any]) -> InStepTimings:
+    overlap = d.get("overlap")
+    return InStepTimings(float(d["default_step_ms"]), OverlapTimings(**overlap) if overlap is not None else None)

@@ -47,7 +47,7 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
     """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default)."""
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
-    from planner.simulation.simulator import simulate as run
+    from planner.simulation.parameters import simulate as run
 
     profile = Profile.load(profile_json)
     plan = Plan.load(plan_json) if plan_json else Plan.default(profile)

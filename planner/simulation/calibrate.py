@@ -7,10 +7,9 @@ collective times that differ from their isolated measurement. Five global
 parameters (:class:`planner.simulation.simulator.SimParams`) absorb these.
 
 [Note: A calibration must earn its place]
-A fit with about as many parameters as points fits the noise: on a holdout
-workload 5 measured plans, tied by the model, put ``comm_scale`` on its lower
-bound and ``compute_scale`` at 1.51, and later runs of the study reused it.
-So :func:`calibrate`
+A fit with about as many parameters as points fits the noise (a few measured
+plans the model ties can push a parameter onto its bound), and later runs of
+the study would reuse it. So :func:`calibrate`
 - fits a family of parameters only with at least ``2k + 2`` observations for
   ``k`` parameters (leave-one-out then still fits on more than ``2k`` points);
 - regularizes toward the uncalibrated values: each parameter has a Gaussian
@@ -32,10 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.errors import PlannerError
-from planner.simulation.in_step import in_step_params
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
-from planner.simulation.simulator import SimParams, simulate
+from planner.simulation.in_step import in_step_params
+from planner.simulation.parameters import simulator_for
+from planner.simulation.simulator import CompiledPlan, SimParams, Simulator
 
 # Each parameter: (lower bound, upper bound, prior standard deviation around its uncalibrated value).
 # overlap_slowdown stops at 2: sharing a core fairly, compute beside a collective runs at half speed at worst.
@@ -100,14 +100,64 @@ class CalibrationResult:
 
 
 def errors_pct(profile: Profile, observations: list[Observation], params: SimParams | None = None) -> list[float]:
-    """Signed prediction error per observation, ``100 * (predicted - measured) / measured``."""
-    return [100.0 * (simulate(profile, o.plan, params).step_ms - o.measured_ms) / o.measured_ms
-            for o in observations]
+    """Signed prediction error per observation, ``100 * (predicted - measured) / measured``.
+
+    ``params``: default the profile's own (its calibration, else its in-step parameters).
+    """
+    simulator = simulator_for(profile, params)
+    return [100.0 * (simulator.run(o.plan).step_ms - o.measured_ms) / o.measured_ms for o in observations]
 
 
 def min_observations(family: tuple[str, ...]) -> int:
     """Observations needed to fit ``family``: ``2k + 2`` ([Note: A calibration must earn its place])."""
     return OBSERVATIONS_PER_PARAMETER * len(family) + 2
+
+
+class _Problem:
+    """The observations as one uncalibrated simulator reads them: plans compiled once, fitted many times."""
+
+    def __init__(self, profile: Profile, observations: list[Observation], base: SimParams):
+        self.base = base
+        self.simulator = Simulator(profile, base)
+        self.plans: list[CompiledPlan] = [self.simulator.compile(o.plan) for o in observations]
+        self.measured = [o.measured_ms for o in observations]
+
+    def relative_errors(self, params: SimParams, which: list[int]) -> list[float]:
+        """``predicted / measured - 1`` of the observations ``which`` under ``params``."""
+        return [self.simulator.run(self.plans[i], params).step_ms / self.measured[i] - 1.0 for i in which]
+
+    def fit(self, names: tuple[str, ...], which: list[int]) -> SimParams:
+        """Regularized least squares over the parameters ``names`` on the observations ``which``."""
+        from scipy.optimize import least_squares
+
+        lower = np.array([PARAMETERS[n][0] for n in names])
+        upper = np.array([PARAMETERS[n][1] for n in names])
+        prior_sd = np.array([PARAMETERS[n][2] for n in names])
+        x0 = np.array([getattr(self.base, n) for n in names], float)
+
+        def params_at(x: np.ndarray) -> SimParams:
+            return dataclasses.replace(self.base, **{n: float(v) for n, v in zip(names, x)})
+
+        def residuals(x: np.ndarray) -> np.ndarray:
+            return np.concatenate([self.relative_errors(params_at(x), which), OBSERVATION_NOISE * (x - x0) / prior_sd])
+
+        # The model is piecewise linear in the parameters: start from a few points, keep the best local solution.
+        best = None
+        for start in (x0, lower + 0.25 * (upper - lower), lower + 0.5 * (upper - lower)):
+            r = least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper), diff_step=1e-2,
+                              x_scale=prior_sd)
+            if best is None or r.cost < best.cost:
+                best = r
+        return params_at(best.x)
+
+    def loo_error_pct(self, family: tuple[str, ...]) -> float:
+        """Median |error| of each observation predicted by a fit of ``family`` on the others, %."""
+        everyone = list(range(len(self.plans)))
+        errs = []
+        for i in everyone:
+            p = self.fit(family, everyone[:i] + everyone[i + 1:])
+            errs.append(100.0 * self.relative_errors(p, [i])[0])
+        return _median_abs_pct(errs)
 
 
 def fit_family(profile: Profile, observations: list[Observation], names: tuple[str, ...]) -> SimParams:
@@ -116,42 +166,12 @@ def fit_family(profile: Profile, observations: list[Observation], names: tuple[s
     The others keep, and the priors are centred on, the uncalibrated values
     (:func:`planner.simulation.in_step.in_step_params`).
     """
-    from scipy.optimize import least_squares
-
-    lower = np.array([PARAMETERS[n][0] for n in names])
-    upper = np.array([PARAMETERS[n][1] for n in names])
-    prior_sd = np.array([PARAMETERS[n][2] for n in names])
-    default = in_step_params(profile)
-    x0 = np.array([getattr(default, n) for n in names], float)
-
-    def params_at(x: np.ndarray) -> SimParams:
-        return dataclasses.replace(default, **{n: float(v) for n, v in zip(names, x)})
-
-    def residuals(x: np.ndarray) -> np.ndarray:
-        p = params_at(x)
-        data = [simulate(profile, o.plan, p).step_ms / o.measured_ms - 1.0 for o in observations]
-        return np.concatenate([data, OBSERVATION_NOISE * (x - x0) / prior_sd])
-
-    # The model is piecewise linear in the parameters: start from a few points, keep the best local solution.
-    best = None
-    for start in (x0, lower + 0.25 * (upper - lower), lower + 0.5 * (upper - lower)):
-        r = least_squares(residuals, np.clip(start, lower, upper), bounds=(lower, upper), diff_step=1e-2,
-                          x_scale=prior_sd)
-        if best is None or r.cost < best.cost:
-            best = r
-    return params_at(best.x)
+    problem = _Problem(profile, observations, in_step_params(profile))
+    return problem.fit(names, list(range(len(observations))))
 
 
 def _median_abs_pct(errors: list[float]) -> float:
     return statistics.median(abs(e) for e in errors)
-
-
-def _loo_error_pct(profile: Profile, observations: list[Observation], family: tuple[str, ...]) -> float:
-    errs = []
-    for i, o in enumerate(observations):
-        p = fit_family(profile, observations[:i] + observations[i + 1:], family)
-        errs.append(100.0 * (simulate(profile, o.plan, p).step_ms / o.measured_ms - 1.0))
-    return _median_abs_pct(errs)
 
 
 def _on_a_bound(params: SimParams, family: tuple[str, ...], default: SimParams) -> str | None:
@@ -179,18 +199,21 @@ def calibrate(profile: Profile, observations: list[Observation], families: tuple
         A :class:`CalibrationResult`, accepted or rejected with the reason
         ([Note: A calibration must earn its place]).
     """
-    profile = dataclasses.replace(profile, calibration=None)
-    uncalibrated = _median_abs_pct(errors_pct(profile, observations)) if observations else float("nan")
+    base = in_step_params(profile)
+    problem = _Problem(profile, observations, base)
+    everyone = list(range(len(observations)))
+    uncalibrated = (_median_abs_pct([100.0 * e for e in problem.relative_errors(base, everyone)])
+                    if observations else float("nan"))
     allowed = [f for f in families if len(observations) >= min_observations(f)]
     if not allowed:
         return CalibrationResult(
             None, None, None, uncalibrated,
             f"not fitted: {len(observations)} measured plans, a calibration needs at least "
             f"{min_observations(families[0])} (twice its {len(families[0])} parameters, plus 2)")
-    scored = [(round(_loo_error_pct(profile, observations, f), 4), len(f), f) for f in allowed]
+    scored = [(round(problem.loo_error_pct(f), 4), len(f), f) for f in allowed]
     loo, _, family = min(scored)
-    params = fit_family(profile, observations, family)
-    on_bound = _on_a_bound(params, family, in_step_params(profile))
+    params = problem.fit(family, everyone)
+    on_bound = _on_a_bound(params, family, base)
     if on_bound:
         return CalibrationResult(None, family, loo, uncalibrated, f"rejected: {on_bound}")
     if not round(loo, 2) < round(uncalibrated, 2):  # a gain below 0.01% is no gain

@@ -1,12 +1,17 @@
-"""Discrete-event simulator of one FSDP2 training step.
+"""Discrete-event simulator of one FSDP2 training step: :class:`Simulator`.
 
-``simulate(profile, plan)`` walks the CPU thread through the hooks FSDP2 runs in
-one step, in program order, keeping the time at which each resource is next
-free: the issuing CPU thread, the compute stream (GPU only), the all-gather
-stream, and the process group that serializes every collective. The rules
-follow ``torch/distributed/fsdp/_fully_shard/`` (torch 2.13); each rule cites
-the function it models (docs/architecture.md, "Where each FSDP2 rule is
-modelled", maps them).
+A :class:`Simulator` holds one profile as the compiled kernel reads it
+(:mod:`planner.simulation._kernel`) and the global parameters
+(:class:`SimParams`) it runs with; :meth:`Simulator.run` walks the CPU thread
+through the hooks FSDP2 runs in one step, in program order, keeping the time
+at which each resource is next free: the issuing CPU thread, the compute
+stream (GPU only), the all-gather stream, and the process group that
+serializes every collective. The rules follow
+``torch/distributed/fsdp/_fully_shard/`` (torch 2.13); each rule cites the
+function it models (docs/architecture.md, "Where each FSDP2 rule is
+modelled", maps them). Which parameters a profile is simulated with (its
+calibration, else those solved from its in-step timings) is
+:mod:`planner.simulation.parameters`'s question.
 
 [Note: CPU device]
 On a CPU device there are no streams: compute blocks the issuing thread, a
@@ -16,17 +21,16 @@ reduce-scatter in ``foreach_reduce`` is always issued with ``async_op=False``,
 so on CPU it blocks the thread, queued behind any all-gather still in flight
 on the same process group.
 Compute and the gloo threads share the same cores: while they overlap, both
-progress at ``1 / overlap_slowdown`` of their speed (a calibrated parameter),
-so an overlap of ``x`` ms costs ``x * (overlap_slowdown - 1)`` ms on the
-compute and on every collective in flight. Slowing the compute alone would
-let a communication-bound step hide all of its compute for free, which the
-CPU reference workloads do not show (bench/fidelity.py).
+progress at ``1 / overlap_slowdown`` of their speed, so an overlap of ``x``
+ms costs ``x * (overlap_slowdown - 1)`` ms on the compute and on every
+collective in flight. Slowing the compute alone would let a
+communication-bound step hide all of its compute for free, which the CPU
+reference workloads do not show.
 Simplification: gloo runs up to two collectives of a process group at once
 (``ProcessGroupGloo`` options, ``threads=2``); they are modelled one after
-another. The fidelity runs show where that matters: the model makes deeper
-explicit backward prefetch with async unshard 1-3% slower per level (the
-synchronous reduce-scatter waits behind one more all-gather), while on 5 of
-5 saved runs measured depth 3 was within noise of depth 1 or faster.
+another, so the model charges deeper explicit backward prefetch with async
+unshard more than the ranks do (the synchronous reduce-scatter waits behind
+one more all-gather).
 
 [Note: Model structure]
 The torchtitan pattern: ``fully_shard`` per block, then the root. The root's
@@ -48,17 +52,22 @@ of a step never overlaps the previous optimizer step. Simulating one step that
 starts at 0, this is the initial state of every resource.
 
 [Note: Speed]
-Profiling the pure-Python version showed the time spread over small calls
-(about 9,000 evaluations/s at 32 modules, against a 20,000 target), so the
-step is one numeric kernel (:mod:`planner.simulation._kernel`) compiled by numba, over
-per-module arrays built once per profile (:class:`planner.simulation._kernel.ProfileArrays`,
-cached on the profile) and once per plan (:class:`planner.simulation._kernel.PlanArrays`,
-cached on the plan). The same kernel writes the trace, so traced and
-untraced runs cannot disagree. ``bench/simulator_speed.py`` prints the
-figures. Inside the kernel, the per-module functions take plain arrays and
-callers check a module's state before calling them: passing bundles per
-module, or calling unconditionally, made the step 2-3x slower ([Note: Arrays,
-not bundles, in the hot path] in :mod:`planner.simulation._kernel.state`).
+The step is one numeric kernel compiled by numba, over per-module arrays
+built once per profile (:class:`Simulator`) and once per plan
+(:meth:`Simulator.compile`: a caller that runs one plan many times, such as
+calibration, compiles it once). The same kernel writes the trace, so traced
+and untraced runs cannot disagree. Inside the kernel, the per-module
+functions take plain arrays and callers check a module's state before
+calling them ([Note: Arrays, not bundles, in the hot path] in
+:mod:`planner.simulation._kernel.state`). ``python -m bench.simulator_speed``
+prints the figures.
+
+[Note: Trace capacity]
+A traced run writes its timeline into arrays sized from the profile. The
+kernel writes no row past their end but keeps counting; when a plan needed
+more rows (many prefetches, many allocations per module), the run is done
+again with arrays of the exact size. Timing never depends on the trace, so
+both runs agree.
 """
 
 from __future__ import annotations
@@ -69,10 +78,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.simulation import _kernel
-from planner.simulation._kernel import PlanArrays, ProfileArrays
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
+from planner.simulation._kernel import PlanArrays, ProfileArrays, step_function
 
 
 @dataclass(frozen=True)
@@ -179,23 +187,64 @@ class SimResult:
         return self.step_ms / self.lower_bound_ms if self.lower_bound_ms > 0 else float("inf")
 
 
-def lower_bound_ms(profile: Profile) -> float:
-    """``max(Σ compute, Σ (all-gather + reduce-scatter))`` for ``profile``, ms."""
-    return _compiled(profile).lower_bound_ms
+# Kernel event kinds (planner.simulation._kernel.state FORWARD ...): name prefix and track.
+_KINDS = ("forward", "backward", "optimizer", "all-gather", "reduce-scatter", "wait")
+_TRACKS = (Track.COMPUTE, Track.COMPUTE, Track.COMPUTE, Track.ALL_GATHER, Track.REDUCE_SCATTER, Track.CPU_WAIT)
+_NO_EVENTS = np.zeros((1, 4))
+_NO_SAMPLES = np.zeros((1, 2))
 
 
-class _Compiled:
-    """A profile as the kernel reads it: module names and indices, :class:`ProfileArrays` and its tuple."""
+@dataclass(frozen=True)
+class CompiledPlan:
+    """A plan as one :class:`Simulator`'s kernel reads it (:meth:`Simulator.compile`).
 
-    def __init__(self, p: Profile):
-        self.names = list(p.fingerprint.module_fqns)
-        self.index = {f: i for i, f in enumerate(self.names)}
-        mods = [p.modules[f] for f in self.names]
+    Attributes:
+        plan: the plan.
+        fields: its :class:`planner.simulation._kernel.PlanArrays` as a plain tuple.
+        owner: the simulator it was compiled for (module indices are that profile's).
+    """
+
+    plan: Plan
+    fields: tuple
+    owner: "Simulator" = field(repr=False, compare=False)
+
+
+class Simulator:
+    """One FSDP2 step of ``profile``, predicted for any plan with ``params``.
+
+    Builds the profile's kernel arrays once (O(modules)); each :meth:`run`
+    costs one compiled step. The first simulator of a process compiles the
+    kernel, or loads numba's cache ([Note: The kernel's numba cache] in
+    :mod:`planner.simulation._kernel`).
+
+    Args:
+        profile: the recorded profile (times ms, sizes bytes). With
+            ``profile.microbatches > 1`` the step runs that many forward and
+            backward passes (gradient accumulation), reduce-scattering only
+            in the last (``set_requires_gradient_sync``).
+        params: the global parameters every :meth:`run` uses unless given
+            others (:func:`planner.simulation.parameters.profile_params`: the
+            profile's calibration, else its in-step parameters).
+
+    Attributes:
+        profile, params: as given.
+        lower_bound_ms: ``max(sum of compute, sum of all-gather and
+            reduce-scatter)`` with one all-gather and one reduce-scatter per
+            module, ms: no plan does better.
+    """
+
+    def __init__(self, profile: Profile, params: SimParams):
+        self.profile = profile
+        self.params = params
+        self._step = step_function()
+        self._names = list(profile.fingerprint.module_fqns)
+        self._index = {f: i for i, f in enumerate(self._names)}
+        mods = [profile.modules[f] for f in self._names]
         f64, i64 = np.float64, np.int64
-        root = self.index[p.root_fqn]
+        root = self._index[profile.root_fqn]
         r = mods[root]
-        post = [self.index[f] for f in p.post_forward_order]
-        self.arrays = ProfileArrays(
+        post = [self._index[f] for f in profile.post_forward_order]
+        self._fields = tuple(ProfileArrays(  # [Note: Plain tuples at the boundary] in planner.simulation._kernel.hooks
             all_gather_ms=np.array([m.all_gather_ms for m in mods], f64),
             reduce_scatter_ms=np.array([m.reduce_scatter_ms for m in mods], f64),
             forward_ms=np.array([m.fwd_ms / m.calls for m in mods], f64),
@@ -204,7 +253,7 @@ class _Compiled:
             grad_bytes=np.array([m.grad_bytes // m.calls for m in mods], i64),
             activation_bytes=np.array([m.activation_bytes // m.calls for m in mods], i64),
             sharded_bytes=np.array([m.sharded_bytes for m in mods], i64),
-            children=np.array([self.index[f] for f in p.pre_forward_order if f != p.root_fqn], i64),
+            children=np.array([self._index[f] for f in profile.pre_forward_order if f != profile.root_fqn], i64),
             post_forward=np.array(post, i64),
             root=root,
             root_post_index=len(post) - 1 - post[::-1].index(root),
@@ -213,116 +262,88 @@ class _Compiled:
             root_backward_pre_ms=float(r.bwd_pre_ms),
             root_backward_post_ms=float(r.bwd_ms - r.bwd_pre_ms),
             root_activation_pre_bytes=int(r.activation_bytes * r.fwd_pre_ms / r.fwd_ms) if r.fwd_ms > 0 else 0,
-            gpu=p.fingerprint.device_type != "cpu",
-            microbatches=int(p.microbatches),
-            optimizer_ms=float(p.optimizer_ms),
-            optimizer_temp_bytes=int(p.optimizer_temp_bytes),
-        )
-        self.fields = tuple(self.arrays)  # [Note: Plain tuples at the boundary] in planner.simulation._kernel
-        self.baseline_bytes = sum(m.sharded_bytes for m in mods) + p.optimizer_state_bytes  # alive at step start
-        compute = sum(m.fwd_ms + m.bwd_ms for m in mods) * p.microbatches + p.optimizer_ms
+            gpu=profile.fingerprint.device_type != "cpu",
+            microbatches=int(profile.microbatches),
+            optimizer_ms=float(profile.optimizer_ms),
+            optimizer_temp_bytes=int(profile.optimizer_temp_bytes),
+        ))
+        self._baseline_bytes = sum(m.sharded_bytes for m in mods) + profile.optimizer_state_bytes  # alive at start
+        compute = sum(m.fwd_ms + m.bwd_ms for m in mods) * profile.microbatches + profile.optimizer_ms
         self.lower_bound_ms = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
-        self.trace_rows = 8 * (len(post) + len(self.names)) * p.microbatches + 16
+        self._trace_rows = 8 * (len(post) + len(self._names)) * profile.microbatches + 16
 
+    def compile(self, plan: Plan) -> CompiledPlan:
+        """``plan`` as this simulator's kernel reads it; run it many times at the cost of one build.
 
-def _compiled(profile: Profile) -> _Compiled:
-    c = profile.__dict__.get("_compiled")
-    if c is None:
-        c = _Compiled(profile)
-        object.__setattr__(profile, "_compiled", c)  # a cache, not a field: equality and JSON ignore it
-    return c
+        Raises:
+            KeyError: the plan names a module the profile does not have
+                (plans are validated against their fingerprint when loaded).
+        """
+        idx, n = self._index, len(self._names)
+        fwd_lists, bwd_lists, raf, uib = [()] * n, [()] * n, [True] * n, [True] * n  # left out: FSDP2's defaults
+        for fqn, m in plan.modules.items():
+            i = idx[fqn]
+            fwd_lists[i], bwd_lists[i], raf[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
+            uib[i] = m.unshard_in_backward
+        i64 = np.int64
+        fields = tuple(PlanArrays(
+            forward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),
+            forward_prefetch_targets=np.array([idx[t] for ts in fwd_lists for t in ts], i64),
+            backward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, bwd_lists))], i64),
+            backward_prefetch_targets=np.array([idx[t] for ts in bwd_lists for t in ts], i64),
+            reshard_after_forward=np.array(raf, np.bool_),
+            unshard_in_backward=np.array(uib, np.bool_),
+            unshard_async_op=bool(plan.unshard_async_op),
+            reduce_scatter_max_input_buffers=int(plan.reduce_scatter_max_input_buffers),
+            reshard_after_backward=bool(plan.reshard_after_backward),
+            separate_reduce_scatter_group=bool(plan.separate_reduce_scatter_group),
+        ))
+        return CompiledPlan(plan, fields, self)
 
+    def run(self, plan: Plan | CompiledPlan, params: SimParams | None = None, trace: bool = False) -> SimResult:
+        """Predict step time and peak memory of ``plan``.
 
-def _plan_fields(plan: Plan, c: _Compiled) -> tuple:
-    """The fields of ``plan``'s :class:`PlanArrays` for the profile ``c`` (cached on the plan)."""
-    cached = plan.__dict__.get("_arrays")
-    if cached is not None and cached[0] is c:
-        return cached[1]
-    idx, n = c.index, len(c.names)
-    fwd_lists, bwd_lists, raf, uib = [()] * n, [()] * n, [True] * n, [True] * n  # modules left out: FSDP2's defaults
-    for fqn, m in plan.modules.items():
-        i = idx[fqn]
-        fwd_lists[i], bwd_lists[i], raf[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
-        uib[i] = m.unshard_in_backward
-    i64 = np.int64
-    fields = tuple(PlanArrays(
-        forward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),
-        forward_prefetch_targets=np.array([idx[t] for ts in fwd_lists for t in ts], i64),
-        backward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, bwd_lists))], i64),
-        backward_prefetch_targets=np.array([idx[t] for ts in bwd_lists for t in ts], i64),
-        reshard_after_forward=np.array(raf, np.bool_),
-        unshard_in_backward=np.array(uib, np.bool_),
-        unshard_async_op=bool(plan.unshard_async_op),
-        reduce_scatter_max_input_buffers=int(plan.reduce_scatter_max_input_buffers),
-        reshard_after_backward=bool(plan.reshard_after_backward),
-        separate_reduce_scatter_group=bool(plan.separate_reduce_scatter_group),
-    ))
-    object.__setattr__(plan, "_arrays", (c, fields))
-    return fields
+        Args:
+            plan: a plan of this profile's modules, or one :meth:`compile` d by this simulator.
+            params: instead of :attr:`params`, for this run.
+            trace: also return the timeline events and memory samples.
 
+        Returns:
+            A :class:`SimResult`.
 
-# Kernel event kinds (planner.simulation._kernel.FORWARD ...): name prefix and track.
-_KINDS = ("forward", "backward", "optimizer", "all-gather", "reduce-scatter", "wait")
-_TRACKS = (Track.COMPUTE, Track.COMPUTE, Track.COMPUTE, Track.ALL_GATHER, Track.REDUCE_SCATTER, Track.CPU_WAIT)
-_NO_EVENTS = np.zeros((1, 4))
-_NO_SAMPLES = np.zeros((1, 2))
-
-
-def simulate(profile: Profile, plan: Plan, params: SimParams | None = None, trace: bool = False) -> SimResult:
-    """Predict step time and peak memory of ``plan`` on ``profile``.
-
-    Args:
-        profile: the recorded profile (times ms, sizes bytes). With
-            ``profile.microbatches > 1`` the step runs that many forward and
-            backward passes (gradient accumulation), reduce-scattering only
-            in the last (``set_requires_gradient_sync``).
-        plan: the plan to simulate; FQNs must be modules of the profile.
-        params: global parameters (default: the profile's calibration if it
-            has one, else those solved from its in-step timings,
-            :func:`planner.simulation.in_step.in_step_params`).
-        trace: also return the timeline events and memory samples.
-
-    Returns:
-        A :class:`SimResult`.
-
-    Raises:
-        KeyError: the plan names a module the profile does not have (plans
-            are validated against their fingerprint when loaded).
-    """
-    c = _compiled(profile)
-    if params is None:
-        params = SimParams(**profile.calibration) if profile.calibration else _uncalibrated(profile)
-    events = np.zeros((c.trace_rows, 4)) if trace else _NO_EVENTS
-    samples = np.zeros((c.trace_rows, 2)) if trace else _NO_SAMPLES
-    t_cpu, t_compute, compute_ms, comm_ms, peak, peak_unsharded, reserved, n_events, n_samples = _kernel.step(
-        c.fields, _plan_fields(plan, c), params.kernel_fields(), events, samples
-    )
-    step_ms = max(t_cpu, t_compute)
-    timeline, memory = [], []
-    if trace:
-        for kind, i, start, end in events[:n_events].tolist():
-            name = c.names[int(i)] or "<root>"
-            timeline.append(TraceEvent(f"{_KINDS[int(kind)]} {name}", _TRACKS[int(kind)], start, end))
-        memory = [(t, c.baseline_bytes + int(b)) for t, b in samples[:n_samples].tolist()]
-    return SimResult(
-        step_ms=step_ms,
-        exposed_comm_ms=max(0.0, step_ms - compute_ms),
-        peak_bytes=c.baseline_bytes + int(peak),
-        lower_bound_ms=c.lower_bound_ms,
-        compute_ms=compute_ms,
-        comm_ms=comm_ms,
-        peak_unsharded_bytes=int(peak_unsharded),
-        reserved_peak_bytes=c.baseline_bytes + int(reserved),
-        events=timeline,
-        memory=memory,
-    )
-
-
-def _uncalibrated(profile: Profile) -> SimParams:
-    """The profile's in-step parameters (cached on it by :func:`planner.simulation.in_step.in_step_params`)."""
-    cached = profile.__dict__.get("_in_step_params")
-    if cached is not None:
-        return cached
-    from planner.simulation.in_step import in_step_params  # in_step simulates: imported here, not at module level
-
-    return in_step_params(profile)
+        Raises:
+            KeyError: the plan names a module the profile does not have.
+            ValueError: ``plan`` was compiled by another simulator.
+        """
+        compiled = plan if isinstance(plan, CompiledPlan) else self.compile(plan)
+        if compiled.owner is not self:
+            raise ValueError("this plan was compiled by another Simulator; compile it with this one")
+        kernel_params = (params or self.params).kernel_fields()
+        rows = self._trace_rows
+        while True:
+            events = np.zeros((rows, 4)) if trace else _NO_EVENTS
+            samples = np.zeros((rows, 2)) if trace else _NO_SAMPLES
+            t_cpu, t_compute, compute_ms, comm_ms, peak, peak_unsharded, reserved, n_events, n_samples = self._step(
+                self._fields, compiled.fields, kernel_params, events, samples)
+            if not trace or max(n_events, n_samples) <= rows:
+                break
+            rows = int(max(n_events, n_samples))  # [Note: Trace capacity]: again, with room for every row
+        step_ms = max(t_cpu, t_compute)
+        timeline, memory = [], []
+        if trace:
+            for kind, i, start, end in events[:n_events].tolist():
+                name = self._names[int(i)] or "<root>"
+                timeline.append(TraceEvent(f"{_KINDS[int(kind)]} {name}", _TRACKS[int(kind)], start, end))
+            memory = [(t, self._baseline_bytes + int(b)) for t, b in samples[:n_samples].tolist()]
+        return SimResult(
+            step_ms=step_ms,
+            exposed_comm_ms=max(0.0, step_ms - compute_ms),
+            peak_bytes=self._baseline_bytes + int(peak),
+            lower_bound_ms=self.lower_bound_ms,
+            compute_ms=compute_ms,
+            comm_ms=comm_ms,
+            peak_unsharded_bytes=int(peak_unsharded),
+            reserved_peak_bytes=self._baseline_bytes + int(reserved),
+            events=timeline,
+            memory=memory,
+        )

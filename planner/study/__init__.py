@@ -16,7 +16,7 @@ Two Optuna studies share the storage:
 from planner.study.heartbeat import Heartbeat
 from planner.study.measured import MeasuredStage, MeasuredTrial
 from planner.study.queries import (
-    BestPlan, StudyOverview, TrialStage, best_plan, best_plan_for, confirmed_trials, latest_calibration, list_studies,
+    BestPlan, StudyOverview, TrialStage, best_plan, best_plan_for, confirmed_trials, list_studies,
     pareto_front, study_trials,
 )
 from planner.study.simulated import (
@@ -26,6 +26,6 @@ from planner.study.simulated import (
 
 __all__ = [
     "SIM_SUFFIX", "BestPlan", "Candidate", "Heartbeat", "MeasuredStage", "MeasuredTrial", "StudyOverview", "TrialStage",
-    "best_plan", "best_plan_for", "complete_trials", "confirmed_trials", "distinct_plans", "latest_calibration", "list_studies", "plan_key", "select_candidates",
+    "best_plan", "best_plan_for", "complete_trials", "confirmed_trials", "distinct_plans", "list_studies", "plan_key", "select_candidates",
     "simulated_stage", "smallest_peak", "pareto_front", "study_trials", "SIM_METRICS",
 ]

@@ -15,7 +15,6 @@ job fails and re-queues (:meth:`MeasuredStage.claim_retries`).
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import warnings
@@ -31,9 +30,10 @@ from planner.artifacts.plan import Plan, Source
 from planner.artifacts.profile import Profile
 from planner.statistics.race import Race
 from planner.statistics.schedule import Schedule
-from planner.simulation.simulator import simulate
+from planner.simulation.parameters import simulator_for
 from planner.statistics.verdict import Confirmation
-from planner.storages import MeasuredRunRow, PlanRow, ProfileRow, session, storage_errors
+from planner.storages import storage_errors
+from planner.storages.archive import save_measured_plans, save_profile, update_profile
 from planner.study.heartbeat import Heartbeat
 from planner.study.simulated import Candidate, name_objective, plan_key
 from search_spaces import get_space
@@ -97,12 +97,7 @@ class MeasuredStage:
             self.study.set_user_attr("space", config.search.space)
             name_objective(self.study, METRIC)
             self.study_id = storage.get_study_id_from_name(config.name)
-            with session(storage.engine) as s:
-                row = ProfileRow(study_name=config.name, measured_step_ms=profile.measured_step_ms,
-                                 json=profile.to_json())
-                s.add(row)
-                s.commit()
-                self.profile_id = row.id
+            self.profile_id = save_profile(storage.engine, config.name, profile)
         self.heartbeat = Heartbeat(storage, config.study.heartbeat_interval_s)
 
     def _storage_errors(self):
@@ -118,6 +113,7 @@ class MeasuredStage:
         (``set_trial_state_values`` to RUNNING), so one job measures it.
         """
         out = []
+        simulator = simulator_for(self.profile)
         with self._storage_errors(), warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
@@ -132,7 +128,7 @@ class MeasuredStage:
                 self.storage.set_trial_user_attr(trial_id, "job", self.job)
                 try:
                     plan = self.space.suggest(optuna.trial.FixedTrial(t.params), self.profile)
-                    result = simulate(self.profile, plan)
+                    result = simulator.run(plan)
                 except (PlannerError, KeyError, ValueError) as e:
                     self._fail_one(t.number, trial_id, f"cannot rebuild the plan: {e}", FailKind.ERROR)
                     continue
@@ -258,21 +254,8 @@ class MeasuredStage:
                 memory_budget_bytes=self.budget_bytes, **confirmed))
         with self._storage_errors():
             # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan.
-            with session(self.storage.engine) as s:
-                for plan, a, times, ranks in zip(plans, asked, step_ms, per_rank):
-                    row = PlanRow(
-                        study_name=self.config.name, trial_number=a.number, profile_id=self.profile_id,
-                        is_default=plan.is_default_for(self.profile), predicted_ms=a.predicted_ms,
-                        measured_ms=plan.provenance.measured_ms, predicted_peak_bytes=a.predicted_peak_bytes,
-                        json=plan.to_json(),
-                    )
-                    s.add(row)
-                    s.flush()
-                    s.add(MeasuredRunRow(
-                        plan_id=row.id, study_name=self.config.name,
-                        step_ms_json=json.dumps(times), per_rank_json=json.dumps(ranks),
-                    ))
-                s.commit()
+            save_measured_plans(self.storage.engine, self.config.name, self.profile_id, plans,
+                                [p.is_default_for(self.profile) for p in plans], step_ms, per_rank)
             for a, plan, times, ranks, figures in zip(asked, plans, step_ms, per_rank, attrs):
                 self.storage.set_trial_user_attr(a.trial_id, "step_ms", times)
                 self.storage.set_trial_user_attr(a.trial_id, "per_rank_step_ms", ranks)
@@ -324,10 +307,8 @@ class MeasuredStage:
 
     def save_calibration(self, profile: Profile) -> None:
         """Store the calibrated profile in this run's profile row."""
-        with self._storage_errors(), session(self.storage.engine) as s:
-            row = s.get(ProfileRow, self.profile_id)
-            row.json = profile.to_json()
-            s.commit()
+        with self._storage_errors():
+            update_profile(self.storage.engine, self.profile_id, profile)
 
     def close(self) -> None:
         """Stop the heartbeat thread (trials still held stay RUNNING until stale: see :meth:`fail_held`)."""

@@ -17,7 +17,8 @@ from planner.errors import PlannerError, StudyNotFoundError
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.artifacts.profile import Fingerprint
-from planner.storages import PlanRow, ProfileRow, check_exists, open_storage, open_storage_read_only, session
+from planner.storages import check_exists, open_storage, open_storage_read_only
+from planner.storages.archive import stored_plan
 from planner.study.simulated import SIM_SUFFIX, complete_trials
 from planner.statistics.verdict import Verdict, confirmation_text
 
@@ -46,22 +47,6 @@ class StudyOverview:
     simulated_trial_count: int
     best_ms: float | None
     default_ms: float | None
-
-
-def latest_calibration(storage: optuna.storages.RDBStorage, name: str, profile: Profile) -> dict[str, float] | None:
-    """The newest calibration stored for study ``name`` on the same model and world as ``profile``, if any."""
-    with session(storage.engine) as s:
-        rows = s.scalars(
-            sa.select(ProfileRow).where(ProfileRow.study_name == name).order_by(ProfileRow.id.desc())
-        ).all()
-    for row in rows:
-        try:
-            stored = Profile.from_json(row.json)
-        except PlannerError:
-            continue
-        if stored.calibration and stored.fingerprint.first_difference(profile.fingerprint) is None:
-            return stored.calibration
-    return None
 
 
 def _open_existing(url: str) -> optuna.storages.RDBStorage:
@@ -165,14 +150,10 @@ class BestPlan(NamedTuple):
 
 
 def _stored_plan(storage: optuna.storages.RDBStorage, name: str, number: int) -> Plan:
-    with session(storage.engine) as s:
-        row = s.scalars(
-            sa.select(PlanRow).where(PlanRow.study_name == name, PlanRow.trial_number == number)
-            .order_by(PlanRow.id.desc())
-        ).first()
-    if row is None:
+    plan = stored_plan(storage.engine, name, number)
+    if plan is None:
         raise StudyNotFoundError(f"study {name!r} trial {number} has no stored plan")
-    return Plan.from_json(row.json)
+    return plan
 
 
 def confirmed_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

@@ -14,7 +14,8 @@ from planner.errors import PlannerError, StudyConfigError
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.study.samplers import make_sampler
-from planner.simulation.simulator import SimParams, simulate
+from planner.simulation.parameters import simulator_for
+from planner.simulation.simulator import SimParams
 from planner.storages.bulk import add_trials_bulk
 from search_spaces import get_space
 
@@ -124,9 +125,11 @@ def simulated_stage(
         for p in space.grid(profile)[: search.sim_trials]:  # none left waiting
             study.enqueue_trial(p)
 
+    simulator = simulator_for(profile, params)
+
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         plan = space.suggest(trial, profile)
-        result = simulate(profile, plan, params)
+        result = simulator.run(plan)
         trial.set_user_attr("peak_bytes", result.peak_bytes)
         trial.set_user_attr("exposed_comm_ms", result.exposed_comm_ms)
         if budget_bytes is not None:  # Optuna's constraint: <= 0 is feasible; TPE and NSGA-II favour feasible trials
@@ -150,8 +153,8 @@ def simulated_stage(
 def smallest_peak(profile: Profile, space_name: str, params: SimParams | None = None) -> int:
     """The smallest predicted peak over the space's grid, bytes per rank (the least memory any plan needs)."""
     space = get_space(space_name)
-    return min(simulate(profile, space.suggest(optuna.trial.FixedTrial(g), profile), params).peak_bytes
-               for g in space.grid(profile))
+    simulator = simulator_for(profile, params)
+    return min(simulator.run(space.suggest(optuna.trial.FixedTrial(g), profile)).peak_bytes for g in space.grid(profile))
 
 
 def complete_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

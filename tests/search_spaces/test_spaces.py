@@ -6,7 +6,7 @@ import optuna
 import pytest
 
 from planner.errors import StudyConfigError
-from planner.simulation.simulator import simulate
+from planner.simulation.parameters import simulate
 from search_spaces import SPACES, assign, get_space, per_module, uniform
 
 

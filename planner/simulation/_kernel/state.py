@@ -173,7 +173,15 @@ def new_step(prof, plan, params):
     clock[LAST_COPY_OUT] = -1.0
     module_state = np.zeros((n, MODULE_FIELDS), np.int64)
     module_state[:, ALL_GATHER_ROW] = -1
-    slots = prof.post_forward.shape[0] * prof.microbatches + 1
+    slots = prof.post_forward.shape[0] * prof.microbatches + 1  # one reduce-scatter per module call, at most
+    # One held block per wait for an async all-gather: at most one per all-gather issued, which is each hook's own
+    # (pre-forward, pre-backward) and its prefetch list's, per module call and microbatch.
+    longest = 0
+    for offsets in (plan.forward_prefetch_offsets, plan.backward_prefetch_offsets):
+        for m in range(n):
+            if offsets[m + 1] - offsets[m] > longest:
+                longest = offsets[m + 1] - offsets[m]
+    held_slots = 2 * prof.post_forward.shape[0] * prof.microbatches * (1 + longest) + 1
     st = StepState(clock, np.zeros(COUNTERS, np.int64), module_state, np.zeros(n), np.zeros(n, np.int64),
-                   np.zeros(slots), np.zeros(slots, np.int64), np.zeros((2 * slots, 2)))
+                   np.zeros(slots), np.zeros(slots, np.int64), np.zeros((held_slots, 2)))
     return cfg, st

@@ -10,13 +10,18 @@ from planner.simulation._kernel.state import (
 
 @njit(cache=True)
 def event(events, counters, kind, module, start, end):
-    """Append a timeline slice when traced (``events`` has more than one row); ``kind`` as in :mod:`.state`."""
+    """Append a timeline slice when traced (``events`` has more than one row); ``kind`` as in :mod:`.state`.
+
+    Slices past the last row are counted, not written ([Note: Trace capacity] in
+    :mod:`planner.simulation.simulator`).
+    """
     if events.shape[0] > 1:
         n = counters[EVENTS]
-        events[n, 0] = kind
-        events[n, 1] = module
-        events[n, 2] = start
-        events[n, 3] = end
+        if n < events.shape[0]:
+            events[n, 0] = kind
+            events[n, 1] = module
+            events[n, 2] = start
+            events[n, 3] = end
         counters[EVENTS] = n + 1
 
 
@@ -29,10 +34,11 @@ def allocate(clock, counters, samples, delta):
         counters[PEAK] = alive
     if alive + counters[HELD] > counters[RESERVED_PEAK]:
         counters[RESERVED_PEAK] = alive + counters[HELD]
-    if samples.shape[0] > 1:
+    if samples.shape[0] > 1:  # past the last row: counted, not written ([Note: Trace capacity])
         n = counters[SAMPLES]
-        samples[n, 0] = max(clock[CPU], clock[COMPUTE_STREAM])
-        samples[n, 1] = alive
+        if n < samples.shape[0]:
+            samples[n, 0] = max(clock[CPU], clock[COMPUTE_STREAM])
+            samples[n, 1] = alive
         counters[SAMPLES] = n + 1
 
 
@@ -48,7 +54,7 @@ def delay_in_flight(since, delay, clock, counters, in_flight, all_gather_end, mo
         if all_gather_end[j] > since:
             all_gather_end[j] += delay
             row = module_state[j, ALL_GATHER_ROW]
-            if row >= 0:
+            if 0 <= row < events.shape[0]:
                 if events[row, 2] > since:
                     events[row, 2] += delay
                 events[row, 3] += delay

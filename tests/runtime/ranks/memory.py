@@ -9,7 +9,7 @@ import sys
 import torch.distributed as dist
 
 from planner.artifacts.plan import Plan
-from planner.simulation.simulator import simulate
+from planner.simulation.parameters import simulate
 from runtime.apply import apply_plan
 from runtime.rank import init_rank, shutdown_rank
 from runtime.memory import UnshardedBytesTracker

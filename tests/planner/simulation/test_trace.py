@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from jobs.cli import main
 from planner.artifacts.plan import Plan
-from planner.simulation.simulator import simulate
+from planner.simulation.parameters import simulate
 from planner.simulation.trace import TRACKS, chrome_trace
 from search_spaces import uniform
 

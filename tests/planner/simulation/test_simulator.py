@@ -7,11 +7,14 @@ from the FSDP2 rules the simulator cites; none is copied from its output.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from planner.artifacts.plan import Plan
-from planner.simulation.simulator import SimParams, lower_bound_ms, simulate
+from planner.artifacts.profile import Profile
+from planner.simulation.parameters import simulate, simulator_for
+from planner.simulation.simulator import SimParams, Simulator
 from search_spaces import uniform
 
 
@@ -165,11 +168,11 @@ def test_activation_and_gradient_memory(make_profile):
 def test_lower_bound(make_profile):
     """max(Σ compute, Σ (AG + RS)): compute 60 vs comm 16 → 60; ratio 86/60."""
     p = make_profile()
-    assert lower_bound_ms(p) == pytest.approx(60.0)
+    assert Simulator(p, SimParams()).lower_bound_ms == pytest.approx(60.0)
     r = simulate(p, Plan.default(p))
     assert r.ratio_to_lower_bound == pytest.approx(86.0 / 60.0)
     comm_bound = make_profile(fwd=1.0, bwd=1.0, ag=50.0)
-    assert lower_bound_ms(comm_bound) == pytest.approx(2 * 53.0)
+    assert Simulator(comm_bound, SimParams()).lower_bound_ms == pytest.approx(2 * 53.0)
 
 
 def test_overlap_slowdown_shares_the_cores_between_compute_and_collectives(make_profile):
@@ -373,3 +376,42 @@ def test_reduce_scatter_input_buffer_outlives_a_synchronous_reduce_scatter_on_cp
     r = simulate(p, Plan.default(p), trace=True)
     assert r.peak_bytes == 3300
     assert r.memory[-1][1] == 0
+
+
+RELEASE_0_1_0 = Path(__file__).parents[2] / "data" / "release-0.1.0"
+
+
+@pytest.mark.parametrize("source", ["synthetic, 16 blocks", "recorded Llama"])
+def test_a_traced_run_keeps_every_row_however_many_the_plan_makes(make_profile, source):
+    """[Note: Trace capacity]: the recorded Llama profile (gloo buffers, copy-outs, reduce-scatter buffers) makes
+    more memory samples than the first estimate holds; the kernel once wrote past its arrays (malloc abort)."""
+    if source == "recorded Llama":
+        p = Profile.load(RELEASE_0_1_0 / "llama-cpu.profile.json")
+    else:
+        p = make_profile(n_blocks=16, grad_bytes=100, activation_bytes=10)
+    sim = simulator_for(p)
+    for plan in (Plan.default(p), uniform.build(p, 3, 3, True)):
+        traced, untraced = sim.run(plan, trace=True), sim.run(plan)
+        first_estimate = 8 * (len(p.post_forward_order) + len(p.modules)) * p.microbatches + 16
+        assert len(traced.memory) > first_estimate  # the case the estimate did not hold
+        assert (traced.step_ms, traced.peak_bytes) == (untraced.step_ms, untraced.peak_bytes)
+        assert max(b for _, b in traced.memory) == traced.peak_bytes  # the peak's sample is there
+        assert max(e.end_ms for e in traced.events) == pytest.approx(traced.step_ms)  # so is the last slice
+
+
+def test_a_plan_compiled_for_one_simulator_is_refused_by_another(make_profile):
+    p = make_profile(n_blocks=2)
+    a, b = simulator_for(p), simulator_for(p)
+    compiled = a.compile(Plan.default(p))
+    assert a.run(compiled).step_ms == b.run(Plan.default(p)).step_ms
+    with pytest.raises(ValueError, match="compiled by another Simulator"):
+        b.run(compiled)
+
+
+def test_simulating_attaches_nothing_to_the_profile_or_the_plan(make_profile):
+    p = make_profile(n_blocks=2)
+    plan = uniform.build(p, 1, 1, True)
+    before = (dict(vars(p)), dict(vars(plan)))
+    simulate(p, plan)
+    simulator_for(p).run(plan, trace=True)
+    assert (vars(p), vars(plan)) == before

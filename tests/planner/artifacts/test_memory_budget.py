@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from planner.presentation.cli import main
 from planner.errors import FailKind, StudyConfigError
-from planner.artifacts.memory_budget import MemoryBudget, MemoryBudgetError, check_feasible
+from planner.artifacts.memory_budget import MemoryBudget, check_feasible
+from planner.errors import MemoryBudgetError
 from planner.storages import open_storage
 from planner.study import MeasuredStage, pareto_front, select_candidates, simulated_stage, smallest_peak, study_trials
 from planner.testing import run_round, study_config

@@ -71,7 +71,7 @@ def test_missing_file(tmp_path):
 def test_reference_studies_parse():
     from pathlib import Path
 
-    studies = Path(__file__).parents[2] / "studies"
+    studies = Path(__file__).parents[3] / "studies"
     c = load_study_config(studies / "llama-cpu.toml")
     assert c.workload.factory == "runtime.reference_workloads:llama" and c.launch.nproc_per_node == 2
     assert load_study_config(studies / "gpt2-cpu.toml").workload.factory == "runtime.reference_workloads:gpt2"

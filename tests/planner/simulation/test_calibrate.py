@@ -10,7 +10,8 @@ from planner.simulation.calibrate import (
 )
 from planner.errors import PlannerError
 from planner.artifacts.plan import Plan
-from planner.simulation.simulator import SimParams, simulate
+from planner.simulation.parameters import simulate
+from planner.simulation.simulator import SimParams
 from search_spaces import uniform
 
 

@@ -5,15 +5,16 @@ import dataclasses
 import pytest
 
 from planner.simulation.calibrate import Observation, calibrate
-from planner.simulation.in_step import STEP_OVERLAP_SHARE, in_step_params, measured_slowdown, overlap_slowdown, solve_comm_scale
+from planner.simulation.in_step import in_step_params, measured_slowdown, overlap_slowdown, solve_comm_scale
 from planner.artifacts.plan import Plan
-from planner.artifacts.profile import InStepTimings, Profile
-from planner.simulation.simulator import SimParams, simulate
+from planner.artifacts.profile import InStepTimings, OverlapTimings, Profile
+from planner.simulation.parameters import simulate
+from planner.simulation.simulator import SimParams
 from planner.testing import synthetic_profile
 from search_spaces import uniform
 
 
-def _with_in_step(profile: Profile, default_step_ms: float, overlap: dict | None = None) -> Profile:
+def _with_in_step(profile: Profile, default_step_ms: float, overlap: OverlapTimings | None = None) -> Profile:
     return dataclasses.replace(profile, in_step=InStepTimings(default_step_ms, overlap))
 
 
@@ -25,10 +26,10 @@ def _with_in_step(profile: Profile, default_step_ms: float, overlap: dict | None
     (100.0, 100.0, 400.0, 2.0),   # beyond fair sharing of one core: clipped
 ])
 def test_measured_slowdown_inverts_the_models_overlap_cost(c, m, t, expected):
-    timings = {"compute_ms": c, "all_gather_ms": m, "overlapped_ms": t}
+    timings = OverlapTimings("b0", all_gather_ms=m, compute_ms=c, overlapped_ms=t)
     assert measured_slowdown(timings) == pytest.approx(expected)
-    # the simulator takes the share of the excess a step sees
-    assert overlap_slowdown(timings) == pytest.approx(1 + STEP_OVERLAP_SHARE * (expected - 1))
+    # the simulator takes the slowdown as measured ([Note: The overlap slowdown is used as measured])
+    assert overlap_slowdown(timings) == pytest.approx(expected)
 
 
 def test_comm_scale_recovers_the_scale_the_default_step_was_made_with():
@@ -41,11 +42,11 @@ def test_comm_scale_recovers_the_scale_the_default_step_was_made_with():
 def test_in_step_params_use_measured_overlap_and_solved_comm_scale_on_cpu():
     base = synthetic_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=6.0)
     measured = simulate(base, Plan.default(base), SimParams(comm_scale=0.8)).step_ms
-    profile = _with_in_step(base, measured, {"module": "b0", "compute_ms": 10.0, "all_gather_ms": 8.0,
-                                             "overlapped_ms": 14.0})
+    profile = _with_in_step(base, measured, OverlapTimings("b0", all_gather_ms=8.0, compute_ms=10.0,
+                                                            overlapped_ms=14.0))
     params = in_step_params(profile)
     assert params.comm_scale == pytest.approx(0.8, abs=1e-6)
-    assert params.overlap_slowdown == pytest.approx(1 + STEP_OVERLAP_SHARE * 0.5)
+    assert params.overlap_slowdown == pytest.approx(1.5)  # 14 ms = 10 + 8 * (s - 1)
     # simulate() without params uses them; an async plan then costs the overlap
     async_plan = uniform.build(profile, 1, 1, True)
     assert simulate(profile, async_plan).step_ms == pytest.approx(simulate(profile, async_plan, params).step_ms)
@@ -64,8 +65,8 @@ def test_a_default_that_hides_its_communication_leaves_comm_scale_alone():
 def test_profiles_without_in_step_timings_keep_the_defaults_and_round_trip():
     base = synthetic_profile()
     assert in_step_params(base) == SimParams()
-    profile = _with_in_step(base, 123.0, {"module": "b0", "compute_ms": 1.0, "all_gather_ms": 2.0,
-                                          "overlapped_ms": 2.5})
+    profile = _with_in_step(base, 123.0, OverlapTimings("b0", all_gather_ms=2.0, compute_ms=1.0,
+                                                          overlapped_ms=2.5))
     again = Profile.from_json(profile.to_json())
     assert again.in_step == profile.in_step
     assert Profile.from_json(base.to_json()).in_step is None
@@ -73,10 +74,10 @@ def test_profiles_without_in_step_timings_keep_the_defaults_and_round_trip():
 
 def test_calibration_starts_from_and_is_pulled_toward_the_in_step_values():
     base = synthetic_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=6.0)
-    truth = SimParams(comm_scale=1.4, overlap_slowdown=1 + STEP_OVERLAP_SHARE * 0.5)
+    truth = SimParams(comm_scale=1.4, overlap_slowdown=1.5)
     measured = simulate(base, Plan.default(base), truth).step_ms
-    profile = _with_in_step(base, measured, {"module": "b0", "compute_ms": 10.0, "all_gather_ms": 10.0,
-                                             "overlapped_ms": 15.0})
+    profile = _with_in_step(base, measured, OverlapTimings("b0", all_gather_ms=10.0, compute_ms=10.0,
+                                                            overlapped_ms=15.0))
     plans = [uniform.build(profile, d, max(1, d), a) for d in range(3) for a in (False, True)]
     observations = [Observation(p, simulate(profile, p, truth).step_ms) for p in plans]
     # The in-step values are the truth: no fit can beat them, so none is kept.

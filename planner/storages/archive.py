@@ -1,0 +1,84 @@
+"""The planner's tables (:mod:`planner.storages.models`), written and read: profiles, measured plans, their runs.
+
+What Optuna's tables do not hold, beside them on the same engine, so plain
+SQL answers questions about a study. Every write is one transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.errors import PlannerError
+from planner.storages.engine import session
+from planner.storages.models import MeasuredRunRow, PlanRow, ProfileRow
+
+
+def save_profile(engine: sa.Engine, study_name: str, profile: Profile) -> int:
+    """Store a recorded profile for study ``study_name``; its row id."""
+    with session(engine) as s:
+        row = ProfileRow(study_name=study_name, measured_step_ms=profile.measured_step_ms, json=profile.to_json())
+        s.add(row)
+        s.commit()
+        return row.id
+
+
+def update_profile(engine: sa.Engine, profile_id: int, profile: Profile) -> None:
+    """Replace the JSON of profile row ``profile_id`` (e.g. with its calibration)."""
+    with session(engine) as s:
+        s.get(ProfileRow, profile_id).json = profile.to_json()
+        s.commit()
+
+
+def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, plans: Sequence[Plan],
+                        defaults: Sequence[bool], step_ms: Sequence[list[float]],
+                        per_rank: Sequence[list[list[float]]]) -> None:
+    """Store each measured plan (provenance filled in: its trial, predicted and measured ms) and its measured run.
+
+    Args:
+        plans: the measured plans.
+        defaults: per plan, whether it is FSDP2's default.
+        step_ms: per plan, every step's max across ranks, ms.
+        per_rank: per plan, per rank, that rank's step times, ms.
+    """
+    with session(engine) as s:
+        for plan, default, times, ranks in zip(plans, defaults, step_ms, per_rank):
+            pv = plan.provenance
+            row = PlanRow(study_name=study_name, trial_number=pv.trial, profile_id=profile_id,
+                          is_default=default, predicted_ms=pv.predicted_ms, measured_ms=pv.measured_ms,
+                          predicted_peak_bytes=pv.predicted_peak_bytes, json=plan.to_json())
+            s.add(row)
+            s.flush()
+            s.add(MeasuredRunRow(plan_id=row.id, study_name=study_name, step_ms_json=json.dumps(times),
+                                 per_rank_json=json.dumps(ranks)))
+        s.commit()
+
+
+def latest_calibration(engine: sa.Engine, study_name: str, profile: Profile) -> dict[str, float] | None:
+    """The newest calibration stored for study ``study_name`` on the same model and world as ``profile``, if any."""
+    with session(engine) as s:
+        rows = s.scalars(
+            sa.select(ProfileRow).where(ProfileRow.study_name == study_name).order_by(ProfileRow.id.desc())
+        ).all()
+    for row in rows:
+        try:
+            stored = Profile.from_json(row.json)
+        except PlannerError:  # a row an older or newer planner wrote
+            continue
+        if stored.calibration and stored.fingerprint.first_difference(profile.fingerprint) is None:
+            return stored.calibration
+    return None
+
+
+def stored_plan(engine: sa.Engine, study_name: str, trial: int) -> Plan | None:
+    """The newest plan stored for ``trial`` of study ``study_name``, ``None`` if there is none."""
+    with session(engine) as s:
+        row = s.scalars(
+            sa.select(PlanRow).where(PlanRow.study_name == study_name, PlanRow.trial_number == trial)
+            .order_by(PlanRow.id.desc())
+        ).first()
+    return None if row is None else Plan.from_json(row.json)

@@ -1,0 +1,50 @@
+"""What importing the packages costs: nothing until a name is used, and a training script loads no planner machinery.
+
+Each case runs in a fresh interpreter and lists the heavy libraries it loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "numba", "optuna", "scipy", "sqlalchemy", "pydantic", "numpy")
+
+LOADED = """
+import json, sys
+{statement}
+print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r}))))
+"""
+
+
+def _loaded(statement: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", LOADED.format(statement=statement, heavy=HEAVY)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("statement", ["import planner", "import runtime", "import planner, runtime, search_spaces"])
+def test_importing_a_package_loads_no_library(statement):
+    assert _loaded(statement) == []
+
+
+def test_a_training_script_applying_a_plan_loads_no_simulator_and_no_study():
+    """``apply_plan(model, load_plan(path))`` needs torch and the plan artifact, not numba, Optuna or SciPy."""
+    loaded = set(_loaded("from runtime import apply_plan, load_plan"))
+    assert "torch" in loaded
+    assert loaded <= {"torch", "numpy", "pydantic"}  # torch's numpy; the plan's JSON schema
+
+
+def test_lazy_names_resolve_and_unknown_names_say_so():
+    import planner
+    import runtime
+
+    assert planner.Plan.__module__ == "planner.artifacts.plan"
+    assert runtime.apply_plan.__module__ == "runtime.apply"
+    assert "apply_plan" in dir(runtime)
+    with pytest.raises(AttributeError, match="module 'runtime' has no attribute 'aply_plan'"):
+        runtime.aply_plan  # noqa: B018
