@@ -50,7 +50,7 @@ def _plans(profile):
     from planner.artifacts.config import StudyConfig
     from planner.artifacts.plan import Plan
     from planner.study import distinct_plans, simulated_stage
-    from search_spaces import uniform
+    from search_spaces import get_space, uniform
 
     default = Plan.default(profile)
     plans = {"FSDP2 default": default}
@@ -61,9 +61,10 @@ def _plans(profile):
     config = StudyConfig.build(name="fidelity", storage="sqlite://", factory="-", space="per_module",
                                sampler="nsga2", sim_trials=300, seed=1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sim = simulated_stage(profile, config, optuna.storages.InMemoryStorage(), show_progress_bar=False)
+    sim = simulated_stage(profile, config, optuna.storages.InMemoryStorage(), get_space("per_module"),
+                          show_progress_bar=False)
     seen = {p.behaviour_key() for p in plans.values()}
-    ranked = [plan for _, plan in distinct_plans(sim, profile, "per_module") if plan.behaviour_key() not in seen]
+    ranked = [plan for _, plan in distinct_plans(sim, profile, get_space("per_module")) if plan.behaviour_key() not in seen]
     for label, index in (("best", 0), ("1/3", len(ranked) // 3), ("2/3", 2 * len(ranked) // 3)):
         if ranked:
             plans[f"per-module {label} of {len(ranked)}"] = ranked[min(index, len(ranked) - 1)]

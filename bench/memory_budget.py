@@ -57,17 +57,19 @@ def _sim_study(profile, study: str, sim_trials: int, budget_bytes: int | None, p
 
     from planner.artifacts.config import load_study_config
     from planner.study import simulated_stage
+    from search_spaces import get_space
 
     config = load_study_config(study, space="assign", sim_trials=sim_trials)
-    return simulated_stage(profile, config, optuna.storages.InMemoryStorage(), params, show_progress_bar=False,
-                           budget_bytes=budget_bytes)
+    return simulated_stage(profile, config, optuna.storages.InMemoryStorage(), get_space("assign"), params,
+                           show_progress_bar=False, budget_bytes=budget_bytes)
 
 
 def unconstrained_best(profile, study: str, sim_trials: int, params):
     """The best predicted ``assign`` plan with no budget."""
     from planner.study import distinct_plans
+    from search_spaces import get_space
 
-    return distinct_plans(_sim_study(profile, study, sim_trials, None, params), profile, "assign")[0][1]
+    return distinct_plans(_sim_study(profile, study, sim_trials, None, params), profile, get_space("assign"))[0][1]
 
 
 def candidates(profile, study: str, sim_trials: int, budget_bytes: int, params) -> dict:
@@ -76,12 +78,12 @@ def candidates(profile, study: str, sim_trials: int, budget_bytes: int, params) 
 
     from planner.simulation.parameters import simulate
     from planner.study import select_candidates
-    from search_spaces import uniform
+    from search_spaces import get_space, uniform
 
     sim = _sim_study(profile, study, sim_trials, budget_bytes, params)
-    grid = [(g, uniform.suggest(optuna.trial.FixedTrial(g), profile)) for g in uniform.grid(profile)]
+    grid = [(g, get_space("uniform").suggest(optuna.trial.FixedTrial(g), profile)) for g in get_space("uniform").grid(profile)]
     uniform_keys = {plan.behaviour_key() for _, plan in grid}
-    per_module = [c for c in select_candidates(sim, profile, "assign", 6, budget_bytes=budget_bytes)
+    per_module = [c for c in select_candidates(sim, profile, get_space("assign"), 6, budget_bytes=budget_bytes)
                   if c.plan.behaviour_key() not in uniform_keys][:3]
     fitting = []
     for g, plan in grid[1:]:  # FSDP2's default first: not a candidate
@@ -110,7 +112,7 @@ def rank_main(study: str, args) -> None:
     from runtime.rank import init_rank, shutdown_rank
     from runtime.recorder import record_profile
     from runtime.workload import build_study_workload
-    from search_spaces import uniform
+    from search_spaces import get_space, uniform
     from search_spaces.assign import keep_unsharded
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -30,7 +30,7 @@ from planner.artifacts.config import StudyConfig  # noqa: E402
 from planner.simulation.parameters import simulator_for  # noqa: E402
 from planner.storages import open_storage  # noqa: E402
 from planner.study import simulated_stage  # noqa: E402
-from search_spaces import uniform  # noqa: E402
+from search_spaces import get_space, uniform  # noqa: E402
 from planner.testing import synthetic_profile  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def study_seconds(n_modules: int, trials: int, space: str, sampler: str) -> tupl
         config = StudyConfig.build(name="speed", storage=f"sqlite:///{d}/speed.db", factory="-", space=space,
                                    sampler=sampler, sim_trials=trials, directory=d)
         t0 = time.perf_counter()
-        simulated_stage(p, config, open_storage(config.storage_url), show_progress_bar=False)
+        simulated_stage(p, config, open_storage(config.storage_url), get_space(space), show_progress_bar=False)
         seconds = time.perf_counter() - t0
         return seconds, len(optuna.load_study(study_name="speed.sim", storage=config.storage_url).trials)
 

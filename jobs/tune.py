@@ -42,6 +42,7 @@ from runtime.protocol import RoundResult, control_group, measured_round, one_lin
 from runtime.rank import check_runnable, init_rank, shutdown_rank
 from runtime.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory
+from search_spaces import get_space
 
 logger = logging.getLogger(__name__)
 
@@ -202,14 +203,15 @@ class TuneJob:
             logger.info("      using the calibration of an earlier run of this study: "
                         + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
         logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
-        sim = simulated_stage(profile, config, storage, show_progress_bar=self.progress, budget_bytes=budget_bytes)
-        self.stage = MeasuredStage(config, storage, profile, self.job, on_drop=self._dropped, budget_bytes=budget_bytes)
+        sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=self.progress, budget_bytes=budget_bytes)
+        self.stage = MeasuredStage(config, storage, profile, self.job, space, on_drop=self._dropped,
+                                   budget_bytes=budget_bytes)
         with interrupts_deferred():  # trials created RUNNING are held by the stage (fail_held)
             retries = self.stage.claim_retries()
         if retries:
             logger.info(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
                         f"(trials {', '.join(str(r.retry_of) for r in retries)})")
-        candidates = select_candidates(sim, profile, config.search.space, config.search.measured_trials,
+        candidates = select_candidates(sim, profile, space, config.search.measured_trials,
                                        exclude=self.stage.settled_keys(), band_pct=config.search.candidate_band_pct,
                                        budget_bytes=budget_bytes)
         if any(r.plan.is_default_for(profile) for r in retries):
@@ -235,7 +237,7 @@ class TuneJob:
         if budget is None:
             return None
         budget_bytes = budget.resolve(profile.measured_peak_bytes)
-        check_feasible(budget_bytes, smallest_peak(profile, self.config.search.space), budget.text)
+        check_feasible(budget_bytes, smallest_peak(profile, get_space(self.config.search.space)), budget.text)
         logger.info(f"      memory budget {budget.text}: {mib(budget_bytes)} per rank (FSDP2's default measured "
                     f"{mib(profile.measured_peak_bytes)}, predicted {mib(simulate(profile, Plan.default(profile)).peak_bytes)})")
         return budget_bytes

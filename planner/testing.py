@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from planner.artifacts.plan import Plan
-    from planner.study import MeasuredStage, MeasuredTrial
+    from planner.study import MeasuredStage, MeasuredTrial, SearchSpace
 
 
 def synthetic_profile(
@@ -69,16 +69,19 @@ def study_config(directory: str | Path, name: str = "s", **fields) -> StudyConfi
     return StudyConfig.build(directory=str(directory), name=name, **fields)
 
 
-def make_study_db(directory: str | Path, profile: Profile, sim_trials: int) -> str:
-    """A study ``s`` in ``directory/s.db`` with simulated trials and 3 measured plans (100, 80, 90 ms); its URL."""
+def make_study_db(directory: str | Path, profile: Profile, sim_trials: int, space: SearchSpace) -> str:
+    """A study ``s`` in ``directory/s.db`` with simulated trials and 3 measured plans (100, 80, 90 ms); its URL.
+
+    ``space``: the ``uniform`` space (``search_spaces.get_space("uniform")``).
+    """
     from planner.storages import open_storage
     from planner.study import MeasuredStage, select_candidates, simulated_stage
 
     config = study_config(directory, sim_trials=sim_trials, measured_trials=2)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile, job="test")
-    asked = stage.ask(select_candidates(sim, profile, "uniform", 2))
+    sim = simulated_stage(profile, config, storage, space, show_progress_bar=False)
+    stage = MeasuredStage(config, storage, profile, "test", space)
+    asked = stage.ask(select_candidates(sim, profile, space, 2))
     run_round(stage, asked, [100.0, 80.0, 90.0])
     stage.close()
     storage.engine.dispose()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from planner.artifacts.config import Backend
+from planner.artifacts.names import Backend
 from planner.errors import StudyConfigError
 
 

@@ -43,11 +43,11 @@ from typing import Any
 
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
-from search_spaces import uniform
+from planner.artifacts.names import SpaceName
 from search_spaces._orders import orders
 from search_spaces.per_module import groups
+from search_spaces.uniform import UniformSpace
 
-NAME = "assign"
 WINDOW = 3
 
 
@@ -93,47 +93,51 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
                 separate_reduce_scatter_group=separate_reduce_scatter_group)
 
 
-def suggest(trial: Any, profile: Profile) -> Plan:
-    """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
-    forward, backward, raf, uib = {}, {}, {}, {}
-    for name, members in groups(profile):
-        fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
-        bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
-        keep = trial.suggest_categorical(f"raf:{name}", [True, False])
-        gather = trial.suggest_categorical(f"uib:{name}", [True, False]) if _skippable(profile, members) else True
-        for f in members:
-            forward[f], backward[f], raf[f], uib[f] = fwd, bwd, keep, gather
-    knobs: dict[str, Any] = {"unshard_async_op": trial.suggest_categorical("unshard_async_op", [False, True])}
-    if profile.fingerprint.device_type != "cpu":
-        knobs["reduce_scatter_max_input_buffers"] = trial.suggest_int("reduce_scatter_max_input_buffers", 1, 2)
-    if profile.microbatches > 1:
-        knobs["reshard_after_backward"] = trial.suggest_categorical("reshard_after_backward", [True, False])
-    knobs["separate_reduce_scatter_group"] = trial.suggest_categorical("separate_reduce_scatter_group", [False, True])
-    return build(profile, forward, backward, raf, unshard_in_backward=uib, **knobs)
+class AssignSpace:
+    """The ``assign`` space (``planner.study.SearchSpace``): per module, issue distances and resharding."""
 
+    name = SpaceName.ASSIGN
 
-def grid(profile: Profile) -> list[dict[str, Any]]:
-    """The uniform grid written in this space's parameters (FSDP2's default first), then "keep the last k".
+    def suggest(self, trial: Any, profile: Profile) -> Plan:
+        """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
+        forward, backward, raf, uib = {}, {}, {}, {}
+        for name, members in groups(profile):
+            fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
+            bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
+            keep = trial.suggest_categorical(f"raf:{name}", [True, False])
+            gather = trial.suggest_categorical(f"uib:{name}", [True, False]) if _skippable(profile, members) else True
+            for f in members:
+                forward[f], backward[f], raf[f], uib[f] = fwd, bwd, keep, gather
+        knobs: dict[str, Any] = {"unshard_async_op": trial.suggest_categorical("unshard_async_op", [False, True])}
+        if profile.fingerprint.device_type != "cpu":
+            knobs["reduce_scatter_max_input_buffers"] = trial.suggest_int("reduce_scatter_max_input_buffers", 1, 2)
+        if profile.microbatches > 1:
+            knobs["reshard_after_backward"] = trial.suggest_categorical("reshard_after_backward", [True, False])
+        knobs["separate_reduce_scatter_group"] = trial.suggest_categorical("separate_reduce_scatter_group",
+                                                                           [False, True])
+        return build(profile, forward, backward, raf, unshard_in_backward=uib, **knobs)
 
-    The second part: prefetch 1 (sync and async) and 2 (async) with the last
-    k parameter groups in post-forward order kept unsharded after forward,
-    for every k between none and all. They are the cheapest way to spend
-    memory on fewer all-gathers: the last modules' parameters are held the
-    shortest, from their forward to their backward, which comes first.
-    """
-    names = [name for name, _ in groups(profile)]
-    out = uniform_grid(profile)
-    for fwd, bwd, async_op in ((1, 1, True), (1, 1, False), (2, 2, True)):
-        for k in range(1, len(names) - 1):
-            out.append(_params(profile, names, fwd, bwd, async_op, [True] * (len(names) - k) + [False] * k))
-    return out
+    def grid(self, profile: Profile) -> list[dict[str, Any]]:
+        """The uniform grid written in this space's parameters (FSDP2's default first), then "keep the last k".
 
+        The second part: prefetch 1 (sync and async) and 2 (async) with the last
+        k parameter groups in post-forward order kept unsharded after forward,
+        for every k between none and all. They are the cheapest way to spend
+        memory on fewer all-gathers: the last modules' parameters are held the
+        shortest, from their forward to their backward, which comes first.
+        """
+        names = [name for name, _ in groups(profile)]
+        out = self.uniform_grid(profile)
+        for fwd, bwd, async_op in ((1, 1, True), (1, 1, False), (2, 2, True)):
+            for k in range(1, len(names) - 1):
+                out.append(_params(profile, names, fwd, bwd, async_op, [True] * (len(names) - k) + [False] * k))
+        return out
 
-def uniform_grid(profile: Profile) -> list[dict[str, Any]]:
-    """The uniform grid (``search_spaces.uniform.grid``) in this space's parameters, FSDP2's default first."""
-    names = [name for name, _ in groups(profile)]
-    return [_params(profile, names, g["forward_depth"], g["backward_depth"], g["unshard_async_op"],
-                    [g["reshard_after_forward"]] * len(names)) for g in uniform.grid(profile)]
+    def uniform_grid(self, profile: Profile) -> list[dict[str, Any]]:
+        """The uniform grid (``UniformSpace.grid``) in this space's parameters, FSDP2's default first."""
+        names = [name for name, _ in groups(profile)]
+        return [_params(profile, names, g["forward_depth"], g["backward_depth"], g["unshard_async_op"],
+                        [g["reshard_after_forward"]] * len(names)) for g in UniformSpace().grid(profile)]
 
 
 def _params(profile: Profile, names: list[str], fwd: int, bwd: int, async_op: bool, raf: list[bool]

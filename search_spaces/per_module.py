@@ -19,10 +19,10 @@ from typing import Any
 
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
-from search_spaces import uniform
+from planner.artifacts.names import SpaceName
 from search_spaces._orders import orders
+from search_spaces.uniform import UniformSpace
 
-NAME = "per_module"
 WINDOW = 3
 MAX_GROUPS = 64
 
@@ -55,26 +55,34 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], u
     return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op)
 
 
-def suggest(trial: Any, profile: Profile) -> Plan:
-    """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
-    forward, backward = {}, {}
-    for name, members in groups(profile):
-        fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
-        bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
-        for f in members:
-            forward[f], backward[f] = fwd, bwd
-    return build(profile, forward, backward, trial.suggest_categorical("unshard_async_op", [False, True]))
+class PerModuleSpace:
+    """The ``per_module`` space (``planner.study.SearchSpace``): each module's own prefetch depths."""
 
+    name = SpaceName.PER_MODULE
 
-def grid(profile: Profile) -> list[dict[str, Any]]:
-    """The uniform grid written in this space's parameters, FSDP2's default first."""
-    names = [name for name, _ in groups(profile)]
-    out = []
-    for g in uniform.grid(profile):
-        if not g["reshard_after_forward"]:  # this space keeps each module's setting
-            continue
-        params: dict[str, Any] = {f"fwd:{n}": g["forward_depth"] for n in names}
-        params.update({f"bwd:{n}": g["backward_depth"] for n in names})
-        params["unshard_async_op"] = g["unshard_async_op"]
-        out.append(params)
-    return out
+    def suggest(self, trial: Any, profile: Profile) -> Plan:
+        """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
+        forward, backward = {}, {}
+        for name, members in groups(profile):
+            fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
+            bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
+            for f in members:
+                forward[f], backward[f] = fwd, bwd
+        return build(profile, forward, backward, trial.suggest_categorical("unshard_async_op", [False, True]))
+
+    def grid(self, profile: Profile) -> list[dict[str, Any]]:
+        """The uniform grid written in this space's parameters, FSDP2's default first."""
+        names = [name for name, _ in groups(profile)]
+        out = []
+        for g in UniformSpace().grid(profile):
+            if not g["reshard_after_forward"]:  # this space keeps each module's setting
+                continue
+            params: dict[str, Any] = {f"fwd:{n}": g["forward_depth"] for n in names}
+            params.update({f"bwd:{n}": g["backward_depth"] for n in names})
+            params["unshard_async_op"] = g["unshard_async_op"]
+            out.append(params)
+        return out
+
+    def uniform_grid(self, profile: Profile) -> list[dict[str, Any]]:
+        """The whole grid: it holds only uniform plans."""
+        return self.grid(profile)

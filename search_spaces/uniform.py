@@ -20,9 +20,9 @@ from typing import Any
 
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
+from planner.artifacts.names import SpaceName
 from search_spaces._orders import orders
 
-NAME = "uniform"
 MAX_DEPTH = 3
 
 
@@ -41,20 +41,29 @@ def build(profile: Profile, forward_depth: int, backward_depth: int, unshard_asy
     return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op)
 
 
-def suggest(trial: Any, profile: Profile) -> Plan:
-    """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
-    return build(
-        profile,
-        trial.suggest_int("forward_depth", 0, MAX_DEPTH),
-        trial.suggest_int("backward_depth", 1, MAX_DEPTH),
-        trial.suggest_categorical("unshard_async_op", [False, True]),
-        trial.suggest_categorical("reshard_after_forward", [True, False]),
-    )
+class UniformSpace:
+    """The ``uniform`` space (``planner.study.SearchSpace``): one setting for every module."""
 
+    name = SpaceName.UNIFORM
 
-def grid(profile: Profile) -> list[dict[str, Any]]:
-    """Every parameter set of the space, FSDP2's default first."""
-    return [
-        {"forward_depth": f, "backward_depth": b, "unshard_async_op": a, "reshard_after_forward": r}
-        for r, a, f, b in itertools.product([True, False], [False, True], range(MAX_DEPTH + 1), range(1, MAX_DEPTH + 1))
-    ]
+    def suggest(self, trial: Any, profile: Profile) -> Plan:
+        """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
+        return build(
+            profile,
+            trial.suggest_int("forward_depth", 0, MAX_DEPTH),
+            trial.suggest_int("backward_depth", 1, MAX_DEPTH),
+            trial.suggest_categorical("unshard_async_op", [False, True]),
+            trial.suggest_categorical("reshard_after_forward", [True, False]),
+        )
+
+    def grid(self, profile: Profile) -> list[dict[str, Any]]:
+        """Every parameter set of the space, FSDP2's default first."""
+        return [
+            {"forward_depth": f, "backward_depth": b, "unshard_async_op": a, "reshard_after_forward": r}
+            for r, a, f, b in itertools.product([True, False], [False, True], range(MAX_DEPTH + 1),
+                                                range(1, MAX_DEPTH + 1))
+        ]
+
+    def uniform_grid(self, profile: Profile) -> list[dict[str, Any]]:
+        """The whole grid: every plan of this space sets all modules alike."""
+        return self.grid(profile)

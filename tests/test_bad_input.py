@@ -21,6 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from jobs.cli import main
+from search_spaces import get_space
 from planner.artifacts.config import load_study_config
 from planner.errors import (
     PlanFormatError,
@@ -47,7 +48,7 @@ def world_template(tmp_path_factory):
     """Built once for the module: a study database with results, a profile, its default plan, a good study TOML."""
     directory = tmp_path_factory.mktemp("world")
     profile = synthetic_profile(n_blocks=4)
-    make_study_db(directory, profile, sim_trials=20)
+    make_study_db(directory, profile, sim_trials=20, space=get_space("uniform"))
     profile.to_json(directory / "profile.json")
     Plan.default(profile).to_json(directory / "plan.json")
     (directory / "good.toml").write_text(GOOD_TOML.format(factory="runtime.reference_workloads:mlp"))

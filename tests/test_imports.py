@@ -27,9 +27,15 @@ def _loaded(statement: str) -> list[str]:
     return json.loads(proc.stdout)
 
 
-@pytest.mark.parametrize("statement", ["import planner", "import runtime", "import planner, runtime, search_spaces"])
+@pytest.mark.parametrize("statement", ["import planner", "import runtime", "import planner, runtime, planner.study"])
 def test_importing_a_package_loads_no_library(statement):
     assert _loaded(statement) == []
+
+
+def test_the_search_spaces_need_no_simulator_and_no_study():
+    """``search_spaces`` builds plans from the artifacts and the space names: nothing of the planner's
+    machinery."""
+    assert _loaded("import search_spaces") == []
 
 
 def test_a_training_script_applying_a_plan_loads_no_simulator_and_no_study():

@@ -43,8 +43,9 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from planner.artifacts.names import Backend, SamplerName, SpaceName
 from planner.artifacts.tables import (
-    TABLES, Backend, LaunchTable, MeasureTable, SamplerName, SearchTable, SpaceName, StudyTable, Table, WorkloadTable,
+    TABLES, LaunchTable, MeasureTable, SearchTable, StudyTable, Table, WorkloadTable,
 )
 from planner.errors import StudyConfigError
 

@@ -8,37 +8,14 @@ line.
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 from planner.artifacts.memory_budget import MemoryBudget
+from planner.artifacts.names import Backend, SamplerName, SpaceName
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings
-
-
-class Backend(enum.StrEnum):
-    """``torch.distributed`` backend of the ranks: ``gloo`` on CPU, ``nccl`` on CUDA GPUs."""
-
-    GLOO = "gloo"
-    NCCL = "nccl"
-
-
-class SpaceName(enum.StrEnum):
-    """``[search] space``: the search spaces (``search_spaces.SPACES`` implements each)."""
-
-    UNIFORM = "uniform"
-    PER_MODULE = "per_module"
-    ASSIGN = "assign"
-
-
-class SamplerName(enum.StrEnum):
-    """``[search] sampler``: the Optuna samplers of the simulated stage (``planner.study.samplers``)."""
-
-    TPE = "tpe"
-    NSGA2 = "nsga2"
-    RANDOM = "random"
 
 
 class Table(BaseModel):

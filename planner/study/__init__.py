@@ -2,30 +2,44 @@
 
 Two Optuna studies share the storage:
 
-- ``NAME.sim`` (:mod:`planner.study.simulated`): the simulated stage;
-  objective = predicted step ms. FSDP2's default and the search space's grid
-  are enqueued first, then the sampler explores. Thousands of trials per
-  minute.
+- ``NAME.sim`` (:mod:`planner.study.simulated`): the simulated stage; two
+  objectives, predicted step ms and peak bytes. FSDP2's default and the
+  search space's grid are enqueued first, then the sampler explores.
 - ``NAME`` (:mod:`planner.study.measured`): the measured stage; objective =
-  measured step ms on the real ranks. Trials are kept alive with
+  measured step ms on the real ranks, for the candidates
+  (:mod:`planner.study.candidates`). Trials are kept alive with
   :mod:`planner.study.heartbeat`.
 
-:mod:`planner.study.queries` answers the CLI's questions about both.
+:mod:`planner.study.queries` answers the CLI's questions about both. Names
+are imported on first use (:mod:`planner.lazy_exports`).
 """
 
-from planner.study.heartbeat import Heartbeat
-from planner.study.measured import MeasuredStage, MeasuredTrial
-from planner.study.queries import (
-    BestPlan, StudyOverview, TrialStage, best_plan, best_plan_for, confirmed_trials, list_studies,
-    pareto_front, study_trials,
-)
-from planner.study.simulated import (
-    SIM_METRICS, SIM_SUFFIX, Candidate, complete_trials, distinct_plans, plan_key, select_candidates, simulated_stage,
-    smallest_peak,
-)
+from __future__ import annotations
 
-__all__ = [
-    "SIM_SUFFIX", "BestPlan", "Candidate", "Heartbeat", "MeasuredStage", "MeasuredTrial", "StudyOverview", "TrialStage",
-    "best_plan", "best_plan_for", "complete_trials", "confirmed_trials", "distinct_plans", "list_studies", "plan_key", "select_candidates",
-    "simulated_stage", "smallest_peak", "pareto_front", "study_trials", "SIM_METRICS",
-]
+from typing import TYPE_CHECKING
+
+from planner.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from planner.study.candidates import Candidate, distinct_plans, plan_key, select_candidates
+    from planner.study.heartbeat import Heartbeat
+    from planner.study.measured import MeasuredStage, MeasuredTrial
+    from planner.study.queries import (
+        BestPlan, StudyOverview, TrialStage, best_plan, best_plan_for, confirmed_trials, list_studies, pareto_front,
+        study_trials,
+    )
+    from planner.study.search_space import SearchSpace
+    from planner.study.simulated import SIM_METRICS, SIM_SUFFIX, complete_trials, simulated_stage, smallest_peak
+
+_EXPORTS = {
+    **dict.fromkeys(["Candidate", "distinct_plans", "plan_key", "select_candidates"], "planner.study.candidates"),
+    "Heartbeat": "planner.study.heartbeat",
+    **dict.fromkeys(["MeasuredStage", "MeasuredTrial"], "planner.study.measured"),
+    **dict.fromkeys(["BestPlan", "StudyOverview", "TrialStage", "best_plan", "best_plan_for", "confirmed_trials",
+                     "list_studies", "pareto_front", "study_trials"], "planner.study.queries"),
+    "SearchSpace": "planner.study.search_space",
+    **dict.fromkeys(["SIM_METRICS", "SIM_SUFFIX", "complete_trials", "simulated_stage", "smallest_peak"],
+                    "planner.study.simulated"),
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

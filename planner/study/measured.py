@@ -35,8 +35,9 @@ from planner.statistics.verdict import Confirmation
 from planner.storages import storage_errors
 from planner.storages.archive import save_measured_plans, save_profile, update_profile
 from planner.study.heartbeat import Heartbeat
-from planner.study.simulated import Candidate, name_objective, plan_key
-from search_spaces import get_space
+from planner.study.candidates import Candidate, plan_key
+from planner.study.search_space import SearchSpace
+from planner.study.simulated import name_objective
 
 METRIC = "step_ms"  # the measured study's objective: median step time in the race, ms (max across ranks)
 
@@ -79,7 +80,8 @@ class MeasuredStage:
     """
 
     def __init__(self, config: StudyConfig, storage: optuna.storages.RDBStorage, profile: Profile, job: str,
-                 on_drop: Callable[[MeasuredTrial, int], None] | None = None, budget_bytes: int | None = None):
+                 space: SearchSpace, on_drop: Callable[[MeasuredTrial, int], None] | None = None,
+                 budget_bytes: int | None = None):
         self.config = config
         self.profile = profile
         self.budget_bytes = budget_bytes
@@ -88,13 +90,13 @@ class MeasuredStage:
         self.on_drop = on_drop
         self.schedule: Schedule | None = None
         self._started: list[MeasuredTrial] = []
-        self.space = get_space(config.search.space)
+        self.space = space
         self.storage = storage
         with self._storage_errors():
             self.study = optuna.create_study(
                 study_name=config.name, storage=storage, direction="minimize", load_if_exists=True
             )
-            self.study.set_user_attr("space", config.search.space)
+            self.study.set_user_attr("space", str(space.name))
             name_objective(self.study, METRIC)
             self.study_id = storage.get_study_id_from_name(config.name)
             self.profile_id = save_profile(storage.engine, config.name, profile)

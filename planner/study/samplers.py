@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 import optuna
 
-from planner.artifacts.config import SamplerName
+from planner.artifacts.names import SamplerName
 
 Constraints = Callable[[optuna.trial.FrozenTrial], Sequence[float]]
 SamplerFactory = Callable[[int, Constraints | None], optuna.samplers.BaseSampler]

@@ -7,22 +7,26 @@ import pytest
 
 from planner.errors import StudyConfigError
 from planner.simulation.parameters import simulate
+from planner.artifacts.names import SpaceName
+from planner.study.search_space import SearchSpace
 from search_spaces import SPACES, assign, get_space, per_module, uniform
+
+UNIFORM, PER_MODULE, ASSIGN = (SPACES[n] for n in (SpaceName.UNIFORM, SpaceName.PER_MODULE, SpaceName.ASSIGN))
 
 
 def test_search_spaces_build_valid_distinct_plans(make_profile):
     p = make_profile(n_blocks=5)
-    for space in (uniform, per_module, assign):
+    for space in (UNIFORM, PER_MODULE, ASSIGN):
         plans = [space.suggest(optuna.trial.FixedTrial(params), p) for params in space.grid(p)]
         assert plans[0].is_default_for(p)
         for plan in plans:
             plan.validate()
         # assign: the uniform grid, then prefetch 1 sync/async and 2 async keeping the last 1..4 of 5 blocks
-        expected = {uniform: 48, per_module: 24, assign: 48 + 3 * 4}[space]
+        expected = {UNIFORM: 48, PER_MODULE: 24, ASSIGN: 48 + 3 * 4}[space]
         assert len({pl.behaviour_key() for pl in plans}) == len(plans) == expected
     # per_module: one module's own window, others untouched
-    params = per_module.grid(p)[0] | {"fwd:b1": 3, "bwd:b3": 2}
-    plan = per_module.suggest(optuna.trial.FixedTrial(params), p)
+    params = PER_MODULE.grid(p)[0] | {"fwd:b1": 3, "bwd:b3": 2}
+    plan = PER_MODULE.suggest(optuna.trial.FixedTrial(params), p)
     assert plan.modules["b1"].forward_prefetch == ("b2", "b3", "b4")
     assert plan.modules["b3"].backward_prefetch == ("b2", "b1")
     assert plan.modules["b0"].forward_prefetch == ()
@@ -42,13 +46,20 @@ def test_per_module_groups_large_models(make_profile):
     # 200 modules in 64 groups: group j holds modules [200j//64, 200(j+1)//64)
     assert groups[0] == ("<root>..b1", ["", "b0", "b1"])
     assert groups[1] == ("b2..b4", ["b2", "b3", "b4"])
-    params = per_module.grid(p)[0] | {f"fwd:{groups[1][0]}": 2}
-    plan = per_module.suggest(optuna.trial.FixedTrial(params), p)
+    params = PER_MODULE.grid(p)[0] | {f"fwd:{groups[1][0]}": 2}
+    plan = PER_MODULE.suggest(optuna.trial.FixedTrial(params), p)
     for f in groups[1][1]:
         assert len(plan.modules[f].forward_prefetch) == 2
     assert plan.modules["b1"].forward_prefetch == () and plan.modules["b5"].forward_prefetch == ()
     small = make_profile(n_blocks=5)
     assert [name for name, _ in per_module.groups(small)] == ["<root>", "b0", "b1", "b2", "b3", "b4"]
+
+
+def test_the_registry_has_one_search_space_per_name():
+    assert set(SPACES) == set(SpaceName)
+    for name, space in SPACES.items():
+        assert isinstance(space, SearchSpace) and space.name == name
+        assert get_space(str(name)) is space
 
 
 def test_every_space_starts_its_grid_with_fsdp2_default(make_profile):
@@ -66,22 +77,22 @@ def test_unknown_space_names_the_choices():
 def test_assign_grid_behaves_as_the_uniform_grid(make_profile):
     """Uniform depth d is every issue distance d: the same simulated step and peak, point for point."""
     p = make_profile(n_blocks=5)
-    assert assign.grid(p)[:48] == assign.uniform_grid(p)
-    keep = assign.suggest(optuna.trial.FixedTrial(assign.grid(p)[48 + 1]), p)  # prefetch 1 async, last 2 kept
+    assert ASSIGN.grid(p)[:48] == ASSIGN.uniform_grid(p)
+    keep = ASSIGN.suggest(optuna.trial.FixedTrial(ASSIGN.grid(p)[48 + 1]), p)  # prefetch 1 async, last 2 kept
     assert [f for f, m in keep.modules.items() if not m.reshard_after_forward] == ["", "b3", "b4"]
-    for a, u in zip(assign.uniform_grid(p), uniform.grid(p), strict=True):
-        pa, pu = (s.suggest(optuna.trial.FixedTrial(g), p) for s, g in ((assign, a), (uniform, u)))
+    for a, u in zip(ASSIGN.uniform_grid(p), UNIFORM.grid(p), strict=True):
+        pa, pu = (s.suggest(optuna.trial.FixedTrial(g), p) for s, g in ((ASSIGN, a), (UNIFORM, u)))
         ra, ru = simulate(p, pa), simulate(p, pu)
         assert (ra.step_ms, ra.peak_bytes) == (ru.step_ms, ru.peak_bytes), u
-    assert len({assign.suggest(optuna.trial.FixedTrial(g), p).behaviour_key() for g in assign.uniform_grid(p)}) == 48
+    assert len({ASSIGN.suggest(optuna.trial.FixedTrial(g), p).behaviour_key() for g in ASSIGN.uniform_grid(p)}) == 48
 
 
 def test_assign_maps_distances_onto_issuers(make_profile):
     """Forward distance k: appended to the list of the module k before it (the root when fewer precede it);
     backward alike in reverse post-forward order; raf per module, the root keeps its parameters."""
     p = make_profile(n_blocks=5)
-    params = assign.grid(p)[0] | {"fwd:b3": 2, "fwd:b1": 3, "fwd:b4": 1, "bwd:b1": 3, "raf:b2": False, "raf:<root>": True}
-    plan = assign.suggest(optuna.trial.FixedTrial(params), p)
+    params = ASSIGN.grid(p)[0] | {"fwd:b3": 2, "fwd:b1": 3, "fwd:b4": 1, "bwd:b1": 3, "raf:b2": False, "raf:<root>": True}
+    plan = ASSIGN.suggest(optuna.trial.FixedTrial(params), p)
     m = plan.modules
     assert m[""].forward_prefetch == ("b1",)  # b1 at distance 3 has only 2 modules before it: the root issues it
     assert m["b1"].forward_prefetch == ("b3",) and m["b3"].forward_prefetch == ("b4",)
@@ -104,11 +115,11 @@ def test_assign_offers_gpu_and_accumulation_knobs_only_where_they_act(make_profi
     import dataclasses
 
     cpu = make_profile(n_blocks=2)
-    assert "reduce_scatter_max_input_buffers" not in assign.grid(cpu)[0]
-    assert "reshard_after_backward" not in assign.grid(cpu)[0]
+    assert "reduce_scatter_max_input_buffers" not in ASSIGN.grid(cpu)[0]
+    assert "reshard_after_backward" not in ASSIGN.grid(cpu)[0]
     gpu = dataclasses.replace(make_profile(n_blocks=2, device="cuda"), microbatches=2)
-    params = assign.grid(gpu)[0] | {"reduce_scatter_max_input_buffers": 2, "reshard_after_backward": False}
-    plan = assign.suggest(optuna.trial.FixedTrial(params), gpu)
+    params = ASSIGN.grid(gpu)[0] | {"reduce_scatter_max_input_buffers": 2, "reshard_after_backward": False}
+    plan = ASSIGN.suggest(optuna.trial.FixedTrial(params), gpu)
     assert plan.reduce_scatter_max_input_buffers == 2 and plan.reshard_after_backward is False
 
 
@@ -116,12 +127,12 @@ def test_assign_skips_backward_all_gathers_only_where_backward_reads_no_paramete
     import dataclasses
 
     p = make_profile(n_blocks=3)
-    assert not any(k.startswith("uib:") for k in assign.grid(p)[0])  # every block saves its parameters
+    assert not any(k.startswith("uib:") for k in ASSIGN.grid(p)[0])  # every block saves its parameters
     embedding = dataclasses.replace(p.modules["b0"], needs_parameters_in_backward=False)
     p = dataclasses.replace(p, modules={**p.modules, "b0": embedding})
-    assert [k for k in assign.grid(p)[0] if k.startswith("uib:")] == ["uib:b0"]
-    params = assign.grid(p)[0] | {"uib:b0": False, "separate_reduce_scatter_group": True}
-    plan = assign.suggest(optuna.trial.FixedTrial(params), p)
+    assert [k for k in ASSIGN.grid(p)[0] if k.startswith("uib:")] == ["uib:b0"]
+    params = ASSIGN.grid(p)[0] | {"uib:b0": False, "separate_reduce_scatter_group": True}
+    plan = ASSIGN.suggest(optuna.trial.FixedTrial(params), p)
     assert [f for f, m in plan.modules.items() if not m.unshard_in_backward] == ["b0"]
     assert plan.separate_reduce_scatter_group is True
-    assert simulate(p, plan).comm_ms < simulate(p, assign.suggest(optuna.trial.FixedTrial(assign.grid(p)[0]), p)).comm_ms
+    assert simulate(p, plan).comm_ms < simulate(p, ASSIGN.suggest(optuna.trial.FixedTrial(ASSIGN.grid(p)[0]), p)).comm_ms

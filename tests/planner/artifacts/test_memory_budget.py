@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from search_spaces import get_space
 from click.testing import CliRunner
 
 from planner.presentation.cli import main
@@ -40,7 +42,7 @@ def test_relative_budget_needs_a_measured_default_peak():
 
 def test_budget_below_the_smallest_peak_names_it(make_profile):
     profile = make_profile(n_blocks=4, unsharded_bytes=100 * MIB)
-    least = smallest_peak(profile, "assign")
+    least = smallest_peak(profile, get_space("assign"))
     check_feasible(least, least, "x")  # exactly enough is enough
     with pytest.raises(MemoryBudgetError) as info:
         check_feasible(least - 1, least, "1GiB")
@@ -53,15 +55,15 @@ def test_candidates_fit_the_budget_and_over_budget_trials_fail(make_profile, tmp
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=30.0, rs=3.0, unsharded_bytes=100 * MIB)
     config = study_config(tmp_path, name="b", space="assign", sim_trials=80, measured_trials=2)
     storage = open_storage(config.storage_url, config)
-    budget = smallest_peak(profile, "assign") + 100 * MIB  # room for one block more than the least
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False, budget_bytes=budget)
+    budget = smallest_peak(profile, get_space("assign")) + 100 * MIB  # room for one block more than the least
+    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False, budget_bytes=budget)
     assert any(t.values[1] > budget for t in sim.trials)  # the search saw plans over it ...
-    candidates = select_candidates(sim, profile, "assign", 2, budget_bytes=budget)
+    candidates = select_candidates(sim, profile, get_space("assign"), 2, budget_bytes=budget)
     assert all(c.predicted_peak_bytes <= budget for c in candidates[1:])  # ... none is raced
     feasible = [t for t in sim.trials if "constraints:peak_over_budget_bytes" in t.system_attrs]
     assert len(feasible) == 80  # the new trials carry Optuna's constraint
 
-    stage = MeasuredStage(config, storage, profile, job="test", budget_bytes=budget)
+    stage = MeasuredStage(config, storage, profile, job="test", space=get_space(config.search.space), budget_bytes=budget)
     asked = stage.ask(candidates)
     over = stage.over_budget(asked, [budget + 1, budget + 1, budget])  # the default is the baseline: never failed
     assert list(over) == [1] and "exceeds the memory budget" in over[1]
@@ -87,9 +89,9 @@ def test_pareto_front_and_command(make_profile, tmp_path):
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0, unsharded_bytes=100 * MIB)
     config = study_config(tmp_path, name="p", space="assign", sim_trials=60, measured_trials=1)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile, job="test")
-    asked = stage.ask(select_candidates(sim, profile, "assign", 1))
+    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    stage = MeasuredStage(config, storage, profile, job="test", space=get_space(config.search.space))
+    asked = stage.ask(select_candidates(sim, profile, get_space("assign"), 1))
     stage.start(asked, [300 * MIB, 400 * MIB])
     run_round(stage, asked, [100.0, 90.0], start=False)
     stage.close()

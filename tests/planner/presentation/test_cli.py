@@ -9,6 +9,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from search_spaces import get_space
 from planner.presentation.cli import main
 from planner.artifacts.plan import Plan
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
@@ -35,7 +36,8 @@ def test_simulate_errors(tmp_path, make_profile):
 @pytest.fixture(scope="module")
 def study_db(tmp_path_factory):
     """Built once for the module: the commands below only read it."""
-    return make_study_db(tmp_path_factory.mktemp("study"), synthetic_profile(n_blocks=3), sim_trials=30)
+    return make_study_db(tmp_path_factory.mktemp("study"), synthetic_profile(n_blocks=3), sim_trials=30,
+                         space=get_space("uniform"))
 
 
 def test_studies_queries(study_db, tmp_path):

@@ -24,9 +24,9 @@ def config(tmp_path):
 def _run(make_profile, config, measured_ms):
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    candidates = select_candidates(sim, profile, config.search.space, config.search.measured_trials)
-    stage = MeasuredStage(config, storage, profile, job="test")
+    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    candidates = select_candidates(sim, profile, get_space(config.search.space), config.search.measured_trials)
+    stage = MeasuredStage(config, storage, profile, job="test", space=get_space(config.search.space))
     asked = stage.ask(candidates)
     told = run_round(stage, asked, measured_ms[: len(asked)])
     stage.close()
@@ -80,9 +80,9 @@ def test_rerun_adds_trials_to_the_same_study(make_profile, config):
 def test_failed_measurement_is_recorded(make_profile, config):
     profile = make_profile()
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile, job="test")
-    asked = stage.ask(select_candidates(sim, profile, config.search.space, 1))
+    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    stage = MeasuredStage(config, storage, profile, job="test", space=get_space(config.search.space))
+    asked = stage.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
     stage.fail(asked, "RuntimeError: boom", FailKind.ERROR)
     stage.close()
     trials = stage.study.trials
@@ -106,14 +106,14 @@ def test_a_second_job_skips_settled_plans(make_profile, config):
     """Measured, running (another job) and rank-failed plans are not measured again; the default always is."""
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    first = MeasuredStage(config, storage, profile, job="a")
-    asked = first.ask(select_candidates(sim, profile, config.search.space, 3, exclude=first.settled_keys()))
+    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    first = MeasuredStage(config, storage, profile, job="a", space=get_space(config.search.space))
+    asked = first.ask(select_candidates(sim, profile, get_space(config.search.space), 3, exclude=first.settled_keys()))
     run_round(first, asked[:2], [100.0, 90.0])  # default + one plan measured
     first.fail(asked[2:3], "RuntimeError: boom", FailKind.ERROR)  # failed on a rank: not again
     # asked[3] stays RUNNING: job "a" is still measuring it
-    second = MeasuredStage(config, storage, profile, job="b")
-    again = second.ask(select_candidates(sim, profile, config.search.space, 3, exclude=second.settled_keys()))
+    second = MeasuredStage(config, storage, profile, job="b", space=get_space(config.search.space))
+    again = second.ask(select_candidates(sim, profile, get_space(config.search.space), 3, exclude=second.settled_keys()))
     keys_first = {a.plan.behaviour_key() for a in asked[1:]}
     assert again[0].plan.is_default_for(profile)
     assert not keys_first & {a.plan.behaviour_key() for a in again[1:]}
@@ -131,19 +131,19 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
         update={"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1})})
     profile = make_profile(n_blocks=4)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    dead = MeasuredStage(config, storage, profile, job="dead")
-    [default, other] = dead.ask(select_candidates(sim, profile, config.search.space, 1))
+    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    dead = MeasuredStage(config, storage, profile, job="dead", space=get_space(config.search.space))
+    [default, other] = dead.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
     run_round(dead, [default], [100.0])
     dead.close()  # the job dies: its heartbeat stops, `other` stays RUNNING
     time.sleep(3.5)
-    job = MeasuredStage(config, storage, profile, job="next")
+    job = MeasuredStage(config, storage, profile, job="next", space=get_space(config.search.space))
     [retry] = job.claim_retries()
     assert retry.retry_of == other.number and retry.number != other.number
     assert retry.plan.behaviour_key() == other.plan.behaviour_key()
     assert job.study.trials[other.number].state.name == "FAIL"
-    assert not MeasuredStage(config, storage, profile, job="third").claim_retries()  # claimed once only
-    [baseline] = job.ask(select_candidates(sim, profile, config.search.space, 0))  # every round has the default
+    assert not MeasuredStage(config, storage, profile, job="third", space=get_space(config.search.space)).claim_retries()  # claimed once only
+    [baseline] = job.ask(select_candidates(sim, profile, get_space(config.search.space), 0))  # every round has the default
     run_round(job, [baseline, retry], [100.0, 80.0])
     job.close()
     states = [t.state.name for t in job.study.trials]
@@ -155,11 +155,11 @@ def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
     """A job that stops before its round was handed out (Ctrl-C during ask): its trials become FAIL."""
     profile = make_profile(n_blocks=4)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    other = MeasuredStage(config, storage, profile, job="other")
-    [theirs] = other.ask(select_candidates(sim, profile, config.search.space, 0))
-    stage = MeasuredStage(config, storage, profile, job="stopping")
-    asked = stage.ask(select_candidates(sim, profile, config.search.space, 2, exclude=stage.settled_keys()))
+    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    other = MeasuredStage(config, storage, profile, job="other", space=get_space(config.search.space))
+    [theirs] = other.ask(select_candidates(sim, profile, get_space(config.search.space), 0))
+    stage = MeasuredStage(config, storage, profile, job="stopping", space=get_space(config.search.space))
+    asked = stage.ask(select_candidates(sim, profile, get_space(config.search.space), 2, exclude=stage.settled_keys()))
     run_round(stage, asked[:1], [100.0])
     failed = stage.fail_held("interrupted: KeyboardInterrupt: SIGINT")
     assert failed == [a.number for a in asked[1:]]
@@ -176,20 +176,20 @@ def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
 def test_candidates_worth_racing(make_profile, tmp_path):
     """Per-module study: the best uniform plan is always raced; near-copies the model ties give way to the one
     keeping the least memory alive; plans of another kind in the band come before further near-copies."""
-    from planner.study.simulated import _what_it_does
+    from planner.study.candidates import _what_it_does
 
     profile = make_profile(n_blocks=5, fwd=10.0, bwd=20.0, ag=[8.0, 2.0, 12.0, 3.0, 9.0], rs=3.0, unsharded_bytes=1000)
     config = study_config(tmp_path, name="pm", space="per_module", sim_trials=150)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, show_progress_bar=False)
-    candidates = select_candidates(sim, profile, "per_module", 3)
+    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    candidates = select_candidates(sim, profile, get_space("per_module"), 3)
     assert candidates[0].plan.is_default_for(profile)
     grid = [tuple(sorted(g.items())) for g in get_space("per_module").grid(profile)]
     uniform = [t for t in sim.trials if t.values and tuple(sorted(t.params.items())) in grid
                and t.params != get_space("per_module").grid(profile)[0]]
     best_uniform = min(uniform, key=lambda t: (t.values[0], t.number))
     assert candidates[1].params == best_uniform.params
-    ranked = distinct_plans(sim, profile, "per_module")
+    ranked = distinct_plans(sim, profile, get_space("per_module"))
     best_ms = min(t.values[0] for t, p in ranked if not p.is_default_for(profile))
     checked = 0
     for c in candidates[2:]:  # each in-band pick is the lowest-peak plan of its kind

@@ -1,0 +1,33 @@
+"""The names a study chooses from: the ranks' backend, the search space, the sampler.
+
+Shared by the study config (which validates them), the search spaces and the
+sampler registry (keyed by them) and the runtime (the backend), so this module
+imports nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Backend(enum.StrEnum):
+    """``torch.distributed`` backend of the ranks: ``gloo`` on CPU, ``nccl`` on CUDA GPUs."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class SpaceName(enum.StrEnum):
+    """``[search] space``: the search spaces (``search_spaces.SPACES`` implements each)."""
+
+    UNIFORM = "uniform"
+    PER_MODULE = "per_module"
+    ASSIGN = "assign"
+
+
+class SamplerName(enum.StrEnum):
+    """``[search] sampler``: the Optuna samplers of the simulated stage (``planner.study.samplers``)."""
+
+    TPE = "tpe"
+    NSGA2 = "nsga2"
+    RANDOM = "random"

@@ -1,0 +1,43 @@
+"""The face of a search space: what the study asks of one (the ``search_spaces`` package implements them).
+
+The planner never imports ``search_spaces``: whoever runs a study (``jobs``,
+``bench``, the tests) looks the space up by its :class:`SpaceName`
+(``search_spaces.get_space``) and hands it in, as Optuna is handed a sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.artifacts.names import SpaceName
+
+
+@runtime_checkable
+class SearchSpace(Protocol):
+    """Maps an Optuna trial to a :class:`Plan` of a profile's modules.
+
+    A space's parameters are its own (``forward_depth``, ``fwd:<module>``,
+    ...); the study stores them on each trial, and the same parameters always
+    build the same plan for the same profile (``suggest`` on a
+    ``optuna.trial.FixedTrial`` rebuilds a stored trial's plan).
+    """
+
+    @property
+    def name(self) -> SpaceName:
+        """``[search] space``."""
+        ...
+
+    def suggest(self, trial: Any, profile: Profile) -> Plan:
+        """Draw a plan from ``trial`` (``optuna.Trial``, or ``optuna.trial.FixedTrial`` to rebuild one)."""
+        ...
+
+    def grid(self, profile: Profile) -> list[dict[str, Any]]:
+        """Parameter sets the simulated stage enqueues first, FSDP2's default first."""
+        ...
+
+    def uniform_grid(self, profile: Profile) -> list[dict[str, Any]]:
+        """The part of :meth:`grid` that sets every module alike: the hand-set baseline every study races
+        ([Note: Candidates worth racing] in :mod:`planner.study.candidates`)."""
+        ...
