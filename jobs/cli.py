@@ -63,7 +63,7 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
         except (PlannerError, KeyboardInterrupt) as e:
             _exit_on_rank_error(e)
         if outcome is not None:
-            from jobs.report import tune_report
+            from planner.presentation.report import tune_report
 
             for line in tune_report(outcome, config.name):
                 click.echo(line)

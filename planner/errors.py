@@ -84,3 +84,9 @@ class TrialFailedError(PlannerError):
     def __init__(self, message: str, local: bool = False):
         super().__init__(message)
         self.local = local
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line, at most ``limit`` characters (for FAIL reasons and errors)."""
+    text = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -6,6 +6,7 @@ database with measured and simulated trials.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
     from planner.artifacts.plan import Plan
     from planner.study import MeasuredStage, MeasuredTrial, SearchSpace
+    from planner.study.session import TuneOutcome, TuningSession
 
 
 def synthetic_profile(
@@ -72,38 +74,91 @@ def study_config(directory: str | Path, name: str = "s", **fields) -> StudyConfi
 def make_study_db(directory: str | Path, profile: Profile, sim_trials: int, space: SearchSpace) -> str:
     """A study ``s`` in ``directory/s.db`` with simulated trials and 3 measured plans (100, 80, 90 ms); its URL.
 
-    ``space``: the ``uniform`` space (``search_spaces.get_space("uniform")``).
+    One :class:`~planner.study.session.TuningSession` through :func:`drive_round`; ``space``: the ``uniform``
+    space (``search_spaces.get_space("uniform")``).
     """
-    from planner.storages import open_storage
-    from planner.study import MeasuredStage, select_candidates, simulated_stage
+    from planner.study.session import TuningSession
 
     config = study_config(directory, sim_trials=sim_trials, measured_trials=2)
-    storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, space, show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile, "test", space)
-    asked = stage.ask(select_candidates(sim, profile, space, 2))
-    run_round(stage, asked, [100.0, 80.0, 90.0])
-    stage.close()
-    storage.engine.dispose()
+    outputs = Path(directory) / "make_study_db"  # the session's plan and profile, out of the tests' way
+    outputs.mkdir(exist_ok=True)
+    session = TuningSession(config, profile, space, job="test", plan_out=str(outputs / "s.plan.json"),
+                            profile_out=str(outputs / "s.profile.json"))
+    drive_round(session, [100.0, 80.0, 90.0])
     return config.storage_url
 
 
-def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: list[float],
-              ranks: int = 2, start: bool = True) -> list[Plan]:
-    """Drive ``stage`` through a whole round where trial ``i`` always takes ``step_ms[i]`` ms on every rank.
+StepTime = Callable[[int, "MeasuredTrial"], float]
 
-    The race then drops no one (no spread, no test), runs ``max_rounds``, and
-    the confirmation's ratio is exact. ``start=False``: the caller started
-    the stage (with measured peaks). Returns what :meth:`MeasuredStage.tell` returns.
-    """
-    schedule = stage.start(asked) if start else stage.schedule
-    times: list[list[float]] = [[] for _ in asked]
+
+def _step_time(step_ms: Sequence[float] | StepTime) -> StepTime:
+    """``step_ms[i]`` for the trial at position ``i`` of the round, or the callable itself."""
+    if callable(step_ms):
+        return step_ms
+    return lambda i, trial: step_ms[i]
+
+
+def _run_schedule(schedule: Schedule, trials: Sequence[MeasuredTrial], step_ms: StepTime, ranks: int
+                  ) -> tuple[list[list[float]], list[list[list[float]]]]:
+    """What ``runtime.measure.run_schedule`` does on real ranks, with synthetic step times: every rank takes the
+    same time, so the max across ranks is that time."""
+    times: list[list[float]] = [[] for _ in trials]
     while (block := schedule.next_block()) is not None:
-        schedule.record([{i: step_ms[i] for i in order} for order in block])
+        recorded = []
         for order in block:
+            ms = {i: step_ms(i, trials[i]) for i in order}
+            recorded.append(ms)
             for i in order:
-                times[i].append(step_ms[i])
-    return stage.tell(asked, times, [[t] * ranks for t in times])
+                times[i].append(ms[i])
+        schedule.record(recorded)
+    return times, [[list(t) for _ in range(ranks)] for t in times]
+
+
+def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: Sequence[float] | StepTime,
+              ranks: int = 2, peak_bytes: Sequence[int] | None = None) -> list[Plan]:
+    """Tell ``stage`` a whole round of ``asked`` (FSDP2's default first) with synthetic step times.
+
+    The round's schedule uses the stage's ``[measure]`` settings. With
+    ``step_ms[i]`` ms every step for trial ``i``, the race drops no one (no
+    spread, no test), runs ``max_rounds``, and the confirmation's ratio is
+    exact. Returns the told plans (:func:`planner.study.provenance.measured_plans`).
+    """
+    from planner.study.provenance import measured_plans
+
+    measure = stage.config.measure
+    schedule = Schedule(len(asked), measure.race_settings(), measure.confirm_settings(), clock=lambda: 0.0)
+    times, per_rank = _run_schedule(schedule, asked, _step_time(step_ms), ranks)
+    trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
+    measured = measured_plans(stage.config.name, trials, schedule, times, per_rank, peak_bytes)
+    stage.tell(asked, measured, times, per_rank)
+    return [m.plan for m in measured]
+
+
+def drive_round(session: TuningSession, step_ms: Sequence[float] | StepTime, peak_bytes: Sequence[int] | None = None,
+                ranks: int = 2) -> tuple[list[MeasuredTrial], TuneOutcome]:
+    """Play the ranks' part of the rank protocol (``runtime.protocol``) for ``session``, with synthetic steps.
+
+    ``session.prepare()``; every plan applies on every rank; the measured
+    peaks are ``peak_bytes`` (by position among the asked trials; default:
+    each trial's predicted peak); ``over_budget``; ``start``; the schedule's
+    blocks, step ``k`` of the trial at position ``i`` taking ``step_ms[i]``
+    ms (or ``step_ms(i, trial)``) on every rank; ``tell``; ``finish``.
+
+    Returns:
+        The trials the session asked for, and its outcome.
+    """
+    asked = session.prepare()
+    peaks = list(peak_bytes) if peak_bytes is not None else [a.predicted_peak_bytes for a in asked]
+    over = session.over_budget(asked, peaks)
+    keep = [i for i in range(len(asked)) if i not in over]
+    kept = [asked[i] for i in keep]
+    schedule = session.start(kept, [peaks[i] for i in keep])
+    step_time = _step_time(step_ms)
+    times, per_rank = _run_schedule(schedule, kept, lambda j, trial: step_time(keep[j], trial), ranks)
+    told = session.tell(kept, times, per_rank)
+    outcome = session.finish(told, {asked[i].number: reason for i, reason in over.items()})
+    session.close()
+    return asked, outcome
 
 
 def synthetic_schedule(effects: list[float], noise_iqr_pct: float, rng: np.random.Generator,

@@ -1,21 +1,39 @@
-"""Timing real training steps: one step, and several plans interleaved.
+"""Timing real training steps: one step, several plans interleaved, and the blocks of a schedule on every rank.
 
 Step ms for a plan is the median over measured steps of the max across ranks
-(docs/architecture.md, "Measurement"). Plans are interleaved A B A B ... in one run so that
-machine noise hits them alike.
+(docs/architecture.md, "Measurement"). Plans are interleaved in one run so
+that machine noise hits them alike; a schedule (``planner.statistics.schedule``)
+decides the order, on rank 0 (:func:`run_schedule`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from planner.artifacts.plan import Plan
+from planner.errors import PlannerError, one_line
 from runtime.apply import apply_plan
+from runtime.collectives import broadcast_from_rank0, gather_max, gather_objects, max_across_ranks
 from runtime.workload import Workload, train_step
+
+
+class Scheduler(Protocol):
+    """Rank 0's schedule of a round's steps (``planner.statistics.schedule.Schedule``)."""
+
+    def next_block(self) -> list[list[int]] | None:
+        """The next rounds (plan indices in running order), ``None`` when done."""
+
+    def record(self, block: list[dict[int, float]]) -> None:
+        """The block's step times: per round, plan index -> ms (max across ranks)."""
+
+
+# How a block's step times reach every rank: given this rank's run, every rank's result (gather_objects by default).
+Report = Callable[[Callable[[], list[list[float]]]], list[list[list[float]]]]
 
 
 def synchronize(device_type: str) -> None:
@@ -38,17 +56,6 @@ def timed_step(workload: Workload, step: int) -> float:
     train_step(workload, step)
     synchronize(device)
     return (time.perf_counter() - t0) * 1e3
-
-
-def max_across_ranks(local: list[float]) -> tuple[list[float], list[list[float]]]:
-    """Gather a per-step list from every rank (``all_gather_object``).
-
-    Returns:
-        ``(max per step across ranks, per-rank lists)``.
-    """
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    return [max(vals) for vals in zip(*gathered)], gathered
 
 
 class StepFailed(Exception):
@@ -171,7 +178,70 @@ def measure_plans(
     """
     local = measure_local(workload, plans, rounds, warmup_steps, on_step)
     flat = [ms for times in local for ms in times]
-    maxed, gathered = max_across_ranks(flat)
+    maxed, gathered = gather_max(flat)
     step_ms = [maxed[i * rounds : (i + 1) * rounds] for i in range(len(plans))]
     per_rank = [[g[i * rounds : (i + 1) * rounds] for g in gathered] for i in range(len(plans))]
+    return step_ms, per_rank
+
+
+def run_schedule(
+    workload: Workload,
+    plans: Sequence[Plan],
+    scheduler: Scheduler | None,
+    steps: StepCounter,
+    group: dist.ProcessGroup | None = None,
+    on_step: Callable[[], None] | None = None,
+    report: Report | None = None,
+) -> tuple[list[list[float]], list[list[list[float]]]]:
+    """Every rank: run the blocks of rounds rank 0's ``scheduler`` hands out, until it says it is done.
+
+    Rank 0 asks the scheduler for a block and broadcasts it; every rank runs
+    it (:func:`run_block`, plans applied before each step, warmed up before);
+    rank 0 feeds the scheduler each step's max across ranks.
+
+    Args:
+        scheduler: rank 0's (``planner.statistics.schedule.Schedule``); ``None`` on the other ranks.
+        group: the group of the protocol's collectives (``runtime.collectives.control_group``).
+        report: how a block's step times reach every rank, given this rank's run of it (default: run it and
+            gather the times); the rank protocol's also turns a failed step on any rank into a failed trial.
+
+    Returns:
+        On rank 0, per plan: every step's max across ranks, ms, and per rank that rank's own times, ms; on the
+        other ranks, empty lists.
+
+    Raises:
+        PlannerError: rank 0's scheduler raised (every rank raises it).
+        StepFailed: a step raised on this rank (with the default ``report``).
+        TrialFailedError: a rank did not report.
+    """
+    rank0, world = dist.get_rank() == 0, dist.get_world_size()
+    step_ms: list[list[float]] = [[] for _ in plans]
+    per_rank: list[list[list[float]]] = [[[] for _ in range(world)] for _ in plans]
+    while True:
+        payload: Any = None
+        if rank0:
+            try:
+                payload = scheduler.next_block()
+            except PlannerError as e:  # every rank must hear that rank 0 cannot go on
+                payload = {"error": str(e)}
+            except Exception as e:  # noqa: BLE001 - the same for a bug in the schedule
+                payload = {"error": f"the measured round's schedule failed: {one_line(e)}"}
+        block = broadcast_from_rank0(payload, group)
+        if block is None:
+            break
+
+        def run(block: list[list[int]] = block) -> list[list[float]]:
+            return run_block(workload, plans, block, steps, on_step)
+
+        reports = report(run) if report is not None else gather_objects(run(), group)
+        if rank0:
+            maxed = []
+            for k, order in enumerate(block):
+                times = max_across_ranks([rep[k] for rep in reports])
+                maxed.append(dict(zip(order, times)))
+                for pos, j in enumerate(order):
+                    step_ms[j].append(times[pos])
+                    for r, rep in enumerate(reports):
+                        per_rank[j][r].append(rep[k][pos])
+            scheduler.record(maxed)
     return step_ms, per_rank

@@ -2,7 +2,7 @@
 
 [Note: Rank protocol of a measured round]
 Every rank runs :func:`measured_round` with the same arguments; rank 0 alone
-holds the study (a :class:`RoundStage`: ``planner.study.MeasuredStage``).
+holds the study (a :class:`RoundStage`: ``planner.study.session.TuningSession``).
 
 1. Plans. Rank 0 asks the study for the round's trials (FSDP2's default
    first, then re-queued plans of dead jobs, then the best simulated plans
@@ -18,7 +18,7 @@ holds the study (a :class:`RoundStage`: ``planner.study.MeasuredStage``).
    candidates whose measured peak exceeds the memory budget
    (``FailKind.ERROR``), and every rank leaves them out. Then it runs blocks of rounds:
    rank 0's schedule (the race, then the confirmation: ``planner.statistics.schedule``)
-   hands out each block, every rank runs it (``runtime.measure.run_block``)
+   hands out each block, every rank runs it (``runtime.measure.run_schedule``)
    and catches its own exception, and the outcomes (times, or the failing
    plan and exception) are all-gathered after each block.
    - Every rank succeeded: rank 0 feeds the per-step max across ranks to the
@@ -37,13 +37,14 @@ holds the study (a :class:`RoundStage`: ``planner.study.MeasuredStage``).
      resumes the study.
 
 Every collective of the protocol runs on a separate gloo group (the control
-group) whose timeout is ``2 * timeout_s + 60`` s: long enough for a rank that
-failed early to wait while its peers time out in a training collective,
-short enough that no rank waits for ever. If a rank died (no report at all),
+group, ``runtime.collectives.control_group``) whose timeout is
+``2 * timeout_s + 60`` s: long enough for a rank that failed early to wait
+while its peers time out in a training collective, short enough that no rank
+waits for ever. If a rank died (no report at all),
 the gather fails on the others. On that, on Ctrl-C, SIGTERM or a storage
-error, the job (``jobs.tune.TuneJob``) records every trial its stage
+error, the job (``jobs.tune.TuneJob``) records every trial its session
 still holds FAIL ``FailKind.INTERRUPTED`` with the reason
-(``MeasuredStage.fail_held``: trials created before the round was handed out
+(``TuningSession.fail_held``: trials created before the round was handed out
 too; ``runtime.interrupts`` holds a signal back while rank 0 writes the
 study). SIGKILL leaves them RUNNING until their heartbeat goes stale and the
 next job re-queues them (``MeasuredStage.claim_retries``).
@@ -51,17 +52,18 @@ next job re-queues them (``MeasuredStage.claim_retries``).
 
 from __future__ import annotations
 
-import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from planner.errors import FailKind, PlannerError, TrialFailedError
 from planner.artifacts.plan import Plan
+from planner.errors import FailKind, PlannerError, TrialFailedError, one_line
 from runtime.apply import apply_plan
+from runtime.collectives import broadcast_from_rank0, broadcast_plans, gather_objects
 from runtime.interrupts import interrupts_deferred
-from runtime.measure import StepCounter, StepFailed, run_block
+from runtime.measure import Scheduler, StepCounter, StepFailed, run_schedule
 from runtime.peak_memory import peak_of_steps, warm_up_measuring_peaks
 from runtime.workload import Workload
 
@@ -81,18 +83,11 @@ class RoundTrial(Protocol):
 TrialT = TypeVar("TrialT", bound=RoundTrial)
 
 
-class Scheduler(Protocol):
-    """Rank 0's schedule of the round's steps (``planner.statistics.schedule.Schedule``)."""
-
-    def next_block(self) -> list[list[int]] | None:
-        """The next rounds (plan indices in running order), ``None`` when done."""
-
-    def record(self, block: list[dict[int, float]]) -> None:
-        """The block's step times: per round, plan index -> ms (max across ranks)."""
-
-
 class RoundStage(Protocol[TrialT]):
-    """What rank 0 asks and tells the study in a round (``planner.study.MeasuredStage`` over its ``MeasuredTrial``)."""
+    """What rank 0 asks and tells the study in a round (``planner.study.session.TuningSession``)."""
+
+    def prepare(self) -> list[TrialT]:
+        """The round's RUNNING trials, FSDP2's default first (step 1)."""
 
     def over_budget(self, kept: list[TrialT], peak_bytes: list[int]) -> dict[int, str]:
         """Position in ``kept`` -> why, for the trials whose measured peak exceeds the memory budget, recorded FAIL
@@ -108,49 +103,6 @@ class RoundStage(Protocol[TrialT]):
         """Record the trials FAIL with a one-line ``reason``."""
 
 
-Prepare = Callable[[], tuple[RoundStage[TrialT], list[TrialT]]]
-
-
-def control_timeout_s(timeout_s: float) -> float:
-    """The control group's timeout for a process-group timeout of ``timeout_s``, in s."""
-    return 2 * timeout_s + 60
-
-
-def control_group(timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group over every rank for the protocol's collectives (all ranks call this)."""
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s(timeout_s)))
-
-
-def broadcast_from_rank0(payload: Any, group: dist.ProcessGroup) -> Any:
-    """Rank 0's ``payload`` on every rank; ``{"error": msg}`` raises :class:`PlannerError` everywhere."""
-    box = [payload]
-    dist.broadcast_object_list(box, src=0, group=group)
-    if isinstance(box[0], dict) and "error" in box[0]:
-        raise PlannerError(box[0]["error"])
-    return box[0]
-
-
-def gather(local: Any, group: dist.ProcessGroup) -> list[Any]:
-    """``all_gather_object`` on the control group.
-
-    Raises:
-        TrialFailedError: a rank did not report (it died, or it is stuck past
-            the control group's timeout).
-    """
-    out: list[Any] = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(out, local, group=group)
-    except Exception as e:  # noqa: BLE001 - gloo reports a dead peer in several ways
-        raise TrialFailedError(f"a rank did not report to rank {dist.get_rank()}: {one_line(e)}", local=True) from None
-    return out
-
-
-def one_line(e: BaseException, limit: int = 300) -> str:
-    """``Type: message`` on one line, at most ``limit`` characters (for FAIL reasons and errors)."""
-    text = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _is_victim(error: BaseException) -> bool:
     """Whether ``error`` is a collective failing because of another rank (a timeout, a closed peer)."""
     return isinstance(error, getattr(dist, "DistError", ())) or "Timed out" in str(error) or "Connection" in str(error)
@@ -164,9 +116,22 @@ class RoundResult:
     failed: dict[int, str]
 
 
+class _Refused:
+    """A schedule that could not start: its first block is the reason, which every rank then raises."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def next_block(self) -> list[list[int]] | None:
+        raise PlannerError(self.reason)
+
+    def record(self, block: list[dict[int, float]]) -> None:
+        raise AssertionError("a refused schedule runs no block")
+
+
 def measured_round(
     workload: Workload,
-    prepare: Prepare[TrialT] | None,
+    stage: RoundStage[TrialT] | None,
     warmup_steps: int,
     group: dist.ProcessGroup,
     on_step: Callable[[], None] | None = None,
@@ -175,10 +140,10 @@ def measured_round(
 
     Args:
         workload: this rank's workload.
-        prepare: rank 0: returns the stage and the round's RUNNING trials
-            (step 1), FSDP2's default first; ``None`` on other ranks.
+        stage: rank 0: the study's side of the round (its :meth:`RoundStage.prepare` is step 1);
+            ``None`` on other ranks.
         warmup_steps: untimed steps per plan before the first block.
-        group: the control group (:func:`control_group`).
+        group: the control group (``runtime.collectives.control_group``).
         on_step: progress callback per step.
 
     Returns:
@@ -189,26 +154,25 @@ def measured_round(
             could not go on with the schedule.
         TrialFailedError: a rank raised inside a step (the round's trials
             are recorded FAIL first), or a rank did not report (the caller
-            fails them: ``MeasuredStage.fail_held``).
+            fails them: ``TuningSession.fail_held``).
     """
-    rank = dist.get_rank()
-    stage: RoundStage[TrialT] | None = None
+    rank0 = dist.get_rank() == 0
     asked: list[TrialT] = []
     payload: Any = None
-    if rank == 0:
+    if rank0:
         try:
-            stage, asked = prepare()
-            payload = [a.plan.to_dict() for a in asked]
+            asked = stage.prepare()
+            payload = [a.plan for a in asked]
         except PlannerError as e:
-            payload = {"error": str(e)}
-    plans = [Plan.from_dict(d) for d in broadcast_from_rank0(payload, group)]
+            payload = e
+    plans = broadcast_plans(payload, group)
     round_ = _Round(workload, stage, asked, plans, group)
     keep, failed = round_.apply_everywhere()
     if 0 not in keep:  # FSDP2's default is the baseline: without it nothing can be compared
-        if rank == 0 and stage is not None:
+        if rank0 and stage is not None:
             stage.fail(asked, "not measured: FSDP2's default plan failed to apply, so there is nothing to compare "
                               "with", FailKind.INTERRUPTED)
-        return RoundResult([], {asked[i].number: r for i, r in failed.items()} if rank == 0 else {})
+        return RoundResult([], {asked[i].number: r for i, r in failed.items()} if rank0 else {})
     return round_.measure(keep, failed, warmup_steps, on_step)
 
 
@@ -229,7 +193,7 @@ class _Round:
                 local_errors.append(None)
             except Exception as e:  # noqa: BLE001 - any exception fails this plan, not the round
                 local_errors.append(one_line(e))
-        outcomes = gather(local_errors, self.group)
+        outcomes = gather_objects(local_errors, self.group)
         keep, failed = [], {}
         for i in range(len(self.plans)):
             reasons = [f"rank {r}: {errs[i]}" for r, errs in enumerate(outcomes) if errs[i] is not None]
@@ -257,37 +221,15 @@ class _Round:
         over = set(broadcast_from_rank0(sorted(over) if self.rank0 else None, self.group))
         keep = [i for j, i in enumerate(keep) if j not in over]
         plans = [p for j, p in enumerate(plans) if j not in over]
-        schedule, start_error = None, None
+        schedule: Scheduler | None = None
         if self.rank0:
             try:
                 schedule = self.stage.start([self.asked[i] for i in keep],
                                             [p for j, p in enumerate(peaks) if j not in over])
-            except PlannerError as e:  # every rank must hear it (next broadcast)
-                start_error = str(e)
-        step_ms: list[list[float]] = [[] for _ in keep]
-        per_rank: list[list[list[float]]] = [[[] for _ in range(dist.get_world_size())] for _ in keep]
-        while True:
-            payload: Any = None
-            if self.rank0 and start_error is not None:
-                payload = {"error": start_error}
-            elif self.rank0:
-                try:
-                    payload = schedule.next_block()
-                except Exception as e:  # noqa: BLE001 - every rank must hear that rank 0 cannot go on
-                    payload = {"error": f"the measured round's schedule failed: {one_line(e)}"}
-            block = broadcast_from_rank0(payload, self.group)
-            if block is None:
-                break
-            reports = self._everywhere(keep, lambda: run_block(self.workload, plans, block, steps, on_step))
-            if self.rank0:
-                maxed = []
-                for k, order in enumerate(block):
-                    maxed.append({j: max(rep[k][pos] for rep in reports) for pos, j in enumerate(order)})
-                    for pos, j in enumerate(order):
-                        step_ms[j].append(maxed[-1][j])
-                        for r, rep in enumerate(reports):
-                            per_rank[j][r].append(rep[k][pos])
-                schedule.record(maxed)
+            except PlannerError as e:  # every rank must hear it: the first block is the refusal
+                schedule = _Refused(str(e))
+        step_ms, per_rank = run_schedule(self.workload, plans, schedule, steps, self.group, on_step,
+                                         report=lambda run: self._everywhere(keep, run))
         if not self.rank0:
             return RoundResult([], {})
         with interrupts_deferred():  # a Ctrl-C during the writes waits until every trial is told
@@ -300,7 +242,7 @@ class _Round:
             report: dict[str, Any] = {"result": run()}
         except StepFailed as e:
             report = {"index": keep[e.index], "error": one_line(e.error), "victim": _is_victim(e.error)}
-        reports = gather(report, self.group)
+        reports = gather_objects(report, self.group)
         errors = [(r, rep) for r, rep in enumerate(reports) if "error" in rep]
         if not errors:
             return [rep["result"] for rep in reports]

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from planner.errors import MemoryBudgetError, StudyConfigError
+from planner.units import mib
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
          "TB": 10**12}
@@ -90,7 +91,3 @@ def check_feasible(budget_bytes: int, smallest_predicted_bytes: int, text: str) 
             f"memory budget {text} ({mib(budget_bytes)}) is below the smallest predicted peak of any plan "
             f"({mib(smallest_predicted_bytes)}, FSDP2's default with no prefetch); raise the budget")
 
-
-def mib(n: int | float | None) -> str:
-    """``"1234.5 MiB"``; ``"-"`` for ``None``."""
-    return "-" if n is None else f"{n / 2**20:.1f} MiB"

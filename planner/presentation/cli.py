@@ -17,6 +17,7 @@ import click
 from planner.artifacts.config import default_storage
 from planner.errors import PlannerError
 from planner.statistics.verdict import confirmation_text
+from planner.units import mib, ms
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
@@ -68,7 +69,7 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
         return
     click.echo(f"step          {r.step_ms:10.1f} ms")
     click.echo(f"exposed comm  {r.exposed_comm_ms:10.1f} ms")
-    click.echo(f"peak memory   {r.peak_bytes / 2**20:10.1f} MiB")
+    click.echo(f"peak memory   {mib(r.peak_bytes, unit=False):>10} MiB")
     click.echo(f"lower bound   {r.lower_bound_ms:10.1f} ms  (step / bound = {r.ratio_to_lower_bound:.3f})")
 
 
@@ -94,12 +95,8 @@ def studies_list(storage) -> None:
     for url in urls:
         for s in list_studies(url):
             ratio = f"{s.best_ms / s.default_ms:.3f}" if s.best_ms and s.default_ms else "-"
-            click.echo(f"{s.name:<24} {s.measured_trial_count:>8} {s.simulated_trial_count:>9} {_ms(s.best_ms):>10} "
-                       f"{_ms(s.default_ms):>10} {ratio:>6}  {url}")
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+            click.echo(f"{s.name:<24} {s.measured_trial_count:>8} {s.simulated_trial_count:>9} {ms(s.best_ms):>10} "
+                       f"{ms(s.default_ms):>10} {ratio:>6}  {url}")
 
 
 @studies.command("show")
@@ -110,32 +107,30 @@ def studies_show(name, storage, top) -> None:
     """Show a study's measured trials (predicted vs measured) and its best simulated trials."""
     from planner.study import study_trials
 
-    rows = study_trials(_storage_for(name, storage), name)
-    measured = [r for r in rows if r["stage"] == "measured"]
-    simulated = [r for r in rows if r["stage"] == "simulated"]
-    click.echo(f"study {name}: {len(measured)} measured trials, {len(simulated)} simulated trials")
+    trials = study_trials(_storage_for(name, storage), name)
+    click.echo(f"study {name}: {len(trials.measured)} measured trials, {len(trials.simulated)} simulated trials")
     click.echo(f"\nmeasured stage (race medians; the confirmation on the plan it confirmed)\n  {'trial':>5} {'state':<8} "
                f"{'predicted ms':>12} {'measured ms':>11} {'error %':>8}  params")
-    for r in measured:
+    for r in trials.measured:
         err = ""
-        if r["predicted_ms"] and r["measured_ms"]:
-            err = f"{100 * (r['predicted_ms'] - r['measured_ms']) / r['measured_ms']:+.1f}"
-        tag = "default " if r["is_default"] else ""
-        if r["retry_of"] is not None:
-            tag += f"retry of {r['retry_of']} "
-        if r["dropped_after_round"] is not None:
-            tag += f"dropped after {r['dropped_after_round']} rounds "
-        click.echo(f"  {r['number']:>5} {r['state']:<8} {_ms(r['predicted_ms']):>12} {_ms(r['measured_ms']):>11} "
-                   f"{err:>8}  {tag}{json.dumps(_short(r['params']))}")
-        if r["verdict"]:
-            click.echo(f"  {'':>5} {'':<8} {r['verdict']}: "
-                       f"{confirmation_text(r['measured_ratio'], r['ratio_ci95'], r['rounds'])}")
-        if r["fail_reason"]:
-            click.echo(f"  {'':>5} {'':<8} reason: {r['fail_reason']}")
-    best = sorted((r for r in simulated if r["predicted_ms"] is not None), key=lambda r: r["predicted_ms"])[:top]
+        if r.predicted_ms and r.measured_ms:
+            err = f"{100 * (r.predicted_ms - r.measured_ms) / r.measured_ms:+.1f}"
+        tag = "default " if r.is_default else ""
+        if r.retry_of is not None:
+            tag += f"retry of {r.retry_of} "
+        if r.race is not None and r.race.dropped_after_round is not None:
+            tag += f"dropped after {r.race.dropped_after_round} rounds "
+        click.echo(f"  {r.number:>5} {r.state.name:<8} {ms(r.predicted_ms):>12} {ms(r.measured_ms):>11} "
+                   f"{err:>8}  {tag}{json.dumps(_short(r.params))}")
+        if r.confirmation is not None:
+            c = r.confirmation
+            click.echo(f"  {'':>5} {'':<8} {c.verdict}: {confirmation_text(c.ratio, c.ci95, c.rounds)}")
+        if r.failure is not None:
+            click.echo(f"  {'':>5} {'':<8} reason: {r.failure.reason}")
+    best = sorted((r for r in trials.simulated if r.predicted_ms is not None), key=lambda r: r.predicted_ms)[:top]
     click.echo(f"\nsimulated stage (best {len(best)})\n  {'trial':>5} {'predicted ms':>12}  params")
     for r in best:
-        click.echo(f"  {r['number']:>5} {_ms(r['predicted_ms']):>12}  {json.dumps(_short(r['params']))}")
+        click.echo(f"  {r.number:>5} {ms(r.predicted_ms):>12}  {json.dumps(_short(r.params))}")
 
 
 def _short(params: dict) -> dict:
@@ -167,10 +162,10 @@ def studies_best(name, storage) -> None:
                    f"(trial {pv.trial})")
         click.echo(f"  closest candidate: trial {c.trial}, {c.verdict}: "
                    f"{confirmation_text(c.measured_ratio, c.ratio_ci95, c.rounds)}")
-    click.echo(f"  measured   {pv.measured_ms:.1f} ms   (FSDP2 default {_ms(best.default_ms)} ms"
+    click.echo(f"  measured   {pv.measured_ms:.1f} ms   (FSDP2 default {ms(best.default_ms)} ms"
                + (f", ratio {pv.measured_ms / best.default_ms:.3f})" if best.default_ms else ")")
                + " in the race")
-    click.echo(f"  predicted  {_ms(pv.predicted_ms)} ms")
+    click.echo(f"  predicted  {ms(pv.predicted_ms)} ms")
     knobs = {"unshard_async_op": plan.unshard_async_op, "reduce_scatter_max_input_buffers":
              plan.reduce_scatter_max_input_buffers, "reshard_after_backward": plan.reshard_after_backward,
              "separate_reduce_scatter_group": plan.separate_reduce_scatter_group}
@@ -189,26 +184,24 @@ def studies_pareto(name, storage, png) -> None:
     """The predicted time/memory Pareto front of the simulated stage, and the measured points."""
     from planner.study import pareto_front, study_trials
 
-    url = _storage_for(name, storage)
-    rows = study_trials(url, name)
-    simulated = [r for r in rows if r["stage"] == "simulated" and r["predicted_peak_bytes"] is not None
-                 and r["predicted_ms"] is not None]
-    measured = [r for r in rows if r["stage"] == "measured" and r["measured_peak_bytes"] is not None]
+    trials = study_trials(_storage_for(name, storage), name)
+    simulated = [t for t in trials.simulated if t.predicted_peak_bytes is not None and t.predicted_ms is not None]
+    measured = [t for t in trials.measured if t.measured_peak_bytes is not None]
     front = pareto_front(simulated)
     click.echo(f"study {name}: predicted Pareto front, {len(front)} plans of {len(simulated)} simulated trials "
                "(peak per rank; faster needs more memory)")
     click.echo(f"  {'peak MiB':>9} {'predicted ms':>12} {'trial':>6}  plan")
-    for r in front:
-        click.echo(f"  {r['predicted_peak_bytes'] / 2**20:>9.1f} {r['predicted_ms']:>12.1f} {r['number']:>6}  "
-                   f"{_plan_line(r['params'])}")
+    for t in front:
+        click.echo(f"  {mib(t.predicted_peak_bytes, unit=False):>9} {t.predicted_ms:>12.1f} {t.number:>6}  "
+                   f"{_plan_line(t.params)}")
     click.echo(f"measured points ({len(measured)}): peak per rank (max across ranks), race median")
     click.echo(f"  {'peak MiB':>9} {'predicted':>9} {'measured ms':>11} {'trial':>6}  outcome")
-    for r in measured:
-        outcome = "FSDP2 default" if r["is_default"] else (r["verdict"] or r["state"])
-        if r["fail_reason"]:
-            outcome = f"FAIL: {r['fail_reason']}"
-        click.echo(f"  {r['measured_peak_bytes'] / 2**20:>9.1f} {_mib(r['predicted_peak_bytes']):>9} "
-                   f"{_ms(r['measured_ms']):>11} {r['number']:>6}  {outcome}")
+    for t in measured:
+        outcome = "FSDP2 default" if t.is_default else (t.verdict or t.state.name)
+        if t.failure is not None:
+            outcome = f"FAIL: {t.failure.reason}"
+        click.echo(f"  {mib(t.measured_peak_bytes, unit=False):>9} {mib(t.predicted_peak_bytes, unit=False):>9} "
+                   f"{ms(t.measured_ms):>11} {t.number:>6}  {outcome}")
     if png:
         from planner.presentation.pareto_plot import plot_pareto
 
@@ -225,10 +218,6 @@ def _plan_line(params: dict) -> str:
     return line
 
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f}"
-
-
 @studies.command("export")
 @click.argument("name")
 @click.option("-o", "--output", required=True, help="Plan JSON to write.")
@@ -242,7 +231,7 @@ def studies_export(name, output, storage) -> None:
         plan.to_json(output)
     except OSError as e:
         raise PlannerError(f"cannot write {output!r}: {e.strerror}") from None
-    click.echo(f"wrote {output} (trial {plan.provenance.trial}, measured {_ms(plan.provenance.measured_ms)} ms)")
+    click.echo(f"wrote {output} (trial {plan.provenance.trial}, measured {ms(plan.provenance.measured_ms)} ms)")
 
 
 if __name__ == "__main__":

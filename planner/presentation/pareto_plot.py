@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from planner.study.records import MeasuredTrialRecord, SimulatedTrialRecord
+from planner.units import MIB
 
 
-def plot_pareto(name: str, simulated: list[dict[str, Any]], front: list[dict[str, Any]],
-                measured: list[dict[str, Any]], path: str) -> None:
+def plot_pareto(name: str, simulated: list[SimulatedTrialRecord], front: list[SimulatedTrialRecord],
+                measured: list[MeasuredTrialRecord], path: str) -> None:
     """Draw every simulated trial, the predicted front and the measured points; write ``path``.
 
     Args:
-        simulated, front, measured: rows of ``planner.study.study_trials``
-            (front: ``planner.study.pareto_front``); peaks in bytes, times in ms.
+        simulated, front, measured: ``planner.study.study_trials``' records
+            (front: ``planner.study.pareto_front``), with their peaks; peaks in bytes, times in ms.
 
     Raises:
         OSError: ``path`` cannot be written.
@@ -21,22 +22,21 @@ def plot_pareto(name: str, simulated: list[dict[str, Any]], front: list[dict[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mib = 2**20
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.scatter([r["predicted_peak_bytes"] / mib for r in simulated], [r["predicted_ms"] for r in simulated],
+    ax.scatter([t.predicted_peak_bytes / MIB for t in simulated], [t.predicted_ms for t in simulated],
                s=8, c="0.75", label=f"simulated trials ({len(simulated)})")
-    ax.step([r["predicted_peak_bytes"] / mib for r in front], [r["predicted_ms"] for r in front], where="post",
+    ax.step([t.predicted_peak_bytes / MIB for t in front], [t.predicted_ms for t in front], where="post",
             c="tab:blue", marker="o", ms=4, label="predicted Pareto front")
-    ok = [r for r in measured if not r["fail_reason"]]
-    over = [r for r in measured if r["fail_reason"]]
-    ax.scatter([r["measured_peak_bytes"] / mib for r in ok], [r["measured_ms"] for r in ok], marker="x", s=60,
+    ok = [t for t in measured if t.failure is None]
+    over = [t for t in measured if t.failure is not None]
+    ax.scatter([t.measured_peak_bytes / MIB for t in ok], [t.measured_ms for t in ok], marker="x", s=60,
                c="tab:red", label="measured (race median)")
-    for r in ok:
-        ax.annotate(f"trial {r['number']}" + (" (default)" if r["is_default"] else ""),
-                    (r["measured_peak_bytes"] / mib, r["measured_ms"]), fontsize=7, xytext=(4, 4),
+    for t in ok:
+        ax.annotate(f"trial {t.number}" + (" (default)" if t.is_default else ""),
+                    (t.measured_peak_bytes / MIB, t.measured_ms), fontsize=7, xytext=(4, 4),
                     textcoords="offset points")
     if over:
-        ax.scatter([r["measured_peak_bytes"] / mib for r in over], [r["predicted_ms"] for r in over], marker="x",
+        ax.scatter([t.measured_peak_bytes / MIB for t in over], [t.predicted_ms for t in over], marker="x",
                    s=60, c="0.4", label="over the budget (at its predicted ms)")
     ax.set_xlabel("peak memory per rank, MiB")
     ax.set_ylabel("step time, ms")

@@ -12,6 +12,7 @@ from typing import Any
 
 from planner.errors import PlannerError
 from planner.simulation.simulator import SimResult, Track
+from planner.units import MIB, mib
 
 TRACKS = tuple(Track)  # one row per resource, top to bottom
 
@@ -38,7 +39,7 @@ def chrome_trace(result: SimResult, title: str = "predicted step") -> dict[str, 
             "ts": e.start_ms * 1e3, "dur": max(0.0, e.end_ms - e.start_ms) * 1e3,
         })
     for t, nbytes in result.memory:
-        events.append({"ph": "C", "name": "memory", "pid": 1, "ts": t * 1e3, "args": {"MiB alive": nbytes / 2**20}})
+        events.append({"ph": "C", "name": "memory", "pid": 1, "ts": t * 1e3, "args": {"MiB alive": nbytes / MIB}})
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -79,10 +80,10 @@ def write_png(result: SimResult, path: str | Path, title: str = "predicted step"
     ax.set_yticks(range(len(TRACKS)), TRACKS)
     ax.invert_yaxis()
     ax.set_title(f"{title}: {result.step_ms:.1f} ms, exposed communication {result.exposed_comm_ms:.1f} ms, "
-                 f"peak {result.peak_bytes / 2**20:.1f} MiB")
+                 f"peak {mib(result.peak_bytes)}")
     if result.memory:
         ts, bs = zip(*result.memory)
-        mem.step(ts, [b / 2**20 for b in bs], where="post", color="#333333")
+        mem.step(ts, [b / MIB for b in bs], where="post", color="#333333")
     mem.set_ylabel("MiB alive")
     mem.set_xlabel("ms")
     fig.tight_layout()

@@ -20,6 +20,7 @@ import optuna
 
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
+from planner.study.records import SimulatedTrialRecord
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import complete_trials
 
@@ -112,12 +113,13 @@ def _what_it_does(trial: optuna.trial.FrozenTrial, plan: Plan, best_ms: float) -
     kept = frozenset(f for f, m in plan.modules.items() if not m.reshard_after_forward)
     return (plan.unshard_async_op, plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward,
             plan.separate_reduce_scatter_group, kept,
-            round(trial.values[0] / best_ms, 3), round(trial.user_attrs.get("exposed_comm_ms", 0.0) / max(best_ms, 1e-9), 3))
+            round(trial.values[0] / best_ms, 3),
+            round((SimulatedTrialRecord.from_trial(trial).exposed_comm_ms or 0.0) / max(best_ms, 1e-9), 3))
 
 
 def _peak(trial: optuna.trial.FrozenTrial) -> int:
     """A simulated trial's predicted peak, bytes per rank."""
-    return int(trial.user_attrs.get("peak_bytes", 0))
+    return SimulatedTrialRecord.from_trial(trial).predicted_peak_bytes or 0
 
 
 def _candidate(trial: optuna.trial.FrozenTrial, plan: Plan) -> Candidate:

@@ -1,10 +1,11 @@
-"""The measured stage (study ``NAME``): rank 0's side of a measured round.
+"""The measured study ``NAME``: the lifecycle of its trials, rank 0's side of a measured round.
 
 Each trial is one plan measured on the real ranks: FSDP2's default and the
-best distinct simulated plans, created with the same parameters as their
-simulated trial; objective = measured step ms (median over interleaved
-steps, max across ranks). ``runtime.protocol`` broadcasts the plans and
-gathers the times; only rank 0 talks to the study.
+candidates, created with the same parameters as their simulated trial;
+objective = measured step ms (median over interleaved steps, max across
+ranks). What to measure and what the measurements mean is the
+:class:`~planner.study.session.TuningSession`'s to decide; this stage creates,
+claims, fails and tells the trials.
 
 Several jobs may share one study (one SQLite file or a PostgreSQL server):
 each creates its own RUNNING trials, keeps them alive with a
@@ -15,27 +16,23 @@ job fails and re-queues (:meth:`MeasuredStage.claim_retries`).
 
 from __future__ import annotations
 
-import math
-import statistics
+import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import optuna
 
 from planner.artifacts.config import StudyConfig
-from planner.errors import FailKind, PlannerError
-from planner.artifacts.memory_budget import mib
-from planner.artifacts.plan import Plan, Source
+from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
-from planner.statistics.race import Race
-from planner.statistics.schedule import Schedule
-from planner.simulation.parameters import simulator_for
-from planner.statistics.verdict import Confirmation
+from planner.errors import FailKind, PlannerError
+from planner.simulation.simulator import Simulator
 from planner.storages import storage_errors
 from planner.storages.archive import save_measured_plans, save_profile, update_profile
-from planner.study.heartbeat import Heartbeat
 from planner.study.candidates import Candidate, plan_key
+from planner.study.heartbeat import Heartbeat
+from planner.study.provenance import MeasuredPlan
+from planner.study.records import Failure, MeasuredTrialRecord, StudyRecord
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import name_objective
 
@@ -65,7 +62,7 @@ class MeasuredTrial:
 
 
 class MeasuredStage:
-    """Rank 0's side of the measured stage (study ``NAME``).
+    """The trials of study ``NAME`` one job creates, holds and tells.
 
     One job's round: :meth:`claim_retries` (fail stale trials of dead jobs,
     take over their re-queued plans), :meth:`settled_keys` (plans not to
@@ -75,35 +72,42 @@ class MeasuredStage:
     the storage, so concurrent jobs on one study never take each other's
     trials; Optuna numbers them.
 
+    Args:
+        config: the study.
+        storage: Optuna's RDB storage (``planner.storages.open_storage``).
+        simulator: the profile's simulator (a re-queued plan's prediction).
+        job: this job's name (trial user attribute ``job``).
+        space: the search space (rebuilds a re-queued trial's plan).
+
     Raises (every method):
         StorageError: the database cannot be written (e.g. locked too long).
     """
 
-    def __init__(self, config: StudyConfig, storage: optuna.storages.RDBStorage, profile: Profile, job: str,
-                 space: SearchSpace, on_drop: Callable[[MeasuredTrial, int], None] | None = None,
-                 budget_bytes: int | None = None):
+    def __init__(self, config: StudyConfig, storage: optuna.storages.RDBStorage, simulator: Simulator, job: str,
+                 space: SearchSpace):
         self.config = config
-        self.profile = profile
-        self.budget_bytes = budget_bytes
-        self._peaks: list[int] = []
-        self.job = job
-        self.on_drop = on_drop
-        self.schedule: Schedule | None = None
-        self._started: list[MeasuredTrial] = []
-        self.space = space
         self.storage = storage
+        self.simulator = simulator
+        self.profile = simulator.profile
+        self.job = job
+        self.space = space
         with self._storage_errors():
             self.study = optuna.create_study(
                 study_name=config.name, storage=storage, direction="minimize", load_if_exists=True
             )
-            self.study.set_user_attr("space", str(space.name))
+            for key, value in StudyRecord(space.name).to_user_attrs().items():
+                self.study.set_user_attr(key, value)
             name_objective(self.study, METRIC)
             self.study_id = storage.get_study_id_from_name(config.name)
-            self.profile_id = save_profile(storage.engine, config.name, profile)
+            self.profile_id = save_profile(storage.engine, config.name, self.profile)
         self.heartbeat = Heartbeat(storage, config.study.heartbeat_interval_s)
 
-    def _storage_errors(self):
+    def _storage_errors(self) -> contextlib.AbstractContextManager[None]:
         return storage_errors(self.config.storage_url)
+
+    def _record(self, trial_id: int, record: MeasuredTrialRecord) -> None:
+        for key, value in record.to_user_attrs().items():
+            self.storage.set_trial_user_attr(trial_id, key, value)
 
     def claim_retries(self) -> list[MeasuredTrial]:
         """Fail stale trials, then take over the WAITING trials that re-queue their plans.
@@ -115,7 +119,6 @@ class MeasuredStage:
         (``set_trial_state_values`` to RUNNING), so one job measures it.
         """
         out = []
-        simulator = simulator_for(self.profile)
         with self._storage_errors(), warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
@@ -127,33 +130,33 @@ class MeasuredStage:
                 except optuna.exceptions.UpdateFinishedTrialError:
                     continue
                 self.heartbeat.add(trial_id)
-                self.storage.set_trial_user_attr(trial_id, "job", self.job)
+                self._record(trial_id, MeasuredTrialRecord(job=self.job))
                 try:
                     plan = self.space.suggest(optuna.trial.FixedTrial(t.params), self.profile)
-                    result = simulator.run(plan)
+                    result = self.simulator.run(plan)
                 except (PlannerError, KeyError, ValueError) as e:
-                    self._fail_one(t.number, trial_id, f"cannot rebuild the plan: {e}", FailKind.ERROR)
+                    self._fail_one(t.number, trial_id, Failure(f"cannot rebuild the plan: {e}", FailKind.ERROR))
                     continue
-                retry_of = t.system_attrs.get("failed_trial")
+                retry_of = MeasuredTrialRecord.from_trial(t).retry_of
                 out.append(MeasuredTrial(t.number, trial_id, plan, result.step_ms, result.peak_bytes, retry_of))
         return out
 
     def settled_keys(self) -> set[str]:
-        """:func:`~planner.study.simulated.plan_key` of plans not to measure again in this study.
+        """:func:`~planner.study.candidates.plan_key` of plans not to measure again in this study.
 
         Measured (COMPLETE), being measured by another job (RUNNING), or
-        failed on a rank (FAIL with ``fail_kind`` :attr:`FailKind.ERROR`).
-        Plans whose trial was interrupted or went stale are measured again.
+        failed on a rank (FAIL with :attr:`FailKind.ERROR`). Plans whose
+        trial was interrupted or went stale are measured again.
         """
         with self._storage_errors():
             trials = self.study.get_trials(deepcopy=False)
         keys = set()
         for t in trials:
-            key = t.user_attrs.get("plan_key")
-            state = t.state
-            if key and (state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
-                        or (state == optuna.trial.TrialState.FAIL and t.user_attrs.get("fail_kind") == FailKind.ERROR)):
-                keys.add(key)
+            r = MeasuredTrialRecord.from_trial(t)
+            settled = r.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING) or (
+                r.state == optuna.trial.TrialState.FAIL and r.failure is not None and r.failure.kind == FailKind.ERROR)
+            if r.plan_key and settled:
+                keys.add(r.plan_key)
         return keys
 
     def ask(self, candidates: list[Candidate]) -> list[MeasuredTrial]:
@@ -161,123 +164,51 @@ class MeasuredStage:
         out = []
         with self._storage_errors():
             for c in candidates:
-                template = optuna.trial.create_trial(
-                    state=optuna.trial.TrialState.RUNNING, params=c.params, distributions=c.distributions,
-                    user_attrs={
-                        "predicted_ms": c.predicted_ms, "predicted_peak_bytes": c.predicted_peak_bytes,
-                        "is_default": c.plan.is_default_for(self.profile), "plan_key": plan_key(c.plan),
-                        "job": self.job,
-                    },
-                )
+                record = MeasuredTrialRecord(predicted_ms=c.predicted_ms, predicted_peak_bytes=c.predicted_peak_bytes,
+                                             is_default=c.plan.is_default_for(self.profile), plan_key=plan_key(c.plan),
+                                             job=self.job)
+                template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=c.params,
+                                                     distributions=c.distributions, user_attrs=record.to_user_attrs())
                 trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)
                 self.heartbeat.add(trial_id)
                 number = self.storage.get_trial_number_from_id(trial_id)
                 out.append(MeasuredTrial(number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes))
         return out
 
-    def over_budget(self, kept: list[MeasuredTrial], peak_bytes: list[int]) -> dict[int, str]:
-        """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
-
-        ``kept``: the round's trials, FSDP2's default first; ``peak_bytes``: their measured peaks, bytes per rank.
-
-        Returns:
-            Position in ``kept`` -> the reason recorded. FSDP2's default, the baseline, is never
-            failed (a budget below every predicted peak is refused earlier: ``check_feasible``).
-        """
-        out: dict[int, str] = {}
-        if self.budget_bytes is None:
-            return out
-        with self._storage_errors():
-            for j, (a, peak) in enumerate(zip(kept, peak_bytes)):
-                if j == 0 or peak <= self.budget_bytes:
-                    continue
-                reason = (f"measured peak {mib(peak)} exceeds the memory budget {mib(self.budget_bytes)} "
-                          f"(predicted {mib(a.predicted_peak_bytes)})")
-                self.storage.set_trial_user_attr(a.trial_id, "measured_peak_bytes", peak)
-                self._fail_one(a.number, a.trial_id, reason, FailKind.ERROR)
-                out[j] = reason
-        return out
-
-    def start(self, kept: list[MeasuredTrial], peak_bytes: list[int] | None = None) -> Schedule:
-        """The schedule of the round's race and confirmation over ``kept`` (FSDP2's default first).
-
-        ``peak_bytes``: their measured peaks, bytes per rank (told with the times).
-        Raises:
-            PlannerError: the first trial is not FSDP2's default.
-        """
-        if not kept or not kept[0].plan.is_default_for(self.profile):
-            raise PlannerError("a measured round starts with FSDP2's default plan, its baseline")
-        self._started = list(kept)
-        self._peaks = list(peak_bytes) if peak_bytes is not None else []
-        on_drop = None
-        if self.on_drop is not None:
-            on_drop = lambda plan, rounds: self.on_drop(self._started[plan], rounds)  # noqa: E731
-        measure = self.config.measure
-        self.schedule = Schedule(len(kept), measure.race_settings(), measure.confirm_settings(self.config.search.seed),
-                                 on_drop=on_drop)
-        return self.schedule
-
-    def tell(
-        self,
-        asked: list[MeasuredTrial],
-        step_ms: list[list[float]],
-        per_rank: list[list[list[float]]],
-    ) -> list[Plan]:
-        """Tell each trial its race median (max across ranks), with the confirmation on the survivor; store plans and runs.
+    def tell(self, asked: list[MeasuredTrial], measured: list[MeasuredPlan], step_ms: list[list[float]],
+             per_rank: list[list[list[float]]]) -> None:
+        """Store the measured plans and their runs, then tell each trial its figures and its race median.
 
         Args:
-            asked: the trials :meth:`start` was given, in that order.
-            step_ms: per trial, every step's max across ranks (race, then confirmation), ms.
+            asked: the round's trials.
+            measured: per trial, its plan (provenance filled in) and record
+                (:func:`planner.study.provenance.measured_plans`).
+            step_ms: per trial, every step's max across ranks, ms.
             per_rank: per trial, per rank, that rank's step times, ms.
-
-        Returns:
-            The plans with provenance filled in, in ``asked`` order.
-
-        Raises:
-            PlannerError: :meth:`start` was not called with these trials.
         """
-        if self.schedule is None or [a.number for a in asked] != [a.number for a in self._started]:
-            raise PlannerError("tell the trials the round was started with (MeasuredStage.start)")
-        race, survivor, confirmation = self.schedule.race, self.schedule.survivor, self.schedule.confirmation
-        default_ms = statistics.median(race.step_ms(0))
-        plans, attrs = [], []
-        for j, a in enumerate(asked):
-            figures = _trial_figures(j, race, survivor, confirmation)
-            if j < len(self._peaks):
-                figures["measured_peak_bytes"] = self._peaks[j]
-            attrs.append(figures)
-            confirmed = {k: figures[k] for k in ("verdict", "measured_ratio", "rounds", "noise_pct") if k in figures}
-            if "ratio_ci95" in figures:
-                confirmed["ratio_ci95"] = tuple(figures["ratio_ci95"])
-            plans.append(a.plan.with_provenance(
-                source=Source.MEASURED, study=self.config.name, trial=a.number, predicted_ms=a.predicted_ms,
-                measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms,
-                predicted_peak_bytes=a.predicted_peak_bytes, measured_peak_bytes=figures.get("measured_peak_bytes"),
-                memory_budget_bytes=self.budget_bytes, **confirmed))
+        plans = [m.plan for m in measured]
         with self._storage_errors():
             # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan.
             save_measured_plans(self.storage.engine, self.config.name, self.profile_id, plans,
                                 [p.is_default_for(self.profile) for p in plans], step_ms, per_rank)
-            for a, plan, times, ranks, figures in zip(asked, plans, step_ms, per_rank, attrs):
-                self.storage.set_trial_user_attr(a.trial_id, "step_ms", times)
-                self.storage.set_trial_user_attr(a.trial_id, "per_rank_step_ms", ranks)
-                for key, value in figures.items():
-                    self.storage.set_trial_user_attr(a.trial_id, key, value)
-                self.study.tell(a.number, plan.provenance.measured_ms, skip_if_finished=True)  # a stale FAIL stays
+            for a, m in zip(asked, measured):
+                self._record(a.trial_id, m.record)
+                self.study.tell(a.number, m.plan.provenance.measured_ms, skip_if_finished=True)  # a stale FAIL stays
                 self.heartbeat.discard(a.trial_id)
-        return plans
 
-    def fail(self, asked: list[MeasuredTrial], reason: str, kind: FailKind) -> None:
+    def fail(self, asked: list[MeasuredTrial], failure: Failure, measured_peak_bytes: int | None = None) -> None:
         """Record every still-RUNNING trial of ``asked`` as FAIL.
 
         Args:
-            reason: one line, stored as user attribute ``fail_reason``.
-            kind: stored as user attribute ``fail_kind``; decides whether the
-                plan is measured again (:class:`~planner.errors.FailKind`).
+            failure: the one-line reason, and whether the plan is measured again
+                (:class:`~planner.errors.FailKind`).
+            measured_peak_bytes: the peak that failed it, stored with it.
         """
         with self._storage_errors():
             for a in asked:
-                self._fail_one(a.number, a.trial_id, reason, kind)
+                if measured_peak_bytes is not None:
+                    self._record(a.trial_id, MeasuredTrialRecord(measured_peak_bytes=measured_peak_bytes))
+                self._fail_one(a.number, a.trial_id, failure)
 
     def fail_held(self, reason: str, kind: FailKind = FailKind.INTERRUPTED) -> list[int]:
         """Record as FAIL every trial this stage still holds RUNNING (claimed or asked, not yet told).
@@ -293,17 +224,16 @@ class MeasuredStage:
         with self._storage_errors():
             for trial_id in self.heartbeat.held():
                 number = self.storage.get_trial_number_from_id(trial_id)
-                if self._fail_one(number, trial_id, reason, kind):
+                if self._fail_one(number, trial_id, Failure(reason, kind)):
                     numbers.append(number)
         return numbers
 
-    def _fail_one(self, number: int, trial_id: int, reason: str, kind: FailKind) -> bool:
+    def _fail_one(self, number: int, trial_id: int, failure: Failure) -> bool:
         """FAIL the trial if it is still RUNNING; whether it was."""
         self.heartbeat.discard(trial_id)
         if self.storage.get_trial(trial_id).state != optuna.trial.TrialState.RUNNING:
             return False
-        self.storage.set_trial_user_attr(trial_id, "fail_reason", reason)
-        self.storage.set_trial_user_attr(trial_id, "fail_kind", str(kind))
+        self._record(trial_id, MeasuredTrialRecord(failure=failure))
         self.study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
         return True
 
@@ -316,18 +246,3 @@ class MeasuredStage:
         """Stop the heartbeat thread (trials still held stay RUNNING until stale: see :meth:`fail_held`)."""
         self.heartbeat.stop()
 
-
-def _trial_figures(j: int, race: Race, survivor: int | None, confirmation: Confirmation | None) -> dict[str, Any]:
-    """Plan ``j``'s figures from the round, as trial user attributes (JSON values)."""
-    figures: dict[str, Any] = {"race_rounds": len(race.step_ms(j))}
-    if math.isfinite(race.noise_pct()):
-        figures["race_noise_pct"] = race.noise_pct()
-    if j != race.default:
-        figures["race_ratio"] = math.exp(statistics.median(race.log_ratios(j, race.default)))
-    if j in race.dropped:
-        figures["dropped_after_round"] = race.dropped[j]
-    if j == survivor and confirmation is not None:
-        figures.update(verdict=str(confirmation.verdict), measured_ratio=confirmation.ratio,
-                       ratio_ci95=list(confirmation.ci95), rounds=confirmation.rounds,
-                       noise_pct=confirmation.noise_pct)
-    return figures

@@ -1,4 +1,4 @@
-"""Questions asked of a study database: which studies, which trials, the best plan, the latest calibration.
+"""Questions asked of a study database: which studies, which trials, the best plan.
 
 Every function opens the storage once (:func:`planner.storages.open_storage`)
 and reads Optuna's tables and the planner's through that one engine.
@@ -6,28 +6,20 @@ and reads Optuna's tables and the planner's through that one engine.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import optuna
 import sqlalchemy as sa
 
 from planner.errors import PlannerError, StudyNotFoundError
 from planner.artifacts.plan import Plan
-from planner.artifacts.profile import Profile
 from planner.artifacts.profile import Fingerprint
 from planner.storages import check_exists, open_storage, open_storage_read_only
 from planner.storages.archive import stored_plan
+from planner.study.records import MeasuredTrialRecord, SimulatedTrialRecord
 from planner.study.simulated import SIM_SUFFIX, complete_trials
 from planner.statistics.verdict import Verdict, confirmation_text
-
-
-class TrialStage(enum.StrEnum):
-    """Which of a study's two Optuna studies a trial belongs to."""
-
-    MEASURED = "measured"  # study NAME: a plan measured on the real ranks
-    SIMULATED = "simulated"  # study NAME.sim: a plan the simulator predicted
 
 
 @dataclass(frozen=True)
@@ -81,7 +73,7 @@ def list_studies(url: str) -> list[StudyOverview]:
         sim_count = 0
         if name + SIM_SUFFIX in names:
             sim_count = len(optuna.load_study(study_name=name + SIM_SUFFIX, storage=storage).trials)
-        defaults = [t.value for t in done if t.user_attrs.get("is_default")]
+        defaults = [t.value for t in done if MeasuredTrialRecord.from_trial(t).is_default]
         out.append(StudyOverview(
             name, len(study.trials), sim_count,
             min((t.value for t in done), default=None), defaults[-1] if defaults else None,
@@ -89,46 +81,32 @@ def list_studies(url: str) -> list[StudyOverview]:
     return out
 
 
-def study_trials(url: str, name: str) -> list[dict[str, Any]]:
-    """Trials of study ``name``: measured ones, then simulated ones.
+@dataclass(frozen=True)
+class StudyTrials:
+    """Every trial of a study, as typed records.
 
-    Each row: ``stage`` (:class:`TrialStage`), ``number``, ``state``,
-    ``predicted_ms``, ``measured_ms``, ``is_default``, ``params``; measured
-    rows also ``job``, ``fail_reason``, ``retry_of`` (the stale trial a
-    retry re-measures), ``race_ratio`` and ``dropped_after_round`` (the
-    race), ``verdict``, ``measured_ratio`` and ``ratio_ci95`` (the
-    confirmation, on the plan it confirmed).
+    Attributes:
+        measured: the trials of study ``NAME``, by number (:class:`MeasuredTrialRecord`).
+        simulated: the trials of ``NAME.sim``, by number (:class:`SimulatedTrialRecord`).
+    """
+
+    measured: list[MeasuredTrialRecord]
+    simulated: list[SimulatedTrialRecord]
+
+
+def study_trials(url: str, name: str) -> StudyTrials:
+    """Every trial of study ``name``, measured and simulated.
 
     Raises:
         StudyNotFoundError: no such study.
     """
     study, storage = _load(url, name)
-    rows = [
-        {
-            "stage": TrialStage.MEASURED, "number": t.number, "state": t.state.name,
-            "predicted_ms": t.user_attrs.get("predicted_ms"), "measured_ms": t.value,
-            "is_default": bool(t.user_attrs.get("is_default")), "params": t.params,
-            "job": t.user_attrs.get("job"), "fail_reason": t.user_attrs.get("fail_reason"),
-            "retry_of": t.system_attrs.get("failed_trial"), "verdict": t.user_attrs.get("verdict"),
-            "measured_ratio": t.user_attrs.get("measured_ratio"), "ratio_ci95": t.user_attrs.get("ratio_ci95"),
-            "rounds": t.user_attrs.get("rounds"),
-            "race_ratio": t.user_attrs.get("race_ratio"), "dropped_after_round": t.user_attrs.get("dropped_after_round"),
-            "predicted_peak_bytes": t.user_attrs.get("predicted_peak_bytes"),
-            "measured_peak_bytes": t.user_attrs.get("measured_peak_bytes"),
-        }
-        for t in study.trials
-    ]
+    measured = [MeasuredTrialRecord.from_trial(t) for t in study.trials]
     try:
         sim = optuna.load_study(study_name=name + SIM_SUFFIX, storage=storage)
     except KeyError:
         sim = None
-    for t in sim.trials if sim else []:
-        rows.append({
-            "stage": TrialStage.SIMULATED, "number": t.number, "state": t.state.name,
-            "predicted_ms": t.values[0] if t.values else None, "measured_ms": None, "is_default": None,
-            "params": t.params, "predicted_peak_bytes": t.user_attrs.get("peak_bytes"),
-        })
-    return rows
+    return StudyTrials(measured, [SimulatedTrialRecord.from_trial(t) for t in (sim.trials if sim else [])])
 
 
 class BestPlan(NamedTuple):
@@ -156,11 +134,10 @@ def _stored_plan(storage: optuna.storages.RDBStorage, name: str, number: int) ->
     return plan
 
 
-def confirmed_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+def confirmed_trials(study: optuna.Study) -> list[MeasuredTrialRecord]:
     """COMPLETE trials with a confirmation, confirmed faster first, then by ratio and trial number."""
-    confirmed = [t for t in complete_trials(study) if t.user_attrs.get("verdict")]
-    return sorted(confirmed, key=lambda t: (t.user_attrs["verdict"] != Verdict.FASTER,
-                                            t.user_attrs["measured_ratio"], t.number))
+    confirmed = [r for r in map(MeasuredTrialRecord.from_trial, complete_trials(study)) if r.confirmation is not None]
+    return sorted(confirmed, key=lambda r: (r.verdict != Verdict.FASTER, r.confirmation.ratio, r.number))
 
 
 def best_plan(url: str, name: str) -> BestPlan:
@@ -173,10 +150,10 @@ def best_plan(url: str, name: str) -> BestPlan:
     done = complete_trials(study)
     if not done:
         raise StudyNotFoundError(f"study {name!r} has no measured trial yet; run `prefetch-planner tune` on it")
-    defaults = [t for t in done if t.user_attrs.get("is_default")]
+    defaults = [t for t in done if MeasuredTrialRecord.from_trial(t).is_default]
     default_ms = defaults[-1].value if defaults else None
     confirmed = confirmed_trials(study)
-    if confirmed and confirmed[0].user_attrs["verdict"] == Verdict.FASTER:
+    if confirmed and confirmed[0].verdict == Verdict.FASTER:
         return BestPlan(_stored_plan(storage, name, confirmed[0].number), default_ms, None)
     if not defaults:
         raise StudyNotFoundError(f"study {name!r} has no measurement of FSDP2's default to recommend")
@@ -200,7 +177,7 @@ def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan |
     """
     study, storage = _load(url, name, read_only=True)
     try:
-        faster = [t for t in confirmed_trials(study) if t.user_attrs["verdict"] == Verdict.FASTER]
+        faster = [t for t in confirmed_trials(study) if t.verdict == Verdict.FASTER]
         if not faster:
             return None, f"study {name!r} has no plan confirmed faster than FSDP2's default"
         differences = []
@@ -218,16 +195,16 @@ def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan |
         storage.engine.dispose()
 
 
-def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows no other row beats on both ``predicted_ms`` and ``predicted_peak_bytes``, by peak ascending.
+def pareto_front(trials: list[SimulatedTrialRecord]) -> list[SimulatedTrialRecord]:
+    """The simulated trials no other beats on both predicted step and peak, by peak ascending.
 
-    One row per distinct point (the earliest trial); rows are those of
-    :func:`study_trials` (simulated, with both figures).
+    One trial per distinct point (the earliest); trials without both figures are left out.
     """
-    out: list[dict[str, Any]] = []
+    out: list[SimulatedTrialRecord] = []
     best_ms = float("inf")
-    for r in sorted(rows, key=lambda r: (r["predicted_peak_bytes"], r["predicted_ms"], r["number"])):
-        if r["predicted_ms"] < best_ms:
-            out.append(r)
-            best_ms = r["predicted_ms"]
+    known = [t for t in trials if t.predicted_ms is not None and t.predicted_peak_bytes is not None]
+    for t in sorted(known, key=lambda t: (t.predicted_peak_bytes, t.predicted_ms, t.number)):
+        if t.predicted_ms < best_ms:
+            out.append(t)
+            best_ms = t.predicted_ms
     return out

@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import optuna
 
 from planner.artifacts.config import StudyConfig
 from planner.errors import PlannerError, StudyConfigError
-from planner.artifacts.plan import Plan
-from planner.artifacts.profile import Profile
-from planner.study.samplers import make_sampler
-from planner.simulation.parameters import simulator_for
-from planner.simulation.simulator import SimParams
+from planner.simulation.simulator import Simulator
 from planner.storages.bulk import add_trials_bulk
+from planner.study.records import PEAK_OVER_BUDGET, SimulatedTrialRecord, StudyRecord
+from planner.study.samplers import make_sampler
 from planner.study.search_space import SearchSpace
 
 SIM_SUFFIX = ".sim"
 # The simulated study's objectives: predicted step ms and predicted peak bytes per rank (a Pareto front).
 SIM_METRICS = ("predicted_step_ms", "predicted_peak_bytes")
-SIM_METRIC = SIM_METRICS[0]
+
 
 def name_objective(study: optuna.Study, *names: str) -> None:
     """``study.set_metric_names(names)`` (optuna-dashboard shows them), without its "experimental" warning."""
@@ -30,11 +27,10 @@ def name_objective(study: optuna.Study, *names: str) -> None:
 
 
 def simulated_stage(
-    profile: Profile,
+    simulator: Simulator,
     config: StudyConfig,
     storage: optuna.storages.BaseStorage,
     space: SearchSpace,
-    params: SimParams | None = None,
     show_progress_bar: bool = True,
     budget_bytes: int | None = None,
 ) -> optuna.Study:
@@ -55,11 +51,11 @@ def simulated_stage(
     FAIL and the study goes on.
 
     Args:
-        profile: the profile to simulate on (its calibration, if any, is used).
+        simulator: the profile's simulator, with the parameters to predict with
+            (``planner.simulation.parameters.simulator_for``).
         config: the study (``[search]`` table).
         storage: where ``NAME.sim`` lives.
         space: the search space (``search_spaces.get_space(config.search.space)``).
-        params: simulator parameters instead of the profile's calibration.
         show_progress_bar: Optuna's progress bar.
         budget_bytes: the memory budget, bytes per rank; ``None``: none.
 
@@ -70,7 +66,7 @@ def simulated_stage(
         StudyConfigError: ``NAME.sim`` exists with one objective (made by an
             older prefetch-planner).
     """
-    search = config.search
+    search, profile = config.search, simulator.profile
     try:
         stored = optuna.create_study(study_name=config.name + SIM_SUFFIX, storage=storage,
                                      directions=["minimize", "minimize"], load_if_exists=True)
@@ -79,7 +75,8 @@ def simulated_stage(
             f"study {config.name + SIM_SUFFIX!r} has one objective (made by an older prefetch-planner; {e}); "
             f"delete it (`optuna delete-study --study-name {config.name + SIM_SUFFIX} --storage URL`) or name the "
             "study anew") from None
-    stored.set_user_attr("space", str(space.name))
+    for key, value in StudyRecord(space.name).to_user_attrs().items():
+        stored.set_user_attr(key, value)
     name_objective(stored, *SIM_METRICS)
     previous = [t for t in stored.trials if t.state.is_finished()]
     study = optuna.create_study(directions=["minimize", "minimize"],
@@ -89,15 +86,13 @@ def simulated_stage(
         for p in space.grid(profile)[: search.sim_trials]:  # none left waiting
             study.enqueue_trial(p)
 
-    simulator = simulator_for(profile, params)
-
     def objective(trial: optuna.Trial) -> tuple[float, float]:
-        plan = space.suggest(trial, profile)
-        result = simulator.run(plan)
-        trial.set_user_attr("peak_bytes", result.peak_bytes)
-        trial.set_user_attr("exposed_comm_ms", result.exposed_comm_ms)
+        result = simulator.run(space.suggest(trial, profile))
+        record = SimulatedTrialRecord(predicted_peak_bytes=result.peak_bytes, exposed_comm_ms=result.exposed_comm_ms)
+        for key, value in record.to_user_attrs().items():
+            trial.set_user_attr(key, value)
         if budget_bytes is not None:  # Optuna's constraint: <= 0 is feasible; TPE and NSGA-II favour feasible trials
-            trial.set_constraint("peak_over_budget_bytes", float(result.peak_bytes - budget_bytes))
+            trial.set_constraint(PEAK_OVER_BUDGET, float(result.peak_bytes - budget_bytes))
         return result.step_ms, float(result.peak_bytes)
 
     with warnings.catch_warnings():  # TPE's multi-objective mode warns on each start
@@ -114,9 +109,9 @@ def simulated_stage(
     return study
 
 
-def smallest_peak(profile: Profile, space: SearchSpace, params: SimParams | None = None) -> int:
+def smallest_peak(simulator: Simulator, space: SearchSpace) -> int:
     """The smallest predicted peak over the space's grid, bytes per rank (the least memory any plan needs)."""
-    simulator = simulator_for(profile, params)
+    profile = simulator.profile
     return min(simulator.run(space.suggest(optuna.trial.FixedTrial(g), profile)).peak_bytes for g in space.grid(profile))
 
 

@@ -19,6 +19,9 @@ import optuna
 import pytest
 import sqlalchemy as sa
 
+from planner.errors import FailKind
+from planner.statistics.verdict import Verdict
+from planner.study.records import MeasuredTrialRecord
 from tests.runtime.conftest import rank_env
 
 STUDY = """
@@ -67,12 +70,17 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]
     return proc.returncode, out, err
 
 
-def trials(url: str, name: str = "shared") -> list[optuna.trial.FrozenTrial]:
+def _frozen(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
     storage = optuna.storages.RDBStorage(url, skip_compatibility_check=True)
     try:
         return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
     finally:
         storage.engine.dispose()
+
+
+def trials(url: str, name: str = "shared") -> list[MeasuredTrialRecord]:
+    """The measured study's trials, as the planner reads them."""
+    return [MeasuredTrialRecord.from_trial(t) for t in _frozen(url, name)]
 
 
 def wait_for_running(url: str, proc: subprocess.Popen, timeout: float = 300) -> list[int]:
@@ -135,9 +143,9 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     measured = trials(storage_url)
     assert len(measured) == 30
     assert Counter(t.state.name for t in measured) == {"COMPLETE": 30}
-    per_job = Counter(t.user_attrs["job"] for t in measured)
+    per_job = Counter(t.job for t in measured)
     assert sorted(per_job.values()) == [10, 10, 10]
-    assert sum(t.user_attrs["is_default"] for t in measured) == 3  # every job measured its own baseline
+    assert sum(t.is_default for t in measured) == 3  # every job measured its own baseline
     assert len({t.number for t in measured}) == 30
     # our rows: one plan row and one run row per measured trial, no duplicate
     engine = sa.create_engine(storage_url)
@@ -148,7 +156,7 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     engine.dispose()
     assert sorted(r[0] for r in rows) == sorted(t.number for t in measured)
     assert runs == 30 and profiles == 3
-    assert len(trials(storage_url, "shared.sim")) == 3 * 40
+    assert len(_frozen(storage_url, "shared.sim")) == 3 * 40
 
     # The best plan is the same whichever job (process) reads it.
     readers = [subprocess.Popen([sys.executable, "-m", "jobs.cli", "studies", "best", "shared", "--storage",
@@ -157,12 +165,12 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     answers = [r.communicate(timeout=120)[0] for r in readers]
     assert all(r.returncode == 0 for r in readers)
     assert answers[0] and answers.count(answers[0]) == 3
-    faster = [t for t in measured if t.user_attrs.get("verdict") == "faster"]
+    faster = [t for t in measured if t.verdict == Verdict.FASTER]
     if faster:  # the study recommends the plan confirmed faster with the lowest ratio
-        best = min(faster, key=lambda t: (t.user_attrs["measured_ratio"], t.number))
+        best = min(faster, key=lambda t: (t.confirmation.ratio, t.number))
         assert answers[0].startswith(f"study shared: best trial {best.number}, faster than")
     else:  # else FSDP2's default, its latest measurement
-        default = max((t for t in measured if t.user_attrs["is_default"]), key=lambda t: t.number)
+        default = max((t for t in measured if t.is_default), key=lambda t: t.number)
         assert f"best: FSDP2's default (trial {default.number})" in answers[0]
 
 
@@ -182,8 +190,8 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
     assert elapsed < 150  # bounded by [launch] timeout_s, not a hang
     first = trials(url)
     assert "RUNNING" not in {t.state.name for t in first}
-    [failed] = [t for t in first if t.user_attrs.get("fail_kind") == "error"]
-    assert "rank 1: RuntimeError: CUDA out of memory" in failed.user_attrs["fail_reason"]
+    [failed] = [t for t in first if t.failure is not None and t.failure.kind == FailKind.ERROR]
+    assert "rank 1: RuntimeError: CUDA out of memory" in failed.failure.reason
     assert failed.params["forward_depth"] >= 1 or not failed.params["reshard_after_forward"]
     show = subprocess.run([sys.executable, "-m", "jobs.cli", "studies", "show", "shared", "--storage", url],
                           capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=120)
@@ -195,7 +203,7 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
     assert code == 0, out + err
     second = [t for t in trials(url) if t.number >= len(first)]
     assert second and all(t.state.name == "COMPLETE" for t in second)
-    assert failed.user_attrs["plan_key"] not in {t.user_attrs["plan_key"] for t in second}
+    assert failed.plan_key not in {t.plan_key for t in second}
 
 
 @pytest.mark.slow
@@ -216,10 +224,10 @@ def test_torchrun_max_restarts_resumes_the_study(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = trials(url)
     assert "RUNNING" not in {t.state.name for t in got}
-    [failed] = [t for t in got if t.user_attrs.get("fail_kind") == "error"]  # the first attempt's
+    [failed] = [t for t in got if t.failure is not None and t.failure.kind == FailKind.ERROR]  # the first attempt's
     done = [t for t in got if t.state.name == "COMPLETE"]
     assert len(done) == 4 and all(t.number > failed.number for t in done)
-    assert failed.user_attrs["plan_key"] not in {t.user_attrs["plan_key"] for t in done}
+    assert failed.plan_key not in {t.plan_key for t in done}
     assert (tmp_path / "shared.plan.json").exists()
 
 
@@ -242,7 +250,7 @@ def test_sigkill_then_resume_leaves_no_trial_running(tmp_path):
     after = trials(url)
     assert "RUNNING" not in {t.state.name for t in after}
     assert all(after[n].state.name == "FAIL" for n in running)
-    retried = {t.system_attrs.get("failed_trial") for t in after if t.state.name == "COMPLETE"}
+    retried = {t.retry_of for t in after if t.state.name == "COMPLETE"}
     assert set(running) <= retried  # every killed trial's plan was measured again
 
 
@@ -259,4 +267,4 @@ def test_ctrl_c_fails_the_running_trials_cleanly(tmp_path):
     after = trials(url)
     assert "RUNNING" not in {t.state.name for t in after}
     for n in running:
-        assert after[n].state.name == "FAIL" and after[n].user_attrs["fail_kind"] == "interrupted"
+        assert after[n].state.name == "FAIL" and after[n].failure.kind == FailKind.INTERRUPTED

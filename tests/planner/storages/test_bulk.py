@@ -9,6 +9,7 @@ import pytest
 
 from planner.storages import open_storage
 from planner.storages.bulk import add_trials_bulk
+from planner.study.records import PEAK_OVER_BUDGET
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -29,7 +30,7 @@ def _in_memory_trials() -> list[optuna.trial.FrozenTrial]:
         c = trial.suggest_categorical("choice", [False, True, None, "x"])
         trial.set_user_attr("peak_bytes", 123 + x)
         trial.set_user_attr("nested", {"k": [1, 2.5, "s"]})
-        trial.set_constraint("peak_over_budget_bytes", float(x - 1))
+        trial.set_constraint(PEAK_OVER_BUDGET, float(x - 1))
         if trial.number == 4:
             raise ValueError("a plan that cannot be simulated")
         return (math.inf if c == "x" else float(x) + y), float(x * 10)
@@ -58,7 +59,7 @@ def test_bulk_write_reads_back_as_optunas_own(url):
     assert [_comparable(t) for t in got] == [_comparable(t) for t in want]
     assert got[4].state == optuna.trial.TrialState.FAIL and got[4].values is None
     assert any(t.values and math.isinf(t.values[0]) for t in got)
-    assert all(t.system_attrs == {"constraints:peak_over_budget_bytes": t.params["fwd:a.b"] - 1.0} for t in got)
+    assert all(t.system_attrs == {f"constraints:{PEAK_OVER_BUDGET}": t.params["fwd:a.b"] - 1.0} for t in got)
     # what Optuna builds on it: the Pareto front and constrained sampling
     study = optuna.load_study(study_name="bulk", storage=url)
     assert {t.number for t in study.best_trials} == {t.number for t in reference.best_trials}

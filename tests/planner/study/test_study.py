@@ -8,12 +8,18 @@ import time
 import pytest
 
 from planner.errors import FailKind, StudyNotFoundError
+from planner.simulation.parameters import simulator_for
 from planner.storages import open_storage
 from planner.study import (
     MeasuredStage, best_plan, distinct_plans, list_studies, plan_key, select_candidates, simulated_stage, study_trials,
 )
+from planner.study.records import Failure, MeasuredTrialRecord, SimulatedTrialRecord
 from planner.testing import run_round, study_config
 from search_spaces import get_space
+
+
+def _stage(config, storage, profile, job):
+    return MeasuredStage(config, storage, simulator_for(profile), job, get_space(config.search.space))
 
 
 @pytest.fixture
@@ -24,9 +30,9 @@ def config(tmp_path):
 def _run(make_profile, config, measured_ms):
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
     candidates = select_candidates(sim, profile, get_space(config.search.space), config.search.measured_trials)
-    stage = MeasuredStage(config, storage, profile, job="test", space=get_space(config.search.space))
+    stage = _stage(config, storage, profile, "test")
     asked = stage.ask(candidates)
     told = run_round(stage, asked, measured_ms[: len(asked)])
     stage.close()
@@ -60,8 +66,10 @@ def test_tell_best_and_queries(make_profile, config):
     [summary] = list_studies(config.storage_url)
     assert (summary.name, summary.measured_trial_count, summary.simulated_trial_count) == ("t", 4, 40)
     assert (summary.best_ms, summary.default_ms) == (80.0, 100.0)
-    rows = study_trials(config.storage_url, "t")
-    assert sum(r["stage"] == "measured" for r in rows) == 4 and sum(r["stage"] == "simulated" for r in rows) == 40
+    trials = study_trials(config.storage_url, "t")
+    assert len(trials.measured) == 4 and len(trials.simulated) == 40
+    assert all(isinstance(t, MeasuredTrialRecord) for t in trials.measured)
+    assert all(isinstance(t, SimulatedTrialRecord) and t.predicted_peak_bytes > 0 for t in trials.simulated)
     # plain SQL answers without Python objects
     db = config.storage_url.removeprefix("sqlite:///")
     got = sqlite3.connect(db).execute(
@@ -80,15 +88,14 @@ def test_rerun_adds_trials_to_the_same_study(make_profile, config):
 def test_failed_measurement_is_recorded(make_profile, config):
     profile = make_profile()
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
-    stage = MeasuredStage(config, storage, profile, job="test", space=get_space(config.search.space))
+    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    stage = _stage(config, storage, profile, "test")
     asked = stage.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
-    stage.fail(asked, "RuntimeError: boom", FailKind.ERROR)
+    stage.fail(asked, Failure("RuntimeError: boom", FailKind.ERROR))
     stage.close()
     trials = stage.study.trials
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
-    assert trials[0].user_attrs["fail_reason"] == "RuntimeError: boom"
-    assert trials[0].user_attrs["fail_kind"] == "error"
+    assert MeasuredTrialRecord.from_trial(trials[0]).failure == Failure("RuntimeError: boom", FailKind.ERROR)
     with pytest.raises(StudyNotFoundError, match="no measured trial"):
         best_plan(config.storage_url, "t")
 
@@ -106,19 +113,19 @@ def test_a_second_job_skips_settled_plans(make_profile, config):
     """Measured, running (another job) and rank-failed plans are not measured again; the default always is."""
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
-    first = MeasuredStage(config, storage, profile, job="a", space=get_space(config.search.space))
+    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    first = _stage(config, storage, profile, "a")
     asked = first.ask(select_candidates(sim, profile, get_space(config.search.space), 3, exclude=first.settled_keys()))
     run_round(first, asked[:2], [100.0, 90.0])  # default + one plan measured
-    first.fail(asked[2:3], "RuntimeError: boom", FailKind.ERROR)  # failed on a rank: not again
+    first.fail(asked[2:3], Failure("RuntimeError: boom", FailKind.ERROR))  # failed on a rank: not again
     # asked[3] stays RUNNING: job "a" is still measuring it
-    second = MeasuredStage(config, storage, profile, job="b", space=get_space(config.search.space))
+    second = _stage(config, storage, profile, "b")
     again = second.ask(select_candidates(sim, profile, get_space(config.search.space), 3, exclude=second.settled_keys()))
     keys_first = {a.plan.behaviour_key() for a in asked[1:]}
     assert again[0].plan.is_default_for(profile)
     assert not keys_first & {a.plan.behaviour_key() for a in again[1:]}
     assert len({a.number for a in asked} | {a.number for a in again}) == len(asked) + len(again)
-    first.fail(asked[3:], "KeyboardInterrupt: SIGINT", FailKind.INTERRUPTED)  # interrupted: measured again later
+    first.fail(asked[3:], Failure("KeyboardInterrupt: SIGINT", FailKind.INTERRUPTED))  # interrupted: measured again
     assert plan_key(asked[3].plan) not in second.settled_keys()
     assert plan_key(asked[2].plan) in second.settled_keys()
     for stage in (first, second):
@@ -131,18 +138,18 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
         update={"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1})})
     profile = make_profile(n_blocks=4)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
-    dead = MeasuredStage(config, storage, profile, job="dead", space=get_space(config.search.space))
+    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    dead = _stage(config, storage, profile, "dead")
     [default, other] = dead.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
     run_round(dead, [default], [100.0])
     dead.close()  # the job dies: its heartbeat stops, `other` stays RUNNING
     time.sleep(3.5)
-    job = MeasuredStage(config, storage, profile, job="next", space=get_space(config.search.space))
+    job = _stage(config, storage, profile, "next")
     [retry] = job.claim_retries()
     assert retry.retry_of == other.number and retry.number != other.number
     assert retry.plan.behaviour_key() == other.plan.behaviour_key()
     assert job.study.trials[other.number].state.name == "FAIL"
-    assert not MeasuredStage(config, storage, profile, job="third", space=get_space(config.search.space)).claim_retries()  # claimed once only
+    assert not _stage(config, storage, profile, "third").claim_retries()  # claimed once only
     [baseline] = job.ask(select_candidates(sim, profile, get_space(config.search.space), 0))  # every round has the default
     run_round(job, [baseline, retry], [100.0, 80.0])
     job.close()
@@ -155,10 +162,10 @@ def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
     """A job that stops before its round was handed out (Ctrl-C during ask): its trials become FAIL."""
     profile = make_profile(n_blocks=4)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
-    other = MeasuredStage(config, storage, profile, job="other", space=get_space(config.search.space))
+    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    other = _stage(config, storage, profile, "other")
     [theirs] = other.ask(select_candidates(sim, profile, get_space(config.search.space), 0))
-    stage = MeasuredStage(config, storage, profile, job="stopping", space=get_space(config.search.space))
+    stage = _stage(config, storage, profile, "stopping")
     asked = stage.ask(select_candidates(sim, profile, get_space(config.search.space), 2, exclude=stage.settled_keys()))
     run_round(stage, asked[:1], [100.0])
     failed = stage.fail_held("interrupted: KeyboardInterrupt: SIGINT")
@@ -166,7 +173,7 @@ def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
     trials = stage.study.trials
     assert trials[asked[0].number].state.name == "COMPLETE"
     for a in asked[1:]:
-        assert trials[a.number].state.name == "FAIL" and trials[a.number].user_attrs["fail_kind"] == "interrupted"
+        assert MeasuredTrialRecord.from_trial(trials[a.number]).failure.kind == FailKind.INTERRUPTED
     assert trials[theirs.number].state.name == "RUNNING"  # another job's trial is not ours to fail
     assert stage.fail_held("again") == []
     for s in (stage, other):
@@ -181,7 +188,7 @@ def test_candidates_worth_racing(make_profile, tmp_path):
     profile = make_profile(n_blocks=5, fwd=10.0, bwd=20.0, ag=[8.0, 2.0, 12.0, 3.0, 9.0], rs=3.0, unsharded_bytes=1000)
     config = study_config(tmp_path, name="pm", space="per_module", sim_trials=150)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(profile, config, storage, get_space(config.search.space), show_progress_bar=False)
+    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
     candidates = select_candidates(sim, profile, get_space("per_module"), 3)
     assert candidates[0].plan.is_default_for(profile)
     grid = [tuple(sorted(g.items())) for g in get_space("per_module").grid(profile)]
@@ -198,7 +205,7 @@ def test_candidates_worth_racing(make_profile, tmp_path):
             continue  # a fill-in: fewer kinds than slots
         kind = [t for t, p in ranked if t.values[0] <= best_ms * 1.05
                 and _what_it_does(t, p, best_ms) == _what_it_does(trial, c.plan, best_ms)]
-        assert c.predicted_peak_bytes == min(t.user_attrs["peak_bytes"] for t in kind)
+        assert c.predicted_peak_bytes == min(SimulatedTrialRecord.from_trial(t).predicted_peak_bytes for t in kind)
         checked += 1
     assert checked >= 1
     assert len({c.plan.behaviour_key() for c in candidates}) == len(candidates)

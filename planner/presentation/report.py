@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from jobs.tune import TuneOutcome
 from planner.artifacts.plan import Plan
 from planner.statistics.verdict import Verdict, confirmation_rounds, confirmation_text, detectable_effect
+from planner.study.session import TuneOutcome
+from planner.units import mib
 
 
 def describe(plan: Plan) -> str:
@@ -34,7 +35,7 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
         label = "FSDP2 default" if p.is_default_for(outcome.profile) else describe(p)
         if j in race.dropped:
             label += f"; dropped after {race.dropped[j]} rounds"
-        peaks = f"{_mib(pv.predicted_peak_bytes)} / {_mib(pv.measured_peak_bytes)}"
+        peaks = f"{mib(pv.predicted_peak_bytes, 0, unit=False)} / {mib(pv.measured_peak_bytes, 0, unit=False)}"
         lines.append(f"  {pv.trial:>5}  {pv.predicted_ms:>12.1f}  {pv.measured_ms:>9.1f}  {ratio:>10.3f}  "
                      f"{len(race.step_ms(j)):>6}  {peaks:>18}  {label}")
     rounds, sigma = len(race.rounds), race.ratio_sigma()
@@ -44,7 +45,7 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
     budget = outcome.told[0].provenance.memory_budget_bytes
     if budget is not None and outcome.written is not None:
         peak = outcome.written.provenance.measured_peak_bytes
-        lines.append(f"memory budget {_mib(budget)} MiB per rank: the written plan's measured peak is {_mib(peak)} MiB")
+        lines.append(f"memory budget {mib(budget, 0)} per rank: the written plan's measured peak is {mib(peak, 0)}")
     c = outcome.calibration
     if c is not None:
         saved = "saved with the profile for later runs" if c.accepted else "not saved"
@@ -70,6 +71,3 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
             f"confirmation rounds would resolve a difference of "
             f"{100 * abs(1.0 - pv.measured_ratio):.1f}% ([measure] confirm_max_rounds)"]
 
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f}"

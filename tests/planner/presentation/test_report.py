@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from jobs.report import describe, tune_report
-from jobs.tune import TuneOutcome
+from planner.presentation.report import describe, tune_report
+from planner.study.session import TuneOutcome
 from planner.simulation.calibrate import CalibrationResult
 from planner.artifacts.plan import Plan, Source
 from planner.statistics.race import Race
@@ -31,8 +31,9 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
                   2: [130.0, 128.0, 131.0, 129.0]}, {2: 4})
     written = tuned if verdict == "faster" else Plan.default(p)
     calibration = CalibrationResult(None, None, None, 12.0, "not fitted: 3 measured plans, a calibration needs at least 6")
-    return TuneOutcome([default, tuned, slow], {3: "applying the plan failed on rank 1: boom"}, p, "s.profile.json",
-                       race, tuned, written, "s.plan.json", calibration)
+    return TuneOutcome(told=[default, tuned, slow], failed={3: "applying the plan failed on rank 1: boom"}, profile=p,
+                       profile_out="s.profile.json", race=race, candidate=tuned, written=written,
+                       plan_out="s.plan.json", calibration=calibration)
 
 
 def test_report_of_a_faster_plan():
@@ -59,7 +60,7 @@ def test_report_when_the_confirmation_cannot_tell():
 
 def test_nothing_measured_writes_nothing():
     p = synthetic_profile()
-    outcome = TuneOutcome([], {}, p, "p.json", None, None, None, "plan.json", None)
+    outcome = TuneOutcome(told=[], failed={}, profile=p, profile_out="p.json", plan_out="plan.json")
     assert tune_report(outcome, "s") == ["no plan was measured in this job; nothing written"]
 
 

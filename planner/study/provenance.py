@@ -1,0 +1,79 @@
+"""What a measured round says of each plan: its provenance in the plan JSON and its trial's record.
+
+Pure: built from the schedule (the race and the confirmation) and the
+measured peaks, so the figures a plan file and a study carry are tested
+without ranks or storage.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.artifacts.plan import Plan, Source
+from planner.statistics.schedule import Schedule
+from planner.study.records import MeasuredTrialRecord, RaceFigures
+
+
+@dataclass(frozen=True)
+class MeasuredPlan:
+    """One plan of a measured round.
+
+    Attributes:
+        plan: the plan, provenance filled in (trial, predicted and measured ms, the default's ms in the same
+            race, peaks and budget, and the confirmation on the plan it confirmed).
+        record: what its trial carries (:class:`MeasuredTrialRecord`).
+    """
+
+    plan: Plan
+    record: MeasuredTrialRecord
+
+
+def measured_plans(
+    study: str,
+    trials: Sequence[tuple[int, Plan, float, int]],
+    schedule: Schedule,
+    step_ms: Sequence[list[float]],
+    per_rank: Sequence[list[list[float]]],
+    peak_bytes: Sequence[int] | None = None,
+    budget_bytes: int | None = None,
+) -> list[MeasuredPlan]:
+    """The round's plans with their figures, in the order the schedule ran them (FSDP2's default first).
+
+    Args:
+        study: the measured study's name.
+        trials: per plan, ``(trial number, plan, predicted ms, predicted peak bytes)``.
+        schedule: the round's schedule, done.
+        step_ms: per plan, every step's max across ranks (race, then confirmation), ms.
+        per_rank: per plan, per rank, that rank's step times, ms.
+        peak_bytes: per plan, the measured peak per rank, bytes; ``None``: not measured.
+        budget_bytes: the memory budget the plans were chosen under, bytes per rank.
+    """
+    race, survivor, confirmation = schedule.race, schedule.survivor, schedule.confirmation
+    default_ms = statistics.median(race.step_ms(race.default))
+    noise = race.noise_pct()
+    out = []
+    for j, (number, plan, predicted_ms, predicted_peak) in enumerate(trials):
+        figures = RaceFigures(
+            rounds=len(race.step_ms(j)),
+            noise_pct=noise if math.isfinite(noise) else None,
+            ratio=math.exp(statistics.median(race.log_ratios(j, race.default))) if j != race.default else None,
+            dropped_after_round=race.dropped.get(j),
+        )
+        confirmed = confirmation if j == survivor else None
+        peak = peak_bytes[j] if peak_bytes is not None and j < len(peak_bytes) else None
+        record = MeasuredTrialRecord(step_ms=list(step_ms[j]), per_rank_step_ms=[list(r) for r in per_rank[j]],
+                                     race=figures, confirmation=confirmed, measured_peak_bytes=peak)
+        verdict = {}
+        if confirmed is not None:
+            verdict = dict(verdict=str(confirmed.verdict), measured_ratio=confirmed.ratio,
+                           ratio_ci95=tuple(confirmed.ci95), rounds=confirmed.rounds, noise_pct=confirmed.noise_pct)
+        told = plan.with_provenance(
+            source=Source.MEASURED, study=study, trial=number, predicted_ms=predicted_ms,
+            measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms,
+            predicted_peak_bytes=predicted_peak, measured_peak_bytes=peak, memory_budget_bytes=budget_bytes,
+            **verdict)
+        out.append(MeasuredPlan(told, record))
+    return out

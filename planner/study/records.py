@@ -1,0 +1,179 @@
+"""What a trial of a study carries: one typed record per stage, the one place its attribute keys are written.
+
+Optuna stores what a trial carries beyond its parameters and values as user
+attributes (JSON values under string keys; optuna-dashboard and ``optuna
+trials`` show them). Every writer builds a record with the fields it knows
+and stores ``record.to_user_attrs()``; every reader takes
+``Record.from_trial(trial)``. The keys are those databases already hold, so
+studies written before these records read the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+
+from planner.artifacts.names import SpaceName
+from planner.errors import FailKind
+from planner.statistics.verdict import Confirmation, Verdict
+
+# Optuna's own system attribute: the trial a re-queued stale trial retries (RetryFailedTrialCallback).
+_RETRY_OF = "failed_trial"
+# The memory budget as Optuna's constraint on a simulated trial (Trial.set_constraint: <= 0 is feasible).
+PEAK_OVER_BUDGET = "peak_over_budget_bytes"
+
+
+@dataclass(frozen=True)
+class StudyRecord:
+    """What a study (``NAME`` or ``NAME.sim``) carries: the search space its trials' parameters belong to."""
+
+    space: SpaceName
+
+    def to_user_attrs(self) -> dict[str, Any]:
+        """The study's user attributes."""
+        return {"space": str(self.space)}
+
+
+@dataclass(frozen=True)
+class RaceFigures:
+    """A measured plan in the race (``planner.statistics.race``).
+
+    Attributes:
+        rounds: rounds it ran.
+        noise_pct: the race's step noise (IQR / median), %; ``None`` when too few steps.
+        ratio: median per-round ratio to FSDP2's default; ``None`` for the default itself.
+        dropped_after_round: rounds run when it was dropped; ``None``: it was not.
+    """
+
+    rounds: int
+    noise_pct: float | None = None
+    ratio: float | None = None
+    dropped_after_round: int | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a measured trial is FAIL, and whether its plan is measured again (:class:`FailKind`)."""
+
+    reason: str
+    kind: FailKind
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredTrialRecord:
+    """A trial of the measured study ``NAME``: one plan measured on the real ranks.
+
+    A writer sets the fields it knows (the rest ``None``); :meth:`from_trial`
+    fills every field the trial holds. Times in ms, sizes in bytes.
+
+    Attributes:
+        number, state, params: the trial's (set by :meth:`from_trial`).
+        measured_ms: the objective, the plan's median step in the race (max across ranks).
+        retry_of: for a re-queued stale trial, the trial first failed.
+        predicted_ms, predicted_peak_bytes: the simulator's, when asked.
+        is_default: the plan is FSDP2's default.
+        plan_key: :func:`planner.study.candidates.plan_key` of the plan.
+        job: the job that measured it.
+        step_ms: every step's max across ranks (race, then confirmation).
+        per_rank_step_ms: per rank, that rank's step times.
+        race: the race's figures.
+        confirmation: the confirmation against FSDP2's default, on the plan it confirmed.
+        measured_peak_bytes: the measured peak per rank (max across ranks).
+        failure: why it failed.
+    """
+
+    number: int | None = None
+    state: optuna.trial.TrialState | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    measured_ms: float | None = None
+    retry_of: int | None = None
+    predicted_ms: float | None = None
+    predicted_peak_bytes: int | None = None
+    is_default: bool | None = None
+    plan_key: str | None = None
+    job: str | None = None
+    step_ms: list[float] | None = None
+    per_rank_step_ms: list[list[float]] | None = None
+    race: RaceFigures | None = None
+    confirmation: Confirmation | None = None
+    measured_peak_bytes: int | None = None
+    failure: Failure | None = None
+
+    def to_user_attrs(self) -> dict[str, Any]:
+        """The set fields as Optuna user attributes (JSON values); trial number, state, parameters and value are
+        Optuna's own and not among them."""
+        attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "plan_key",
+                                                     "job", "step_ms", "per_rank_step_ms", "measured_peak_bytes")}
+        if self.race is not None:
+            attrs.update(race_rounds=self.race.rounds, race_noise_pct=self.race.noise_pct, race_ratio=self.race.ratio,
+                         dropped_after_round=self.race.dropped_after_round)
+        if self.confirmation is not None:
+            c = self.confirmation
+            attrs.update(verdict=str(c.verdict), measured_ratio=c.ratio, ratio_ci95=list(c.ci95), rounds=c.rounds,
+                         noise_pct=c.noise_pct)
+        if self.failure is not None:
+            attrs.update(fail_reason=self.failure.reason, fail_kind=str(self.failure.kind))
+        return {key: value for key, value in attrs.items() if value is not None}
+
+    @classmethod
+    def from_trial(cls, trial: optuna.trial.FrozenTrial) -> "MeasuredTrialRecord":
+        """The record of a stored trial (fields it does not hold are ``None``)."""
+        a = trial.user_attrs
+        race = None
+        if "race_rounds" in a:
+            race = RaceFigures(a["race_rounds"], a.get("race_noise_pct"), a.get("race_ratio"),
+                               a.get("dropped_after_round"))
+        elif "dropped_after_round" in a:  # written before the race's rounds were
+            race = RaceFigures(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
+        confirmation = None
+        if a.get("verdict"):
+            confirmation = Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"],
+                                        a.get("noise_pct", float("nan")), Verdict(a["verdict"]))
+        failure = Failure(a["fail_reason"], FailKind(a.get("fail_kind", FailKind.ERROR))) if "fail_reason" in a else None
+        return cls(number=trial.number, state=trial.state, params=dict(trial.params), measured_ms=trial.value,
+                   retry_of=trial.system_attrs.get(_RETRY_OF), predicted_ms=a.get("predicted_ms"),
+                   predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
+                   plan_key=a.get("plan_key"), job=a.get("job"), step_ms=a.get("step_ms"),
+                   per_rank_step_ms=a.get("per_rank_step_ms"), race=race, confirmation=confirmation,
+                   measured_peak_bytes=a.get("measured_peak_bytes"), failure=failure)
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """The confirmation's verdict, ``None`` if this plan was not the one confirmed."""
+        return self.confirmation.verdict if self.confirmation is not None else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulatedTrialRecord:
+    """A trial of the simulated study ``NAME.sim``: one plan predicted. Times in ms, sizes in bytes.
+
+    Attributes:
+        number, state, params: the trial's (set by :meth:`from_trial`).
+        predicted_ms: objective 0, the predicted step.
+        predicted_peak_bytes: objective 1, the predicted peak per rank (also a user attribute, ``peak_bytes``).
+        exposed_comm_ms: the predicted step not covered by compute.
+    """
+
+    number: int | None = None
+    state: optuna.trial.TrialState | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    predicted_ms: float | None = None
+    predicted_peak_bytes: int | None = None
+    exposed_comm_ms: float | None = None
+
+    def to_user_attrs(self) -> dict[str, Any]:
+        """The user attributes a simulated trial carries beside its two objective values."""
+        return {"peak_bytes": self.predicted_peak_bytes, "exposed_comm_ms": self.exposed_comm_ms}
+
+    @classmethod
+    def from_trial(cls, trial: optuna.trial.FrozenTrial) -> "SimulatedTrialRecord":
+        """The record of a stored simulated trial."""
+        a = trial.user_attrs
+        peak = a.get("peak_bytes")
+        return cls(number=trial.number, state=trial.state, params=dict(trial.params),
+                   predicted_ms=trial.values[0] if trial.values else None,
+                   predicted_peak_bytes=int(peak) if peak is not None else None,
+                   exposed_comm_ms=a.get("exposed_comm_ms"))

@@ -1,0 +1,315 @@
+"""One tuning session: everything a tuning job decides, torch-free, driven by the measurements handed to it.
+
+The session holds a recorded profile and decides, in order: the memory
+budget (refused before the storage is touched), whether an earlier
+calibration of the study applies, the simulated stage, which stale trials to
+re-measure and which candidates to race, the race and confirmation schedule,
+which plans exceed the budget as measured, what each measured plan's
+provenance and trial record say, the plan written (the confirmed survivor if
+it is faster, else FSDP2's default), and whether the new calibration is kept.
+
+Whoever runs the ranks drives it through the rank protocol
+(``runtime.protocol``, [Note: Rank protocol of a measured round]):
+:meth:`TuningSession.prepare`, :meth:`~TuningSession.over_budget`,
+:meth:`~TuningSession.start`, the schedule's blocks,
+:meth:`~TuningSession.tell` (or :meth:`~TuningSession.fail`), then
+:meth:`~TuningSession.finish`; ``jobs.tune`` does so for ``prefetch-planner
+tune``. The tests drive it with synthetic step times (``planner.testing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.memory_budget import check_feasible
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.errors import FailKind, PlannerError
+from planner.simulation.calibrate import CalibrationResult, Observation, calibrate
+from planner.simulation.parameters import simulator_for
+from planner.simulation.simulator import Simulator
+from planner.statistics.race import Race
+from planner.statistics.schedule import Schedule
+from planner.statistics.verdict import Verdict
+from planner.storages import open_storage
+from planner.storages.archive import latest_calibration
+from planner.study.candidates import select_candidates
+from planner.study.measured import MeasuredStage, MeasuredTrial
+from planner.study.provenance import measured_plans
+from planner.study.records import Failure
+from planner.study.search_space import SearchSpace
+from planner.study.simulated import simulated_stage, smallest_peak
+from planner.units import mib
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOutcome:
+    """What a tuning session leaves.
+
+    Attributes:
+        told: the plans measured, provenance filled in, in measurement order,
+            FSDP2's default first (empty when nothing was measured).
+        failed: trial number -> why its plan failed (applying it on some rank, or the memory budget).
+        profile: the profile as it ends (calibrated when the calibration was accepted).
+        profile_out: where the profile is written.
+        race: the race (rounds, drops, noise); ``None`` when nothing was measured.
+        candidate: the race's survivor, confirmed against the default (its provenance has the verdict);
+            ``None`` if every candidate was dropped.
+        written: the plan written to ``plan_out``: ``candidate`` when its verdict is "faster", else FSDP2's
+            default; ``None`` when nothing was measured.
+        plan_out: where it was written.
+        calibration: what calibration concluded on ``told``; ``None`` when nothing was measured.
+    """
+
+    told: list[Plan]
+    failed: dict[int, str]
+    profile: Profile
+    profile_out: str
+    race: Race | None = None
+    candidate: Plan | None = None
+    written: Plan | None = None
+    plan_out: str
+    calibration: CalibrationResult | None = None
+
+
+class TuningSession:
+    """The decisions of one tuning job on a recorded profile (module docstring).
+
+    Args:
+        config: the study.
+        profile: the profile recorded for this job.
+        space: the search space (``search_spaces.get_space(config.search.space)``).
+        job: this job's name (trial user attribute ``job``).
+        plan_out: where :meth:`finish` writes the plan.
+        profile_out: where :meth:`save_profile` writes the profile.
+        progress: show the simulated stage's progress bar.
+        on_drop: called with a dropped trial and the rounds run (progress reports).
+        critical: a context manager factory around the writes that create trials RUNNING (claiming retries,
+            asking), which an interrupt must not cut in two: the runtime's ``interrupts_deferred``.
+
+    Attributes:
+        profile: the profile as it stands (with a stored calibration once :meth:`prepare` found one).
+        simulator: the profile's simulator (set by :meth:`prepare`).
+        budget_bytes: the memory budget, bytes per rank (set by :meth:`prepare`; ``None``: none).
+        schedule: the round's schedule (set by :meth:`start`).
+    """
+
+    def __init__(self, config: StudyConfig, profile: Profile, space: SearchSpace, *, job: str, plan_out: str,
+                 profile_out: str, progress: bool = False,
+                 on_drop: Callable[[MeasuredTrial, int], None] | None = None,
+                 critical: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.config, self.profile, self.space, self.job = config, profile, space, job
+        self.plan_out, self.profile_out, self.progress, self.on_drop = plan_out, profile_out, progress, on_drop
+        self.critical = critical
+        self.simulator: Simulator | None = None
+        self.budget_bytes: int | None = None
+        self.stage: MeasuredStage | None = None
+        self.schedule: Schedule | None = None
+        self._started: list[MeasuredTrial] = []
+        self._peaks: list[int] = []
+
+    def prepare(self) -> list[MeasuredTrial]:
+        """The round's trials, FSDP2's default first: re-queued plans of dead jobs, then the candidates.
+
+        Raises:
+            MemoryBudgetError: the budget is relative without a measured default peak, or below every plan's
+                predicted peak (nothing is written).
+            StorageError: the storage cannot be opened or written.
+        """
+        config = self.config
+        self.simulator = simulator_for(self.profile)
+        self._log_model()
+        self.budget_bytes = self._memory_budget()  # before the storage is opened: a refused budget writes nothing
+        storage = open_storage(config.storage_url, config)
+        stored = latest_calibration(storage.engine, config.name, self.profile)
+        if stored:
+            self.profile = dataclasses.replace(self.profile, calibration=stored)
+            self.simulator = simulator_for(self.profile)
+            logger.info("      using the calibration of an earlier run of this study: "
+                        + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
+        logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
+        sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
+                              budget_bytes=self.budget_bytes)
+        self.stage = MeasuredStage(config, storage, self.simulator, self.job, self.space)
+        with self.critical():  # trials created RUNNING are held by the stage (fail_held)
+            retries = self.stage.claim_retries()
+        if retries:
+            logger.info(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
+                        f"(trials {', '.join(str(r.retry_of) for r in retries)})")
+        candidates = select_candidates(sim, self.profile, self.space, config.search.measured_trials,
+                                       exclude=self.stage.settled_keys(), band_pct=config.search.candidate_band_pct,
+                                       budget_bytes=self.budget_bytes)
+        if any(r.plan.is_default_for(self.profile) for r in retries):
+            candidates = candidates[1:]  # the default is re-measured as a retry
+        with self.critical():
+            asked = retries + self.stage.ask(candidates)
+        asked.sort(key=lambda a: not a.plan.is_default_for(self.profile))  # FSDP2's default first: the baseline
+        m = config.measure
+        logger.info(f"[3/3] measured stage: a race of FSDP2's default and {len(asked) - 1} candidate(s) "
+                    f"({m.warmup_steps} warm-up step each, then rounds in balanced order, at most {m.max_rounds}; "
+                    f"a candidate significantly slower than the leader is dropped at alpha {m.alpha:g}), then the "
+                    f"survivor against the default on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds; "
+                    f"trials {', '.join(str(a.number) for a in asked)} (job {self.job})")
+        return asked
+
+    def _log_model(self) -> None:
+        profile, default = self.profile, self.simulator.run(Plan.default(self.profile))
+        if profile.measured_step_ms:
+            exposed = profile.measured_step_ms - default.compute_ms
+            logger.info(f"      measured step {profile.measured_step_ms:.1f} ms with FSDP2's default, of which "
+                        f"{exposed:.1f} ms ({100 * exposed / profile.measured_step_ms:.0f}%) is not compute "
+                        "(exposed communication and overhead)")
+        logger.info(f"      simulated default: step {default.step_ms:.1f} ms, exposed communication "
+                    f"{default.exposed_comm_ms:.1f} ms, lower bound {default.lower_bound_ms:.1f} ms")
+        if profile.in_step is not None:
+            params = self.simulator.params
+            logger.info(f"      in-step parameters: comm_scale {params.comm_scale:.2f} (solved from the measured "
+                        f"default step), overlap_slowdown {params.overlap_slowdown:.2f} (measured)")
+
+    def _memory_budget(self) -> int | None:
+        """``[search] memory_budget`` in bytes per rank, checked against the smallest predicted peak; ``None``: unset.
+
+        Raises:
+            MemoryBudgetError: relative without a measured default peak, or below every plan's predicted peak.
+        """
+        budget = self.config.search.budget()
+        if budget is None:
+            return None
+        budget_bytes = budget.resolve(self.profile.measured_peak_bytes)
+        check_feasible(budget_bytes, smallest_peak(self.simulator, self.space), budget.text)
+        logger.info(f"      memory budget {budget.text}: {mib(budget_bytes)} per rank (FSDP2's default measured "
+                    f"{mib(self.profile.measured_peak_bytes)}, predicted "
+                    f"{mib(self.simulator.run(Plan.default(self.profile)).peak_bytes)})")
+        return budget_bytes
+
+    def over_budget(self, kept: list[MeasuredTrial], peak_bytes: list[int]) -> dict[int, str]:
+        """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
+
+        Args:
+            kept: the round's trials that applied on every rank, FSDP2's default first.
+            peak_bytes: their measured peaks, bytes per rank (max across ranks).
+
+        Returns:
+            Position in ``kept`` -> the reason recorded. FSDP2's default, the baseline, is never
+            failed (a budget below every predicted peak is refused earlier: ``check_feasible``).
+        """
+        out: dict[int, str] = {}
+        if self.budget_bytes is None:
+            return out
+        for j, (a, peak) in enumerate(zip(kept, peak_bytes)):
+            if j == 0 or peak <= self.budget_bytes:
+                continue
+            out[j] = (f"measured peak {mib(peak)} exceeds the memory budget {mib(self.budget_bytes)} "
+                      f"(predicted {mib(a.predicted_peak_bytes)})")
+            self.stage.fail([a], Failure(out[j], FailKind.ERROR), measured_peak_bytes=peak)
+        return out
+
+    def start(self, kept: list[MeasuredTrial], peak_bytes: list[int] | None = None) -> Schedule:
+        """The schedule of the round's race and confirmation over ``kept`` (FSDP2's default first).
+
+        Args:
+            peak_bytes: their measured peaks, bytes per rank (told with the times).
+
+        Raises:
+            PlannerError: the first trial is not FSDP2's default.
+        """
+        if not kept or not kept[0].plan.is_default_for(self.profile):
+            raise PlannerError("a measured round starts with FSDP2's default plan, its baseline")
+        self._started = list(kept)
+        self._peaks = list(peak_bytes) if peak_bytes is not None else []
+        on_drop = None
+        if self.on_drop is not None:
+            on_drop = self._dropped
+        measure = self.config.measure
+        self.schedule = Schedule(len(kept), measure.race_settings(), measure.confirm_settings(self.config.search.seed),
+                                 on_drop=on_drop)
+        return self.schedule
+
+    def _dropped(self, plan: int, rounds: int) -> None:
+        self.on_drop(self._started[plan], rounds)
+
+    def tell(self, asked: list[MeasuredTrial], step_ms: list[list[float]],
+             per_rank: list[list[list[float]]]) -> list[Plan]:
+        """Tell each trial its race median, the survivor its confirmation; store the plans and their runs.
+
+        Args:
+            asked: the trials :meth:`start` was given, in that order.
+            step_ms: per trial, every step's max across ranks (race, then confirmation), ms.
+            per_rank: per trial, per rank, that rank's step times, ms.
+
+        Returns:
+            The plans with provenance filled in, in ``asked`` order.
+
+        Raises:
+            PlannerError: :meth:`start` was not called with these trials.
+        """
+        if self.schedule is None or [a.number for a in asked] != [a.number for a in self._started]:
+            raise PlannerError("tell the trials the round was started with (TuningSession.start)")
+        trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
+        measured = measured_plans(self.config.name, trials, self.schedule, step_ms, per_rank, self._peaks,
+                                  self.budget_bytes)
+        self.stage.tell(asked, measured, step_ms, per_rank)
+        return [m.plan for m in measured]
+
+    def fail(self, asked: list[MeasuredTrial], reason: str, kind: FailKind) -> None:
+        """Record the trials FAIL with a one-line ``reason``; ``kind`` decides whether they are measured again."""
+        self.stage.fail(asked, Failure(reason, kind))
+
+    def fail_held(self, reason: str, kind: FailKind = FailKind.INTERRUPTED) -> list[int]:
+        """Record FAIL every trial the session still holds RUNNING (the job stops); the trial numbers."""
+        return self.stage.fail_held(reason, kind) if self.stage is not None else []
+
+    def finish(self, told: list[Plan], failed: dict[int, str]) -> TuneOutcome:
+        """After the round: write the confirmed plan (or FSDP2's default), calibrate on the measured plans.
+
+        Args:
+            told: what :meth:`tell` returned (empty when nothing was measured).
+            failed: trial number -> why it failed.
+
+        Raises:
+            PlannerError: the plan file cannot be written.
+        """
+        schedule = self.schedule
+        if not told or schedule is None:
+            return TuneOutcome(told=told, failed=failed, profile=self.profile, profile_out=self.profile_out,
+                               plan_out=self.plan_out)
+        survivor = schedule.survivor
+        candidate = told[survivor] if survivor is not None and schedule.confirmation is not None else None
+        faster = candidate is not None and candidate.provenance.verdict == Verdict.FASTER
+        written = candidate if faster else told[0]  # FSDP2's default, as measured in this round
+        _write(self.plan_out, written.to_json())
+        calibration = calibrate(self.profile, [Observation(p, p.provenance.measured_ms) for p in told])
+        if calibration.accepted:
+            self.profile = calibration.apply(self.profile)
+            self.stage.save_calibration(self.profile)
+        return TuneOutcome(told=told, failed=failed, profile=self.profile, profile_out=self.profile_out,
+                           race=schedule.race, candidate=candidate, written=written, plan_out=self.plan_out,
+                           calibration=calibration)
+
+    def save_profile(self) -> None:
+        """Write the profile as it stands (calibrated once :meth:`finish` accepted a calibration) to ``profile_out``.
+
+        Raises:
+            PlannerError: the file cannot be written.
+        """
+        _write(self.profile_out, self.profile.to_json())
+
+    def close(self) -> None:
+        """Stop the measured stage's heartbeat (trials still held stay RUNNING until stale: :meth:`fail_held`)."""
+        if self.stage is not None:
+            self.stage.close()
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise PlannerError(f"cannot write {path!r}: {e.strerror}") from None
