@@ -15,7 +15,8 @@ from planner.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from planner.artifacts.plan import ModulePlan, Plan, Provenance
-    from planner.artifacts.profile import Fingerprint, ModuleProfile, Profile
+    from planner.artifacts.fingerprint import Fingerprint
+    from planner.artifacts.profile import ModuleProfile, Profile
     from planner.errors import (
         MemoryBudgetError, PlanFormatError, PlanMismatchError, PlannerError, ProfileFormatError, StorageError,
         StudyConfigError, StudyNotFoundError, TrialFailedError, UnsupportedPlanError, WorkloadError,
@@ -28,7 +29,8 @@ _EXPORTS = {
                      "StorageError", "StudyConfigError", "StudyNotFoundError", "TrialFailedError",
                      "UnsupportedPlanError", "WorkloadError"], "planner.errors"),
     **dict.fromkeys(["ModulePlan", "Plan", "Provenance"], "planner.artifacts.plan"),
-    **dict.fromkeys(["Fingerprint", "ModuleProfile", "Profile"], "planner.artifacts.profile"),
+    "Fingerprint": "planner.artifacts.fingerprint",
+    **dict.fromkeys(["ModuleProfile", "Profile"], "planner.artifacts.profile"),
     **dict.fromkeys(["SimParams", "SimResult", "Simulator"], "planner.simulation.simulator"),
     "simulate": "planner.simulation.parameters",
 }

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.artifacts.config import StudyConfig
-from planner.artifacts.profile import Fingerprint, ModuleProfile, Profile
+from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.profile import ModuleProfile, Profile
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings, Schedule
 

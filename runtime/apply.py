@@ -15,7 +15,7 @@ from torch import nn
 
 from planner.errors import PlanMismatchError, UnsupportedPlanError
 from planner.artifacts.plan import Plan
-from planner.artifacts.profile import Fingerprint
+from planner.artifacts.fingerprint import Fingerprint
 from runtime.accumulation import set_accumulation
 from runtime.torch_private import TESTED_TORCH, separate_reduce_scatter_group_setter, unshard_async_op_setter
 from runtime.workload import fsdp_modules, own_parameters

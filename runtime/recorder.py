@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.artifacts.profile import Fingerprint, InStepTimings, ModuleProfile, OverlapTimings, Profile
+from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.profile import InStepTimings, ModuleProfile, OverlapTimings, Profile
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import all_gather_ms, reduce_scatter_ms
 from runtime.compute_timer import TIMED, ComputeTimer

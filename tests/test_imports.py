@@ -34,8 +34,8 @@ def test_importing_a_package_loads_no_library(statement):
 
 def test_the_search_spaces_need_no_simulator_and_no_study():
     """``search_spaces`` builds plans from the artifacts and the space names: nothing of the planner's
-    machinery."""
-    assert _loaded("import search_spaces") == []
+    machinery. The plans it builds carry their JSON schema, so pydantic is the one library it loads."""
+    assert set(_loaded("import search_spaces")) <= {"pydantic"}
 
 
 def test_a_training_script_applying_a_plan_loads_no_simulator_and_no_study():

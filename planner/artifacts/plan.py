@@ -16,10 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.errors import PlanFormatError, PlanMismatchError
-from planner.artifacts.profile import Fingerprint, Profile
+from pydantic import ValidationError
 
-PLAN_SCHEMA_VERSION = 1
+from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.profile import Profile
+from planner.artifacts.schema import SCHEMA_VERSION, PlanDocument, describe
+from planner.errors import PlanFormatError, PlanMismatchError
+
+PLAN_SCHEMA_VERSION = SCHEMA_VERSION
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,9 @@ class Plan:
         return dataclasses.replace(self, provenance=dataclasses.replace(self.provenance, **kwargs))
 
     def to_dict(self) -> dict[str, Any]:
+        """The Plan JSON object (:class:`planner.artifacts.schema.PlanDocument`); ``separate_reduce_scatter_group`` and
+        a module's ``unshard_in_backward`` only when they differ from FSDP2's default, so plans from before them keep
+        their :meth:`behaviour_key`."""
         return {
             "schema_version": self.schema_version,
             "fingerprint": dataclasses.asdict(self.fingerprint),
@@ -193,21 +200,45 @@ class Plan:
         }
 
     def to_json(self, path: str | Path | None = None) -> str:
-        """Serialize; write to ``path`` when given. Returns the JSON text."""
+        """Serialize; write to ``path`` when given. Returns the JSON text.
+
+        The text is checked against :class:`planner.artifacts.schema.PlanDocument` first: a plan this planner
+        could not read back is never written.
+
+        Raises:
+            PlanFormatError: the plan does not fit its schema (e.g. a field of the wrong type).
+        """
         text = json.dumps(self.to_dict(), indent=1)
+        try:
+            PlanDocument.model_validate_json(text)
+        except ValidationError as e:
+            raise PlanFormatError(f"cannot write this plan: {describe(e, 'plan')}") from None
         if path is not None:
             Path(path).write_text(text)
         return text
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
-        """Build from a parsed JSON object and validate it against its fingerprint.
+        """Build from a parsed JSON object (validated as JSON) and check it against its fingerprint.
 
         Raises:
-            PlanFormatError: not an object, unknown schema version, a missing or
-                ill-typed field, or a module / prefetch target FQN that is not
-                an FSDP module of the fingerprint.
+            PlanFormatError: see :meth:`from_json`.
         """
+        return cls.from_json(json.dumps(d))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Parse Plan JSON text (strictly: :class:`planner.artifacts.schema.PlanDocument`).
+
+        Raises:
+            PlanFormatError: not JSON, not an object, an unknown schema version, a
+                missing, unknown or ill-typed field (named), or a module / prefetch
+                target FQN that is not an FSDP module of the fingerprint.
+        """
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"plan is not valid JSON ({e}); export it again") from None
         if not isinstance(d, dict):
             raise PlanFormatError(f"plan must be a JSON object, found {type(d).__name__}")
         version = d.get("schema_version")
@@ -217,32 +248,19 @@ class Plan:
                 "export the plan again with `prefetch-planner studies export`"
             )
         try:
-            fingerprint = Fingerprint.from_dict(d["fingerprint"])
-            modules = {}
-            for fqn, m in d["modules"].items():
-                for key in ("reshard_after_forward", "unshard_in_backward"):
-                    if not isinstance(m.get(key, True), bool):
-                        raise TypeError(f"modules[{fqn!r}].{key} must be true or false")
-                modules[fqn] = ModulePlan(
-                    forward_prefetch=tuple(_fqn_list(m["forward_prefetch"])),
-                    backward_prefetch=tuple(_fqn_list(m["backward_prefetch"])),
-                    reshard_after_forward=m["reshard_after_forward"],
-                    unshard_in_backward=m.get("unshard_in_backward", True),
-                )
-            async_op, separate_rs = d["unshard_async_op"], d.get("separate_reduce_scatter_group", False)
-            if not isinstance(async_op, bool) or not isinstance(separate_rs, bool):
-                raise TypeError("unshard_async_op and separate_reduce_scatter_group must be true or false")
-            plan = cls(
-                fingerprint=fingerprint,
-                modules=modules,
-                unshard_async_op=async_op,
-                reduce_scatter_max_input_buffers=int(d.get("reduce_scatter_max_input_buffers", 1)),
-                reshard_after_backward=bool(d.get("reshard_after_backward", True)),
-                separate_reduce_scatter_group=separate_rs,
-                provenance=_provenance(d.get("provenance", {})),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PlanFormatError(f"plan is missing or has a bad field: {e}") from None
+            doc = PlanDocument.model_validate_json(text)
+        except ValidationError as e:
+            raise PlanFormatError(f"{describe(e, 'plan')}; export the plan again with `prefetch-planner studies "
+                                  "export`") from None
+        plan = cls(
+            fingerprint=Fingerprint(**dict(doc.fingerprint)),
+            modules={fqn: ModulePlan(**dict(m)) for fqn, m in doc.modules.items()},
+            unshard_async_op=doc.unshard_async_op,
+            reduce_scatter_max_input_buffers=doc.reduce_scatter_max_input_buffers,
+            reshard_after_backward=doc.reshard_after_backward,
+            separate_reduce_scatter_group=doc.separate_reduce_scatter_group,
+            provenance=Provenance(**{**dict(doc.provenance), "source": Source(doc.provenance.source)}),
+        )
         plan.validate()
         return plan
 
@@ -265,15 +283,6 @@ class Plan:
             raise PlanFormatError("reduce_scatter_max_input_buffers must be >= 1")
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        """Parse JSON text. Raises :class:`PlanFormatError` on bad input."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanFormatError(f"plan is not valid JSON ({e}); export it again") from None
-        return cls.from_dict(d)
-
-    @classmethod
     def load(cls, path: str | Path) -> "Plan":
         """Read a plan JSON file. Raises :class:`PlanFormatError`."""
         try:
@@ -282,20 +291,3 @@ class Plan:
             raise PlanFormatError(f"cannot read plan {str(path)!r}: {e.strerror}") from None
         return cls.from_json(text)
 
-
-def _provenance(d: Any) -> Provenance:
-    if not isinstance(d, dict):
-        raise TypeError(f"provenance must be an object, found {d!r}")
-    source = d.get("source", Source.DEFAULT)
-    if source not in set(Source):
-        raise ValueError(f"provenance.source must be one of {', '.join(Source)}, found {source!r}")
-    ci = d.get("ratio_ci95")
-    if ci is not None and (not isinstance(ci, (list, tuple)) or len(ci) != 2):
-        raise ValueError(f"provenance.ratio_ci95 must be [low, high], found {ci!r}")
-    return Provenance(**{**d, "source": Source(source), "ratio_ci95": tuple(ci) if ci is not None else None})
-
-
-def _fqn_list(x: Any) -> list[str]:
-    if not isinstance(x, list) or not all(isinstance(s, str) for s in x):
-        raise TypeError(f"a prefetch list must be a list of FQN strings, found {x!r}")
-    return x

@@ -13,66 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.schema import SCHEMA_VERSION, ProfileDocument, describe
 from planner.errors import ProfileFormatError
 
-PROFILE_SCHEMA_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """Identity of an FSDP-wrapped model on a given world.
-
-    Attributes:
-        module_fqns: FQNs of the FSDP modules in ``model.named_modules()``
-            order; the root is ``""``.
-        param_numels: unsharded parameter count per FSDP module (same order).
-        param_bytes: unsharded parameter bytes per FSDP module (same order).
-        world_size: number of ranks the parameters are sharded over.
-        device_type: ``"cpu"`` or ``"cuda"``.
-        param_dtypes: the distinct parameter dtypes, as strings.
-        torch_version: ``torch.__version__`` of the recording run.
-    """
-
-    module_fqns: tuple[str, ...]
-    param_numels: tuple[int, ...]
-    param_bytes: tuple[int, ...]
-    world_size: int
-    device_type: str
-    param_dtypes: tuple[str, ...]
-    torch_version: str
-
-    def first_difference(self, other: "Fingerprint") -> str | None:
-        """Describe the first way ``other`` (the model at hand) differs from self.
-
-        The torch version is informational and never a difference.
-
-        Returns:
-            ``None`` when the model matches, else a one-line description.
-        """
-        if self.world_size != other.world_size:
-            return f"world size: plan was made for {self.world_size} ranks, this run has {other.world_size}"
-        mine, theirs = list(self.module_fqns), list(other.module_fqns)
-        for i, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                return f"FSDP module #{i}: plan has {a!r}, model has {b!r}"
-        if len(mine) != len(theirs):
-            return f"FSDP module count: plan has {len(mine)}, model has {len(theirs)}"
-        for fqn, a, b in zip(mine, self.param_numels, other.param_numels):
-            if a != b:
-                return f"parameter count of FSDP module {fqn!r}: plan has {a}, model has {b}"
-        return None
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Fingerprint":
-        return cls(
-            module_fqns=tuple(d["module_fqns"]),
-            param_numels=tuple(int(x) for x in d["param_numels"]),
-            param_bytes=tuple(int(x) for x in d["param_bytes"]),
-            world_size=int(d["world_size"]),
-            device_type=str(d["device_type"]),
-            param_dtypes=tuple(d["param_dtypes"]),
-            torch_version=str(d["torch_version"]),
-        )
+PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
 
 
 @dataclass(frozen=True)
@@ -217,24 +164,50 @@ class Profile:
         return self.pre_forward_order[0]
 
     def to_dict(self) -> dict[str, Any]:
+        """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list."""
         d = dataclasses.asdict(self)
         d["modules"] = [dataclasses.asdict(m) for m in self.modules.values()]
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:
-        """Serialize; write to ``path`` when given. Returns the JSON text."""
+        """Serialize; write to ``path`` when given. Returns the JSON text.
+
+        The text is checked against :class:`planner.artifacts.schema.ProfileDocument` first: a profile this
+        planner could not read back is never written.
+
+        Raises:
+            ProfileFormatError: the profile does not fit its schema (e.g. a field of the wrong type).
+        """
         text = json.dumps(self.to_dict(), indent=1)
+        try:
+            ProfileDocument.model_validate_json(text)
+        except ValidationError as e:
+            raise ProfileFormatError(f"cannot write this profile: {describe(e, 'profile')}") from None
         if path is not None:
             Path(path).write_text(text)
         return text
 
     @classmethod
     def from_dict(cls, d: Any) -> "Profile":
-        """Build from a parsed JSON object.
+        """Build from a parsed JSON object (validated as JSON).
 
         Raises:
-            ProfileFormatError: unknown schema version or missing/ill-typed fields.
+            ProfileFormatError: see :meth:`from_json`.
         """
+        return cls.from_json(json.dumps(d))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        """Parse Profile JSON text (strictly: :class:`planner.artifacts.schema.ProfileDocument`).
+
+        Raises:
+            ProfileFormatError: not JSON, not an object, an unknown schema version, a missing, unknown or
+                ill-typed field (named), or a post-forward order naming a module with no figures.
+        """
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileFormatError(f"profile is not valid JSON ({e}); re-record or re-export it") from None
         if not isinstance(d, dict):
             raise ProfileFormatError(f"profile must be a JSON object, found {type(d).__name__}")
         version = d.get("schema_version")
@@ -244,40 +217,22 @@ class Profile:
                 "re-record it with `prefetch-planner tune` or a matching planner version"
             )
         try:
-            modules = {m["fqn"]: ModuleProfile(**m) for m in d["modules"]}
-            profile = cls(
-                fingerprint=Fingerprint.from_dict(d["fingerprint"]),
-                pre_forward_order=tuple(d["pre_forward_order"]),
-                post_forward_order=tuple(d["post_forward_order"]),
-                modules=modules,
-                optimizer_ms=float(d["optimizer_ms"]),
-                optimizer_state_bytes=int(d.get("optimizer_state_bytes", 0)),
-                optimizer_temp_bytes=int(d.get("optimizer_temp_bytes", 0)),
-                measured_step_ms=d.get("measured_step_ms"),
-                measured_peak_bytes=d.get("measured_peak_bytes"),
-                per_rank=list(d.get("per_rank", [])),
-                consolidation=str(d.get("consolidation", "max")),
-                microbatches=int(d.get("microbatches", 1)),
-                calibration=d.get("calibration"),
-                in_step=_in_step(d["in_step"]) if d.get("in_step") else None,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProfileFormatError(f"profile is missing or has a bad field: {e!r}") from None
-        if profile.microbatches < 1:
-            raise ProfileFormatError(f"microbatches must be >= 1, found {profile.microbatches}")
+            doc = ProfileDocument.model_validate_json(text)
+        except ValidationError as e:
+            raise ProfileFormatError(f"{describe(e, 'profile')}; record the profile again (`prefetch-planner "
+                                     "profile`)") from None
+        in_step = None
+        if doc.in_step is not None:
+            overlap = doc.in_step.overlap
+            in_step = InStepTimings(doc.in_step.default_step_ms,
+                                    OverlapTimings(**dict(overlap)) if overlap is not None else None)
+        modules = {m.fqn: ModuleProfile(**dict(m)) for m in doc.modules}
+        fields = {k: v for k, v in dict(doc).items() if k not in ("fingerprint", "modules", "in_step")}
+        profile = cls(fingerprint=Fingerprint(**dict(doc.fingerprint)), modules=modules, in_step=in_step, **fields)
         unknown = set(profile.post_forward_order) - set(modules)
         if unknown:
             raise ProfileFormatError(f"post_forward_order names modules with no figures: {sorted(unknown)}")
         return profile
-
-    @classmethod
-    def from_json(cls, text: str) -> "Profile":
-        """Parse JSON text. Raises :class:`ProfileFormatError` on bad input."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProfileFormatError(f"profile is not valid JSON ({e}); re-record or re-export it") from None
-        return cls.from_dict(d)
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
@@ -288,7 +243,3 @@ class Profile:
             raise ProfileFormatError(f"cannot read profile {str(path)!r}: {e.strerror}") from None
         return cls.from_json(text)
 
-
-def _in_step(d: dict[str, Any]) -> InStepTimings:
-    overlap = d.get("overlap")
-    return InStepTimings(float(d["default_step_ms"]), OverlapTimings(**overlap) if overlap is not None else None)

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from planner.errors import PlannerError, StudyNotFoundError
 from planner.artifacts.plan import Plan
-from planner.artifacts.profile import Fingerprint
+from planner.artifacts.fingerprint import Fingerprint
 from planner.storages import check_exists, open_storage, open_storage_read_only
 from planner.storages.archive import stored_plan
 from planner.study.records import MeasuredTrialRecord, SimulatedTrialRecord

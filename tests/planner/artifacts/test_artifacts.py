@@ -58,7 +58,7 @@ def test_separate_reduce_scatter_group_round_trips_and_is_written_only_when_set(
         (lambda d: d.pop("fingerprint"), "fingerprint"),
         (lambda d: d["modules"].update({"nope": d["modules"]["b0"]}), "'nope'"),
         (lambda d: d["modules"]["b0"].update(forward_prefetch=["ghost"]), "'ghost'"),
-        (lambda d: d["modules"]["b0"].update(forward_prefetch="b1"), "list of FQN"),
+        (lambda d: d["modules"]["b0"].update(forward_prefetch="b1"), r"modules.b0.forward_prefetch must be a list"),
         (lambda d: d.update(unshard_async_op="yes"), "unshard_async_op"),
         (lambda d: d.update(separate_reduce_scatter_group=1), "separate_reduce_scatter_group"),
     ],

@@ -1,0 +1,50 @@
+"""The Fingerprint: which model, on which world, a profile was recorded on and a plan was made for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identity of an FSDP-wrapped model on a given world.
+
+    Attributes:
+        module_fqns: FQNs of the FSDP modules in ``model.named_modules()``
+            order; the root is ``""``.
+        param_numels: unsharded parameter count per FSDP module (same order).
+        param_bytes: unsharded parameter bytes per FSDP module (same order).
+        world_size: number of ranks the parameters are sharded over.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        param_dtypes: the distinct parameter dtypes, as strings.
+        torch_version: ``torch.__version__`` of the recording run.
+    """
+
+    module_fqns: tuple[str, ...]
+    param_numels: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    world_size: int
+    device_type: str
+    param_dtypes: tuple[str, ...]
+    torch_version: str
+
+    def first_difference(self, other: "Fingerprint") -> str | None:
+        """Describe the first way ``other`` (the model at hand) differs from self.
+
+        The torch version is informational and never a difference.
+
+        Returns:
+            ``None`` when the model matches, else a one-line description.
+        """
+        if self.world_size != other.world_size:
+            return f"world size: plan was made for {self.world_size} ranks, this run has {other.world_size}"
+        mine, theirs = list(self.module_fqns), list(other.module_fqns)
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return f"FSDP module #{i}: plan has {a!r}, model has {b!r}"
+        if len(mine) != len(theirs):
+            return f"FSDP module count: plan has {len(mine)}, model has {len(theirs)}"
+        for fqn, a, b in zip(mine, self.param_numels, other.param_numels):
+            if a != b:
+                return f"parameter count of FSDP module {fqn!r}: plan has {a}, model has {b}"
+        return None

@@ -1,0 +1,166 @@
+"""The JSON documents of the artifacts (Plan and Profile JSON) as strict pydantic models.
+
+Every plan and profile file is read and written through these models: a
+field of the wrong type (``"false"`` where a bool belongs, ``"3"`` where a
+number does), a missing field or an unknown one is refused with one line that
+names the field (:func:`describe`), instead of being coerced. Optional fields
+that later releases added have defaults, so files written before them read
+as they always did; ``schema_version`` stays 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+
+
+class Document(BaseModel):
+    """A JSON object of an artifact: strict types, no unknown keys."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class FingerprintDocument(Document):
+    """``fingerprint`` (:class:`planner.artifacts.fingerprint.Fingerprint`)."""
+
+    module_fqns: tuple[str, ...]
+    param_numels: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    world_size: int
+    device_type: str
+    param_dtypes: tuple[str, ...]
+    torch_version: str
+
+
+class ModulePlanDocument(Document):
+    """One module of a plan (:class:`planner.artifacts.plan.ModulePlan`); ``unshard_in_backward`` written only when
+    false."""
+
+    forward_prefetch: tuple[str, ...]
+    backward_prefetch: tuple[str, ...]
+    reshard_after_forward: bool
+    unshard_in_backward: bool = True
+
+
+class ProvenanceDocument(Document):
+    """``provenance`` (:class:`planner.artifacts.plan.Provenance`)."""
+
+    source: Literal["default", "measured"] = "default"
+    study: str | None = None
+    trial: int | None = None
+    predicted_ms: float | None = None
+    measured_ms: float | None = None
+    default_measured_ms: float | None = None
+    verdict: str | None = None
+    measured_ratio: float | None = None
+    ratio_ci95: tuple[float, float] | None = None
+    rounds: int | None = None
+    noise_pct: float | None = None
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    memory_budget_bytes: int | None = None
+
+
+class PlanDocument(Document):
+    """A Plan JSON file (:class:`planner.artifacts.plan.Plan`); ``separate_reduce_scatter_group`` written only when
+    true, so plans from before it keep their behaviour key."""
+
+    schema_version: Literal[1]
+    fingerprint: FingerprintDocument
+    unshard_async_op: bool
+    reduce_scatter_max_input_buffers: int = Field(1, ge=1)
+    reshard_after_backward: bool = True
+    separate_reduce_scatter_group: bool = False
+    modules: dict[str, ModulePlanDocument]
+    provenance: ProvenanceDocument = Field(default_factory=ProvenanceDocument)
+
+
+class ModuleProfileDocument(Document):
+    """One module of a profile (:class:`planner.artifacts.profile.ModuleProfile`)."""
+
+    fqn: str
+    fwd_ms: float
+    bwd_ms: float
+    fwd_pre_ms: float
+    bwd_pre_ms: float
+    all_gather_ms: float
+    reduce_scatter_ms: float
+    unsharded_bytes: int
+    sharded_bytes: int
+    grad_bytes: int
+    activation_bytes: int
+    reshard_after_forward: bool
+    calls: int = Field(1, ge=1)
+    needs_parameters_in_backward: bool = True
+
+
+class OverlapDocument(Document):
+    """``in_step.overlap`` (:class:`planner.artifacts.profile.OverlapTimings`)."""
+
+    module: str
+    all_gather_ms: float
+    compute_ms: float
+    overlapped_ms: float
+
+
+class InStepDocument(Document):
+    """``in_step`` (:class:`planner.artifacts.profile.InStepTimings`)."""
+
+    default_step_ms: float
+    overlap: OverlapDocument | None = None
+
+
+class ProfileDocument(Document):
+    """A Profile JSON file (:class:`planner.artifacts.profile.Profile`); ``per_rank`` is every rank's raw figures."""
+
+    schema_version: Literal[1]
+    fingerprint: FingerprintDocument
+    pre_forward_order: tuple[str, ...]
+    post_forward_order: tuple[str, ...]
+    modules: list[ModuleProfileDocument]
+    optimizer_ms: float
+    optimizer_state_bytes: int = 0
+    optimizer_temp_bytes: int = 0
+    measured_step_ms: float | None = None
+    measured_peak_bytes: int | None = None
+    per_rank: list[dict[str, Any]] = Field(default_factory=list)
+    consolidation: str = "max"
+    microbatches: int = Field(1, ge=1)
+    calibration: dict[str, float] | None = None
+    in_step: InStepDocument | None = None
+
+
+_PROBLEMS = {
+    "bool_type": "must be true or false",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "tuple_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "missing": "is missing",
+    "extra_forbidden": "is not a field of this schema (a typo, or a field of a newer prefetch-planner)",
+}
+
+
+def describe(error: ValidationError, what: str) -> str:
+    """The first problem of ``error`` as ``<what> field <path> <problem>, found <value>``.
+
+    The path reads as Python would: ``modules['model.layers.0'].reshard_after_forward``.
+    """
+    first = error.errors()[0]
+    path = ""
+    for part in first["loc"]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif path and not str(part).isidentifier():
+            path += f"[{part!r}]"
+        else:
+            path += f".{part}" if path else str(part)
+    problem = _PROBLEMS.get(first["type"], first["msg"][:1].lower() + first["msg"][1:])
+    found = "" if first["type"] == "missing" else f", found {first['input']!r}"
+    return f"{what} field {path or '(top level)'} {problem}{found}"

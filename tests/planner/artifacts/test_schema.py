@@ -1,0 +1,121 @@
+"""Plan and Profile JSON through their strict schema: what the project ships loads, bad fields are named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.errors import PlanFormatError, ProfileFormatError
+
+ROOT = Path(__file__).parents[3]
+RELEASE_0_1_0 = ROOT / "tests" / "data" / "release-0.1.0"
+
+
+def _shipped_documents() -> list[tuple[str, str, dict]]:
+    """Every profile and plan JSON object in the files the project ships (bench results, test data), by path."""
+    found = []
+
+    def walk(x, where: str) -> None:
+        if isinstance(x, dict):
+            if x.get("schema_version") is not None and "pre_forward_order" in x:
+                found.append(("profile", where, x))
+            elif x.get("schema_version") is not None and "modules" in x and "fingerprint" in x:
+                found.append(("plan", where, x))
+            for k, v in x.items():
+                walk(v, f"{where}.{k}")
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{where}[{i}]")
+
+    for path in sorted([*(ROOT / "bench" / "results").glob("*.json"), *(ROOT / "tests" / "data").rglob("*.json")]):
+        walk(json.loads(path.read_text()), str(path.relative_to(ROOT)))
+    return found
+
+
+def _within(a, b) -> bool:
+    """Every key of ``a`` (recursively) is in ``b`` with the same value."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and all(k in b and _within(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_within, a, b))
+    return a == b or (a != a and b != b)  # NaN is NaN
+
+
+def test_every_profile_and_plan_the_project_ships_loads():
+    documents = _shipped_documents()
+    kinds = {kind for kind, _, _ in documents}
+    assert kinds == {"profile", "plan"} and len(documents) > 100  # the walk finds them (170 plans, 14 profiles)
+    for kind, where, d in documents:
+        artifact = Profile if kind == "profile" else Plan
+        loaded = artifact.from_dict(d)
+        written = json.loads(loaded.to_json())
+        assert _within(d, written), where  # everything it said is written back (with defaults for later fields)
+        assert artifact.from_dict(written).to_json() == loaded.to_json(), where
+
+
+def test_files_the_previous_release_wrote_read_and_write_back_byte_for_byte():
+    for name, artifact in (("llama-cpu.profile.json", Profile), ("llama-cpu.plan.json", Plan)):
+        text = (RELEASE_0_1_0 / name).read_text()
+        assert artifact.from_json(text).to_json() == text
+    plan = Plan.load(RELEASE_0_1_0 / "llama-cpu.plan.json")
+    plan.check_matches(Profile.load(RELEASE_0_1_0 / "llama-cpu.profile.json"))
+    assert plan.provenance.verdict == "faster" and plan.unshard_async_op
+
+
+def _plan_dict() -> dict:
+    return json.loads((RELEASE_0_1_0 / "llama-cpu.plan.json").read_text())
+
+
+def _profile_dict() -> dict:
+    return json.loads((RELEASE_0_1_0 / "llama-cpu.profile.json").read_text())
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d["modules"]["model.layers.0"].update(reshard_after_forward="false"),
+     "plan field modules['model.layers.0'].reshard_after_forward must be true or false, found 'false'"),
+    (lambda d: d.update(reshard_after_backward="false"),
+     "plan field reshard_after_backward must be true or false, found 'false'"),
+    (lambda d: d.update(reduce_scatter_max_input_buffers="2"),
+     "plan field reduce_scatter_max_input_buffers must be an integer, found '2'"),
+    (lambda d: d.update(reduce_scatter_max_input_buffers=0),
+     "plan field reduce_scatter_max_input_buffers input should be greater than or equal to 1, found 0"),
+    (lambda d: d["modules"][""].update(reshard_afterforward=True),
+     "plan field modules[''].reshard_afterforward is not a field of this schema"),
+    (lambda d: d["fingerprint"].pop("world_size"), "plan field fingerprint.world_size is missing"),
+    (lambda d: d["provenance"].update(source="guessed"), "plan field provenance.source input should be 'default' or"),
+])
+def test_a_plan_field_of_the_wrong_kind_is_named_not_coerced(mutate, message):
+    d = _plan_dict()
+    mutate(d)
+    with pytest.raises(PlanFormatError) as info:
+        Plan.from_json(json.dumps(d))
+    assert str(info.value).startswith(message), str(info.value)
+    assert "studies export" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d["modules"][1].update(needs_parameters_in_backward="no"),
+     "profile field modules[1].needs_parameters_in_backward must be true or false, found 'no'"),
+    (lambda d: d.update(microbatches=0), "profile field microbatches input should be greater than or equal to 1"),
+    (lambda d: d["in_step"]["overlap"].pop("compute_ms"), "profile field in_step.overlap.compute_ms is missing"),
+    (lambda d: d.update(optimizer_ms="fast"), "profile field optimizer_ms must be a number, found 'fast'"),
+])
+def test_a_profile_field_of_the_wrong_kind_is_named(mutate, message):
+    d = _profile_dict()
+    mutate(d)
+    with pytest.raises(ProfileFormatError) as info:
+        Profile.from_json(json.dumps(d))
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_nothing_is_written_that_would_not_read_back(make_profile):
+    import dataclasses
+
+    plan = Plan.default(make_profile())
+    broken = dataclasses.replace(plan, unshard_async_op="yes")
+    with pytest.raises(PlanFormatError, match="cannot write this plan: plan field unshard_async_op must be true"):
+        broken.to_json()
