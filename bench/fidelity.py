@@ -1,10 +1,10 @@
 """Benchmark: simulator fidelity against the real ranks, before and after calibration.
 
-    python bench/fidelity.py [studies/llama-cpu.toml studies/gpt2-cpu.toml] [--rounds 31] [--json out.json]
-    python bench/fidelity.py --refit llama.json gpt2.json   # saved runs, today's calibration, no ranks
+    python -m bench.fidelity [studies/llama-cpu.toml studies/gpt2-cpu.toml] [--rounds 31] [--json out.json]
+    python -m bench.fidelity --refit llama.json --refit gpt2.json   # saved runs, today's calibration, no ranks
 
 For each study, in one run on its ranks: record a profile; build 15 plans
-(:func:`_plans`: FSDP2's default; uniform depths 0-3 with and without async
+(:func:`fidelity_plans`: FSDP2's default; uniform depths 0-3 with and without async
 unshard; three per-module plans spread over a simulated study; two
 deliberately bad plans; no reshard after forward); measure them
 interleaved; track the unsharded parameter bytes alive through FSDP's own
@@ -21,18 +21,24 @@ error for all plans.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import click
+
+from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument
+
+if TYPE_CHECKING:
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+
+MODULE = "bench.fidelity"
 
 
-
-def _plans(profile):
+def fidelity_plans(profile: Profile) -> dict[str, Plan]:
     """The benchmark's plans, by name: the issue's set plus plans that move the step time the most.
 
     FSDP2's default; uniform depths 0-3 with and without async unshard; three
@@ -49,6 +55,7 @@ def _plans(profile):
 
     from planner.artifacts.config import StudyConfig
     from planner.artifacts.plan import Plan
+    from planner.simulation.parameters import simulator_for
     from planner.study import distinct_plans, simulated_stage
     from search_spaces import get_space, uniform
 
@@ -61,24 +68,28 @@ def _plans(profile):
     config = StudyConfig.build(name="fidelity", storage="sqlite://", factory="-", space="per_module",
                                sampler="nsga2", sim_trials=300, seed=1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sim = simulated_stage(profile, config, optuna.storages.InMemoryStorage(), get_space("per_module"),
+    space = get_space("per_module")
+    sim = simulated_stage(simulator_for(profile), config, optuna.storages.InMemoryStorage(), space,
                           show_progress_bar=False)
     seen = {p.behaviour_key() for p in plans.values()}
-    ranked = [plan for _, plan in distinct_plans(sim, profile, get_space("per_module")) if plan.behaviour_key() not in seen]
+    ranked = [plan for _, plan in distinct_plans(sim, profile, space) if plan.behaviour_key() not in seen]
     for label, index in (("best", 0), ("1/3", len(ranked) // 3), ("2/3", 2 * len(ranked) // 3)):
         if ranked:
             plans[f"per-module {label} of {len(ranked)}"] = ranked[min(index, len(ranked) - 1)]
     order = list(dict.fromkeys(profile.pre_forward_order))
     post = [f for f in dict.fromkeys(profile.post_forward_order) if f != profile.root_fqn]
-    forward_bad = {f: dataclasses.replace(m, forward_prefetch=(order[order.index(f) - 1],) if order.index(f) > 1 else ())
-                   for f, m in default.modules.items()}
+    forward_bad = {
+        f: dataclasses.replace(m, forward_prefetch=(order[order.index(f) - 1],) if order.index(f) > 1 else ())
+        for f, m in default.modules.items()
+    }
     plans["bad: re-gather the previous module"] = dataclasses.replace(default, modules=forward_bad)
     # Backward runs in reverse post-forward order: post[i + 1] has finished its backward when post[i] starts.
     backward_bad = dict(default.modules)
     for i, f in enumerate(post[:-1]):
         backward_bad[f] = dataclasses.replace(default.modules[f], backward_prefetch=(post[i + 1],))
     plans["bad: re-gather a finished module"] = dataclasses.replace(default, modules=backward_bad)
-    def without_reshard(plan):  # every block keeps its parameters after forward (the root always does)
+
+    def without_reshard(plan: Plan) -> Plan:  # every block keeps its parameters after forward (the root always does)
         return dataclasses.replace(plan, modules={
             f: m if f == profile.root_fqn else dataclasses.replace(m, reshard_after_forward=False)
             for f, m in plan.modules.items()})
@@ -89,34 +100,38 @@ def _plans(profile):
 
 
 def rank_main(study: str, rounds: int, out: str | None) -> None:
+    """Every rank: record, measure the plans interleaved and their unsharded bytes; rank 0 reports."""
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
     from runtime.apply import apply_plan
-    from runtime.rank import init_rank, shutdown_rank
-    from runtime.measure import max_across_ranks, measure_plans
+    from runtime.collectives import gather_max
+    from runtime.measure import measure_plans
     from runtime.memory import UnshardedBytesTracker
+    from runtime.rank import init_rank, shutdown_rank
     from runtime.recorder import record_profile
     from runtime.workload import build_study_workload, train_step
 
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
     workload = build_study_workload(config.workload, mesh)
-    profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats)
-    plans = _plans(profile)
+    profile = record_profile(
+        workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats
+    )
+    plans = fidelity_plans(profile)
     names = list(plans)
-    step_ms, _ = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1)
+    step_ms = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1)
     peaks = []
     for n in names:
         apply_plan(workload.model, plans[n], check=False)
         with UnshardedBytesTracker() as tracker:
             train_step(workload, 0)
         peaks.append(tracker.peak_bytes)
-    peaks, _ = max_across_ranks(peaks)
+    peaks, _ = gather_max(peaks)
     if dist.get_rank() == 0:
         run = {"study": config.name, "rounds": rounds, "profile": profile.to_dict(),
                "rows": [{"plan": n, "plan_json": plans[n].to_dict(), "steps_ms": t, "measured_unsharded_bytes": b}
-                        for n, t, b in zip(names, step_ms, peaks)]}
+                        for n, t, b in zip(names, step_ms, peaks, strict=True)]}
         report(run)
         if out:
             Path(out).write_text(json.dumps(run, indent=1))
@@ -124,7 +139,7 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
     shutdown_rank()
 
 
-def _splits(plans, count: int = 40, seed: int = 0) -> list[set[int]]:
+def _splits(plans: list[Plan], count: int = 40, seed: int = 0) -> list[set[int]]:
     """``count`` distinct random half splits (seeded): the indices each calibration is fitted on.
 
     Every split has sync and async plans on both sides (the calibration's
@@ -165,9 +180,9 @@ def report(run: dict, splits: int = 40) -> None:
     """
     import dataclasses
 
-    from planner.simulation.calibrate import Observation, calibrated, fit, spearman, summary
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
+    from planner.simulation.calibrate import Observation, calibrated, fit, spearman, summary
     from planner.simulation.parameters import simulate
 
     profile = dataclasses.replace(Profile.from_dict(run["profile"]), calibration=None)
@@ -175,19 +190,19 @@ def report(run: dict, splits: int = 40) -> None:
     plans = [Plan.from_dict(r["plan_json"]) for r in rows]
     steps = [r["steps_ms"] for r in rows]
     measured = [statistics.median(t) for t in steps]
-    obs = [Observation(p, m) for p, m in zip(plans, measured)]
+    obs = [Observation(p, m) for p, m in zip(plans, measured, strict=True)]
     raw = [simulate(profile, p) for p in plans]
-    before = [100 * (r.step_ms - m) / m for r, m in zip(raw, measured)]
+    before = [100 * (r.step_ms - m) / m for r, m in zip(raw, measured, strict=True)]
     # Leave-one-out: every plan predicted by a calibration fitted on all the others.
     loo = [simulate(calibrated(profile, fit(profile, obs[:i] + obs[i + 1:])), o.plan).step_ms
            for i, o in enumerate(obs)]
-    loo_err = [100 * (p - m) / m for p, m in zip(loo, measured)]
+    loo_err = [100 * (p - m) / m for p, m in zip(loo, measured, strict=True)]
     cal_all = calibrated(profile, fit(profile, obs))
     print(f"\n{run['study']}: {len(rows)} plans x {len(steps[0])} rounds interleaved; calibration fitted on all "
           "plans: " + ", ".join(f"{k} {v:.3g}" for k, v in cal_all.calibration.items()))
     print(f"{'plan':<44} {'measured':>9} {'predicted':>9} {'err %':>7} {'calibr.':>9} {'err %':>7} "
           f"{'unsharded MiB meas/pred':>24}")
-    for r, m, res, e, c, ce in zip(rows, measured, raw, before, loo, loo_err):
+    for r, m, res, e, c, ce in zip(rows, measured, raw, before, loo, loo_err, strict=True):
         peak = r["measured_unsharded_bytes"]
         mem_err = 100 * (res.peak_unsharded_bytes - peak) / peak if peak else float("nan")
         r.update(measured_ms=m, predicted_ms=res.step_ms, error_pct=e, loo_predicted_ms=c, loo_error_pct=ce,
@@ -201,7 +216,7 @@ def report(run: dict, splits: int = 40) -> None:
         cal = calibrated(profile, fit(profile, [obs[i] for i in sorted(train_idx)]))
         pred = [simulate(cal, plans[i]).step_ms for i in held]
         hm = [measured[i] for i in held]
-        after = [abs(100 * (p - m) / m) for p, m in zip(pred, hm)]
+        after = [abs(100 * (p - m) / m) for p, m in zip(pred, hm, strict=True)]
         held_runs.append({
             "fit": sorted(train_idx), "calibration": cal.calibration,
             "error_before": statistics.median(abs(before[i]) for i in held),
@@ -212,7 +227,7 @@ def report(run: dict, splits: int = 40) -> None:
     # The measurement's own ranking noise: odd rounds against even rounds, and the step-to-step spread.
     split_half = spearman([statistics.median(t[0::2]) for t in steps], [statistics.median(t[1::2]) for t in steps])
     quartiles = [statistics.quantiles(t, n=4) for t in steps]
-    spread = [100 * (q[2] - q[0]) / m for q, m in zip(quartiles, measured)]
+    spread = [100 * (q[2] - q[0]) / m for q, m in zip(quartiles, measured, strict=True)]
     mem = [abs(r["memory_error_pct"]) for r in rows]
 
     def over(key):
@@ -239,30 +254,18 @@ def report(run: dict, splits: int = 40) -> None:
     print(f"unsharded parameter memory: median |error| {statistics.median(mem):.1f}%, max {max(mem):.1f}%")
 
 
-def refit(path: str) -> None:
-    """Report a saved run (``--json``) again with today's plans split and calibration code, measuring nothing."""
-    report(json.loads(Path(path).read_text()))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("studies", nargs="*", default=["studies/llama-cpu.toml", "studies/gpt2-cpu.toml"])
-    parser.add_argument("--rounds", type=int, default=31,
-                        help="interleaved rounds, one step of every plan each (about 30 minutes per study at 31 on "
-                             "the 2-core CPU testbed; odd and even rounds ranked the plans with Spearman 0.79-0.90 "
-                             "at 9 rounds, 0.92-0.94 at 21 and 31)")
-    parser.add_argument("--json", help="write the rows of the (single) study here")
-    parser.add_argument("--refit", nargs="+", metavar="JSON", help="report saved --json runs again, measuring nothing")
-    args = parser.parse_args()
-    if args.refit:
-        for path in args.refit:
-            refit(path)
+@click.command(help=__doc__)
+@studies_argument
+@click.option("--rounds", default=31, show_default=True,
+              help="interleaved rounds, one step of every plan each (about 30 minutes per study at 31 on the 2-core "
+                   "CPU testbed)")
+@saved_run_options
+def main(studies: tuple[str, ...], rounds: int, json_out: str | None, refit: tuple[str, ...]) -> None:
+    if report_saved(refit, report):
         return
-    from _ranks import run_studies
+    run_studies(MODULE, studies, lambda study: [study, "--rounds", str(rounds)] + json_flag(json_out),
+                lambda study: rank_main(study, rounds, json_out))
 
-    run_studies(__file__, args.studies,
-                lambda study: [study, "--rounds", str(args.rounds)] + (["--json", args.json] if args.json else []),
-                lambda: rank_main(args.studies[0], args.rounds, args.json))
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,11 @@
 """Benchmark: the simulator's total peak memory against the measured peak, per plan.
 
-    python bench/peak_memory.py [studies/llama-cpu.toml studies/gpt2-cpu.toml] [--json out.json]
-    python bench/peak_memory.py --refit run.json ...   # saved runs, today's simulator, no ranks
+    python -m bench.peak_memory [studies/llama-cpu.toml studies/gpt2-cpu.toml] [--json out.json]
+    python -m bench.peak_memory --refit run.json ...   # saved runs, today's simulator, no ranks
 
 For each study, on its ranks: record a profile (which measures FSDP2's
 default's peak and the optimizer step's temporaries); build the fidelity
-bench's plans (``bench/fidelity.py``) and, from uniform depth 1 with async
+bench's plans (``bench.fidelity``) and, from uniform depth 1 with async
 unshard, the plans that keep the last 1, 3 and all blocks unsharded after
 forward; run each plan for one warm-up step and
 :data:`runtime.peak_memory.PEAK_STEPS` measured steps
@@ -13,32 +13,35 @@ forward; run each plan for one warm-up step and
 max across ranks (:func:`runtime.peak_memory.peak_of_steps`).
 Prints, per plan, the measured and the predicted peak and the error, and
 the median |error|; then the predicted and measured extra memory of keeping
-blocks unsharded. The issue's target: median |error| <= 3%.
+blocks unsharded. Target: median |error| <= 3%.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import click
+
+from bench.fidelity import fidelity_plans
+from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument
+from planner.units import mib
+
+if TYPE_CHECKING:
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+
+MODULE = "bench.peak_memory"
 
 
-MIB = 2**20
-
-
-def plans_for(profile):
+def plans_for(profile: Profile) -> dict[str, Plan]:
     """The fidelity bench's plans, plus uniform depth 1 async keeping the last 1, 3 and all blocks unsharded."""
-    from fidelity import _plans
-
     from search_spaces import uniform
     from search_spaces.assign import keep_unsharded
 
-    plans = _plans(profile)
+    plans = fidelity_plans(profile)
     base = uniform.build(profile, 1, 1, True)
     blocks = len(profile.modules) - 1
     for k in sorted({1, min(3, blocks), blocks}):
@@ -47,10 +50,12 @@ def plans_for(profile):
 
 
 def rank_main(study: str, out: str | None) -> None:
+    """Every rank: record, then each plan's peak over measured steps; rank 0 reports (and writes ``out``)."""
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
     from runtime.apply import apply_plan
+    from runtime.collectives import gather_objects
     from runtime.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
     from runtime.rank import init_rank, shutdown_rank
     from runtime.recorder import record_profile
@@ -62,12 +67,11 @@ def rank_main(study: str, out: str | None) -> None:
     profile = record_profile(workload, warmup_steps=1, steps=2, repeats=config.measure.profile_repeats)
     plans = plans_for(profile)
     local = []
-    for name, plan in plans.items():
+    for plan in plans.values():
         apply_plan(workload.model, plan, check=False)
         train_step(workload, 0)
         local.append([measure_peak(workload, 1 + s).peak_bytes for s in range(PEAK_STEPS)])
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered = gather_objects(local)
     if dist.get_rank() == 0:
         run = {"study": config.name, "profile": profile.to_dict(),
                "rows": [{"plan": n, "plan_json": plans[n].to_dict(),
@@ -97,7 +101,7 @@ def report(run: dict) -> dict:
         err = 100 * (predicted - measured) / measured
         errors.append(abs(err))
         rows[row["plan"]] = (measured, predicted)
-        print(f"{row['plan']:<52} {measured / MIB:>9.1f} {predicted / MIB:>9.1f} {err:>+6.1f}%")
+        print(f"{row['plan']:<52} {mib(measured, unit=False):>9} {mib(predicted, unit=False):>9} {err:>+6.1f}%")
     summary = {"median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors)}
     print(f"median |error| {summary['median_abs_error_pct']:.1f}%, max {summary['max_abs_error_pct']:.1f}% "
           f"over {len(errors)} plans (target: median <= 3%)")
@@ -106,22 +110,18 @@ def report(run: dict) -> dict:
         print("extra memory of keeping blocks unsharded, against uniform depth 1 async (MiB): measured / predicted")
         for name, (m, p) in rows.items():
             if "kept unsharded" in name:
-                print(f"  {name:<50} {(m - base[0]) / MIB:>8.1f} / {(p - base[1]) / MIB:<8.1f}")
+                print(f"  {name:<50} {mib(m - base[0], unit=False):>8} / {mib(p - base[1], unit=False):<8}")
     return summary
 
 
-def main() -> None:
-    from _ranks import add_saved_run_arguments, refitted, run_studies
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("studies", nargs="*", default=["studies/llama-cpu.toml", "studies/gpt2-cpu.toml"])
-    add_saved_run_arguments(parser)
-    args = parser.parse_args()
-    if refitted(args, report):
+@click.command(help=__doc__)
+@studies_argument
+@saved_run_options
+def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...]) -> None:
+    if report_saved(refit, report):
         return
+    run_studies(MODULE, studies, lambda study: [study, *json_flag(json_out)], lambda study: rank_main(study, json_out))
 
-    run_studies(__file__, args.studies, lambda study: [study] + (["--json", args.json] if args.json else []),
-                lambda: rank_main(args.studies[0], args.json))
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Benchmark: do the tool's verdicts hold on the real ranks?
 
-    python bench/verdicts.py studies/llama-cpu.toml [--aa-races 5] [--rounds 20] [--skip-aa] [--skip-coverage]
+    python -m bench.verdicts studies/llama-cpu.toml [--aa-races 5] [--rounds 20] [--skip-aa] [--skip-coverage]
 
 (a) A/A. Races in which the one candidate *is* FSDP2's default (the same plan
     under another index), each followed by its confirmation on fresh rounds,
@@ -14,13 +14,12 @@
     95% bootstrap interval. Reports whether the independent ratio falls inside
     the interval ``tune`` reported.
 
-Starts the study's ranks itself (or runs under torchrun for one part:
-``--part aa`` / ``--part remeasure``).
+Starts the study's ranks itself (they run ``python -m bench.verdicts --part
+aa`` / ``--part remeasure``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -29,37 +28,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import click
 
-from planner.errors import PlannerError  # noqa: E402
-
-
-def _run_schedule_on_ranks(workload, plans, schedule, warmup_steps: int) -> None:
-    """Every rank: warm up, then run the blocks rank 0's ``schedule`` hands out (max across ranks fed back)."""
-    import torch.distributed as dist
-
-    from runtime.measure import StepCounter, run_block, warm_up
-    from runtime.protocol import broadcast_from_rank0, gather
-
-    group = dist.group.WORLD
-    steps = StepCounter()
-    warm_up(workload, plans, warmup_steps, steps)
-    while True:
-        block = broadcast_from_rank0(schedule.next_block() if dist.get_rank() == 0 else None, group)
-        if block is None:
-            return
-        reports = gather(run_block(workload, plans, block, steps), group)
-        if dist.get_rank() == 0:
-            schedule.record([{j: max(rep[k][pos] for rep in reports) for pos, j in enumerate(order)}
-                             for k, order in enumerate(block)])
+MODULE = "bench.verdicts"
 
 
 def aa_main(study: str, races: int, out: str) -> None:
+    """Every rank: ``races`` A/A races and confirmations (the default against itself); rank 0 writes ``out``."""
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.schedule import Schedule
+    from runtime.measure import StepCounter, run_schedule, warm_up
     from runtime.rank import init_rank, shutdown_rank
     from runtime.recorder import record_profile
     from runtime.workload import build_study_workload
@@ -73,7 +54,9 @@ def aa_main(study: str, races: int, out: str) -> None:
     for race in range(races):
         schedule = Schedule(2, config.measure.race_settings(), config.measure.confirm_settings(seed=race))
         t0 = time.monotonic()
-        _run_schedule_on_ranks(workload, [default, default], schedule, config.measure.warmup_steps)
+        steps = StepCounter()
+        warm_up(workload, [default, default], config.measure.warmup_steps, steps)
+        run_schedule(workload, [default, default], schedule if dist.get_rank() == 0 else None, steps)
         if dist.get_rank() == 0:
             c = schedule.confirmation
             row = {"race": race, "verdict": str(c.verdict), "ratio": c.ratio, "ci95": list(c.ci95),
@@ -96,8 +79,8 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from runtime.apply import apply_plan, load_plan
+    from runtime.collectives import gather_max
     from runtime.measure import StepCounter, timed_step
-    from runtime.protocol import gather
     from runtime.rank import init_rank, shutdown_rank
     from runtime.workload import build_study_workload
 
@@ -116,10 +99,9 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
         order = [("tuned", tuned), ("default", default)] if r % 2 == 0 else [("default", default), ("tuned", tuned)]
         for name, w in order:
             local[name].append(timed_step(w, steps.next()))
-    reports = gather(local, dist.group.WORLD)
+    maxed, _ = gather_max(local["tuned"] + local["default"])
     if dist.get_rank() == 0:
-        maxed = {k: [max(rep[k][i] for rep in reports) for i in range(rounds)] for k in local}
-        Path(out).write_text(json.dumps(maxed))
+        Path(out).write_text(json.dumps({"tuned": maxed[:rounds], "default": maxed[rounds:]}))
     del tuned, default
     shutdown_rank()
 
@@ -127,7 +109,7 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
 def _launch(args: list[str], nproc: int) -> None:
     from runtime.launch import launch_ranks
 
-    code = launch_ranks(args, nproc, script=__file__)
+    code = launch_ranks(args, nproc, module=MODULE)
     if code:
         sys.exit(code)
 
@@ -137,21 +119,35 @@ def coverage(study: str, rounds: int, work: Path) -> dict:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.verdict import confirm
+    from planner.study import best_plan
 
     config = load_study_config(study)
     storage, plan_out = f"sqlite:///{work}/coverage.db", str(work / "plan.json")
     t0 = time.monotonic()
-    tune = subprocess.run([sys.executable, "-m", "jobs.cli", "tune", study, "--storage", storage, "--plan-out", plan_out,
-                           "--profile-out", str(work / "profile.json"), "--no-progress"],
-                          capture_output=True, text=True)
+    tune = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.cli",
+            "tune",
+            study,
+            "--storage",
+            storage,
+            "--plan-out",
+            plan_out,
+            "--profile-out",
+            str(work / "profile.json"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
     tune_s = time.monotonic() - t0
     print(tune.stdout)
     if tune.returncode:
         print(tune.stderr, file=sys.stderr)
         sys.exit(tune.returncode)
     written = Plan.load(plan_out)
-    from planner.study import best_plan
-
     best = best_plan(storage, config.name)
     reported = best.plan if best.closest is None else best.closest  # the confirmed candidate
     pv = reported.provenance
@@ -173,46 +169,50 @@ def coverage(study: str, rounds: int, work: Path) -> dict:
             "independent_ci95": list(independent.ci95), "independent_rounds": rounds, "inside": inside}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("study", nargs="?", default="studies/llama-cpu.toml")
-    parser.add_argument("--aa-races", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=20, help="rounds of the independent re-measurement")
-    parser.add_argument("--skip-aa", action="store_true")
-    parser.add_argument("--skip-coverage", action="store_true")
-    parser.add_argument("--json", help="write the figures here")
-    parser.add_argument("--part", choices=["aa", "remeasure"], help=argparse.SUPPRESS)
-    parser.add_argument("--plan", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+def aa(study: str, races: int, work: Path, nproc: int) -> list[dict]:
+    """The A/A races on fresh ranks; prints the false 'faster' verdicts; the races' rows."""
+    _launch(["--part", "aa", study, "--aa-races", str(races), "--out", str(work / "aa.json")], nproc)
+    rows = json.loads((work / "aa.json").read_text())
+    false = sum(r["verdict"] == "faster" for r in rows)
+    ratios = ", ".join(f"{r['ratio']:.3f}" for r in rows)
+    print(f"\nA/A: {len(rows)} races, {false} false 'faster' verdict(s); ratios {ratios}; median noise "
+          f"{statistics.median(r['noise_pct'] for r in rows):.1f}%")
+    return rows
+
+
+@click.command(help=__doc__)
+@click.argument("study", default="studies/llama-cpu.toml", type=click.Path(dir_okay=False))
+@click.option("--aa-races", default=5, show_default=True, help="A/A races")
+@click.option("--rounds", default=20, show_default=True, help="rounds of the independent re-measurement")
+@click.option("--skip-aa", is_flag=True)
+@click.option("--skip-coverage", is_flag=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="write the figures here")
+@click.option("--part", type=click.Choice(["aa", "remeasure"]), hidden=True)
+@click.option("--plan", "plan_path", hidden=True)
+@click.option("--out", hidden=True)
+def main(study: str, aa_races: int, rounds: int, skip_aa: bool, skip_coverage: bool, json_out: str | None,
+         part: str | None, plan_path: str | None, out: str | None) -> None:
+    from planner.artifacts.config import load_study_config
+    from planner.errors import PlannerError
+    from runtime.launch import in_torchrun
+
     try:
-        from runtime.launch import in_torchrun
-
         if in_torchrun():
-            if args.part == "aa":
-                aa_main(args.study, args.aa_races, args.out)
+            if part == "aa":
+                aa_main(study, aa_races, out)
             else:
-                remeasure_main(args.study, args.plan, args.rounds, args.out)
+                remeasure_main(study, plan_path, rounds, out)
             return
-        from planner.artifacts.config import load_study_config
-
-        config = load_study_config(args.study)
+        config = load_study_config(study)
         figures: dict = {}
         with tempfile.TemporaryDirectory() as d:
             work = Path(d)
-            if not args.skip_aa:
-                _launch(["--part", "aa", args.study, "--aa-races", str(args.aa_races), "--out", str(work / "aa.json")],
-                        config.launch.nproc_per_node)
-                races = json.loads((work / "aa.json").read_text())
-                false = sum(r["verdict"] == "faster" for r in races)
-                ratios = ", ".join(f"{r['ratio']:.3f}" for r in races)
-                print(f"\nA/A: {len(races)} races, {false} false 'faster' verdict(s); ratios {ratios}; median noise "
-                      f"{statistics.median(r['noise_pct'] for r in races):.1f}%")
-                figures["aa"] = races
-            if not args.skip_coverage:
-                figures["coverage"] = coverage(args.study, args.rounds, work)
-        if args.json:
-            Path(args.json).write_text(json.dumps(figures, indent=1, default=lambda x: None if x != x else x))
+            if not skip_aa:
+                figures["aa"] = aa(study, aa_races, work, config.launch.nproc_per_node)
+            if not skip_coverage:
+                figures["coverage"] = coverage(study, rounds, work)
+        if json_out:
+            Path(json_out).write_text(json.dumps(figures, indent=1, default=lambda x: None if x != x else x))
     except PlannerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

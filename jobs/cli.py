@@ -1,4 +1,5 @@
-"""The ``prefetch-planner`` command line: the jobs that run on ranks (``tune``, ``profile``) plus ``planner.presentation.cli``'s commands.
+"""The ``prefetch-planner`` command line: the jobs that run on ranks (``tune``, ``profile``) and
+``planner.presentation.cli``'s commands.
 
 Outside torchrun, ``tune`` and ``profile`` check what they can in this
 process, then start ``[launch] nproc_per_node`` ranks running the same
@@ -17,9 +18,9 @@ import sys
 
 import click
 
-from planner.presentation import cli as planner_cli
 from planner.artifacts.config import StudyConfig, load_study_config
 from planner.errors import PlannerError
+from planner.presentation import cli as planner_cli
 
 
 @click.group(cls=planner_cli.PlannerGroup, context_settings=planner_cli.CONTEXT_SETTINGS)
@@ -37,7 +38,9 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 @click.argument("study_toml")
 @click.option("--storage", help="SQLAlchemy URL (default: [study] storage, else sqlite:///<toml dir>/<name>.db).")
 @click.option("--sim-trials", type=int, help="Simulated trials (default: [search] sim_trials).")
-@click.option("--measured-trials", type=int, help="Best simulated plans to measure (default: [search] measured_trials).")
+@click.option(
+    "--measured-trials", type=int, help="Best simulated plans to measure (default: [search] measured_trials)."
+)
 @click.option("--memory-budget", help='Peak per rank a written plan may reach: "1.5GiB", or above FSDP2\'s default\'s '
                                      'measured peak, "+150MiB", "+10%" (default: [search] memory_budget; none).')
 @click.option("--plan-out", help="Where to write the best plan (default: <toml dir>/<name>.plan.json).")

@@ -14,12 +14,21 @@ from typing import TYPE_CHECKING
 from planner.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from planner.artifacts.plan import ModulePlan, Plan, Provenance
     from planner.artifacts.fingerprint import Fingerprint
+    from planner.artifacts.plan import ModulePlan, Plan, Provenance
     from planner.artifacts.profile import ModuleProfile, Profile
     from planner.errors import (
-        MemoryBudgetError, PlanFormatError, PlanMismatchError, PlannerError, ProfileFormatError, StorageError,
-        StudyConfigError, StudyNotFoundError, TrialFailedError, UnsupportedPlanError, WorkloadError,
+        MemoryBudgetError,
+        PlanFormatError,
+        PlanMismatchError,
+        PlannerError,
+        ProfileFormatError,
+        StorageError,
+        StudyConfigError,
+        StudyNotFoundError,
+        TrialFailedError,
+        UnsupportedPlanError,
+        WorkloadError,
     )
     from planner.simulation.parameters import simulate
     from planner.simulation.simulator import SimParams, SimResult, Simulator

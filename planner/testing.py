@@ -59,7 +59,7 @@ def synthetic_profile(
 
 
 def assert_one_line_error(code: int, err: str, needle: str, exit_code: int = 2) -> None:
-    """A command failed as bad input should: exit ``exit_code``, one line ``error: ...`` containing ``needle``, no traceback."""
+    """Failed as bad input should: exit ``exit_code``, one line ``error: ...`` with ``needle``, no traceback."""
     assert code == exit_code, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
@@ -67,7 +67,7 @@ def assert_one_line_error(code: int, err: str, needle: str, exit_code: int = 2) 
 
 
 def study_config(directory: str | Path, name: str = "s", **fields) -> StudyConfig:
-    """A study ``name`` stored in ``directory/<name>.db`` on the test MLP; ``fields`` as in :meth:`StudyConfig.build`."""
+    """A study ``name`` stored in ``directory/<name>.db`` on the test MLP; ``fields``: :meth:`StudyConfig.build`'s."""
     fields = {"storage": f"sqlite:///{directory}/{name}.db", "factory": "runtime.reference_workloads:mlp", **fields}
     return StudyConfig.build(directory=str(directory), name=name, **fields)
 

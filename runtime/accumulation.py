@@ -21,7 +21,7 @@ import weakref
 
 from torch import nn
 
-_RESHARD_AFTER_BACKWARD: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+_RESHARD_AFTER_BACKWARD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def set_accumulation(model: nn.Module, reshard_after_backward: bool) -> None:

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.errors import PlanMismatchError, UnsupportedPlanError
-from planner.artifacts.plan import Plan
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.plan import Plan
+from planner.errors import PlanMismatchError, UnsupportedPlanError
 from runtime.accumulation import set_accumulation
 from runtime.torch_private import TESTED_TORCH, separate_reduce_scatter_group_setter, unshard_async_op_setter
 from runtime.workload import fsdp_modules, own_parameters

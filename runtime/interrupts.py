@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _state: dict[str, Any] = {"deferred": 0, "pending": None}

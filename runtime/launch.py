@@ -17,8 +17,8 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch_ranks(cli_args: list[str], nproc_per_node: int, script: str | None = None) -> int:
-    """Run ``python -m jobs.cli <cli_args>`` (or ``python <script> <cli_args>``) on local ranks.
+def launch_ranks(cli_args: list[str], nproc_per_node: int, module: str = "jobs.cli") -> int:
+    """Run ``python -m <module> <cli_args>`` on local ranks (``jobs.cli``; a bench: ``bench.fidelity``).
 
     Uses ``torch.distributed.run`` with a standalone rendezvous on a free
     local port, one compute thread per rank (``OMP_NUM_THREADS=1``).
@@ -33,9 +33,8 @@ def launch_ranks(cli_args: list[str], nproc_per_node: int, script: str | None = 
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    entry = [script] if script else ["--module", "jobs.cli"]
     args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc_per_node}", *entry, *cli_args]
+        ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", module, *cli_args]
     )
     try:
         run(args)

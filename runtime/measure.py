@@ -18,7 +18,7 @@ import torch.distributed as dist
 from planner.artifacts.plan import Plan
 from planner.errors import PlannerError, one_line
 from runtime.apply import apply_plan
-from runtime.collectives import broadcast_from_rank0, gather_max, gather_objects, max_across_ranks
+from runtime.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
 from runtime.workload import Workload, train_step
 
 
@@ -93,7 +93,7 @@ def warm_up(
     """
     index = 0
     try:
-        for index, plan in enumerate(plans):
+        for index, plan in enumerate(plans):  # noqa: B007 - the except clause names the plan by its index
             apply_plan(workload.model, plan, check=False)
             for _ in range(warmup_steps):
                 train_step(workload, steps.next())
@@ -139,28 +139,41 @@ def run_block(
     return out
 
 
-def measure_local(
+class OneBlock:
+    """A :class:`Scheduler` that hands out one fixed block of rounds, then is done (what a bench measures)."""
+
+    def __init__(self, block: list[list[int]]) -> None:
+        self._block: list[list[int]] | None = block
+
+    def next_block(self) -> list[list[int]] | None:
+        block, self._block = self._block, None
+        return block
+
+    def record(self, block: list[dict[int, float]]) -> None:
+        """Nothing to decide: :func:`run_schedule` returns the times."""
+
+
+def measure_rounds(
     workload: Workload,
     plans: Sequence[Plan],
-    rounds: int,
-    warmup_steps: int = 1,
+    block: list[list[int]],
+    steps: StepCounter,
+    group: dist.ProcessGroup | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> list[list[float]]:
-    """This rank's step times for ``plans``, interleaved A B C A B C ... (all ranks call this with the same plans).
-
-    Each plan is first warmed up (:func:`warm_up`); then ``rounds`` rounds each
-    run one timed step per plan in order.
+    """Every rank: one fixed block of rounds (per round, the plan indices in running order), through
+    :func:`run_schedule`, the study's own measured round.
 
     Returns:
-        ``times[i]``: plan ``i``'s step times on this rank, ms.
+        On rank 0, per plan, each of its steps' max across ranks, ms; on the other ranks, empty lists.
 
     Raises:
-        StepFailed: a step raised an ``Exception``; names the plan.
+        StepFailed: a step raised on this rank.
+        TrialFailedError: a rank did not report.
     """
-    steps = StepCounter()
-    warm_up(workload, plans, warmup_steps, steps, on_step)
-    block = run_block(workload, plans, [list(range(len(plans)))] * rounds, steps, on_step)
-    return [[times[i] for times in block] for i in range(len(plans))]
+    scheduler = OneBlock(block) if dist.get_rank() == 0 else None
+    step_ms, _ = run_schedule(workload, plans, scheduler, steps, group, on_step)
+    return step_ms
 
 
 def measure_plans(
@@ -169,19 +182,15 @@ def measure_plans(
     rounds: int,
     warmup_steps: int = 1,
     on_step: Callable[[], None] | None = None,
-) -> tuple[list[list[float]], list[list[list[float]]]]:
-    """:func:`measure_local`, then the max across ranks (for benchmarks; the study uses ``runtime.protocol``).
+) -> list[list[float]]:
+    """Every rank: warm each plan up (:func:`warm_up`), then ``rounds`` rounds A B C ... (:func:`measure_rounds`).
 
     Returns:
-        ``(step_ms, per_rank)``: ``step_ms[i]`` lists plan ``i``'s step times
-        (max across ranks, ms); ``per_rank[i][r]`` rank ``r``'s own times.
+        On rank 0, ``step_ms[i]``: plan ``i``'s step times, max across ranks, ms; on the other ranks, empty lists.
     """
-    local = measure_local(workload, plans, rounds, warmup_steps, on_step)
-    flat = [ms for times in local for ms in times]
-    maxed, gathered = gather_max(flat)
-    step_ms = [maxed[i * rounds : (i + 1) * rounds] for i in range(len(plans))]
-    per_rank = [[g[i * rounds : (i + 1) * rounds] for g in gathered] for i in range(len(plans))]
-    return step_ms, per_rank
+    steps = StepCounter()
+    warm_up(workload, plans, warmup_steps, steps, on_step)
+    return measure_rounds(workload, plans, [list(range(len(plans)))] * rounds, steps, on_step=on_step)
 
 
 def run_schedule(
@@ -238,7 +247,7 @@ def run_schedule(
             maxed = []
             for k, order in enumerate(block):
                 times = max_across_ranks([rep[k] for rep in reports])
-                maxed.append(dict(zip(order, times)))
+                maxed.append(dict(zip(order, times, strict=True)))
                 for pos, j in enumerate(order):
                     step_ms[j].append(times[pos])
                     for r, rep in enumerate(reports):

@@ -39,7 +39,7 @@ class UnshardedBytesTracker:
         if is_sharded(group):
             self.alive.pop(id(group), None)
 
-    def __enter__(self) -> "UnshardedBytesTracker":
+    def __enter__(self) -> UnshardedBytesTracker:
         self._watch.enter_context(watching_unshard_and_reshard(self._unsharded, self._resharded))
         return self
 

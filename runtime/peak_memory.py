@@ -24,14 +24,13 @@ import contextlib
 import os
 import statistics
 import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from planner.artifacts.plan import Plan
-
 from runtime.apply import apply_plan
 from runtime.measure import StepCounter, StepFailed, device_type_of, synchronize
 from runtime.torch_private import profiler_allocations
@@ -104,7 +103,7 @@ def peak_of_steps(per_rank: list[list[int]]) -> int:
     Args:
         per_rank: ``per_rank[r][s]``: rank ``r``'s peak in step ``s``.
     """
-    return int(statistics.median_low([max(step) for step in zip(*per_rank)]))
+    return int(statistics.median_low([max(step) for step in zip(*per_rank, strict=True)]))
 
 
 # [Note: Kineto's start and stop lines]
@@ -139,7 +138,7 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
     ranks call this together (the step runs collectives).
     """
     device = device_type_of(workload)
-    model, optimizer = workload.model, workload.optimizer
+    optimizer = workload.optimizer
     optimizer.zero_grad(set_to_none=True)
     synchronize(device)
     if device == "cuda":
@@ -187,7 +186,7 @@ def warm_up_measuring_peaks(workload: Workload, plans: Sequence[Plan], warmup_st
     out: list[list[int]] = []
     index = 0
     try:
-        for index, plan in enumerate(plans):
+        for index, plan in enumerate(plans):  # noqa: B007 - the except clause names the plan by its index
             apply_plan(workload.model, plan, check=False)
             for _ in range(max(0, warmup_steps - PEAK_STEPS)):
                 train_step(workload, steps.next())

@@ -7,7 +7,7 @@ What it records and how (docs/architecture.md, "Measurement"):
   the step figures per step (every microbatch and the optimizer).
 - Step ms, optimizer ms and peak memory of FSDP2's default plan: median
   over timed steps after warm-up, timed last, when the run is warm
-  (the first steps after the model is built ran 50% slower: [Note: Why the
+  (the first steps after the model is built run far slower: [Note: Why the
   isolated figures are not enough] in :mod:`planner.simulation.in_step`); then the
   peak of :data:`runtime.peak_memory.PEAK_STEPS` untimed steps, and what
   the optimizer step allocates on top (:func:`runtime.peak_memory.measure_peak`).
@@ -25,7 +25,7 @@ What it records and how (docs/architecture.md, "Measurement"):
   (:mod:`runtime.collective_timer`). Medians of several repeats.
 - On a CPU device, the all-gather of the module with the most unsharded
   parameters and compute, alone and at once (:mod:`runtime.overlap_timer`).
-- Per-rank figures are consolidated with ``all_gather_object``: max across
+- Per-rank figures are gathered (:func:`runtime.collectives.gather_objects`) and consolidated: max across
   ranks (the overlap timings: mean across ranks), per-rank kept.
 """
 
@@ -43,6 +43,7 @@ from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import InStepTimings, ModuleProfile, OverlapTimings, Profile
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import all_gather_ms, reduce_scatter_ms
+from runtime.collectives import gather_objects
 from runtime.compute_timer import TIMED, ComputeTimer
 from runtime.measure import device_type_of, synchronize
 from runtime.overlap_timer import overlap_timings
@@ -53,7 +54,7 @@ from runtime.workload import Workload, forward_backward, fsdp_modules, own_param
 
 def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
     """FSDP2's default plan: median step ms and optimizer ms, then its peak memory (run warm)."""
-    model, optimizer = workload.model, workload.optimizer
+    optimizer = workload.optimizer
     step_ms, opt_ms = [], []
     for s in range(steps):
         dist.barrier()
@@ -138,10 +139,10 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
     compute = _compute_unsharded(workload, repeats, device, raf)
     ag_ms = all_gather_ms(modules, repeats, device)
-    numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels))
+    numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
     overlap = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
     rs_ms, sharded = {}, {}
-    for fqn, numel in zip(fingerprint.module_fqns, fingerprint.param_numels):
+    for fqn, numel in zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True):
         own = own_parameters(modules, fqn)
         sharded[fqn] = sum(p.to_local().numel() * p.element_size() for p in own)
         rs_ms[fqn] = reduce_scatter_ms(numel, own[0].dtype if own else torch.float32, repeats, device)
@@ -171,9 +172,7 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
             for fqn, _ in modules
         },
     }
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    return _consolidate(gathered, fingerprint, raf, compute["calls"], workload.microbatches)
+    return _consolidate(gather_objects(local), fingerprint, raf, compute["calls"], workload.microbatches)
 
 
 def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
@@ -184,7 +183,7 @@ def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, 
         if other["post_forward_order"] != first["post_forward_order"]:
             raise RuntimeError(f"ranks disagree on the post-forward order: rank 0 {first['post_forward_order']}, "
                                f"rank {other['rank']} {other['post_forward_order']}")
-    unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes))
+    unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True))
     modules = {}
     for fqn in fingerprint.module_fqns:
         figures = {k: max(r["modules"][fqn][k] for r in per_rank) for k in first["modules"][fqn]}

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,7 +88,7 @@ def unshard_async_op_setter(model: nn.Module) -> Callable[[bool], None]:
 
 
 # model -> its dedicated reduce-scatter process group, created once (separate_reduce_scatter_group_setter).
-_DEDICATED_REDUCE_SCATTER: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_DEDICATED_REDUCE_SCATTER: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def separate_reduce_scatter_group_setter(model: nn.Module) -> Callable[[bool], None]:
@@ -132,7 +133,10 @@ def separate_reduce_scatter_group_setter(model: nn.Module) -> Callable[[bool], N
 
 
 def reduce_scatter_group(module: nn.Module) -> Any:
-    """The process group an FSDP module's reduce-scatter runs on (``FSDPParamGroup._reduce_scatter_process_group``); for tests."""
+    """The process group an FSDP module's reduce-scatter runs on, for tests.
+
+    ``FSDPParamGroup._reduce_scatter_process_group``.
+    """
     return param_group(module)._reduce_scatter_process_group
 
 

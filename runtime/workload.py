@@ -8,8 +8,9 @@ already wrapped with ``fully_shard`` (per block, then the root).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,7 +75,9 @@ def build_workload(spec: str, mesh: Any, kwargs: dict[str, Any], microbatches: i
             ``microbatches`` < 1.
     """
     if not isinstance(microbatches, int) or microbatches < 1:
-        raise WorkloadError(f"microbatches must be an integer >= 1, found {microbatches!r}; fix [workload] microbatches")
+        raise WorkloadError(
+            f"microbatches must be an integer >= 1, found {microbatches!r}; fix [workload] microbatches"
+        )
     factory = load_factory(spec)
     try:
         workload = factory(mesh, **kwargs)
@@ -142,7 +145,7 @@ def forward_backward(workload: Workload, step: int) -> torch.Tensor:
 
 
 def train_step(workload: Workload, step: int) -> torch.Tensor:
-    """One optimizer step: ``zero_grad``, :func:`forward_backward`, ``optimizer.step()``; returns the (detached) loss."""
+    """One optimizer step: ``zero_grad``, :func:`forward_backward`, ``optimizer.step()``; the (detached) loss."""
     workload.optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(workload, step)
     workload.optimizer.step()

@@ -21,12 +21,12 @@ from search_spaces.uniform import UniformSpace
 if TYPE_CHECKING:
     from planner.study.search_space import SearchSpace
 
-SPACES: Mapping[SpaceName, "SearchSpace"] = MappingProxyType(
+SPACES: Mapping[SpaceName, SearchSpace] = MappingProxyType(
     {space.name: space for space in (UniformSpace(), PerModuleSpace(), AssignSpace())}
 )
 
 
-def get_space(name: SpaceName | str) -> "SearchSpace":
+def get_space(name: SpaceName | str) -> SearchSpace:
     """The search space called ``name``.
 
     Raises:

@@ -41,9 +41,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
-from planner.artifacts.names import SpaceName
 from search_spaces._orders import orders
 from search_spaces.per_module import groups
 from search_spaces.uniform import UniformSpace
@@ -144,7 +144,7 @@ def _params(profile: Profile, names: list[str], fwd: int, bwd: int, async_op: bo
             ) -> dict[str, Any]:
     params: dict[str, Any] = {f"fwd:{n}": fwd for n in names}
     params.update({f"bwd:{n}": bwd for n in names})
-    params.update({f"raf:{n}": r for n, r in zip(names, raf)})
+    params.update({f"raf:{n}": r for n, r in zip(names, raf, strict=True)})
     params.update({f"uib:{n}": True for n, members in groups(profile) if _skippable(profile, members)})
     params["unshard_async_op"] = async_op
     if profile.fingerprint.device_type != "cpu":

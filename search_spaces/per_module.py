@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
-from planner.artifacts.names import SpaceName
 from search_spaces._orders import orders
 from search_spaces.uniform import UniformSpace
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
-from planner.artifacts.names import SpaceName
 from search_spaces._orders import orders
 
 MAX_DEPTH = 3

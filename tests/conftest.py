@@ -5,11 +5,24 @@ from __future__ import annotations
 import pytest
 
 from planner.testing import synthetic_profile
+from tests.multirank import run_cli, run_ranks
 
 
 @pytest.fixture
 def make_profile():
     return synthetic_profile
+
+
+@pytest.fixture
+def ranks():
+    """:func:`tests.multirank.run_ranks`: a script of ``tests/runtime/ranks`` on gloo ranks."""
+    return run_ranks
+
+
+@pytest.fixture
+def cli():
+    """:func:`tests.multirank.run_cli`: ``prefetch-planner`` in a subprocess."""
+    return run_cli
 
 
 @pytest.fixture(scope="session")
@@ -19,11 +32,10 @@ def postgres():
     Skipped where no server binaries are installed, except under CI
     (``CI`` set), where ``.ci/run`` installs them and a skip would hide a gap.
     """
+    import importlib.util
     import os
 
     from tests.postgres import PostgresServer
-
-    import importlib.util
 
     try:
         if importlib.util.find_spec("psycopg2") is None:

@@ -12,17 +12,19 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from jobs.cli import main
-from search_spaces import get_space
 from planner.artifacts.config import load_study_config
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
 from planner.errors import (
     PlanFormatError,
     PlanMismatchError,
@@ -31,13 +33,11 @@ from planner.errors import (
     StudyConfigError,
     WorkloadError,
 )
-from planner.artifacts.plan import Plan
-from planner.artifacts.profile import Profile
 from planner.storages import check_writable, open_storage
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
 from runtime.rank import check_runnable
-from tests.runtime.conftest import HERE as RUNTIME_TESTS
-from tests.runtime.conftest import rank_env
+from search_spaces import get_space
+from tests.multirank import RANK_SCRIPTS, rank_env
 
 STUDIES = Path(__file__).parents[1] / "studies"
 GOOD_TOML = '[study]\nname = "s"\n[workload]\nfactory = "{factory}"\nkwargs = {{ dim = 64, layers = 4 }}\n'
@@ -58,7 +58,7 @@ def world_template(tmp_path_factory):
 @pytest.fixture
 def world(world_template, tmp_path, monkeypatch):
     """A fresh copy of the template per test (each may write bad files beside the database)."""
-    monkeypatch.syspath_prepend(str(RUNTIME_TESTS))  # bad_factories, for the API cases
+    monkeypatch.syspath_prepend(str(RANK_SCRIPTS.parent))  # bad_factories, for the API cases
     shutil.copytree(world_template, tmp_path, dirs_exist_ok=True)
     return tmp_path
 

@@ -44,9 +44,7 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from planner.artifacts.names import Backend, SamplerName, SpaceName
-from planner.artifacts.tables import (
-    TABLES, LaunchTable, MeasureTable, SearchTable, StudyTable, Table, WorkloadTable,
-)
+from planner.artifacts.tables import TABLES, LaunchTable, MeasureTable, SearchTable, StudyTable, Table, WorkloadTable
 from planner.errors import StudyConfigError
 
 __all__ = [
@@ -88,7 +86,7 @@ class StudyConfig(Table):
         return str(Path(self.directory) / f"{self.name}{suffix}")
 
     @classmethod
-    def build(cls, directory: str | Path = ".", source: str = "study config", **fields: Any) -> "StudyConfig":
+    def build(cls, directory: str | Path = ".", source: str = "study config", **fields: Any) -> StudyConfig:
         """A config from flat keys (``name=..., factory=..., sim_trials=...``), each put in its table.
 
         The Python API's way to write what a TOML file says; validated the

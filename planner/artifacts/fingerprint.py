@@ -28,7 +28,7 @@ class Fingerprint:
     param_dtypes: tuple[str, ...]
     torch_version: str
 
-    def first_difference(self, other: "Fingerprint") -> str | None:
+    def first_difference(self, other: Fingerprint) -> str | None:
         """Describe the first way ``other`` (the model at hand) differs from self.
 
         The torch version is informational and never a difference.
@@ -39,12 +39,12 @@ class Fingerprint:
         if self.world_size != other.world_size:
             return f"world size: plan was made for {self.world_size} ranks, this run has {other.world_size}"
         mine, theirs = list(self.module_fqns), list(other.module_fqns)
-        for i, (a, b) in enumerate(zip(mine, theirs)):
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
             if a != b:
                 return f"FSDP module #{i}: plan has {a!r}, model has {b!r}"
         if len(mine) != len(theirs):
             return f"FSDP module count: plan has {len(mine)}, model has {len(theirs)}"
-        for fqn, a, b in zip(mine, self.param_numels, other.param_numels):
+        for fqn, a, b in zip(mine, self.param_numels, other.param_numels, strict=True):
             if a != b:
                 return f"parameter count of FSDP module {fqn!r}: plan has {a}, model has {b}"
         return None

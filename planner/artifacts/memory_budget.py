@@ -45,7 +45,7 @@ class MemoryBudget:
         return None
 
     @classmethod
-    def parse(cls, text: str) -> "MemoryBudget":
+    def parse(cls, text: str) -> MemoryBudget:
         """Parse ``"1.5GiB"``, ``"+150MiB"`` or ``"+10%"``.
 
         Raises:

@@ -134,7 +134,7 @@ class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @classmethod
-    def default(cls, profile: Profile) -> "Plan":
+    def default(cls, profile: Profile) -> Plan:
         """FSDP2's default behaviour for the profiled model.
 
         No explicit prefetch lists (implicit forward prefetch, backward
@@ -172,7 +172,7 @@ class Plan:
         """Whether this plan behaves like :meth:`default` for ``profile``."""
         return self.behaviour_key() == Plan.default(profile).behaviour_key()
 
-    def with_provenance(self, **kwargs: Any) -> "Plan":
+    def with_provenance(self, **kwargs: Any) -> Plan:
         """Return a copy with provenance fields replaced."""
         return dataclasses.replace(self, provenance=dataclasses.replace(self.provenance, **kwargs))
 
@@ -218,7 +218,7 @@ class Plan:
         return text
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Plan":
+    def from_dict(cls, d: Any) -> Plan:
         """Build from a parsed JSON object (validated as JSON) and check it against its fingerprint.
 
         Raises:
@@ -227,7 +227,7 @@ class Plan:
         return cls.from_json(json.dumps(d))
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         """Parse Plan JSON text (strictly: :class:`planner.artifacts.schema.PlanDocument`).
 
         Raises:
@@ -283,7 +283,7 @@ class Plan:
             raise PlanFormatError("reduce_scatter_max_input_buffers must be >= 1")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         """Read a plan JSON file. Raises :class:`PlanFormatError`."""
         try:
             text = Path(path).read_text()

@@ -188,7 +188,7 @@ class Profile:
         return text
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Profile":
+    def from_dict(cls, d: Any) -> Profile:
         """Build from a parsed JSON object (validated as JSON).
 
         Raises:
@@ -197,7 +197,7 @@ class Profile:
         return cls.from_json(json.dumps(d))
 
     @classmethod
-    def from_json(cls, text: str) -> "Profile":
+    def from_json(cls, text: str) -> Profile:
         """Parse Profile JSON text (strictly: :class:`planner.artifacts.schema.ProfileDocument`).
 
         Raises:
@@ -235,7 +235,7 @@ class Profile:
         return profile
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         """Read a profile JSON file. Raises :class:`ProfileFormatError`."""
         try:
             text = Path(path).read_text()

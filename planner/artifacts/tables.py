@@ -46,7 +46,7 @@ class StudyTable(Table):
     max_retry: StrictInt = Field(2, ge=0)
 
     @model_validator(mode="after")
-    def _grace_exceeds_heartbeat(self) -> "StudyTable":
+    def _grace_exceeds_heartbeat(self) -> StudyTable:
         if self.grace_period_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"grace_period_s ({self.grace_period_s}) must exceed heartbeat_interval_s "
@@ -122,7 +122,8 @@ class SearchTable(Table):
 
 
 class MeasureTable(Table):
-    """``[measure]``: steps on the real ranks: the recorder, the race, the confirmation (``planner.statistics.schedule``).
+    """``[measure]``: steps on the real ranks: the recorder, the race, the confirmation
+    (``planner.statistics.schedule``).
 
     Attributes:
         warmup_steps: untimed steps per plan before measuring.
@@ -153,7 +154,7 @@ class MeasureTable(Table):
     confirm_max_rounds: StrictInt = Field(30, ge=4)
 
     @model_validator(mode="after")
-    def _bounds_in_order(self) -> "MeasureTable":
+    def _bounds_in_order(self) -> MeasureTable:
         if self.max_rounds < self.min_rounds:
             raise ValueError(f"max_rounds ({self.max_rounds}) must be >= min_rounds ({self.min_rounds})")
         if self.confirm_max_rounds < self.confirm_min_rounds:

@@ -91,7 +91,9 @@ def studies_list(storage) -> None:
     urls = [storage] if storage else [f"sqlite:///{p}" for p in sorted(Path("studies").glob("*.db"))]
     if not urls:
         raise PlannerError("no databases under studies/; pass --storage URL")
-    click.echo(f"{'study':<24} {'measured':>8} {'simulated':>9} {'best ms':>10} {'default ms':>10} {'ratio':>6}  storage")
+    click.echo(
+        f"{'study':<24} {'measured':>8} {'simulated':>9} {'best ms':>10} {'default ms':>10} {'ratio':>6}  storage"
+    )
     for url in urls:
         for s in list_studies(url):
             ratio = f"{s.best_ms / s.default_ms:.3f}" if s.best_ms and s.default_ms else "-"
@@ -109,8 +111,10 @@ def studies_show(name, storage, top) -> None:
 
     trials = study_trials(_storage_for(name, storage), name)
     click.echo(f"study {name}: {len(trials.measured)} measured trials, {len(trials.simulated)} simulated trials")
-    click.echo(f"\nmeasured stage (race medians; the confirmation on the plan it confirmed)\n  {'trial':>5} {'state':<8} "
-               f"{'predicted ms':>12} {'measured ms':>11} {'error %':>8}  params")
+    click.echo(
+        f"\nmeasured stage (race medians; the confirmation on the plan it confirmed)\n  {'trial':>5} {'state':<8} "
+        f"{'predicted ms':>12} {'measured ms':>11} {'error %':>8}  params"
+    )
     for r in trials.measured:
         err = ""
         if r.predicted_ms and r.measured_ms:

@@ -59,7 +59,8 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
     if candidate is None:
         return [f"best plan: FSDP2's default, written to {outcome.plan_out}: every candidate was significantly slower"]
     pv = candidate.provenance
-    confirmed = f"trial {pv.trial} vs FSDP2's default: {confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds)}: {pv.verdict} (noise {pv.noise_pct:.1f}%)"
+    interval = confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds)
+    confirmed = f"trial {pv.trial} vs FSDP2's default: {interval}: {pv.verdict} (noise {pv.noise_pct:.1f}%)"
     if pv.verdict == Verdict.FASTER:
         return [f"confirmation: {confirmed}",
                 f"best plan: trial {pv.trial}, faster than FSDP2's default; written to {outcome.plan_out} "

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.errors import PlannerError
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
+from planner.errors import PlannerError
 from planner.simulation.in_step import in_step_params
 from planner.simulation.parameters import simulator_for
 from planner.simulation.simulator import CompiledPlan, SimParams, Simulator
@@ -136,7 +136,7 @@ class _Problem:
         x0 = np.array([getattr(self.base, n) for n in names], float)
 
         def params_at(x: np.ndarray) -> SimParams:
-            return dataclasses.replace(self.base, **{n: float(v) for n, v in zip(names, x)})
+            return dataclasses.replace(self.base, **{n: float(v) for n, v in zip(names, x, strict=True)})
 
         def residuals(x: np.ndarray) -> np.ndarray:
             return np.concatenate([self.relative_errors(params_at(x), which), OBSERVATION_NOISE * (x - x0) / prior_sd])

@@ -57,7 +57,7 @@ def measured_slowdown(overlap: OverlapTimings) -> float:
 
 
 def overlap_slowdown(overlap: OverlapTimings) -> float:
-    """The simulator's ``overlap_slowdown``: :data:`STEP_OVERLAP_SHARE` of the measured excess, ``1 + share * (s - 1)``."""
+    """The simulator's ``overlap_slowdown``, ``1 + share * (s - 1)`` (share: :data:`STEP_OVERLAP_SHARE`)."""
     return 1.0 + STEP_OVERLAP_SHARE * (measured_slowdown(overlap) - 1.0)
 
 

@@ -112,7 +112,7 @@ class SimParams:
     compute_scale: float = 1.0
 
     def kernel_fields(self) -> tuple[float, ...]:
-        """The fields of :class:`planner.simulation._kernel.KernelParams` as a plain tuple of floats (one compiled kernel)."""
+        """The fields of :class:`planner.simulation._kernel.KernelParams`: a tuple of floats (one compiled kernel)."""
         return (float(self.issue_overhead_ms), float(self.overlap_slowdown) - 1.0, float(self.comm_scale),
                 float(self.collective_latency_ms), float(self.compute_scale))
 
@@ -206,7 +206,7 @@ class CompiledPlan:
 
     plan: Plan
     fields: tuple
-    owner: "Simulator" = field(repr=False, compare=False)
+    owner: Simulator = field(repr=False, compare=False)
 
 
 class Simulator:

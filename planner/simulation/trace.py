@@ -82,7 +82,7 @@ def write_png(result: SimResult, path: str | Path, title: str = "predicted step"
     ax.set_title(f"{title}: {result.step_ms:.1f} ms, exposed communication {result.exposed_comm_ms:.1f} ms, "
                  f"peak {mib(result.peak_bytes)}")
     if result.memory:
-        ts, bs = zip(*result.memory)
+        ts, bs = zip(*result.memory, strict=True)
         mem.step(ts, [b / MIB for b in bs], where="post", color="#333333")
     mem.set_ylabel("MiB alive")
     mem.set_xlabel("ms")

@@ -183,7 +183,7 @@ class Race:
         return [r[plan] for r in self.rounds if plan in r]
 
     def noise_pct(self) -> float:
-        """Step-to-step noise of the race: :func:`planner.statistics.verdict.step_noise_pct` over every plan's steps, %."""
+        """Step-to-step noise of the race, %: ``verdict.step_noise_pct`` over every plan's steps."""
         return step_noise_pct([self.step_ms(p) for p in range(self.n_plans)])
 
     def ratio_sigma(self) -> float:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from planner.statistics.race import Race, RaceSettings
 from planner.statistics.verdict import Confirmation, confirm, confirmation_rounds, step_noise_pct

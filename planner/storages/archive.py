@@ -46,7 +46,7 @@ def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, pla
         per_rank: per plan, per rank, that rank's step times, ms.
     """
     with session(engine) as s:
-        for plan, default, times, ranks in zip(plans, defaults, step_ms, per_rank):
+        for plan, default, times, ranks in zip(plans, defaults, step_ms, per_rank, strict=True):
             pv = plan.provenance
             row = PlanRow(study_name=study_name, trial_number=pv.trial, profile_id=profile_id,
                           is_default=default, predicted_ms=pv.predicted_ms, measured_ms=pv.measured_ms,

@@ -1,8 +1,8 @@
 """Finished trials written to an Optuna RDB study in one transaction: the simulated stage's bulk write.
 
 ``Study.add_trials`` on an RDB storage writes trial by trial, one ORM row and
-one commit at a time: a 2000-trial study over 1000 modules spent most of its
-218 s there. :func:`add_trials_bulk` writes the same rows with SQLAlchemy
+one commit at a time, which dominates a large simulated study's wall time
+(``bench/results/NOTES.md``). :func:`add_trials_bulk` writes the same rows with SQLAlchemy
 Core ``executemany`` inserts, one transaction: trial numbers follow the
 study's (under the study row's lock, as Optuna's ``_create_new_trial``
 takes it), and the study stays Optuna's to read (``optuna.load_study``,
@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from optuna.distributions import distribution_to_json
 from optuna.storages._rdb import models  # private: the table layout (see the module docstring)
 from optuna.trial import FrozenTrial
+
 
 def add_trials_bulk(storage: optuna.storages.RDBStorage, study_name: str, trials: Sequence[FrozenTrial]) -> None:
     """Append finished ``trials`` to study ``study_name`` in one transaction.

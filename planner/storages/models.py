@@ -23,7 +23,7 @@ class Base(DeclarativeBase):
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 class ProfileRow(Base):

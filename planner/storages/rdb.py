@@ -11,7 +11,11 @@ import sqlalchemy as sa
 
 from planner.errors import StorageError
 from planner.storages.engine import (
-    check_exists, create_racing, describe_storage_error, engine_kwargs, use_sqlite_pragmas,
+    check_exists,
+    create_racing,
+    describe_storage_error,
+    engine_kwargs,
+    use_sqlite_pragmas,
 )
 from planner.storages.models import Base
 

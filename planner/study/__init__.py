@@ -25,7 +25,14 @@ if TYPE_CHECKING:
     from planner.study.heartbeat import Heartbeat
     from planner.study.measured import MeasuredStage, MeasuredTrial
     from planner.study.queries import (
-        BestPlan, StudyOverview, TrialStage, best_plan, best_plan_for, confirmed_trials, list_studies, pareto_front,
+        BestPlan,
+        StudyOverview,
+        TrialStage,
+        best_plan,
+        best_plan_for,
+        confirmed_trials,
+        list_studies,
+        pareto_front,
         study_trials,
     )
     from planner.study.search_space import SearchSpace

@@ -51,7 +51,7 @@ def plan_key(plan: Plan) -> str:
 
 def distinct_plans(sim_study: optuna.Study, profile: Profile, space: SearchSpace
                    ) -> list[tuple[optuna.trial.FrozenTrial, Plan]]:
-    """The study's COMPLETE trials and their plans, one per behaviour (:meth:`Plan.behaviour_key`), best predicted first."""
+    """The study's COMPLETE trials and plans, one per behaviour (:meth:`Plan.behaviour_key`), best predicted first."""
     seen: set[str] = set()
     out = []
     for t in sorted(complete_trials(sim_study), key=lambda t: (t.values[0], t.number)):
@@ -63,8 +63,13 @@ def distinct_plans(sim_study: optuna.Study, profile: Profile, space: SearchSpace
 
 
 def select_candidates(
-    sim_study: optuna.Study, profile: Profile, space: SearchSpace, k: int, exclude: frozenset[str] | set[str] = frozenset(),
-    band_pct: float = 5.0, budget_bytes: int | None = None,
+    sim_study: optuna.Study,
+    profile: Profile,
+    space: SearchSpace,
+    k: int,
+    exclude: frozenset[str] | set[str] = frozenset(),
+    band_pct: float = 5.0,
+    budget_bytes: int | None = None,
 ) -> list[Candidate]:
     """FSDP2's default followed by up to ``k`` simulated plans worth racing ([Note: Candidates worth racing]).
 

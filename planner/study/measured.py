@@ -191,7 +191,7 @@ class MeasuredStage:
             # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan.
             save_measured_plans(self.storage.engine, self.config.name, self.profile_id, plans,
                                 [p.is_default_for(self.profile) for p in plans], step_ms, per_rank)
-            for a, m in zip(asked, measured):
+            for a, m in zip(asked, measured, strict=True):
                 self._record(a.trial_id, m.record)
                 self.study.tell(a.number, m.plan.provenance.measured_ms, skip_if_finished=True)  # a stale FAIL stays
                 self.heartbeat.discard(a.trial_id)

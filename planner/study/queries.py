@@ -10,16 +10,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import optuna
-import sqlalchemy as sa
 
-from planner.errors import PlannerError, StudyNotFoundError
-from planner.artifacts.plan import Plan
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.plan import Plan
+from planner.errors import StudyNotFoundError
+from planner.statistics.verdict import Verdict, confirmation_text
 from planner.storages import check_exists, open_storage, open_storage_read_only
 from planner.storages.archive import stored_plan
 from planner.study.records import MeasuredTrialRecord, SimulatedTrialRecord
 from planner.study.simulated import SIM_SUFFIX, complete_trials
-from planner.statistics.verdict import Verdict, confirmation_text
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ class MeasuredTrialRecord:
         return {key: value for key, value in attrs.items() if value is not None}
 
     @classmethod
-    def from_trial(cls, trial: optuna.trial.FrozenTrial) -> "MeasuredTrialRecord":
+    def from_trial(cls, trial: optuna.trial.FrozenTrial) -> MeasuredTrialRecord:
         """The record of a stored trial (fields it does not hold are ``None``)."""
         a = trial.user_attrs
         race = None
@@ -132,7 +132,9 @@ class MeasuredTrialRecord:
         if a.get("verdict"):
             confirmation = Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"],
                                         a.get("noise_pct", float("nan")), Verdict(a["verdict"]))
-        failure = Failure(a["fail_reason"], FailKind(a.get("fail_kind", FailKind.ERROR))) if "fail_reason" in a else None
+        failure = (
+            Failure(a["fail_reason"], FailKind(a.get("fail_kind", FailKind.ERROR))) if "fail_reason" in a else None
+        )
         return cls(number=trial.number, state=trial.state, params=dict(trial.params), measured_ms=trial.value,
                    retry_of=trial.system_attrs.get(_RETRY_OF), predicted_ms=a.get("predicted_ms"),
                    predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
@@ -169,7 +171,7 @@ class SimulatedTrialRecord:
         return {"peak_bytes": self.predicted_peak_bytes, "exposed_comm_ms": self.exposed_comm_ms}
 
     @classmethod
-    def from_trial(cls, trial: optuna.trial.FrozenTrial) -> "SimulatedTrialRecord":
+    def from_trial(cls, trial: optuna.trial.FrozenTrial) -> SimulatedTrialRecord:
         """The record of a stored simulated trial."""
         a = trial.user_attrs
         peak = a.get("peak_bytes")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
-from planner.artifacts.names import SpaceName
 
 
 @runtime_checkable

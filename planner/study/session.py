@@ -203,7 +203,7 @@ class TuningSession:
         out: dict[int, str] = {}
         if self.budget_bytes is None:
             return out
-        for j, (a, peak) in enumerate(zip(kept, peak_bytes)):
+        for j, (a, peak) in enumerate(zip(kept, peak_bytes, strict=True)):
             if j == 0 or peak <= self.budget_bytes:
                 continue
             out[j] = (f"measured peak {mib(peak)} exceeds the memory budget {mib(self.budget_bytes)} "

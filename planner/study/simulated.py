@@ -46,7 +46,8 @@ def simulated_stage(
     The trials run in an in-memory Optuna study (an RDB storage costs tens of
     ms per trial, the simulator tens of µs), warm-started with the trials
     ``NAME.sim`` already holds; the new trials are then written to
-    ``NAME.sim`` in one transaction (:func:`planner.storages.bulk.add_trials_bulk`). On a new study FSDP2's default and the search space's grid
+    ``NAME.sim`` in one transaction (:func:`planner.storages.bulk.add_trials_bulk`).
+    On a new study FSDP2's default and the search space's grid
     are enqueued first. A trial whose plan cannot be simulated is recorded as
     FAIL and the study goes on.
 
@@ -112,7 +113,9 @@ def simulated_stage(
 def smallest_peak(simulator: Simulator, space: SearchSpace) -> int:
     """The smallest predicted peak over the space's grid, bytes per rank (the least memory any plan needs)."""
     profile = simulator.profile
-    return min(simulator.run(space.suggest(optuna.trial.FixedTrial(g), profile)).peak_bytes for g in space.grid(profile))
+    return min(
+        simulator.run(space.suggest(optuna.trial.FixedTrial(g), profile)).peak_bytes for g in space.grid(profile)
+    )
 
 
 def complete_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

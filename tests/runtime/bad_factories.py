@@ -11,7 +11,9 @@ def raises(mesh, **kwargs):
 
 def unwrapped(mesh, **kwargs):
     model = torch.nn.Linear(4, 4)
-    return Workload(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda s: torch.ones(2, 4), lambda m, b: m(b).sum())
+    return Workload(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), lambda s: torch.ones(2, 4), lambda m, b: m(b).sum()
+    )
 
 
 def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):

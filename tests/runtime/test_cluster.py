@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from planner.errors import FailKind
 from planner.statistics.verdict import Verdict
 from planner.study.records import MeasuredTrialRecord
-from tests.runtime.conftest import rank_env
+from tests.multirank import rank_env
 
 STUDY = """
 [study]

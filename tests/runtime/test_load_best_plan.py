@@ -9,11 +9,11 @@ import sqlite3
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from search_spaces import get_space
 from planner.testing import make_study_db, synthetic_profile
 from runtime import apply_plan, load_best_plan, model_fingerprint
 from runtime.reference_workloads import MLPStack
 from runtime.torch_private import prefetch_counts, unshard_async_op
+from search_spaces import get_space
 
 
 def _model(mesh, layers):
@@ -29,7 +29,9 @@ def test_the_best_faster_plan_for_this_model_then_the_default_for_another(mesh, 
     model = _model(mesh, 3)
     fingerprint = model_fingerprint(model)
     profile = dataclasses.replace(synthetic_profile(blocks=list(fingerprint.module_fqns[1:])), fingerprint=fingerprint)
-    url = make_study_db(tmp_path, profile, sim_trials=20, space=get_space("uniform"))  # trial 1 (80 ms) is confirmed faster than 100 ms
+    url = make_study_db(
+        tmp_path, profile, sim_trials=20, space=get_space("uniform")
+    )  # trial 1 (80 ms) is confirmed faster than 100 ms
     db = tmp_path / "s.db"
     before = "\n".join(sqlite3.connect(db).iterdump())
     with caplog.at_level(logging.INFO, logger="runtime.apply"):

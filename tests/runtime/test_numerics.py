@@ -10,12 +10,33 @@ from search_spaces import SPACES
 
 WORKLOADS = {
     "mlp": ("runtime.reference_workloads:mlp", {"dim": 64, "layers": 4}),
-    "llama": ("runtime.reference_workloads:llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-                                          "num_attention_heads": 4, "vocab_size": 128, "seq_len": 16}),
-    "llama-embedding": ("runtime.reference_workloads:llama", {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "vocab_size": 128, "seq_len": 16, "shard_embedding": True}),  # an FSDP module backward reads nothing of
-    "gpt2": ("runtime.reference_workloads:gpt2", {"n_embd": 64, "n_layer": 3, "n_head": 4, "vocab_size": 128, "seq_len": 16}),
+    "llama": (
+        "runtime.reference_workloads:llama",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "vocab_size": 128,
+            "seq_len": 16,
+        },
+    ),
+    "llama-embedding": (
+        "runtime.reference_workloads:llama",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "vocab_size": 128,
+            "seq_len": 16,
+            "shard_embedding": True,
+        },
+    ),  # an FSDP module backward reads nothing of
+    "gpt2": (
+        "runtime.reference_workloads:gpt2",
+        {"n_embd": 64, "n_layer": 3, "n_head": 4, "vocab_size": 128, "seq_len": 16},
+    ),
 }
 
 

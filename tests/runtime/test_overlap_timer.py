@@ -1,4 +1,4 @@
-"""runtime.overlap_timer on a real one-rank FSDP2 model: it times the largest all-gather and leaves the model resharded."""
+"""runtime.overlap_timer on a real one-rank FSDP2 model: times the largest all-gather, leaves the model resharded."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import optuna
 import pytest
 
+from planner.artifacts.names import SpaceName
 from planner.errors import StudyConfigError
 from planner.simulation.parameters import simulate
-from planner.artifacts.names import SpaceName
 from planner.study.search_space import SearchSpace
 from search_spaces import SPACES, assign, get_space, per_module, uniform
 
@@ -70,7 +70,9 @@ def test_every_space_starts_its_grid_with_fsdp2_default(make_profile):
 
 
 def test_unknown_space_names_the_choices():
-    with pytest.raises(StudyConfigError, match="unknown search space 'nope'; choose one of assign, per_module, uniform"):
+    with pytest.raises(
+        StudyConfigError, match="unknown search space 'nope'; choose one of assign, per_module, uniform"
+    ):
         get_space("nope")
 
 
@@ -91,7 +93,14 @@ def test_assign_maps_distances_onto_issuers(make_profile):
     """Forward distance k: appended to the list of the module k before it (the root when fewer precede it);
     backward alike in reverse post-forward order; raf per module, the root keeps its parameters."""
     p = make_profile(n_blocks=5)
-    params = ASSIGN.grid(p)[0] | {"fwd:b3": 2, "fwd:b1": 3, "fwd:b4": 1, "bwd:b1": 3, "raf:b2": False, "raf:<root>": True}
+    params = ASSIGN.grid(p)[0] | {
+        "fwd:b3": 2,
+        "fwd:b1": 3,
+        "fwd:b4": 1,
+        "bwd:b1": 3,
+        "raf:b2": False,
+        "raf:<root>": True,
+    }
     plan = ASSIGN.suggest(optuna.trial.FixedTrial(params), p)
     m = plan.modules
     assert m[""].forward_prefetch == ("b1",)  # b1 at distance 3 has only 2 modules before it: the root issues it
@@ -135,4 +144,6 @@ def test_assign_skips_backward_all_gathers_only_where_backward_reads_no_paramete
     plan = ASSIGN.suggest(optuna.trial.FixedTrial(params), p)
     assert [f for f, m in plan.modules.items() if not m.unshard_in_backward] == ["b0"]
     assert plan.separate_reduce_scatter_group is True
-    assert simulate(p, plan).comm_ms < simulate(p, ASSIGN.suggest(optuna.trial.FixedTrial(ASSIGN.grid(p)[0]), p)).comm_ms
+    assert (
+        simulate(p, plan).comm_ms < simulate(p, ASSIGN.suggest(optuna.trial.FixedTrial(ASSIGN.grid(p)[0]), p)).comm_ms
+    )

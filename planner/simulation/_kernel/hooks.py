@@ -17,9 +17,32 @@ from __future__ import annotations
 
 from planner.simulation._kernel.param_group import reduce_scatter, reshard, unshard, wait_for_unshard
 from planner.simulation._kernel.state import (
-    BACKWARD, COMM_TOTAL, SHARDED_GRAD_ALIVE, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, FORWARD, GRAD_ALIVE, LAST_REDUCE_SCATTER_END,
-    OPTIMIZER, PEAK, PENDING, RESERVED_PEAK, RS_HEAD, RS_TAIL, SAMPLES, SHARDED, UNSHARD_STATE, UNSHARDED_PEAK, KernelParams, PlanArrays, ProfileArrays, Trace,
-    new_step, njit,
+    BACKWARD,
+    COMM_TOTAL,
+    COMPUTE_STREAM,
+    COMPUTE_TOTAL,
+    CPU,
+    EVENTS,
+    FORWARD,
+    GRAD_ALIVE,
+    LAST_REDUCE_SCATTER_END,
+    OPTIMIZER,
+    PEAK,
+    PENDING,
+    RESERVED_PEAK,
+    RS_HEAD,
+    RS_TAIL,
+    SAMPLES,
+    SHARDED,
+    SHARDED_GRAD_ALIVE,
+    UNSHARD_STATE,
+    UNSHARDED_PEAK,
+    KernelParams,
+    PlanArrays,
+    ProfileArrays,
+    Trace,
+    new_step,
+    njit,
 )
 from planner.simulation._kernel.timeline import allocate, compute
 
@@ -44,11 +67,15 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
         if module_state[i, UNSHARD_STATE] == SHARDED:
             unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
         if module_state[i, UNSHARD_STATE] == PENDING:
-            wait_for_unshard(i, True, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
+            wait_for_unshard(
+                i, True, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held
+            )
         for p in range(offsets[i], offsets[i + 1]):
             t = targets[p]
             if module_state[t, UNSHARD_STATE] == SHARDED:
-                unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
+                unshard(
+                    t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held
+                )
         if j < 0:
             if prof.root_forward_pre_ms > 0:
                 compute(i, FORWARD, prof.root_forward_pre_ms * compute_scale, cfg, clock, counters, in_flight, ag_end,
@@ -83,7 +110,9 @@ def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
     if module_state[i, UNSHARD_STATE] == SHARDED and uib[i]:
         unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if module_state[i, UNSHARD_STATE] == PENDING:
-        wait_for_unshard(i, False, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
+        wait_for_unshard(
+            i, False, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held
+        )
     first, last = plan.backward_prefetch_offsets[i], plan.backward_prefetch_offsets[i + 1]
     for p in range(first, last):
         t = plan.backward_prefetch_targets[p]

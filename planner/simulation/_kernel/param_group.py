@@ -10,9 +10,32 @@ not bundles, in the hot path]).
 from __future__ import annotations
 
 from planner.simulation._kernel.state import (
-    ALL_GATHER, ALL_GATHER_ROW, ALL_GATHER_STREAM, COMM_TOTAL, COMPUTE_STREAM, CPU, CPU_WAIT, EVENTS, HELD, HELD_HEAD,
-    HELD_TAIL, IN_FLIGHT, LAST_COPY_OUT, LAST_REDUCE_SCATTER_END, PENDING, PROCESS_GROUP, REDUCE_SCATTER, RS_HEAD,
-    REDUCE_SCATTER_GROUP, RS_TAIL, SHARDED, UNSHARD_STATE, UNSHARDED, UNSHARDED_ALIVE, UNSHARDED_PEAK, njit,
+    ALL_GATHER,
+    ALL_GATHER_ROW,
+    ALL_GATHER_STREAM,
+    COMM_TOTAL,
+    COMPUTE_STREAM,
+    CPU,
+    CPU_WAIT,
+    EVENTS,
+    HELD,
+    HELD_HEAD,
+    HELD_TAIL,
+    IN_FLIGHT,
+    LAST_COPY_OUT,
+    LAST_REDUCE_SCATTER_END,
+    PENDING,
+    PROCESS_GROUP,
+    REDUCE_SCATTER,
+    REDUCE_SCATTER_GROUP,
+    RS_HEAD,
+    RS_TAIL,
+    SHARDED,
+    UNSHARD_STATE,
+    UNSHARDED,
+    UNSHARDED_ALIVE,
+    UNSHARDED_PEAK,
+    njit,
 )
 from planner.simulation._kernel.timeline import allocate, event
 
@@ -24,7 +47,7 @@ from planner.simulation._kernel.timeline import allocate, event
 # it stays alive while the all-gather is in flight, beside the compute,
 # until ``wait_for_unshard``. On the reference Llama this put the measured
 # peak of every async plan one block's unsharded bytes above FSDP2's
-# default, which the model missed (bench/peak_memory.py).
+# default, which the model missed (python -m bench.peak_memory).
 
 # [Note: record_stream holds all-gather outputs]
 # On GPU with ``unshard_async_op=True``, c10d's all-gather calls
@@ -45,7 +68,10 @@ from planner.simulation._kernel.timeline import allocate, event
 
 @njit(cache=True)
 def release_held(clock, counters, held):
-    """Release the held blocks whose event has completed by the CPU's time ([Note: record_stream holds all-gather outputs])."""
+    """Release the held blocks whose event completed by the CPU's time.
+
+    [Note: record_stream holds all-gather outputs].
+    """
     while counters[HELD_HEAD] < counters[HELD_TAIL] and held[counters[HELD_HEAD], 0] <= clock[CPU]:
         counters[HELD] -= int(held[counters[HELD_HEAD], 1])
         counters[HELD_HEAD] += 1

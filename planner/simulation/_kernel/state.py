@@ -12,9 +12,9 @@ constants below, which numba folds.
 
 [Note: Arrays, not bundles, in the hot path]
 Taking an array out of a NamedTuple in compiled code costs a reference-count
-increment and decrement; passing it as an argument costs nothing. Bundling
-the state the old way cost 3x the step time (697 increments in the step's
-optimized IR, against 111). So the hooks (:mod:`planner.simulation._kernel.hooks`)
+increment and decrement; passing it as an argument costs nothing, and the
+step's time is mostly such overhead when bundles are passed around
+(``bench/results/NOTES.md``). So the hooks (:mod:`planner.simulation._kernel.hooks`)
 unpack the bundles once per microbatch, and the per-module functions they
 call take plain arrays; :class:`StepConfig` holds only scalars, which cost
 nothing to read.

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from planner.simulation._kernel.state import (
-    ALIVE, ALL_GATHER_ROW, COMPUTE_STREAM, COMPUTE_TOTAL, CPU, EVENTS, HELD, IN_FLIGHT, PEAK, PROCESS_GROUP,
-    RESERVED_PEAK, SAMPLES, njit,
+    ALIVE,
+    ALL_GATHER_ROW,
+    COMPUTE_STREAM,
+    COMPUTE_TOTAL,
+    CPU,
+    EVENTS,
+    HELD,
+    IN_FLIGHT,
+    PEAK,
+    PROCESS_GROUP,
+    RESERVED_PEAK,
+    SAMPLES,
+    njit,
 )
 
 
@@ -27,7 +38,10 @@ def event(events, counters, kind, module, start, end):
 
 @njit(cache=True)
 def allocate(clock, counters, samples, delta):
-    """Add ``delta`` bytes to the bytes alive, in issue order ([Note: Memory in program order] in planner.simulation.simulator)."""
+    """Add ``delta`` bytes to the bytes alive, in issue order.
+
+    [Note: Memory in program order] in :mod:`planner.simulation.simulator`.
+    """
     alive = counters[ALIVE] + delta
     counters[ALIVE] = alive
     if alive > counters[PEAK]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import pydantic
+import pytest
 
 from planner.artifacts.config import Backend, StudyConfig, load_study_config
 from planner.errors import StudyConfigError
@@ -41,19 +40,27 @@ def test_defaults_and_overrides(tmp_path):
         (GOOD + "[bogus]\nx = 1\n", r"unknown table \[bogus\]"),
         (GOOD.replace("sim_trials = 7", "sim_trials = 7\ntrials = 3"), "unknown key"),
         (GOOD.replace("sim_trials = 7", 'sim_trials = "many"'), "sim_trials must be int"),
-        (GOOD.replace('"per_module"', '"nope"'), r"\[search\] space must be one of 'uniform', 'per_module' or 'assign', found 'nope'"),
+        (
+            GOOD.replace('"per_module"', '"nope"'),
+            r"\[search\] space must be one of 'uniform', 'per_module' or 'assign', found 'nope'",
+        ),
         (GOOD + "[measure]\nsteps = 0\n", "steps must be >= 1"),
-        (GOOD + "[launch]\nbackend = \"mpi\"\n", r"\[launch\] backend must be one of 'gloo' or 'nccl', found 'mpi'"),
+        (GOOD + '[launch]\nbackend = "mpi"\n', r"\[launch\] backend must be one of 'gloo' or 'nccl', found 'mpi'"),
         (GOOD + "[launch]\nnproc_per_node = true\n", r"\[launch\] nproc_per_node must be int, found True"),
         (GOOD + "[launch]\nnproc_per_node = 2.0\n", r"\[launch\] nproc_per_node must be int, found 2.0"),
-        (GOOD.replace('sim_trials = 7', 'sim_trials = 7\nsampler = "cma"'), r"\[search\] sampler must be one of 'tpe', 'nsga2' or 'random', found 'cma'"),
+        (
+            GOOD.replace("sim_trials = 7", 'sim_trials = 7\nsampler = "cma"'),
+            r"\[search\] sampler must be one of 'tpe', 'nsga2' or 'random', found 'cma'",
+        ),
         (GOOD + "[study]\n", "Cannot declare"),  # TOML itself refuses a table twice
         (GOOD + "[measure]\nalpha = 0.0\n", r"\[measure\] alpha must be > 0.0, found 0.0"),
-        (GOOD + "[measure]\nalpha = \"low\"\n", r"\[measure\] alpha must be a number, found 'low'"),
+        (GOOD + '[measure]\nalpha = "low"\n', r"\[measure\] alpha must be a number, found 'low'"),
         (GOOD + "[measure]\nmin_rounds = 6\nmax_rounds = 4\n", r"\[measure\] max_rounds \(4\) must be >= min_rounds"),
         ('study = 3\n[workload]\nfactory = "x:y"\n', "study must be a table"),
-        ('[study]\nname = "s"\nheartbeat_interval_s = 60\n[workload]\nfactory = "x:y"\n',
-         r"\[study\] grace_period_s \(60\) must exceed heartbeat_interval_s \(60\)"),
+        (
+            '[study]\nname = "s"\nheartbeat_interval_s = 60\n[workload]\nfactory = "x:y"\n',
+            r"\[study\] grace_period_s \(60\) must exceed heartbeat_interval_s \(60\)",
+        ),
     ],
 )
 def test_bad_toml(tmp_path, text, message):

@@ -5,22 +5,19 @@ from __future__ import annotations
 import dataclasses
 
 import optuna
-
 import pytest
-
-from search_spaces import get_space
 from click.testing import CliRunner
 
-from planner.presentation.cli import main
-from planner.errors import FailKind, StudyConfigError
 from planner.artifacts.memory_budget import MemoryBudget, check_feasible
-from planner.errors import MemoryBudgetError
+from planner.errors import FailKind, MemoryBudgetError, StudyConfigError
+from planner.presentation.cli import main
 from planner.simulation.parameters import simulator_for
 from planner.storages import open_storage
 from planner.study import MeasuredStage, pareto_front, smallest_peak, study_trials
 from planner.study.records import PEAK_OVER_BUDGET, SimulatedTrialRecord
 from planner.study.session import TuningSession
 from planner.testing import drive_round, study_config
+from search_spaces import get_space
 
 MIB = 2**20
 

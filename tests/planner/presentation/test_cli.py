@@ -9,10 +9,11 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from search_spaces import get_space
-from planner.presentation.cli import main
 from planner.artifacts.plan import Plan
+from planner.presentation.cli import main
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
+from search_spaces import get_space
+
 
 def _invoke(args, cwd=None):
     result = CliRunner().invoke(main, args, catch_exceptions=False)
@@ -61,9 +62,15 @@ def test_studies_unknown_study(study_db, tmp_path):
 
 def test_planner_does_not_import_torch():
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys, planner, planner.presentation.cli, planner.study, planner.storages, planner.artifacts.config, "
-                               "search_spaces, jobs.cli; print('torch' in sys.modules)"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, planner, planner.presentation.cli, planner.study, planner.storages, planner.artifacts.config, "
+            "search_spaces, jobs.cli; print('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert proc.stdout.strip() == "False"
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from planner.presentation.report import describe, tune_report
-from planner.study.session import TuneOutcome
-from planner.simulation.calibrate import CalibrationResult
 from planner.artifacts.plan import Plan, Source
+from planner.presentation.report import describe, tune_report
+from planner.simulation.calibrate import CalibrationResult
 from planner.statistics.race import Race
+from planner.study.session import TuneOutcome
 from planner.testing import synthetic_profile
 from search_spaces import uniform
 
@@ -30,7 +30,9 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
     race = _race({0: [100.0, 104.0, 98.0, 101.0, 99.0, 100.0], 1: [80.0, 82.0, 79.0, 81.0, 80.0, 78.0],
                   2: [130.0, 128.0, 131.0, 129.0]}, {2: 4})
     written = tuned if verdict == "faster" else Plan.default(p)
-    calibration = CalibrationResult(None, None, None, 12.0, "not fitted: 3 measured plans, a calibration needs at least 6")
+    calibration = CalibrationResult(
+        None, None, None, 12.0, "not fitted: 3 measured plans, a calibration needs at least 6"
+    )
     return TuneOutcome(told=[default, tuned, slow], failed={3: "applying the plan failed on rank 1: boom"}, profile=p,
                        profile_out="s.profile.json", race=race, candidate=tuned, written=written,
                        plan_out="s.plan.json", calibration=calibration)

@@ -5,11 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.simulation.calibrate import (
-    FAMILIES, Observation, calibrate, calibrated, errors_pct, fit, fit_family, min_observations, spearman,
-)
-from planner.errors import PlannerError
 from planner.artifacts.plan import Plan
+from planner.errors import PlannerError
+from planner.simulation.calibrate import (
+    FAMILIES,
+    Observation,
+    calibrate,
+    calibrated,
+    errors_pct,
+    fit,
+    fit_family,
+    min_observations,
+    spearman,
+)
 from planner.simulation.parameters import simulate
 from planner.simulation.simulator import SimParams
 from search_spaces import uniform

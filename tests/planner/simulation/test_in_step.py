@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from planner.simulation.calibrate import Observation, calibrate
-from planner.simulation.in_step import in_step_params, measured_slowdown, overlap_slowdown, solve_comm_scale
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import InStepTimings, OverlapTimings, Profile
+from planner.simulation.calibrate import Observation, calibrate
+from planner.simulation.in_step import in_step_params, measured_slowdown, overlap_slowdown, solve_comm_scale
 from planner.simulation.parameters import simulate
 from planner.simulation.simulator import SimParams
 from planner.testing import synthetic_profile

@@ -1,4 +1,5 @@
-"""The kernel's numba cache ([Note: The kernel's numba cache]): checked at first compile, safe for ranks started together.
+"""The kernel's numba cache ([Note: The kernel's numba cache]): checked at first compile, safe for ranks
+started together.
 
 Each test runs on a fresh copy of the ``planner`` package, so its cache starts
 empty and the project's own is left alone.

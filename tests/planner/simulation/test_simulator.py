@@ -149,7 +149,8 @@ def test_reshard_after_forward_false_skips_backward_all_gather(make_profile):
     p = make_profile(unsharded_bytes=1000)
     default = Plan.default(p)
     keep = dataclasses.replace(
-        default, modules={**default.modules, "b1": dataclasses.replace(default.modules["b1"], reshard_after_forward=False)}
+        default,
+        modules={**default.modules, "b1": dataclasses.replace(default.modules["b1"], reshard_after_forward=False)},
     )
     r = simulate(p, keep)
     assert r.step_ms == pytest.approx(81.0)
@@ -249,8 +250,12 @@ def test_sharded_gradients_live_until_the_optimizer(make_profile):
     on top: baseline 3S (the shards) + 2S (gradients) + T at the optimizer."""
     s, t = 50, 70
     p = make_profile(unsharded_bytes=0)
-    p = dataclasses.replace(p, optimizer_temp_bytes=t, optimizer_ms=1.0,
-                            modules={f: dataclasses.replace(m, sharded_bytes=s if f else 0) for f, m in p.modules.items()})
+    p = dataclasses.replace(
+        p,
+        optimizer_temp_bytes=t,
+        optimizer_ms=1.0,
+        modules={f: dataclasses.replace(m, sharded_bytes=s if f else 0) for f, m in p.modules.items()},
+    )
     r = simulate(p, Plan.default(p), trace=True)
     assert r.peak_bytes == 2 * s + 2 * s + t
     assert r.memory[-1][1] == 2 * s + 2 * s  # the optimizer's temporaries freed, the gradients kept
@@ -288,7 +293,9 @@ def test_root_keeps_parameters_after_forward(make_profile):
     default = simulate(p, Plan.default(p), trace=True)
     assert sum(e.name == "all-gather <root>" for e in default.events) == 1
     plan = Plan.default(p)
-    forced = dataclasses.replace(plan, modules={**plan.modules, "": dataclasses.replace(plan.modules[""], reshard_after_forward=True)})
+    forced = dataclasses.replace(
+        plan, modules={**plan.modules, "": dataclasses.replace(plan.modules[""], reshard_after_forward=True)}
+    )
     assert sum(e.name == "all-gather <root>" for e in simulate(p, forced, trace=True).events) == 2
 
 

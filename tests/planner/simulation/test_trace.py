@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 from click.testing import CliRunner
@@ -29,7 +30,7 @@ def test_chrome_trace_has_one_slice_per_event_and_tracks(make_profile):
     assert max(c["args"]["MiB alive"] for c in counters) == pytest.approx(r.peak_bytes / 2**20)
     # compute slices never overlap on a CPU device
     compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in slices if e["tid"] == 1)
-    assert all(a_end <= b_start + 1e-6 for (_, a_end), (b_start, _) in zip(compute, compute[1:]))
+    assert all(a_end <= b_start + 1e-6 for (_, a_end), (b_start, _) in pairwise(compute))
 
 
 def test_untraced_result_refuses(make_profile):

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from itertools import pairwise
 
 import numpy as np
 import pytest
 
 from planner.statistics.race import Race, RaceSettings, balanced_orders, holm
 from planner.statistics.schedule import ConfirmSettings, Phase, Schedule
-from planner.testing import synthetic_schedule
 from planner.statistics.verdict import Verdict, confirm, confirmation_rounds, detectable_effect, verdict_of
+from planner.testing import synthetic_schedule
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
 def test_balanced_orders_let_every_plan_follow_every_other_equally_often(n):
     rows = balanced_orders(n)
     assert all(sorted(row) == list(range(n)) for row in rows)
-    follows = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+    follows = Counter((a, b) for row in rows for a, b in pairwise(row))
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) == 1
 
@@ -108,7 +109,9 @@ def test_race_rounds_interleave_the_alive_plans_in_balanced_order():
 
 
 def test_confirmation_rounds_follow_the_noise_within_bounds():
-    assert confirmation_rounds(0.001) == 8 and confirmation_rounds(1.0) == 30 and confirmation_rounds(float("nan")) == 30
+    assert (
+        confirmation_rounds(0.001) == 8 and confirmation_rounds(1.0) == 30 and confirmation_rounds(float("nan")) == 30
+    )
     middle = confirmation_rounds(0.03, bounds=(1, 1000))
     assert 10 < middle < 40
     assert confirmation_rounds(0.06, bounds=(1, 1000)) == pytest.approx(4 * middle, rel=0.1)
@@ -124,7 +127,7 @@ def test_verdict_follows_the_interval():
 
 def test_confirm_is_a_paired_median_with_a_reproducible_interval():
     default = [100.0, 110.0, 95.0, 105.0, 102.0, 98.0, 120.0, 101.0]
-    plan = [d * r for d, r in zip(default, [0.9, 0.91, 0.88, 0.9, 0.92, 0.89, 0.9, 0.91])]
+    plan = [d * r for d, r in zip(default, [0.9, 0.91, 0.88, 0.9, 0.92, 0.89, 0.9, 0.91], strict=True)]
     c = confirm(plan, default, noise_pct=7.0, seed=3)
     assert c.ratio == pytest.approx(0.9, abs=1e-9)
     assert c.ci95[0] <= c.ratio <= c.ci95[1] < 1.0 and c.verdict == Verdict.FASTER and c.rounds == 8

@@ -23,8 +23,14 @@ def _session(tmp_path, profile, name="t", **fields) -> TuningSession:
     config = study_config(tmp_path, name=name, **{"space": "uniform", "sim_trials": 48, "measured_trials": 2,
                                                   "max_rounds": 6, "confirm_min_rounds": 8, "confirm_max_rounds": 8,
                                                   **fields})
-    return TuningSession(config, profile, get_space(config.search.space), job="test",
-                         plan_out=str(tmp_path / f"{name}.plan.json"), profile_out=str(tmp_path / f"{name}.profile.json"))
+    return TuningSession(
+        config,
+        profile,
+        get_space(config.search.space),
+        job="test",
+        plan_out=str(tmp_path / f"{name}.plan.json"),
+        profile_out=str(tmp_path / f"{name}.profile.json"),
+    )
 
 
 @pytest.fixture

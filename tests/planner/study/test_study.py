@@ -11,7 +11,14 @@ from planner.errors import FailKind, StudyNotFoundError
 from planner.simulation.parameters import simulator_for
 from planner.storages import open_storage
 from planner.study import (
-    MeasuredStage, best_plan, distinct_plans, list_studies, plan_key, select_candidates, simulated_stage, study_trials,
+    MeasuredStage,
+    best_plan,
+    distinct_plans,
+    list_studies,
+    plan_key,
+    select_candidates,
+    simulated_stage,
+    study_trials,
 )
 from planner.study.records import Failure, MeasuredTrialRecord, SimulatedTrialRecord
 from planner.testing import run_round, study_config
@@ -30,7 +37,9 @@ def config(tmp_path):
 def _run(make_profile, config, measured_ms):
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    sim = simulated_stage(
+        simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
+    )
     candidates = select_candidates(sim, profile, get_space(config.search.space), config.search.measured_trials)
     stage = _stage(config, storage, profile, "test")
     asked = stage.ask(candidates)
@@ -88,7 +97,9 @@ def test_rerun_adds_trials_to_the_same_study(make_profile, config):
 def test_failed_measurement_is_recorded(make_profile, config):
     profile = make_profile()
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    sim = simulated_stage(
+        simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
+    )
     stage = _stage(config, storage, profile, "test")
     asked = stage.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
     stage.fail(asked, Failure("RuntimeError: boom", FailKind.ERROR))
@@ -113,14 +124,18 @@ def test_a_second_job_skips_settled_plans(make_profile, config):
     """Measured, running (another job) and rank-failed plans are not measured again; the default always is."""
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    sim = simulated_stage(
+        simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
+    )
     first = _stage(config, storage, profile, "a")
     asked = first.ask(select_candidates(sim, profile, get_space(config.search.space), 3, exclude=first.settled_keys()))
     run_round(first, asked[:2], [100.0, 90.0])  # default + one plan measured
     first.fail(asked[2:3], Failure("RuntimeError: boom", FailKind.ERROR))  # failed on a rank: not again
     # asked[3] stays RUNNING: job "a" is still measuring it
     second = _stage(config, storage, profile, "b")
-    again = second.ask(select_candidates(sim, profile, get_space(config.search.space), 3, exclude=second.settled_keys()))
+    again = second.ask(
+        select_candidates(sim, profile, get_space(config.search.space), 3, exclude=second.settled_keys())
+    )
     keys_first = {a.plan.behaviour_key() for a in asked[1:]}
     assert again[0].plan.is_default_for(profile)
     assert not keys_first & {a.plan.behaviour_key() for a in again[1:]}
@@ -138,7 +153,9 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
         update={"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1})})
     profile = make_profile(n_blocks=4)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    sim = simulated_stage(
+        simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
+    )
     dead = _stage(config, storage, profile, "dead")
     [default, other] = dead.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
     run_round(dead, [default], [100.0])
@@ -150,7 +167,9 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     assert retry.plan.behaviour_key() == other.plan.behaviour_key()
     assert job.study.trials[other.number].state.name == "FAIL"
     assert not _stage(config, storage, profile, "third").claim_retries()  # claimed once only
-    [baseline] = job.ask(select_candidates(sim, profile, get_space(config.search.space), 0))  # every round has the default
+    [baseline] = job.ask(
+        select_candidates(sim, profile, get_space(config.search.space), 0)
+    )  # every round has the default
     run_round(job, [baseline, retry], [100.0, 80.0])
     job.close()
     states = [t.state.name for t in job.study.trials]
@@ -162,7 +181,9 @@ def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
     """A job that stops before its round was handed out (Ctrl-C during ask): its trials become FAIL."""
     profile = make_profile(n_blocks=4)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    sim = simulated_stage(
+        simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
+    )
     other = _stage(config, storage, profile, "other")
     [theirs] = other.ask(select_candidates(sim, profile, get_space(config.search.space), 0))
     stage = _stage(config, storage, profile, "stopping")
@@ -188,7 +209,9 @@ def test_candidates_worth_racing(make_profile, tmp_path):
     profile = make_profile(n_blocks=5, fwd=10.0, bwd=20.0, ag=[8.0, 2.0, 12.0, 3.0, 9.0], rs=3.0, unsharded_bytes=1000)
     config = study_config(tmp_path, name="pm", space="per_module", sim_trials=150)
     storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False)
+    sim = simulated_stage(
+        simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
+    )
     candidates = select_candidates(sim, profile, get_space("per_module"), 3)
     assert candidates[0].plan.is_default_for(profile)
     grid = [tuple(sorted(g.items())) for g in get_space("per_module").grid(profile)]

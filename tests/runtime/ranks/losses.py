@@ -9,11 +9,11 @@ import sys
 
 import torch.distributed as dist
 
+from planner.artifacts.plan import Plan
+from runtime import apply_plan
 from runtime.rank import init_rank, shutdown_rank
 from runtime.recorder import record_profile
 from runtime.workload import build_workload, train_step
-from runtime import apply_plan
-from planner.artifacts.plan import Plan
 from search_spaces import per_module, uniform
 
 factory, kwargs, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

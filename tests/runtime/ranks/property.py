@@ -20,7 +20,8 @@ import sys
 from collections import Counter
 
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from planner.artifacts.plan import Plan
 from runtime import apply_plan

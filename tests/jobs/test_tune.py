@@ -1,4 +1,5 @@
-"""record → tune (few trials) → plan JSON → apply in a fresh process group, on 2 gloo ranks."""
+"""``prefetch-planner tune`` end to end: record → simulated and measured stages → plan JSON → applied at training
+start in a fresh process group, on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -10,25 +11,8 @@ import sys
 import pytest
 
 from planner import Plan, Profile
-from tests.runtime.conftest import rank_env
-
-STUDY = """
-[study]
-name = "e2e"
-[workload]
-factory = "runtime.reference_workloads:mlp"
-kwargs = {{ dim = 128, layers = 4 }}
-[search]
-space = "{space}"
-sim_trials = 30
-measured_trials = 2
-[measure]
-warmup_steps = 1
-steps = 3
-max_rounds = 6
-confirm_max_rounds = 8
-profile_repeats = 2
-"""
+from tests.jobs.study import STUDY
+from tests.multirank import rank_env
 
 
 @pytest.mark.slow
@@ -92,14 +76,3 @@ def test_tune_under_torchrun_is_the_same_code_path(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "studies" / "e2e.plan.json").exists()
     assert proc.stdout.count("best plan: ") == 1  # rank 0 alone reports
-
-
-@pytest.mark.slow
-def test_profile_command_with_torch_trace(cli, tmp_path):
-    (tmp_path / "s.toml").write_text(STUDY.format(space="uniform"))
-    proc = cli("profile", "s.toml", "-o", "p.json", "--torch-trace", "torch.json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    profile = Profile.load(tmp_path / "p.json")
-    assert profile.post_forward_order[-1] == "" and len(profile.per_rank) == 2
-    trace = json.loads((tmp_path / "torch.json").read_text())
-    assert any("FSDP::all_gather" in e.get("name", "") for e in trace["traceEvents"])

@@ -1,0 +1,21 @@
+"""``prefetch-planner profile`` end to end: a Profile JSON and a torch.profiler trace from 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner import Profile
+from tests.jobs.study import STUDY
+
+
+@pytest.mark.slow
+def test_profile_command_with_torch_trace(cli, tmp_path):
+    (tmp_path / "s.toml").write_text(STUDY.format(space="uniform"))
+    proc = cli("profile", "s.toml", "-o", "p.json", "--torch-trace", "torch.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    profile = Profile.load(tmp_path / "p.json")
+    assert profile.post_forward_order[-1] == "" and len(profile.per_rank) == 2
+    trace = json.loads((tmp_path / "torch.json").read_text())
+    assert any("FSDP::all_gather" in e.get("name", "") for e in trace["traceEvents"])
