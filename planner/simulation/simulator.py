@@ -61,13 +61,6 @@ functions take plain arrays and callers check a module's state before
 calling them ([Note: Arrays, not bundles, in the hot path] in
 :mod:`planner.simulation._kernel.state`). ``python -m bench.simulator_speed``
 prints the figures.
-
-[Note: Trace capacity]
-A traced run writes its timeline into arrays sized from the profile. The
-kernel writes no row past their end but keeps counting; when a plan needed
-more rows (many prefetches, many allocations per module), the run is done
-again with arrays of the exact size. Timing never depends on the trace, so
-both runs agree.
 """
 
 from __future__ import annotations
@@ -190,8 +183,8 @@ class SimResult:
 # Kernel event kinds (planner.simulation._kernel.state FORWARD ...): name prefix and track.
 _KINDS = ("forward", "backward", "optimizer", "all-gather", "reduce-scatter", "wait")
 _TRACKS = (Track.COMPUTE, Track.COMPUTE, Track.COMPUTE, Track.ALL_GATHER, Track.REDUCE_SCATTER, Track.CPU_WAIT)
-_NO_EVENTS = np.zeros((1, 4))
-_NO_SAMPLES = np.zeros((1, 2))
+_NO_EVENTS = np.zeros((1, 4), np.float32)  # the untraced placeholder ([Note: Trace capacity] in _kernel.timeline)
+_NO_SAMPLES = np.zeros((1, 2), np.float32)
 
 
 @dataclass(frozen=True)
@@ -327,7 +320,7 @@ class Simulator:
                 self._fields, compiled.fields, kernel_params, events, samples)
             if not trace or max(n_events, n_samples) <= rows:
                 break
-            rows = int(max(n_events, n_samples))  # [Note: Trace capacity]: again, with room for every row
+            rows = int(max(n_events, n_samples))  # again, with room for every row ([Note: Trace capacity])
         step_ms = max(t_cpu, t_compute)
         timeline, memory = [], []
         if trace:

@@ -27,8 +27,11 @@ from typing import NamedTuple
 import numpy as np
 
 try:  # compiled where numba is installed (a dependency); plain Python otherwise, same results
-    from numba import njit
+    from numba import njit, types
+    from numba.extending import overload
 except ImportError:  # pragma: no cover
+    overload = types = None
+
     def njit(*args, **kwargs):
         if args and callable(args[0]):
             return args[0]
