@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import Profile
-from planner.artifacts.schema import SCHEMA_VERSION, PlanDocument, describe
+from planner.artifacts.schema import SCHEMA_VERSION, PlanDocument, dump_checked, load_checked
 from planner.errors import PlanFormatError, PlanMismatchError
 
 PLAN_SCHEMA_VERSION = SCHEMA_VERSION
@@ -208,11 +206,7 @@ class Plan:
         Raises:
             PlanFormatError: the plan does not fit its schema (e.g. a field of the wrong type).
         """
-        text = json.dumps(self.to_dict(), indent=1)
-        try:
-            PlanDocument.model_validate_json(text)
-        except ValidationError as e:
-            raise PlanFormatError(f"cannot write this plan: {describe(e, 'plan')}") from None
+        text = dump_checked(PlanDocument, self.to_dict(), PlanFormatError, "plan")
         if path is not None:
             Path(path).write_text(text)
         return text
@@ -235,23 +229,9 @@ class Plan:
                 missing, unknown or ill-typed field (named), or a module / prefetch
                 target FQN that is not an FSDP module of the fingerprint.
         """
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanFormatError(f"plan is not valid JSON ({e}); export it again") from None
-        if not isinstance(d, dict):
-            raise PlanFormatError(f"plan must be a JSON object, found {type(d).__name__}")
-        version = d.get("schema_version")
-        if version != PLAN_SCHEMA_VERSION:
-            raise PlanFormatError(
-                f"unknown plan schema_version {version!r} (this planner reads {PLAN_SCHEMA_VERSION}); "
-                "export the plan again with `prefetch-planner studies export`"
-            )
-        try:
-            doc = PlanDocument.model_validate_json(text)
-        except ValidationError as e:
-            raise PlanFormatError(f"{describe(e, 'plan')}; export the plan again with `prefetch-planner studies "
-                                  "export`") from None
+        export = "export the plan again with `prefetch-planner studies export`"
+        doc = load_checked(PlanDocument, text, PlanFormatError, "plan", PLAN_SCHEMA_VERSION,
+                           ("export it again", export, export))
         plan = cls(
             fingerprint=Fingerprint(**dict(doc.fingerprint)),
             modules={fqn: ModulePlan(**dict(m)) for fqn, m in doc.modules.items()},

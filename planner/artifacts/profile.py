@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.schema import SCHEMA_VERSION, ProfileDocument, describe
+from planner.artifacts.schema import SCHEMA_VERSION, ProfileDocument, dump_checked, load_checked
 from planner.errors import ProfileFormatError
 
 PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
@@ -178,11 +176,7 @@ class Profile:
         Raises:
             ProfileFormatError: the profile does not fit its schema (e.g. a field of the wrong type).
         """
-        text = json.dumps(self.to_dict(), indent=1)
-        try:
-            ProfileDocument.model_validate_json(text)
-        except ValidationError as e:
-            raise ProfileFormatError(f"cannot write this profile: {describe(e, 'profile')}") from None
+        text = dump_checked(ProfileDocument, self.to_dict(), ProfileFormatError, "profile")
         if path is not None:
             Path(path).write_text(text)
         return text
@@ -204,23 +198,9 @@ class Profile:
             ProfileFormatError: not JSON, not an object, an unknown schema version, a missing, unknown or
                 ill-typed field (named), or a post-forward order naming a module with no figures.
         """
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProfileFormatError(f"profile is not valid JSON ({e}); re-record or re-export it") from None
-        if not isinstance(d, dict):
-            raise ProfileFormatError(f"profile must be a JSON object, found {type(d).__name__}")
-        version = d.get("schema_version")
-        if version != PROFILE_SCHEMA_VERSION:
-            raise ProfileFormatError(
-                f"unknown profile schema_version {version!r} (this planner reads {PROFILE_SCHEMA_VERSION}); "
-                "re-record it with `prefetch-planner tune` or a matching planner version"
-            )
-        try:
-            doc = ProfileDocument.model_validate_json(text)
-        except ValidationError as e:
-            raise ProfileFormatError(f"{describe(e, 'profile')}; record the profile again (`prefetch-planner "
-                                     "profile`)") from None
+        doc = load_checked(ProfileDocument, text, ProfileFormatError, "profile", PROFILE_SCHEMA_VERSION, (
+            "re-record or re-export it", "re-record it with `prefetch-planner tune` or a matching planner version",
+            "record the profile again (`prefetch-planner profile`)"))
         in_step = None
         if doc.in_step is not None:
             overlap = doc.in_step.overlap

@@ -10,7 +10,8 @@ as they always did; ``schema_version`` stays 1.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -164,3 +165,48 @@ def describe(error: ValidationError, what: str) -> str:
     problem = _PROBLEMS.get(first["type"], first["msg"][:1].lower() + first["msg"][1:])
     found = "" if first["type"] == "missing" else f", found {first['input']!r}"
     return f"{what} field {path or '(top level)'} {problem}{found}"
+
+
+D = TypeVar("D", bound=BaseModel)
+
+
+def dump_checked(document: type[BaseModel], data: dict[str, Any], error: type[Exception], what: str) -> str:
+    """``data`` as JSON text (indent 1), checked against ``document`` first: what could not be read back is never
+    written.
+
+    Raises:
+        error: ``data`` does not fit ``document`` (the field named).
+    """
+    text = json.dumps(data, indent=1)
+    try:
+        document.model_validate_json(text)
+    except ValidationError as e:
+        raise error(f"cannot write this {what}: {describe(e, what)}") from None
+    return text
+
+
+def load_checked(document: type[D], text: str, error: type[Exception], what: str, version: int,
+                 fixes: tuple[str, str, str]) -> D:
+    """Parse ``text`` strictly as ``document``, after checking it is a JSON object of schema ``version``.
+
+    Args:
+        what: the artifact's name in messages (``"plan"``, ``"profile"``).
+        fixes: what the user should do when the text is not JSON, of another schema version, or ill-typed.
+
+    Raises:
+        error: one line naming the problem and ``fixes``' answer.
+    """
+    not_json, other_version, ill_typed = fixes
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{what} is not valid JSON ({e}); {not_json}") from None
+    if not isinstance(d, dict):
+        raise error(f"{what} must be a JSON object, found {type(d).__name__}")
+    found = d.get("schema_version")
+    if found != version:
+        raise error(f"unknown {what} schema_version {found!r} (this planner reads {version}); {other_version}")
+    try:
+        return document.model_validate_json(text)
+    except ValidationError as e:
+        raise error(f"{describe(e, what)}; {ill_typed}") from None
