@@ -1,18 +1,24 @@
 """Benchmark: do the tool's verdicts hold on the real ranks?
 
-    python -m bench.verdicts studies/llama-cpu.toml [--aa-races 5] [--rounds 20] [--skip-aa] [--skip-coverage]
+    python -m bench.verdicts studies/llama-cpu.toml [--aa-races 20] [--rounds 24] [--remeasures 3]
+                             [--skip-synthetic] [--skip-aa] [--skip-coverage]
 
-(a) A/A. Races in which the one candidate *is* FSDP2's default (the same plan
-    under another index), each followed by its confirmation on fresh rounds,
-    exactly as ``tune`` runs them (``planner.statistics.schedule.Schedule``). Counts the
-    false "faster" verdicts (a sound tool gives one in 40 at most, by the
-    95% interval's one-sided error).
-(b) Coverage. ``prefetch-planner tune`` on the study (a fresh SQLite
-    storage), then, in a separate process, the written plan re-measured
-    against FSDP2's default: one model instance per plan, ``--rounds``
-    interleaved rounds (order alternating), median per-round ratio and its
-    95% bootstrap interval. Reports whether the independent ratio falls inside
-    the interval ``tune`` reported.
+(a) Synthetic A/A sweep, torch-free: 4000 confirmations at each of 6..30
+    rounds through the project's own ``planner.statistics.verdict.confirm``,
+    plan and default drawn from one lognormal step distribution with stalls.
+    Prints the false "faster" rate with its exact binomial 95% interval, next
+    to the exact rate the sign test promises.
+(b) A/A on real ranks. Races in which the one candidate *is* FSDP2's default
+    (the same plan under another index), each followed by its confirmation on
+    fresh rounds in the same processes, as ``tune`` runs them under torchrun
+    (``planner.statistics.schedule.Schedule``). Prints the false "faster" rate
+    with its exact binomial interval (nominal: at most 2.5%).
+(c) Coverage. ``prefetch-planner tune`` on the study (a fresh SQLite
+    storage; the survivor confirmed in ``[measure] confirm_launches`` fresh
+    launches), then ``--remeasures`` independent re-measurements, each in a
+    separate process: one model instance per plan, ``--rounds`` interleaved
+    rounds (order alternating). Reports each ratio, their median, and
+    whether it falls inside the interval ``tune`` reported.
 
 Starts the study's ranks itself (they run ``python -m bench.verdicts --part
 aa`` / ``--part remeasure``).
@@ -52,7 +58,7 @@ def aa_main(study: str, races: int, out: str) -> None:
     default = Plan.default(profile)
     results = []
     for race in range(races):
-        schedule = Schedule(2, config.measure.race_settings(), config.measure.confirm_settings(seed=race))
+        schedule = Schedule(2, config.measure.race_settings(), config.measure.confirm_settings(launches=0))
         t0 = time.monotonic()
         steps = StepCounter()
         warm_up(workload, [default, default], config.measure.warmup_steps, steps)
@@ -114,8 +120,8 @@ def _launch(args: list[str], nproc: int) -> None:
         sys.exit(code)
 
 
-def coverage(study: str, rounds: int, work: Path) -> dict:
-    """Tune into a fresh storage, then re-measure its plan independently; the report row."""
+def coverage(study: str, rounds: int, remeasures: int, work: Path) -> dict:
+    """Tune into a fresh storage, then re-measure its confirmed plan ``remeasures`` times independently."""
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.verdict import confirm
@@ -149,49 +155,91 @@ def coverage(study: str, rounds: int, work: Path) -> dict:
         sys.exit(tune.returncode)
     written = Plan.load(plan_out)
     best = best_plan(storage, config.name)
-    reported = best.plan if best.closest is None else best.closest  # the confirmed candidate
+    reported = best.plan if not best.is_default else best.survivor  # the confirmed candidate
+    if reported is None:
+        print("\ncoverage: the race dropped every candidate; nothing confirmed to re-measure")
+        return {"tune_s": tune_s, "verdict": None}
     pv = reported.provenance
-    measured = work / "remeasure.json"
     reported.to_json(work / "reported.json")  # the confirmed candidate, written or not
-    _launch(["--part", "remeasure", study, "--plan", str(work / "reported.json"), "--rounds", str(rounds),
-             "--out", str(measured)], config.launch.nproc_per_node)
-    times = json.loads(measured.read_text())
-    independent = confirm(times["tuned"], times["default"], noise_pct=float("nan"), seed=1)
-    inside = pv.ratio_ci95[0] <= independent.ratio <= pv.ratio_ci95[1]
+    independent = []
+    for k in range(remeasures):
+        measured = work / f"remeasure{k}.json"
+        _launch(["--part", "remeasure", study, "--plan", str(work / "reported.json"), "--rounds", str(rounds),
+                 "--out", str(measured)], config.launch.nproc_per_node)
+        times = json.loads(measured.read_text())
+        c = confirm(times["tuned"], times["default"], noise_pct=float("nan"))
+        independent.append({"ratio": c.ratio, "ci95": list(c.ci95), "rounds": rounds})
+        print(f"independent re-measurement {k + 1}/{remeasures} ({rounds} interleaved rounds, one model instance "
+              f"per plan, a fresh process): ratio {c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}]", flush=True)
+    middle = statistics.median(x["ratio"] for x in independent)
+    inside = pv.ratio_ci95[0] <= middle <= pv.ratio_ci95[1]
+    each = sum(pv.ratio_ci95[0] <= x["ratio"] <= pv.ratio_ci95[1] for x in independent)
     print(f"\ncoverage: tune took {tune_s:.0f} s; it reported trial {pv.trial}: {pv.verdict}, ratio "
-          f"{pv.measured_ratio:.3f} [{pv.ratio_ci95[0]:.3f}, {pv.ratio_ci95[1]:.3f}] over {pv.rounds} rounds; "
-          f"written: {'that plan' if written.behaviour_key() == reported.behaviour_key() else 'FSDP2 default'}")
-    print(f"independent re-measurement ({rounds} interleaved rounds, one model instance per plan, a separate "
-          f"process): ratio {independent.ratio:.3f} [{independent.ci95[0]:.3f}, {independent.ci95[1]:.3f}]; "
-          f"inside the reported interval: {'yes' if inside else 'NO'}")
+          f"{pv.measured_ratio:.3f} [{pv.ratio_ci95[0]:.3f}, {pv.ratio_ci95[1]:.3f}] over {pv.rounds} rounds in "
+          f"{pv.launches or 1} launch(es); written: "
+          f"{'that plan' if written.behaviour_key() == reported.behaviour_key() else 'FSDP2 default'}")
+    ratios = ", ".join(f"{x['ratio']:.3f}" for x in independent)
+    print(f"independent re-measurements: median ratio {middle:.3f} of {remeasures} "
+          f"({ratios}); the median inside the reported interval: "
+          f"{'yes' if inside else 'NO'}; {each} of {remeasures} inside")
     return {"tune_s": tune_s, "trial": pv.trial, "verdict": pv.verdict, "ratio": pv.measured_ratio,
-            "ci95": list(pv.ratio_ci95), "rounds": pv.rounds, "independent_ratio": independent.ratio,
-            "independent_ci95": list(independent.ci95), "independent_rounds": rounds, "inside": inside}
+            "ci95": list(pv.ratio_ci95), "rounds": pv.rounds, "launches": pv.launches, "independent": independent,
+            "independent_median": middle, "inside": inside}
+
+
+def rate_text(events: int, runs: int) -> str:
+    """``3/40 = 7.5% [1.6%, 20.4%]``: the rate with its exact (Clopper-Pearson) binomial 95% interval."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(events, runs).proportion_ci(method="exact")
+    return f"{events}/{runs} = {100 * events / runs:.1f}% [{100 * ci.low:.1f}%, {100 * ci.high:.1f}%]"
 
 
 def aa(study: str, races: int, work: Path, nproc: int) -> list[dict]:
-    """The A/A races on fresh ranks; prints the false 'faster' verdicts; the races' rows."""
+    """The A/A races on fresh ranks; prints the false 'faster' rate with its interval; the races' rows."""
     _launch(["--part", "aa", study, "--aa-races", str(races), "--out", str(work / "aa.json")], nproc)
     rows = json.loads((work / "aa.json").read_text())
     false = sum(r["verdict"] == "faster" for r in rows)
     ratios = ", ".join(f"{r['ratio']:.3f}" for r in rows)
-    print(f"\nA/A: {len(rows)} races, {false} false 'faster' verdict(s); ratios {ratios}; median noise "
-          f"{statistics.median(r['noise_pct'] for r in rows):.1f}%")
+    print(f"\nA/A on real ranks: false 'faster' {rate_text(false, len(rows))} (nominal <= 2.5%); ratios {ratios}; "
+          f"median noise {statistics.median(r['noise_pct'] for r in rows):.1f}%")
     return rows
+
+
+def synthetic_sweep(runs: int = 4000) -> list[dict]:
+    """A/A confirmations through ``verdict.confirm`` at 6..30 rounds (lognormal steps, 7% sigma, 5% stalls of
+    1.5x); prints each n's false 'faster' rate with its interval and the sign test's exact promise."""
+    import numpy as np
+
+    from planner.statistics.verdict import Verdict, confirm, false_faster_rate
+
+    rng = np.random.default_rng(0)
+    out = []
+    print("synthetic A/A sweep through planner.statistics.verdict.confirm")
+    for n in (6, 8, 10, 12, 13, 16, 20, 23, 24, 30):
+        false = 0
+        for _ in range(runs):
+            t = 100.0 * np.exp(rng.normal(0.0, 0.07, size=(2, n))) * np.where(rng.random((2, n)) < 0.05, 1.5, 1.0)
+            false += confirm(list(t[0]), list(t[1]), 0.0).verdict == Verdict.FASTER
+        print(f"  {n:>2} rounds: false 'faster' {rate_text(false, runs)}; exact {100 * false_faster_rate(n):.2f}%")
+        out.append({"rounds": n, "false_faster": false, "runs": runs, "exact": false_faster_rate(n)})
+    return out
 
 
 @click.command(help=__doc__)
 @click.argument("study", default="studies/llama-cpu.toml", type=click.Path(dir_okay=False))
-@click.option("--aa-races", default=5, show_default=True, help="A/A races")
-@click.option("--rounds", default=20, show_default=True, help="rounds of the independent re-measurement")
+@click.option("--aa-races", default=20, show_default=True, help="A/A races")
+@click.option("--rounds", default=24, show_default=True, help="rounds of each independent re-measurement")
+@click.option("--remeasures", default=3, show_default=True, help="independent re-measurements, one process each")
+@click.option("--skip-synthetic", is_flag=True)
 @click.option("--skip-aa", is_flag=True)
 @click.option("--skip-coverage", is_flag=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="write the figures here")
 @click.option("--part", type=click.Choice(["aa", "remeasure"]), hidden=True)
 @click.option("--plan", "plan_path", hidden=True)
 @click.option("--out", hidden=True)
-def main(study: str, aa_races: int, rounds: int, skip_aa: bool, skip_coverage: bool, json_out: str | None,
-         part: str | None, plan_path: str | None, out: str | None) -> None:
+def main(study: str, aa_races: int, rounds: int, remeasures: int, skip_synthetic: bool, skip_aa: bool,
+         skip_coverage: bool, json_out: str | None, part: str | None, plan_path: str | None, out: str | None) -> None:
     from planner.artifacts.config import load_study_config
     from planner.errors import PlannerError
     from runtime.launch import in_torchrun
@@ -207,10 +255,12 @@ def main(study: str, aa_races: int, rounds: int, skip_aa: bool, skip_coverage: b
         figures: dict = {}
         with tempfile.TemporaryDirectory() as d:
             work = Path(d)
+            if not skip_synthetic:
+                figures["synthetic"] = synthetic_sweep()
             if not skip_aa:
                 figures["aa"] = aa(study, aa_races, work, config.launch.nproc_per_node)
             if not skip_coverage:
-                figures["coverage"] = coverage(study, rounds, work)
+                figures["coverage"] = coverage(study, rounds, remeasures, work)
         if json_out:
             Path(json_out).write_text(json.dumps(figures, indent=1, default=lambda x: None if x != x else x))
     except PlannerError as e:

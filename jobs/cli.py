@@ -46,13 +46,19 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 @click.option("--plan-out", help="Where to write the best plan (default: <toml dir>/<name>.plan.json).")
 @click.option("--profile-out", help="Where to write the profile (default: <toml dir>/<name>.profile.json).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_out, profile_out, no_progress) -> None:
-    """Run a tuning study: record a profile, simulate, measure the best plans, write the best.
+@click.option("--job", hidden=True, help="The job's name (set by the launching process).")
+@click.option("--confirm-launches", type=int, default=0, hidden=True,
+              help="Fresh launches the launching process runs the confirmation in (0: in this job).")
+def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_out, profile_out, no_progress, job,
+         confirm_launches) -> None:
+    """Run a tuning study: record a profile, simulate, race the best plans, confirm the survivor in fresh
+    launches, write the study's recommendation.
 
-    Outside torchrun this starts the study's nproc_per_node ranks itself;
-    under torchrun it runs as that rank.
+    Outside torchrun this starts the study's nproc_per_node ranks itself, then
+    [measure] confirm_launches fresh launches for the confirmation; under
+    torchrun it runs as that rank and confirms in its own processes.
     """
-    from jobs.tune import TuneJob
+    from jobs.tune import TuneJob, job_name
     from runtime.launch import in_torchrun, launch_ranks
 
     config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials,
@@ -62,7 +68,8 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
     if in_torchrun():
         _log_rank0_progress()
         try:
-            outcome = TuneJob(config, plan_out, profile_out, progress=not no_progress).run()
+            outcome = TuneJob(config, plan_out, profile_out, progress=not no_progress, job=job,
+                              confirm_launches=confirm_launches).run()
         except (PlannerError, KeyboardInterrupt) as e:
             _exit_on_rank_error(e)
         if outcome is not None:
@@ -77,8 +84,59 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
             "--profile-out", profile_out]
     if config.search.memory_budget is not None:
         args += ["--memory-budget", config.search.memory_budget]
+    job = job_name()
+    args += ["--job", job, "--confirm-launches", str(config.measure.confirm_launches)]
     _exit_with_ranks(launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch.nproc_per_node),
                      "tuning", _EXPECTED_RANK_EXITS)
+    _confirm_in_fresh_launches(study_toml, config, job, plan_out)
+
+
+def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, plan_out: str) -> None:
+    """The confirmation launches of ``job``'s race survivor, then its verdict and the study's recommendation."""
+    from planner.presentation.report import conclusion_report
+    from planner.study.confirmation import conclude, pending
+    from runtime.launch import launch_ranks
+
+    launches = config.measure.confirm_launches
+    for i in range(launches):
+        waiting = pending(config, job)
+        if waiting is None:
+            return  # the race dropped every candidate, or the survivor was confirmed in the job
+        click.echo(f"[confirm {i + 1}/{launches}] fresh ranks: trial {waiting.survivor.provenance.trial} against "
+                   f"FSDP2's default, {waiting.rounds} rounds, the plans applied from the first step")
+        code = launch_ranks(["confirm", study_toml, "--storage", config.storage_url, "--job", job],
+                            config.launch.nproc_per_node)
+        if code:
+            click.echo(f"confirmation launch {i + 1} failed (exit code {code}); concluding on the launches measured",
+                       err=True)
+            break
+    confirmation, best = conclude(config, job, plan_out)
+    for line in conclusion_report(confirmation, best, config.name, plan_out):
+        click.echo(line)
+
+
+@main.command(hidden=True)
+@click.argument("study_toml")
+@click.option("--storage", help="SQLAlchemy URL (default: [study] storage).")
+@click.option("--job", required=True, help="The tuning job whose race survivor to confirm.")
+def confirm(study_toml, storage, job) -> None:
+    """One fresh confirmation launch of a tuning job's race survivor (``tune`` runs it; under torchrun, one rank)."""
+    from jobs.confirm import ConfirmJob
+    from runtime.launch import in_torchrun, launch_ranks
+
+    config = load_study_config(study_toml, storage=storage)
+    if in_torchrun():
+        _log_rank0_progress()
+        try:
+            launches = ConfirmJob(config, job).run()
+        except PlannerError as e:
+            _exit_on_rank_error(e)
+        if launches:
+            click.echo(f"      launch measured; the survivor now has {launches} launch(es)")
+        return
+    ConfirmJob.check_before_launch(config)
+    _exit_with_ranks(launch_ranks(["confirm", study_toml, "--storage", config.storage_url, "--job", job],
+                                  config.launch.nproc_per_node), "confirmation", _EXPECTED_RANK_EXITS)
 
 
 @main.command()

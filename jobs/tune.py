@@ -23,7 +23,6 @@ from jobs.outputs import check_output_folders
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, one_line
-from planner.statistics.verdict import detectable_effect
 from planner.storages import check_writable
 from planner.study.measured import MeasuredTrial
 from planner.study.session import TuneOutcome, TuningSession
@@ -38,6 +37,11 @@ from search_spaces import get_space
 logger = logging.getLogger(__name__)
 
 
+def job_name() -> str:
+    """A new tuning job's name: host, process id and a random suffix (trial attribute ``job``)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 class TuneJob:
     """One rank of a tuning job: record, then (rank 0) a tuning session driven by a measured round.
 
@@ -46,14 +50,19 @@ class TuneJob:
         plan_out: where rank 0 writes the round's best plan.
         profile_out: where rank 0 writes the profile.
         progress: show progress bars (rank 0).
+        job: the job's name (default: a new one, :func:`job_name`; every rank must get the same).
+        confirm_launches: fresh launches the launching process confirms the survivor in; ``0``: confirmed in
+            this job's processes after the race.
     """
 
-    def __init__(self, config: StudyConfig, plan_out: str, profile_out: str, progress: bool = True):
+    def __init__(self, config: StudyConfig, plan_out: str, profile_out: str, progress: bool = True,
+                 job: str | None = None, confirm_launches: int = 0):
         self.config = config
         self.plan_out = plan_out
         self.profile_out = profile_out
         self.progress = progress
-        self.job = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.job = job or job_name()
+        self.confirm_launches = confirm_launches
         self.session: TuningSession | None = None
         self._bar: tqdm | None = None
 
@@ -122,7 +131,8 @@ class TuneJob:
     def _session(self, profile: Profile) -> TuningSession:
         return TuningSession(self.config, profile, get_space(self.config.search.space), job=self.job,
                              plan_out=self.plan_out, profile_out=self.profile_out, progress=self.progress,
-                             on_drop=self._dropped, critical=interrupts_deferred)
+                             on_drop=self._dropped, critical=interrupts_deferred,
+                             confirm_launches=self.confirm_launches)
 
     def _measure(self, workload: Workload, group: dist.ProcessGroup, rank0: bool):
         self._bar = tqdm(desc="measured", unit="step", disable=not rank0 or not self.progress)
@@ -141,7 +151,6 @@ class TuneJob:
 
     def _dropped(self, trial: MeasuredTrial, rounds: int) -> None:
         race = self.session.schedule.race
-        sigma = race.ratio_sigma()
         self._bar.write(f"      dropped trial {trial.number} after {rounds} rounds: significantly slower than the "
-                        f"leader (noise {race.noise_pct():.1f}% step IQR / median; these rounds detect "
-                        f"{100 * detectable_effect(sigma, rounds):.1f}%)")
+                        f"leader (noise {race.noise_pct():.1f}% step IQR / median; this look's test drops a plan "
+                        f"{100 * race.detectable_slowdown():.1f}% slower with 80% power)")

@@ -127,7 +127,7 @@ def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: Sequenc
     from planner.study.provenance import measured_plans
 
     measure = stage.config.measure
-    schedule = Schedule(len(asked), measure.race_settings(), measure.confirm_settings(), clock=lambda: 0.0)
+    schedule = Schedule(len(asked), measure.race_settings(), measure.confirm_settings(launches=0), clock=lambda: 0.0)
     times, per_rank = _run_schedule(schedule, asked, _step_time(step_ms), ranks)
     trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
     measured = measured_plans(stage.config.name, trials, schedule, times, per_rank, peak_bytes)

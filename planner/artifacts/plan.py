@@ -71,8 +71,10 @@ class Provenance:
         verdict: the confirmation's verdict against FSDP2's default
             (``planner.statistics.verdict.Verdict`` values), for the plan it confirmed.
         measured_ratio: the confirmation's median per-round ratio, plan / default.
-        ratio_ci95: ``[low, high]``, its paired 95% bootstrap interval.
-        rounds: the confirmation's rounds.
+        ratio_ci95: ``[low, high]``, its sign-test 95% interval (over several launches, the hull of theirs:
+            ``planner.statistics.verdict``).
+        rounds: the confirmation's rounds, every launch together.
+        launches: the fresh launches (processes) they come from.
         noise_pct: step interquartile range / median in the confirmation, %.
         predicted_peak_bytes: the simulated peak per rank, bytes.
         measured_peak_bytes: the measured peak per rank, max across ranks,
@@ -91,6 +93,7 @@ class Provenance:
     measured_ratio: float | None = None
     ratio_ci95: tuple[float, float] | None = None
     rounds: int | None = None
+    launches: int | None = None
     noise_pct: float | None = None
     predicted_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
@@ -194,7 +197,8 @@ class Plan:
                 }
                 for fqn, m in self.modules.items()
             },
-            "provenance": dataclasses.asdict(self.provenance),
+            "provenance": {k: v for k, v in dataclasses.asdict(self.provenance).items()
+                           if k != "launches" or v is not None},  # written once known: older files keep their bytes
         }
 
     def to_json(self, path: str | Path | None = None) -> str:

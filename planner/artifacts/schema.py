@@ -59,6 +59,7 @@ class ProvenanceDocument(Document):
     measured_ratio: float | None = None
     ratio_ci95: tuple[float, float] | None = None
     rounds: int | None = None
+    launches: int | None = None
     noise_pct: float | None = None
     predicted_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None

@@ -131,14 +131,18 @@ class MeasureTable(Table):
         profile_repeats: repeats of each recorder measurement.
         alpha: the race drops a candidate significantly slower than the
             leader; the chance of ever dropping the true best is at most this.
-        min_rounds: race rounds before its first look.
-        block_rounds: race rounds between looks.
-        max_rounds: the race stops after this many rounds.
+        min_rounds: race rounds before its first look, rounded up to whole cycles of its balanced design.
+        block_rounds: race rounds between looks, rounded up to whole cycles.
+        max_rounds: the race starts no block that would end after this many rounds (its first block always runs).
         time_budget_s: the race stops once it has run this long, s (at the end
             of a block); unset: no limit.
-        resolve_pct: the difference the confirmation should resolve, %
+        resolve_pct: the speed-up the confirmation should find "faster" with 80% power, %
             (its rounds follow from the noise the race measured).
-        confirm_min_rounds, confirm_max_rounds: bounds on the confirmation's rounds.
+        confirm_min_rounds, confirm_max_rounds: bounds on the confirmation's rounds per launch (even, >= 6: the
+            sign-test interval needs 6 rounds to reach 95%).
+        confirm_launches: fresh launches the confirmation runs in (new ranks, models built afresh, the plan
+            applied from the first step); ``0``: in the tuning job's own processes, after the race (always so
+            under torchrun, where the job cannot start processes).
     """
 
     warmup_steps: StrictInt = Field(1, ge=0)
@@ -150,13 +154,18 @@ class MeasureTable(Table):
     max_rounds: StrictInt = Field(12, ge=2)
     time_budget_s: StrictFloat | None = Field(None, gt=0.0)
     resolve_pct: StrictFloat = Field(3.0, gt=0.0, lt=100.0)
-    confirm_min_rounds: StrictInt = Field(8, ge=4)
-    confirm_max_rounds: StrictInt = Field(30, ge=4)
+    confirm_min_rounds: StrictInt = Field(8, ge=6)
+    confirm_max_rounds: StrictInt = Field(30, ge=6)
+    confirm_launches: StrictInt = Field(2, ge=0, le=16)
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> MeasureTable:
         if self.max_rounds < self.min_rounds:
             raise ValueError(f"max_rounds ({self.max_rounds}) must be >= min_rounds ({self.min_rounds})")
+        for key in ("confirm_min_rounds", "confirm_max_rounds"):
+            if getattr(self, key) % 2:
+                raise ValueError(f"{key} ({getattr(self, key)}) must be even: the confirmation alternates which plan "
+                                 f"runs first; use {getattr(self, key) + 1}")
         if self.confirm_max_rounds < self.confirm_min_rounds:
             raise ValueError(f"confirm_max_rounds ({self.confirm_max_rounds}) must be >= confirm_min_rounds "
                              f"({self.confirm_min_rounds})")
@@ -166,9 +175,11 @@ class MeasureTable(Table):
         """The race these keys describe."""
         return RaceSettings(self.alpha, self.min_rounds, self.block_rounds, self.max_rounds, self.time_budget_s)
 
-    def confirm_settings(self, seed: int = 0) -> ConfirmSettings:
-        """The confirmation these keys describe."""
-        return ConfirmSettings(self.resolve_pct / 100.0, self.confirm_min_rounds, self.confirm_max_rounds, seed)
+    def confirm_settings(self, launches: int | None = None) -> ConfirmSettings:
+        """The confirmation these keys describe; ``launches`` overrides ``confirm_launches`` (``0`` under
+        torchrun)."""
+        return ConfirmSettings(self.resolve_pct / 100.0, self.confirm_min_rounds, self.confirm_max_rounds,
+                               self.confirm_launches if launches is None else launches)
 
 
 TABLES: dict[str, type[Table]] = {"study": StudyTable, "workload": WorkloadTable, "launch": LaunchTable,

@@ -85,20 +85,22 @@ def _storage_for(name: str, storage: str | None) -> str:
 @studies.command("list")
 @click.option("--storage", help="SQLAlchemy URL (default: every studies/*.db).")
 def studies_list(storage) -> None:
-    """List studies: trials, best and default measured step ms."""
+    """List studies: trials, the recommended plan and its confirmed ratio to FSDP2's default of the same job."""
     from planner.study import list_studies
 
     urls = [storage] if storage else [f"sqlite:///{p}" for p in sorted(Path("studies").glob("*.db"))]
     if not urls:
         raise PlannerError("no databases under studies/; pass --storage URL")
-    click.echo(
-        f"{'study':<24} {'measured':>8} {'simulated':>9} {'best ms':>10} {'default ms':>10} {'ratio':>6}  storage"
-    )
+    click.echo(f"{'study':<24} {'measured':>8} {'simulated':>9} {'recommended':>11} {'confirmed ratio [95% CI]':>26}  "
+               f"{'default ms (race)':>17}  storage")
     for url in urls:
         for s in list_studies(url):
-            ratio = f"{s.best_ms / s.default_ms:.3f}" if s.best_ms and s.default_ms else "-"
-            click.echo(f"{s.name:<24} {s.measured_trial_count:>8} {s.simulated_trial_count:>9} {ms(s.best_ms):>10} "
-                       f"{ms(s.default_ms):>10} {ratio:>6}  {url}")
+            c = s.confirmation
+            confirmed = f"{c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}]" if c is not None else "-"
+            recommended = "-" if s.recommended_trial is None else (
+                f"trial {s.recommended_trial}" if c is not None else "default")
+            click.echo(f"{s.name:<24} {s.measured_trial_count:>8} {s.simulated_trial_count:>9} {recommended:>11} "
+                       f"{confirmed:>26}  {ms(s.default_ms):>17}  {url}")
 
 
 @studies.command("show")
@@ -106,14 +108,15 @@ def studies_list(storage) -> None:
 @click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
 @click.option("--top", default=10, show_default=True, help="Simulated trials to show (best first).")
 def studies_show(name, storage, top) -> None:
-    """Show a study's measured trials (predicted vs measured) and its best simulated trials."""
-    from planner.study import study_trials
+    """Show a study's measured trials (predicted vs race median), every confirmation per plan, and its best
+    simulated trials."""
+    from planner.study import confirmation_history, study_trials
 
     trials = study_trials(_storage_for(name, storage), name)
     click.echo(f"study {name}: {len(trials.measured)} measured trials, {len(trials.simulated)} simulated trials")
     click.echo(
         f"\nmeasured stage (race medians; the confirmation on the plan it confirmed)\n  {'trial':>5} {'state':<8} "
-        f"{'predicted ms':>12} {'measured ms':>11} {'error %':>8}  params"
+        f"{'predicted ms':>12} {'race ms':>11} {'error %':>8}  params"
     )
     for r in trials.measured:
         err = ""
@@ -122,15 +125,27 @@ def studies_show(name, storage, top) -> None:
         tag = "default " if r.is_default else ""
         if r.retry_of is not None:
             tag += f"retry of {r.retry_of} "
+        if r.reconfirms is not None:
+            tag += f"recommended by trial {r.reconfirms}, raced again "
         if r.race is not None and r.race.dropped_after_round is not None:
             tag += f"dropped after {r.race.dropped_after_round} rounds "
         click.echo(f"  {r.number:>5} {r.state.name:<8} {ms(r.predicted_ms):>12} {ms(r.measured_ms):>11} "
                    f"{err:>8}  {tag}{json.dumps(_short(r.params))}")
         if r.confirmation is not None:
             c = r.confirmation
-            click.echo(f"  {'':>5} {'':<8} {c.verdict}: {confirmation_text(c.ratio, c.ci95, c.rounds)}")
+            click.echo(f"  {'':>5} {'':<8} confirmed {c.verdict}: "
+                       f"{confirmation_text(c.ratio, c.ci95, c.rounds, c.launches)}")
+        elif r.confirm_rounds is not None:
+            click.echo(f"  {'':>5} {'':<8} survived the race; its confirmation did not conclude "
+                       f"({len(r.confirm_launches or [])} launch(es) measured)")
         if r.failure is not None:
             click.echo(f"  {'':>5} {'':<8} reason: {r.failure.reason}")
+    history = {k: v for k, v in confirmation_history(trials.measured).items() if len(v) > 1}
+    if history:
+        click.echo("\nplans confirmed more than once (every confirmation, oldest first)")
+        for records in history.values():
+            click.echo("  " + "; ".join(f"trial {r.number} (job {r.job}): {r.confirmation.verdict} "
+                                        f"{r.confirmation.ratio:.3f}" for r in records))
     best = sorted((r for r in trials.simulated if r.predicted_ms is not None), key=lambda r: r.predicted_ms)[:top]
     click.echo(f"\nsimulated stage (best {len(best)})\n  {'trial':>5} {'predicted ms':>12}  params")
     for r in best:
@@ -152,23 +167,16 @@ def _short(params: dict) -> dict:
 @click.argument("name")
 @click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
 def studies_best(name, storage) -> None:
-    """The plan the study recommends: the best confirmed faster than FSDP2's default, else the default."""
+    """The plan the study recommends: its latest tuning job's plan confirmed faster than FSDP2's default of the
+    same job, else the default."""
     from planner.study import best_plan
 
     best = best_plan(_storage_for(name, storage), name)
-    plan, pv = best.plan, best.plan.provenance
-    if best.closest is None:
-        click.echo(f"study {name}: best trial {pv.trial}, {pv.verdict} than FSDP2's default: "
-                   f"{confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds)}")
-    else:
-        c = best.closest.provenance
-        click.echo(f"study {name}: no plan is confirmed faster than FSDP2's default; best: FSDP2's default "
-                   f"(trial {pv.trial})")
-        click.echo(f"  closest candidate: trial {c.trial}, {c.verdict}: "
-                   f"{confirmation_text(c.measured_ratio, c.ratio_ci95, c.rounds)}")
-    click.echo(f"  measured   {pv.measured_ms:.1f} ms   (FSDP2 default {ms(best.default_ms)} ms"
-               + (f", ratio {pv.measured_ms / best.default_ms:.3f})" if best.default_ms else ")")
-               + " in the race")
+    plan, pv, r = best.plan, best.plan.provenance, best.recommendation
+    click.echo(f"study {name}: {best.line(name)}")
+    if not best.is_default:
+        click.echo(f"  race (not confirmed): median {pv.measured_ms:.1f} ms, FSDP2's default {ms(r.default_ms)} ms "
+                   "in the same race")
     click.echo(f"  predicted  {ms(pv.predicted_ms)} ms")
     knobs = {"unshard_async_op": plan.unshard_async_op, "reduce_scatter_max_input_buffers":
              plan.reduce_scatter_max_input_buffers, "reshard_after_backward": plan.reshard_after_backward,
@@ -235,7 +243,7 @@ def studies_export(name, output, storage) -> None:
         plan.to_json(output)
     except OSError as e:
         raise PlannerError(f"cannot write {output!r}: {e.strerror}") from None
-    click.echo(f"wrote {output} (trial {plan.provenance.trial}, measured {ms(plan.provenance.measured_ms)} ms)")
+    click.echo(f"wrote {output} (trial {plan.provenance.trial}, race median {ms(plan.provenance.measured_ms)} ms)")
 
 
 if __name__ == "__main__":

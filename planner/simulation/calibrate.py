@@ -18,13 +18,22 @@ the study would reuse it. So :func:`calibrate`
   ``scipy.optimize.least_squares``;
 - picks the family by leave-one-out error, then rejects the fit if a
   parameter lands on a bound other than its uncalibrated value, or if its
-  leave-one-out error is not below the uncalibrated model's error.
+  error does not beat the uncalibrated model's by more than the measurement's
+  own noise at that number of plans: ``sqrt(pi/2) e / sqrt(n)`` points, ``e``
+  the relative standard error of one measured median (%), the standard error
+  of a median over ``n`` plans of errors that noise alone would make;
+- quotes nested cross-validation error: each plan is predicted by a fit on
+  the others whose family was itself chosen by leave-one-out among those
+  others, so choosing the best of three families does not flatter the
+  figure (Varma & Simon 2006). With one family allowed, that is plain
+  leave-one-out.
 A rejected fit is never saved; the result says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -46,7 +55,8 @@ PARAMETERS = {
     "comm_scale": (0.25, 3.0, 0.5),
     "compute_scale": (0.5, 3.0, 0.3),
 }
-# Relative error of one measured median (step noise over several steps): the weight of one prior.
+# Relative error of one measured median (step noise over several steps): the weight of one prior, and the
+# measurement's noise when the caller does not know it.
 OBSERVATION_NOISE = 0.03
 # Observations needed per fitted parameter, beyond 2: n >= 2k + 2.
 OBSERVATIONS_PER_PARAMETER = 2
@@ -75,8 +85,8 @@ class CalibrationResult:
         params: the fitted parameters when accepted, else ``None`` (keep the
             uncalibrated model).
         family: the parameters fitted (``None`` if no family was allowed).
-        loo_error_pct: median |relative error| of the chosen family, each
-            plan predicted by a fit on the others, %.
+        loo_error_pct: median |relative error| by nested cross-validation: each plan predicted by a fit on the
+            others, its family chosen on those others by leave-one-out, %.
         uncalibrated_error_pct: median |relative error| of the uncalibrated model, %.
         reason: one line: why it was accepted or rejected.
     """
@@ -150,13 +160,35 @@ class _Problem:
                 best = r
         return params_at(best.x)
 
-    def loo_error_pct(self, family: tuple[str, ...]) -> float:
-        """Median |error| of each observation predicted by a fit of ``family`` on the others, %."""
+    def loo_error_pct(self, family: tuple[str, ...], which: list[int] | None = None) -> float:
+        """Median |error| of each observation of ``which`` (default: all) predicted by a fit of ``family`` on the
+        others of ``which``, %."""
+        which = list(range(len(self.plans))) if which is None else which
+        errs = []
+        for k, i in enumerate(which):
+            p = self.fit(family, which[:k] + which[k + 1:])
+            errs.append(100.0 * self.relative_errors(p, [i])[0])
+        return _median_abs_pct(errs)
+
+    def choose(self, families: list[tuple[str, ...]], which: list[int]) -> tuple[float, tuple[str, ...]]:
+        """The family of ``families`` (those ``which`` has enough observations for) with the lowest leave-one-out
+        error on ``which``, ties to the smaller; ``(error %, family)``."""
+        allowed = [f for f in families if len(which) >= min_observations(f)] or families[:1]
+        scored = [(round(self.loo_error_pct(f, which), 4), len(f), f) for f in allowed]
+        loo, _, family = min(scored)
+        return loo, family
+
+    def nested_error_pct(self, families: list[tuple[str, ...]]) -> float:
+        """Median |error| of each observation predicted by the family :meth:`choose` picks on the others, fitted
+        on the others, % ([Note: A calibration must earn its place])."""
         everyone = list(range(len(self.plans)))
+        if len(families) == 1:
+            return self.loo_error_pct(families[0])
         errs = []
         for i in everyone:
-            p = self.fit(family, everyone[:i] + everyone[i + 1:])
-            errs.append(100.0 * self.relative_errors(p, [i])[0])
+            others = everyone[:i] + everyone[i + 1:]
+            _, family = self.choose(families, others)
+            errs.append(100.0 * self.relative_errors(self.fit(family, others), [i])[0])
         return _median_abs_pct(errs)
 
 
@@ -185,8 +217,14 @@ def _on_a_bound(params: SimParams, family: tuple[str, ...], default: SimParams) 
     return None
 
 
-def calibrate(profile: Profile, observations: list[Observation], families: tuple[tuple[str, ...], ...] = FAMILIES
-              ) -> CalibrationResult:
+def noise_floor_pct(measurement_error_pct: float, plans: int) -> float:
+    """The gain (percentage points of median |error|) that noise alone makes likely over ``plans`` plans, each
+    measured with relative standard error ``measurement_error_pct``: ``sqrt(pi / 2) e / sqrt(n)``."""
+    return math.sqrt(math.pi / 2) * measurement_error_pct / math.sqrt(max(1, plans))
+
+
+def calibrate(profile: Profile, observations: list[Observation], families: tuple[tuple[str, ...], ...] = FAMILIES,
+              measurement_error_pct: float | None = None) -> CalibrationResult:
     """Fit :class:`SimParams` to ``observations`` and decide whether the fit is worth keeping.
 
     Args:
@@ -194,6 +232,8 @@ def calibrate(profile: Profile, observations: list[Observation], families: tuple
             :func:`planner.simulation.in_step.in_step_params`).
         observations: measured plans.
         families: the parameter families to try, simplest first.
+        measurement_error_pct: relative standard error of one plan's measured median, % (default
+            :data:`OBSERVATION_NOISE`).
 
     Returns:
         A :class:`CalibrationResult`, accepted or rejected with the reason
@@ -210,18 +250,22 @@ def calibrate(profile: Profile, observations: list[Observation], families: tuple
             None, None, None, uncalibrated,
             f"not fitted: {len(observations)} measured plans, a calibration needs at least "
             f"{min_observations(families[0])} (twice its {len(families[0])} parameters, plus 2)")
-    scored = [(round(problem.loo_error_pct(f), 4), len(f), f) for f in allowed]
-    loo, _, family = min(scored)
+    _, family = problem.choose(allowed, everyone)
     params = problem.fit(family, everyone)
     on_bound = _on_a_bound(params, family, base)
+    nested = problem.nested_error_pct(allowed)
     if on_bound:
-        return CalibrationResult(None, family, loo, uncalibrated, f"rejected: {on_bound}")
-    if not round(loo, 2) < round(uncalibrated, 2):  # a gain below 0.01% is no gain
-        return CalibrationResult(None, family, loo, uncalibrated,
-                                 f"rejected: leave-one-out error {loo:.1f}% is not below the uncalibrated "
-                                 f"model's {uncalibrated:.1f}%")
-    return CalibrationResult(params, family, loo, uncalibrated,
-                             f"accepted: leave-one-out error {loo:.1f}%, uncalibrated {uncalibrated:.1f}%")
+        return CalibrationResult(None, family, nested, uncalibrated, f"rejected: {on_bound}")
+    error = 100 * OBSERVATION_NOISE if measurement_error_pct is None else measurement_error_pct
+    floor = noise_floor_pct(error, len(observations))
+    if not uncalibrated - nested > floor:
+        return CalibrationResult(None, family, nested, uncalibrated,
+                                 f"rejected: cross-validated error {nested:.1f}% does not beat the uncalibrated "
+                                 f"model's {uncalibrated:.1f}% by more than the measurement noise at "
+                                 f"{len(observations)} plans ({floor:.1f} points)")
+    return CalibrationResult(params, family, nested, uncalibrated,
+                             f"accepted: cross-validated error {nested:.1f}%, uncalibrated {uncalibrated:.1f}%, a "
+                             f"gain above the measurement noise at {len(observations)} plans ({floor:.1f} points)")
 
 
 def fit(profile: Profile, observations: list[Observation]) -> SimParams:

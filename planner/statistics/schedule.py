@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.statistics.race import Race, RaceSettings
+from planner.statistics.race import Race, RaceSettings, cycle_rounds
 from planner.statistics.verdict import Confirmation, confirm, confirmation_rounds, step_noise_pct
 
 
@@ -31,15 +31,25 @@ class ConfirmSettings:
     """How the confirmation is sized.
 
     Attributes:
-        resolve: the difference it should resolve (0.03 = 3%) at 95% confidence and 80% power.
-        min_rounds, max_rounds: bounds on its rounds.
-        seed: the bootstrap's seed.
+        resolve: the speed-up it should find "faster" (0.03 = 3%) with 80% power.
+        min_rounds, max_rounds: bounds on its rounds per launch (even counts, at least 6).
+        launches: fresh launches it runs in ([Note: Confirming across launches]); ``0``: in the tuning process
+            itself, after the race.
     """
 
     resolve: float = 0.03
     min_rounds: int = 8
     max_rounds: int = 30
-    seed: int = 0
+    launches: int = 0
+
+    def rounds(self, sigma: float) -> int:
+        """Rounds per launch for per-round log-ratio noise ``sigma`` (``verdict.confirmation_rounds``)."""
+        return confirmation_rounds(sigma, self.resolve, (self.min_rounds, self.max_rounds))
+
+
+def confirmation_orders(pair: tuple[int, int], rounds: int) -> list[list[int]]:
+    """``rounds`` rounds of the two plans ``pair``, the order alternating (a whole cycle per 2 rounds)."""
+    return [list(pair) if r % 2 == 0 else list(pair[::-1]) for r in range(rounds)]
 
 
 @dataclass
@@ -80,15 +90,10 @@ class Schedule:
         if self._started is None:
             self._started = self.clock()
         if self.phase == Phase.RACE:
-            done = len(self.race.rounds)
-            first = self.race_settings.min_rounds
-            size = first - done if done < first else self.race_settings.block_rounds
-            return self.race.orders(max(1, min(size, self.race_settings.max_rounds - done)))
+            return self.race.orders(self.race.block())
         if self.phase == Phase.CONFIRM:
-            pair = (self.survivor, self.default)
-            rounds = confirmation_rounds(self.race.ratio_sigma(), self.confirm_settings.resolve,
-                                         (self.confirm_settings.min_rounds, self.confirm_settings.max_rounds))
-            return [list(pair) if r % 2 == 0 else list(pair[::-1]) for r in range(rounds)]
+            return confirmation_orders((self.survivor, self.default), self.confirm_settings.rounds(
+                self.race.ratio_sigma()))
         return None
 
     def record(self, block: list[dict[int, float]]) -> None:
@@ -96,28 +101,29 @@ class Schedule:
         if self.phase == Phase.RACE:
             for step_ms in block:
                 self.race.record(step_ms)
-            if self.race.due() or len(self.race.rounds) >= self.race_settings.max_rounds:
-                for plan in self.race.look():
-                    if self.on_drop is not None:
-                        self.on_drop(plan, len(self.race.rounds))
+            for plan in self.race.look():
+                if self.on_drop is not None:
+                    self.on_drop(plan, len(self.race.rounds))
             if self.race.finished(self.clock() - self._started):
-                self.phase = Phase.CONFIRM if self.race.survivor() is not None else Phase.DONE
+                confirm_here = self.race.survivor() is not None and self.confirm_settings.launches == 0
+                self.phase = Phase.CONFIRM if confirm_here else Phase.DONE
         elif self.phase == Phase.CONFIRM:
             survivor = self.survivor
             for step_ms in block:
                 for plan, ms in step_ms.items():
                     self.confirm_ms.setdefault(plan, []).append(ms)
             noise = step_noise_pct([self.confirm_ms[survivor], self.confirm_ms[self.default]])
-            self.confirmation = confirm(self.confirm_ms[survivor], self.confirm_ms[self.default], noise,
-                                        self.confirm_settings.seed)
+            self.confirmation = confirm(self.confirm_ms[survivor], self.confirm_ms[self.default], noise)
             self.phase = Phase.DONE
 
     def planned_steps(self) -> int:
         """Steps still to run at most, as known now (progress bars): the race's rest and the largest confirmation."""
         if self.phase == Phase.DONE:
             return 0
-        confirm_steps = 2 * self.confirm_settings.max_rounds
+        confirm_steps = 2 * self.confirm_settings.max_rounds if self.confirm_settings.launches == 0 else 0
         if self.phase == Phase.CONFIRM:
             return confirm_steps
-        return (self.race_settings.max_rounds - len(self.race.rounds)) * len(self.race.alive) + confirm_steps
+        rest = max(self.race_settings.max_rounds - len(self.race.rounds), self.race.block())
+        rest += -rest % cycle_rounds(len(self.race.alive))
+        return rest * len(self.race.alive) + confirm_steps
 

@@ -15,7 +15,7 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError
 from planner.storages.engine import session
-from planner.storages.models import MeasuredRunRow, PlanRow, ProfileRow
+from planner.storages.models import ConfirmationRow, MeasuredRunRow, PlanRow, ProfileRow
 
 
 def save_profile(engine: sa.Engine, study_name: str, profile: Profile) -> int:
@@ -82,3 +82,46 @@ def stored_plan(engine: sa.Engine, study_name: str, trial: int) -> Plan | None:
             .order_by(PlanRow.id.desc())
         ).first()
     return None if row is None else Plan.from_json(row.json)
+
+
+def update_plan(engine: sa.Engine, study_name: str, plan: Plan) -> None:
+    """Replace the JSON of the newest stored plan of ``plan``'s trial (e.g. with its confirmation's verdict).
+
+    Raises:
+        PlannerError: no plan is stored for that trial.
+    """
+    with session(engine) as s:
+        row = s.scalars(
+            sa.select(PlanRow).where(PlanRow.study_name == study_name,
+                                     PlanRow.trial_number == plan.provenance.trial).order_by(PlanRow.id.desc())
+        ).first()
+        if row is None:
+            raise PlannerError(f"study {study_name!r} has no stored plan for trial {plan.provenance.trial}")
+        row.json = plan.to_json()
+        s.commit()
+
+
+def save_confirmation_row(engine: sa.Engine, study_name: str, trial: int, launch: dict | None = None,
+                          confirmation: dict | None = None) -> None:
+    """Store a confirmation launch's rounds or a confirmation's verdict for a finished trial (JSON values)."""
+    with session(engine) as s:
+        s.add(ConfirmationRow(study_name=study_name, trial_number=trial,
+                              launch_json=None if launch is None else json.dumps(launch),
+                              confirmation_json=None if confirmation is None else json.dumps(confirmation)))
+        s.commit()
+
+
+def confirmation_rows(engine: sa.Engine, study_name: str) -> dict[int, tuple[list[dict], dict | None]]:
+    """Per trial of study ``study_name``: its launches' rounds, oldest first, and its latest verdict (JSON values)."""
+    out: dict[int, tuple[list[dict], dict | None]] = {}
+    with session(engine) as s:
+        rows = s.scalars(sa.select(ConfirmationRow).where(ConfirmationRow.study_name == study_name)
+                         .order_by(ConfirmationRow.id)).all()
+    for row in rows:
+        launches, verdict = out.get(row.trial_number, ([], None))
+        if row.launch_json is not None:
+            launches = [*launches, json.loads(row.launch_json)]
+        if row.confirmation_json is not None:
+            verdict = json.loads(row.confirmation_json)
+        out[row.trial_number] = (launches, verdict)
+    return out

@@ -63,3 +63,21 @@ class MeasuredRunRow(Base):
     step_ms_json: Mapped[str] = mapped_column(sa.Text)  # max across ranks, per step
     per_rank_json: Mapped[str] = mapped_column(sa.Text)  # [rank][step]
     created_at: Mapped[dt.datetime] = mapped_column(default=_now)
+
+
+class ConfirmationRow(Base):
+    """A confirmation launch or verdict reached after a trial finished (``planner_confirmations``).
+
+    Optuna freezes a trial once it is COMPLETE, and a race survivor is confirmed after its job ends, in fresh
+    launches: each launch adds a row with its rounds (``launch_json``: ``{"plan_ms": [...], "default_ms": [...]}``,
+    ms), and the conclusion a row with the verdict (``confirmation_json``: the trial attributes of
+    ``planner.study.records.MeasuredTrialRecord``'s confirmation).
+    """
+
+    __tablename__ = "planner_confirmations"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_name: Mapped[str] = mapped_column(sa.String(512), index=True)
+    trial_number: Mapped[int]
+    launch_json: Mapped[str | None] = mapped_column(sa.Text)
+    confirmation_json: Mapped[str | None] = mapped_column(sa.Text)
+    created_at: Mapped[dt.datetime] = mapped_column(default=_now)

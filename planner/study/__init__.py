@@ -27,14 +27,13 @@ if TYPE_CHECKING:
     from planner.study.queries import (
         BestPlan,
         StudyOverview,
-        TrialStage,
         best_plan,
         best_plan_for,
-        confirmed_trials,
         list_studies,
         pareto_front,
         study_trials,
     )
+    from planner.study.recommendation import JobVerdict, Recommendation, confirmation_history, job_verdicts, recommend
     from planner.study.search_space import SearchSpace
     from planner.study.simulated import SIM_METRICS, SIM_SUFFIX, complete_trials, simulated_stage, smallest_peak
 
@@ -42,8 +41,10 @@ _EXPORTS = {
     **dict.fromkeys(["Candidate", "distinct_plans", "plan_key", "select_candidates"], "planner.study.candidates"),
     "Heartbeat": "planner.study.heartbeat",
     **dict.fromkeys(["MeasuredStage", "MeasuredTrial"], "planner.study.measured"),
-    **dict.fromkeys(["BestPlan", "StudyOverview", "TrialStage", "best_plan", "best_plan_for", "confirmed_trials",
+    **dict.fromkeys(["BestPlan", "StudyOverview", "best_plan", "best_plan_for",
                      "list_studies", "pareto_front", "study_trials"], "planner.study.queries"),
+    **dict.fromkeys(["JobVerdict", "Recommendation", "confirmation_history", "job_verdicts", "recommend"],
+                    "planner.study.recommendation"),
     "SearchSpace": "planner.study.search_space",
     **dict.fromkeys(["SIM_METRICS", "SIM_SUFFIX", "complete_trials", "simulated_stage", "smallest_peak"],
                     "planner.study.simulated"),

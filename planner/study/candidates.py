@@ -35,6 +35,7 @@ class Candidate:
         plan: the plan they build for the profile.
         predicted_ms: the simulated step time, ms.
         predicted_peak_bytes: the simulated peak memory, bytes.
+        reconfirms: for the study's recommendation raced again, the trial that recommended it.
     """
 
     params: dict[str, Any]
@@ -42,6 +43,7 @@ class Candidate:
     plan: Plan
     predicted_ms: float
     predicted_peak_bytes: int
+    reconfirms: int | None = None
 
 
 def plan_key(plan: Plan) -> str:

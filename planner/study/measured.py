@@ -159,6 +159,25 @@ class MeasuredStage:
                 keys.add(r.plan_key)
         return keys
 
+    def recommended(self) -> Candidate | None:
+        """The study's recommendation for this profile's model and world size as a candidate to race again
+        ([Note: One recommendation, re-confirmed by every job]); ``None`` when it is FSDP2's default, there is
+        none yet, or its plan no longer builds for this profile."""
+        from planner.study.queries import best_in
+
+        with self._storage_errors():
+            best = best_in(self.storage, self.study, self.config.name, self.profile.fingerprint)
+            if best is None or best.is_default:
+                return None
+            trial = self.study.trials[best.recommendation.trial.number]
+        try:
+            plan = self.space.suggest(optuna.trial.FixedTrial(trial.params), self.profile)
+        except (PlannerError, KeyError, ValueError):
+            return None
+        result = self.simulator.run(plan)
+        return Candidate(dict(trial.params), dict(trial.distributions), plan, result.step_ms, result.peak_bytes,
+                         reconfirms=trial.number)
+
     def ask(self, candidates: list[Candidate]) -> list[MeasuredTrial]:
         """Create one RUNNING trial per candidate, with its parameters and prediction."""
         out = []
@@ -166,7 +185,7 @@ class MeasuredStage:
             for c in candidates:
                 record = MeasuredTrialRecord(predicted_ms=c.predicted_ms, predicted_peak_bytes=c.predicted_peak_bytes,
                                              is_default=c.plan.is_default_for(self.profile), plan_key=plan_key(c.plan),
-                                             job=self.job)
+                                             job=self.job, reconfirms=c.reconfirms)
                 template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=c.params,
                                                      distributions=c.distributions, user_attrs=record.to_user_attrs())
                 trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 from planner.artifacts.plan import Plan, Source
 from planner.statistics.schedule import Schedule
+from planner.statistics.verdict import Confirmation
 from planner.study.records import MeasuredTrialRecord, RaceFigures
+
+
+def provenance_of(confirmation: Confirmation) -> dict:
+    """The :class:`~planner.artifacts.plan.Provenance` fields a confirmation fills in."""
+    c = confirmation
+    return dict(verdict=str(c.verdict), measured_ratio=c.ratio, ratio_ci95=tuple(c.ci95), rounds=c.rounds,
+                launches=c.launches, noise_pct=c.noise_pct)
 
 
 @dataclass(frozen=True)
@@ -61,15 +69,16 @@ def measured_plans(
             noise_pct=noise if math.isfinite(noise) else None,
             ratio=math.exp(statistics.median(race.log_ratios(j, race.default))) if j != race.default else None,
             dropped_after_round=race.dropped.get(j),
+            survivor=j == survivor,
         )
         confirmed = confirmation if j == survivor else None
         peak = peak_bytes[j] if peak_bytes is not None and j < len(peak_bytes) else None
+        pending = j == survivor and confirmed is None
         record = MeasuredTrialRecord(step_ms=list(step_ms[j]), per_rank_step_ms=[list(r) for r in per_rank[j]],
-                                     race=figures, confirmation=confirmed, measured_peak_bytes=peak)
-        verdict = {}
-        if confirmed is not None:
-            verdict = dict(verdict=str(confirmed.verdict), measured_ratio=confirmed.ratio,
-                           ratio_ci95=tuple(confirmed.ci95), rounds=confirmed.rounds, noise_pct=confirmed.noise_pct)
+                                     race=figures, confirmation=confirmed, measured_peak_bytes=peak,
+                                     confirm_rounds=schedule.confirm_settings.rounds(race.ratio_sigma()) if pending
+                                     else None)
+        verdict = provenance_of(confirmed) if confirmed is not None else {}
         told = plan.with_provenance(
             source=Source.MEASURED, study=study, trial=number, predicted_ms=predicted_ms,
             measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms,

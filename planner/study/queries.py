@@ -7,18 +7,18 @@ and reads Optuna's tables and the planner's through that one engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import optuna
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan
 from planner.errors import StudyNotFoundError
-from planner.statistics.verdict import Verdict, confirmation_text
+from planner.statistics.verdict import Confirmation, confirmation_text
 from planner.storages import check_exists, open_storage, open_storage_read_only
-from planner.storages.archive import stored_plan
+from planner.storages.archive import confirmation_rows, stored_plan
+from planner.study.recommendation import JobVerdict, Recommendation, recommend
 from planner.study.records import MeasuredTrialRecord, SimulatedTrialRecord
-from planner.study.simulated import SIM_SUFFIX, complete_trials
+from planner.study.simulated import SIM_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -29,15 +29,18 @@ class StudyOverview:
         name: the study's name (its measured study; ``name.sim`` holds the simulated trials).
         measured_trial_count: trials of the measured study, in every state.
         simulated_trial_count: trials of the simulated study.
-        best_ms: the lowest measured step time, ms (``None`` before any).
-        default_ms: FSDP2's default's latest measured step time, ms.
+        recommended_trial: the trial of the plan the study recommends (:func:`best_plan`); ``None`` before any
+            job concluded.
+        default_ms: FSDP2's default's race median in the job that decided it, ms.
+        confirmation: that job's confirmation of the recommended plan (``None`` when it is FSDP2's default).
     """
 
     name: str
     measured_trial_count: int
     simulated_trial_count: int
-    best_ms: float | None
+    recommended_trial: int | None
     default_ms: float | None
+    confirmation: Confirmation | None
 
 
 def _open_existing(url: str) -> optuna.storages.RDBStorage:
@@ -56,6 +59,17 @@ def _load(url: str, name: str, read_only: bool = False) -> tuple[optuna.Study, o
         ) from None
 
 
+def measured_records(storage: optuna.storages.RDBStorage, study: optuna.Study) -> list[MeasuredTrialRecord]:
+    """Every trial of the measured ``study`` as a record, with the confirmations stored after it finished
+    (``planner.storages.archive.confirmation_rows``)."""
+    late = confirmation_rows(storage.engine, study.study_name)
+    out = []
+    for t in study.get_trials(deepcopy=False):
+        r = MeasuredTrialRecord.from_trial(t)
+        out.append(r.with_late_confirmation(*late[t.number]) if t.number in late else r)
+    return out
+
+
 def list_studies(url: str) -> list[StudyOverview]:
     """Every measured study in the storage at ``url``.
 
@@ -68,15 +82,15 @@ def list_studies(url: str) -> list[StudyOverview]:
     out = []
     for name in sorted(n for n in names if not n.endswith(SIM_SUFFIX)):
         study = optuna.load_study(study_name=name, storage=storage)
-        done = complete_trials(study)
         sim_count = 0
         if name + SIM_SUFFIX in names:
             sim_count = len(optuna.load_study(study_name=name + SIM_SUFFIX, storage=storage).trials)
-        defaults = [t.value for t in done if MeasuredTrialRecord.from_trial(t).is_default]
-        out.append(StudyOverview(
-            name, len(study.trials), sim_count,
-            min((t.value for t in done), default=None), defaults[-1] if defaults else None,
-        ))
+        r = recommend(measured_records(storage, study))
+        if r is None:
+            out.append(StudyOverview(name, len(study.trials), sim_count, None, None, None))
+        else:
+            out.append(StudyOverview(name, len(study.trials), sim_count, r.trial.number, r.default_ms,
+                                     None if r.is_default else r.confirmation))
     return out
 
 
@@ -100,7 +114,7 @@ def study_trials(url: str, name: str) -> StudyTrials:
         StudyNotFoundError: no such study.
     """
     study, storage = _load(url, name)
-    measured = [MeasuredTrialRecord.from_trial(t) for t in study.trials]
+    measured = measured_records(storage, study)
     try:
         sim = optuna.load_study(study_name=name + SIM_SUFFIX, storage=storage)
     except KeyError:
@@ -108,22 +122,41 @@ def study_trials(url: str, name: str) -> StudyTrials:
     return StudyTrials(measured, [SimulatedTrialRecord.from_trial(t) for t in (sim.trials if sim else [])])
 
 
-class BestPlan(NamedTuple):
-    """A study's answer to "which plan should I train with?".
+@dataclass(frozen=True)
+class BestPlan:
+    """A study's answer to "which plan should I train with?" ([Note: One recommendation, re-confirmed by every job]).
 
     Attributes:
-        plan: the plan confirmed faster than FSDP2's default with the lowest
-            ratio (ties to the lower trial); FSDP2's default's own stored plan
-            when no plan is confirmed faster.
-        default_ms: FSDP2's default's latest race median, ms.
-        closest: when no plan is confirmed faster, the confirmed candidate
-            with the lowest ratio (its provenance has the verdict and
-            interval); else ``None``.
+        plan: the recommended plan: the deciding job's survivor confirmed faster than its FSDP2 default, else that
+            default's own stored plan.
+        recommendation: which trial, which job, and that job's figures.
+        survivor: the deciding job's survivor when it was not confirmed faster (its provenance has the verdict),
+            else ``None``.
     """
 
     plan: Plan
-    default_ms: float | None
-    closest: Plan | None
+    recommendation: Recommendation
+    survivor: Plan | None
+
+    @property
+    def is_default(self) -> bool:
+        """Whether the study recommends FSDP2's default."""
+        return self.recommendation.is_default
+
+    def line(self, study: str) -> str:
+        """One line: which plan, and the confirmed figures it rests on (``tune``, ``studies best``,
+        ``load_best_plan``)."""
+        r = self.recommendation
+        job = f"job {r.job.job}" if r.job.job else "the latest job"
+        if not self.is_default:
+            pv = self.plan.provenance
+            return (f"trial {r.trial.number} of study {study!r}, confirmed faster than FSDP2's default by {job}: "
+                    f"{confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds, pv.launches or 1)}")
+        if self.survivor is None:
+            return f"FSDP2's default: every candidate of {job} was significantly slower in its race"
+        pv = self.survivor.provenance
+        return (f"FSDP2's default: {job} confirmed no plan faster (its survivor, trial {pv.trial}: {pv.verdict}, "
+                f"{confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds, pv.launches or 1)})")
 
 
 def _stored_plan(storage: optuna.storages.RDBStorage, name: str, number: int) -> Plan:
@@ -133,42 +166,48 @@ def _stored_plan(storage: optuna.storages.RDBStorage, name: str, number: int) ->
     return plan
 
 
-def confirmed_trials(study: optuna.Study) -> list[MeasuredTrialRecord]:
-    """COMPLETE trials with a confirmation, confirmed faster first, then by ratio and trial number."""
-    confirmed = [r for r in map(MeasuredTrialRecord.from_trial, complete_trials(study)) if r.confirmation is not None]
-    return sorted(confirmed, key=lambda r: (r.verdict != Verdict.FASTER, r.confirmation.ratio, r.number))
+def best_in(storage: optuna.storages.RDBStorage, study: optuna.Study, name: str,
+            fingerprint: Fingerprint | None) -> BestPlan | None:
+    """The recommendation of ``study`` (opened on ``storage``) for ``fingerprint`` (any, if ``None``); ``None`` when
+    no job concluded."""
+    records = measured_records(storage, study)
+
+    def matches(verdict: JobVerdict) -> bool:
+        if fingerprint is None:
+            return True
+        plan = stored_plan(storage.engine, name, verdict.default.number)
+        return plan is not None and plan.fingerprint.first_difference(fingerprint) is None
+
+    r = recommend(records, matches)
+    if r is None:
+        return None
+    survivor = r.job.survivor
+    return BestPlan(_stored_plan(storage, name, r.trial.number), r,
+                    _stored_plan(storage, name, survivor.number) if survivor is not None and r.is_default else None)
 
 
-def best_plan(url: str, name: str) -> BestPlan:
-    """The plan study ``name`` recommends: the best confirmed faster than FSDP2's default, else the default.
+def best_plan(url: str, name: str, fingerprint: Fingerprint | None = None) -> BestPlan:
+    """The plan study ``name`` recommends (for ``fingerprint``'s model and world size, if given).
 
     Raises:
-        StudyNotFoundError: no such study, or no measured plan in it yet.
+        StudyNotFoundError: no such study, or no job of it has concluded (for that fingerprint).
     """
     study, storage = _load(url, name)
-    done = complete_trials(study)
-    if not done:
-        raise StudyNotFoundError(f"study {name!r} has no measured trial yet; run `prefetch-planner tune` on it")
-    defaults = [t for t in done if MeasuredTrialRecord.from_trial(t).is_default]
-    default_ms = defaults[-1].value if defaults else None
-    confirmed = confirmed_trials(study)
-    if confirmed and confirmed[0].verdict == Verdict.FASTER:
-        return BestPlan(_stored_plan(storage, name, confirmed[0].number), default_ms, None)
-    if not defaults:
-        raise StudyNotFoundError(f"study {name!r} has no measurement of FSDP2's default to recommend")
-    closest = _stored_plan(storage, name, confirmed[0].number) if confirmed else None
-    return BestPlan(_stored_plan(storage, name, defaults[-1].number), default_ms, closest)
+    best = best_in(storage, study, name, fingerprint)
+    if best is None:
+        raise StudyNotFoundError(f"study {name!r} has no concluded tuning job yet; run `prefetch-planner tune` on it")
+    return best
 
 
 def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan | None, str]:
-    """The best plan of study ``name`` confirmed faster than FSDP2's default and made for ``fingerprint``.
+    """The plan study ``name`` recommends for ``fingerprint``, if it is not FSDP2's default (``load_best_plan``).
 
     Reads through :func:`planner.storages.open_storage_read_only`: nothing is
     written, tables included.
 
     Returns:
-        ``(plan, why)``: the plan (``None`` if there is none) and one line
-        saying which plan it is or why there is none.
+        ``(plan, why)``: the plan (``None`` when the study recommends FSDP2's default, or has no concluded job for
+        this model and world size) and one line saying which plan it is or why there is none.
 
     Raises:
         StudyNotFoundError: no database or no such study.
@@ -176,20 +215,10 @@ def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan |
     """
     study, storage = _load(url, name, read_only=True)
     try:
-        faster = [t for t in confirmed_trials(study) if t.verdict == Verdict.FASTER]
-        if not faster:
-            return None, f"study {name!r} has no plan confirmed faster than FSDP2's default"
-        differences = []
-        for t in faster:
-            plan = _stored_plan(storage, name, t.number)
-            difference = plan.fingerprint.first_difference(fingerprint)
-            if difference is None:
-                pv = plan.provenance
-                return plan, (f"trial {t.number} of study {name!r}, faster than FSDP2's default: "
-                              f"{confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds)}")
-            differences.append(f"trial {t.number}: {difference}")
-        return None, (f"study {name!r} has {len(faster)} plan(s) confirmed faster, none made for this model and "
-                      f"world size ({differences[0]})")
+        best = best_in(storage, study, name, fingerprint)
+        if best is None:
+            return None, f"study {name!r} has no concluded tuning job for this model and world size"
+        return (None if best.is_default else best.plan), best.line(name)
     finally:
         storage.engine.dispose()
 

@@ -46,12 +46,32 @@ class RaceFigures:
         noise_pct: the race's step noise (IQR / median), %; ``None`` when too few steps.
         ratio: median per-round ratio to FSDP2's default; ``None`` for the default itself.
         dropped_after_round: rounds run when it was dropped; ``None``: it was not.
+        survivor: the race kept it for the confirmation.
     """
 
     rounds: int
     noise_pct: float | None = None
     ratio: float | None = None
     dropped_after_round: int | None = None
+    survivor: bool = False
+
+
+@dataclass(frozen=True)
+class ConfirmLaunch:
+    """One launch's confirmation rounds (fresh ranks): the survivor's and FSDP2's default's step times, ms (max
+    across ranks), in the same rounds."""
+
+    plan_ms: list[float]
+    default_ms: list[float]
+
+    def to_json(self) -> dict[str, list[float]]:
+        """The launch as a JSON value."""
+        return {"plan_ms": list(self.plan_ms), "default_ms": list(self.default_ms)}
+
+    @classmethod
+    def from_json(cls, value: dict[str, list[float]]) -> ConfirmLaunch:
+        """The launch :meth:`to_json` wrote."""
+        return cls(list(value["plan_ms"]), list(value["default_ms"]))
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,9 @@ class MeasuredTrialRecord:
         per_rank_step_ms: per rank, that rank's step times.
         race: the race's figures.
         confirmation: the confirmation against FSDP2's default, on the plan it confirmed.
+        confirm_rounds: rounds each confirmation launch runs (on the race's survivor, set when the race ends).
+        confirm_launches: the launches measured so far (on the race's survivor).
+        reconfirms: for the study's recommendation raced again by a later job, the trial it was recommended by.
         measured_peak_bytes: the measured peak per rank (max across ranks).
         failure: why it failed.
     """
@@ -99,6 +122,9 @@ class MeasuredTrialRecord:
     per_rank_step_ms: list[list[float]] | None = None
     race: RaceFigures | None = None
     confirmation: Confirmation | None = None
+    confirm_rounds: int | None = None
+    confirm_launches: list[ConfirmLaunch] | None = None
+    reconfirms: int | None = None
     measured_peak_bytes: int | None = None
     failure: Failure | None = None
 
@@ -106,14 +132,17 @@ class MeasuredTrialRecord:
         """The set fields as Optuna user attributes (JSON values); trial number, state, parameters and value are
         Optuna's own and not among them."""
         attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "plan_key",
-                                                     "job", "step_ms", "per_rank_step_ms", "measured_peak_bytes")}
+                                                     "job", "step_ms", "per_rank_step_ms", "measured_peak_bytes",
+                                                     "confirm_rounds", "reconfirms")}
         if self.race is not None:
             attrs.update(race_rounds=self.race.rounds, race_noise_pct=self.race.noise_pct, race_ratio=self.race.ratio,
-                         dropped_after_round=self.race.dropped_after_round)
+                         dropped_after_round=self.race.dropped_after_round, race_survivor=self.race.survivor or None)
+        if self.confirm_launches is not None:
+            attrs.update(confirm_launches=[launch.to_json() for launch in self.confirm_launches])
         if self.confirmation is not None:
             c = self.confirmation
             attrs.update(verdict=str(c.verdict), measured_ratio=c.ratio, ratio_ci95=list(c.ci95), rounds=c.rounds,
-                         noise_pct=c.noise_pct)
+                         noise_pct=c.noise_pct, launches=c.launches)
         if self.failure is not None:
             attrs.update(fail_reason=self.failure.reason, fail_kind=str(self.failure.kind))
         return {key: value for key, value in attrs.items() if value is not None}
@@ -125,13 +154,14 @@ class MeasuredTrialRecord:
         race = None
         if "race_rounds" in a:
             race = RaceFigures(a["race_rounds"], a.get("race_noise_pct"), a.get("race_ratio"),
-                               a.get("dropped_after_round"))
+                               a.get("dropped_after_round"), bool(a.get("race_survivor")))
         elif "dropped_after_round" in a:  # written before the race's rounds were
             race = RaceFigures(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
         confirmation = None
         if a.get("verdict"):
             confirmation = Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"],
-                                        a.get("noise_pct", float("nan")), Verdict(a["verdict"]))
+                                        a.get("noise_pct", float("nan")), Verdict(a["verdict"]), a.get("launches", 1))
+        launches = a.get("confirm_launches")
         failure = (
             Failure(a["fail_reason"], FailKind(a.get("fail_kind", FailKind.ERROR))) if "fail_reason" in a else None
         )
@@ -140,7 +170,22 @@ class MeasuredTrialRecord:
                    predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
                    plan_key=a.get("plan_key"), job=a.get("job"), step_ms=a.get("step_ms"),
                    per_rank_step_ms=a.get("per_rank_step_ms"), race=race, confirmation=confirmation,
+                   confirm_rounds=a.get("confirm_rounds"), reconfirms=a.get("reconfirms"),
+                   confirm_launches=[ConfirmLaunch.from_json(x) for x in launches] if launches is not None else None,
                    measured_peak_bytes=a.get("measured_peak_bytes"), failure=failure)
+
+    def with_late_confirmation(self, launches: list[dict], confirmation: dict | None) -> MeasuredTrialRecord:
+        """The record with what was stored after its trial finished (``planner.storages.archive.confirmation_rows``):
+        confirmation launches, and the verdict as the trial attributes :meth:`to_user_attrs` writes."""
+        record = self
+        if launches:
+            record = dataclasses.replace(record, confirm_launches=[ConfirmLaunch.from_json(x) for x in launches])
+        if confirmation is not None:
+            c = confirmation
+            record = dataclasses.replace(record, confirmation=Confirmation(
+                c["measured_ratio"], tuple(c["ratio_ci95"]), c["rounds"], c.get("noise_pct", float("nan")),
+                Verdict(c["verdict"]), c.get("launches", 1)))
+        return record
 
     @property
     def verdict(self) -> Verdict | None:

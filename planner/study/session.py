@@ -35,12 +35,13 @@ from planner.simulation.parameters import simulator_for
 from planner.simulation.simulator import Simulator
 from planner.statistics.race import Race
 from planner.statistics.schedule import Schedule
-from planner.statistics.verdict import Verdict
 from planner.storages import open_storage
 from planner.storages.archive import latest_calibration
 from planner.study.candidates import select_candidates
+from planner.study.confirmation import write_plan
 from planner.study.measured import MeasuredStage, MeasuredTrial
 from planner.study.provenance import measured_plans
+from planner.study.queries import BestPlan, best_plan
 from planner.study.records import Failure
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import simulated_stage, smallest_peak
@@ -60,12 +61,15 @@ class TuneOutcome:
         profile: the profile as it ends (calibrated when the calibration was accepted).
         profile_out: where the profile is written.
         race: the race (rounds, drops, noise); ``None`` when nothing was measured.
-        candidate: the race's survivor, confirmed against the default (its provenance has the verdict);
-            ``None`` if every candidate was dropped.
-        written: the plan written to ``plan_out``: ``candidate`` when its verdict is "faster", else FSDP2's
-            default; ``None`` when nothing was measured.
+        candidate: the race's survivor (its provenance has the verdict once confirmed here); ``None`` if every
+            candidate was dropped.
+        written: the plan written to ``plan_out``: the study's recommendation once this job is decided
+            (``planner.study.queries.best_plan``), FSDP2's default while the survivor awaits its launches;
+            ``None`` when nothing was measured.
         plan_out: where it was written.
         calibration: what calibration concluded on ``told``; ``None`` when nothing was measured.
+        best: the study's recommendation once this job is decided; ``None`` while its survivor awaits its
+            confirmation launches, or when nothing was measured.
     """
 
     told: list[Plan]
@@ -77,6 +81,7 @@ class TuneOutcome:
     written: Plan | None = None
     plan_out: str
     calibration: CalibrationResult | None = None
+    best: BestPlan | None = None
 
 
 class TuningSession:
@@ -93,6 +98,8 @@ class TuningSession:
         on_drop: called with a dropped trial and the rounds run (progress reports).
         critical: a context manager factory around the writes that create trials RUNNING (claiming retries,
             asking), which an interrupt must not cut in two: the runtime's ``interrupts_deferred``.
+        confirm_launches: fresh launches the survivor's confirmation runs in after this job
+            (``planner.study.confirmation``); ``0``: confirmed here, after the race.
 
     Attributes:
         profile: the profile as it stands (with a stored calibration once :meth:`prepare` found one).
@@ -104,8 +111,10 @@ class TuningSession:
     def __init__(self, config: StudyConfig, profile: Profile, space: SearchSpace, *, job: str, plan_out: str,
                  profile_out: str, progress: bool = False,
                  on_drop: Callable[[MeasuredTrial, int], None] | None = None,
-                 critical: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 critical: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 confirm_launches: int = 0):
         self.config, self.profile, self.space, self.job = config, profile, space, job
+        self.confirm_launches = confirm_launches
         self.plan_out, self.profile_out, self.progress, self.on_drop = plan_out, profile_out, progress, on_drop
         self.critical = critical
         self.simulator: Simulator | None = None
@@ -146,6 +155,11 @@ class TuningSession:
         candidates = select_candidates(sim, self.profile, self.space, config.search.measured_trials,
                                        exclude=self.stage.settled_keys(), band_pct=config.search.candidate_band_pct,
                                        budget_bytes=self.budget_bytes)
+        holder = self.stage.recommended()
+        if holder is not None and not (self.budget_bytes and holder.predicted_peak_bytes > self.budget_bytes):
+            logger.info(f"      the study's recommendation, trial {holder.reconfirms}, races again: it keeps the "
+                        "recommendation only if this job confirms it (or a plan that beats it) faster")
+            candidates.insert(1, holder)
         if any(r.plan.is_default_for(self.profile) for r in retries):
             candidates = candidates[1:]  # the default is re-measured as a retry
         with self.critical():
@@ -155,8 +169,10 @@ class TuningSession:
         logger.info(f"[3/3] measured stage: a race of FSDP2's default and {len(asked) - 1} candidate(s) "
                     f"({m.warmup_steps} warm-up step each, then rounds in balanced order, at most {m.max_rounds}; "
                     f"a candidate significantly slower than the leader is dropped at alpha {m.alpha:g}), then the "
-                    f"survivor against the default on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds; "
-                    f"trials {', '.join(str(a.number) for a in asked)} (job {self.job})")
+                    f"survivor against the default on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds "
+                    + (f"in each of {self.confirm_launches} fresh launches; " if self.confirm_launches else
+                       "in this process; ")
+                    + f"trials {', '.join(str(a.number) for a in asked)} (job {self.job})")
         return asked
 
     def _log_model(self) -> None:
@@ -228,7 +244,7 @@ class TuningSession:
         if self.on_drop is not None:
             on_drop = self._dropped
         measure = self.config.measure
-        self.schedule = Schedule(len(kept), measure.race_settings(), measure.confirm_settings(self.config.search.seed),
+        self.schedule = Schedule(len(kept), measure.race_settings(), measure.confirm_settings(self.confirm_launches),
                                  on_drop=on_drop)
         return self.schedule
 
@@ -281,17 +297,22 @@ class TuningSession:
             return TuneOutcome(told=told, failed=failed, profile=self.profile, profile_out=self.profile_out,
                                plan_out=self.plan_out)
         survivor = schedule.survivor
-        candidate = told[survivor] if survivor is not None and schedule.confirmation is not None else None
-        faster = candidate is not None and candidate.provenance.verdict == Verdict.FASTER
-        written = candidate if faster else told[0]  # FSDP2's default, as measured in this round
-        _write(self.plan_out, written.to_json())
-        calibration = calibrate(self.profile, [Observation(p, p.provenance.measured_ms) for p in told])
+        candidate = told[survivor] if survivor is not None else None
+        best = None
+        if schedule.confirmation is not None or candidate is None:  # this job is decided: the study's recommendation
+            best = best_plan(self.config.storage_url, self.config.name, self.profile.fingerprint)
+            written = best.plan
+        else:  # confirmed in fresh launches: planner.study.confirmation.conclude writes the recommendation then
+            written = told[0]
+        write_plan(self.plan_out, written)
+        calibration = calibrate(self.profile, [Observation(p, p.provenance.measured_ms) for p in told],
+                                measurement_error_pct=_median_error_pct(schedule.race))
         if calibration.accepted:
             self.profile = calibration.apply(self.profile)
             self.stage.save_calibration(self.profile)
         return TuneOutcome(told=told, failed=failed, profile=self.profile, profile_out=self.profile_out,
                            race=schedule.race, candidate=candidate, written=written, plan_out=self.plan_out,
-                           calibration=calibration)
+                           calibration=calibration, best=best)
 
     def save_profile(self) -> None:
         """Write the profile as it stands (calibrated once :meth:`finish` accepted a calibration) to ``profile_out``.
@@ -299,7 +320,11 @@ class TuningSession:
         Raises:
             PlannerError: the file cannot be written.
         """
-        _write(self.profile_out, self.profile.to_json())
+        try:
+            with open(self.profile_out, "w") as f:
+                f.write(self.profile.to_json())
+        except OSError as e:
+            raise PlannerError(f"cannot write {self.profile_out!r}: {e.strerror}") from None
 
     def close(self) -> None:
         """Stop the measured stage's heartbeat (trials still held stay RUNNING until stale: :meth:`fail_held`)."""
@@ -307,9 +332,14 @@ class TuningSession:
             self.stage.close()
 
 
-def _write(path: str, text: str) -> None:
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError as e:
-        raise PlannerError(f"cannot write {path!r}: {e.strerror}") from None
+
+def _median_error_pct(race: Race) -> float | None:
+    """Relative standard error of one plan's race median, %: ``sqrt(pi/2) sigma / sqrt(rounds)``, ``sigma`` the
+    race's step noise (IQR / 1.349) and ``rounds`` the median rounds a plan ran; ``None`` when unknown."""
+    import math
+    import statistics
+
+    noise, rounds = race.noise_pct(), [len(race.step_ms(p)) for p in range(race.n_plans)]
+    if not noise == noise or not rounds:
+        return None
+    return math.sqrt(math.pi / 2) * noise / 1.349 / math.sqrt(statistics.median(rounds))

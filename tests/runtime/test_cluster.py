@@ -20,7 +20,8 @@ import pytest
 import sqlalchemy as sa
 
 from planner.errors import FailKind
-from planner.statistics.verdict import Verdict
+from planner.study.queries import best_plan
+from planner.study.recommendation import job_verdicts
 from planner.study.records import MeasuredTrialRecord
 from tests.multirank import rank_env
 
@@ -44,8 +45,9 @@ warmup_steps = 0
 steps = 1
 min_rounds = {rounds}
 max_rounds = {rounds}
-confirm_min_rounds = 4
-confirm_max_rounds = 4
+confirm_min_rounds = 6
+confirm_max_rounds = 6
+confirm_launches = 0
 profile_repeats = 1
 """
 
@@ -138,15 +140,17 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     results = [finish(p) for p in jobs]
     for code, out, err in results:
         assert code == 0, out + err
-        assert "best plan: " in out and "confirmation: trial" in out
+        # a confirmation, or a race that dropped every candidate: both are valid ends of a job
+        assert "best plan: " in out and ("confirmation: trial" in out or "significantly slower" in out), out
 
     measured = trials(storage_url)
-    assert len(measured) == 30
-    assert Counter(t.state.name for t in measured) == {"COMPLETE": 30}
+    n = len(measured)  # 10 per job, one more where a job raced the study's recommendation again
+    assert 30 <= n <= 32 and sum(t.reconfirms is not None for t in measured) == n - 30
+    assert Counter(t.state.name for t in measured) == {"COMPLETE": n}
     per_job = Counter(t.job for t in measured)
-    assert sorted(per_job.values()) == [10, 10, 10]
+    assert sorted(per_job.values())[0] == 10 and len(per_job) == 3
     assert sum(t.is_default for t in measured) == 3  # every job measured its own baseline
-    assert len({t.number for t in measured}) == 30
+    assert len({t.number for t in measured}) == n
     # our rows: one plan row and one run row per measured trial, no duplicate
     engine = sa.create_engine(storage_url)
     with engine.connect() as conn:
@@ -155,7 +159,7 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
         profiles = conn.exec_driver_sql("select count(*) from planner_profiles").scalar()
     engine.dispose()
     assert sorted(r[0] for r in rows) == sorted(t.number for t in measured)
-    assert runs == 30 and profiles == 3
+    assert runs == n and profiles == 3
     assert len(_frozen(storage_url, "shared.sim")) == 3 * 40
 
     # The best plan is the same whichever job (process) reads it.
@@ -165,13 +169,12 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     answers = [r.communicate(timeout=120)[0] for r in readers]
     assert all(r.returncode == 0 for r in readers)
     assert answers[0] and answers.count(answers[0]) == 3
-    faster = [t for t in measured if t.verdict == Verdict.FASTER]
-    if faster:  # the study recommends the plan confirmed faster with the lowest ratio
-        best = min(faster, key=lambda t: (t.confirmation.ratio, t.number))
-        assert answers[0].startswith(f"study shared: best trial {best.number}, faster than")
-    else:  # else FSDP2's default, its latest measurement
-        default = max((t for t in measured if t.is_default), key=lambda t: t.number)
-        assert f"best: FSDP2's default (trial {default.number})" in answers[0]
+    # ... and it is what the latest job concluded (planner.study.recommendation), the line each job printed last
+    latest = max(job_verdicts(measured), key=lambda v: v.last_trial)
+    expected = latest.faster.number if latest.faster is not None else None
+    best = best_plan(storage_url, "shared")
+    assert (None if best.is_default else best.plan.provenance.trial) == expected
+    assert answers[0].startswith(f"study shared: {best.line('shared')}")
 
 
 @pytest.mark.slow
@@ -180,14 +183,11 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
     url = f"sqlite:///{tmp_path}/shared.db"
     bad = write_study(tmp_path / "bad.toml", url, factory="bad_factories:deep_prefetch_fails_on_rank1",
                       space="uniform", sim=30, measured=3, rounds=2, timeout=5)
-    t0 = time.monotonic()
-    code, out, err = finish(start_tune(bad, tmp_path))
-    elapsed = time.monotonic() - t0
+    code, out, err = finish(start_tune(bad, tmp_path))  # finish() bounds the wait: a hang fails the test
     assert code == 3, out + err
     line = one_error_line(err)
     assert "failed on rank 1: RuntimeError: CUDA out of memory (simulated on rank 1)" in line, line
     assert "run `prefetch-planner tune` again" in line
-    assert elapsed < 150  # bounded by [launch] timeout_s, not a hang
     first = trials(url)
     assert "RUNNING" not in {t.state.name for t in first}
     [failed] = [t for t in first if t.failure is not None and t.failure.kind == FailKind.ERROR]

@@ -43,11 +43,12 @@ def study_db(tmp_path_factory):
 
 def test_studies_queries(study_db, tmp_path):
     code, out, _ = _invoke(["studies", "list", "--storage", study_db])
-    assert code == 0 and "s " in out and "80.0" in out and "0.800" in out
+    assert code == 0 and "s " in out and "0.800 [0.800, 0.800]" in out and "100.0" in out  # confirmed, same job
     code, out, _ = _invoke(["studies", "show", "s", "--storage", study_db])
     assert code == 0 and "3 measured trials, 30 simulated trials" in out and "default" in out
     code, out, _ = _invoke(["studies", "best", "s", "--storage", study_db])
-    assert code == 0 and "80.0 ms" in out and "FSDP2 default 100.0 ms" in out and "ratio 0.800" in out
+    assert code == 0 and "confirmed faster than FSDP2's default" in out and "ratio 0.800, 95% CI" in out
+    assert "race (not confirmed): median 80.0 ms, FSDP2's default 100.0 ms" in out
     assert "reshard_after_backward True  separate_reduce_scatter_group False" in out  # every global knob
     target = tmp_path / "best.json"
     code, out, _ = _invoke(["studies", "export", "s", "-o", str(target), "--storage", study_db])

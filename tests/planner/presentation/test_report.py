@@ -6,6 +6,10 @@ from planner.artifacts.plan import Plan, Source
 from planner.presentation.report import describe, tune_report
 from planner.simulation.calibrate import CalibrationResult
 from planner.statistics.race import Race
+from planner.statistics.verdict import Confirmation, Verdict
+from planner.study.queries import BestPlan
+from planner.study.recommendation import JobVerdict, Recommendation
+from planner.study.records import MeasuredTrialRecord
 from planner.study.session import TuneOutcome
 from planner.testing import synthetic_profile
 from search_spaces import uniform
@@ -29,13 +33,17 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
     slow = uniform.build(p, 3, 3, False).with_provenance(trial=2, predicted_ms=95.0, measured_ms=130.0, **base)
     race = _race({0: [100.0, 104.0, 98.0, 101.0, 99.0, 100.0], 1: [80.0, 82.0, 79.0, 81.0, 80.0, 78.0],
                   2: [130.0, 128.0, 131.0, 129.0]}, {2: 4})
-    written = tuned if verdict == "faster" else Plan.default(p)
+    written = tuned if verdict == "faster" else default
     calibration = CalibrationResult(
         None, None, None, 12.0, "not fitted: 3 measured plans, a calibration needs at least 6"
     )
+    confirmation = Confirmation(ratio, ci, 12, 6.5, Verdict(verdict))
+    job = JobVerdict("j", MeasuredTrialRecord(number=0, measured_ms=100.0),
+                     MeasuredTrialRecord(number=1, confirmation=confirmation), last_trial=2)
+    best = BestPlan(written, Recommendation(job.faster or job.default, job), None if verdict == "faster" else tuned)
     return TuneOutcome(told=[default, tuned, slow], failed={3: "applying the plan failed on rank 1: boom"}, profile=p,
                        profile_out="s.profile.json", race=race, candidate=tuned, written=written,
-                       plan_out="s.plan.json", calibration=calibration)
+                       plan_out="s.plan.json", calibration=calibration, best=best)
 
 
 def test_report_of_a_faster_plan():
@@ -44,10 +52,12 @@ def test_report_of_a_faster_plan():
     assert lines[0] == "trial 3 FAIL: applying the plan failed on rank 1: boom"
     assert "FSDP2 default" in text and "forward prefetch 1, backward prefetch 2, async unshard True" in text
     assert "dropped after 4 rounds" in text
-    assert "race: 6 rounds, noise" in text and "these rounds detect differences of" in text
-    assert ("confirmation: trial 1 vs FSDP2's default: ratio 0.800, 95% CI [0.780, 0.820] over 12 fresh rounds: "
-            "faster (noise 6.5%)") in lines
-    assert "best plan: trial 1, faster than FSDP2's default; written to s.plan.json" in text
+    assert "race: 6 rounds, noise" in text and "race ratio = median paired per-round ratio" in text
+    assert "  race ms  race ratio" in text  # race figures are labelled as such
+    assert ("confirmation: trial 1 vs FSDP2's default: ratio 0.800, 95% CI [0.780, 0.820] over 12 fresh rounds in 1 "
+            "launch: faster (noise 6.5%)") in lines
+    assert ("best plan: trial 1 of study 's', confirmed faster than FSDP2's default by job j: ratio 0.800, 95% CI "
+            "[0.780, 0.820] over 12 fresh rounds in 1 launch; written to s.plan.json") in text
     assert ("calibration on these 3 measured plans: not fitted: 3 measured plans, a calibration needs at least 6; "
             "not saved") in lines
     assert lines[-1] == "profile written to s.profile.json"
@@ -55,9 +65,9 @@ def test_report_of_a_faster_plan():
 
 def test_report_when_the_confirmation_cannot_tell():
     text = "\n".join(tune_report(_outcome("no significant difference", 0.98, (0.95, 1.01)), "s"))
-    assert ("best plan: FSDP2's default, written to s.plan.json; the closest candidate, trial 1, shows no "
-            "significant difference: about ") in text
-    assert "would resolve a difference of 2.0%" in text
+    assert ("best plan: FSDP2's default: job j confirmed no plan faster (its survivor, trial 1: no significant "
+            "difference, ratio 0.980") in text
+    assert "confirmation rounds per launch would find a speed-up of 2.0% with 80% power" in text
 
 
 def test_nothing_measured_writes_nothing():

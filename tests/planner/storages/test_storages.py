@@ -126,7 +126,8 @@ def test_create_racing_retries_only_a_concurrent_creation():
 
 
 def test_models_are_the_planner_tables():
-    assert set(Base.metadata.tables) == {"planner_profiles", "planner_plans", "planner_measured_runs"}
+    assert set(Base.metadata.tables) == {"planner_profiles", "planner_plans", "planner_measured_runs",
+                                         "planner_confirmations"}
     assert PlanRow.__table__.c.predicted_peak_bytes.type.python_type is int
 
 

@@ -19,7 +19,7 @@ from planner.testing import drive_round, study_config
 from search_spaces import get_space
 
 
-def _session(tmp_path, profile, name="t", **fields) -> TuningSession:
+def _session(tmp_path, profile, name="t", job="test", **fields) -> TuningSession:
     config = study_config(tmp_path, name=name, **{"space": "uniform", "sim_trials": 48, "measured_trials": 2,
                                                   "max_rounds": 6, "confirm_min_rounds": 8, "confirm_max_rounds": 8,
                                                   **fields})
@@ -27,7 +27,7 @@ def _session(tmp_path, profile, name="t", **fields) -> TuningSession:
         config,
         profile,
         get_space(config.search.space),
-        job="test",
+        job=job,
         plan_out=str(tmp_path / f"{name}.plan.json"),
         profile_out=str(tmp_path / f"{name}.profile.json"),
     )
@@ -67,7 +67,7 @@ def test_a_candidate_confirmed_faster_is_written(tmp_path, profile):
     assert asked[0].plan.is_default_for(profile)  # the baseline comes first
     pv = outcome.candidate.provenance
     assert (pv.verdict, pv.measured_ratio, tuple(pv.ratio_ci95)) == (Verdict.FASTER, 0.8, (0.8, 0.8))
-    assert outcome.written is outcome.candidate and pv.trial == asked[1].number
+    assert outcome.written == outcome.candidate and pv.trial == asked[1].number
     written = Plan.load(tmp_path / "t.plan.json")
     assert written.behaviour_key() == asked[1].plan.behaviour_key() and written.provenance.verdict == "faster"
     assert [p.provenance.measured_ms for p in outcome.told] == [100.0, 80.0, 90.0]
@@ -81,7 +81,7 @@ def test_a_candidate_confirmed_faster_is_written(tmp_path, profile):
 def test_a_survivor_not_confirmed_faster_leaves_fsdp2s_default_written(tmp_path, profile, step_ms, verdict):
     asked, outcome = drive_round(_session(tmp_path, profile), step_ms)
     assert outcome.candidate is not None and outcome.candidate.provenance.verdict == verdict
-    assert outcome.written is outcome.told[0] and outcome.written.is_default_for(profile)
+    assert outcome.written == outcome.told[0] and outcome.written.is_default_for(profile)
     assert Plan.load(tmp_path / "t.plan.json").is_default_for(profile)
 
 
@@ -91,7 +91,7 @@ def test_every_candidate_dropped_leaves_no_confirmation(tmp_path, profile):
     assert outcome.candidate is None and outcome.written.is_default_for(profile)
     assert all(p.provenance.verdict is None for p in outcome.told)
     records = {t.number: t for t in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
-    assert [records[a.number].race.dropped_after_round for a in asked] == [None, 4, 4]
+    assert [records[a.number].race.dropped_after_round for a in asked] == [None, 6, 6]  # a whole cycle of 3 plans
 
 
 def test_the_round_starts_with_fsdp2s_default_and_tells_the_trials_it_started(tmp_path, profile):
@@ -145,7 +145,7 @@ def test_a_calibration_that_gains_nothing_is_not_saved(tmp_path, profile):
     """Measured as predicted: no fit beats the uncalibrated model, so none is kept for later jobs."""
     first = _session(tmp_path, profile, measured_trials=5)
     _, outcome = drive_round(first, lambda i, trial: trial.predicted_ms)
-    assert not outcome.calibration.accepted and "not below" in outcome.calibration.reason
+    assert not outcome.calibration.accepted and "does not beat" in outcome.calibration.reason
     assert outcome.profile.calibration is None
     again = _session(tmp_path, profile)
     again.prepare()
@@ -174,3 +174,74 @@ def test_the_next_session_measures_again_what_a_dead_job_left_running(tmp_path, 
     assert len({a.plan.behaviour_key() for a in asked}) == len(asked)
     states = [t.state.name for t in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured]
     assert states.count("RUNNING") == 0 and states.count("FAIL") == len(left)
+
+
+# --- the study's recommendation across jobs ------------------------------------------------------------------------
+
+def _agree(tmp_path, profile, outcome) -> Plan:
+    """``tune``'s last line, ``studies best`` and ``load_best_plan`` name one plan; returns it."""
+    from planner.study.queries import best_plan, best_plan_for
+
+    url = f"sqlite:///{tmp_path}/t.db"
+    best = best_plan(url, "t")
+    loaded, why = best_plan_for(url, "t", profile.fingerprint)
+    assert outcome.best.plan == best.plan == Plan.load(tmp_path / "t.plan.json")
+    assert outcome.best.line("t") == best.line("t") == why
+    assert (loaded is None) == best.is_default and (loaded is None or loaded == best.plan)
+    return best.plan
+
+
+def test_a_lucky_confirmation_is_raced_again_and_loses_the_recommendation(tmp_path, profile):
+    """Job 1's candidates look 20% faster (a confirmation that erred, as 1 in 40 do). Every later job races that
+    plan again (``reconfirms``) with honest steps (every plan as fast as the default, 5% noise): none confirms it,
+    so the study recommends FSDP2's default instead of keeping the luckiest of its confirmations."""
+    url = f"sqlite:///{tmp_path}/t.db"
+    _, first = drive_round(_session(tmp_path, profile, job="j1"), lambda i, trial: 100.0 if i == 0 else 80.0)
+    lucky = first.candidate.provenance.trial
+    assert _agree(tmp_path, profile, first).provenance.trial == lucky
+    for k in (2, 3, 4):
+        asked, outcome = drive_round(_session(tmp_path, profile, job=f"j{k}"), _noisy({False: 1.0}, pct=5.0, seed=k))
+        records = {r.number: r for r in study_trials(url, "t").measured}
+        reraced = [a.number for a in asked if records[a.number].reconfirms == lucky]
+        assert len(reraced) == (1 if k == 2 else 0)  # from job 2 on the study recommends the default: none to race
+        assert outcome.candidate.provenance.verdict != Verdict.FASTER
+        assert _agree(tmp_path, profile, outcome).is_default_for(profile)
+    records = study_trials(url, "t").measured
+    assert sum(r.confirmation is not None for r in records) == 4  # every job's confirmation is kept
+
+
+def test_a_plan_confirmed_again_keeps_the_recommendation(tmp_path, profile):
+    _, first = drive_round(_session(tmp_path, profile, job="j1"), lambda i, trial: 100.0 if i == 0 else 80.0)
+    holder = first.candidate.provenance.trial
+    asked, second = drive_round(_session(tmp_path, profile, job="j2"), lambda i, trial: 100.0 if i == 0 else 80.0)
+    again = second.candidate.provenance
+    assert again.verdict == Verdict.FASTER and again.trial == asked[1].number  # the holder, raced first, survives
+    records = {r.number: r for r in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
+    assert records[again.trial].reconfirms == holder
+    assert _agree(tmp_path, profile, second).provenance.trial == again.trial
+
+
+def test_a_survivor_is_confirmed_in_fresh_launches_then_recommended(tmp_path, profile):
+    """With ``confirm_launches``, the job leaves its survivor waiting (FSDP2's default written meanwhile); each
+    launch appends its rounds; the conclusion is faster only if every launch is, and writes the recommendation."""
+    from planner.study.confirmation import conclude, pending, record_launch
+    from planner.study.records import ConfirmLaunch
+
+    session = _session(tmp_path, profile, job="j1")
+    session.confirm_launches = 2
+    asked, outcome = drive_round(session, _noisy({False: 0.8}, pct=2.0))
+    assert outcome.best is None and outcome.written.is_default_for(profile)
+    waiting = pending(session.config, "j1")
+    assert waiting.survivor.provenance.trial == outcome.candidate.provenance.trial and waiting.launches == 0
+    assert waiting.rounds == 8 and waiting.default.is_default_for(profile)
+    rng = np.random.default_rng(5)
+    for launch in range(2):
+        default = list(100.0 * np.exp(rng.normal(0, 0.02, waiting.rounds)))
+        plan = [d * 0.8 * (1.0 + 0.01 * launch) for d in default]
+        got = record_launch(session.config, waiting.survivor.provenance.trial, ConfirmLaunch(plan, default))
+        assert got == launch + 1
+    confirmation, best = conclude(session.config, "j1", str(tmp_path / "t.plan.json"))
+    assert confirmation.launches == 2 and confirmation.rounds == 16 and confirmation.verdict == Verdict.FASTER
+    assert confirmation.ci95 == (pytest.approx(0.8), pytest.approx(0.808))  # the hull of the two launches
+    assert best.plan.provenance.launches == 2 and pending(session.config, "j1") is None
+    assert Plan.load(tmp_path / "t.plan.json") == best.plan

@@ -68,13 +68,16 @@ def test_tell_best_and_queries(make_profile, config):
     _, _, candidates, plans = _run(make_profile, config, [100.0, 90.0, 80.0, 95.0])
     assert [p.provenance.measured_ms for p in plans] == [100.0, 90.0, 80.0, 95.0]
     assert all(p.provenance.default_measured_ms == 100.0 for p in plans)
-    best, default_ms, closest = best_plan(config.storage_url, "t")
-    assert closest is None and best.provenance.verdict == "faster" and best.provenance.measured_ratio == 0.8
-    assert best.provenance.measured_ms == 80.0 and default_ms == 100.0
+    recommended = best_plan(config.storage_url, "t")
+    best = recommended.plan
+    assert recommended.survivor is None and best.provenance.verdict == "faster"
+    assert best.provenance.measured_ratio == 0.8
+    assert best.provenance.measured_ms == 80.0 and recommended.recommendation.default_ms == 100.0
     assert best.behaviour_key() == candidates[2].plan.behaviour_key()
     [summary] = list_studies(config.storage_url)
     assert (summary.name, summary.measured_trial_count, summary.simulated_trial_count) == ("t", 4, 40)
-    assert (summary.best_ms, summary.default_ms) == (80.0, 100.0)
+    assert (summary.recommended_trial, summary.default_ms) == (best.provenance.trial, 100.0)
+    assert summary.confirmation.ratio == 0.8 and summary.confirmation.ci95 == (0.8, 0.8)
     trials = study_trials(config.storage_url, "t")
     assert len(trials.measured) == 4 and len(trials.simulated) == 40
     assert all(isinstance(t, MeasuredTrialRecord) for t in trials.measured)
@@ -91,7 +94,7 @@ def test_rerun_adds_trials_to_the_same_study(make_profile, config):
     _run(make_profile, config, [100.0, 70.0, 85.0, 99.0])
     [summary] = list_studies(config.storage_url)
     assert summary.measured_trial_count == 8 and summary.simulated_trial_count == 80
-    assert best_plan(config.storage_url, "t")[0].provenance.measured_ms == 70.0
+    assert best_plan(config.storage_url, "t").plan.provenance.measured_ms == 70.0  # the latest job decides
 
 
 def test_failed_measurement_is_recorded(make_profile, config):
@@ -107,7 +110,7 @@ def test_failed_measurement_is_recorded(make_profile, config):
     trials = stage.study.trials
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
     assert MeasuredTrialRecord.from_trial(trials[0]).failure == Failure("RuntimeError: boom", FailKind.ERROR)
-    with pytest.raises(StudyNotFoundError, match="no measured trial"):
+    with pytest.raises(StudyNotFoundError, match="no concluded tuning job"):
         best_plan(config.storage_url, "t")
 
 
@@ -174,7 +177,7 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     job.close()
     states = [t.state.name for t in job.study.trials]
     assert states.count("RUNNING") == 0 and states.count("COMPLETE") == 3  # two defaults and the retry
-    assert best_plan(config.storage_url, "t")[0].provenance.trial == retry.number
+    assert best_plan(config.storage_url, "t").plan.provenance.trial == retry.number
 
 
 def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):

@@ -1,0 +1,97 @@
+"""The confirm job: one rank of one fresh confirmation launch ([Note: Confirming across launches]).
+
+``prefetch-planner tune`` starts it ``[measure] confirm_launches`` times after
+its tuning ranks exit. Every rank builds the model afresh; rank 0 reads the
+job's race survivor and FSDP2's default from the study
+(``planner.study.confirmation.pending``); every rank applies both (their
+fingerprints checked), warms each up, and runs the rounds the survivor's
+trial asks for, the order alternating; rank 0 appends the rounds to the
+trial. Nothing here profiles the model or pre-unshards it: the launch runs
+as a user's training job would, the plans applied from its first step.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from planner.artifacts.config import StudyConfig
+from planner.errors import PlannerError
+from planner.statistics.schedule import confirmation_orders
+from planner.storages import check_writable
+from planner.study.confirmation import pending, record_launch
+from planner.study.records import ConfirmLaunch
+from runtime.apply import apply_plan
+from runtime.collectives import broadcast_from_rank0, control_group
+from runtime.measure import StepCounter, measure_rounds, warm_up
+from runtime.rank import check_runnable, init_rank, shutdown_rank
+from runtime.workload import build_study_workload, load_factory
+
+
+class ConfirmJob:
+    """One rank of a confirmation launch for tuning job ``job`` of the study.
+
+    Args:
+        config: the study.
+        job: the tuning job whose race survivor is confirmed.
+    """
+
+    def __init__(self, config: StudyConfig, job: str):
+        self.config = config
+        self.job = job
+
+    @staticmethod
+    def check_before_launch(config: StudyConfig) -> None:
+        """What the launching process checks before it starts any rank; writes nothing.
+
+        Raises:
+            WorkloadError: the factory cannot be imported.
+            StudyConfigError: this machine cannot run the study's ranks.
+            StorageError: the storage is unreachable.
+        """
+        load_factory(config.workload.factory)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node)
+        check_writable(config.storage_url)
+
+    def run(self) -> int | None:
+        """Run this rank's part; rank 0 returns the launches the survivor now has (``0``: nothing awaited
+        confirmation), the other ranks ``None``.
+
+        Raises:
+            PlannerError: no such job, a plan that does not fit the model, or a storage error (every rank raises
+                rank 0's).
+            StepFailed: a step raised on this rank.
+        """
+        launch = self.config.launch
+        mesh = init_rank(launch.backend, launch.timeout_s)
+        group = control_group(launch.timeout_s)
+        rank0 = dist.get_rank() == 0
+        ended = False
+        try:
+            workload = build_study_workload(self.config.workload, mesh)
+            payload = None
+            if rank0:
+                try:
+                    p = pending(self.config, self.job)
+                    payload = None if p is None else (p.survivor, p.default, p.rounds)
+                except PlannerError as e:
+                    payload = {"error": str(e)}
+            payload = broadcast_from_rank0(payload, group)
+            if isinstance(payload, dict):
+                raise PlannerError(payload["error"])
+            if payload is None:
+                ended = True
+                return 0 if rank0 else None
+            survivor, default, rounds = payload
+            plans = [survivor, default]
+            for plan in plans:
+                apply_plan(workload.model, plan, check=True)
+            steps = StepCounter()
+            warm_up(workload, plans, max(1, self.config.measure.warmup_steps), steps)
+            times = measure_rounds(workload, plans, confirmation_orders((0, 1), rounds), steps, group)
+            ended = True
+            if rank0:
+                return record_launch(self.config, survivor.provenance.trial, ConfirmLaunch(times[0], times[1]))
+            return None
+        finally:
+            workload = None
+            shutdown_rank(together=ended)

@@ -1,0 +1,134 @@
+"""The confirmation in fresh launches: the race's survivor against FSDP2's default, in new processes.
+
+A tuning job's race ends with a survivor whose trial carries the rounds each
+confirmation launch runs (``confirm_rounds``). Each launch (``prefetch-planner
+confirm``, started by ``tune`` after its ranks exit) builds the model afresh,
+applies the two plans from the first step, and appends its rounds to the
+trial (:func:`record_launch`). Once the launches ran, :func:`conclude` turns
+them into one confirmation ([Note: Confirming across launches]), stores it
+on the trial and its plan, and writes the study's recommendation
+(:func:`planner.study.queries.best_plan`) to the plan file. Torch-free: the
+tests drive it with synthetic launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import optuna
+
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.plan import Plan
+from planner.errors import PlannerError, StudyNotFoundError
+from planner.statistics.verdict import Confirmation, confirm_launches, step_noise_pct
+from planner.storages import open_storage, storage_errors
+from planner.storages.archive import confirmation_rows, save_confirmation_row, stored_plan, update_plan
+from planner.study.provenance import provenance_of
+from planner.study.queries import BestPlan, best_plan, measured_records
+from planner.study.recommendation import JobVerdict, job_verdicts
+from planner.study.records import ConfirmLaunch, MeasuredTrialRecord
+
+
+@dataclass(frozen=True)
+class PendingConfirmation:
+    """A job's survivor waiting for its confirmation launches.
+
+    Attributes:
+        survivor, default: the survivor's and FSDP2's default's stored plans (provenance: their trials).
+        rounds: rounds per launch.
+        launches: launches measured so far.
+    """
+
+    survivor: Plan
+    default: Plan
+    rounds: int
+    launches: int
+
+
+def _job(storage: optuna.storages.RDBStorage, study: optuna.Study, job: str) -> JobVerdict | None:
+    return next((v for v in job_verdicts(measured_records(storage, study)) if v.job == job), None)
+
+
+def _study(config: StudyConfig) -> tuple[optuna.Study, optuna.storages.RDBStorage]:
+    storage = open_storage(config.storage_url, config)
+    try:
+        return optuna.load_study(study_name=config.name, storage=storage), storage
+    except KeyError:
+        raise StudyNotFoundError(f"no study {config.name!r} in {config.storage_url}") from None
+
+
+def pending(config: StudyConfig, job: str) -> PendingConfirmation | None:
+    """Job ``job``'s survivor waiting for confirmation, ``None`` if the job has none (its race dropped every
+    candidate, or it is confirmed already).
+
+    Raises:
+        StudyNotFoundError: no such study, or no job ``job`` in it that measured FSDP2's default.
+    """
+    with storage_errors(config.storage_url):
+        study, storage = _study(config)
+        verdict = _job(storage, study, job)
+        if verdict is None:
+            raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured FSDP2's default")
+        s = verdict.survivor
+        if s is None or s.confirmation is not None or s.confirm_rounds is None:
+            return None
+        plans = [stored_plan(storage.engine, config.name, n) for n in (s.number, verdict.default.number)]
+        if None in plans:
+            raise StudyNotFoundError(f"study {config.name!r}: job {job!r} has no stored plan for trial {s.number}")
+        return PendingConfirmation(plans[0], plans[1], s.confirm_rounds, len(s.confirm_launches or []))
+
+
+def record_launch(config: StudyConfig, trial: int, launch: ConfirmLaunch) -> int:
+    """Append one launch's rounds to the survivor's trial; the launches it now has.
+
+    Raises:
+        StorageError: the database cannot be written.
+    """
+    with storage_errors(config.storage_url):
+        study, storage = _study(config)
+        save_confirmation_row(storage.engine, config.name, trial, launch=launch.to_json())
+        return len(confirmation_rows(storage.engine, config.name)[trial][0])
+
+
+def conclude(config: StudyConfig, job: str, plan_out: str) -> tuple[Confirmation | None, BestPlan]:
+    """Confirm job ``job``'s survivor from its launches, store the verdict, write the study's recommendation.
+
+    Returns:
+        The confirmation (``None`` when no launch measured it: the recommendation stays as it was), and the
+        study's recommendation after it, written to ``plan_out``.
+
+    Raises:
+        StudyNotFoundError: no such job, or nothing concluded in the study yet.
+        PlannerError: the plan file cannot be written.
+    """
+    confirmation = None
+    with storage_errors(config.storage_url):
+        study, storage = _study(config)
+        verdict = _job(storage, study, job)
+        if verdict is None:
+            raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured FSDP2's default")
+        s = verdict.survivor
+        if s is not None and s.confirmation is None and s.confirm_launches:
+            launches = s.confirm_launches
+            noise = step_noise_pct([x.plan_ms for x in launches] + [x.default_ms for x in launches])
+            confirmation = confirm_launches([(x.plan_ms, x.default_ms) for x in launches], noise)
+            save_confirmation_row(storage.engine, config.name, s.number,
+                                  confirmation=MeasuredTrialRecord(confirmation=confirmation).to_user_attrs())
+            plan = stored_plan(storage.engine, config.name, s.number)
+            update_plan(storage.engine, config.name, plan.with_provenance(**provenance_of(confirmation)))
+    best = best_plan(config.storage_url, config.name)
+    write_plan(plan_out, best.plan)
+    return confirmation, best
+
+
+def write_plan(path: str, plan: Plan) -> None:
+    """Write ``plan`` as Plan JSON to ``path``.
+
+    Raises:
+        PlannerError: the file cannot be written.
+    """
+    try:
+        with open(path, "w") as f:
+            f.write(plan.to_json())
+    except OSError as e:
+        raise PlannerError(f"cannot write {path!r}: {e.strerror}") from None
