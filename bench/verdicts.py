@@ -65,6 +65,11 @@ def aa_main(study: str, races: int, out: str) -> None:
         run_schedule(workload, [default, default], schedule if dist.get_rank() == 0 else None, steps)
         if dist.get_rank() == 0:
             c = schedule.confirmation
+            if c is None:  # the race dropped the candidate, FSDP2's default itself: a false drop (<= alpha)
+                results.append({"race": race, "verdict": "dropped", "race_rounds": len(schedule.race.rounds),
+                                "noise_pct": schedule.race.noise_pct(), "seconds": time.monotonic() - t0})
+                print(f"A/A race {race + 1}/{races}: the candidate was dropped in the race", flush=True)
+                continue
             row = {"race": race, "verdict": str(c.verdict), "ratio": c.ratio, "ci95": list(c.ci95),
                    "rounds": c.rounds, "race_rounds": len(schedule.race.rounds), "noise_pct": c.noise_pct,
                    "seconds": time.monotonic() - t0}
@@ -200,9 +205,11 @@ def aa(study: str, races: int, work: Path, nproc: int) -> list[dict]:
     _launch(["--part", "aa", study, "--aa-races", str(races), "--out", str(work / "aa.json")], nproc)
     rows = json.loads((work / "aa.json").read_text())
     false = sum(r["verdict"] == "faster" for r in rows)
-    ratios = ", ".join(f"{r['ratio']:.3f}" for r in rows)
-    print(f"\nA/A on real ranks: false 'faster' {rate_text(false, len(rows))} (nominal <= 2.5%); ratios {ratios}; "
-          f"median noise {statistics.median(r['noise_pct'] for r in rows):.1f}%")
+    dropped = sum(r["verdict"] == "dropped" for r in rows)
+    ratios = ", ".join(f"{r['ratio']:.3f}" for r in rows if "ratio" in r)
+    print(f"\nA/A on real ranks: false 'faster' {rate_text(false, len(rows))} (nominal <= 2.5%); the candidate "
+          f"dropped in the race {rate_text(dropped, len(rows))} (nominal <= alpha); ratios {ratios}; median noise "
+          f"{statistics.median(r['noise_pct'] for r in rows):.1f}%")
     return rows
 
 

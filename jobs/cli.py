@@ -102,8 +102,10 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
         waiting = pending(config, job)
         if waiting is None:
             return  # the race dropped every candidate, or the survivor was confirmed in the job
+        how = ("each plan on its own model from its first step" if config.measure.confirm_model_per_plan
+               else "one model switching plans")
         click.echo(f"[confirm {i + 1}/{launches}] fresh ranks: trial {waiting.survivor.provenance.trial} against "
-                   f"FSDP2's default, {waiting.rounds} rounds, the plans applied from the first step")
+                   f"FSDP2's default, {waiting.rounds} rounds, {how}")
         code = launch_ranks(["confirm", study_toml, "--storage", config.storage_url, "--job", job],
                             config.launch.nproc_per_node)
         if code:

@@ -3,11 +3,13 @@
 ``prefetch-planner tune`` starts it ``[measure] confirm_launches`` times after
 its tuning ranks exit. Every rank builds the model afresh; rank 0 reads the
 job's race survivor and FSDP2's default from the study
-(``planner.study.confirmation.pending``); every rank applies both (their
-fingerprints checked), warms each up, and runs the rounds the survivor's
-trial asks for, the order alternating; rank 0 appends the rounds to the
-trial. Nothing here profiles the model or pre-unshards it: the launch runs
-as a user's training job would, the plans applied from its first step.
+(``planner.study.confirmation.pending``). With ``[measure]
+confirm_model_per_plan`` (the default) each plan gets its own model
+instance, applied before its first step and never switched, as a user's
+job runs it; else one model switches plans step by step, as in the race.
+Every rank warms each plan up and runs the rounds the survivor's trial asks
+for, the order alternating; rank 0 appends the rounds to the trial. Nothing
+here profiles the model or pre-unshards it.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from planner.artifacts.config import StudyConfig
+from planner.artifacts.plan import Plan
 from planner.errors import PlannerError
 from planner.statistics.schedule import confirmation_orders
 from planner.storages import check_writable
 from planner.study.confirmation import pending, record_launch
 from planner.study.records import ConfirmLaunch
 from runtime.apply import apply_plan
-from runtime.collectives import broadcast_from_rank0, control_group
-from runtime.measure import StepCounter, measure_rounds, warm_up
+from runtime.collectives import broadcast_from_rank0, control_group, gather_max
+from runtime.measure import StepCounter, measure_rounds, timed_step, warm_up
 from runtime.rank import check_runnable, init_rank, shutdown_rank
-from runtime.workload import build_study_workload, load_factory
+from runtime.workload import Workload, build_study_workload, load_factory
 
 
 class ConfirmJob:
@@ -85,9 +88,15 @@ class ConfirmJob:
             plans = [survivor, default]
             for plan in plans:
                 apply_plan(workload.model, plan, check=True)
-            steps = StepCounter()
-            warm_up(workload, plans, max(1, self.config.measure.warmup_steps), steps)
-            times = measure_rounds(workload, plans, confirmation_orders((0, 1), rounds), steps, group)
+            steps, orders = StepCounter(), confirmation_orders((0, 1), rounds)
+            warmup = max(2, self.config.measure.warmup_steps)
+            if self.config.measure.confirm_model_per_plan:
+                models = [workload, build_study_workload(self.config.workload, mesh)]
+                times = _rounds_on_own_models(models, plans, orders, warmup, steps, group)
+                models = None
+            else:
+                warm_up(workload, plans, warmup, steps)
+                times = measure_rounds(workload, plans, orders, steps, group)
             ended = True
             if rank0:
                 return record_launch(self.config, survivor.provenance.trial, ConfirmLaunch(times[0], times[1]))
@@ -95,3 +104,23 @@ class ConfirmJob:
         finally:
             workload = None
             shutdown_rank(together=ended)
+
+
+def _rounds_on_own_models(models: list[Workload], plans: list[Plan], orders: list[list[int]], warmup: int,
+                          steps: StepCounter, group: dist.ProcessGroup) -> list[list[float]]:
+    """Plan ``i`` applied once to ``models[i]``; ``warmup`` untimed steps each, then the rounds ``orders``.
+
+    Returns:
+        On rank 0, per plan, its steps' max across ranks, ms (the other ranks get them too).
+    """
+    for model, plan in zip(models, plans, strict=True):
+        apply_plan(model.model, plan, check=True)
+    for _ in range(warmup):
+        for model in models:
+            timed_step(model, steps.next())
+    local: list[list[float]] = [[] for _ in plans]
+    for order in orders:
+        for i in order:
+            local[i].append(timed_step(models[i], steps.next()))
+    maxed, _ = gather_max(local[0] + local[1], group)
+    return [maxed[:len(orders)], maxed[len(orders):]]

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from planner.artifacts.memory_budget import MemoryBudget
 from planner.artifacts.names import Backend, SamplerName, SpaceName
@@ -143,6 +153,9 @@ class MeasureTable(Table):
         confirm_launches: fresh launches the confirmation runs in (new ranks, models built afresh, the plan
             applied from the first step); ``0``: in the tuning job's own processes, after the race (always so
             under torchrun, where the job cannot start processes).
+        confirm_model_per_plan: in a confirmation launch, each of the two plans runs on its own model
+            instance, as a user's job runs it (one plan from the first step, never switched); it costs a second
+            copy of the model's state on every rank. False: one model switching plans step by step, as the race.
     """
 
     warmup_steps: StrictInt = Field(1, ge=0)
@@ -157,6 +170,7 @@ class MeasureTable(Table):
     confirm_min_rounds: StrictInt = Field(8, ge=6)
     confirm_max_rounds: StrictInt = Field(30, ge=6)
     confirm_launches: StrictInt = Field(2, ge=0, le=16)
+    confirm_model_per_plan: StrictBool = True
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> MeasureTable:

@@ -95,10 +95,10 @@ def conclude(config: StudyConfig, job: str, plan_out: str) -> tuple[Confirmation
 
     Returns:
         The confirmation (``None`` when no launch measured it: the recommendation stays as it was), and the
-        study's recommendation after it, written to ``plan_out``.
+        study's recommendation for the job's model and world size after it, written to ``plan_out``.
 
     Raises:
-        StudyNotFoundError: no such job, or nothing concluded in the study yet.
+        StudyNotFoundError: no such job; or no launch measured its survivor and no earlier job concluded.
         PlannerError: the plan file cannot be written.
     """
     confirmation = None
@@ -116,7 +116,12 @@ def conclude(config: StudyConfig, job: str, plan_out: str) -> tuple[Confirmation
                                   confirmation=MeasuredTrialRecord(confirmation=confirmation).to_user_attrs())
             plan = stored_plan(storage.engine, config.name, s.number)
             update_plan(storage.engine, config.name, plan.with_provenance(**provenance_of(confirmation)))
-    best = best_plan(config.storage_url, config.name)
+        default = stored_plan(storage.engine, config.name, verdict.default.number)
+    try:
+        best = best_plan(config.storage_url, config.name, default.fingerprint if default is not None else None)
+    except StudyNotFoundError:
+        raise StudyNotFoundError(f"job {job!r}: no confirmation launch measured its race survivor, and no earlier "
+                                 f"job of study {config.name!r} concluded; run `prefetch-planner tune` again") from None
     write_plan(plan_out, best.plan)
     return confirmation, best
 
