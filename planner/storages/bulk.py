@@ -5,7 +5,7 @@ one commit at a time, which dominates a large simulated study's wall time
 (``bench/results/NOTES.md``). :func:`add_trials_bulk` writes the same rows with SQLAlchemy
 Core ``executemany`` inserts, one transaction: trial numbers follow the
 study's (under the study row's lock, as Optuna's ``_create_new_trial``
-takes it), and the study stays Optuna's to read (``optuna.load_study``,
+takes it, under a write lock that SQLite honours too), and the study stays Optuna's to read (``optuna.load_study``,
 ``optuna studies``, optuna-dashboard).
 
 Optuna's table layout is private (``optuna.storages._rdb.models``); this
@@ -54,8 +54,13 @@ def add_trials_bulk(storage: optuna.storages.RDBStorage, study_name: str, trials
                                                       models.TrialSystemAttributeModel)}
     trial_t = tables["trials"]
     with storage.engine.begin() as conn:
-        conn.execute(sa.select(tables["studies"].c.study_id).where(tables["studies"].c.study_id == study_id)
-                     .with_for_update())  # what Optuna locks while it numbers a new trial
+        # The write lock first, then the count: a write that changes nothing takes the study row's lock on
+        # PostgreSQL (what Optuna's ``_create_new_trial`` locks) and SQLite's database write lock, which a
+        # SELECT ... FOR UPDATE does not (SQLite ignores it, and pysqlite opens the transaction only at the
+        # first write). Counted before the lock, two jobs gave their trials the same numbers, and Optuna's
+        # cached storage, which keys trials by number, showed only one of each pair.
+        studies = tables["studies"]
+        conn.execute(studies.update().where(studies.c.study_id == study_id).values(study_name=studies.c.study_name))
         first = conn.execute(sa.select(sa.func.count()).select_from(trial_t)
                              .where(trial_t.c.study_id == study_id)).scalar_one()
         conn.execute(trial_t.insert(), [

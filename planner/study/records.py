@@ -82,6 +82,9 @@ class Failure:
     kind: FailKind
 
 
+_CONFIRMATION_KEYS = ("measured_ratio", "ratio_ci95", "rounds")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeasuredTrialRecord:
     """A trial of the measured study ``NAME``: one plan measured on the real ranks.
@@ -141,8 +144,8 @@ class MeasuredTrialRecord:
             attrs.update(confirm_launches=[launch.to_json() for launch in self.confirm_launches])
         if self.confirmation is not None:
             c = self.confirmation
-            attrs.update(verdict=str(c.verdict), measured_ratio=c.ratio, ratio_ci95=list(c.ci95), rounds=c.rounds,
-                         noise_pct=c.noise_pct, launches=c.launches)
+            attrs.update(measured_ratio=c.ratio, ratio_ci95=list(c.ci95), rounds=c.rounds, noise_pct=c.noise_pct,
+                         launches=c.launches, verdict=str(c.verdict))  # the verdict last: a reader takes it as whole
         if self.failure is not None:
             attrs.update(fail_reason=self.failure.reason, fail_kind=str(self.failure.kind))
         return {key: value for key, value in attrs.items() if value is not None}
@@ -158,7 +161,9 @@ class MeasuredTrialRecord:
         elif "dropped_after_round" in a:  # written before the race's rounds were
             race = RaceFigures(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
         confirmation = None
-        if a.get("verdict"):
+        # Optuna stores a trial's attributes one at a time, in to_user_attrs' order: a reader may see a running
+        # trial of another job half-written, so a confirmation is read only once its verdict, written last, is there.
+        if a.get("verdict") and all(k in a for k in _CONFIRMATION_KEYS):
             confirmation = Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"],
                                         a.get("noise_pct", float("nan")), Verdict(a["verdict"]), a.get("launches", 1))
         launches = a.get("confirm_launches")

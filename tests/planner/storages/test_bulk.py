@@ -73,3 +73,40 @@ def test_bulk_write_refuses_unfinished_trials_and_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="finished trials only"):
         add_trials_bulk(storage, "s", [running])
     assert optuna.load_study(study_name="s", storage=url).trials == []
+
+
+def _write_batches(url: str, barrier, batches: int) -> None:
+    """One job's simulated stages: ``batches`` bulk writes of 3 trials each, started with the other jobs at once."""
+    trials = _in_memory_trials()[:3]
+    storage = open_storage(url)
+    barrier.wait()
+    for _ in range(batches):
+        add_trials_bulk(storage, "shared.sim", trials)
+    storage.engine.dispose()
+
+
+def test_concurrent_bulk_writes_number_every_trial_once(url):
+    """Jobs writing one study at once (``tests/runtime/test_cluster.py``): no two trials share a number.
+
+    Optuna's cached storage keys trials by number, so a shared number hides a trial from every reader.
+    """
+    import multiprocessing as mp
+
+    optuna.create_study(study_name="shared.sim", storage=open_storage(url), directions=["minimize", "minimize"])
+    jobs, batches = 4, 12
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(jobs)
+        procs = [ctx.Process(target=_write_batches, args=(url, barrier, batches)) for _ in range(jobs)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0] * jobs
+    storage = optuna.storages.RDBStorage(url, skip_compatibility_check=True)
+    study_id = storage.get_study_id_from_name("shared.sim")
+    with storage.engine.connect() as conn:
+        numbers = [n for (n,) in conn.exec_driver_sql(
+            f"select number from trials where study_id = {study_id} order by trial_id")]
+    storage.engine.dispose()
+    assert numbers == list(range(jobs * batches * 3))

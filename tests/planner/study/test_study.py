@@ -235,3 +235,25 @@ def test_candidates_worth_racing(make_profile, tmp_path):
         checked += 1
     assert checked >= 1
     assert len({c.plan.behaviour_key() for c in candidates}) == len(candidates)
+
+
+def test_a_half_written_trial_reads_without_its_confirmation():
+    """Optuna stores a trial's attributes one at a time, and another job reads the study meanwhile
+    (``tests/runtime/test_cluster.py``): every prefix of a record's attributes reads, and a confirmation appears
+    only whole."""
+    import optuna
+
+    from planner.statistics.verdict import Confirmation, Verdict
+    from planner.study.records import RaceFigures
+
+    full = MeasuredTrialRecord(predicted_ms=10.0, is_default=False, plan_key="k", job="j", step_ms=[1.0, 2.0],
+                               race=RaceFigures(4, 3.0, 0.9, None, True),
+                               confirmation=Confirmation(0.9, (0.85, 0.95), 6, 3.0, Verdict.FASTER, 1))
+    items = list(full.to_user_attrs().items())
+    seen = []
+    for n in range(len(items) + 1):
+        trial = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs=dict(items[:n]))
+        record = MeasuredTrialRecord.from_trial(trial)
+        assert record.confirmation in (None, full.confirmation)
+        seen.append(record.confirmation is not None)
+    assert seen[-1] and not seen[0] and seen == sorted(seen)  # absent until whole, then there to stay
