@@ -58,7 +58,8 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
     [measure] confirm_launches fresh launches for the confirmation; under
     torchrun it runs as that rank and confirms in its own processes.
     """
-    from jobs.tune import TuneJob, job_name
+    from jobs.tune import TuneJob
+    from planner.study.session import job_name
     from runtime.launch import in_torchrun, launch_ranks
 
     config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials,

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
-import uuid
 
 import optuna
 import torch.distributed as dist
@@ -25,7 +22,7 @@ from planner.artifacts.profile import Profile
 from planner.errors import FailKind, one_line
 from planner.storages import check_writable
 from planner.study.measured import MeasuredTrial
-from planner.study.session import TuneOutcome, TuningSession
+from planner.study.session import TuneOutcome, TuningSession, job_name
 from runtime.collectives import control_group
 from runtime.interrupts import interrupts_deferred, interrupts_raise
 from runtime.protocol import measured_round
@@ -35,11 +32,6 @@ from runtime.workload import Workload, build_study_workload, load_factory
 from search_spaces import get_space
 
 logger = logging.getLogger(__name__)
-
-
-def job_name() -> str:
-    """A new tuning job's name: host, process id and a random suffix (trial attribute ``job``)."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class TuneJob:

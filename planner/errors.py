@@ -60,6 +60,14 @@ class MemoryBudgetError(PlannerError):
     measured peak to add to."""
 
 
+class NotShardedError(PlannerError):
+    """A model handed to the in-loop tuner is not wrapped with ``fully_shard``, or has no FSDP module but the root."""
+
+
+class StudyModelMismatchError(PlannerError):
+    """A study was made for another model (other FSDP modules or parameter counts) than the one at hand."""
+
+
 class StudyNotFoundError(PlannerError):
     """The storage holds no study of the requested name."""
 

@@ -1,5 +1,12 @@
 """The runtime: record profiles, apply plans, measure plans on real FSDP2 ranks.
 
+Tuning inside one's own training loop::
+
+    tuner = AutoTuner(model, study="my-job", storage="sqlite:///tuning.db", memory_budget="+10%")
+    for batch in loader:
+        with tuner.step():
+            ...  # forward, backward, optimizer step
+
 Training start::
 
     from runtime import load_plan, load_best_plan, apply_plan
@@ -19,12 +26,14 @@ from planner.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from planner.errors import PlanFormatError, PlanMismatchError, UnsupportedPlanError, WorkloadError
     from runtime.apply import apply_plan, load_best_plan, load_plan, model_fingerprint
+    from runtime.autotuner import AutoTuner
     from runtime.workload import Workload, build_workload, fsdp_modules, load_factory, train_step
 
 _EXPORTS = {
     **dict.fromkeys(["PlanFormatError", "PlanMismatchError", "UnsupportedPlanError", "WorkloadError"],
                     "planner.errors"),
     **dict.fromkeys(["apply_plan", "load_best_plan", "load_plan", "model_fingerprint"], "runtime.apply"),
+    "AutoTuner": "runtime.autotuner",
     **dict.fromkeys(["Workload", "build_workload", "fsdp_modules", "load_factory", "train_step"], "runtime.workload"),
 }
 __all__ = sorted(_EXPORTS)

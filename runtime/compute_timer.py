@@ -18,13 +18,14 @@ from runtime.workload import Workload
 TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms")
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj``, a tensor or nested lists, tuples and dicts of them (other values skipped)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors_in(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors_in(v)]
     return []
 
 
@@ -90,7 +91,7 @@ class ComputeTimer:
             self.live.append(fqn)
             if fqn != self.root:
                 end_hook = self._once("bexit", fqn)
-                for t in _tensors((args, kwargs)):
+                for t in tensors_in((args, kwargs)):
                     if t.requires_grad:
                         t.register_hook(end_hook)
 
@@ -102,7 +103,7 @@ class ComputeTimer:
             self.live.remove(fqn)
             if fqn != self.root:
                 start_hook = self._once("benter", fqn)
-                for t in _tensors(output):
+                for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(start_hook)
 

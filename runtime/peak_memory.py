@@ -62,7 +62,7 @@ class PeakMemory:
     reserved_bytes: int | None = None
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard)."""
     seen: dict[int, int] = {}
     for t in tensors:
@@ -81,7 +81,7 @@ def bytes_alive(workload: Workload) -> int:
             tensors.append(p.grad)
     for state in workload.optimizer.state.values():
         tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return _storages(tensors)
+    return storage_bytes(tensors)
 
 
 def step_peak(allocations: list[tuple[int, int, int]]) -> int:

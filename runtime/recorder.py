@@ -75,8 +75,14 @@ def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str
             "optimizer_temp_bytes": max(p.optimizer_temp_bytes for p in peaks)}
 
 
-def _compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[str, bool]) -> dict[str, Any]:
-    """Compute ms per module and phase, orders and activation bytes, with every module unsharded, no communication."""
+def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[str, bool],
+                      zero_grad: bool = True) -> dict[str, Any]:
+    """Compute ms per module and phase, orders and activation bytes, with every module unsharded, no communication.
+
+    Gradient sync is off in the window (nothing is reduced into the sharded gradients); the unsharded gradients
+    are cleared after it and every module resharded with ``raf``'s ``reshard_after_forward``. ``zero_grad``: also
+    ``optimizer.zero_grad(set_to_none=True)`` (the in-loop tuner leaves the user's gradients alone).
+    """
     model = workload.model
     modules = fsdp_modules(model)
     model.set_reshard_after_forward(False)
@@ -107,7 +113,8 @@ def _compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[
             m.set_reshard_after_forward(raf[fqn], recurse=False)
             clear_unsharded_grads(m)
             m.reshard()
-        workload.optimizer.zero_grad(set_to_none=True)
+        if zero_grad:
+            workload.optimizer.zero_grad(set_to_none=True)
     return {
         "times": {fqn: {k: statistics.median(samples[fqn][k]) for k in TIMED} for fqn, _ in modules},
         "pre_forward_order": pre_order, "post_forward_order": post_order, "calls": calls,
@@ -137,7 +144,42 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     for s in range(warmup_steps):  # the optimizer state exists before its bytes are counted
         train_step(workload, s)
     raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
-    compute = _compute_unsharded(workload, repeats, device, raf)
+    isolated = isolated_figures(workload, fingerprint, repeats, device, raf)
+    default = _default_plan_steps(workload, steps, device)
+    local = {"rank": dist.get_rank(), **default, "optimizer_state_bytes": optimizer_state_bytes(optimizer), **isolated}
+    return consolidate(gather_objects(local), fingerprint, raf, isolated["calls"], workload.microbatches)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s state tensors on this rank (DTensors: their local shard)."""
+    return sum(
+        (v.to_local() if hasattr(v, "to_local") else v).numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int, device: str,
+                     raf: dict[str, bool], zero_grad: bool = True) -> dict[str, Any]:
+    """This rank's figures measured outside a training step (collective: all ranks call it).
+
+    Per FSDP module: forward and backward compute with every module unsharded and no communication
+    (:func:`compute_unsharded`), activation bytes, whether backward needs its parameters; all-gather and
+    reduce-scatter ms in isolation (:mod:`runtime.collective_timer`); sharded bytes. On a CPU device also the
+    overlap microbenchmark (:mod:`runtime.overlap_timer`). Times in ms, sizes in bytes.
+
+    Args:
+        workload: its ``make_batch(r)`` and ``loss_fn`` drive the compute windows (``repeats + 1`` passes).
+        raf: each module's ``reshard_after_forward`` to restore after the window.
+        zero_grad: passed to :func:`compute_unsharded`.
+
+    Returns:
+        ``{"overlap", "pre_forward_order", "post_forward_order", "calls", "modules": {fqn: figures}}``, the keys
+        :func:`consolidate` reads.
+    """
+    modules = fsdp_modules(workload.model)
+    compute = compute_unsharded(workload, repeats, device, raf, zero_grad=zero_grad)
     ag_ms = all_gather_ms(modules, repeats, device)
     numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
     overlap = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
@@ -146,20 +188,11 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         own = own_parameters(modules, fqn)
         sharded[fqn] = sum(p.to_local().numel() * p.element_size() for p in own)
         rs_ms[fqn] = reduce_scatter_ms(numel, own[0].dtype if own else torch.float32, repeats, device)
-    opt_state = sum(
-        (v.to_local() if hasattr(v, "to_local") else v).numel() * v.element_size()
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    )
-    default = _default_plan_steps(workload, steps, device)
-    local = {
-        "rank": dist.get_rank(),
-        **default,
+    return {
         "overlap": overlap,
-        "optimizer_state_bytes": opt_state,
         "pre_forward_order": compute["pre_forward_order"],
         "post_forward_order": compute["post_forward_order"],
+        "calls": compute["calls"],
         "modules": {
             fqn: {
                 **compute["times"][fqn],
@@ -172,12 +205,16 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
             for fqn, _ in modules
         },
     }
-    return _consolidate(gather_objects(local), fingerprint, raf, compute["calls"], workload.microbatches)
 
 
-def _consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
-                 microbatches: int = 1) -> Profile:
-    """Max across ranks of every figure; orders must agree across ranks."""
+def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
+                microbatches: int = 1) -> Profile:
+    """The profile from every rank's figures (``record_profile``'s ``local``, gathered): max across ranks of every
+    figure; orders must agree across ranks.
+
+    Raises:
+        RuntimeError: the ranks disagree on the post-forward order.
+    """
     first = per_rank[0]
     for other in per_rank[1:]:
         if other["post_forward_order"] != first["post_forward_order"]:

@@ -99,6 +99,8 @@ class SearchTable(Table):
             ``tpe``, ``nsga2`` (much cheaper per trial with hundreds of
             parameters) or ``random``.
         sim_trials: trials of the simulated stage.
+        sim_timeout_s: the simulated stage stops after this long, s (Optuna's ``timeout``), even short of
+            ``sim_trials``; unset: no limit (the in-loop tuner sets one: ``planner.study.in_loop``).
         measured_trials: simulated plans raced on the ranks (FSDP2's default
             races besides them; ``planner.study.select_candidates``).
         seed: the sampler's seed.
@@ -113,6 +115,7 @@ class SearchTable(Table):
     space: SpaceName = SpaceName.UNIFORM
     sampler: SamplerName = SamplerName.TPE
     sim_trials: StrictInt = Field(200, ge=0)
+    sim_timeout_s: StrictFloat | None = Field(None, gt=0.0)
     measured_trials: StrictInt = Field(3, ge=0)
     seed: StrictInt = 0
     candidate_band_pct: StrictFloat = Field(5.0, ge=0.0)

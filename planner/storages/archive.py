@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 
+from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError
@@ -25,6 +26,14 @@ def save_profile(engine: sa.Engine, study_name: str, profile: Profile) -> int:
         s.add(row)
         s.commit()
         return row.id
+
+
+def study_fingerprints(engine: sa.Engine, study_name: str) -> list[Fingerprint]:
+    """The fingerprints of every profile stored for study ``study_name``, oldest first (none: an empty list)."""
+    with session(engine) as s:
+        texts = s.scalars(sa.select(ProfileRow.json).where(ProfileRow.study_name == study_name)
+                          .order_by(ProfileRow.id)).all()
+    return [Profile.from_json(t).fingerprint for t in texts]
 
 
 def update_profile(engine: sa.Engine, profile_id: int, profile: Profile) -> None:

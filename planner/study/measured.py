@@ -84,8 +84,9 @@ class MeasuredStage:
     """
 
     def __init__(self, config: StudyConfig, storage: optuna.storages.RDBStorage, simulator: Simulator, job: str,
-                 space: SearchSpace):
+                 space: SearchSpace, source: str = "tune"):
         self.config = config
+        self.source = source
         self.storage = storage
         self.simulator = simulator
         self.profile = simulator.profile
@@ -185,7 +186,7 @@ class MeasuredStage:
             for c in candidates:
                 record = MeasuredTrialRecord(predicted_ms=c.predicted_ms, predicted_peak_bytes=c.predicted_peak_bytes,
                                              is_default=c.plan.is_default_for(self.profile), plan_key=plan_key(c.plan),
-                                             job=self.job, reconfirms=c.reconfirms)
+                                             job=self.job, source=self.source, reconfirms=c.reconfirms)
                 template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=c.params,
                                                      distributions=c.distributions, user_attrs=record.to_user_attrs())
                 trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)

@@ -213,12 +213,23 @@ def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan |
         StudyNotFoundError: no database or no such study.
         StorageError: the storage cannot be opened.
     """
+    best = recommendation_for(url, name, fingerprint)
+    if best is None:
+        return None, f"study {name!r} has no concluded tuning job for this model and world size"
+    return (None if best.is_default else best.plan), best.line(name)
+
+
+def recommendation_for(url: str, name: str, fingerprint: Fingerprint) -> BestPlan | None:
+    """Study ``name``'s recommendation for ``fingerprint`` (:func:`best_in`), read-only; ``None`` when no job for
+    this model and world size concluded.
+
+    Raises:
+        StudyNotFoundError: no database or no such study.
+        StorageError: the storage cannot be opened.
+    """
     study, storage = _load(url, name, read_only=True)
     try:
-        best = best_in(storage, study, name, fingerprint)
-        if best is None:
-            return None, f"study {name!r} has no concluded tuning job for this model and world size"
-        return (None if best.is_default else best.plan), best.line(name)
+        return best_in(storage, study, name, fingerprint)
     finally:
         storage.engine.dispose()
 

@@ -100,6 +100,8 @@ class MeasuredTrialRecord:
         is_default: the plan is FSDP2's default.
         plan_key: :func:`planner.study.candidates.plan_key` of the plan.
         job: the job that measured it.
+        source: what measured it: ``"tune"`` (a tuning job's own steps) or ``"in-loop"`` (a user's training
+            steps, ``runtime.AutoTuner``).
         step_ms: every step's max across ranks (race, then confirmation).
         per_rank_step_ms: per rank, that rank's step times.
         race: the race's figures.
@@ -121,6 +123,7 @@ class MeasuredTrialRecord:
     is_default: bool | None = None
     plan_key: str | None = None
     job: str | None = None
+    source: str | None = None
     step_ms: list[float] | None = None
     per_rank_step_ms: list[list[float]] | None = None
     race: RaceFigures | None = None
@@ -135,8 +138,8 @@ class MeasuredTrialRecord:
         """The set fields as Optuna user attributes (JSON values); trial number, state, parameters and value are
         Optuna's own and not among them."""
         attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "plan_key",
-                                                     "job", "step_ms", "per_rank_step_ms", "measured_peak_bytes",
-                                                     "confirm_rounds", "reconfirms")}
+                                                     "job", "source", "step_ms", "per_rank_step_ms",
+                                                     "measured_peak_bytes", "confirm_rounds", "reconfirms")}
         if self.race is not None:
             attrs.update(race_rounds=self.race.rounds, race_noise_pct=self.race.noise_pct, race_ratio=self.race.ratio,
                          dropped_after_round=self.race.dropped_after_round, race_survivor=self.race.survivor or None)
@@ -173,7 +176,7 @@ class MeasuredTrialRecord:
         return cls(number=trial.number, state=trial.state, params=dict(trial.params), measured_ms=trial.value,
                    retry_of=trial.system_attrs.get(_RETRY_OF), predicted_ms=a.get("predicted_ms"),
                    predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
-                   plan_key=a.get("plan_key"), job=a.get("job"), step_ms=a.get("step_ms"),
+                   plan_key=a.get("plan_key"), job=a.get("job"), source=a.get("source"), step_ms=a.get("step_ms"),
                    per_rank_step_ms=a.get("per_rank_step_ms"), race=race, confirmation=confirmation,
                    confirm_rounds=a.get("confirm_rounds"), reconfirms=a.get("reconfirms"),
                    confirm_launches=[ConfirmLaunch.from_json(x) for x in launches] if launches is not None else None,

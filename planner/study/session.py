@@ -50,6 +50,15 @@ from planner.units import mib
 logger = logging.getLogger(__name__)
 
 
+def job_name() -> str:
+    """A new tuning job's name: host, process id and a random suffix (trial attribute ``job``)."""
+    import os
+    import socket
+    import uuid
+
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TuneOutcome:
     """What a tuning session leaves.
@@ -100,6 +109,8 @@ class TuningSession:
             asking), which an interrupt must not cut in two: the runtime's ``interrupts_deferred``.
         confirm_launches: fresh launches the survivor's confirmation runs in after this job
             (``planner.study.confirmation``); ``0``: confirmed here, after the race.
+        source: what measures the trials (trial attribute ``source``): ``"tune"``, or ``"in-loop"`` for
+            ``runtime.AutoTuner`` in a user's training loop.
 
     Attributes:
         profile: the profile as it stands (with a stored calibration once :meth:`prepare` found one).
@@ -112,8 +123,8 @@ class TuningSession:
                  profile_out: str, progress: bool = False,
                  on_drop: Callable[[MeasuredTrial, int], None] | None = None,
                  critical: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 confirm_launches: int = 0):
-        self.config, self.profile, self.space, self.job = config, profile, space, job
+                 confirm_launches: int = 0, source: str = "tune"):
+        self.config, self.profile, self.space, self.job, self.source = config, profile, space, job, source
         self.confirm_launches = confirm_launches
         self.plan_out, self.profile_out, self.progress, self.on_drop = plan_out, profile_out, progress, on_drop
         self.critical = critical
@@ -146,7 +157,7 @@ class TuningSession:
         logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
         sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
                               budget_bytes=self.budget_bytes)
-        self.stage = MeasuredStage(config, storage, self.simulator, self.job, self.space)
+        self.stage = MeasuredStage(config, storage, self.simulator, self.job, self.space, self.source)
         with self.critical():  # trials created RUNNING are held by the stage (fail_held)
             retries = self.stage.claim_retries()
         if retries:

@@ -34,7 +34,8 @@ def simulated_stage(
     show_progress_bar: bool = True,
     budget_bytes: int | None = None,
 ) -> optuna.Study:
-    """Run ``[search] sim_trials`` simulated trials and store them in study ``NAME.sim``.
+    """Run ``[search] sim_trials`` simulated trials (fewer if ``sim_timeout_s`` runs out) and store them in study
+    ``NAME.sim``.
 
     Two objectives, both minimized (:data:`SIM_METRICS`): the predicted step
     ms and the predicted peak bytes per rank, so the study holds the
@@ -99,7 +100,7 @@ def simulated_stage(
     with warnings.catch_warnings():  # TPE's multi-objective mode warns on each start
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study.optimize(
-            objective, n_trials=search.sim_trials, show_progress_bar=show_progress_bar,
+            objective, n_trials=search.sim_trials, timeout=search.sim_timeout_s, show_progress_bar=show_progress_bar,
             catch=(PlannerError, KeyError, ValueError),
         )
     new = study.trials[len(previous):]

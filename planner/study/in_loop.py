@@ -1,0 +1,213 @@
+"""The in-loop tuner's decisions, torch-free: its phases, the study it writes, and what it does at construction.
+
+``runtime.AutoTuner`` tunes inside a user's own training loop, on the real
+steps. It runs the same tuning session as ``prefetch-planner tune``
+(:class:`planner.study.session.TuningSession`): the same simulated stage,
+candidates, race, confirmation and recommendation. What differs is who runs
+the steps (the user's loop, one ``with tuner.step():`` per optimizer step) and
+where the confirmation runs (in the loop: ``confirm_launches = 0``).
+
+[Note: Tuning on the user's steps]
+Every plan leaves the loss bitwise identical to FSDP2's default (the loss
+property test, ``tests/test_loss_equivalence.py``), so racing plans on the
+user's own steps costs time, never correctness: the bargain
+``torch.backends.cudnn.benchmark`` makes. Three things could still change
+the training, and the tuner keeps them out:
+- the recorder's isolated passes (every module unsharded, gradient sync
+  off) run between steps on the first step's inputs, with a surrogate loss
+  (the sum of the outputs); their gradients are cleared, never reduced into
+  the user's, and the random-number generators and the model's buffers
+  (batch-norm statistics) are restored after them;
+- the overlap microbenchmark draws random matrices: restored likewise;
+- a plan is switched only between steps, on every rank at the same step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.fingerprint import Fingerprint
+from planner.errors import StudyConfigError, StudyModelMismatchError
+
+SOURCE = "in-loop"  # trial attribute ``source`` of the trials the in-loop tuner measures
+FACTORY = "<in-loop>"  # [workload] factory of an in-loop study: the user's loop builds the model, no factory
+IN_LOOP_DEFAULTS: dict[str, Any] = {"sim_timeout_s": 10.0, "confirm_launches": 0}
+
+
+class TunerPhase(enum.StrEnum):
+    """Where an in-loop tuner is (``runtime.AutoTuner.phase``).
+
+    Attributes:
+        RECORDING: FSDP2's default runs; the profile is recorded on its steps (isolated passes between steps).
+        SEARCHING: the simulated stage and the candidates (between two steps, on rank 0).
+        RACING: one plan per step, in the race's balanced order (their warm-up steps first).
+        CONFIRMING: the race's survivor against FSDP2's default on fresh rounds.
+        DONE: the recommended plan (or FSDP2's default) stays applied; the tuner adds nothing to a step.
+    """
+
+    RECORDING = "recording"
+    SEARCHING = "searching"
+    RACING = "racing"
+    CONFIRMING = "confirming"
+    DONE = "done"
+
+
+def in_loop_config(study: str, storage: str | None = None, memory_budget: str | None = None,
+                   directory: str | Path = ".", **keys: Any) -> StudyConfig:
+    """The study an in-loop tuner runs, from the :class:`~runtime.AutoTuner` arguments.
+
+    Args:
+        study: the study's name (``[study] name``).
+        storage: its SQLAlchemy URL; ``None``: the caller gives a private SQLite file.
+        memory_budget: ``[search] memory_budget`` (``"+10%"``, ``"1.5GiB"``, ...).
+        directory: where relative outputs go.
+        keys: any other study key, flat (``sim_trials=400``, ``min_rounds=6``, ...: the TOML keys). The
+            in-loop defaults (:data:`IN_LOOP_DEFAULTS`) apply where not given: a 10 s cap on the simulated
+            stage, and the confirmation in the loop.
+
+    Raises:
+        StudyConfigError: an unknown key, a value out of range, or ``confirm_launches`` other than 0 (the
+            confirmation runs in the loop: the tuner cannot start processes).
+    """
+    if keys.get("confirm_launches", 0) != 0:
+        raise StudyConfigError(f"AutoTuner: confirm_launches = {keys['confirm_launches']}, but in the training loop "
+                               "the confirmation runs on the loop's own steps; leave confirm_launches unset (0)")
+    if "factory" in keys:
+        raise StudyConfigError("AutoTuner: 'factory' is not a key here: the training loop builds the model")
+    fields = {**IN_LOOP_DEFAULTS, **keys, "name": study, "factory": FACTORY, "memory_budget": memory_budget,
+              "storage": storage}
+    return StudyConfig.build(directory, source="AutoTuner", **fields)
+
+
+@dataclass(frozen=True)
+class StartDecision:
+    """What an in-loop tuner does at construction (:func:`start_decision`).
+
+    Attributes:
+        tune: tune on the coming steps (else apply the study's recommendation and spend no step).
+        why: one line for the log.
+    """
+
+    tune: bool
+    why: str
+
+
+def same_model(a: Fingerprint, b: Fingerprint) -> bool:
+    """The same FSDP modules with the same parameter counts (whatever the world size, device or torch)."""
+    return a.module_fqns == b.module_fqns and a.param_numels == b.param_numels
+
+
+def same_job(a: Fingerprint, b: Fingerprint) -> bool:
+    """What a plan and its measurements are good for: the same model on the same world size, device, dtypes and
+    torch version."""
+    return same_model(a, b) and (a.world_size, a.device_type, a.param_dtypes, a.torch_version) == (
+        b.world_size, b.device_type, b.param_dtypes, b.torch_version)
+
+
+def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Fingerprint], has_recommendation: bool,
+                   recheck: bool) -> StartDecision:
+    """Tune, or reuse the study's recommendation ([Note: Tuning on the user's steps]).
+
+    Args:
+        study: the study's name (for the messages).
+        fingerprint: the model at hand.
+        stored: the fingerprints of the study's recorded profiles (``planner.storages.archive.study_fingerprints``).
+        has_recommendation: the study has a concluded job for ``fingerprint`` (``planner.study.best_plan_for``).
+        recheck: the user asked to re-confirm the recommendation on the coming steps.
+
+    Raises:
+        StudyModelMismatchError: every stored profile is of another model (other FSDP modules or parameter
+            counts): the study's trials would be mixed up with this model's; name a new study.
+    """
+    if stored and not any(same_model(s, fingerprint) for s in stored):
+        difference = stored[-1].first_difference(
+            Fingerprint(fingerprint.module_fqns, fingerprint.param_numels, fingerprint.param_bytes,
+                        stored[-1].world_size, fingerprint.device_type, fingerprint.param_dtypes,
+                        fingerprint.torch_version))
+        raise StudyModelMismatchError(
+            f"study {study!r} was tuned for another model ({difference}); give this model its own study name")
+    if has_recommendation and any(same_job(s, fingerprint) for s in stored):
+        if recheck:
+            return StartDecision(True, f"study {study!r} has a plan for this model; recheck=True: racing it again "
+                                       "against FSDP2's default on the coming steps")
+        return StartDecision(False, f"study {study!r} has a plan for this model, world size and torch: applied, "
+                                    "no step spent tuning")
+    if not stored:
+        return StartDecision(True, f"study {study!r} is new: tuning on the coming steps")
+    if any(same_job(s, fingerprint) for s in stored):
+        return StartDecision(True, f"study {study!r} has no concluded job for this model yet: tuning on the "
+                                   "coming steps")
+    last = stored[-1]
+    changed = [f"{name} {old} -> {new}" for name, old, new in (
+        ("world size", last.world_size, fingerprint.world_size), ("device", last.device_type, fingerprint.device_type),
+        ("dtypes", ",".join(last.param_dtypes), ",".join(fingerprint.param_dtypes)),
+        ("torch", last.torch_version, fingerprint.torch_version)) if old != new]
+    return StartDecision(True, f"study {study!r} was tuned for this model on another setup ({'; '.join(changed)}): "
+                               "tuning afresh")
+
+
+def step_orders(block: Sequence[Sequence[int]]) -> list[int]:
+    """A schedule block (per round, plan indices in running order) as the plan of each step, in order."""
+    return [plan for order in block for plan in order]
+
+
+def block_times(block: Sequence[Sequence[int]], step_ms: Sequence[float]) -> list[dict[int, float]]:
+    """The block's step times in the form ``Schedule.record`` takes: per round, plan index -> ms.
+
+    Args:
+        block: the block as handed out.
+        step_ms: each of its steps' time (max across ranks), in :func:`step_orders` order.
+
+    Raises:
+        ValueError: ``step_ms`` does not have one time per step of the block.
+    """
+    if len(step_ms) != sum(len(order) for order in block):
+        raise ValueError(f"{len(step_ms)} step times for a block of {sum(len(o) for o in block)} steps")
+    out, i = [], 0
+    for order in block:
+        out.append({plan: step_ms[i + k] for k, plan in enumerate(order)})
+        i += len(order)
+    return out
+
+
+def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool = False) -> tuple[StartDecision, Any]:
+    """Read the study (nothing is written) and decide what an in-loop tuner does at construction.
+
+    Returns:
+        ``(decision, plan)``: ``plan`` is the study's recommended ``Plan`` to apply when ``decision.tune`` is
+        false (``None``: FSDP2's default is the recommendation), else ``None``.
+
+    Raises:
+        StudyModelMismatchError: the study was tuned for another model (:func:`start_decision`).
+        StorageError: the storage cannot be opened.
+    """
+    import sqlalchemy as sa
+
+    from planner.errors import StudyNotFoundError
+    from planner.storages import open_storage_read_only
+    from planner.storages.archive import study_fingerprints
+    from planner.study.queries import recommendation_for
+
+    try:
+        storage = open_storage_read_only(config.storage_url)
+    except StudyNotFoundError:  # no database yet
+        return start_decision(config.name, fingerprint, [], False, recheck), None
+    try:
+        stored = study_fingerprints(storage.engine, config.name)
+    except sa.exc.SQLAlchemyError:  # a database no tuning job has written: no planner tables yet
+        stored = []
+    finally:
+        storage.engine.dispose()
+    try:
+        best = recommendation_for(config.storage_url, config.name, fingerprint)
+    except StudyNotFoundError:
+        best = None
+    decision = start_decision(config.name, fingerprint, stored, best is not None, recheck)
+    if decision.tune or best is None or best.is_default:
+        return decision, None
+    return decision, best.plan

@@ -1,0 +1,59 @@
+"""The in-loop tuner's torch-free decisions: the study it runs, whether it tunes or reuses, its blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.artifacts.fingerprint import Fingerprint
+from planner.errors import StudyConfigError, StudyModelMismatchError
+from planner.study.in_loop import block_times, in_loop_config, start_decision, step_orders
+
+MODEL = Fingerprint(("", "layers.0", "layers.1"), (10, 20, 20), (40, 80, 80), 2, "cpu", ("torch.float32",), "2.13.0")
+
+
+def test_config_defaults_and_refusals(tmp_path):
+    config = in_loop_config("job", f"sqlite:///{tmp_path}/s.db", "+10%", min_rounds=6)
+    assert config.search.sim_timeout_s == 10.0 and config.measure.confirm_launches == 0
+    assert config.measure.min_rounds == 6 and config.search.memory_budget == "+10%"
+    assert in_loop_config("job", "sqlite://", sim_timeout_s=2.5).search.sim_timeout_s == 2.5
+    with pytest.raises(StudyConfigError, match="confirm_launches = 2.*leave confirm_launches unset"):
+        in_loop_config("job", "sqlite://", confirm_launches=2)
+    with pytest.raises(StudyConfigError, match="unknown key 'min_round'"):
+        in_loop_config("job", "sqlite://", min_round=6)
+    with pytest.raises(StudyConfigError, match="'factory' is not a key here"):
+        in_loop_config("job", "sqlite://", factory="x:y")
+
+
+def test_start_decision():
+    # a new study tunes
+    assert start_decision("s", MODEL, [], False, False).tune
+    # the same model, world size and torch with a concluded job: applied, no step spent (unless rechecked)
+    reuse = start_decision("s", MODEL, [MODEL], True, False)
+    assert not reuse.tune and "no step spent" in reuse.why
+    assert start_decision("s", MODEL, [MODEL], True, True).tune
+    # recorded but never concluded: tune
+    assert start_decision("s", MODEL, [MODEL], False, False).tune
+    # another world size or torch: tune afresh, and say what changed
+    for field, value, shown in (("world_size", 4, "world size 4 -> 2"), ("torch_version", "2.12.0", "torch 2.12.0")):
+        other = dataclasses.replace(MODEL, **{field: value})
+        decision = start_decision("s", MODEL, [other], True, False)
+        assert decision.tune and shown in decision.why and "tuning afresh" in decision.why
+    # another model: an error before any step
+    bigger = dataclasses.replace(MODEL, param_numels=(10, 20, 30))
+    with pytest.raises(StudyModelMismatchError, match="study 's' was tuned for another model.*'layers.1'"):
+        start_decision("s", MODEL, [bigger], True, False)
+    renamed = dataclasses.replace(MODEL, module_fqns=("", "blocks.0", "blocks.1"))
+    with pytest.raises(StudyModelMismatchError, match="blocks.0"):
+        start_decision("s", MODEL, [renamed], False, False)
+    # a study holding this model among others is this model's
+    assert not start_decision("s", MODEL, [bigger, MODEL], True, False).tune
+
+
+def test_block_steps_and_times():
+    block = [[0, 1, 2], [2, 0, 1]]
+    assert step_orders(block) == [0, 1, 2, 2, 0, 1]
+    assert block_times(block, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == [{0: 1.0, 1: 2.0, 2: 3.0}, {2: 4.0, 0: 5.0, 1: 6.0}]
+    with pytest.raises(ValueError, match="5 step times for a block of 6 steps"):
+        block_times(block, [1.0] * 5)
