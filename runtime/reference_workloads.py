@@ -108,23 +108,25 @@ def gpt2(
 
 
 class _MLPBlock(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, dropout: float = 0.0):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, 4 * dim)
         self.fc2 = nn.Linear(4 * dim, dim)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + self.dropout(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
 
 
 class MLPStack(nn.Module):
-    """``layers`` pre-norm residual MLP blocks between an input and output projection."""
+    """``layers`` pre-norm residual MLP blocks between an input and output projection (``dropout`` after each
+    block's second linear layer: a model that draws random numbers in its forward)."""
 
-    def __init__(self, dim: int, layers: int):
+    def __init__(self, dim: int, layers: int, dropout: float = 0.0):
         super().__init__()
         self.proj_in = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(_MLPBlock(dim) for _ in range(layers))
+        self.blocks = nn.ModuleList(_MLPBlock(dim, dropout) for _ in range(layers))
         self.proj_out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,10 +136,11 @@ class MLPStack(nn.Module):
         return self.proj_out(x)
 
 
-def mlp(mesh: Any, dim: int = 256, layers: int = 4, batch_size: int = 8, lr: float = 1e-3, seed: int = 0) -> Workload:
-    """A small MLP stack (fast; used by the tests)."""
+def mlp(mesh: Any, dim: int = 256, layers: int = 4, batch_size: int = 8, lr: float = 1e-3, seed: int = 0,
+        dropout: float = 0.0) -> Workload:
+    """A small MLP stack (fast; used by the tests); ``dropout`` > 0 draws random numbers in every forward."""
     torch.manual_seed(seed)
-    model = MLPStack(dim, layers)
+    model = MLPStack(dim, layers, dropout)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

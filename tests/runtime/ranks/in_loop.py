@@ -1,11 +1,20 @@
-"""Rank script: a user's own training loop, without and with ``runtime.AutoTuner``, losses step by step.
+"""Rank script: a user's own training loop with ``runtime.AutoTuner`` (and without it, to compare losses).
 
-argv: factory, kwargs JSON, steps, microbatches, storage URL (or "none"), output JSON, then AutoTuner keys as
-JSON. The loop is written as a user writes it (no runtime.workload helpers): zero_grad, forward and backward
-per microbatch (loss / n), optimizer step. Rank 0 writes {"without": [[loss hex per step] per rank], "with": ...,
-"phases": [phase per step], "confirmation": [...] or null, "steps_tuning": n, "final_phase": phase}.
+argv: factory, kwargs JSON, steps, microbatches, storage URL (or "none"), output JSON, AutoTuner keys JSON, mode.
+The loop is written as a user writes it (no runtime.workload step helpers): zero_grad, forward and backward per
+microbatch (loss / n), optimizer step. Modes:
+
+- ``compare``: the loop without the tuner, then with it, each on a fresh model;
+- ``tune``: with the tuner only;
+- ``raise:N``: with the tuner, step N raises ``ValueError`` on every rank; then a second tuner on the same study
+  runs the loop on a fresh model.
+
+Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phase at each step],
+"steps_tuning", "final_phase", "confirmation": [ratio, ci, rounds, verdict] or null, "plan": Plan dict,
+"raised": [type, message] (raise mode), "second": the same figures of the second tuner (raise mode)}.
 """
 
+import contextlib
 import json
 import logging
 import sys
@@ -17,49 +26,62 @@ from runtime.rank import init_rank, shutdown_rank
 from runtime.workload import build_workload
 
 factory, kwargs, steps, microbatches = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-storage, out, keys = sys.argv[5], sys.argv[6], json.loads(sys.argv[7])
+storage, out, keys, mode = sys.argv[5], sys.argv[6], json.loads(sys.argv[7]), sys.argv[8]
+storage = None if storage == "none" else storage
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 mesh = init_rank("gloo")
 
 
-def loop(tuner: AutoTuner | None, workload) -> tuple[list[str], list[str]]:
+def loop(tuner: AutoTuner | None, workload, raise_at: int = -1) -> tuple[list[str], list[str]]:
     model, optimizer = workload.model, workload.optimizer
     losses, phases = [], []
     for step in range(steps):
         phases.append(str(tuner.phase) if tuner else "none")
-        ctx = tuner.step() if tuner else _null()
-        with ctx:
+        with tuner.step() if tuner else contextlib.nullcontext():
             optimizer.zero_grad()
             total = 0.0
             for i in range(microbatches):
                 loss = workload.loss_fn(model, workload.make_batch(step * microbatches + i)) / microbatches
                 loss.backward()
                 total += loss.detach().double().item()
+            if step == raise_at:
+                raise ValueError(f"boom at step {step}")
             optimizer.step()
         losses.append(float(total).hex())
     return losses, phases
 
 
-class _null:
-    def __enter__(self):
-        return self
+def gathered(local):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return everyone
 
-    def __exit__(self, *exc):
-        return False
+
+def figures(tuner: AutoTuner, phases: list[str]) -> dict:
+    c = tuner.confirmation
+    return {"phases": phases, "steps_tuning": tuner.steps_tuning, "final_phase": str(tuner.phase),
+            "plan": tuner.plan.to_dict(),
+            "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, str(c.verdict)]}
 
 
 result = {}
-without, _ = loop(None, build_workload(factory, mesh, kwargs))
+if mode == "compare":
+    result["without"] = gathered(loop(None, build_workload(factory, mesh, kwargs))[0])
 workload = build_workload(factory, mesh, kwargs)
-tuner = AutoTuner(workload.model, study="in-loop", storage=None if storage == "none" else storage, **keys)
-with_tuner, phases = loop(tuner, workload)
-for name, local in (("without", without), ("with", with_tuner)):
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    result[name] = gathered
-c = tuner.confirmation
-result.update(phases=phases, steps_tuning=tuner.steps_tuning, final_phase=str(tuner.phase),
-              confirmation=None if c is None else [c.ratio, list(c.ci95), c.rounds, str(c.verdict)])
+tuner = AutoTuner(workload.model, study="in-loop", storage=storage, **keys)
+if mode.startswith("raise:"):
+    try:
+        loop(tuner, workload, raise_at=int(mode.split(":")[1]))
+    except ValueError as e:
+        result["raised"] = [type(e).__name__, str(e)]
+    result.update(figures(tuner, []))
+    workload = build_workload(factory, mesh, kwargs)
+    second = AutoTuner(workload.model, study="in-loop", storage=storage, **keys)
+    result["second"] = figures(second, loop(second, workload)[1])
+else:
+    losses, phases = loop(tuner, workload)
+    result["with"] = gathered(losses)
+    result.update(figures(tuner, phases))
 if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump(result, f)
