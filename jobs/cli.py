@@ -59,7 +59,7 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
     torchrun it runs as that rank and confirms in its own processes.
     """
     from jobs.tune import TuneJob
-    from planner.study.session import job_name
+    from planner.study.measured import job_name
     from runtime.launch import in_torchrun, launch_ranks
 
     config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials,

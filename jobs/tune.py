@@ -21,8 +21,8 @@ from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, one_line
 from planner.storages import check_writable
-from planner.study.measured import MeasuredTrial
-from planner.study.session import TuneOutcome, TuningSession, job_name
+from planner.study.measured import MeasuredTrial, job_name
+from planner.study.session import TuneOutcome, TuningSession
 from runtime.collectives import control_group
 from runtime.interrupts import interrupts_deferred, interrupts_raise
 from runtime.protocol import measured_round

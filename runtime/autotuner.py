@@ -44,8 +44,7 @@ import logging
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,30 +54,20 @@ from torch.distributed.fsdp import FSDPModule
 
 from planner import errors
 from planner.artifacts.plan import Plan
-from planner.errors import FailKind, NotShardedError, PlannerError, one_line
-from planner.statistics.schedule import Phase
+from planner.artifacts.profile import Profile
+from planner.errors import NotShardedError, PlannerError, one_line
 from planner.statistics.verdict import Confirmation
-from planner.study.in_loop import SOURCE, TunerPhase, block_times, in_loop_config, plan_at_start, step_orders
+from planner.study.in_loop import TunerPhase, in_loop_config, plan_at_start
 from runtime.accumulation import reshard_after_backward
 from runtime.apply import apply_plan, model_fingerprint
-from runtime.collectives import broadcast_from_rank0, control_group, gather_objects, max_across_ranks
+from runtime.collectives import broadcast_from_rank0, control_group, gather_objects
+from runtime.in_loop_round import PEAK, RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, InLoopRound, LoopStep
 from runtime.loop_recorder import LoopRecorder, PeakMeter
 from runtime.measure import synchronize
-from runtime.peak_memory import PEAK_STEPS, peak_of_steps
+from runtime.peak_memory import PEAK_STEPS
 from runtime.workload import fsdp_modules
 
 logger = logging.getLogger(__name__)
-
-# What a tuner step does: RECORD_WARMUP and WARMUP are untimed, RECORD and TIMED timed, the PEAK kinds measure
-# peak memory (untimed).
-RECORD_WARMUP, RECORD, RECORD_PEAK, WARMUP, PEAK, TIMED = "record-warmup", "record", "record-peak", "warmup", \
-    "peak", "timed"
-
-
-@dataclass(frozen=True)
-class _Step:
-    kind: str
-    plan: int  # index into the tuner's plans (0: FSDP2's default)
 
 
 def _raise_named(payload: Any) -> Any:
@@ -148,24 +137,17 @@ class AutoTuner:
         self.steps_tuning = 0
         self._plans: list[Plan] = [self.plan]
         self._applied = 0
-        self._queue: deque[_Step] = deque()
+        self._queue: deque[LoopStep] = deque()
         self._times: list[float] = []
-        self._peaks: list[list[int]] = []
-        self._session: Any = None
-        self._asked: list[Any] = []
-        self._kept: list[int] = []
-        self._failed: dict[int, str] = {}
-        self._block: list[list[int]] | None = None
-        self._step_ms: list[list[float]] = []
-        self._per_rank: list[list[list[float]]] = []
         self._phase_started = 0
         self._recorder: LoopRecorder | None = None
         self._meter: PeakMeter | None = None
         self._microbatch_hook: Any = None
         self._microbatch = 0
         self._microbatches = 1
-        self._schedule: Any = None
         self.device = next(model.parameters()).device.type
+        files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
+        self._round = InLoopRound(model, self.config, self._group, files)
         self._start(recheck)
 
     # -- construction -----------------------------------------------------------------------------------------
@@ -191,8 +173,8 @@ class AutoTuner:
             return
         m = self.config.measure
         self._recorder = LoopRecorder(self.model, m.profile_repeats)
-        self._queue.extend([_Step(RECORD_WARMUP, 0)] * max(1, m.warmup_steps) + [_Step(RECORD, 0)] * m.steps
-                           + [_Step(RECORD_PEAK, 0)] * PEAK_STEPS)
+        self._queue.extend([LoopStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps) + [LoopStep(RECORD, 0)] * m.steps
+                           + [LoopStep(RECORD_PEAK, 0)] * PEAK_STEPS)
         self._microbatch_hook = self.model.register_forward_pre_hook(self._before_microbatch)
 
     # -- the user's step ---------------------------------------------------------------------------------------
@@ -228,7 +210,7 @@ class AutoTuner:
             self.model.set_reshard_after_backward(last or reshard_after_backward(self.model))
         self._microbatch += 1
 
-    def _before(self, order: _Step) -> float | None:
+    def _before(self, order: LoopStep) -> float | None:
         self._microbatch = 0
         if order.plan != self._applied:
             apply_plan(self.model, self._plans[order.plan], check=False)
@@ -243,7 +225,7 @@ class AutoTuner:
         synchronize(self.device)
         return time.perf_counter()
 
-    def _after(self, order: _Step, t0: float | None) -> None:
+    def _after(self, order: LoopStep, t0: float | None) -> None:
         ms = None
         if t0 is not None:
             synchronize(self.device)
@@ -254,188 +236,70 @@ class AutoTuner:
         if order.kind in (RECORD_WARMUP, RECORD, RECORD_PEAK):
             self._recorder.end_step(ms)
         elif order.kind == PEAK:
-            self._peaks[order.plan].append(self._meter.end()[0])
+            self._round.peaks[order.plan].append(self._meter.end()[0])
         elif order.kind == TIMED:
             self._times.append(ms)
 
-    def _step_failed(self, order: _Step, e: BaseException) -> None:
+    def _step_failed(self, order: LoopStep, e: BaseException) -> None:
         reason = f"a training step raised on rank {dist.get_rank()}: {one_line(e)}"
-        if self.rank0 and self._session is not None:
-            with contextlib.suppress(Exception):
-                if order.plan < len(self._asked):
-                    self._session.fail([self._asked[order.plan]], reason, FailKind.ERROR)
-                self._session.fail_held(f"not measured: {reason}", FailKind.INTERRUPTED)
-        self._abandon(f"a step raised inside tuner.step() ({one_line(e)})", apply=True)
+        self._round.fail(order.plan if self.phase != TunerPhase.RECORDING else None, reason)
+        self._abandon(f"a step raised inside tuner.step() ({one_line(e)})")
 
     # -- decisions between steps --------------------------------------------------------------------------------
 
     def _decide(self) -> None:
         """The queue ran out: the next phase or block (every rank, together)."""
+        round_ = self._round
         try:
             if self.phase == TunerPhase.RECORDING:
-                self._search()
-            elif self._block is None:
-                self._start_race()
+                steps = round_.search(self._recorded())
+                self._plans = round_.plans
+                self._applied = 0
+                self.phase, self._phase_started = TunerPhase.RACING, self.steps_tuning
+            elif round_.block is None:
+                steps = round_.start_race()
             else:
-                self._record_block()
+                steps = round_.record_block(self._times)
+            if steps is None:
+                self._conclude()
+                return
         except PlannerError as e:
-            if self.rank0 and self._session is not None:
-                with contextlib.suppress(Exception):
-                    self._session.fail_held(f"not measured: {one_line(e)}", FailKind.INTERRUPTED)
-            self._abandon(str(e), apply=True)
-
-    def _everywhere(self, compute: Callable[[], Any]) -> Any:
-        """``compute()`` on rank 0, its result on every rank; a planner error there raises on every rank."""
-        payload: Any = None
-        if self.rank0:
-            try:
-                payload = compute()
-            except PlannerError as e:
-                payload = {"error": one_line(e)}
-        return broadcast_from_rank0(payload, self._group)
-
-    def _search(self) -> None:
-        recorder = self._recorder
-        recorded_steps = self.steps_tuning
-        t0 = time.perf_counter()
-        isolated = recorder.isolated()
-        profile = recorder.profile(isolated, lambda local: gather_objects(local, self._group))
-        recorder.remove()
-        self._microbatches = profile.microbatches
-        self._recorder = None
-        self._meter = PeakMeter(self.model, recorder.optimizers)
-        self._log(f"AutoTuner: recorded FSDP2's default on {recorded_steps} steps (step {profile.measured_step_ms:.1f}"
-                  f" ms, {profile.microbatches} microbatch(es)), isolated passes {time.perf_counter() - t0:.1f} s "
-                  "between two steps")
-        self.phase = TunerPhase.SEARCHING
-        t0 = time.perf_counter()
-
-        def ask() -> list[dict]:
-            from planner.study.session import TuningSession, job_name
-            from search_spaces import get_space
-
-            out = self.profile_out or str(Path(self._tmp.name) / "profile.json")
-            plan_out = self.plan_out or str(Path(self._tmp.name) / "plan.json")
-            self._session = TuningSession(self.config, profile, get_space(self.config.search.space),
-                                          job=job_name(), plan_out=plan_out, profile_out=out, confirm_launches=0,
-                                          source=SOURCE)
-            self._asked = self._session.prepare()
-            return [a.plan.to_dict() for a in self._asked]
-
-        import optuna
-
-        verbosity = optuna.logging.get_verbosity()
-        optuna.logging.set_verbosity(optuna.logging.WARNING)  # not a line per simulated trial in the user's log
-        try:
-            self._plans = [Plan.from_dict(d) for d in self._everywhere(ask)]
-        finally:
-            optuna.logging.set_verbosity(verbosity)
-        errors_here = []
-        for plan in self._plans:
-            try:
-                apply_plan(self.model, plan, check=True)
-                errors_here.append(None)
-            except PlannerError as e:
-                errors_here.append(one_line(e))
-        apply_plan(self.model, self._plans[0], check=False)
-        self._applied = 0
-        outcomes = gather_objects(errors_here, self._group)
-        self._kept = [i for i in range(len(self._plans)) if all(o[i] is None for o in outcomes)]
-        for i in range(len(self._plans)):
-            if i not in self._kept:
-                self._failed[i] = "applying the plan failed on " + "; ".join(
-                    f"rank {r}: {o[i]}" for r, o in enumerate(outcomes) if o[i] is not None)
-        if 0 not in self._kept:
-            raise PlannerError(f"FSDP2's default plan failed to apply ({self._failed[0]})")
-        if self.rank0:
-            for i, reason in self._failed.items():
-                self._session.fail([self._asked[i]], reason, FailKind.ERROR)
-        self._log(f"AutoTuner: searched in {time.perf_counter() - t0:.1f} s between two steps: FSDP2's default and "
-                  f"{len(self._kept) - 1} candidate(s) to race")
-        self.phase = TunerPhase.RACING
-        self._phase_started = self.steps_tuning
-        self._peaks = [[] for _ in self._plans]
-        warm = max(0, self.config.measure.warmup_steps - PEAK_STEPS)
-        for i in self._kept:
-            self._queue.extend([_Step(WARMUP, i)] * warm + [_Step(PEAK, i)] * PEAK_STEPS)
-
-    def _start_race(self) -> None:
-        per_rank = gather_objects([self._peaks[i] for i in self._kept], self._group)
-        peaks = [peak_of_steps([rank[j] for rank in per_rank]) for j in range(len(self._kept))]
-
-        def over() -> list[int]:
-            return sorted(self._session.over_budget([self._asked[i] for i in self._kept], peaks))
-
-        dropped = set(self._everywhere(over))
-        for j in dropped:
-            self._failed[self._kept[j]] = "measured peak over the memory budget"
-        peaks = [p for j, p in enumerate(peaks) if j not in dropped]
-        self._kept = [i for j, i in enumerate(self._kept) if j not in dropped]
-        if dropped:
-            self._log(f"AutoTuner: {len(dropped)} candidate(s) dropped: measured peak over the memory budget")
-        self._step_ms = [[] for _ in self._kept]
-        self._per_rank = [[[] for _ in range(dist.get_world_size())] for _ in self._kept]
-
-        def first_block() -> dict:
-            self._schedule = self._session.start([self._asked[i] for i in self._kept], peaks)
-            return {"block": self._schedule.next_block(), "phase": str(self._schedule.phase)}
-
-        self._queue_block(self._everywhere(first_block))
-
-    def _queue_block(self, payload: dict) -> None:
-        block = payload["block"]
-        if block is None:
-            self._conclude()
+            round_.fail(None, one_line(e))
+            self._abandon(str(e))
             return
-        if payload["phase"] == str(Phase.CONFIRM) and self.phase != TunerPhase.CONFIRMING:
-            self._log(f"AutoTuner: raced {len(self._kept)} plans on {self.steps_tuning - self._phase_started} "
+        if round_.confirming and self.phase != TunerPhase.CONFIRMING:
+            self._log(f"AutoTuner: raced {len(round_.kept)} plans on {self.steps_tuning - self._phase_started} "
                       "steps; confirming the survivor against FSDP2's default on fresh rounds")
-            self.phase = TunerPhase.CONFIRMING
-            self._phase_started = self.steps_tuning
-        self._block = block
+            self.phase, self._phase_started = TunerPhase.CONFIRMING, self.steps_tuning
         self._times = []
-        self._queue.extend(_Step(TIMED, self._kept[j]) for j in step_orders(block))
+        self._queue.extend(steps)
 
-    def _record_block(self) -> None:
-        reports = gather_objects(self._times, self._group)
-        maxed = max_across_ranks(reports)
-        for pos, j in enumerate(step_orders(self._block)):
-            self._step_ms[j].append(maxed[pos])
-            for r, rep in enumerate(reports):
-                self._per_rank[j][r].append(rep[pos])
-
-        def next_block() -> dict:
-            self._schedule.record(block_times(self._block, maxed))
-            return {"block": self._schedule.next_block(), "phase": str(self._schedule.phase)}
-
-        self._queue_block(self._everywhere(next_block))
+    def _recorded(self) -> Profile:
+        """The profile of the recording steps, after the isolated passes (every rank)."""
+        recorder, t0 = self._recorder, time.perf_counter()
+        self.phase = TunerPhase.SEARCHING
+        profile = recorder.profile(recorder.isolated(), lambda local: gather_objects(local, self._group))
+        recorder.remove()
+        self._recorder, self._meter = None, PeakMeter(self.model, recorder.optimizers)
+        self._microbatches = profile.microbatches
+        self._log(f"AutoTuner: recorded FSDP2's default on {self.steps_tuning} steps (step "
+                  f"{profile.measured_step_ms:.1f} ms, {profile.microbatches} microbatch(es)); isolated passes "
+                  f"{time.perf_counter() - t0:.1f} s between two steps")
+        return profile
 
     def _conclude(self) -> None:
-        def finish() -> dict:
-            told = self._session.tell([self._asked[i] for i in self._kept], self._step_ms, self._per_rank)
-            failed = {self._asked[i].number: r for i, r in self._failed.items()}
-            outcome = self._session.finish(told, failed)
-            self._session.close()
-            if self.profile_out:
-                self._session.save_profile()
-            c = self._schedule.confirmation
-            written = outcome.written or Plan(self.fingerprint, {})
-            return {"plan": written.to_dict(), "line": outcome.best.line(self.config.name) if outcome.best else "",
-                    "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, c.noise_pct,
-                                                              str(c.verdict), c.launches]}
-
-        payload = self._everywhere(finish)
-        if payload["confirmation"] is not None:
-            from planner.statistics.verdict import Verdict
-
-            r, ci, n, noise, verdict, launches = payload["confirmation"]
-            self.confirmation = Confirmation(r, tuple(ci), n, noise, Verdict(verdict), launches)
-        plan = Plan.from_dict(payload["plan"])
-        apply_plan(self.model, plan, check=False)
-        what = f"; {payload['line']}" if payload["line"] else ""
+        try:
+            end = self._round.conclude(Plan(self.fingerprint, {}))
+        except PlannerError as e:
+            self._round.fail(None, one_line(e))
+            self._abandon(str(e))
+            return
+        self.confirmation = end.confirmation
+        apply_plan(self.model, end.plan, check=False)
+        what = f"; {end.line}" if end.line else ""
         self._log(f"AutoTuner: done after {self.steps_tuning} tuning steps ({self.steps_tuning - self._phase_started}"
                   f" confirming){what}")
-        self._finish_with(plan)
+        self._finish_with(end.plan)
 
     # -- the end ---------------------------------------------------------------------------------------------------
 
@@ -454,13 +318,9 @@ class AutoTuner:
             logger.info("AutoTuner: the plan keeps parameters unsharded between microbatches; call "
                         "runtime.accumulation.prepare_microbatch(model, i, n) before each microbatch to use it")
 
-    def _abandon(self, reason: str, apply: bool) -> None:
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                self._session.close()
+    def _abandon(self, reason: str) -> None:
         default = Plan(self.fingerprint, {})
-        if apply:
-            apply_plan(self.model, default, check=False)
+        apply_plan(self.model, default, check=False)
         self._log(f"AutoTuner: stopped tuning after {self.steps_tuning} steps, FSDP2's default applied: {reason}")
         self._finish_with(default)
 
@@ -469,10 +329,8 @@ class AutoTuner:
         measured again by the next tuner), FSDP2's default is applied."""
         if self.phase == TunerPhase.DONE:
             return
-        if self.rank0 and self._session is not None:
-            with contextlib.suppress(Exception):
-                self._session.fail_held("not measured: the training loop ended first", FailKind.INTERRUPTED)
-        self._abandon("closed before the tuning ended", apply=True)
+        self._round.fail(None, "the training loop ended first")
+        self._abandon("closed before the tuning ended")
 
     def _log(self, line: str) -> None:
         if self.rank0:

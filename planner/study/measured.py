@@ -39,6 +39,15 @@ from planner.study.simulated import name_objective
 METRIC = "step_ms"  # the measured study's objective: median step time in the race, ms (max across ranks)
 
 
+def job_name() -> str:
+    """A new tuning job's name: host, process id and a random suffix (trial attribute ``job``)."""
+    import os
+    import socket
+    import uuid
+
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 @dataclass(frozen=True)
 class MeasuredTrial:
     """A RUNNING trial of the measured study and the plan it measures.

@@ -50,15 +50,6 @@ from planner.units import mib
 logger = logging.getLogger(__name__)
 
 
-def job_name() -> str:
-    """A new tuning job's name: host, process id and a random suffix (trial attribute ``job``)."""
-    import os
-    import socket
-    import uuid
-
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
 @dataclass(frozen=True, kw_only=True)
 class TuneOutcome:
     """What a tuning session leaves.

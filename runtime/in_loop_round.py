@@ -1,0 +1,242 @@
+"""The measured round of the in-loop tuner: what happens between the user's steps, on every rank together.
+
+The rank protocol of ``runtime.protocol`` ([Note: Rank protocol of a measured
+round]) turned inside out: there, the protocol runs the steps; here, the
+user's loop runs them (``runtime.autotuner``) and this round is called between
+two of them. It answers each call with the steps to run next, as
+:class:`LoopStep` s, until the schedule is done. Rank 0 alone holds the tuning
+session (``planner.study.session.TuningSession``) and decides; every exchange
+between ranks is a collective on the control group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.errors import FailKind, PlannerError, one_line
+from planner.statistics.schedule import Phase
+from planner.statistics.verdict import Confirmation, Verdict
+from planner.study.in_loop import SOURCE, block_times, step_orders
+from runtime.apply import apply_plan
+from runtime.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
+from runtime.peak_memory import PEAK_STEPS, peak_of_steps
+
+logger = logging.getLogger("runtime.autotuner")
+
+# What a tuner step does: RECORD_WARMUP and WARMUP are untimed, RECORD and TIMED timed, the PEAK kinds measure
+# peak memory (untimed).
+RECORD_WARMUP, RECORD, RECORD_PEAK, WARMUP, PEAK, TIMED = (
+    "record-warmup", "record", "record-peak", "warmup", "peak", "timed")
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """One of the user's steps as the tuner runs it: its kind, and the plan (index into the round's plans;
+    0: FSDP2's default)."""
+
+    kind: str
+    plan: int
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """What a concluded round leaves on every rank: the plan to keep applied, the confirmation (``None`` when the
+    race dropped every candidate), and rank 0's line on the study's recommendation."""
+
+    plan: Plan
+    confirmation: Confirmation | None
+    line: str
+
+
+class InLoopRound:
+    """The round of one in-loop tuner (every rank holds one; rank 0's holds the tuning session).
+
+    Args:
+        model: the root FSDP module.
+        config: the in-loop study (``planner.study.in_loop.in_loop_config``).
+        group: the control group.
+        files: rank 0's ``(plan_out, profile_out)`` paths the session writes; ``profile_out`` ``None``: not written.
+    """
+
+    def __init__(self, model: nn.Module, config: StudyConfig, group: dist.ProcessGroup,
+                 files: tuple[str, str | None]):
+        self.model, self.config, self.group, self.files = model, config, group, files
+        self.rank0 = dist.get_rank() == 0
+        self.plans: list[Plan] = []
+        self.session: Any = None
+        self.asked: list[Any] = []
+        self.kept: list[int] = []
+        self.failed: dict[int, str] = {}
+        self.peaks: list[list[int]] = []
+        self.block: list[list[int]] | None = None
+        self.confirming = False
+        self._schedule: Any = None
+        self._step_ms: list[list[float]] = []
+        self._per_rank: list[list[list[float]]] = []
+
+    def everywhere(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` on rank 0, its result on every rank; a planner error there raises on every rank.
+
+        Raises:
+            PlannerError: ``compute`` raised one on rank 0 (its message).
+        """
+        payload: Any = None
+        if self.rank0:
+            try:
+                payload = compute()
+            except PlannerError as e:
+                payload = {"error": one_line(e)}
+        return broadcast_from_rank0(payload, self.group)
+
+    def search(self, profile: Profile) -> list[LoopStep]:
+        """The simulated stage and the candidates (rank 0), applied and checked everywhere; their warm-up steps.
+
+        Raises:
+            PlannerError: the session could not ask (storage, budget), or FSDP2's default failed to apply.
+        """
+        import optuna
+
+        def ask() -> list[dict]:
+            from planner.study.measured import job_name
+            from planner.study.session import TuningSession
+            from search_spaces import get_space
+
+            plan_out, profile_out = self.files
+            self.session = TuningSession(self.config, profile, get_space(self.config.search.space), job=job_name(),
+                                         plan_out=plan_out, profile_out=profile_out or "", confirm_launches=0,
+                                         source=SOURCE)
+            self.asked = self.session.prepare()
+            return [a.plan.to_dict() for a in self.asked]
+
+        t0 = time.perf_counter()
+        verbosity = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # not a line per simulated trial in the user's log
+        try:
+            self.plans = [Plan.from_dict(d) for d in self.everywhere(ask)]
+        finally:
+            optuna.logging.set_verbosity(verbosity)
+        here = []
+        for plan in self.plans:
+            try:
+                apply_plan(self.model, plan, check=True)
+                here.append(None)
+            except PlannerError as e:
+                here.append(one_line(e))
+        apply_plan(self.model, self.plans[0], check=False)
+        outcomes = gather_objects(here, self.group)
+        self.kept = [i for i in range(len(self.plans)) if all(o[i] is None for o in outcomes)]
+        for i in range(len(self.plans)):
+            if i not in self.kept:
+                self.failed[i] = "applying the plan failed on " + "; ".join(
+                    f"rank {r}: {o[i]}" for r, o in enumerate(outcomes) if o[i] is not None)
+        if 0 not in self.kept:
+            raise PlannerError(f"FSDP2's default plan failed to apply ({self.failed[0]})")
+        if self.rank0:
+            for i, reason in self.failed.items():
+                self.session.fail([self.asked[i]], reason, FailKind.ERROR)
+        self._log(f"AutoTuner: searched in {time.perf_counter() - t0:.1f} s between two steps: FSDP2's default and "
+                  f"{len(self.kept) - 1} candidate(s) to race")
+        self.peaks = [[] for _ in self.plans]
+        warm = max(0, self.config.measure.warmup_steps - PEAK_STEPS)
+        return [s for i in self.kept for s in [LoopStep(WARMUP, i)] * warm + [LoopStep(PEAK, i)] * PEAK_STEPS]
+
+    def start_race(self) -> list[LoopStep] | None:
+        """After the warm-ups: drop the plans over the memory budget, start the schedule; its first block's steps."""
+        per_rank = gather_objects([self.peaks[i] for i in self.kept], self.group)
+        peaks = [peak_of_steps([rank[j] for rank in per_rank]) for j in range(len(self.kept))]
+
+        def over() -> list[int]:
+            return sorted(self.session.over_budget([self.asked[i] for i in self.kept], peaks))
+
+        dropped = set(self.everywhere(over))
+        for j in dropped:
+            self.failed[self.kept[j]] = "measured peak over the memory budget"
+        peaks = [p for j, p in enumerate(peaks) if j not in dropped]
+        self.kept = [i for j, i in enumerate(self.kept) if j not in dropped]
+        if dropped:
+            self._log(f"AutoTuner: {len(dropped)} candidate(s) dropped: measured peak over the memory budget")
+        self._step_ms = [[] for _ in self.kept]
+        self._per_rank = [[[] for _ in range(dist.get_world_size())] for _ in self.kept]
+
+        def first_block() -> dict:
+            self._schedule = self.session.start([self.asked[i] for i in self.kept], peaks)
+            return {"block": self._schedule.next_block(), "phase": str(self._schedule.phase)}
+
+        return self._block_steps(self.everywhere(first_block))
+
+    def record_block(self, times: list[float]) -> list[LoopStep] | None:
+        """After a block: this rank's step ``times`` (ms, in step order) to the schedule; the next block's steps,
+        ``None`` when the schedule is done."""
+        reports = gather_objects(times, self.group)
+        maxed = max_across_ranks(reports)
+        for pos, j in enumerate(step_orders(self.block)):
+            self._step_ms[j].append(maxed[pos])
+            for r, rep in enumerate(reports):
+                self._per_rank[j][r].append(rep[pos])
+
+        def next_block() -> dict:
+            self._schedule.record(block_times(self.block, maxed))
+            return {"block": self._schedule.next_block(), "phase": str(self._schedule.phase)}
+
+        return self._block_steps(self.everywhere(next_block))
+
+    def _block_steps(self, payload: dict) -> list[LoopStep] | None:
+        self.block = payload["block"]
+        self.confirming = payload["phase"] == str(Phase.CONFIRM)
+        if self.block is None:
+            return None
+        return [LoopStep(TIMED, self.kept[j]) for j in step_orders(self.block)]
+
+    def conclude(self, default: Plan) -> RoundEnd:
+        """Tell the study, finish the session (the recommendation written); the plan to keep, on every rank.
+
+        Raises:
+            PlannerError: the study or the plan file could not be written.
+        """
+
+        def finish() -> dict:
+            told = self.session.tell([self.asked[i] for i in self.kept], self._step_ms, self._per_rank)
+            outcome = self.session.finish(told, {self.asked[i].number: r for i, r in self.failed.items()})
+            self.session.close()
+            if self.files[1]:
+                self.session.save_profile()
+            c = self._schedule.confirmation
+            written = outcome.written or default
+            return {"plan": written.to_dict(), "line": outcome.best.line(self.config.name) if outcome.best else "",
+                    "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, c.noise_pct,
+                                                              str(c.verdict), c.launches]}
+
+        payload = self.everywhere(finish)
+        confirmation = None
+        if payload["confirmation"] is not None:
+            r, ci, n, noise, verdict, launches = payload["confirmation"]
+            confirmation = Confirmation(r, tuple(ci), n, noise, Verdict(verdict), launches)
+        return RoundEnd(Plan.from_dict(payload["plan"]), confirmation, payload["line"])
+
+    def fail(self, plan: int | None, reason: str) -> None:
+        """Rank 0: record FAIL the trial of ``plan`` (``FailKind.ERROR``: its step raised; ``None``: none) and
+        every other trial still held (``FailKind.INTERRUPTED``: measured by the next tuner); close the session."""
+        if not self.rank0 or self.session is None:
+            return
+        try:
+            if plan is not None and plan < len(self.asked):
+                self.session.fail([self.asked[plan]], reason, FailKind.ERROR)
+            self.session.fail_held(f"not measured: {reason}", FailKind.INTERRUPTED)
+        except PlannerError as e:
+            logger.warning(f"AutoTuner: could not record the failure in the study: {one_line(e)}")
+        finally:
+            self.session.close()
+
+    def _log(self, line: str) -> None:
+        if self.rank0:
+            logger.info(line)
