@@ -57,7 +57,7 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, one_line
 from planner.statistics.verdict import Confirmation
-from planner.study.in_loop import TunerPhase, in_loop_config, plan_at_start
+from planner.study.in_loop import TunerPhase, in_loop_config, isolation_refusal, plan_at_start
 from runtime.accumulation import reshard_after_backward
 from runtime.apply import apply_plan, model_fingerprint
 from runtime.collectives import broadcast_from_rank0, control_group, gather_objects
@@ -278,6 +278,10 @@ class AutoTuner:
         """The profile of the recording steps, after the isolated passes (every rank)."""
         recorder, t0 = self._recorder, time.perf_counter()
         self.phase = TunerPhase.SEARCHING
+        default_peak = max(max(p) for p in gather_objects(recorder.peaks, self._group))
+        refusal = isolation_refusal(self.config, default_peak, sum(self.fingerprint.param_bytes))
+        if refusal is not None:  # the same on every rank: every figure in it is
+            raise PlannerError(refusal)
         profile = recorder.profile(recorder.isolated(), lambda local: gather_objects(local, self._group))
         recorder.remove()
         self._recorder, self._meter = None, PeakMeter(self.model, recorder.optimizers)

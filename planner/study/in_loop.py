@@ -211,3 +211,30 @@ def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool =
     if decision.tune or best is None or best.is_default:
         return decision, None
     return decision, best.plan
+
+
+def isolation_refusal(config: StudyConfig, default_peak_bytes: int, unsharded_bytes: int) -> str | None:
+    """Why the recorder's isolated passes may not run under the memory budget; ``None`` when they fit.
+
+    The isolated passes hold every module's parameters unsharded, and with gradient sync off every module's
+    unsharded gradient too (``runtime.recorder.compute_unsharded``): at most the default step's peak plus twice
+    the unsharded parameter bytes, per rank. That is an upper bound: the default step already holds some
+    modules unsharded.
+
+    Args:
+        config: the in-loop study (its ``[search] memory_budget``).
+        default_peak_bytes: FSDP2's default step's measured peak, bytes per rank (max across ranks).
+        unsharded_bytes: the model's unsharded parameter bytes, all FSDP modules.
+    """
+    budget = config.search.budget()
+    if budget is None:
+        return None
+    from planner.units import mib
+
+    limit = budget.resolve(default_peak_bytes)
+    need = default_peak_bytes + 2 * unsharded_bytes
+    if need <= limit:
+        return None
+    return (f"the recorder's isolated passes hold every module unsharded (up to {mib(need)} per rank), over the "
+            f"memory budget {budget.text} ({mib(limit)}); raise memory_budget, or record the profile where memory "
+            "allows (`prefetch-planner profile`) and tune with `prefetch-planner tune`")

@@ -85,3 +85,25 @@ def test_a_failing_step_propagates_and_the_next_tuner_goes_on(tmp_path):
     assert any("ValueError: boom at step 8" in r.failure.reason for r in failed)
     assert not any(r.state == optuna.trial.TrialState.RUNNING for r in _measured(storage))
     assert result["second"]["final_phase"] == "done" and result["second"]["steps_tuning"] > 0
+
+
+@pytest.mark.slow
+def test_trainer_adapters_leave_the_loss_identical(tmp_path):
+    """The Hugging Face and Lightning adapters, their hooks called where the trainers call them, with the
+    frameworks' real state classes: the same loss at every step as the bare loop, and the tuner done at the end
+    (or closed by on_train_end)."""
+    pytest.importorskip("lightning")
+    out = tmp_path / "adapters.json"
+    run_ranks("adapters.py", str(out), json.dumps(KEYS))
+    result = json.loads(out.read_text())
+    assert result["hf"] == result["bare"] and result["lightning"] == result["bare"]
+    assert result["phases"] == {"hf": "done", "lightning": "done"}
+
+
+@pytest.mark.slow
+def test_isolation_over_the_budget_keeps_the_default(tmp_path):
+    """A budget the recorder's isolated passes would exceed: no pass runs, FSDP2's default stays, nothing raced."""
+    result = run_loop(tmp_path, MLP, 12, "tune", memory_budget="+1%")
+    assert result["final_phase"] == "done" and result["plan"]["modules"] == {}
+    assert result["confirmation"] is None and "racing" not in result["phases"]
+    assert result["steps_tuning"] == result["phases"].count("recording") < 12

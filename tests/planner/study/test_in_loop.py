@@ -8,7 +8,7 @@ import pytest
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.errors import StudyConfigError, StudyModelMismatchError
-from planner.study.in_loop import block_times, in_loop_config, start_decision, step_orders
+from planner.study.in_loop import block_times, in_loop_config, isolation_refusal, start_decision, step_orders
 
 MODEL = Fingerprint(("", "layers.0", "layers.1"), (10, 20, 20), (40, 80, 80), 2, "cpu", ("torch.float32",), "2.13.0")
 
@@ -57,3 +57,13 @@ def test_block_steps_and_times():
     assert block_times(block, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == [{0: 1.0, 1: 2.0, 2: 3.0}, {2: 4.0, 0: 5.0, 1: 6.0}]
     with pytest.raises(ValueError, match="5 step times for a block of 6 steps"):
         block_times(block, [1.0] * 5)
+
+
+def test_isolation_refused_over_the_budget(tmp_path):
+    mib = 1 << 20
+    assert isolation_refusal(in_loop_config("job", "sqlite://"), 100 * mib, 40 * mib) is None  # no budget
+    assert isolation_refusal(in_loop_config("job", "sqlite://", "+80%"), 100 * mib, 40 * mib) is None  # 180 = 180
+    why = isolation_refusal(in_loop_config("job", "sqlite://", "+79%"), 100 * mib, 40 * mib)
+    assert why.startswith("the recorder's isolated passes hold every module unsharded (up to 180.0 MiB per rank)")
+    assert "memory budget +79% (179.0 MiB)" in why and "prefetch-planner profile" in why
+    assert isolation_refusal(in_loop_config("job", "sqlite://", "1GiB"), 100 * mib, 40 * mib) is None

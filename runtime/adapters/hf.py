@@ -1,0 +1,56 @@
+"""``runtime.AutoTuner`` in Hugging Face ``transformers.Trainer`` (Accelerate's FSDP2, ``fsdp_version=2``).
+
+::
+
+    from runtime.adapters.hf import PrefetchTuningCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[PrefetchTuningCallback(study="my-job", storage="sqlite:///tuning.db")])
+
+The tuner is built at ``on_train_begin`` on the model the trainer trains (after Accelerate's ``fully_shard``).
+One optimizer step of the Trainer, all its gradient-accumulation microbatches, is one ``tuner.step()``: it is
+entered at ``on_step_begin`` (the step's first microbatch) and left at ``on_step_end`` (after the optimizer
+step). The Trainer calls no callback when a step raises, so such a step is not recorded FAIL by the tuner; the
+study's heartbeat marks its trials stale and the next tuner measures them again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from runtime.adapters import root_fsdp_module
+from runtime.autotuner import AutoTuner
+
+
+class PrefetchTuningCallback(TrainerCallback):
+    """A ``TrainerCallback`` that tunes FSDP2's prefetch on the Trainer's own steps.
+
+    Args:
+        study, storage, memory_budget, keys: as :class:`runtime.AutoTuner` (``plan_out=``, ``recheck=``,
+            any study key).
+
+    Attributes:
+        tuner: the :class:`runtime.AutoTuner` once training began (``None`` before).
+    """
+
+    def __init__(self, study: str, storage: str | None = None, memory_budget: str | None = None, **keys: Any):
+        self.study, self.storage, self.memory_budget, self.keys = study, storage, memory_budget, keys
+        self.tuner: AutoTuner | None = None
+        self._step: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.tuner = AutoTuner(root_fsdp_module(model), self.study, self.storage, self.memory_budget, **self.keys)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step = self.tuner.step()
+        self._step.__enter__()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step, self._step = self._step, None
+        step.__exit__(None, None, None)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.tuner is not None:
+            self.tuner.close()  # training ended before the tuning did: FSDP2's default, trials FAIL (interrupted)
