@@ -107,3 +107,17 @@ def test_isolation_over_the_budget_keeps_the_default(tmp_path):
     assert result["final_phase"] == "done" and result["plan"]["modules"] == {}
     assert result["confirmation"] is None and "racing" not in result["phases"]
     assert result["steps_tuning"] == result["phases"].count("recording") < 12
+
+
+@pytest.mark.slow
+def test_lightning_end_to_end(tmp_path):
+    """Lightning's own fit loop (ModelParallelStrategy on CPU with gloo, accumulate_grad_batches=2) with the
+    adapter: every batch's loss bitwise identical to the same fit without it, and the tuner done in 40 steps."""
+    pytest.importorskip("lightning")
+    for mode in ("bare", "tune"):
+        run_ranks("lightning_e2e.py", mode, str(tmp_path))
+    for rank in (0, 1):
+        bare = json.loads((tmp_path / f"bare-{rank}.json").read_text())
+        tuned = json.loads((tmp_path / f"tune-{rank}.json").read_text())
+        assert len(bare["losses"]) == 80 and tuned["losses"] == bare["losses"]
+        assert tuned["phase"] == "done"
