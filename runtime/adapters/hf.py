@@ -7,7 +7,8 @@
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[PrefetchTuningCallback(study="my-job", storage="sqlite:///tuning.db")])
 
-The tuner is built at ``on_train_begin`` on the model the trainer trains (after Accelerate's ``fully_shard``).
+The tuner is built at the first ``on_step_begin`` on the model the trainer trains (Accelerate applies
+``fully_shard`` after ``on_train_begin``).
 One optimizer step of the Trainer, all its gradient-accumulation microbatches, is one ``tuner.step()``: it is
 entered at ``on_step_begin`` (the step's first microbatch) and left at ``on_step_end`` (after the optimizer
 step). The Trainer calls no callback when a step raises, so such a step is not recorded FAIL by the tuner; the
@@ -32,7 +33,7 @@ class PrefetchTuningCallback(TrainerCallback):
             any study key).
 
     Attributes:
-        tuner: the :class:`runtime.AutoTuner` once training began (``None`` before).
+        tuner: the :class:`runtime.AutoTuner` from the first step on (``None`` before).
     """
 
     def __init__(self, study: str, storage: str | None = None, memory_budget: str | None = None, **keys: Any):
@@ -40,10 +41,10 @@ class PrefetchTuningCallback(TrainerCallback):
         self.tuner: AutoTuner | None = None
         self._step: Any = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self.tuner = AutoTuner(root_fsdp_module(model), self.study, self.storage, self.memory_budget, **self.keys)
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.tuner is None:  # Accelerate shards the model after on_train_begin: the first step sees it sharded
+            self.tuner = AutoTuner(root_fsdp_module(model), self.study, self.storage, self.memory_budget,
+                                   **self.keys)
         self._step = self.tuner.step()
         self._step.__enter__()
 

@@ -53,7 +53,7 @@ def hf():
         total = 0.0
         for i in range(N):
             if i == 0:
-                cb.on_step_begin(None, state, control)
+                cb.on_step_begin(None, state, control, model=w.model)
             total += microbatch(w, step, i)
         w.optimizer.step()
         w.model.zero_grad()
