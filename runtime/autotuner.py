@@ -128,7 +128,6 @@ class AutoTuner:
         if storage is None and self.rank0:
             storage = f"sqlite:///{Path(self._tmp.name) / 'study.db'}"
         self.config = in_loop_config(study, storage or "sqlite://", memory_budget, **keys)
-        self.plan_out, self.profile_out = plan_out, profile_out
         self._group = control_group(self.config.launch.timeout_s)
         self.fingerprint = model_fingerprint(model)
         self.phase = TunerPhase.RECORDING

@@ -38,7 +38,7 @@ from planner.errors import PlannerError
 from runtime.apply import model_fingerprint
 from runtime.compute_timer import tensors_in
 from runtime.measure import synchronize
-from runtime.peak_memory import OPTIMIZER_BLOCK, stderr_silenced, step_peak, storage_bytes
+from runtime.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
 from runtime.recorder import consolidate, isolated_figures, optimizer_state_bytes
 from runtime.torch_private import profiler_allocations, reshard_after_forward
 from runtime.workload import Workload, fsdp_modules
@@ -100,15 +100,7 @@ class PeakMeter:
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             return
-        tensors: list[torch.Tensor] = []
-        for p in self.model.parameters():
-            tensors.append(p)
-            if p.grad is not None:
-                tensors.append(p.grad)
-        for optimizer in self.optimizers:
-            for state in optimizer.state.values():
-                tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        self._start_bytes = storage_bytes(tensors)
+        self._start_bytes = bytes_alive(self.model, self.optimizers)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.peak_memory
             self._prof.__enter__()

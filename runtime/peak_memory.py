@@ -72,15 +72,17 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def bytes_alive(workload: Workload) -> int:
-    """Bytes of the parameters, their gradients and the optimizer state alive now (each storage once)."""
+def bytes_alive(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of ``model``'s parameters, their gradients and the ``optimizers``' state alive now (each storage
+    once)."""
     tensors: list[torch.Tensor] = []
-    for p in workload.model.parameters():
+    for p in model.parameters():
         tensors.append(p)
         if p.grad is not None:
             tensors.append(p.grad)
-    for state in workload.optimizer.state.values():
-        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return storage_bytes(tensors)
 
 
@@ -154,7 +156,7 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
         optimizer_peak = torch.cuda.max_memory_allocated()
         return PeakMemory(max(peak, optimizer_peak), start, optimizer_peak - before,
                           max(reserved, torch.cuda.max_memory_reserved()))
-    start = bytes_alive(workload)
+    start = bytes_alive(workload.model, [optimizer])
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with stderr_silenced():  # [Note: Kineto's start and stop lines]
         prof.__enter__()
