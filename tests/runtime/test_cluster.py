@@ -8,6 +8,7 @@ started by the tests.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,6 +86,13 @@ def trials(url: str, name: str = "shared") -> list[MeasuredTrialRecord]:
     return [MeasuredTrialRecord.from_trial(t) for t in _frozen(url, name)]
 
 
+def asked_trials(out: str) -> tuple[str, list[int]]:
+    """The job and the trial numbers of its race, from the line ``tune`` logs at the start of the measured stage."""
+    m = re.search(r"\[3/3\] measured stage: .*?trials ([0-9, ]+) \(job (\S+)\)", out)
+    assert m, out
+    return m.group(2), sorted(int(x) for x in m.group(1).split(", "))
+
+
 def wait_for_running(url: str, proc: subprocess.Popen, timeout: float = 300) -> list[int]:
     """Poll the study until the job has measured trials RUNNING; return their numbers."""
     deadline = time.monotonic() + timeout
@@ -143,13 +151,20 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
         # a confirmation, or a race that dropped every candidate: both are valid ends of a job
         assert "best plan: " in out and ("confirmation: trial" in out or "significantly slower" in out), out
 
+    # Every trial a job said it asked for is in the study, under that job, and nothing else is. How many a job
+    # asks depends on when it starts: a plan another job measured or is measuring is not raced again, and this
+    # simulated stage finds 26 plans besides the default for this model, fewer than 3 jobs x 9: a late job gets fewer.
+    asked = dict(asked_trials(out) for _, out, _ in results)
     measured = trials(storage_url)
-    n = len(measured)  # 10 per job, one more where a job raced the study's recommendation again
-    assert 30 <= n <= 32 and sum(t.reconfirms is not None for t in measured) == n - 30
+    n = len(measured)
+    per_job: dict[str, list[int]] = {}
+    for t in measured:
+        per_job.setdefault(t.job, []).append(t.number)
+    assert per_job == asked and len(asked) == 3
+    assert all(2 <= len(numbers) <= 11 for numbers in asked.values()), asked  # the default, 1-9 plans, a re-race
     assert Counter(t.state.name for t in measured) == {"COMPLETE": n}
-    per_job = Counter(t.job for t in measured)
-    assert sorted(per_job.values())[0] == 10 and len(per_job) == 3
     assert sum(t.is_default for t in measured) == 3  # every job measured its own baseline
+    assert all(c <= 1 for c in Counter(t.job for t in measured if t.reconfirms is not None).values())
     assert len({t.number for t in measured}) == n
     # our rows: one plan row and one run row per measured trial, no duplicate
     engine = sa.create_engine(storage_url)
