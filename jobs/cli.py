@@ -143,14 +143,26 @@ def confirm(study_toml, storage, job) -> None:
 
 
 @main.command()
-@click.argument("study_toml")
+@click.argument("inputs", nargs=-1, required=True, metavar="STUDY_TOML | --from-trace TRACE...")
 @click.option("-o", "--output", help="Profile JSON to write (default: <toml dir>/<name>.profile.json).")
 @click.option("--torch-trace", help="Also write one default-plan step's torch.profiler trace (rank 0) here.")
-def profile(study_toml, output, torch_trace) -> None:
-    """Record a profile on the study's ranks (the recorder `tune` uses)."""
+@click.option("--from-trace", "from_trace", is_flag=True,
+              help="Build the profile from a job's torch.profiler traces (one per rank, or their directory); "
+                   "no rank runs.")
+@click.option("--model", help="With --from-trace: the traced job's workload factory (package.module:function), "
+                              "for the model's own parameter counts (else estimated).")
+@click.option("--model-kwargs", help="With --model: the factory's keyword arguments, a JSON object.")
+def profile(inputs, output, torch_trace, from_trace, model, model_kwargs) -> None:
+    """Record a profile on the study's ranks (the recorder `tune` uses), or build one from traces (--from-trace)."""
+    if from_trace:
+        _profile_from_trace(list(inputs), output, model, model_kwargs)
+        return
+    if len(inputs) != 1 or model or model_kwargs:
+        raise click.UsageError("give one study TOML (or --from-trace and the traces); --model needs --from-trace")
     from jobs.profile import ProfileJob
     from runtime.launch import in_torchrun, launch_ranks
 
+    study_toml = inputs[0]
     config: StudyConfig = load_study_config(study_toml)
     output = output or config.default_output(".profile.json")
     if in_torchrun():
@@ -168,6 +180,22 @@ def profile(study_toml, output, torch_trace) -> None:
     code = launch_ranks(["profile", study_toml, "-o", output] + (["--torch-trace", torch_trace] if torch_trace else []),
                         config.launch.nproc_per_node)
     _exit_with_ranks(code, "profiling", (2,))
+
+
+def _profile_from_trace(paths: list[str], output: str | None, model: str | None, model_kwargs: str | None) -> None:
+    from jobs.from_trace import profile_from_trace
+
+    if not output:
+        raise click.UsageError("--from-trace needs -o/--output, the profile JSON to write")
+    traced, predicted_ms = profile_from_trace(paths, output, model, model_kwargs)
+    p = traced.profile
+    click.echo(f"profile written to {output}: {len(p.modules)} FSDP modules from {len(traced.ranks)} trace(s) "
+               f"(ranks {', '.join(map(str, traced.ranks))}; {traced.steps} step(s) each), traced step "
+               f"{p.measured_step_ms:.1f} ms (max across ranks of the median); from the module figures alone the "
+               f"simulator predicts {predicted_ms:.1f} ms ({100 * (predicted_ms / p.measured_step_ms - 1):+.1f}%), "
+               "and `tune` solves its in-step parameters from the traced step")
+    for m in traced.missing:
+        click.echo(f"  estimated: {m.line()}")
 
 
 def _log_rank0_progress() -> None:

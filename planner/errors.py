@@ -39,6 +39,11 @@ class ProfileFormatError(PlannerError):
     """A profile JSON is malformed, truncated, or has an unknown schema version."""
 
 
+class TraceFormatError(PlannerError):
+    """A ``torch.profiler`` trace cannot be read, is not a Kineto trace, has no FSDP2 labels, or disagrees with the
+    other ranks' traces; the message names the file."""
+
+
 class PlanMismatchError(PlannerError):
     """A plan was made for another model or world size than the one it is applied to."""
 

@@ -236,3 +236,22 @@ def profiler_allocations(prof: Any, within: str | None = None) -> list[tuple[int
         stack.extend((child, inside) for child in event.children)
     out.sort()
     return out
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` ranks in this one process, whose collectives do nothing.
+
+    Why: ``prefetch-planner profile --from-trace --model FACTORY`` builds the traced job's model to read its
+    parameter counts (:func:`runtime.apply.model_fingerprint`), sharded over the traces' world size, without
+    launching ranks. ``fully_shard`` needs a mesh of that size; torch's testing ``FakeStore`` and its ``"fake"``
+    backend (``torch.testing._internal.distributed.fake_pg``) give one.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -7,6 +7,7 @@ our tables) and compares a full SQL dump of it before and after.
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import sqlite3
@@ -31,15 +32,19 @@ from planner.errors import (
     ProfileFormatError,
     StorageError,
     StudyConfigError,
+    TraceFormatError,
     WorkloadError,
 )
 from planner.storages import check_writable, open_storage
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
+from planner.traces.trace_profile import profile_from_traces
 from runtime.rank import check_runnable
 from search_spaces import get_space
 from tests.multirank import RANK_SCRIPTS, rank_env
+from tests.planner.traces.synthetic_trace import write_traces
 
 STUDIES = Path(__file__).parents[1] / "studies"
+TRACES = Path(__file__).parent / "data" / "traces"
 GOOD_TOML = '[study]\nname = "s"\n[workload]\nfactory = "{factory}"\nkwargs = {{ dim = 64, layers = 4 }}\n'
 
 
@@ -114,6 +119,32 @@ def profile_schema(world: Path) -> str:
     return write(world / "bad_profile.json", json.dumps(d))
 
 
+def trace_case(world: Path, kind: str) -> list[str]:
+    """Trace files for ``profile --from-trace``: good synthetic FSDP2 GPU traces, then broken as ``kind`` says."""
+    paths = write_traces(world)
+    good = Path(paths[0]).read_bytes()
+    if kind == "not json":
+        Path(paths[0]).write_text("this is no trace")
+    elif kind == "truncated json":
+        Path(paths[0]).write_bytes(good[: len(good) // 2])
+    elif kind == "truncated gzip":
+        Path(paths[0]).unlink()
+        paths[0] = str(world / "rank0_trace.json.gz")
+        Path(paths[0]).write_bytes(gzip.compress(good)[:300])
+    elif kind == "not kineto":
+        Path(paths[0]).write_text('{"schemaVersion": 1, "events": []}')
+    elif kind == "no fsdp2 labels":
+        paths = [str(TRACES / "hta-a100-nccl.json.gz")]
+    elif kind == "orders disagree":
+        Path(paths[1]).write_text(Path(paths[1]).read_text().replace("layers.1", "layers.9"))
+    return paths
+
+
+def from_trace(kind: str) -> tuple[Callable[[Path], list[str]], Callable[[Path], Any]]:
+    return ((lambda w: ["profile", "--from-trace", *trace_case(w, kind), "-o", str(w / "trace.profile.json")]),
+            (lambda w: profile_from_traces(trace_case(w, kind))))
+
+
 @dataclass
 class Case:
     """``cli(world)`` gives the CLI arguments; ``api(world)`` must raise ``error``."""
@@ -176,6 +207,19 @@ CASES = {
     "unknown storage dialect": Case(
         lambda w: ["tune", str(w / "good.toml"), "--storage", "nosuchdb://x"], "cannot open storage 'nosuchdb://x'",
         lambda w: check_writable("nosuchdb://x"), StorageError),
+    "trace that is not json": Case(from_trace("not json")[0], "is not JSON, or is truncated", from_trace("not json")[1],
+                                   TraceFormatError),
+    "truncated trace": Case(from_trace("truncated json")[0], "is not JSON, or is truncated",
+                            from_trace("truncated json")[1], TraceFormatError),
+    "truncated gzip trace": Case(from_trace("truncated gzip")[0], "is a truncated or damaged gzip file",
+                                 from_trace("truncated gzip")[1], TraceFormatError),
+    "json that is not a kineto trace": Case(from_trace("not kineto")[0], "is not a Kineto trace: no 'traceEvents'",
+                                            from_trace("not kineto")[1], TraceFormatError),
+    "trace without fsdp2 labels": Case(from_trace("no fsdp2 labels")[0], "has no FSDP2 labels",
+                                       from_trace("no fsdp2 labels")[1], TraceFormatError),
+    "traces whose ranks disagree on the order": Case(from_trace("orders disagree")[0],
+                                                     "ranks disagree on the post-forward order",
+                                                     from_trace("orders disagree")[1], TraceFormatError),
 }
 if not torch.cuda.is_available():  # the machine decides: a GPU study is bad input only where there is no GPU
     CASES["a study this machine cannot run"] = Case(
@@ -196,6 +240,7 @@ def test_bad_input(world, name):
         case.api(world)
     assert case.needle.split(" '")[0] in str(info.value)
     assert dump(world / "s.db") == before
+    assert not (world / "trace.profile.json").exists()  # a refused trace writes no profile
 
 
 def test_locked_sqlite_file(world, monkeypatch):

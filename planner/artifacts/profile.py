@@ -137,6 +137,9 @@ class Profile:
             calibration the simulator's parameters are solved from them
             (:func:`planner.simulation.in_step.in_step_params`). ``None`` in profiles
             recorded before they were measured.
+        source: ``"recorder"`` (``prefetch-planner profile``, ``tune``) or ``"trace"`` (``profile --from-trace``,
+            :mod:`planner.traces.trace_profile`).
+        estimated: the figures not measured but estimated (a trace lacks them), by field name; ``()``: none.
         schema_version: :data:`PROFILE_SCHEMA_VERSION`.
     """
 
@@ -154,6 +157,8 @@ class Profile:
     microbatches: int = 1
     calibration: dict[str, float] | None = None
     in_step: InStepTimings | None = None
+    source: str = "recorder"
+    estimated: tuple[str, ...] = ()
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property

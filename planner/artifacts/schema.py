@@ -133,6 +133,8 @@ class ProfileDocument(Document):
     microbatches: int = Field(1, ge=1)
     calibration: dict[str, float] | None = None
     in_step: InStepDocument | None = None
+    source: Literal["recorder", "trace"] = "recorder"
+    estimated: tuple[str, ...] = ()
 
 
 _PROBLEMS = {

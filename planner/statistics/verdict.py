@@ -64,6 +64,8 @@ import numpy as np
 LEVEL = 0.95
 # 80% power, the usual target when sizing a test.
 _POWER = 0.8
+# Rounds beyond which confirmation_rounds skips ahead instead of trying every even count.
+_SCAN = 200
 
 
 class Verdict(enum.StrEnum):
@@ -117,10 +119,15 @@ def order_statistic(n: int, level: float = LEVEL) -> int:
     ``level`` (fewer than 6 values at 95%). [Note: The sign-test interval]."""
     from scipy.stats import binom
 
-    k = 0
-    while k + 1 <= n // 2 and binom.cdf(k, n, 0.5) <= (1.0 - level) / 2:
-        k += 1
-    return k
+    # k = 1 + the largest j with P(Binomial(n, 1/2) <= j) <= alpha/2, at most n // 2: start at the quantile and
+    # step to the exact edge (a few cdf calls at any n, where counting up from 0 costs n / 2 of them).
+    alpha = (1.0 - level) / 2
+    j = int(binom.ppf(alpha, n, 0.5))
+    while j >= 0 and binom.cdf(j, n, 0.5) > alpha:
+        j -= 1
+    while j + 1 < n and binom.cdf(j + 1, n, 0.5) <= alpha:
+        j += 1
+    return max(0, min(n // 2, j + 1))
 
 
 def false_faster_rate(n: int, level: float = LEVEL) -> float:
@@ -175,6 +182,11 @@ def confirmation_rounds(sigma: float, resolve: float = 0.03, bounds: tuple[int, 
     low, high = max(6, bounds[0] + bounds[0] % 2), max(6, bounds[1] - bounds[1] % 2)
     if not sigma == sigma:
         return high
+    if high - low > _SCAN:  # a wide range (the report's "about N rounds"): skip ahead by doubling, then scan
+        step = 2
+        while low + step <= high and power(low + step, resolve, sigma) < _POWER:
+            low, step = low + step, 2 * step
+        high = min(high, low + step)
     for n in range(low, high + 1, 2):
         if power(n, resolve, sigma) >= _POWER:
             return n

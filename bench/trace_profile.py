@@ -1,0 +1,133 @@
+"""Benchmark: a profile built from a user's ``torch.profiler`` traces against the recorder's, same model and ranks.
+
+    python -m bench.trace_profile [studies/llama-cpu.toml ...] [--steps 5] [--json out.json]
+    python -m bench.trace_profile --refit run.json ...   # saved runs (both profiles), today's simulator, no ranks
+
+For each study, on its ranks: the recorder's profile (``runtime.recorder.record_profile``, what ``tune`` uses);
+then a fresh model in a user's plain loop (``train_step``) under ``torch.profiler`` with the CPU activity,
+``profile_memory=True`` and ``record_shapes=True``, ``--steps`` active steps after one warm-up, each rank's trace
+written by ``tensorboard_trace_handler``. Rank 0 then builds the profile from the traces
+(:func:`planner.traces.trace_profile.profile_from_traces`, with the model's fingerprint, as ``--model`` gives) and
+prints, per module and figure, trace against recorder; the post-forward orders; the simulated default step from
+the trace profile's module figures alone against the traced step; the peaks.
+Targets (issue 21): the same post-forward order; module compute and collective times within 10% median; the
+simulated default step within 5% of the traced step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import click
+
+from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument
+
+MODULE = "bench.trace_profile"
+FIGURES = ("fwd_ms", "bwd_ms", "all_gather_ms", "reduce_scatter_ms")
+
+
+def rank_main(study: str, steps: int, out: str | None) -> None:
+    """Every rank: record, then trace a fresh model's plain loop; rank 0 builds, compares and reports."""
+    import torch
+    import torch.distributed as dist
+
+    from planner.artifacts.config import load_study_config
+    from runtime.collectives import gather_objects
+    from runtime.rank import init_rank, shutdown_rank
+    from runtime.recorder import record_profile
+    from runtime.workload import build_study_workload, train_step
+
+    config = load_study_config(study)
+    mesh = init_rank(config.launch.backend)
+    workload = build_study_workload(config.workload, mesh)
+    recorded = record_profile(workload, warmup_steps=config.measure.warmup_steps, steps=config.measure.steps,
+                              repeats=config.measure.profile_repeats)
+    del workload
+    user = build_study_workload(config.workload, mesh)  # the user's job: a fresh model, the plain loop
+    for s in range(2):
+        train_step(user, s)
+    folder = gather_objects(tempfile.mkdtemp(prefix="traces-") if dist.get_rank() == 0 else None)[0]
+    handler = torch.profiler.tensorboard_trace_handler(folder, worker_name=f"rank{dist.get_rank()}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, on_trace_ready=handler,
+                                schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps)) as prof:
+        for s in range(steps + 1):
+            train_step(user, 2 + s)
+            prof.step()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from planner.traces.trace_profile import profile_from_traces
+
+        traced = profile_from_traces([folder], recorded.fingerprint)
+        run = {"study": config.name, "steps": steps, "traces": folder, "recorded": recorded.to_dict(),
+               "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
+               "missing": [m.line() for m in traced.missing]}
+        report(run)
+        if out:
+            Path(out).write_text(json.dumps(run))
+    del user
+    shutdown_rank()
+
+
+def report(run: dict) -> dict:
+    """Print the comparison of the run's two profiles; returns the summary."""
+    import dataclasses
+
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.simulation.parameters import simulate
+    from planner.units import mib
+
+    recorded, t = Profile.from_dict(run["recorded"]), Profile.from_dict(run["traced"])
+    print(f"\n== {run['study']}: profile from {len(run['ranks'])} traces ({run['traced_steps']} steps each; "
+          f"{run['traces']}) vs the recorder")
+    print(f"post-forward order: {'same' if t.post_forward_order == recorded.post_forward_order else 'DIFFERENT'} "
+          f"({len(t.post_forward_order)} entries)")
+    print(f"{'module':<18}" + "".join(f"{f:>26}" for f in FIGURES))
+    errors: dict[str, list[float]] = {f: [] for f in FIGURES}
+    for fqn in recorded.fingerprint.module_fqns:
+        cells = []
+        for f in FIGURES:
+            a, b = getattr(t.modules[fqn], f), getattr(recorded.modules[fqn], f)
+            err = 100 * (a - b) / b if b else 0.0
+            errors[f].append(abs(err))
+            cells.append(f"{a:8.2f} / {b:8.2f} {err:+6.0f}%")
+        print(f"{fqn or '(root)':<18}" + "".join(f"{c:>26}" for c in cells))
+    medians = {f: statistics.median(v) for f, v in errors.items()}
+    print("median |error| (trace vs recorder): " + ", ".join(f"{f} {v:.1f}%" for f, v in medians.items())
+          + " (target <= 10%)")
+    alone = dataclasses.replace(t, in_step=None)
+    predicted = simulate(alone, Plan.default(alone)).step_ms
+    recorder_alone = dataclasses.replace(recorded, in_step=None)
+    recorder_predicted = simulate(recorder_alone, Plan.default(recorder_alone)).step_ms
+    step_err = 100 * (predicted / t.measured_step_ms - 1)
+    print(f"default step: traced {t.measured_step_ms:.1f} ms (under the profiler), recorder's untraced "
+          f"{recorded.measured_step_ms:.1f} ms; simulated from the module figures alone: trace profile "
+          f"{predicted:.1f} ms ({step_err:+.1f}% vs traced, target 5%), recorder's profile {recorder_predicted:.1f} ms "
+          f"({100 * (recorder_predicted / recorded.measured_step_ms - 1):+.1f}% vs its step)")
+    if t.measured_peak_bytes and recorded.measured_peak_bytes:
+        print(f"peak: trace profile {mib(t.measured_peak_bytes)} (start bytes estimated), recorder "
+              f"{mib(recorded.measured_peak_bytes)} "
+              f"({100 * (t.measured_peak_bytes / recorded.measured_peak_bytes - 1):+.1f}%)")
+    for line in run["missing"]:
+        print(f"  estimated: {line}")
+    return {"median_abs_error_pct": medians, "step_error_pct": step_err,
+            "same_order": t.post_forward_order == recorded.post_forward_order}
+
+
+@click.command(help=__doc__)
+@studies_argument
+@saved_run_options
+@click.option("--steps", default=5, show_default=True, help="active steps traced")
+def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int) -> None:
+    if report_saved(refit, report):
+        return
+    run_studies(MODULE, studies, lambda study: [study, "--steps", str(steps), *json_flag(json_out)],
+                lambda study: rank_main(study, steps, json_out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""FSDP2's work in one rank's trace, step by step: module windows, compute, collectives, memory.
+
+FSDP2 labels its work with ``record_function`` (torch 2.13, ``_fsdp_state.py`` and ``_fsdp_param_group.py``):
+``FSDP::root_pre_forward``, ``FSDP::pre_forward (fqn)``, ``FSDP::post_forward (fqn)``, ``FSDP::pre_backward (fqn)``,
+``FSDP::post_backward_accumulate|reshard|rs_wait|reduce (fqn)``, ``FSDP::root_post_backward_callback``,
+``FSDP::all_gather (fqn)``, ``FSDP::all_gather_copy_out (fqn)``, ``FSDP::forward_prefetch for fqn`` and
+``FSDP::backward_prefetch for fqn``; the root's labels carry no name, or ``()``.
+
+[Note: Compute from a trace]
+The labels are the only time FSDP2 works on the main thread; what runs between them is the model's own work.
+A walk over the top-level labels (:func:`_segments`) keeps a stack of the modules in forward (pushed at the end of
+``pre_forward``, popped at ``post_forward``) and in backward (pushed at the end of ``pre_backward``, popped at the
+first ``post_backward_*``), and gives every stretch between labels to the module on top (the root when the stack
+is empty, e.g. the loss). That is the recorder's rule: compute exclusive of nested FSDP modules, with the
+parameters unsharded, so no communication inside. On CPU a stretch's wall time is the compute; on GPU the
+compute is the GPU time of the work launched in the stretch (``cuda_runtime`` and kernel share a correlation id).
+A collective is the gloo work (``gloo:*``, its own thread) or the NCCL kernel (its own stream) that the
+``c10d::`` call, or the launch, inside the ``FSDP::all_gather`` or ``FSDP::post_backward_reduce`` label started.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from planner.errors import TraceFormatError
+from planner.traces.kineto import DTYPE_BYTES, KinetoTrace, TraceEvent
+
+LABEL = re.compile(r"^FSDP::(\w+)(?: \((.*)\))?$")
+POST_BACKWARD = ("post_backward_accumulate", "post_backward_reshard", "post_backward_rs_wait", "post_backward_reduce")
+ALL_GATHER_OPS = ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced", "c10d::allgather_")
+REDUCE_SCATTER_OPS = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced", "c10d::reduce_scatter_")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One all-gather or reduce-scatter of one module in one step.
+
+    Attributes:
+        kind: ``"all_gather"`` (with its copy-out) or ``"reduce_scatter"``.
+        ordinal: the n-th collective of this module and kind in the step (0-based): ranks' calls pair up by it.
+        ms: the collective's own time (gloo work, or the NCCL kernel and copies), waiting for peers included.
+        bytes: all-gather output bytes (unsharded, padded), reduce-scatter input bytes; ``None`` without shapes.
+        dtype_bytes: bytes per element; ``None`` without shapes.
+    """
+
+    module: str
+    kind: str
+    ordinal: int
+    ms: float
+    bytes: int | None
+    dtype_bytes: int | None
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's figures of one step (``ProfilerStep#N``), ms and bytes. Module times are totals over the step's
+    microbatches.
+
+    Attributes:
+        number: N of ``ProfilerStep#N`` (0 when the trace has no step ranges: the whole trace is one step).
+        pre_forward_order, post_forward_order: the first microbatch's, with multiplicity, root included.
+        resharded: modules all-gathered again in backward (``reshard_after_forward`` was on).
+        optimizer: the ``Optimizer.step#Name.step`` label's ``Name``, or ``None``.
+        peak_above_start_bytes: the most bytes allocated above the step's start; ``None`` without memory events.
+        start_bytes: ``Total Allocated`` at step start (on CPU only what was allocated while profiling).
+        activation_bytes: first microbatch: bytes each module's forward left allocated, exclusive of nested modules.
+    """
+
+    number: int
+    step_ms: float
+    microbatches: int
+    pre_forward_order: tuple[str, ...]
+    post_forward_order: tuple[str, ...]
+    fwd_ms: dict[str, float]
+    bwd_ms: dict[str, float]
+    fwd_pre_ms: dict[str, float]
+    bwd_pre_ms: dict[str, float]
+    collectives: tuple[Collective, ...]
+    resharded: frozenset[str]
+    optimizer: str | None = None
+    optimizer_ms: float | None = None
+    optimizer_temp_bytes: int | None = None
+    peak_above_start_bytes: int | None = None
+    start_bytes: int | None = None
+    activation_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Label:
+    kind: str
+    fqn: str
+    event: TraceEvent
+
+
+def fsdp_label(event: TraceEvent) -> tuple[str, str] | None:
+    """``(kind, fqn)`` of an FSDP2 label (root: ``""``), or ``None`` for other events and the prefetch labels."""
+    m = LABEL.match(event.name)
+    return (m.group(1), m.group(2) or "") if m else None
+
+
+def rank_steps(trace: KinetoTrace) -> list[RankStep]:
+    """Every step of the trace that ran FSDP2's forward and backward.
+
+    Raises:
+        TraceFormatError: the trace holds no FSDP2 label, or no step with a whole forward and backward.
+    """
+    labels = [_Label(*k, e) for e in trace.cpu if (k := fsdp_label(e)) is not None]
+    if not labels:
+        raise TraceFormatError(
+            f"trace {trace.path!r} has no FSDP2 labels (FSDP::pre_forward, FSDP::all_gather, ...; it holds "
+            f"{trace.summary()}): profile steps of a model wrapped with fully_shard, with the CPU activity on")
+    main = max({lb.event.thread for lb in labels}, key=lambda t: sum(lb.event.thread == t for lb in labels))
+    windows = [(int(e.name.split("#")[1]), e) for e in trace.cpu if e.name.startswith("ProfilerStep#")
+               and e.thread == main and e.name.split("#")[1].isdigit()]
+    if not windows:
+        start = min(lb.event.ts for lb in labels)
+        end = max([lb.event.end for lb in labels] + [e.end for e in trace.cpu if e.name.startswith("Optimizer.step#")])
+        windows = [(0, TraceEvent("whole trace", "user_annotation", start, end - start, thread=main))]
+    steps = []
+    for number, window in windows:
+        inside = [lb for lb in labels if lb.event.thread == main and window.ts <= lb.event.ts <= window.end]
+        kinds = {lb.kind for lb in inside}
+        if "root_pre_forward" in kinds and "root_post_backward_callback" in kinds:
+            steps.append(_step(trace, number, window, inside, main))
+    if not steps:
+        raise TraceFormatError(f"trace {trace.path!r} holds no whole FSDP2 step (root_pre_forward through "
+                               "root_post_backward_callback); profile at least one full training step")
+    return steps
+
+
+def _top_level(labels: list[_Label]) -> list[_Label]:
+    out: list[_Label] = []
+    for lb in labels:
+        if not out or lb.event.ts >= out[-1].event.end:
+            out.append(lb)
+    return out
+
+
+def _segments(labels: list[_Label], window: TraceEvent):
+    """The walk of [Note: Compute from a trace]: (start, end, phase, module, before-first-nested) stretches, the
+    orders, the microbatch count and the first microbatch's module nesting (child -> parent)."""
+    segments, stack, phase, t = [], [], None, None
+    pre_order, post_order, parent, nested = [], [], {}, set()
+    microbatches = 0
+    for lb in _top_level(labels):
+        if phase is not None and t is not None and lb.event.ts > t:
+            m = stack[-1] if stack else ""
+            segments.append((t, lb.event.ts, phase, m, (phase, m) not in nested))
+        kind, fqn = lb.kind, lb.fqn
+        if kind == "root_pre_forward":
+            phase, stack, nested = "fwd", [], set()
+            microbatches += 1
+        elif kind == "pre_forward":
+            if stack:
+                nested.add(("fwd", stack[-1]))
+                parent.setdefault(fqn, stack[-1])
+            stack.append(fqn)
+            if microbatches == 1:
+                pre_order.append(fqn)
+        elif kind == "post_forward":
+            if fqn in stack:
+                stack.remove(fqn)
+            if microbatches == 1:
+                post_order.append(fqn)
+        elif kind == "pre_backward":
+            if phase != "bwd":
+                phase, stack = "bwd", [""]
+            if stack and stack[-1] != fqn:
+                nested.add(("bwd", stack[-1]))
+            if fqn not in stack:
+                stack.append(fqn)
+        elif kind in POST_BACKWARD and fqn in stack and fqn != "":
+            stack.remove(fqn)
+        elif kind == "root_post_backward_callback":
+            phase, stack = None, []
+        t = lb.event.end
+    return segments, tuple(pre_order), tuple(post_order), microbatches, parent
+
+
+def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Label], main) -> RankStep:
+    segments, pre_order, post_order, microbatches, parent = _segments(labels, window)
+    times = {k: defaultdict(float) for k in ("fwd", "bwd", "fwd_pre", "bwd_pre")}
+
+    def credit(phase: str, module: str, pre: bool, ms: float) -> None:
+        times[phase][module] += ms
+        if pre:
+            times[phase + "_pre"][module] += ms
+
+    if trace.device_type == "cuda":
+        starts = [s[0] for s in segments]
+        for k in trace.gpu:
+            launched = trace.launches.get(k.correlation) if k.correlation is not None else None
+            i = bisect.bisect_right(starts, launched) - 1 if launched is not None else -1
+            if i >= 0 and launched <= segments[i][1]:
+                credit(segments[i][2], segments[i][3], segments[i][4], k.dur / 1e3)
+    else:
+        for start, end, phase, module, pre in segments:
+            credit(phase, module, pre, (end - start) / 1e3)
+    resharded = frozenset(lb.fqn for lb in labels if lb.kind == "all_gather_copy_out"
+                          and any(p.kind == "pre_backward" and p.event.contains(lb.event.ts) for p in labels))
+    optimizer = next((e for e in trace.cpu if e.name.startswith("Optimizer.step#") and e.thread == main
+                      and window.contains(e.ts)), None)
+    memory = _memory(trace, window, labels, optimizer, parent)
+    return RankStep(
+        number=number, step_ms=window.dur / 1e3, microbatches=max(1, microbatches), pre_forward_order=pre_order,
+        post_forward_order=post_order, fwd_ms=dict(times["fwd"]), bwd_ms=dict(times["bwd"]),
+        fwd_pre_ms=dict(times["fwd_pre"]), bwd_pre_ms=dict(times["bwd_pre"]),
+        collectives=tuple(_collectives(trace, labels, main)), resharded=resharded,
+        optimizer=optimizer.name.split("#")[1].split(".")[0] if optimizer else None,
+        optimizer_ms=optimizer.dur / 1e3 if optimizer else None, **memory,
+    )
+
+
+def _collectives(trace: KinetoTrace, labels: list[_Label], main) -> list[Collective]:
+    out, count = [], defaultdict(int)
+    copy_outs = defaultdict(list)
+    for lb in labels:
+        if lb.kind == "all_gather_copy_out":
+            copy_outs[lb.fqn].append(lb.event)
+    for lb in labels:
+        if lb.kind not in ("all_gather", "post_backward_reduce"):
+            continue
+        kind = "all_gather" if lb.kind == "all_gather" else "reduce_scatter"
+        found = _gpu_collective(trace, lb.event, kind) if trace.device_type == "cuda" else \
+            _gloo_collective(trace, lb.event, kind, main)
+        if found is None:
+            continue
+        ms, nbytes, dtype_bytes = found
+        if kind == "all_gather":
+            copy = next((c for c in copy_outs[lb.fqn] if c.ts >= lb.event.ts), None)
+            if copy is not None:
+                copy_outs[lb.fqn].remove(copy)
+                ms += _gpu_time_launched_in(trace, copy) if trace.device_type == "cuda" else copy.dur / 1e3
+        out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], ms, nbytes, dtype_bytes))
+        count[(lb.fqn, kind)] += 1
+    return out
+
+
+def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str, main):
+    ops = ALL_GATHER_OPS if kind == "all_gather" else REDUCE_SCATTER_OPS
+    op = next((e for e in trace.cpu if e.thread == main and e.name in ops and label.contains(e.ts)), None)
+    if op is None:
+        return None
+    work = [e for e in trace.cpu if e.name.startswith("gloo:") and e.thread != main and e.ts >= op.ts]
+    first = min(work, key=lambda e: e.ts, default=None)
+    ms = (first.dur if first is not None and first.ts <= op.end else op.dur) / 1e3
+    dims = op.input_dims[0 if kind == "all_gather" else 1] if len(op.input_dims) > 1 else None
+    dtype_bytes = DTYPE_BYTES.get(op.input_types[0]) if op.input_types else None
+    nbytes = _numel(dims) * dtype_bytes if dims and dtype_bytes else None
+    return ms, nbytes, dtype_bytes
+
+
+def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
+    word = "AllGather" if kind == "all_gather" else "ReduceScatter"
+    launched = [k for k in trace.gpu
+                if k.correlation in trace.launches and label.contains(trace.launches[k.correlation])]
+    nccl = [k for k in launched if "nccl" in k.name.lower() and word.lower() in k.name.lower()]
+    if not nccl:
+        return None
+    ms = sum(k.dur for k in launched) / 1e3  # the NCCL kernel and the copy-in the label launched
+    k = nccl[0]
+    dtype_bytes = DTYPE_BYTES.get(k.dtype) if k.dtype else None
+    numel = (k.nelems[1] if kind == "all_gather" else k.nelems[0]) if k.nelems else None
+    return ms, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes
+
+
+def _gpu_time_launched_in(trace: KinetoTrace, label: TraceEvent) -> float:
+    return sum(k.dur for k in trace.gpu
+               if k.correlation in trace.launches and label.contains(trace.launches[k.correlation])) / 1e3
+
+
+def _numel(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def _memory(trace: KinetoTrace, window: TraceEvent, labels: list[_Label], optimizer: TraceEvent | None,
+            parent: dict[str, str]) -> dict:
+    events = [m for m in trace.memory if m.device == trace.device_type]
+    if not events:
+        return {}
+    ts = [m.ts for m in events]
+
+    def total_at(t: float) -> int:
+        i = bisect.bisect_right(ts, t) - 1
+        return events[i].total_allocated if i >= 0 else 0
+
+    inside = [m.total_allocated for m in events if window.contains(m.ts)]
+    start = total_at(window.ts)
+    out = {"start_bytes": start, "peak_above_start_bytes": max(inside, default=start) - start}
+    if optimizer is not None:
+        during = [m.total_allocated for m in events if optimizer.contains(m.ts)]
+        out["optimizer_temp_bytes"] = max(0, max(during, default=0) - total_at(optimizer.ts))
+    first_pre = {lb.fqn: lb.event for lb in reversed(labels) if lb.kind == "pre_forward"}
+    first_post = {lb.fqn: lb.event for lb in reversed(labels) if lb.kind == "post_forward"}
+    net = {f: total_at(first_post[f].end) - total_at(first_pre[f].ts) for f in first_pre if f in first_post}
+    exclusive = dict(net)
+    for child, par in parent.items():
+        if child in net and par in exclusive:
+            exclusive[par] -= net[child]
+    out["activation_bytes"] = {f: max(0, b) for f, b in exclusive.items()}
+    return out

@@ -1,0 +1,213 @@
+"""A :class:`~planner.artifacts.profile.Profile` from every rank's ``torch.profiler`` trace.
+
+The same profile the recorder writes (``runtime.recorder``), from what a training job's own traces hold
+(:mod:`planner.traces.fsdp_steps`), consolidated as the recorder consolidates: per rank the median over steps,
+then the max across ranks. Two figures differ in kind from the recorder's and say so:
+
+- Collectives: the recorder times each alone after a barrier; in a step, a rank that arrives first waits for the
+  others inside the collective. So each call is paired across ranks (the n-th of its module and kind in the same
+  step) and the least of the ranks' times is taken, the time of the rank that arrived last, before the median.
+- What a trace does not hold is estimated and named in :attr:`Profile.estimated` and in :class:`TraceProfile`'s
+  ``missing``, each with what it costs; a ``fingerprint`` from the model replaces the estimated one.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.profile import InStepTimings, ModuleProfile, Profile
+from planner.errors import TraceFormatError
+from planner.traces.fsdp_steps import RankStep, rank_steps
+from planner.traces.kineto import TORCH_DTYPE, KinetoTrace, read_trace, trace_files
+
+# Optimizer state per byte of sharded parameters, by the optimizer's class name in ``Optimizer.step#Name.step``.
+STATE_PER_PARAM_BYTE = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "SGD": 1, "Adagrad": 1,
+                        "RMSprop": 1}
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A figure the traces did not hold: what stands in for it, and what that costs."""
+
+    figure: str
+    stand_in: str
+    cost: str
+
+    def line(self) -> str:
+        return f"{self.figure}: {self.stand_in}; {self.cost}"
+
+
+@dataclass(frozen=True)
+class TraceProfile:
+    """The profile built from traces, and what it could not get (:class:`Missing`, in the order found)."""
+
+    profile: Profile
+    missing: tuple[Missing, ...]
+    steps: int
+    ranks: tuple[int, ...]
+
+
+def profile_from_traces(paths: list[str], fingerprint: Fingerprint | None = None) -> TraceProfile:
+    """Build a profile from one trace per rank (files, or directories of ``*.json``/``*.json.gz``).
+
+    Args:
+        paths: the traces; each file's rank is its ``distributedInfo.rank``, else a ``rank<N>`` in its name,
+            else its position.
+        fingerprint: the model's own (``runtime.apply.model_fingerprint``); ``None``: estimated from the traces
+            (parameter counts padded to the world size, so a plan made on it names the model's modules but
+            its ``apply`` check needs the real counts).
+
+    Raises:
+        TraceFormatError: a file that cannot be read or is not a Kineto trace; no FSDP2 labels; two files of
+            one rank; traces of different world sizes; ranks that disagree on the post-forward order; a
+            fingerprint that names other modules than the traces. The message names the files.
+    """
+    traces = _by_rank([read_trace(p) for p in trace_files(paths)])
+    per_rank = {rank: rank_steps(t) for rank, t in traces.items()}
+    first_rank = min(per_rank)
+    order = per_rank[first_rank][0].post_forward_order
+    for rank, steps in per_rank.items():
+        for s in steps:
+            if s.post_forward_order != order:
+                raise TraceFormatError(
+                    f"ranks disagree on the post-forward order: {traces[first_rank].path!r} (rank {first_rank}) has "
+                    f"{list(order)}, {traces[rank].path!r} (rank {rank}, step {s.number}) has "
+                    f"{list(s.post_forward_order)}; give traces of the same steps of one job")
+    return _consolidate(traces, per_rank, fingerprint)
+
+
+def _by_rank(traces: list[KinetoTrace]) -> dict[int, KinetoTrace]:
+    out: dict[int, KinetoTrace] = {}
+    worlds = {t.world_size for t in traces if t.world_size is not None}
+    if len(worlds) > 1:
+        raise TraceFormatError(f"the traces come from different world sizes {sorted(worlds)}: "
+                               + ", ".join(f"{t.path!r} ({t.world_size})" for t in traces))
+    for i, t in enumerate(traces):
+        named = re.search(r"rank[_-]?(\d+)", Path(t.path).name)
+        rank = t.rank if t.rank is not None else int(named.group(1)) if named else i
+        if rank in out:
+            raise TraceFormatError(f"two traces of rank {rank}: {out[rank].path!r} and {t.path!r}; give one "
+                                   "trace per rank (one step range of one job)")
+        out[rank] = t
+    return dict(sorted(out.items()))
+
+
+def _median_max(values_per_rank: list[list[float]]) -> float:
+    """Per rank the median, then the max across ranks (the recorder's consolidation)."""
+    return max(statistics.median(v) for v in values_per_rank if v)
+
+
+def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankStep]],
+                 fingerprint: Fingerprint | None) -> TraceProfile:
+    first = per_rank[min(per_rank)][0]
+    world = next((t.world_size for t in traces.values() if t.world_size), len(traces))
+    device = next(iter(traces.values())).device_type
+    modules = tuple(dict.fromkeys(first.pre_forward_order))
+    missing: list[Missing] = []
+    if len(traces) < world:
+        missing.append(Missing("ranks", f"{len(traces)} of {world} traces", "the max across ranks sees only those"))
+
+    def per_module(attr: str, fqn: str) -> float:
+        return _median_max([[getattr(s, attr).get(fqn, 0.0) / s.microbatches for s in steps]
+                            for steps in per_rank.values()])
+
+    comm: dict[tuple[str, str], list[float]] = defaultdict(list)
+    sizes: dict[tuple[str, str], int] = {}
+    dtype_bytes: set[int] = set()
+    calls = defaultdict(list)
+    for steps in per_rank.values():
+        for s in steps:
+            for c in s.collectives:
+                calls[(s.number, c.module, c.kind, c.ordinal)].append(c.ms)
+                if c.bytes is not None:
+                    sizes[(c.module, c.kind)] = c.bytes
+                    dtype_bytes.add(c.dtype_bytes)
+    for (_, module, kind, _), times in calls.items():
+        comm[(module, kind)].append(min(times))  # the rank that arrived last: no wait for peers
+    estimated = []
+    if fingerprint is None:
+        fingerprint = _estimated_fingerprint(modules, sizes, world, device, dtype_bytes)
+        estimated.append("fingerprint")
+        missing.append(Missing("parameter counts", "all-gather sizes, padded to the world size" if sizes else "none "
+                               "(record with record_shapes=True)", "plans name the modules but `apply` checks the "
+                               "counts: pass --model FACTORY for the model's own"))
+    elif tuple(fingerprint.module_fqns) and set(fingerprint.module_fqns) != set(modules):
+        raise TraceFormatError(f"the model's FSDP modules {list(fingerprint.module_fqns)} are not the traces' "
+                               f"{list(modules)}; give --model the factory of the traced job")
+    unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True))
+    module_profiles = {}
+    for fqn in fingerprint.module_fqns:
+        fwd, bwd = per_module("fwd_ms", fqn), per_module("bwd_ms", fqn)
+        ag, rs = comm.get((fqn, "all_gather"), []), comm.get((fqn, "reduce_scatter"), [])
+        nbytes = unsharded[fqn]
+        resharded = fqn in first.resharded
+        act = statistics.median(s.activation_bytes.get(fqn, 0) for s in per_rank[min(per_rank)])
+        if not resharded:
+            act = max(0, act - nbytes)  # its unsharded parameters stay allocated after its forward
+        module_profiles[fqn] = ModuleProfile(
+            fqn=fqn, fwd_ms=fwd, bwd_ms=bwd, fwd_pre_ms=min(per_module("fwd_pre_ms", fqn), fwd),
+            bwd_pre_ms=min(per_module("bwd_pre_ms", fqn), bwd),
+            all_gather_ms=statistics.median(ag) if ag else 0.0, reduce_scatter_ms=statistics.median(rs) if rs else 0.0,
+            unsharded_bytes=nbytes, sharded_bytes=-(-nbytes // world),
+            grad_bytes=sizes.get((fqn, "reduce_scatter"), nbytes), activation_bytes=int(act),
+            reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
+        )
+    step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])
+    optimizer_ms = [[s.optimizer_ms for s in steps if s.optimizer_ms is not None] for steps in per_rank.values()]
+    if not any(optimizer_ms):
+        missing.append(Missing("optimizer step", "0 ms", "no Optimizer.step# label in the steps profiled"))
+    sharded_total = sum(m.sharded_bytes for m in module_profiles.values())
+    state_factor = STATE_PER_PARAM_BYTE.get(first.optimizer or "", 2)
+    state_bytes = state_factor * sharded_total
+    estimated.append("optimizer_state_bytes")
+    name = first.optimizer or "an unknown optimizer"
+    missing.append(Missing("optimizer state", f"{state_factor} x the sharded parameter bytes ({name})",
+                           "the predicted peak is off by any difference"))
+    peak = _peak(per_rank, device, sharded_total + state_bytes, missing, estimated)
+    in_step = InStepTimings(default_step_ms=step_ms, overlap=None)
+    if device == "cpu":
+        estimated.append("in_step.overlap")
+        missing.append(Missing("CPU overlap slowdown", "the simulator's default",
+                               "the trace holds no all-gather and compute alone and at once; steps that overlap "
+                               "them are predicted less well than from `prefetch-planner profile`"))
+    temp = [[s.optimizer_temp_bytes for s in steps if s.optimizer_temp_bytes is not None]
+            for steps in per_rank.values()]
+    profile = Profile(
+        fingerprint=fingerprint, pre_forward_order=first.pre_forward_order,
+        post_forward_order=first.post_forward_order, modules=module_profiles,
+        optimizer_ms=_median_max(optimizer_ms) if any(optimizer_ms) else 0.0,
+        optimizer_state_bytes=state_bytes, optimizer_temp_bytes=int(_median_max(temp)) if any(temp) else 0,
+        measured_step_ms=step_ms, measured_peak_bytes=peak, microbatches=first.microbatches,
+        consolidation="max", in_step=in_step, source="trace", estimated=tuple(estimated),
+    )
+    return TraceProfile(profile, tuple(missing), min(len(s) for s in per_rank.values()), tuple(per_rank))
+
+
+def _estimated_fingerprint(modules: tuple[str, ...], sizes: dict[tuple[str, str], int], world: int, device: str,
+                           dtype_bytes: set[int]) -> Fingerprint:
+    width = min(dtype_bytes) if dtype_bytes else 4
+    param_bytes = tuple(sizes.get((m, "all_gather"), 0) for m in modules)
+    return Fingerprint(module_fqns=modules, param_numels=tuple(b // width for b in param_bytes),
+                       param_bytes=param_bytes, world_size=world, device_type=device,
+                       param_dtypes=tuple(sorted({TORCH_DTYPE.get(w, "unknown") for w in dtype_bytes or {4}})),
+                       torch_version="unknown (from a trace)")
+
+
+def _peak(per_rank: dict[int, list[RankStep]], device: str, start_estimate: int, missing: list[Missing],
+          estimated: list[str]) -> int | None:
+    steps = [s for ss in per_rank.values() for s in ss]
+    if any(s.peak_above_start_bytes is None for s in steps):
+        missing.append(Missing("peak memory", "none", "record with profile_memory=True; a memory budget then "
+                               "cannot be relative to the default's peak"))
+        return None
+    if device == "cuda":  # the caching allocator's total counts every tensor, the step's start included
+        return int(_median_max([[s.start_bytes + s.peak_above_start_bytes for s in ss] for ss in per_rank.values()]))
+    estimated.append("measured_peak_bytes")
+    missing.append(Missing("bytes alive at step start (CPU)", "the sharded parameters and the estimated optimizer "
+                           "state", "a CPU trace counts only what was allocated while profiling"))
+    return start_estimate + int(_median_max([[s.peak_above_start_bytes for s in ss] for ss in per_rank.values()]))

@@ -1,0 +1,122 @@
+"""Profiles from traces: a synthetic FSDP2 GPU trace with hand-computed figures, and the real A100 traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.errors import TraceFormatError
+from planner.simulation.parameters import simulate
+from planner.traces.fsdp_steps import rank_steps
+from planner.traces.kineto import NCCL_KERNEL, read_trace
+from planner.traces.trace_profile import profile_from_traces
+from tests.planner.traces.synthetic_trace import EXPECTED, STREAM_ALL_GATHER, STREAM_REDUCE_SCATTER, write_traces
+
+SHARED_TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"  # README.md there: source and licence
+
+
+def test_one_rank_step_has_the_hand_computed_figures(tmp_path):
+    [path, _] = write_traces(tmp_path)
+    trace = read_trace(path)
+    assert trace.device_type == "cuda" and (trace.rank, trace.world_size) == (0, 2)
+    assert set(trace.streams) == {7, STREAM_ALL_GATHER, STREAM_REDUCE_SCATTER}
+    [step] = rank_steps(trace)
+    assert step.pre_forward_order == EXPECTED["pre_forward_order"]
+    assert step.post_forward_order == EXPECTED["post_forward_order"]
+    for field in ("fwd_ms", "fwd_pre_ms", "bwd_ms", "bwd_pre_ms"):
+        assert getattr(step, field) == pytest.approx(EXPECTED[field]), field
+    assert step.resharded == {f for f, r in EXPECTED["reshard_after_forward"].items() if r}
+    assert step.step_ms == pytest.approx(EXPECTED["step_ms"]) and step.optimizer_ms == pytest.approx(0.2)
+    assert step.optimizer == "AdamW" and step.microbatches == 1
+    assert step.activation_bytes == EXPECTED["activation_bytes"]
+    assert step.start_bytes + step.peak_above_start_bytes == EXPECTED["peak_bytes"]
+    calls = {(c.module, c.kind, c.ordinal): c for c in step.collectives}
+    assert len(calls) == 3 * 2 + 2  # every module's reduce-scatter; two all-gathers per layer, one of the root
+    for fqn in EXPECTED["all_gather_ms"]:
+        assert calls[(fqn, "all_gather", 0)].ms == pytest.approx(EXPECTED["all_gather_ms"][fqn])
+        assert calls[(fqn, "all_gather", 0)].bytes == EXPECTED["unsharded_bytes"][fqn]
+        assert calls[(fqn, "reduce_scatter", 0)].ms == pytest.approx(EXPECTED["reduce_scatter_ms"][fqn])
+
+
+def test_ranks_consolidate_max_compute_and_the_last_arrivals_collectives(tmp_path):
+    """Rank 1 computes layers.0 100 us longer (max: its figure) and waits 200 us longer in layers.0's all-gathers
+    (the least of the ranks: rank 0's, the collective without the wait)."""
+    write_traces(tmp_path, gz=True)
+    traced = profile_from_traces([str(tmp_path)])
+    p = traced.profile
+    assert traced.ranks == (0, 1) and traced.steps == 1
+    assert p.source == "trace" and "fingerprint" in p.estimated
+    assert p.modules["layers.0"].fwd_ms == pytest.approx(0.6)
+    assert p.modules["layers.1"].fwd_ms == pytest.approx(0.4)
+    for fqn, m in p.modules.items():
+        assert m.all_gather_ms == pytest.approx(EXPECTED["all_gather_ms"][fqn])
+        assert m.reduce_scatter_ms == pytest.approx(EXPECTED["reduce_scatter_ms"][fqn])
+        assert m.unsharded_bytes == EXPECTED["unsharded_bytes"][fqn] and m.sharded_bytes == m.unsharded_bytes // 2
+        assert m.reshard_after_forward == EXPECTED["reshard_after_forward"][fqn]
+        assert m.bwd_ms == pytest.approx(EXPECTED["bwd_ms"][fqn]) and m.calls == 1
+    assert p.fingerprint.param_numels == tuple(EXPECTED["unsharded_bytes"][f] // 4 for f in p.fingerprint.module_fqns)
+    assert p.fingerprint.device_type == "cuda" and p.fingerprint.world_size == 2
+    assert p.measured_peak_bytes == EXPECTED["peak_bytes"]  # on GPU the allocator's total is the whole
+    assert p.measured_step_ms == pytest.approx(10.0) and p.in_step.default_step_ms == pytest.approx(10.0)
+    assert {m.figure for m in traced.missing} == {"parameter counts", "optimizer state"}
+    again = Profile.from_json(p.to_json())  # the file the CLI writes reads back, and the simulator runs on it
+    assert again == p and simulate(again, Plan.default(again)).step_ms > 0
+
+
+def _edit(path: str, edit) -> None:
+    doc = json.loads(Path(path).read_text())
+    edit(doc)
+    Path(path).write_text(json.dumps(doc))
+
+
+def test_ranks_that_disagree_on_the_order_are_named(tmp_path):
+    paths = write_traces(tmp_path)
+
+    def rename(doc):
+        for e in doc["traceEvents"]:
+            e["name"] = e["name"].replace("layers.1", "layers.9")
+
+    _edit(paths[1], rename)
+    with pytest.raises(TraceFormatError, match="ranks disagree on the post-forward order") as info:
+        profile_from_traces(paths)
+    assert paths[0] in str(info.value) and paths[1] in str(info.value) and "layers.9" in str(info.value)
+
+
+def test_two_traces_of_one_rank_and_mixed_worlds(tmp_path):
+    paths = write_traces(tmp_path)
+    _edit(paths[1], lambda d: d["distributedInfo"].update(rank=0))
+    with pytest.raises(TraceFormatError, match="two traces of rank 0"):
+        profile_from_traces(paths)
+    _edit(paths[1], lambda d: d["distributedInfo"].update(rank=1, world_size=4))
+    with pytest.raises(TraceFormatError, match=r"different world sizes \[2, 4\]"):
+        profile_from_traces(paths)
+
+
+def test_a_trace_without_step_ranges_is_one_step(tmp_path):
+    [path, _] = write_traces(tmp_path)
+    _edit(path, lambda d: d.update(traceEvents=[e for e in d["traceEvents"] if e["name"] != "ProfilerStep#1"]))
+    [step] = rank_steps(read_trace(path))
+    assert step.number == 0 and step.fwd_ms == pytest.approx(EXPECTED["fwd_ms"])
+    assert step.step_ms == pytest.approx((1900 - 10) / 1e3)  # first label to the optimizer step's end
+
+
+@pytest.mark.parametrize("name, streams, collectives, rank, world", [
+    ("hta-a100-ddp-control.json.gz", (7, 20, 21, 22), {"AllReduce": 18, "SendRecv": 42}, 3, 8),
+    ("hta-a100-nccl.json.gz", (7, 40), {"AllReduce": 15, "Broadcast": 6}, 0, 2),
+])
+def test_real_a100_traces_read_and_named_as_not_fsdp2(name, streams, collectives, rank, world):
+    """Real CUDA traces (HolisticTraceAnalysis, MIT): streams, kernels and NCCL collectives found; no FSDP2 labels
+    is one clear error naming the file and what it holds."""
+    path = SHARED_TRACES / name
+    trace = read_trace(path)
+    assert trace.device_type == "cuda" and trace.backend == "nccl" and (trace.rank, trace.world_size) == (rank, world)
+    assert trace.streams == streams and trace.collectives() == collectives
+    nccl = [k for k in trace.gpu if NCCL_KERNEL.match(k.name)]
+    assert nccl and all(k.correlation in trace.launches for k in nccl)  # each launched from a CPU call
+    with pytest.raises(TraceFormatError, match="has no FSDP2 labels") as info:
+        profile_from_traces([str(path)])
+    assert str(path) in str(info.value) and "AllReduce x" in str(info.value)

@@ -1,0 +1,53 @@
+"""``prefetch-planner profile --from-trace`` on real traces: a user's plain loop on 2 gloo CPU ranks, traced with
+torch.profiler (``tests/runtime/ranks/trace_loop.py``), read back into a profile the simulator and a plan accept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.profile import Profile
+from planner.simulation.parameters import simulate
+from search_spaces import uniform
+from tests.multirank import run_cli, run_ranks
+
+MLP = "runtime.reference_workloads:mlp"
+KWARGS = {"dim": 64, "layers": 4}
+BLOCKS = tuple(f"blocks.{i}" for i in range(4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_profile_from_a_users_cpu_traces(tmp_path, microbatches):
+    run_ranks("trace_loop.py", MLP, json.dumps(KWARGS), str(microbatches), "2", str(tmp_path))
+    own = Fingerprint(**{k: tuple(v) if isinstance(v, list) else v
+                         for k, v in json.loads((tmp_path / "fingerprint.json").read_text()).items()})
+    out = tmp_path / "profile.json"
+    proc = run_cli("profile", "--from-trace", str(tmp_path / "traces"), "-o", str(out), "--model", MLP,
+                   "--model-kwargs", json.dumps(KWARGS), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "from 2 trace(s) (ranks 0, 1; 2 step(s) each)" in proc.stdout, proc.stdout
+    profile = Profile.load(out)
+    assert profile.fingerprint == own  # the fake world's model is the ranks' model
+    assert profile.source == "trace" and "fingerprint" not in profile.estimated
+    assert profile.post_forward_order == (*BLOCKS, "") and profile.pre_forward_order == ("", *BLOCKS)
+    assert profile.microbatches == microbatches
+    for fqn, nbytes in zip(own.module_fqns, own.param_bytes, strict=True):
+        m = profile.modules[fqn]
+        assert m.reshard_after_forward == (fqn != "")  # FSDP2 keeps the root unsharded after forward
+        assert m.fwd_ms > 0 and m.bwd_ms > 0 and m.all_gather_ms > 0 and m.reduce_scatter_ms > 0
+        assert m.unsharded_bytes == nbytes and m.grad_bytes == nbytes  # the reduce-scatter input, unpadded here
+    assert profile.measured_step_ms > profile.optimizer_ms > 0 and profile.measured_peak_bytes > sum(own.param_bytes)
+    plan = uniform.build(profile, 1, 1, True)
+    plan.check_matches(profile)  # a plan made on it names the model's modules and counts
+    assert simulate(profile, plan).step_ms > 0
+
+    # Without --model the parameter counts are the all-gathers' (padded to the world size), and it says so.
+    proc = run_cli("profile", "--from-trace", str(tmp_path / "traces"), "-o", str(tmp_path / "estimated.json"),
+                   cwd=tmp_path)
+    assert proc.returncode == 0 and "estimated: parameter counts: all-gather sizes" in proc.stdout, proc.stdout
+    estimated = Profile.load(tmp_path / "estimated.json")
+    assert "fingerprint" in estimated.estimated
+    assert all(e >= n for e, n in zip(estimated.fingerprint.param_numels, own.param_numels, strict=True))
