@@ -167,9 +167,13 @@ class Profile:
         return self.pre_forward_order[0]
 
     def to_dict(self) -> dict[str, Any]:
-        """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list."""
+        """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list.
+        ``source`` and ``estimated`` are written only for a trace profile, so a recorder's profile is the file
+        release 0.1.0 wrote, byte for byte."""
         d = dataclasses.asdict(self)
         d["modules"] = [dataclasses.asdict(m) for m in self.modules.values()]
+        if self.source == "recorder" and not self.estimated:
+            del d["source"], d["estimated"]
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:

@@ -41,7 +41,10 @@ class Collective:
     Attributes:
         kind: ``"all_gather"`` (with its copy-out) or ``"reduce_scatter"``.
         ordinal: the n-th collective of this module and kind in the step (0-based): ranks' calls pair up by it.
-        ms: the collective's own time (gloo work, or the NCCL kernel and copies), waiting for peers included.
+        ms: this rank's time (gloo work, or the NCCL kernel and copies, plus the copy-out), waiting for peers
+            included.
+        start_us, end_us: the gloo work's or the kernels' start and end on the host clock (``base_us`` added).
+        copy_out_ms: the copy-out's part of ``ms`` (all-gathers; else 0).
         bytes: all-gather output bytes (unsharded, padded), reduce-scatter input bytes; ``None`` without shapes.
         dtype_bytes: bytes per element; ``None`` without shapes.
     """
@@ -52,6 +55,9 @@ class Collective:
     ms: float
     bytes: int | None
     dtype_bytes: int | None
+    start_us: float = 0.0
+    end_us: float = 0.0
+    copy_out_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -228,13 +234,15 @@ def _collectives(trace: KinetoTrace, labels: list[_Label], main) -> list[Collect
             _gloo_collective(trace, lb.event, kind, main)
         if found is None:
             continue
-        ms, nbytes, dtype_bytes = found
+        (start, end), nbytes, dtype_bytes = found
+        copy_ms = 0.0
         if kind == "all_gather":
             copy = next((c for c in copy_outs[lb.fqn] if c.ts >= lb.event.ts), None)
             if copy is not None:
                 copy_outs[lb.fqn].remove(copy)
-                ms += _gpu_time_launched_in(trace, copy) if trace.device_type == "cuda" else copy.dur / 1e3
-        out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], ms, nbytes, dtype_bytes))
+                copy_ms = _gpu_time_launched_in(trace, copy) if trace.device_type == "cuda" else copy.dur / 1e3
+        out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], (end - start) / 1e3 + copy_ms, nbytes,
+                              dtype_bytes, start + trace.base_us, end + trace.base_us, copy_ms))
         count[(lb.fqn, kind)] += 1
     return out
 
@@ -246,11 +254,11 @@ def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str, main):
         return None
     work = [e for e in trace.cpu if e.name.startswith("gloo:") and e.thread != main and e.ts >= op.ts]
     first = min(work, key=lambda e: e.ts, default=None)
-    ms = (first.dur if first is not None and first.ts <= op.end else op.dur) / 1e3
+    span = (first.ts, first.end) if first is not None and first.ts <= op.end else (op.ts, op.end)
     dims = op.input_dims[0 if kind == "all_gather" else 1] if len(op.input_dims) > 1 else None
     dtype_bytes = DTYPE_BYTES.get(op.input_types[0]) if op.input_types else None
     nbytes = _numel(dims) * dtype_bytes if dims and dtype_bytes else None
-    return ms, nbytes, dtype_bytes
+    return span, nbytes, dtype_bytes
 
 
 def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
@@ -260,11 +268,11 @@ def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     nccl = [k for k in launched if "nccl" in k.name.lower() and word.lower() in k.name.lower()]
     if not nccl:
         return None
-    ms = sum(k.dur for k in launched) / 1e3  # the NCCL kernel and the copy-in the label launched
+    span = (min(k.ts for k in launched), max(k.end for k in launched))  # the NCCL kernel and the copy-in
     k = nccl[0]
     dtype_bytes = DTYPE_BYTES.get(k.dtype) if k.dtype else None
     numel = (k.nelems[1] if kind == "all_gather" else k.nelems[0]) if k.nelems else None
-    return ms, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes
+    return span, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes
 
 
 def _gpu_time_launched_in(trace: KinetoTrace, label: TraceEvent) -> float:

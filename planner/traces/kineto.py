@@ -93,6 +93,8 @@ class KinetoTrace:
         gpu: GPU work (kernels, copies, memsets), by start.
         launches: ``cuda_runtime`` start time (us) by correlation id.
         memory: ``[memory]`` events, by time.
+        base_us: ``baseTimeNanoseconds`` in us (0 when absent): ``ts + base_us`` is the host's clock, so events of
+            ranks on one host, or on hosts with synchronised clocks, line up.
     """
 
     path: str
@@ -104,6 +106,7 @@ class KinetoTrace:
     gpu: tuple[TraceEvent, ...]
     launches: dict[int, float]
     memory: tuple[MemoryEvent, ...]
+    base_us: float = 0.0
 
     @property
     def streams(self) -> tuple[int, ...]:
@@ -195,6 +198,7 @@ def _parse(name: str, doc: dict[str, Any]) -> KinetoTrace:
         backend=str(info.get("backend", "")), device_type=device_type,
         cpu=tuple(sorted(cpu, key=lambda e: (e.ts, -e.dur))), gpu=tuple(sorted(gpu, key=lambda e: e.ts)),
         launches=launches, memory=tuple(sorted(memory, key=lambda m: m.ts)),
+        base_us=float(doc.get("baseTimeNanoseconds", 0) or 0) / 1e3,
     )
 
 

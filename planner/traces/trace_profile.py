@@ -5,8 +5,10 @@ The same profile the recorder writes (``runtime.recorder``), from what a trainin
 then the max across ranks. Two figures differ in kind from the recorder's and say so:
 
 - Collectives: the recorder times each alone after a barrier; in a step, a rank that arrives first waits for the
-  others inside the collective. So each call is paired across ranks (the n-th of its module and kind in the same
-  step) and the least of the ranks' times is taken, the time of the rank that arrived last, before the median.
+  others inside the collective, and one that arrives last may find the peers' data already sent and finish early
+  (gloo). Neither rank's own time is the collective's. So each call is paired across ranks (the n-th of its
+  module and kind in the same step) and timed from the last rank's start to the last rank's end, on the host
+  clock (:func:`_collective_ms`), plus the longest copy-out; then the median over calls.
 - What a trace does not hold is estimated and named in :attr:`Profile.estimated` and in :class:`TraceProfile`'s
   ``missing``, each with what it costs; a ``fingerprint`` from the model replaces the estimated one.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import InStepTimings, ModuleProfile, Profile
 from planner.errors import TraceFormatError
-from planner.traces.fsdp_steps import RankStep, rank_steps
+from planner.traces.fsdp_steps import Collective, RankStep, rank_steps
 from planner.traces.kineto import TORCH_DTYPE, KinetoTrace, read_trace, trace_files
 
 # Optimizer state per byte of sharded parameters, by the optimizer's class name in ``Optimizer.step#Name.step``.
@@ -119,16 +121,16 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
     comm: dict[tuple[str, str], list[float]] = defaultdict(list)
     sizes: dict[tuple[str, str], int] = {}
     dtype_bytes: set[int] = set()
-    calls = defaultdict(list)
+    calls: dict[tuple[int, str, str, int], list[Collective]] = defaultdict(list)
     for steps in per_rank.values():
         for s in steps:
             for c in s.collectives:
-                calls[(s.number, c.module, c.kind, c.ordinal)].append(c.ms)
+                calls[(s.number, c.module, c.kind, c.ordinal)].append(c)
                 if c.bytes is not None:
                     sizes[(c.module, c.kind)] = c.bytes
                     dtype_bytes.add(c.dtype_bytes)
-    for (_, module, kind, _), times in calls.items():
-        comm[(module, kind)].append(min(times))  # the rank that arrived last: no wait for peers
+    for (_, module, kind, _), ranks_calls in calls.items():
+        comm[(module, kind)].append(_collective_ms(ranks_calls))
     estimated = []
     if fingerprint is None:
         fingerprint = _estimated_fingerprint(modules, sizes, world, device, dtype_bytes)
@@ -186,6 +188,18 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
         consolidation="max", in_step=in_step, source="trace", estimated=tuple(estimated),
     )
     return TraceProfile(profile, tuple(missing), min(len(s) for s in per_rank.values()), tuple(per_rank))
+
+
+def _collective_ms(calls: list[Collective]) -> float:
+    """One collective's time, ms, from every rank's view of it: from the last rank's start to the last rank's end,
+    plus the longest copy-out. One rank alone: its own time. Clocks that disagree (the span would be negative,
+    e.g. hosts out of sync): the least of the ranks' times."""
+    if len(calls) == 1:
+        return calls[0].ms
+    span = (max(c.end_us for c in calls) - max(c.start_us for c in calls)) / 1e3
+    if span < 0:
+        return min(c.ms for c in calls)
+    return span + max(c.copy_out_ms for c in calls)
 
 
 def _estimated_fingerprint(modules: tuple[str, ...], sizes: dict[tuple[str, str], int], world: int, device: str,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 STREAM_COMPUTE, STREAM_ALL_GATHER, STREAM_REDUCE_SCATTER = 7, 20, 21
+BASE_NS = 1_790_000_000_000_000_000  # the host clock at ts 0, as Kineto writes it
 
 EXPECTED = {
     "pre_forward_order": ("", "layers.0", "layers.1"),
@@ -38,11 +39,14 @@ EXPECTED = {
 
 
 class GpuTrace:
-    """Builds one rank's trace; ``slower`` adds microseconds to named kernels (another rank's view)."""
+    """Builds one rank's trace (another rank's view: ``slower`` adds microseconds to named kernels; ``shifted``
+    moves a named kernel's start and end by ``(start_us, end_us)``)."""
 
-    def __init__(self, rank: int = 0, world_size: int = 2, slower: dict[str, float] | None = None):
+    def __init__(self, rank: int = 0, world_size: int = 2, slower: dict[str, float] | None = None,
+                 shifted: dict[str, tuple[float, float]] | None = None):
         self.rank, self.world_size = rank, world_size
         self.slower = slower or {}
+        self.shifted = shifted or {}
         self.events: list[dict[str, Any]] = []
         self.correlation = 0
 
@@ -54,6 +58,8 @@ class GpuTrace:
                **args: Any) -> None:
         self.correlation += 1
         dur += self.slower.get(name, 0.0)
+        early, late = self.shifted.get(name, (0.0, 0.0))
+        start, dur = start + early, dur - early + late
         self.events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
                             "ts": launch, "dur": 4, "args": {"correlation": self.correlation}})
         self.events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": start,
@@ -130,18 +136,23 @@ class GpuTrace:
         self.reduce_scatter("", 1610, 4820, 2000, 100)
         self.label("Optimizer.step#AdamW.step", 1700, 1900)
         self.kernel("adamw", 1750, 4920, 200)  # the optimizer: nobody's compute
-        return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H100"}],
+        return {"schemaVersion": 1, "baseTimeNanoseconds": BASE_NS,
+                "deviceProperties": [{"id": 0, "name": "NVIDIA H100"}],
                 "distributedInfo": {"backend": "nccl", "rank": self.rank, "world_size": self.world_size},
                 "traceEvents": self.events}
 
 
 def write_traces(directory: Path, gz: bool = False, ranks: int = 2) -> list[str]:
-    """One trace per rank in ``directory``; rank 1's ``layers.0 fwd`` kernel runs 100 us longer, and its first
-    all-gather of ``layers.0`` 200 us longer (it waited for rank 0)."""
+    """One trace per rank in ``directory``. Rank 1 runs its ``layers.0 fwd`` kernel 100 us longer; starts its
+    all-gathers of ``layers.0`` 200 us early and waits for rank 0 (same end); and starts those of ``layers.1``
+    200 us late, finding rank 0's data there, and ends 50 us before rank 0 (gloo does that): each of these
+    collectives takes 100 us from the last start to the last end."""
     paths = []
     for rank in range(ranks):
-        slower = {"layers.0 fwd": 100.0, "ncclDevKernel_AllGather_RING_LL (layers.0)": 200.0} if rank == 1 else {}
-        doc = GpuTrace(rank, ranks, slower).build()
+        slower = {"layers.0 fwd": 100.0} if rank == 1 else {}
+        shifted = {"ncclDevKernel_AllGather_RING_LL (layers.0)": (-200.0, 0.0),
+                   "ncclDevKernel_AllGather_RING_LL (layers.1)": (200.0, -50.0)} if rank == 1 else {}
+        doc = GpuTrace(rank, ranks, slower, shifted).build()
         path = directory / f"rank{rank}_trace.json{'.gz' if gz else ''}"
         data = json.dumps(doc).encode()
         path.write_bytes(gzip.compress(data) if gz else data)

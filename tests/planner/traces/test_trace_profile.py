@@ -14,7 +14,13 @@ from planner.simulation.parameters import simulate
 from planner.traces.fsdp_steps import rank_steps
 from planner.traces.kineto import NCCL_KERNEL, read_trace
 from planner.traces.trace_profile import profile_from_traces
-from tests.planner.traces.synthetic_trace import EXPECTED, STREAM_ALL_GATHER, STREAM_REDUCE_SCATTER, write_traces
+from tests.planner.traces.synthetic_trace import (
+    BASE_NS,
+    EXPECTED,
+    STREAM_ALL_GATHER,
+    STREAM_REDUCE_SCATTER,
+    write_traces,
+)
 
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"  # README.md there: source and licence
 
@@ -40,11 +46,13 @@ def test_one_rank_step_has_the_hand_computed_figures(tmp_path):
         assert calls[(fqn, "all_gather", 0)].ms == pytest.approx(EXPECTED["all_gather_ms"][fqn])
         assert calls[(fqn, "all_gather", 0)].bytes == EXPECTED["unsharded_bytes"][fqn]
         assert calls[(fqn, "reduce_scatter", 0)].ms == pytest.approx(EXPECTED["reduce_scatter_ms"][fqn])
+    assert calls[("layers.0", "all_gather", 0)].start_us == pytest.approx(BASE_NS / 1e3 + 400)  # on the host clock
 
 
-def test_ranks_consolidate_max_compute_and_the_last_arrivals_collectives(tmp_path):
-    """Rank 1 computes layers.0 100 us longer (max: its figure) and waits 200 us longer in layers.0's all-gathers
-    (the least of the ranks: rank 0's, the collective without the wait)."""
+def test_ranks_consolidate_max_compute_and_collectives_from_last_start_to_last_end(tmp_path):
+    """Rank 1 computes layers.0 100 us longer (max: its figure); it waits 200 us in layers.0's all-gathers, and
+    arrives 200 us late at layers.1's and leaves 50 us early: each collective is timed from the last start to the
+    last end (layers.0: rank 0's 0.3 ms; layers.1: 0.1 ms, below either rank's own time) plus the copy-out."""
     write_traces(tmp_path, gz=True)
     traced = profile_from_traces([str(tmp_path)])
     p = traced.profile
@@ -52,8 +60,9 @@ def test_ranks_consolidate_max_compute_and_the_last_arrivals_collectives(tmp_pat
     assert p.source == "trace" and "fingerprint" in p.estimated
     assert p.modules["layers.0"].fwd_ms == pytest.approx(0.6)
     assert p.modules["layers.1"].fwd_ms == pytest.approx(0.4)
+    all_gather_ms = {**EXPECTED["all_gather_ms"], "layers.1": 0.1 + 0.03}
     for fqn, m in p.modules.items():
-        assert m.all_gather_ms == pytest.approx(EXPECTED["all_gather_ms"][fqn])
+        assert m.all_gather_ms == pytest.approx(all_gather_ms[fqn])
         assert m.reduce_scatter_ms == pytest.approx(EXPECTED["reduce_scatter_ms"][fqn])
         assert m.unsharded_bytes == EXPECTED["unsharded_bytes"][fqn] and m.sharded_bytes == m.unsharded_bytes // 2
         assert m.reshard_after_forward == EXPECTED["reshard_after_forward"][fqn]
