@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from runtime.workload import Workload
 
-TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms")
+TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms")
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -42,6 +43,14 @@ class ComputeTimer:
     (:attr:`saved_parameter_storages`): a module none of whose parameters is
     saved (an embedding) needs no all-gather in backward.
 
+    Recompute (activation checkpointing): a forward hook on each direct child of a non-root FSDP module that
+    fires inside the backward window means the module recomputes its forward there (``torch.utils.checkpoint``
+    re-runs the block's forward after FSDP2's pre-backward hook unsharded it). The module is noted in
+    :attr:`recomputing`, and its children's forward time there is its ``recompute_ms`` (a part of its
+    ``bwd_ms``; what the block does between its children, a residual add, is left out). The timed forward runs
+    under ``set_checkpoint_early_stop(False)``, so the recompute runs to the block's end (by default it stops
+    once the tensors backward needs are back, a few ops short).
+
     On CPU a mark is ``time.perf_counter()``; on GPU the hooks run ahead of
     the kernels they launch, so a mark is a CUDA event recorded on the current
     stream, turned into seconds (``Event.elapsed_time``) after the run.
@@ -57,9 +66,19 @@ class ComputeTimer:
         self.param_storages: set[int] = set()
         self.saved_parameter_storages: set[int] = set()  # storages of parameters autograd saved for backward
         self.handles = []
+        self.in_backward = False
+        self.recomputing: set[str] = set()  # modules whose forward ran again in backward (checkpointed)
+        self.recompute_depth: dict[str, int] = defaultdict(int)
+        fsdp = {id(m) for _, m in modules}
         for fqn, m in modules:
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post_hook(fqn)))
+            if fqn == root:
+                continue
+            for child in m.children():
+                if id(child) not in fsdp:
+                    self.handles.append(child.register_forward_pre_hook(self._recompute_hook(fqn, +1)))
+                    self.handles.append(child.register_forward_hook(self._recompute_hook(fqn, -1)))
 
     def mark(self, kind: str, fqn: str) -> None:
         if self.cuda:
@@ -109,6 +128,19 @@ class ComputeTimer:
 
         return hook
 
+    def _recompute_hook(self, fqn: str, step: int):
+        def hook(module, *_):
+            if not self.in_backward or (step < 0 and self.recompute_depth[fqn] == 0):
+                return
+            self.recompute_depth[fqn] += step
+            if step > 0 and self.recompute_depth[fqn] == 1:
+                self.recomputing.add(fqn)
+                self.mark("rstart", fqn)
+            elif step < 0 and self.recompute_depth[fqn] == 0:
+                self.mark("rend", fqn)
+
+        return hook
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
             key = t.untyped_storage().data_ptr()
@@ -129,11 +161,17 @@ class ComputeTimer:
         self.saved_parameter_storages.clear()
         self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()}
         self.mark("enter", self.root)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        self.recompute_depth.clear()
+        # the whole recompute runs, so each child's forward hook closes its window (early stop ends it mid-forward)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), set_checkpoint_early_stop(False):
             loss = workload.loss_fn(workload.model, workload.make_batch(step))
         self.mark("exit", self.root)
         self.mark("enter", self.root)
-        loss.backward()
+        self.in_backward = True
+        try:
+            loss.backward()
+        finally:
+            self.in_backward = False
         self.mark("exit", self.root)
         self._marks_to_seconds()
 
@@ -145,8 +183,13 @@ class ComputeTimer:
         stack: list[str] = []
         child_seen: set[str] = set()
         backward = False
+        recompute_start: dict[str, float] = {}
         for i, (t, kind, fqn) in enumerate(self.marks):
-            if kind in ("enter", "benter"):
+            if kind == "rstart":
+                recompute_start[fqn] = t
+            elif kind == "rend":
+                out[fqn]["recompute_ms"] += (t - recompute_start.pop(fqn, t)) * 1e3
+            elif kind in ("enter", "benter"):
                 if kind == "enter" and fqn == self.root and i > 0 and not stack:
                     backward = True  # the second root entry opens the backward window
                     child_seen.clear()

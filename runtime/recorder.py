@@ -101,6 +101,8 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
                 for fqn, _ in modules:
                     own = [p.untyped_storage().data_ptr() for p in own_parameters(modules, fqn)]
                     needs[fqn] = not own or any(ptr in timer.saved_parameter_storages for ptr in own)
+                    # a checkpointed block saves no parameter, yet its recompute reads them all
+                    needs[fqn] = needs[fqn] or fqn in timer.recomputing
                 continue
             for fqn, _ in modules:
                 for key in TIMED:
@@ -238,6 +240,7 @@ def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, b
             activation_bytes=int(figures["activation_bytes"]),
             reshard_after_forward=raf[fqn],
             needs_parameters_in_backward=bool(figures["needs_parameters_in_backward"]),  # any rank: max
+            recompute_ms=figures.get("recompute_ms", 0.0),
             calls=max(1, calls.get(fqn, 1)),
         )
     root = fingerprint.module_fqns[0]

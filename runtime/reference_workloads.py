@@ -4,6 +4,8 @@ Random weights, no download. Each factory is ``factory(mesh, **kwargs)`` and
 applies ``fully_shard`` per block, then to the root, as torchtitan's
 ``parallelize.py`` does. Sizes default to what makes FSDP2's all-gathers show
 in the step time on the CPU testbed (2 ranks, gloo, one compute thread each).
+``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` (every other block), inside the block
+``fully_shard`` wraps, with torchtitan's meaning (:mod:`runtime.activation_checkpointing`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from runtime.activation_checkpointing import apply_activation_checkpointing
 from runtime.workload import Workload
 
 
@@ -41,6 +44,7 @@ def llama(
     lr: float = 1e-4,
     seed: int = 0,
     shard_embedding: bool = False,
+    activation_checkpointing: str = "none",
 ) -> Workload:
     """Llama (``transformers.LlamaForCausalLM``) from a config, random weights.
 
@@ -64,6 +68,7 @@ def llama(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    apply_activation_checkpointing(model.model.layers, activation_checkpointing)
     if shard_embedding:
         fully_shard(model.model.embed_tokens, mesh=mesh)
     for layer in model.model.layers:
@@ -84,6 +89,7 @@ def gpt2(
     seq_len: int = 64,
     lr: float = 1e-4,
     seed: int = 0,
+    activation_checkpointing: str = "none",
 ) -> Workload:
     """GPT-2 (``transformers.GPT2LMHeadModel``) from a config, random weights.
 
@@ -99,6 +105,7 @@ def gpt2(
     )
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
+    apply_activation_checkpointing(model.transformer.h, activation_checkpointing)
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -137,10 +144,11 @@ class MLPStack(nn.Module):
 
 
 def mlp(mesh: Any, dim: int = 256, layers: int = 4, batch_size: int = 8, lr: float = 1e-3, seed: int = 0,
-        dropout: float = 0.0) -> Workload:
+        dropout: float = 0.0, activation_checkpointing: str = "none") -> Workload:
     """A small MLP stack (fast; used by the tests); ``dropout`` > 0 draws random numbers in every forward."""
     torch.manual_seed(seed)
     model = MLPStack(dim, layers, dropout)
+    apply_activation_checkpointing(model.blocks, activation_checkpointing)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -49,7 +49,10 @@ class ModuleProfile:
         needs_parameters_in_backward: autograd saves some of its parameters
             for backward (a linear layer's weight); ``False`` (an embedding)
             makes ``set_unshard_in_backward(False)`` safe. ``True`` when not
-            recorded.
+            recorded, and for a checkpointed module (its recompute reads them).
+        recompute_ms: activation checkpointing: the part of ``bwd_ms`` that re-runs the forward (after the
+            pre-backward all-gather, before the gradient compute: ``torch.utils.checkpoint``'s recompute); 0 for a
+            module not checkpointed.
     """
 
     fqn: str
@@ -66,6 +69,7 @@ class ModuleProfile:
     reshard_after_forward: bool
     calls: int = 1
     needs_parameters_in_backward: bool = True
+    recompute_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,10 +172,11 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list.
-        ``source`` and ``estimated`` are written only for a trace profile, so a recorder's profile is the file
-        release 0.1.0 wrote, byte for byte."""
+        ``source`` and ``estimated`` are written only for a trace profile, and ``recompute_ms`` only for a
+        checkpointed module, so a plain recorder's profile is the file release 0.1.0 wrote, byte for byte."""
         d = dataclasses.asdict(self)
-        d["modules"] = [dataclasses.asdict(m) for m in self.modules.values()]
+        d["modules"] = [{k: v for k, v in dataclasses.asdict(m).items() if k != "recompute_ms" or v}
+                        for m in self.modules.values()]
         if self.source == "recorder" and not self.estimated:
             del d["source"], d["estimated"]
         return d

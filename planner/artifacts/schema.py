@@ -97,6 +97,7 @@ class ModuleProfileDocument(Document):
     reshard_after_forward: bool
     calls: int = Field(1, ge=1)
     needs_parameters_in_backward: bool = True
+    recompute_ms: float = Field(0.0, ge=0)
 
 
 class OverlapDocument(Document):

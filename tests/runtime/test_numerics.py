@@ -33,6 +33,22 @@ WORKLOADS = {
             "shard_embedding": True,
         },
     ),  # an FSDP module backward reads nothing of
+    "llama-ac-full": (
+        "runtime.reference_workloads:llama",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "vocab_size": 128,
+            "seq_len": 16,
+            "activation_checkpointing": "full",
+        },
+    ),  # every block recomputes its forward in backward
+    "mlp-ac-selective": (
+        "runtime.reference_workloads:mlp",
+        {"dim": 64, "layers": 4, "dropout": 0.1, "activation_checkpointing": "selective"},
+    ),  # every other block recomputes, drawing its dropout mask again
     "gpt2": (
         "runtime.reference_workloads:gpt2",
         {"n_embd": 64, "n_layer": 3, "n_head": 4, "vocab_size": 128, "seq_len": 16},
@@ -56,7 +72,8 @@ def test_losses_bitwise_identical_across_plans(ranks, tmp_path, workload):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workload, examples, microbatches", [("mlp", 60, 1), ("llama", 15, 1), ("mlp", 30, 3),
-                                                               ("llama-embedding", 10, 2)])
+                                                               ("llama-embedding", 10, 2), ("llama-ac-full", 10, 1),
+                                                               ("mlp-ac-selective", 20, 2)])
 def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples, microbatches):
     """Hypothesis: plans drawn from every search space (and the other knobs) leave 3 steps' losses bitwise equal.
 
