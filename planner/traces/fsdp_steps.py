@@ -31,6 +31,9 @@ from planner.traces.kineto import DTYPE_BYTES, KinetoTrace, TraceEvent
 LABEL = re.compile(r"^FSDP::(\w+)(?: \((.*)\))?$")
 POST_BACKWARD = ("post_backward_accumulate", "post_backward_reshard", "post_backward_rs_wait", "post_backward_reduce")
 ALL_GATHER_OPS = ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced", "c10d::allgather_")
+# gloo's work by collective: its reduce-scatter of a flat tensor runs as an all-reduce (``gloo:all_reduce``); the
+# name keeps a reduce-scatter from matching the prefetch all-gather that gloo runs beside it.
+GLOO_WORK = {"all_gather": ("gloo:all_gather",), "reduce_scatter": ("gloo:reduce_scatter", "gloo:all_reduce")}
 REDUCE_SCATTER_OPS = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced", "c10d::reduce_scatter_")
 
 
@@ -252,7 +255,8 @@ def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str, main):
     op = next((e for e in trace.cpu if e.thread == main and e.name in ops and label.contains(e.ts)), None)
     if op is None:
         return None
-    work = [e for e in trace.cpu if e.name.startswith("gloo:") and e.thread != main and e.ts >= op.ts]
+    names = GLOO_WORK[kind]
+    work = [e for e in trace.cpu if e.name in names and e.thread != main and e.ts >= op.ts]
     first = min(work, key=lambda e: e.ts, default=None)
     span = (first.ts, first.end) if first is not None and first.ts <= op.end else (op.ts, op.end)
     dims = op.input_dims[0 if kind == "all_gather" else 1] if len(op.input_dims) > 1 else None
