@@ -47,9 +47,12 @@ class ComputeTimer:
     fires inside the backward window means the module recomputes its forward there (``torch.utils.checkpoint``
     re-runs the block's forward after FSDP2's pre-backward hook unsharded it). The module is noted in
     :attr:`recomputing`, and its children's forward time there is its ``recompute_ms`` (a part of its
-    ``bwd_ms``; what the block does between its children, a residual add, is left out). The timed forward runs
-    under ``set_checkpoint_early_stop(False)``, so the recompute runs to the block's end (by default it stops
-    once the tensors backward needs are back, a few ops short).
+    ``bwd_ms``; what the block does between its children, a residual add, is left out). The bytes of the
+    outputs of its submodules there, at any depth (storages counted once), are :attr:`recompute_bytes`: the
+    recomputed activations, which live until the block's gradient compute has used them. Functional ops'
+    outputs (an activation function called as a function, a residual add) are not seen: an underestimate.
+    The timed forward runs under ``set_checkpoint_early_stop(False)``, so the recompute runs to the block's
+    end (by default it stops once the tensors backward needs are back, a few ops short).
 
     On CPU a mark is ``time.perf_counter()``; on GPU the hooks run ahead of
     the kernels they launch, so a mark is a CUDA event recorded on the current
@@ -69,6 +72,8 @@ class ComputeTimer:
         self.in_backward = False
         self.recomputing: set[str] = set()  # modules whose forward ran again in backward (checkpointed)
         self.recompute_depth: dict[str, int] = defaultdict(int)
+        self.recompute_bytes: dict[str, int] = defaultdict(int)  # its children's outputs in backward, last run
+        self.recompute_seen: set[int] = set()
         fsdp = {id(m) for _, m in modules}
         for fqn, m in modules:
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
@@ -79,6 +84,9 @@ class ComputeTimer:
                 if id(child) not in fsdp:
                     self.handles.append(child.register_forward_pre_hook(self._recompute_hook(fqn, +1)))
                     self.handles.append(child.register_forward_hook(self._recompute_hook(fqn, -1)))
+                    for deeper in list(child.modules())[1:]:
+                        if id(deeper) not in fsdp:
+                            self.handles.append(deeper.register_forward_hook(self._recompute_bytes_hook(fqn)))
 
     def mark(self, kind: str, fqn: str) -> None:
         if self.cuda:
@@ -129,9 +137,11 @@ class ComputeTimer:
         return hook
 
     def _recompute_hook(self, fqn: str, step: int):
-        def hook(module, *_):
+        def hook(module, *hook_args):
             if not self.in_backward or (step < 0 and self.recompute_depth[fqn] == 0):
                 return
+            if step < 0:
+                self.recompute_bytes[fqn] += self._new_bytes(tensors_in(hook_args[-1]))
             self.recompute_depth[fqn] += step
             if step > 0 and self.recompute_depth[fqn] == 1:
                 self.recomputing.add(fqn)
@@ -140,6 +150,22 @@ class ComputeTimer:
                 self.mark("rend", fqn)
 
         return hook
+
+    def _recompute_bytes_hook(self, fqn: str):
+        def hook(module, args, output):
+            if self.in_backward and self.recompute_depth[fqn] > 0:
+                self.recompute_bytes[fqn] += self._new_bytes(tensors_in(output))
+
+        return hook
+
+    def _new_bytes(self, tensors: list[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key not in self.recompute_seen and key not in self.param_storages:
+                self.recompute_seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -162,6 +188,8 @@ class ComputeTimer:
         self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()}
         self.mark("enter", self.root)
         self.recompute_depth.clear()
+        self.recompute_bytes.clear()
+        self.recompute_seen.clear()
         # the whole recompute runs, so each child's forward hook closes its window (early stop ends it mid-forward)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), set_checkpoint_early_stop(False):
             loss = workload.loss_fn(workload.model, workload.make_batch(step))

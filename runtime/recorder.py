@@ -121,6 +121,7 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
         "times": {fqn: {k: statistics.median(samples[fqn][k]) for k in TIMED} for fqn, _ in modules},
         "pre_forward_order": pre_order, "post_forward_order": post_order, "calls": calls,
         "activation_bytes": dict(timer.act_bytes), "needs_parameters_in_backward": needs,
+        "recompute_bytes": dict(timer.recompute_bytes),
     }
 
 
@@ -202,6 +203,7 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
                 "reduce_scatter_ms": rs_ms[fqn],
                 "sharded_bytes": sharded[fqn],
                 "activation_bytes": compute["activation_bytes"].get(fqn, 0),
+                "recompute_activation_bytes": compute["recompute_bytes"].get(fqn, 0),
                 "needs_parameters_in_backward": compute["needs_parameters_in_backward"][fqn],
             }
             for fqn, _ in modules
@@ -241,6 +243,7 @@ def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, b
             reshard_after_forward=raf[fqn],
             needs_parameters_in_backward=bool(figures["needs_parameters_in_backward"]),  # any rank: max
             recompute_ms=figures.get("recompute_ms", 0.0),
+            recompute_activation_bytes=int(figures.get("recompute_activation_bytes", 0)),
             calls=max(1, calls.get(fqn, 1)),
         )
     root = fingerprint.module_fqns[0]

@@ -20,6 +20,9 @@ from planner.errors import ProfileFormatError
 PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
 
 
+RECOMPUTE_FIELDS = ("recompute_ms", "recompute_activation_bytes")  # written only for a checkpointed module
+
+
 @dataclass(frozen=True)
 class ModuleProfile:
     """Measured figures of one FSDP module (one ``fully_shard`` call).
@@ -53,6 +56,8 @@ class ModuleProfile:
         recompute_ms: activation checkpointing: the part of ``bwd_ms`` that re-runs the forward (after the
             pre-backward all-gather, before the gradient compute: ``torch.utils.checkpoint``'s recompute); 0 for a
             module not checkpointed.
+        recompute_activation_bytes: the activations its recompute holds during its backward (the recorder: the
+            bytes of its children's outputs there); its ``activation_bytes`` are then the checkpointed inputs.
     """
 
     fqn: str
@@ -70,6 +75,7 @@ class ModuleProfile:
     calls: int = 1
     needs_parameters_in_backward: bool = True
     recompute_ms: float = 0.0
+    recompute_activation_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,7 @@ class Profile:
         ``source`` and ``estimated`` are written only for a trace profile, and ``recompute_ms`` only for a
         checkpointed module, so a plain recorder's profile is the file release 0.1.0 wrote, byte for byte."""
         d = dataclasses.asdict(self)
-        d["modules"] = [{k: v for k, v in dataclasses.asdict(m).items() if k != "recompute_ms" or v}
+        d["modules"] = [{k: v for k, v in dataclasses.asdict(m).items() if k not in RECOMPUTE_FIELDS or v}
                         for m in self.modules.values()]
         if self.source == "recorder" and not self.estimated:
             del d["source"], d["estimated"]

@@ -98,6 +98,7 @@ class ModuleProfileDocument(Document):
     calls: int = Field(1, ge=1)
     needs_parameters_in_backward: bool = True
     recompute_ms: float = Field(0.0, ge=0)
+    recompute_activation_bytes: int = Field(0, ge=0)
 
 
 class OverlapDocument(Document):

@@ -41,8 +41,12 @@ def test_the_recorder_notes_the_modules_that_recompute(mesh):
     for fqn in recomputes:
         m = profile.modules[fqn]
         assert m.needs_parameters_in_backward and m.recompute_ms < m.bwd_ms
+        # recomputed: the outputs of norm, fc1 and fc2 (batch 8; dropout with p=0 returns its input), fp32
+        assert m.recompute_activation_bytes == 8 * (64 + 4 * 64 + 64) * 4
+        # kept from forward: only the block's input, where a plain block keeps its saved tensors
+        assert m.activation_bytes == 8 * 64 * 4 < profile.modules["blocks.0"].activation_bytes
     plain = record_profile(mlp(mesh, dim=64, layers=4), warmup_steps=1, steps=1, repeats=2)
-    assert all(m.recompute_ms == 0 for m in plain.modules.values())
+    assert all(m.recompute_ms == 0 == m.recompute_activation_bytes for m in plain.modules.values())
     written = {name: json.loads(p.to_json())["modules"] for name, p in (("plain", plain), ("ac", profile))}
     assert not any("recompute_ms" in m for m in written["plain"])  # the file release 0.1.0 wrote
-    assert {m["fqn"] for m in written["ac"] if "recompute_ms" in m} == recomputes
+    assert {m["fqn"] for m in written["ac"] if "recompute_ms" in m and "recompute_activation_bytes" in m} == recomputes

@@ -127,14 +127,23 @@ def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
 @njit(cache=True, inline="always")
 def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
     """Module ``i``'s backward compute, then ``FSDPParamGroup.post_backward``: reshard, then reduce-scatter
-    (only with gradient sync, ``set_requires_gradient_sync``)."""
+    (only with gradient sync, ``set_requires_gradient_sync``).
+
+    A checkpointed module (``recompute_bytes`` > 0) recomputes its forward inside this compute, its parameters
+    already unsharded by ``_pre_backward``: non-reentrant ``torch.utils.checkpoint`` re-runs the block when
+    backward first unpacks one of its saved tensors (``_checkpoint_hook``'s unpack hook), and the recomputed
+    tensors live until the block's gradient compute has used them. ``backward_ms`` holds the recompute; the
+    recomputed activations are allocated for the compute and freed after it, on top of the checkpointed inputs
+    (``activation_bytes``) kept since forward."""
     clock, counters, module_state = st.clock, st.counters, st.module_state
     ag_end, in_flight, events, samples, held = st.all_gather_end, st.in_flight, trace.events, trace.samples, st.held
     if not module_state[i, GRAD_ALIVE]:  # autograd allocates the unsharded gradient once
         module_state[i, GRAD_ALIVE] = 1
         allocate(clock, counters, samples, prof.grad_bytes[i])
+    if prof.recompute_bytes[i]:
+        allocate(clock, counters, samples, prof.recompute_bytes[i])
     compute(i, BACKWARD, ms, cfg, clock, counters, in_flight, ag_end, module_state, events)
-    allocate(clock, counters, samples, -prof.activation_bytes[i])
+    allocate(clock, counters, samples, -prof.activation_bytes[i] - prof.recompute_bytes[i])
     clock[CPU] += cfg.issue_overhead_ms
     if reshard_after and module_state[i, UNSHARD_STATE] != SHARDED:
         reshard(i, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
