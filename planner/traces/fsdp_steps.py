@@ -14,6 +14,12 @@ first ``post_backward_*``), and gives every stretch between labels to the module
 is empty, e.g. the loss). That is the recorder's rule: compute exclusive of nested FSDP modules, with the
 parameters unsharded, so no communication inside. On CPU a stretch's wall time is the compute; on GPU the
 compute is the GPU time of the work launched in the stretch (``cuda_runtime`` and kernel share a correlation id).
+Activation checkpointing shows as forward ops inside a module's backward stretch (``torch.utils.checkpoint``
+re-runs the block when backward first unpacks a saved tensor): ops that only a forward calls (:data:`FORWARD_ONLY`:
+``aten::linear``, ``aten::scaled_dot_product_attention``, ...; backward formulas call ``aten::mm`` and the
+``*_backward`` ops). A module's recompute is the span from the first to the last of them in each of its backward
+stretches (on GPU, the kernels launched there), part of its backward compute; the ``[memory]`` peak within the
+span above its start is what the recompute holds.
 A collective is the gloo work (``gloo:*``, its own thread) or the NCCL kernel (its own stream) that the
 ``c10d::`` call, or the launch, inside the ``FSDP::all_gather`` or ``FSDP::post_backward_reduce`` label started.
 """
@@ -34,6 +40,8 @@ ALL_GATHER_OPS = ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesc
 # gloo's work by collective: its reduce-scatter of a flat tensor runs as an all-reduce (``gloo:all_reduce``); the
 # name keeps a reduce-scatter from matching the prefetch all-gather that gloo runs beside it.
 GLOO_WORK = {"all_gather": ("gloo:all_gather",), "reduce_scatter": ("gloo:reduce_scatter", "gloo:all_reduce")}
+FORWARD_ONLY = frozenset({"aten::linear", "aten::scaled_dot_product_attention", "aten::layer_norm", "aten::rms_norm",
+                          "aten::group_norm", "aten::embedding", "aten::conv1d", "aten::conv2d"})
 REDUCE_SCATTER_OPS = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced", "c10d::reduce_scatter_")
 
 
@@ -76,6 +84,8 @@ class RankStep:
         peak_above_start_bytes: the most bytes allocated above the step's start; ``None`` without memory events.
         start_bytes: ``Total Allocated`` at step start (on CPU only what was allocated while profiling).
         activation_bytes: first microbatch: bytes each module's forward left allocated, exclusive of nested modules.
+        recompute_ms: per checkpointed module, its recompute inside its backward (part of ``bwd_ms``).
+        recompute_bytes: per checkpointed module, the most bytes allocated during its recompute above its start.
     """
 
     number: int
@@ -95,6 +105,8 @@ class RankStep:
     peak_above_start_bytes: int | None = None
     start_bytes: int | None = None
     activation_bytes: dict[str, int] = field(default_factory=dict)
+    recompute_ms: dict[str, float] = field(default_factory=dict)
+    recompute_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -213,14 +225,40 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
     optimizer = next((e for e in trace.cpu if e.name.startswith("Optimizer.step#") and e.thread == main
                       and window.contains(e.ts)), None)
     memory = _memory(trace, window, labels, optimizer, parent)
+    recompute_ms, recompute_bytes = _recompute(trace, segments, main)
     return RankStep(
         number=number, step_ms=window.dur / 1e3, microbatches=max(1, microbatches), pre_forward_order=pre_order,
         post_forward_order=post_order, fwd_ms=dict(times["fwd"]), bwd_ms=dict(times["bwd"]),
         fwd_pre_ms=dict(times["fwd_pre"]), bwd_pre_ms=dict(times["bwd_pre"]),
         collectives=tuple(_collectives(trace, labels, main)), resharded=resharded,
         optimizer=optimizer.name.split("#")[1].split(".")[0] if optimizer else None,
-        optimizer_ms=optimizer.dur / 1e3 if optimizer else None, **memory,
+        optimizer_ms=optimizer.dur / 1e3 if optimizer else None, recompute_ms=recompute_ms,
+        recompute_bytes=recompute_bytes, **memory,
     )
+
+
+def _recompute(trace: KinetoTrace, segments, main) -> tuple[dict[str, float], dict[str, int]]:
+    """Per module, the recompute of [Note: Compute from a trace]: ms (CPU span, or GPU time launched in it) and
+    bytes (the ``[memory]`` peak in the span above its start)."""
+    ops = [e for e in trace.cpu if e.thread == main and e.name in FORWARD_ONLY]
+    starts = [e.ts for e in ops]
+    events = [m for m in trace.memory if m.device == trace.device_type]
+    times, totals = [m.ts for m in events], [m.total_allocated for m in events]
+    ms: dict[str, float] = defaultdict(float)
+    nbytes: dict[str, int] = defaultdict(int)
+    for start, end, phase, module, _ in segments:
+        if phase != "bwd" or module == "":
+            continue
+        inside = ops[bisect.bisect_left(starts, start):bisect.bisect_right(starts, end)]
+        if not inside:
+            continue
+        span = TraceEvent("recompute", "span", inside[0].ts, max(e.end for e in inside) - inside[0].ts)
+        ms[module] += _gpu_time_launched_in(trace, span) if trace.device_type == "cuda" else span.dur / 1e3
+        first, last = bisect.bisect_left(times, span.ts), bisect.bisect_right(times, span.end)
+        if last > first:
+            at_start = totals[first - 1] if first > 0 else 0
+            nbytes[module] = max(nbytes[module], max(totals[first:last]) - at_start)
+    return dict(ms), dict(nbytes)
 
 
 def _collectives(trace: KinetoTrace, labels: list[_Label], main) -> list[Collective]:

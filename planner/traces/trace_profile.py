@@ -157,6 +157,8 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
             all_gather_ms=statistics.median(ag) if ag else 0.0, reduce_scatter_ms=statistics.median(rs) if rs else 0.0,
             unsharded_bytes=nbytes, sharded_bytes=-(-nbytes // world),
             grad_bytes=sizes.get((fqn, "reduce_scatter"), nbytes), activation_bytes=int(act),
+            recompute_ms=per_module("recompute_ms", fqn),
+            recompute_activation_bytes=int(max(s.recompute_bytes.get(fqn, 0) for ss in per_rank.values() for s in ss)),
             reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
         )
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])

@@ -51,3 +51,21 @@ def test_profile_from_a_users_cpu_traces(tmp_path, microbatches):
     estimated = Profile.load(tmp_path / "estimated.json")
     assert "fingerprint" in estimated.estimated
     assert all(e >= n for e, n in zip(estimated.fingerprint.param_numels, own.param_numels, strict=True))
+
+
+@pytest.mark.slow
+def test_a_checkpointed_models_trace_shows_its_recompute(tmp_path):
+    """Every other block checkpointed: its forward ops run again inside its backward stretch, and the trace
+    profile names those blocks, with a recompute inside their backward and the memory it held."""
+    from planner.traces.trace_profile import profile_from_traces
+
+    kwargs = {**KWARGS, "activation_checkpointing": "selective"}
+    run_ranks("trace_loop.py", MLP, json.dumps(kwargs), "1", "2", str(tmp_path))
+    profile = profile_from_traces([str(tmp_path / "traces")]).profile
+    recomputes = {fqn for fqn, m in profile.modules.items() if m.recompute_ms > 0}
+    assert recomputes == {"blocks.1", "blocks.3"}
+    for fqn in recomputes:
+        m = profile.modules[fqn]
+        assert m.recompute_ms < m.bwd_ms
+        assert m.recompute_activation_bytes >= 8 * 4 * 64 * 4  # at least fc1's output (batch 8, fp32)
+        assert m.activation_bytes < profile.modules["blocks.0"].activation_bytes  # it kept only its input

@@ -24,8 +24,11 @@ EXPECTED = {
     # compute: GPU time of the kernels launched between labels, by the module on top of the stack
     "fwd_ms": {"": 0.25, "layers.0": 0.5, "layers.1": 0.4},
     "fwd_pre_ms": {"": 0.1, "layers.0": 0.5, "layers.1": 0.4},
-    "bwd_ms": {"": 0.13, "layers.0": 0.9, "layers.1": 0.8},
-    "bwd_pre_ms": {"": 0.06, "layers.0": 0.9, "layers.1": 0.8},
+    "bwd_ms": {"": 0.13, "layers.0": 0.9, "layers.1": 0.95},  # layers.1: its recompute 0.15, then 0.8
+    "bwd_pre_ms": {"": 0.06, "layers.0": 0.9, "layers.1": 0.95},
+    # layers.1 is checkpointed: a forward op in its backward stretch launched 0.15 ms of kernels, holding 2000 B
+    "recompute_ms": {"layers.1": 0.15},
+    "recompute_bytes": {"layers.1": 2000},
     # the NCCL kernel plus the copy-out's kernel; both calls of a layer alike
     "all_gather_ms": {"": 0.22, "layers.0": 0.33, "layers.1": 0.33},
     "reduce_scatter_ms": {"": 0.1, "layers.0": 0.25, "layers.1": 0.25},
@@ -65,6 +68,10 @@ class GpuTrace:
         self.events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": start,
                             "dur": dur, "args": {"stream": stream, "device": 0, "correlation": self.correlation,
                                                  **args}})
+
+    def op(self, name: str, start: float, end: float) -> None:
+        self.events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": start,
+                            "dur": end - start, "args": {}})
 
     def memory(self, ts: float, total: int) -> None:
         self.events.append({"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1, "ts": ts,
@@ -121,7 +128,11 @@ class GpuTrace:
         self.copy_out("layers.1", 1000, 2500)
         self.label("FSDP::backward_prefetch for layers.0", 1020, 1100)
         self.all_gather("layers.0", 1030, 1040, 2530, 4000)
+        self.op("aten::linear", 1110, 1130)  # layers.1 recomputes its forward (activation checkpointing)
+        self.kernel("layers.1 recompute", 1115, 2600, 150)
+        self.memory(1120, 1_006_000)  # the recomputed activations
         self.kernel("layers.1 bwd", 1150, 2830, 800)
+        self.memory(1195, 1_004_000)  # used by its gradient compute, freed
         self.label("FSDP::post_backward_accumulate (layers.1)", 1200, 1210)
         self.label("FSDP::post_backward_reshard (layers.1)", 1210, 1220)
         self.reduce_scatter("layers.1", 1220, 3630, 4000, 250)

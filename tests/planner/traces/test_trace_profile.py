@@ -39,6 +39,8 @@ def test_one_rank_step_has_the_hand_computed_figures(tmp_path):
     assert step.step_ms == pytest.approx(EXPECTED["step_ms"]) and step.optimizer_ms == pytest.approx(0.2)
     assert step.optimizer == "AdamW" and step.microbatches == 1
     assert step.activation_bytes == EXPECTED["activation_bytes"]
+    assert step.recompute_ms == pytest.approx(EXPECTED["recompute_ms"])
+    assert step.recompute_bytes == EXPECTED["recompute_bytes"]
     assert step.start_bytes + step.peak_above_start_bytes == EXPECTED["peak_bytes"]
     calls = {(c.module, c.kind, c.ordinal): c for c in step.collectives}
     assert len(calls) == 3 * 2 + 2  # every module's reduce-scatter; two all-gathers per layer, one of the root
@@ -67,6 +69,8 @@ def test_ranks_consolidate_max_compute_and_collectives_from_last_start_to_last_e
         assert m.unsharded_bytes == EXPECTED["unsharded_bytes"][fqn] and m.sharded_bytes == m.unsharded_bytes // 2
         assert m.reshard_after_forward == EXPECTED["reshard_after_forward"][fqn]
         assert m.bwd_ms == pytest.approx(EXPECTED["bwd_ms"][fqn]) and m.calls == 1
+        assert m.recompute_ms == pytest.approx(EXPECTED["recompute_ms"].get(fqn, 0.0))
+        assert m.recompute_activation_bytes == EXPECTED["recompute_bytes"].get(fqn, 0)
     assert p.fingerprint.param_numels == tuple(EXPECTED["unsharded_bytes"][f] // 4 for f in p.fingerprint.module_fqns)
     assert p.fingerprint.device_type == "cuda" and p.fingerprint.world_size == 2
     assert p.measured_peak_bytes == EXPECTED["peak_bytes"]  # on GPU the allocator's total is the whole
