@@ -45,12 +45,14 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
                                      'measured peak, "+150MiB", "+10%" (default: [search] memory_budget; none).')
 @click.option("--plan-out", help="Where to write the best plan (default: <toml dir>/<name>.plan.json).")
 @click.option("--profile-out", help="Where to write the profile (default: <toml dir>/<name>.profile.json).")
+@click.option("--from-profile", "profile_in", help="Tune from this profile instead of recording one (e.g. "
+              "`profile --from-trace ... --model FACTORY`'s); it must be of the study's model and world size.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--job", hidden=True, help="The job's name (set by the launching process).")
 @click.option("--confirm-launches", type=int, default=0, hidden=True,
               help="Fresh launches the launching process runs the confirmation in (0: in this job).")
-def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_out, profile_out, no_progress, job,
-         confirm_launches) -> None:
+def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_out, profile_out, profile_in,
+         no_progress, job, confirm_launches) -> None:
     """Run a tuning study: record a profile, simulate, race the best plans, confirm the survivor in fresh
     launches, write the study's recommendation.
 
@@ -70,7 +72,7 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
         _log_rank0_progress()
         try:
             outcome = TuneJob(config, plan_out, profile_out, progress=not no_progress, job=job,
-                              confirm_launches=confirm_launches).run()
+                              confirm_launches=confirm_launches, profile_in=profile_in).run()
         except (PlannerError, KeyboardInterrupt) as e:
             _exit_on_rank_error(e)
         if outcome is not None:
@@ -79,12 +81,14 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
             for line in tune_report(outcome, config.name):
                 click.echo(line)
         return
-    TuneJob.check_before_launch(config, plan_out, profile_out)
+    TuneJob.check_before_launch(config, plan_out, profile_out, profile_in=profile_in)
     args = ["tune", study_toml, "--storage", config.storage_url, "--sim-trials", str(config.search.sim_trials),
             "--measured-trials", str(config.search.measured_trials), "--plan-out", plan_out,
             "--profile-out", profile_out]
     if config.search.memory_budget is not None:
         args += ["--memory-budget", config.search.memory_budget]
+    if profile_in is not None:
+        args += ["--from-profile", profile_in]
     job = job_name()
     args += ["--job", job, "--confirm-launches", str(config.measure.confirm_launches)]
     _exit_with_ranks(launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch.nproc_per_node),

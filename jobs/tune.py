@@ -19,10 +19,11 @@ from tqdm import tqdm
 from jobs.outputs import check_output_folders
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
-from planner.errors import FailKind, one_line
+from planner.errors import FailKind, PlanMismatchError, one_line
 from planner.storages import check_writable
 from planner.study.measured import MeasuredTrial, job_name
 from planner.study.session import TuneOutcome, TuningSession
+from runtime.apply import model_fingerprint
 from runtime.collectives import control_group
 from runtime.interrupts import interrupts_deferred, interrupts_raise
 from runtime.protocol import measured_round
@@ -45,24 +46,28 @@ class TuneJob:
         job: the job's name (default: a new one, :func:`job_name`; every rank must get the same).
         confirm_launches: fresh launches the launching process confirms the survivor in; ``0``: confirmed in
             this job's processes after the race.
+        profile_in: a profile to tune from instead of recording one (``profile --from-trace``'s, or an earlier
+            job's); its fingerprint must be the model's.
     """
 
     def __init__(self, config: StudyConfig, plan_out: str, profile_out: str, progress: bool = True,
-                 job: str | None = None, confirm_launches: int = 0):
+                 job: str | None = None, confirm_launches: int = 0, profile_in: str | None = None):
         self.config = config
         self.plan_out = plan_out
         self.profile_out = profile_out
         self.progress = progress
         self.job = job or job_name()
         self.confirm_launches = confirm_launches
+        self.profile_in = profile_in
         self.session: TuningSession | None = None
         self._bar: tqdm | None = None
 
     @staticmethod
-    def check_before_launch(config: StudyConfig, *outputs: str) -> None:
+    def check_before_launch(config: StudyConfig, *outputs: str, profile_in: str | None = None) -> None:
         """What the launching process checks before it starts any rank; writes nothing.
 
         Raises:
+            ProfileFormatError: ``profile_in`` cannot be read as a profile.
             WorkloadError: the factory cannot be imported.
             StudyConfigError: this machine cannot run the study's ranks.
             StorageError: the storage is unreachable, its driver missing, or locked.
@@ -72,6 +77,8 @@ class TuneJob:
         check_runnable(config.launch.backend, config.launch.nproc_per_node)
         check_writable(config.storage_url)
         check_output_folders(*outputs)
+        if profile_in is not None:
+            Profile.load(profile_in)
 
     def run(self) -> TuneOutcome | None:
         """Run this rank's part (every rank calls it); rank 0 returns the outcome, the others ``None``.
@@ -115,10 +122,27 @@ class TuneJob:
             shutdown_rank(together=ended)
 
     def _record(self, workload: Workload) -> Profile:
+        if self.profile_in is not None:
+            return self._given_profile(workload)
         measure = self.config.measure
         logger.info(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({self.config.workload.factory})")
         return record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
                               repeats=measure.profile_repeats)
+
+    def _given_profile(self, workload: Workload) -> Profile:
+        """The ``profile_in`` profile, checked against the model on every rank.
+
+        Raises:
+            PlanMismatchError: the profile was made for another model, world size or torch.
+        """
+        profile = Profile.load(self.profile_in)
+        difference = profile.fingerprint.first_difference(model_fingerprint(workload.model))
+        if difference is not None:
+            raise PlanMismatchError(f"profile {self.profile_in!r} is not of this study's model: {difference}; build "
+                                    "it with --model (prefetch-planner profile --from-trace ... --model FACTORY)")
+        source = f"{profile.source}, estimated: {', '.join(profile.estimated)}" if profile.estimated else profile.source
+        logger.info(f"[1/3] tuning from the profile {self.profile_in} ({source}); nothing recorded")
+        return profile
 
     def _session(self, profile: Profile) -> TuningSession:
         return TuningSession(self.config, profile, get_space(self.config.search.space), job=self.job,

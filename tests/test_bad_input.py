@@ -175,6 +175,10 @@ CASES = {
     "truncated profile json": Case(
         lambda w: ["simulate", truncated(w / "profile.json", w / "bad_profile.json")],
         "profile is not valid JSON", lambda w: Profile.load(w / "bad_profile.json"), ProfileFormatError),
+    "tune from a truncated profile": Case(
+        lambda w: ["tune", str(w / "good.toml"), "--from-profile",
+                   truncated(w / "profile.json", w / "bad_profile.json")],
+        "profile is not valid JSON", lambda w: Profile.load(w / "bad_profile.json"), ProfileFormatError),
     "unknown plan schema": Case(
         lambda w: ["simulate", str(w / "profile.json"), plan_json(w, set_schema)],
         "schema_version 99", lambda w: Plan.load(w / "bad_plan.json"), PlanFormatError),

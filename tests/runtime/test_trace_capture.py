@@ -69,3 +69,28 @@ def test_a_checkpointed_models_trace_shows_its_recompute(tmp_path):
         assert m.recompute_ms < m.bwd_ms
         assert m.recompute_activation_bytes >= 8 * 4 * 64 * 4  # at least fc1's output (batch 8, fp32)
         assert m.activation_bytes < profile.modules["blocks.0"].activation_bytes  # it kept only its input
+
+
+@pytest.mark.slow
+def test_a_study_tunes_from_a_trace_profile(tmp_path):
+    """``tune --from-profile`` skips recording: the trace profile (built with --model) drives the search, the
+    race runs on the real ranks; a profile of another model is refused, one line, exit 2, before any step."""
+    from tests.runtime.test_cluster import finish, start_tune, write_study
+
+    run_ranks("trace_loop.py", MLP, json.dumps(KWARGS), "1", "2", str(tmp_path))
+    traced = tmp_path / "trace.profile.json"
+    proc = run_cli("profile", "--from-trace", str(tmp_path / "traces"), "-o", str(traced), "--model", MLP,
+                   "--model-kwargs", json.dumps(KWARGS), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    toml = write_study(tmp_path / "s.toml", f"sqlite:///{tmp_path}/s.db", measured=3, rounds=2)
+    code, out, err = finish(start_tune(toml, tmp_path, "--from-profile", str(traced), "--profile-out",
+                                       str(tmp_path / "tuned.profile.json")))
+    assert code == 0, out + err
+    assert f"tuning from the profile {traced} (trace" in out + err and "recording a profile" not in out + err
+    assert "best plan: " in out
+    assert Profile.load(tmp_path / "tuned.profile.json").source == "trace"  # the study's profile is the trace's
+
+    other = tmp_path / "other.toml"  # the study's model with 3 blocks, the traced one with 4
+    other.write_text(toml.read_text().replace("layers = 4", "layers = 3").replace('name = "shared"', 'name = "o"'))
+    code, out, err = finish(start_tune(other, tmp_path, "--from-profile", str(traced)))
+    assert code == 2 and "is not of this study's model" in err and "--model" in err, out + err
