@@ -15,11 +15,11 @@ is empty, e.g. the loss). That is the recorder's rule: compute exclusive of nest
 parameters unsharded, so no communication inside. On CPU a stretch's wall time is the compute; on GPU the
 compute is the GPU time of the work launched in the stretch (``cuda_runtime`` and kernel share a correlation id).
 Activation checkpointing shows as forward ops inside a module's backward stretch (``torch.utils.checkpoint``
-re-runs the block when backward first unpacks a saved tensor): ops that only a forward calls (:data:`FORWARD_ONLY`:
+re-runs the block when backward first unpacks a saved tensor): ops that only a forward calls (``FORWARD_ONLY``:
 ``aten::linear``, ``aten::scaled_dot_product_attention``, ...; backward formulas call ``aten::mm`` and the
 ``*_backward`` ops). A module's recompute is the span from the first to the last of them in each of its backward
 stretches (on GPU, the kernels launched there), part of its backward compute; the ``[memory]`` peak within the
-span above its start is what the recompute holds.
+span above its start is what the recompute holds (:mod:`planner.traces.recompute`).
 A collective is the gloo work (``gloo:*``, its own thread) or the NCCL kernel (its own stream) that the
 ``c10d::`` call, or the launch, inside the ``FSDP::all_gather`` or ``FSDP::post_backward_reduce`` label started.
 """
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from planner.errors import TraceFormatError
 from planner.traces.kineto import DTYPE_BYTES, KinetoTrace, TraceEvent
+from planner.traces.recompute import recompute_in_backward
 
 LABEL = re.compile(r"^FSDP::(\w+)(?: \((.*)\))?$")
 POST_BACKWARD = ("post_backward_accumulate", "post_backward_reshard", "post_backward_rs_wait", "post_backward_reduce")
@@ -40,8 +41,6 @@ ALL_GATHER_OPS = ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesc
 # gloo's work by collective: its reduce-scatter of a flat tensor runs as an all-reduce (``gloo:all_reduce``); the
 # name keeps a reduce-scatter from matching the prefetch all-gather that gloo runs beside it.
 GLOO_WORK = {"all_gather": ("gloo:all_gather",), "reduce_scatter": ("gloo:reduce_scatter", "gloo:all_reduce")}
-FORWARD_ONLY = frozenset({"aten::linear", "aten::scaled_dot_product_attention", "aten::layer_norm", "aten::rms_norm",
-                          "aten::group_norm", "aten::embedding", "aten::conv1d", "aten::conv2d"})
 REDUCE_SCATTER_OPS = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced", "c10d::reduce_scatter_")
 
 
@@ -225,7 +224,7 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
     optimizer = next((e for e in trace.cpu if e.name.startswith("Optimizer.step#") and e.thread == main
                       and window.contains(e.ts)), None)
     memory = _memory(trace, window, labels, optimizer, parent)
-    recompute_ms, recompute_bytes = _recompute(trace, segments, main)
+    recompute_ms, recompute_bytes = recompute_in_backward(trace, segments, main)
     return RankStep(
         number=number, step_ms=window.dur / 1e3, microbatches=max(1, microbatches), pre_forward_order=pre_order,
         post_forward_order=post_order, fwd_ms=dict(times["fwd"]), bwd_ms=dict(times["bwd"]),
@@ -235,30 +234,6 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
         optimizer_ms=optimizer.dur / 1e3 if optimizer else None, recompute_ms=recompute_ms,
         recompute_bytes=recompute_bytes, **memory,
     )
-
-
-def _recompute(trace: KinetoTrace, segments, main) -> tuple[dict[str, float], dict[str, int]]:
-    """Per module, the recompute of [Note: Compute from a trace]: ms (CPU span, or GPU time launched in it) and
-    bytes (the ``[memory]`` peak in the span above its start)."""
-    ops = [e for e in trace.cpu if e.thread == main and e.name in FORWARD_ONLY]
-    starts = [e.ts for e in ops]
-    events = [m for m in trace.memory if m.device == trace.device_type]
-    times, totals = [m.ts for m in events], [m.total_allocated for m in events]
-    ms: dict[str, float] = defaultdict(float)
-    nbytes: dict[str, int] = defaultdict(int)
-    for start, end, phase, module, _ in segments:
-        if phase != "bwd" or module == "":
-            continue
-        inside = ops[bisect.bisect_left(starts, start):bisect.bisect_right(starts, end)]
-        if not inside:
-            continue
-        span = TraceEvent("recompute", "span", inside[0].ts, max(e.end for e in inside) - inside[0].ts)
-        ms[module] += _gpu_time_launched_in(trace, span) if trace.device_type == "cuda" else span.dur / 1e3
-        first, last = bisect.bisect_left(times, span.ts), bisect.bisect_right(times, span.end)
-        if last > first:
-            at_start = totals[first - 1] if first > 0 else 0
-            nbytes[module] = max(nbytes[module], max(totals[first:last]) - at_start)
-    return dict(ms), dict(nbytes)
 
 
 def _collectives(trace: KinetoTrace, labels: list[_Label], main) -> list[Collective]:
@@ -281,7 +256,7 @@ def _collectives(trace: KinetoTrace, labels: list[_Label], main) -> list[Collect
             copy = next((c for c in copy_outs[lb.fqn] if c.ts >= lb.event.ts), None)
             if copy is not None:
                 copy_outs[lb.fqn].remove(copy)
-                copy_ms = _gpu_time_launched_in(trace, copy) if trace.device_type == "cuda" else copy.dur / 1e3
+                copy_ms = trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else copy.dur / 1e3
         out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], (end - start) / 1e3 + copy_ms, nbytes,
                               dtype_bytes, start + trace.base_us, end + trace.base_us, copy_ms))
         count[(lb.fqn, kind)] += 1
@@ -315,11 +290,6 @@ def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     dtype_bytes = DTYPE_BYTES.get(k.dtype) if k.dtype else None
     numel = (k.nelems[1] if kind == "all_gather" else k.nelems[0]) if k.nelems else None
     return span, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes
-
-
-def _gpu_time_launched_in(trace: KinetoTrace, label: TraceEvent) -> float:
-    return sum(k.dur for k in trace.gpu
-               if k.correlation in trace.launches and label.contains(trace.launches[k.correlation])) / 1e3
 
 
 def _numel(dims: tuple[int, ...]) -> int:

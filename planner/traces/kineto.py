@@ -113,6 +113,11 @@ class KinetoTrace:
         """The CUDA streams that ran GPU work, sorted."""
         return tuple(sorted({e.stream for e in self.gpu if e.stream is not None}))
 
+    def gpu_ms_launched_in(self, window: TraceEvent) -> float:
+        """The GPU time (ms) of the work whose ``cuda_runtime`` launch falls in ``window`` (a CPU event or span)."""
+        return sum(k.dur for k in self.gpu
+                   if k.correlation in self.launches and window.contains(self.launches[k.correlation])) / 1e3
+
     def collectives(self) -> dict[str, int]:
         """NCCL kernels (GPU) or gloo work (CPU) by collective name (``AllReduce``, ``all_gather``), counted."""
         out: dict[str, int] = {}
