@@ -8,47 +8,21 @@ import pytest
 
 from search_spaces import SPACES
 
+LLAMA = "runtime.reference_workloads:llama"
+SMALL_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+               "vocab_size": 128, "seq_len": 16}
 WORKLOADS = {
     "mlp": ("runtime.reference_workloads:mlp", {"dim": 64, "layers": 4}),
-    "llama": (
-        "runtime.reference_workloads:llama",
-        {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "vocab_size": 128,
-            "seq_len": 16,
-        },
-    ),
-    "llama-embedding": (
-        "runtime.reference_workloads:llama",
-        {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "vocab_size": 128,
-            "seq_len": 16,
-            "shard_embedding": True,
-        },
-    ),  # an FSDP module backward reads nothing of
-    "llama-ac-full": (
-        "runtime.reference_workloads:llama",
-        {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "vocab_size": 128,
-            "seq_len": 16,
-            "activation_checkpointing": "full",
-        },
-    ),  # every block recomputes its forward in backward
+    "llama": (LLAMA, SMALL_LLAMA),
+    # an FSDP module backward reads nothing of
+    "llama-embedding": (LLAMA, {**SMALL_LLAMA, "num_hidden_layers": 2, "shard_embedding": True}),
+    # every block recomputes its forward in backward
+    "llama-ac-full": (LLAMA, {**SMALL_LLAMA, "activation_checkpointing": "full"}),
+    # every other block recomputes, drawing its dropout mask again
     "mlp-ac-selective": (
         "runtime.reference_workloads:mlp",
         {"dim": 64, "layers": 4, "dropout": 0.1, "activation_checkpointing": "selective"},
-    ),  # every other block recomputes, drawing its dropout mask again
+    ),
     "gpt2": (
         "runtime.reference_workloads:gpt2",
         {"n_embd": 64, "n_layer": 3, "n_head": 4, "vocab_size": 128, "seq_len": 16},
