@@ -280,8 +280,7 @@ def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str, main):
 
 def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     word = "AllGather" if kind == "all_gather" else "ReduceScatter"
-    launched = [k for k in trace.gpu
-                if k.correlation in trace.launches and label.contains(trace.launches[k.correlation])]
+    launched = trace.launched_in(label)
     nccl = [k for k in launched if "nccl" in k.name.lower() and word.lower() in k.name.lower()]
     if not nccl:
         return None

@@ -113,10 +113,13 @@ class KinetoTrace:
         """The CUDA streams that ran GPU work, sorted."""
         return tuple(sorted({e.stream for e in self.gpu if e.stream is not None}))
 
+    def launched_in(self, window: TraceEvent) -> list[TraceEvent]:
+        """The GPU work whose ``cuda_runtime`` launch falls in ``window`` (a CPU event or span), by start."""
+        return [k for k in self.gpu if k.correlation in self.launches and window.contains(self.launches[k.correlation])]
+
     def gpu_ms_launched_in(self, window: TraceEvent) -> float:
-        """The GPU time (ms) of the work whose ``cuda_runtime`` launch falls in ``window`` (a CPU event or span)."""
-        return sum(k.dur for k in self.gpu
-                   if k.correlation in self.launches and window.contains(self.launches[k.correlation])) / 1e3
+        """The GPU time (ms) of :meth:`launched_in`'s work."""
+        return sum(k.dur for k in self.launched_in(window)) / 1e3
 
     def collectives(self) -> dict[str, int]:
         """NCCL kernels (GPU) or gloo work (CPU) by collective name (``AllReduce``, ``all_gather``), counted."""
