@@ -51,31 +51,23 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from planner import errors
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, one_line
 from planner.statistics.verdict import Confirmation
-from planner.study.in_loop import TunerPhase, in_loop_config, isolation_refusal, plan_at_start
+from planner.study.in_loop import TunerPhase, in_loop_config, isolation_refusal
 from runtime.accumulation import reshard_after_backward
 from runtime.apply import apply_plan, model_fingerprint
-from runtime.collectives import broadcast_from_rank0, control_group, gather_objects
-from runtime.in_loop_round import PEAK, RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, InLoopRound, LoopStep
+from runtime.collectives import control_group, gather_objects
+from runtime.in_loop_round import PEAK, RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, WARMUP, InLoopRound, LoopStep
 from runtime.loop_recorder import LoopRecorder, PeakMeter
 from runtime.measure import synchronize
 from runtime.peak_memory import PEAK_STEPS
 from runtime.workload import fsdp_modules
 
 logger = logging.getLogger(__name__)
-
-
-def _raise_named(payload: Any) -> Any:
-    """Rank 0's ``{"raise": class name, "message": ...}`` raised as that planner error on every rank."""
-    if isinstance(payload, dict) and "raise" in payload:
-        cls = getattr(errors, payload["raise"], PlannerError)
-        raise cls(payload["message"])
-    return payload
 
 
 class AutoTuner:
@@ -90,8 +82,9 @@ class AutoTuner:
         memory_budget: the per-rank peak a plan may reach (``"+10%"``, ``"1.5GiB"``); ``None``: none.
         plan_out: where rank 0 writes the plan the tuning ends with (Plan JSON); ``None``: not written.
         profile_out: where rank 0 writes the recorded profile; ``None``: not written.
-        recheck: with a study that already recommends a plan for this model: tune again on the coming steps, the
-            recommendation racing again (else it is applied and no step is spent).
+        recheck: with a study that already recommends a plan for this model: re-confirm it on the coming steps,
+            raced against FSDP2's default on the study's stored profile, no recording and no search (else it is
+            applied and no step is spent). A study that recommends FSDP2's default is tuned afresh.
         keys: other study keys, flat, as in a study TOML (``space="per_module"``, ``sim_trials=400``,
             ``warmup_steps=2``, ``steps=5``, ``min_rounds=4``, ``confirm_max_rounds=20``, ...).
 
@@ -142,6 +135,8 @@ class AutoTuner:
         self._recorder: LoopRecorder | None = None
         self._meter: PeakMeter | None = None
         self._microbatch_hook: Any = None
+        self._optimizer_hook: Any = None
+        self._optimizers: list[Any] = []
         self._microbatch = 0
         self._microbatches = 1
         self.device = next(model.parameters()).device.type
@@ -152,29 +147,42 @@ class AutoTuner:
     # -- construction -----------------------------------------------------------------------------------------
 
     def _start(self, recheck: bool) -> None:
-        payload: Any = None
-        if self.rank0:
-            try:
-                decision, plan = plan_at_start(self.config, self.fingerprint, recheck)
-                if decision.tune:
-                    from planner.storages import check_writable
-
-                    check_writable(self.config.storage_url)
-                payload = {"tune": decision.tune, "why": decision.why, "plan": plan.to_dict() if plan else None}
-            except PlannerError as e:
-                payload = {"raise": type(e).__name__, "message": str(e)}
-        payload = _raise_named(broadcast_from_rank0(payload, self._group))
+        payload = self._round.start(self.fingerprint, recheck)
         self._log(f"AutoTuner: {payload['why']}")
         if not payload["tune"]:
             plan = Plan.from_dict(payload["plan"]) if payload["plan"] else Plan(self.fingerprint, {})
             apply_plan(self.model, plan, check=True)
             self._finish_with(plan)
             return
+        self._microbatch_hook = self.model.register_forward_pre_hook(self._before_microbatch)
+        if payload["recheck"] is not None:
+            self._start_recheck(payload["recheck"])
+            return
         m = self.config.measure
         self._recorder = LoopRecorder(self.model, m.profile_repeats)
         self._queue.extend([LoopStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps) + [LoopStep(RECORD, 0)] * m.steps
                            + [LoopStep(RECORD_PEAK, 0)] * PEAK_STEPS)
-        self._microbatch_hook = self.model.register_forward_pre_hook(self._before_microbatch)
+
+    def _start_recheck(self, microbatches: int) -> None:
+        """``recheck=True`` on a study that recommends a plan: race it against FSDP2's default on the study's stored
+        profile (rank 0's), no recording and no search; one untimed step of FSDP2's default first, in which the
+        optimizers are seen (the peak steps count their state)."""
+        self._microbatches = microbatches
+        self._meter = PeakMeter(self.model, self._optimizers)
+        self._optimizer_hook = register_optimizer_step_pre_hook(self._seen_optimizer)
+        try:
+            steps = self._round.search(self._round.stored_profile, recheck=True)
+        except PlannerError as e:
+            self._round.fail(None, one_line(e))
+            self._abandon(str(e))
+            return
+        self._plans = self._round.plans
+        self.phase = TunerPhase.RACING
+        self._queue.extend([LoopStep(WARMUP, 0)] + steps)
+
+    def _seen_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not any(o is optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
 
     # -- the user's step ---------------------------------------------------------------------------------------
 
@@ -314,9 +322,10 @@ class AutoTuner:
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
-        if self._microbatch_hook is not None:
-            self._microbatch_hook.remove()
-            self._microbatch_hook = None
+        for name in ("_microbatch_hook", "_optimizer_hook"):
+            if getattr(self, name) is not None:
+                getattr(self, name).remove()
+                setattr(self, name, None)
         if plan.reshard_after_backward is False:  # runtime.accumulation's own hook-free way from now on
             logger.info("AutoTuner: the plan keeps parameters unsharded between microbatches; call "
                         "runtime.accumulation.prepare_microbatch(model, i, n) before each microbatch to use it")

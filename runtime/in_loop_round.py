@@ -20,13 +20,16 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from planner import errors
 from planner.artifacts.config import StudyConfig
+from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError, one_line
 from planner.statistics.schedule import Phase
 from planner.statistics.verdict import Confirmation, Verdict
-from planner.study.in_loop import SOURCE, block_times, step_orders
+from planner.storages import check_writable
+from planner.study.in_loop import SOURCE, block_times, plan_at_start, recheck_config, step_orders
 from runtime.apply import apply_plan
 from runtime.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
 from runtime.peak_memory import PEAK_STEPS, peak_of_steps
@@ -80,6 +83,7 @@ class InLoopRound:
         self.peaks: list[list[int]] = []
         self.block: list[list[int]] | None = None
         self.confirming = False
+        self.stored_profile: Profile | None = None
         self._schedule: Any = None
         self._step_ms: list[list[float]] = []
         self._per_rank: list[list[list[float]]] = []
@@ -98,8 +102,38 @@ class InLoopRound:
                 payload = {"error": one_line(e)}
         return broadcast_from_rank0(payload, self.group)
 
-    def search(self, profile: Profile) -> list[LoopStep]:
+    def start(self, fingerprint: Fingerprint, recheck: bool) -> dict[str, Any]:
+        """What the tuner does at construction (``planner.study.in_loop.plan_at_start``, read on rank 0), on every
+        rank: ``{"tune", "why", "plan" (a Plan dict or None), "recheck" (the stored profile's microbatches, or None
+        when this is no recheck)}``; rank 0 keeps the stored profile a recheck runs on (:attr:`stored_profile`).
+
+        Raises:
+            PlannerError: the planner error rank 0 met (its class: ``StudyModelMismatchError``, ``StorageError``).
+        """
+        payload: Any = None
+        if self.rank0:
+            try:
+                begin = plan_at_start(self.config, fingerprint, recheck)
+                if begin.decision.tune:
+                    check_writable(self.config.storage_url)
+                payload = {"tune": begin.decision.tune, "why": begin.decision.why,
+                           "plan": begin.plan.to_dict() if begin.plan else None,
+                           "recheck": begin.profile.microbatches if begin.profile else None}
+                self.stored_profile = begin.profile
+            except PlannerError as e:
+                payload = {"raise": type(e).__name__, "message": str(e)}
+        payload = broadcast_from_rank0(payload, self.group)
+        if "raise" in payload:
+            raise getattr(errors, payload["raise"], PlannerError)(payload["message"])
+        return payload
+
+    def search(self, profile: Profile | None, recheck: bool = False) -> list[LoopStep]:
         """The simulated stage and the candidates (rank 0), applied and checked everywhere; their warm-up steps.
+
+        Args:
+            profile: the profile the session runs on (rank 0's is used; other ranks may pass ``None``).
+            recheck: no simulated trial and no new candidate: FSDP2's default and the study's recommendation only
+                (``planner.study.in_loop.recheck_config``).
 
         Raises:
             PlannerError: the session could not ask (storage, budget), or FSDP2's default failed to apply.
@@ -112,7 +146,8 @@ class InLoopRound:
             from search_spaces import get_space
 
             plan_out, profile_out = self.files
-            self.session = TuningSession(self.config, profile, get_space(self.config.search.space), job=job_name(),
+            config = recheck_config(self.config) if recheck else self.config
+            self.session = TuningSession(config, profile, get_space(self.config.search.space), job=job_name(),
                                          plan_out=plan_out, profile_out=profile_out or "", confirm_launches=0,
                                          source=SOURCE)
             self.asked = self.session.prepare()

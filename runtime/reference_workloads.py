@@ -1,4 +1,4 @@
-"""Reference workloads: Hugging Face Llama and GPT-2 from a config, and an MLP stack.
+"""Reference workloads: Hugging Face Llama, GPT-2 and Qwen2 from a config, and an MLP stack.
 
 Random weights, no download. Each factory is ``factory(mesh, **kwargs)`` and
 applies ``fully_shard`` per block, then to the root, as torchtitan's
@@ -68,15 +68,9 @@ def llama(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    apply_activation_checkpointing(model.model.layers, activation_checkpointing)
-    if shard_embedding:
-        fully_shard(model.model.embed_tokens, mesh=mesh)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    batches = _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank(), mesh.device_type)
-    return Workload(model, optimizer, batches, _lm_loss)
+    first = [model.model.embed_tokens] if shard_embedding else []
+    return _sharded_lm(mesh, model, first, model.model.layers, activation_checkpointing, lr, vocab_size,
+                       batch_size, seq_len)
 
 
 def gpt2(
@@ -105,9 +99,50 @@ def gpt2(
     )
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
-    apply_activation_checkpointing(model.transformer.h, activation_checkpointing)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh)
+    return _sharded_lm(mesh, model, [], model.transformer.h, activation_checkpointing, lr, vocab_size, batch_size,
+                       seq_len)
+
+
+def qwen2(
+    mesh: Any,
+    hidden_size: int = 1024,
+    intermediate_size: int = 2816,
+    num_hidden_layers: int = 6,
+    num_attention_heads: int = 16,
+    num_key_value_heads: int = 4,
+    vocab_size: int = 8192,
+    batch_size: int = 1,
+    seq_len: int = 128,
+    lr: float = 1e-4,
+    seed: int = 0,
+    activation_checkpointing: str = "none",
+) -> Workload:
+    """Qwen2 (``transformers.Qwen2ForCausalLM``) from a config, random weights: grouped-query attention
+    (``num_key_value_heads``) with biased q/k/v projections, so its blocks' parameter and compute shapes differ
+    from Llama's. No study is tuned on it: the trace-profile bench's model not tuned on (``bench/qwen2-cpu.toml``).
+
+    Each ``model.layers[i]`` is one FSDP module; the root holds embedding, final norm and LM head.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, vocab_size=vocab_size,
+        max_position_embeddings=max(seq_len, 128), tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    return _sharded_lm(mesh, model, [], model.model.layers, activation_checkpointing, lr, vocab_size, batch_size,
+                       seq_len)
+
+
+def _sharded_lm(mesh: Any, model: nn.Module, first: list[nn.Module], blocks: nn.ModuleList,
+                activation_checkpointing: str, lr: float, vocab_size: int, batch_size: int, seq_len: int) -> Workload:
+    """``model`` checkpointed per ``activation_checkpointing``, ``fully_shard`` on each of ``first`` (e.g. the
+    token embedding), each block, then the root; AdamW; random token batches and the LM loss."""
+    apply_activation_checkpointing(blocks, activation_checkpointing)
+    for module in [*first, *blocks]:
+        fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batches = _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank(), mesh.device_type)

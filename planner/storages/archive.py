@@ -28,12 +28,17 @@ def save_profile(engine: sa.Engine, study_name: str, profile: Profile) -> int:
         return row.id
 
 
-def study_fingerprints(engine: sa.Engine, study_name: str) -> list[Fingerprint]:
-    """The fingerprints of every profile stored for study ``study_name``, oldest first (none: an empty list)."""
+def stored_profiles(engine: sa.Engine, study_name: str) -> list[Profile]:
+    """Every profile stored for study ``study_name``, oldest first (none: an empty list)."""
     with session(engine) as s:
         texts = s.scalars(sa.select(ProfileRow.json).where(ProfileRow.study_name == study_name)
                           .order_by(ProfileRow.id)).all()
-    return [Profile.from_json(t).fingerprint for t in texts]
+    return [Profile.from_json(t) for t in texts]
+
+
+def study_fingerprints(engine: sa.Engine, study_name: str) -> list[Fingerprint]:
+    """The fingerprints of every profile stored for study ``study_name``, oldest first (none: an empty list)."""
+    return [p.fingerprint for p in stored_profiles(engine, study_name)]
 
 
 def update_profile(engine: sa.Engine, profile_id: int, profile: Profile) -> None:

@@ -32,6 +32,8 @@ from typing import Any
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
 from planner.errors import StudyConfigError, StudyModelMismatchError
 
 SOURCE = "in-loop"  # trial attribute ``source`` of the trials the in-loop tuner measures
@@ -91,10 +93,13 @@ class StartDecision:
     Attributes:
         tune: tune on the coming steps (else apply the study's recommendation and spend no step).
         why: one line for the log.
+        recheck: tune by racing the study's recommendation against FSDP2's default only, on the study's stored
+            profile: no recording, no simulated trial, no new candidate (:func:`recheck_config`).
     """
 
     tune: bool
     why: str
+    recheck: bool = False
 
 
 def same_model(a: Fingerprint, b: Fingerprint) -> bool:
@@ -110,8 +115,11 @@ def same_job(a: Fingerprint, b: Fingerprint) -> bool:
 
 
 def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Fingerprint], has_recommendation: bool,
-                   recheck: bool) -> StartDecision:
+                   recheck: bool, recommends_default: bool = False) -> StartDecision:
     """Tune, or reuse the study's recommendation ([Note: Tuning on the user's steps]).
+
+    A recheck of a recommended plan re-confirms it on a few steps (:attr:`StartDecision.recheck`); a recheck of a
+    study that recommends FSDP2's default has nothing to re-confirm, so it tunes afresh.
 
     Args:
         study: the study's name (for the messages).
@@ -119,6 +127,7 @@ def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Finger
         stored: the fingerprints of the study's recorded profiles (``planner.storages.archive.study_fingerprints``).
         has_recommendation: the study has a concluded job for ``fingerprint`` (``planner.study.best_plan_for``).
         recheck: the user asked to re-confirm the recommendation on the coming steps.
+        recommends_default: the recommendation is FSDP2's default.
 
     Raises:
         StudyModelMismatchError: every stored profile is of another model (other FSDP modules or parameter
@@ -132,9 +141,13 @@ def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Finger
         raise StudyModelMismatchError(
             f"study {study!r} was tuned for another model ({difference}); give this model its own study name")
     if has_recommendation and any(same_job(s, fingerprint) for s in stored):
+        if recheck and recommends_default:
+            return StartDecision(True, f"study {study!r} recommends FSDP2's default for this model; recheck=True: "
+                                       "tuning afresh on the coming steps")
         if recheck:
-            return StartDecision(True, f"study {study!r} has a plan for this model; recheck=True: racing it again "
-                                       "against FSDP2's default on the coming steps")
+            return StartDecision(True, f"study {study!r} has a plan for this model; recheck=True: re-confirming it "
+                                       "against FSDP2's default on the coming steps (no recording, no search)",
+                                 recheck=True)
         return StartDecision(False, f"study {study!r} has a plan for this model, world size and torch: applied, "
                                     "no step spent tuning")
     if not stored:
@@ -175,12 +188,32 @@ def block_times(block: Sequence[Sequence[int]], step_ms: Sequence[float]) -> lis
     return out
 
 
-def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool = False) -> tuple[StartDecision, Any]:
-    """Read the study (nothing is written) and decide what an in-loop tuner does at construction.
+def recheck_config(config: StudyConfig) -> StudyConfig:
+    """The study as a recheck runs it: no simulated trial and no new candidate, so the round is FSDP2's default and
+    the study's recommendation, which every job races again (``planner.study.session``)."""
+    search = config.search.model_copy(update={"sim_trials": 0, "measured_trials": 0})
+    return config.model_copy(update={"search": search})
 
-    Returns:
-        ``(decision, plan)``: ``plan`` is the study's recommended ``Plan`` to apply when ``decision.tune`` is
-        false (``None``: FSDP2's default is the recommendation), else ``None``.
+
+@dataclass(frozen=True)
+class StartPlan:
+    """What :func:`plan_at_start` read: the decision, the plan to apply and the profile a recheck runs on.
+
+    Attributes:
+        decision: tune or reuse.
+        plan: the study's recommended plan to apply when ``decision.tune`` is false (``None``: FSDP2's default is
+            the recommendation, or the tuner tunes).
+        profile: with ``decision.recheck``: the study's latest stored profile of this job (same model, world size,
+            device and torch), which the recheck's session runs on; else ``None``.
+    """
+
+    decision: StartDecision
+    plan: Plan | None = None
+    profile: Profile | None = None
+
+
+def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool = False) -> StartPlan:
+    """Read the study (nothing is written) and decide what an in-loop tuner does at construction.
 
     Raises:
         StudyModelMismatchError: the study was tuned for another model (:func:`start_decision`).
@@ -190,27 +223,30 @@ def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool =
 
     from planner.errors import StudyNotFoundError
     from planner.storages import open_storage_read_only
-    from planner.storages.archive import study_fingerprints
+    from planner.storages.archive import stored_profiles
     from planner.study.queries import recommendation_for
 
     try:
         storage = open_storage_read_only(config.storage_url)
     except StudyNotFoundError:  # no database yet
-        return start_decision(config.name, fingerprint, [], False, recheck), None
+        return StartPlan(start_decision(config.name, fingerprint, [], False, recheck))
     try:
-        stored = study_fingerprints(storage.engine, config.name)
+        profiles = stored_profiles(storage.engine, config.name)
     except sa.exc.SQLAlchemyError:  # a database no tuning job has written: no planner tables yet
-        stored = []
+        profiles = []
     finally:
         storage.engine.dispose()
     try:
         best = recommendation_for(config.storage_url, config.name, fingerprint)
     except StudyNotFoundError:
         best = None
-    decision = start_decision(config.name, fingerprint, stored, best is not None, recheck)
+    decision = start_decision(config.name, fingerprint, [p.fingerprint for p in profiles], best is not None,
+                              recheck, recommends_default=best is not None and best.is_default)
+    if decision.recheck:
+        return StartPlan(decision, profile=[p for p in profiles if same_job(p.fingerprint, fingerprint)][-1])
     if decision.tune or best is None or best.is_default:
-        return decision, None
-    return decision, best.plan
+        return StartPlan(decision)
+    return StartPlan(decision, best.plan)
 
 
 def isolation_refusal(config: StudyConfig, default_peak_bytes: int, unsharded_bytes: int) -> str | None:

@@ -4,14 +4,17 @@ next start, a failing step is recorded and the next tuner goes on, and bad model
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import optuna
 import pytest
 
+from planner.artifacts.profile import Profile
 from planner.study.in_loop import SOURCE
 from planner.study.records import MeasuredTrialRecord
 from search_spaces import SPACES
-from tests.multirank import run_ranks
+from tests.multirank import RANK_SCRIPTS, rank_env, run_ranks
 
 # Small settings: every phase within a 40-step loop on the MLP.
 KEYS = {"sim_trials": 40, "measured_trials": 2, "min_rounds": 2, "max_rounds": 4, "confirm_min_rounds": 6,
@@ -51,7 +54,7 @@ def test_loss_bitwise_identical_with_the_tuner(tmp_path, workload, space):
 @pytest.mark.slow
 def test_the_next_start_reuses_the_study(tmp_path):
     storage = f"sqlite:///{tmp_path}/tuning.db"
-    first = run_loop(tmp_path, MLP, 70, "tune", storage)
+    first = run_loop(tmp_path, MLP, 70, "tune", storage, profile_out=str(tmp_path / "profile.json"))
     assert first["final_phase"] == "done" and 0 < first["steps_tuning"] < 70
     i = first["phases"].index("done")
     assert first["phases"][i:] == ["done"] * (70 - i) and first["steps_tuning"] == i
@@ -66,6 +69,17 @@ def test_the_next_start_reuses_the_study(tmp_path):
     assert second["plan"]["modules"] == (first["plan"]["modules"] if faster else {})
     assert len(_measured(storage)) == len(measured)  # nothing measured again
 
+    # recheck=True on a study that recommends a plan (a synthetic job on the recorded profile confirmed one 20%
+    # faster): the recommendation raced against FSDP2's default on a few steps; nothing recorded, nothing searched
+    recommended = _recommend_a_plan(storage, Profile.from_json((tmp_path / "profile.json").read_text()))
+    before = len(_measured(storage))
+    third = run_loop(tmp_path, MLP, 40, "tune", storage, recheck=True)
+    assert third["phases"][0] == "racing" and "recording" not in third["phases"]
+    assert third["final_phase"] == "done" and 0 < third["steps_tuning"] < first["steps_tuning"]
+    new = _measured(storage)[before:]
+    assert [r.is_default for r in new] == [True, False] and new[1].reconfirms == recommended
+    assert all(r.source == SOURCE for r in new)
+
     out = tmp_path / "errors.json"
     run_ranks("in_loop_errors.py", storage, str(out))
     errors = json.loads(out.read_text())
@@ -73,6 +87,24 @@ def test_the_next_start_reuses_the_study(tmp_path):
     assert errors["root_only"][0] == "NotShardedError" and "no FSDP module beyond the root" in errors["root_only"][1]
     assert errors["another_model"][0] == "StudyModelMismatchError"
     assert "tuned for another model" in errors["another_model"][1]
+
+
+def _recommend_a_plan(storage: str, profile: Profile) -> int:
+    """A synthetic job on the in-loop study (every candidate 20% faster than FSDP2's default): the trial the study
+    then recommends."""
+    from planner.study.in_loop import in_loop_config
+    from planner.study.queries import best_plan
+    from planner.study.session import TuningSession
+    from planner.testing import drive_round
+    from search_spaces import get_space
+
+    config = in_loop_config("in-loop", storage, **KEYS)
+    session = TuningSession(config, profile, get_space(config.search.space), job="synthetic", source=SOURCE,
+                            plan_out=storage.removeprefix("sqlite:///") + ".plan.json", profile_out="")
+    drive_round(session, lambda i, trial: 100.0 if i == 0 else 80.0)
+    best = best_plan(storage, "in-loop", profile.fingerprint)
+    assert not best.is_default
+    return best.plan.provenance.trial
 
 
 @pytest.mark.slow
@@ -85,6 +117,34 @@ def test_a_failing_step_propagates_and_the_next_tuner_goes_on(tmp_path):
     assert any("ValueError: boom at step 8" in r.failure.reason for r in failed)
     assert not any(r.state == optuna.trial.TrialState.RUNNING for r in _measured(storage))
     assert result["second"]["final_phase"] == "done" and result["second"]["steps_tuning"] > 0
+
+
+@pytest.mark.slow
+def test_a_rank_that_leaves_mid_race_leaves_no_trial_running(tmp_path):
+    """Rank 1 leaves mid-race (step 14: with one candidate the race starts after 6 recording and 6 warm-up steps) under
+    `torchrun --max-restarts 1`: torchrun stops rank 0 and restarts both. The first attempt's trials, held RUNNING
+    by a heartbeat that stopped, are stale after the grace period; the restarted tuner fails them and measures
+    their plans again, and tunes to the end."""
+    storage = f"sqlite:///{tmp_path}/tuning.db"
+    out = tmp_path / "leave.json"
+    factory, kwargs = MLP
+    keys = {**KEYS, "measured_trials": 1, "heartbeat_interval_s": 1, "grace_period_s": 2, "timeout_s": 60}
+    env = dict(rank_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as in test_cluster's restart test
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+         str(RANK_SCRIPTS / "in_loop.py"), factory, json.dumps(kwargs), "80", "1", storage, str(out),
+         json.dumps(keys), "leave:14"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["final_phase"] == "done" and result["phases"][0] == "recording"
+    trials = _measured(storage)
+    assert not any(t.state == optuna.trial.TrialState.RUNNING for t in trials)
+    jobs = list(dict.fromkeys(t.job for t in trials))
+    assert len(jobs) == 2  # the attempt that lost its rank, then the restarted one
+    left = [t for t in trials if t.job == jobs[0]]
+    assert left and all(t.state == optuna.trial.TrialState.FAIL for t in left)
+    assert {t.number for t in left} <= {t.retry_of for t in trials if t.job == jobs[1]}
 
 
 @pytest.mark.slow

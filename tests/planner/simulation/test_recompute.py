@@ -48,3 +48,26 @@ def test_selective_checkpointing_peaks_where_the_plain_block_is(make_profile):
     b0 = dataclasses.replace(base.modules["b0"], activation_bytes=100, recompute_activation_bytes=1000)
     p = dataclasses.replace(base, modules={**base.modules, "b0": b0})
     assert simulate(p, Plan.default(p)).peak_bytes == 1130
+
+
+def test_a_checkpointed_block_kept_unsharded_recomputes_without_its_all_gather(make_profile):
+    """Three checkpointed blocks (a = 100, U = 10, R = 1000; fwd 10, bwd 20, all-gather 5, reduce-scatter 3 ms, CPU:
+    every collective exposed). FSDP2's default: 3 x (10 + 20) compute + 6 all-gathers x 5 + 3 reduce-scatters x 3
+    = 129 ms; peak at b2's backward compute: the inputs 3a, b2 and the prefetched b1 unsharded 2U, b2's recompute
+    R = 1320.
+
+    ``reshard_after_forward=False`` on a checkpointed block: its recompute runs on parameters still unsharded, so
+    its backward all-gather goes (124 ms). The memory is priced where it lands: b0 kept unsharded through the
+    backward adds U to b2's compute (1330); b2, unsharded there anyway, adds nothing (1320).
+    """
+    p = _checkpoint(make_profile(n_blocks=3, unsharded_bytes=10, activation_bytes=100), {"b0", "b1", "b2"}, 1000)
+    default = Plan.default(p)
+
+    def keep(*blocks):
+        return dataclasses.replace(default, modules={
+            **default.modules, **{b: dataclasses.replace(default.modules[b], reshard_after_forward=False)
+                                  for b in blocks}})
+
+    got = {blocks: simulate(p, keep(*blocks)) for blocks in [(), ("b2",), ("b0",), ("b0", "b2")]}
+    assert [(r.step_ms, r.peak_bytes) for r in got.values()] == [(129.0, 1320), (124.0, 1320), (124.0, 1330),
+                                                                 (119.0, 1330)]

@@ -8,7 +8,15 @@ import pytest
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.errors import StudyConfigError, StudyModelMismatchError
-from planner.study.in_loop import block_times, in_loop_config, isolation_refusal, start_decision, step_orders
+from planner.study.in_loop import (
+    block_times,
+    in_loop_config,
+    isolation_refusal,
+    plan_at_start,
+    recheck_config,
+    start_decision,
+    step_orders,
+)
 
 MODEL = Fingerprint(("", "layers.0", "layers.1"), (10, 20, 20), (40, 80, 80), 2, "cpu", ("torch.float32",), "2.13.0")
 
@@ -32,7 +40,13 @@ def test_start_decision():
     # the same model, world size and torch with a concluded job: applied, no step spent (unless rechecked)
     reuse = start_decision("s", MODEL, [MODEL], True, False)
     assert not reuse.tune and "no step spent" in reuse.why
-    assert start_decision("s", MODEL, [MODEL], True, True).tune
+    recheck = start_decision("s", MODEL, [MODEL], True, True)
+    assert recheck.tune and recheck.recheck and "no recording, no search" in recheck.why
+    # a recheck of a study that recommends FSDP2's default has nothing to re-confirm: it tunes afresh
+    afresh = start_decision("s", MODEL, [MODEL], True, True, recommends_default=True)
+    assert afresh.tune and not afresh.recheck and "tuning afresh" in afresh.why
+    # with no concluded job for this setup, recheck=True is a first tuning
+    assert not start_decision("s", MODEL, [dataclasses.replace(MODEL, world_size=4)], True, True).recheck
     # recorded but never concluded: tune
     assert start_decision("s", MODEL, [MODEL], False, False).tune
     # another world size or torch: tune afresh, and say what changed
@@ -67,3 +81,41 @@ def test_isolation_refused_over_the_budget(tmp_path):
     assert why.startswith("the recorder's isolated passes hold every module unsharded (up to 180.0 MiB per rank)")
     assert "memory budget +79% (179.0 MiB)" in why and "prefetch-planner profile" in why
     assert isolation_refusal(in_loop_config("job", "sqlite://", "1GiB"), 100 * mib, 40 * mib) is None
+
+
+def test_a_recheck_races_the_recommendation_alone_on_the_stored_profile(tmp_path, make_profile):
+    """After a job that confirmed a plan 20% faster, ``recheck=True``: the study's latest profile of this job, and a
+    session (``recheck_config``) that runs no simulated trial and asks FSDP2's default and the recommendation only;
+    confirmed again, the recommendation stays."""
+    from planner.study import study_trials
+    from planner.study.queries import best_plan
+    from planner.study.session import TuningSession
+    from planner.testing import drive_round, study_config
+    from search_spaces import get_space
+
+    profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
+    url = f"sqlite:///{tmp_path}/t.db"
+    config = study_config(tmp_path, name="t", space="uniform", sim_trials=48, measured_trials=2, max_rounds=6,
+                          confirm_min_rounds=8, confirm_max_rounds=8)
+
+    def session(config, profile, job):
+        return TuningSession(config, profile, get_space("uniform"), job=job, plan_out=str(tmp_path / "p.json"),
+                             profile_out=str(tmp_path / "profile.json"))
+
+    faster = lambda i, trial: 100.0 if i == 0 else 80.0  # noqa: E731
+    _, first = drive_round(session(config, profile, "j1"), faster)
+    holder = first.candidate.provenance.trial
+    assert not plan_at_start(config, profile.fingerprint).decision.tune  # reused, no step spent
+    start = plan_at_start(config, profile.fingerprint, recheck=True)
+    assert start.decision.recheck and start.profile.fingerprint == profile.fingerprint and start.plan is None
+
+    rechecked = recheck_config(config)
+    assert (rechecked.search.sim_trials, rechecked.search.measured_trials) == (0, 0)
+    assert rechecked.measure == config.measure and rechecked.search.space == config.search.space
+    simulated = len(study_trials(url, "t").simulated)
+    asked, second = drive_round(session(rechecked, start.profile, "j2"), faster)
+    records = {r.number: r for r in study_trials(url, "t").measured}
+    assert len(asked) == 2 and asked[0].plan.is_default_for(profile) and records[asked[1].number].reconfirms == holder
+    assert len(study_trials(url, "t").simulated) == simulated  # no simulated trial
+    assert second.candidate.provenance.trial == asked[1].number
+    assert best_plan(url, "t").plan.provenance.trial == asked[1].number

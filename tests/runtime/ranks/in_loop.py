@@ -7,7 +7,9 @@ microbatch (loss / n), optimizer step. Modes:
 - ``compare``: the loop without the tuner, then with it, each on a fresh model;
 - ``tune``: with the tuner only;
 - ``raise:N``: with the tuner, step N raises ``ValueError`` on every rank; then a second tuner on the same study
-  runs the loop on a fresh model.
+  runs the loop on a fresh model;
+- ``leave:N``: with the tuner; in torchrun's first attempt rank 1 leaves mid-step N (``os._exit``), so torchrun
+  stops rank 0 and restarts both (``--max-restarts``); the restarted attempt runs the whole loop.
 
 Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phase at each step],
 "steps_tuning", "final_phase", "confirmation": [ratio, ci, rounds, verdict] or null, "plan": Plan dict,
@@ -17,6 +19,7 @@ Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phas
 import contextlib
 import json
 import logging
+import os
 import sys
 
 import torch.distributed as dist
@@ -32,7 +35,7 @@ logging.basicConfig(level=logging.INFO, format="%(message)s")
 mesh = init_rank("gloo")
 
 
-def loop(tuner: AutoTuner | None, workload, raise_at: int = -1) -> tuple[list[str], list[str]]:
+def loop(tuner: AutoTuner | None, workload, raise_at: int = -1, leave_at: int = -1) -> tuple[list[str], list[str]]:
     model, optimizer = workload.model, workload.optimizer
     losses, phases = [], []
     for step in range(steps):
@@ -44,6 +47,8 @@ def loop(tuner: AutoTuner | None, workload, raise_at: int = -1) -> tuple[list[st
                 loss = workload.loss_fn(model, workload.make_batch(step * microbatches + i)) / microbatches
                 loss.backward()
                 total += loss.detach().double().item()
+            if step == leave_at and dist.get_rank() == 1:
+                os._exit(1)  # the rank is gone: no exception, no cleanup
             if step == raise_at:
                 raise ValueError(f"boom at step {step}")
             optimizer.step()
@@ -79,7 +84,9 @@ if mode.startswith("raise:"):
     second = AutoTuner(workload.model, study="in-loop", storage=storage, **keys)
     result["second"] = figures(second, loop(second, workload)[1])
 else:
-    losses, phases = loop(tuner, workload)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    leave = int(mode.split(":")[1]) if mode.startswith("leave:") and first_attempt else -1
+    losses, phases = loop(tuner, workload, leave_at=leave)
     result["with"] = gathered(losses)
     result.update(figures(tuner, phases))
 if dist.get_rank() == 0:
