@@ -8,7 +8,7 @@ microbatch (loss / n), optimizer step. Modes:
 - ``tune``: with the tuner only;
 - ``raise:N``: with the tuner, step N raises ``ValueError`` on every rank; then a second tuner on the same study
   runs the loop on a fresh model;
-- ``leave:N``: with the tuner; in torchrun's first attempt rank 1 leaves mid-step N (``os._exit``), so torchrun
+- ``leave:N``: with the tuner; in torchrun's first attempt rank 1 leaves mid-step N (SIGKILL), so torchrun
   stops rank 0 and restarts both (``--max-restarts``); the restarted attempt runs the whole loop.
 
 Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phase at each step],
@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 
 import torch.distributed as dist
@@ -48,7 +49,7 @@ def loop(tuner: AutoTuner | None, workload, raise_at: int = -1, leave_at: int = 
                 loss.backward()
                 total += loss.detach().double().item()
             if step == leave_at and dist.get_rank() == 1:
-                os._exit(1)  # the rank is gone: no exception, no cleanup
+                os.kill(os.getpid(), signal.SIGKILL)  # the rank is gone: no exception, no cleanup
             if step == raise_at:
                 raise ValueError(f"boom at step {step}")
             optimizer.step()
