@@ -13,8 +13,8 @@
 Every rank constructs the tuner and enters ``tuner.step()`` for the same
 steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
 
-1. recording: FSDP2's default; the profile is recorded on the user's steps
-   (:mod:`runtime.loop_recorder`), the isolated passes between two steps;
+1. recording: FSDP2's default; the profile is recorded on the user's steps (:mod:`runtime.loop_recorder`),
+   the isolated passes between steps (under a memory budget, a few modules at a time, one pass per step);
 2. searching: rank 0's tuning session (``planner.study.session``, the one
    ``prefetch-planner tune`` runs) runs the simulated stage under
    ``sim_timeout_s`` and picks the candidates, between two steps; they are
@@ -57,7 +57,7 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, one_line
 from planner.statistics.verdict import Confirmation
-from planner.study.in_loop import TunerPhase, in_loop_config, isolation_refusal
+from planner.study.in_loop import TunerPhase, in_loop_config
 from runtime.accumulation import reshard_after_backward
 from runtime.apply import apply_plan, model_fingerprint
 from runtime.collectives import control_group, gather_objects
@@ -134,11 +134,10 @@ class AutoTuner:
         self._phase_started = 0
         self._recorder: LoopRecorder | None = None
         self._meter: PeakMeter | None = None
-        self._microbatch_hook: Any = None
+        self._microbatch_hook: Any = None  # hook handles, removed when done
         self._optimizer_hook: Any = None
         self._optimizers: list[Any] = []
-        self._microbatch = 0
-        self._microbatches = 1
+        self._microbatch, self._microbatches = 0, 1  # this step's root forwards so far; per step, recorded
         self.device = next(model.parameters()).device.type
         files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
         self._round = InLoopRound(model, self.config, self._group, files)
@@ -259,7 +258,9 @@ class AutoTuner:
         round_ = self._round
         try:
             if self.phase == TunerPhase.RECORDING:
-                steps = round_.search(self._recorded())
+                if (profile := self._recorded()) is None:
+                    return  # an isolated pass remains (one more step first)
+                steps = round_.search(profile)
                 self._plans = round_.plans
                 self._applied = 0
                 self.phase, self._phase_started = TunerPhase.RACING, self.steps_tuning
@@ -281,21 +282,21 @@ class AutoTuner:
         self._times = []
         self._queue.extend(steps)
 
-    def _recorded(self) -> Profile:
-        """The profile of the recording steps, after the isolated passes (every rank)."""
-        recorder, t0 = self._recorder, time.perf_counter()
+    def _recorded(self) -> Profile | None:
+        """The profile of the recording steps, after the isolated passes (every rank); ``None`` while passes of a
+        few modules each remain (``LoopRecorder.isolate_next``): one more step of FSDP2's default is queued."""
+        recorder = self._recorder
+        isolated = recorder.isolate_next(self.config, lambda local: gather_objects(local, self._group))
+        if isolated is None:
+            self._queue.append(LoopStep(RECORD_WARMUP, 0))
+            return None
         self.phase = TunerPhase.SEARCHING
-        default_peak = max(max(p) for p in gather_objects(recorder.peaks, self._group))
-        refusal = isolation_refusal(self.config, default_peak, sum(self.fingerprint.param_bytes))
-        if refusal is not None:  # the same on every rank: every figure in it is
-            raise PlannerError(refusal)
-        profile = recorder.profile(recorder.isolated(), lambda local: gather_objects(local, self._group))
+        profile = recorder.profile(isolated, lambda local: gather_objects(local, self._group))
         recorder.remove()
         self._recorder, self._meter = None, PeakMeter(self.model, recorder.optimizers)
         self._microbatches = profile.microbatches
         self._log(f"AutoTuner: recorded FSDP2's default on {self.steps_tuning} steps (step "
-                  f"{profile.measured_step_ms:.1f} ms, {profile.microbatches} microbatch(es)); isolated passes "
-                  f"{time.perf_counter() - t0:.1f} s between two steps")
+                  f"{profile.measured_step_ms:.1f} ms, {profile.microbatches} microbatch(es)); {recorder.isolation}")
         return profile
 
     def _conclude(self) -> None:

@@ -7,11 +7,14 @@ communication in the window (``runtime.recorder``).
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from runtime.workload import Workload
@@ -28,6 +31,20 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in tensors_in(v)]
     return []
+
+
+def first_seen(seen: dict[int, weakref.ref], key: int, t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage (data pointer ``key``) is seen for the first time; it is noted as seen.
+
+    A pointer seen before counts again when the storage seen there is gone or was freed (FSDP2's reshard frees a
+    module's unsharded parameters in the pass, ``resize_(0)``) and the allocator handed the address out again:
+    the count does not depend on where the allocator puts things.
+    """
+    before = seen.get(key)
+    if before is not None and (old := before()) is not None and old.data_ptr() == key:
+        return False
+    seen[key] = weakref.ref(t.untyped_storage())
+    return True
 
 
 class ComputeTimer:
@@ -48,7 +65,8 @@ class ComputeTimer:
     re-runs the block's forward after FSDP2's pre-backward hook unsharded it). The module is noted in
     :attr:`recomputing`, and its children's forward time there is its ``recompute_ms`` (a part of its
     ``bwd_ms``; what the block does between its children, a residual add, is left out). The bytes of the
-    outputs of its submodules there, at any depth (storages counted once), are :attr:`recompute_bytes`: the
+    outputs of its submodules there, at any depth (each storage once, :func:`first_seen`), are
+    :attr:`recompute_bytes`: the
     recomputed activations, which live until the block's gradient compute has used them. Functional ops'
     outputs (an activation function called as a function, a residual add) are not seen: an underestimate.
     The timed forward runs under ``set_checkpoint_early_stop(False)``, so the recompute runs to the block's
@@ -57,15 +75,24 @@ class ComputeTimer:
     On CPU a mark is ``time.perf_counter()``; on GPU the hooks run ahead of
     the kernels they launch, so a mark is a CUDA event recorded on the current
     stream, turned into seconds (``Event.elapsed_time``) after the run.
+
+    ``hooks_first``: the timer's module hooks run before FSDP2's (``prepend=True``), so a module's window holds
+    FSDP2's work for it: the all-gather in its pre-forward (``FSDPState._pre_forward``) and in its pre-backward
+    (``FSDPState._pre_backward``, a hook on the outputs registered in ``_post_forward``), and its post-backward
+    (``RegisterPostBackwardFunction``, on the inputs as FSDP2 wraps them). The recorder's passes that hold only
+    some modules unsharded need it: the others' all-gathers would else land in their parent's window.
+    ``after_backward(fqn)`` then runs when a module's backward ends, after its post-backward.
     """
 
-    def __init__(self, modules: list[tuple[str, nn.Module]], root: str, device: str = "cpu"):
+    def __init__(self, modules: list[tuple[str, nn.Module]], root: str, device: str = "cpu",
+                 hooks_first: bool = False, after_backward: Callable[[str], None] | None = None):
         self.root = root
+        self.after_backward = after_backward
         self.cuda = device == "cuda"
         self.marks: list[tuple[Any, str, str]] = []
         self.live: list[str] = []  # forward stack, for activation attribution
         self.act_bytes: dict[str, int] = defaultdict(int)
-        self.seen_storages: set[int] = set()
+        self.seen_storages: dict[int, weakref.ref] = {}  # data pointer -> a tensor on that storage
         self.param_storages: set[int] = set()
         self.saved_parameter_storages: set[int] = set()  # storages of parameters autograd saved for backward
         self.handles = []
@@ -73,11 +100,11 @@ class ComputeTimer:
         self.recomputing: set[str] = set()  # modules whose forward ran again in backward (checkpointed)
         self.recompute_depth: dict[str, int] = defaultdict(int)
         self.recompute_bytes: dict[str, int] = defaultdict(int)  # its children's outputs in backward, last run
-        self.recompute_seen: set[int] = set()
+        self.recompute_seen: dict[str, dict[int, weakref.ref]] = defaultdict(dict)  # per module
         fsdp = {id(m) for _, m in modules}
         for fqn, m in modules:
-            self.handles.append(m.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post_hook(fqn)))
+            self.handles.append(m.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True, prepend=hooks_first))
+            self.handles.append(m.register_forward_hook(self._post_hook(fqn), prepend=hooks_first))
             if fqn == root:
                 continue
             for child in m.children():
@@ -109,6 +136,8 @@ class ComputeTimer:
             if not fired[0]:
                 fired[0] = True
                 self.mark(kind, fqn)
+                if kind == "bexit" and self.after_backward is not None:
+                    self.after_backward(fqn)
 
         return hook
 
@@ -141,7 +170,7 @@ class ComputeTimer:
             if not self.in_backward or (step < 0 and self.recompute_depth[fqn] == 0):
                 return
             if step < 0:
-                self.recompute_bytes[fqn] += self._new_bytes(tensors_in(hook_args[-1]))
+                self.recompute_bytes[fqn] += self._new_bytes(fqn, tensors_in(hook_args[-1]))
             self.recompute_depth[fqn] += step
             if step > 0 and self.recompute_depth[fqn] == 1:
                 self.recomputing.add(fqn)
@@ -154,16 +183,15 @@ class ComputeTimer:
     def _recompute_bytes_hook(self, fqn: str):
         def hook(module, args, output):
             if self.in_backward and self.recompute_depth[fqn] > 0:
-                self.recompute_bytes[fqn] += self._new_bytes(tensors_in(output))
+                self.recompute_bytes[fqn] += self._new_bytes(fqn, tensors_in(output))
 
         return hook
 
-    def _new_bytes(self, tensors: list[torch.Tensor]) -> int:
+    def _new_bytes(self, fqn: str, tensors: list[torch.Tensor]) -> int:
         total = 0
         for t in tensors:
             key = t.untyped_storage().data_ptr()
-            if key not in self.recompute_seen and key not in self.param_storages:
-                self.recompute_seen.add(key)
+            if key not in self.param_storages and first_seen(self.recompute_seen[fqn], key, t):
                 total += t.untyped_storage().nbytes()
         return total
 
@@ -174,8 +202,7 @@ class ComputeTimer:
             return t
         if key in self.param_storages:
             self.saved_parameter_storages.add(key)
-        elif self.live and key not in self.seen_storages:
-            self.seen_storages.add(key)
+        elif self.live and first_seen(self.seen_storages, key, t):
             self.act_bytes[self.live[-1]] += t.untyped_storage().nbytes()
         return t
 
@@ -185,7 +212,9 @@ class ComputeTimer:
         self.seen_storages.clear()
         self.act_bytes.clear()
         self.saved_parameter_storages.clear()
-        self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()}
+        # the unsharded parameters (a module held sharded registers its DTensor shards: its figures are not kept)
+        self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()
+                               if not isinstance(p, DTensor)}
         self.mark("enter", self.root)
         self.recompute_depth.clear()
         self.recompute_bytes.clear()

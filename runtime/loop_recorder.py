@@ -17,7 +17,9 @@ them here ([Note: Tuning on the user's steps] in :mod:`planner.study.in_loop`):
   module unsharded and no communication, all-gather and reduce-scatter in
   isolation, the overlap microbenchmark) on the first step's inputs with a
   surrogate loss, leaving the user's gradients, random-number generators
-  and buffers as they were.
+  and buffers as they were. Where the memory budget cannot hold every
+  module unsharded at once, a few modules at a time, one pass between two
+  steps (:meth:`LoopRecorder.isolate_next`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError
+from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
 from runtime.compute_timer import tensors_in
 from runtime.measure import synchronize
 from runtime.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
-from runtime.recorder import consolidate, isolated_figures, optimizer_state_bytes
+from runtime.recorder import consolidate, isolated_figures, merge_isolated, optimizer_state_bytes
 from runtime.torch_private import profiler_allocations, reshard_after_forward
 from runtime.workload import Workload, fsdp_modules
 
@@ -142,6 +146,9 @@ class LoopRecorder:
         self._opt_end: float | None = None
         self._opt_block: Any = None
         self.meter = PeakMeter(model, self.optimizers)
+        self.passes: list[tuple[str, ...]] | None = None  # the isolated passes' modules, once decided
+        self.parts: list[dict[str, Any]] = []  # this rank's figures of the passes run so far
+        self._isolation_s = 0.0
         self._handles = [
             model.register_forward_pre_hook(self._root_forward, with_kwargs=True),
             register_optimizer_step_pre_hook(self._optimizer_pre),
@@ -197,10 +204,50 @@ class LoopRecorder:
             h.remove()
         self._handles = []
 
-    def isolated(self) -> dict[str, Any]:
+    def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> dict[str, Any] | None:
+        """The next isolated pass (collective: every rank calls it, between two steps): this rank's isolated
+        figures of every module once the last pass has run (:func:`runtime.recorder.merge_isolated`), else
+        ``None``. The first call decides the passes from the recorded peaks and the memory budget
+        (:func:`planner.study.in_loop.isolation_groups`: all modules at once, or a few at a time, one pass between
+        two steps) and also times the collectives.
+
+        Args:
+            config: the in-loop study (its memory budget).
+            gather: every rank's object, by rank (``runtime.collectives.gather_objects`` on the control group).
+
+        Raises:
+            PlannerError: a single module does not fit under the budget; as :meth:`isolated`; the passes disagree
+                on the post-forward order.
+        """
+        t0 = time.perf_counter()
+        if self.passes is None:  # the same on every rank: every figure in it is
+            default_peak = max(max(p) for p in gather(self.peaks))
+            fp = model_fingerprint(self.model)
+            modules = list(zip(fp.module_fqns, fp.param_bytes, strict=True))
+            self.passes = isolation_groups(config, default_peak, modules, sum(fp.param_bytes) // fp.world_size)
+        held = self.passes[len(self.parts)]
+        self.parts.append(self.isolated(only=None if len(self.passes) == 1 else held, collectives=not self.parts))
+        self._isolation_s += time.perf_counter() - t0
+        if len(self.parts) < len(self.passes):
+            return None
+        try:
+            return merge_isolated(self.parts)
+        except ValueError as e:
+            raise PlannerError(str(e)) from None
+
+    @property
+    def isolation(self) -> str:
+        """What the isolated passes cost, for the log: seconds between steps, and how many passes."""
+        passes = self.passes or []
+        return f"isolated passes {self._isolation_s:.1f} s between steps" + (
+            f", {len(passes)} passes of at most {max(map(len, passes))} module(s) each (the memory budget)"
+            if len(passes) > 1 else "")
+
+    def isolated(self, only: tuple[str, ...] | None = None, collectives: bool = True) -> dict[str, Any]:
         """This rank's isolated figures (collective: every rank calls it, between two steps).
 
-        The user's gradients, random-number generators and buffers are as they were after it.
+        The user's gradients, random-number generators and buffers are as they were after it. ``only`` and
+        ``collectives``: as :func:`runtime.recorder.isolated_figures` takes them.
 
         Raises:
             PlannerError: no forward was seen yet, or the forward returns nothing to backpropagate.
@@ -222,7 +269,7 @@ class LoopRecorder:
         devices = [torch.cuda.current_device()] if self.device == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             figures = isolated_figures(workload, model_fingerprint(self.model), self.repeats, self.device, raf,
-                                       zero_grad=False)
+                                       zero_grad=False, only=only, collectives=collectives)
         with torch.no_grad():
             for name, b in self.model.named_buffers():
                 b.copy_(buffers[name])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -76,29 +77,51 @@ def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str
 
 
 def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[str, bool],
-                      zero_grad: bool = True) -> dict[str, Any]:
+                      zero_grad: bool = True, only: Collection[str] | None = None) -> dict[str, Any]:
     """Compute ms per module and phase, orders and activation bytes, with every module unsharded, no communication.
 
     Gradient sync is off in the window (nothing is reduced into the sharded gradients); the unsharded gradients
     are cleared after it and every module resharded with ``raf``'s ``reshard_after_forward``. ``zero_grad``: also
     ``optimizer.zero_grad(set_to_none=True)`` (the in-loop tuner leaves the user's gradients alone).
+
+    ``only``: hold only these modules unsharded (``planner.study.in_loop.isolation_groups``, under a memory
+    budget); the others run as in FSDP2's default (all-gather in pre-forward and pre-backward, reshard after),
+    their unsharded gradients cleared after their post-backward, and the timer's hooks run before FSDP2's, so
+    their all-gathers stay in their own windows. A held module's implicit backward prefetch (of the next module
+    in backward, in its own window) is turned off by an explicit prefetch of itself, a no-op
+    (``FSDPParamGroup.unshard`` returns at once on an unsharded group); FSDP2's default (implicit) is restored
+    after. Only the held modules' figures are clean: the caller keeps theirs (``times``, ``activation_bytes``,
+    ``needs_parameters_in_backward``, ``recompute_bytes`` hold only theirs).
     """
     model = workload.model
     modules = fsdp_modules(model)
-    model.set_reshard_after_forward(False)
+    held = {fqn for fqn, _ in modules} if only is None else set(only)
     model.set_requires_gradient_sync(False)
-    model.set_reshard_after_backward(False)
-    for _, m in modules:
-        m.unshard()
-    timer = ComputeTimer(modules, modules[0][0], device)
+    for fqn, m in modules:
+        if fqn in held:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+            if only is not None:
+                m.set_modules_to_backward_prefetch([m])
+    for fqn, m in modules:
+        if fqn in held:
+            m.unshard()
+    by_fqn = dict(modules)
+
+    def clear_if_sharded(fqn: str) -> None:
+        if fqn not in held:
+            clear_unsharded_grads(by_fqn[fqn])
+
+    timer = ComputeTimer(modules, modules[0][0], device, hooks_first=only is not None,
+                         after_backward=clear_if_sharded if only is not None else None)
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     needs: dict[str, bool] = {}
     try:
         for r in range(repeats + 1):  # the first repeat warms up and is dropped
             timer.run(workload, r)
             times, pre_order, post_order, calls = timer.attribute()
-            if r == 0:  # with every module unsharded, the registered parameters are the unsharded ones
-                for fqn, _ in modules:
+            if r == 0:  # a held module registers its unsharded parameters
+                for fqn in held:
                     own = [p.untyped_storage().data_ptr() for p in own_parameters(modules, fqn)]
                     needs[fqn] = not own or any(ptr in timer.saved_parameter_storages for ptr in own)
                     # a checkpointed block saves no parameter, yet its recompute reads them all
@@ -113,15 +136,18 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
         model.set_reshard_after_backward(True)
         for fqn, m in modules:
             m.set_reshard_after_forward(raf[fqn], recurse=False)
+            if only is not None and fqn in held:
+                m.set_modules_to_backward_prefetch([])
             clear_unsharded_grads(m)
             m.reshard()
         if zero_grad:
             workload.optimizer.zero_grad(set_to_none=True)
     return {
-        "times": {fqn: {k: statistics.median(samples[fqn][k]) for k in TIMED} for fqn, _ in modules},
+        "times": {fqn: {k: statistics.median(samples[fqn][k]) for k in TIMED} for fqn, _ in modules if fqn in held},
         "pre_forward_order": pre_order, "post_forward_order": post_order, "calls": calls,
-        "activation_bytes": dict(timer.act_bytes), "needs_parameters_in_backward": needs,
-        "recompute_bytes": dict(timer.recompute_bytes),
+        "activation_bytes": {f: b for f, b in timer.act_bytes.items() if f in held},
+        "needs_parameters_in_backward": {f: v for f, v in needs.items() if f in held},
+        "recompute_bytes": {f: b for f, b in timer.recompute_bytes.items() if f in held},
     }
 
 
@@ -164,7 +190,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int, device: str,
-                     raf: dict[str, bool], zero_grad: bool = True) -> dict[str, Any]:
+                     raf: dict[str, bool], zero_grad: bool = True, only: Collection[str] | None = None,
+                     collectives: bool = True) -> dict[str, Any]:
     """This rank's figures measured outside a training step (collective: all ranks call it).
 
     Per FSDP module: forward and backward compute with every module unsharded and no communication
@@ -176,39 +203,64 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
         workload: its ``make_batch(r)`` and ``loss_fn`` drive the compute windows (``repeats + 1`` passes).
         raf: each module's ``reshard_after_forward`` to restore after the window.
         zero_grad: passed to :func:`compute_unsharded`.
+        only: the compute figures of these modules alone, held unsharded while the others run as in FSDP2's
+            default (:func:`compute_unsharded`); ``None``: every module, held at once.
+        collectives: also the all-gather, reduce-scatter and overlap figures of every module (one module
+            unsharded at a time).
 
     Returns:
         ``{"overlap", "pre_forward_order", "post_forward_order", "calls", "modules": {fqn: figures}}``, the keys
-        :func:`consolidate` reads.
+        :func:`consolidate` reads; passes of a few modules each make one with :func:`merge_isolated`.
     """
     modules = fsdp_modules(workload.model)
-    compute = compute_unsharded(workload, repeats, device, raf, zero_grad=zero_grad)
-    ag_ms = all_gather_ms(modules, repeats, device)
-    numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
-    overlap = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
-    rs_ms, sharded = {}, {}
-    for fqn, numel in zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True):
-        own = own_parameters(modules, fqn)
-        sharded[fqn] = sum(p.to_local().numel() * p.element_size() for p in own)
-        rs_ms[fqn] = reduce_scatter_ms(numel, own[0].dtype if own else torch.float32, repeats, device)
-    return {
-        "overlap": overlap,
+    compute = compute_unsharded(workload, repeats, device, raf, zero_grad=zero_grad, only=only)
+    figures: dict[str, Any] = {
+        "overlap": None,
         "pre_forward_order": compute["pre_forward_order"],
         "post_forward_order": compute["post_forward_order"],
         "calls": compute["calls"],
         "modules": {
             fqn: {
-                **compute["times"][fqn],
-                "all_gather_ms": ag_ms[fqn],
-                "reduce_scatter_ms": rs_ms[fqn],
-                "sharded_bytes": sharded[fqn],
+                **times,
                 "activation_bytes": compute["activation_bytes"].get(fqn, 0),
                 "recompute_activation_bytes": compute["recompute_bytes"].get(fqn, 0),
                 "needs_parameters_in_backward": compute["needs_parameters_in_backward"][fqn],
             }
-            for fqn, _ in modules
+            for fqn, times in compute["times"].items()
         },
     }
+    if not collectives:
+        return figures
+    ag_ms = all_gather_ms(modules, repeats, device)
+    numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
+    figures["overlap"] = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
+    for fqn, numel in zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True):
+        own = own_parameters(modules, fqn)
+        figures["modules"].setdefault(fqn, {}).update({
+            "all_gather_ms": ag_ms[fqn],
+            "reduce_scatter_ms": reduce_scatter_ms(numel, own[0].dtype if own else torch.float32, repeats, device),
+            "sharded_bytes": sum(p.to_local().numel() * p.element_size() for p in own),
+        })
+    return figures
+
+
+def merge_isolated(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's :func:`isolated_figures` from passes of a few modules each: each module's figures from the parts
+    that hold them; orders and forward calls from the first part (the same in every pass); the overlap
+    microbenchmark from the part that ran it.
+
+    Raises:
+        ValueError: the parts disagree on the post-forward order.
+    """
+    merged = {**parts[0], "modules": {}}
+    for part in parts:
+        if part["post_forward_order"] != merged["post_forward_order"]:
+            raise ValueError(f"the isolated passes disagree on the post-forward order: {merged['post_forward_order']}"
+                             f" then {part['post_forward_order']}")
+        merged["overlap"] = merged["overlap"] or part["overlap"]
+        for fqn, figures in part["modules"].items():
+            merged["modules"].setdefault(fqn, {}).update(figures)
+    return merged
 
 
 def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
