@@ -97,12 +97,14 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     modules = fsdp_modules(model)
     held = {fqn for fqn, _ in modules} if only is None else set(only)
     model.set_requires_gradient_sync(False)
+    if only is None:
+        model.set_reshard_after_forward(False)
+        model.set_reshard_after_backward(False)
     for fqn, m in modules:
-        if fqn in held:
+        if only is not None and fqn in held:
             m.set_reshard_after_forward(False, recurse=False)
             m.set_reshard_after_backward(False, recurse=False)
-            if only is not None:
-                m.set_modules_to_backward_prefetch([m])
+            m.set_modules_to_backward_prefetch([m])
     for fqn, m in modules:
         if fqn in held:
             m.unshard()

@@ -13,8 +13,9 @@ property test, ``tests/test_loss_equivalence.py``), so racing plans on the
 user's own steps costs time, never correctness: the bargain
 ``torch.backends.cudnn.benchmark`` makes. Three things could still change
 the training, and the tuner keeps them out:
-- the recorder's isolated passes (every module unsharded, gradient sync
-  off) run between steps on the first step's inputs, with a surrogate loss
+- the recorder's isolated passes (every module unsharded, or a few at a
+  time under the memory budget, gradient sync off) run between steps on
+  the first step's inputs, with a surrogate loss
   (the sum of the outputs); their gradients are cleared, never reduced into
   the user's, and the random-number generators and the model's buffers
   (batch-norm statistics) are restored after them;
