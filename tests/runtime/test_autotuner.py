@@ -162,7 +162,8 @@ def test_trainer_adapters_leave_the_loss_identical(tmp_path):
 
 @pytest.mark.slow
 def test_isolation_over_the_budget_keeps_the_default(tmp_path):
-    """A budget the recorder's isolated passes would exceed: no pass runs, FSDP2's default stays, nothing raced."""
+    """A budget that even a pass holding one module would exceed: no pass runs, FSDP2's default stays, nothing
+    raced."""
     result = run_loop(tmp_path, MLP, 12, "tune", memory_budget="+1%")
     assert result["final_phase"] == "done" and result["plan"]["modules"] == {}
     assert result["confirmation"] is None and "racing" not in result["phases"]
@@ -229,3 +230,24 @@ def test_under_a_tight_budget_the_tuner_isolates_a_few_modules_per_step_and_the_
     recording = result["phases"].count("recording")
     assert recording > 1 + 2 + 3  # warm-up, timed and peak steps, then a step per pass after the first
     assert "racing" in result["phases"]  # the profile of the passes went on to the search and the race
+
+
+@pytest.mark.slow
+def test_a_plain_loop_on_a_stock_torch_model(tmp_path):
+    """A loop written as a user writes it, on ``nn.TransformerEncoderLayer`` blocks (not a reference workload), with
+    the tuner's lines added: the losses are bitwise the loop's without it, the tuning ends in a confirmed plan or
+    FSDP2's default with the reason logged, and the next start on the same study spends no step."""
+    out = tmp_path / "plain.json"
+    run_ranks("plain_loop.py", f"sqlite:///{tmp_path}/tuning.db", str(out), json.dumps(KEYS), "60")
+    r = json.loads(out.read_text())
+    assert r["with"] == r["without"] and r["again"] == r["without"] and len(set(r["without"])) == 60
+    assert r["phases"][0] == "recording" and r["phases"][-1] == "done" and 0 < r["steps_tuning"] < 60
+    done = [line for line in r["log"] if line.startswith("AutoTuner: done after")]
+    assert len(done) == 1
+    if r["confirmation"] is not None:
+        assert f"ratio {r['confirmation'][0]:.3f}" in done[0]
+    if r["confirmation"] is None or r["confirmation"][1] != "faster":  # FSDP2's default stays; the line says why
+        assert "FSDP2's default: " in done[0]
+    assert r["steps_tuning_again"] == 0 and r["phases_again"] == ["done"] * 60
+    assert r["log"][-1] == ("AutoTuner: study 'plain' has a plan for this model, world size and torch: applied, no "
+                            "step spent tuning")
