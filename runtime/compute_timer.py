@@ -66,8 +66,8 @@ class ComputeTimer:
     :attr:`recomputing`, and its children's forward time there is its ``recompute_ms`` (a part of its
     ``bwd_ms``; what the block does between its children, a residual add, is left out). The bytes of the
     outputs of its submodules there, at any depth (each storage once, :func:`first_seen`), are
-    :attr:`recompute_bytes`: the
-    recomputed activations, which live until the block's gradient compute has used them. Functional ops'
+    :attr:`recompute_bytes`: the recomputed activations, which live until the block's gradient compute has used
+    them. Functional ops'
     outputs (an activation function called as a function, a residual add) are not seen: an underestimate.
     The timed forward runs under ``set_checkpoint_early_stop(False)``, so the recompute runs to the block's
     end (by default it stops once the tensors backward needs are back, a few ops short).
@@ -92,7 +92,7 @@ class ComputeTimer:
         self.marks: list[tuple[Any, str, str]] = []
         self.live: list[str] = []  # forward stack, for activation attribution
         self.act_bytes: dict[str, int] = defaultdict(int)
-        self.seen_storages: dict[int, weakref.ref] = {}  # data pointer -> a tensor on that storage
+        self.seen_storages: dict[int, weakref.ref] = {}  # data pointer -> the storage seen there (first_seen)
         self.param_storages: set[int] = set()
         self.saved_parameter_storages: set[int] = set()  # storages of parameters autograd saved for backward
         self.handles = []

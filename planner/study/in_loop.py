@@ -260,10 +260,10 @@ def isolation_groups(config: StudyConfig, default_peak_bytes: int, module_bytes:
     steps): at most the default step's peak plus the sharded gradients plus twice the held modules' unsharded
     bytes, per rank (an upper bound: the default step already holds some modules unsharded, and its peak may
     come with the gradients alive). The first pass also times the collectives: one module unsharded at a time,
-    and on CPU the overlap microbenchmark's matrices (4.3 MiB). The modules outside the
-    pass run as in FSDP2's default, their gradients cleared after their post-backward. Without a budget, or when
-    every module fits, one pass holds them all; else the modules, in ``module_bytes``'s order, fill passes in turn
-    (greedy), each within the budget, one pass between two steps.
+    and on CPU the overlap microbenchmark's matrices (4.3 MiB). The modules outside the pass run as in FSDP2's
+    default, their gradients cleared after their post-backward. Without a budget, or when every module fits,
+    one pass holds them all; else the modules, in ``module_bytes``'s order, fill passes in turn (greedy), each
+    within the budget, one pass between two steps.
 
     Args:
         config: the in-loop study (its ``[search] memory_budget``).
