@@ -67,8 +67,8 @@ class ComputeTimer:
     ``bwd_ms``; what the block does between its children, a residual add, is left out). The bytes of the
     outputs of its submodules there, at any depth (each storage once, :func:`first_seen`), are
     :attr:`recompute_bytes`: the recomputed activations, which live until the block's gradient compute has used
-    them. Functional ops'
-    outputs (an activation function called as a function, a residual add) are not seen: an underestimate.
+    them. Functional ops' outputs (an activation function called as a function, a residual add) are not seen:
+    an underestimate.
     The timed forward runs under ``set_checkpoint_early_stop(False)``, so the recompute runs to the block's
     end (by default it stops once the tensors backward needs are back, a few ops short).
 
