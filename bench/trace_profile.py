@@ -29,7 +29,7 @@ MODULE = "bench.trace_profile"
 FIGURES = ("fwd_ms", "bwd_ms", "all_gather_ms", "reduce_scatter_ms")
 
 
-def rank_main(study: str, steps: int, out: str | None) -> None:
+def rank_main(study: str, steps: int, out: str | None, per_module: bool = False) -> None:
     """Every rank: record, then trace a fresh model's plain loop; rank 0 builds, compares and reports."""
     import torch
     import torch.distributed as dist
@@ -45,6 +45,9 @@ def rank_main(study: str, steps: int, out: str | None) -> None:
     workload = build_study_workload(config.workload, mesh)
     recorded = record_profile(workload, warmup_steps=config.measure.warmup_steps, steps=config.measure.steps,
                               repeats=config.measure.profile_repeats)
+    # the same model again, its isolated passes one module at a time
+    per_module_profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps,
+                                        repeats=config.measure.profile_repeats, per_module=True) if per_module else None
     del workload
     user = build_study_workload(config.workload, mesh)  # the user's job: a fresh model, the plain loop
     for s in range(2):
@@ -64,12 +67,18 @@ def rank_main(study: str, steps: int, out: str | None) -> None:
         traced = profile_from_traces([folder], recorded.fingerprint)
         run = {"study": config.name, "steps": steps, "traces": folder, "recorded": recorded.to_dict(),
                "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
-               "missing": [m.line() for m in traced.missing]}
+               "missing": [m.line() for m in traced.missing],
+               "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None}
         report(run)
         if out:
             Path(out).write_text(json.dumps(run))
     del user
     shutdown_rank()
+
+
+def _error(a: float, b: float) -> float:
+    """``a`` against ``b``, percent (0 where ``b`` is 0)."""
+    return 100 * (a - b) / b if b else 0.0
 
 
 def report(run: dict) -> dict:
@@ -92,7 +101,7 @@ def report(run: dict) -> dict:
         cells = []
         for f in FIGURES:
             a, b = getattr(t.modules[fqn], f), getattr(recorded.modules[fqn], f)
-            err = 100 * (a - b) / b if b else 0.0
+            err = _error(a, b)
             errors[f].append(abs(err))
             cells.append(f"{a:8.2f} / {b:8.2f} {err:+6.0f}%")
         print(f"{fqn or '(root)':<18}" + "".join(f"{c:>26}" for c in cells))
@@ -114,6 +123,12 @@ def report(run: dict) -> dict:
               f"({100 * (t.measured_peak_bytes / recorded.measured_peak_bytes - 1):+.1f}%)")
     for line in run["missing"]:
         print(f"  estimated: {line}")
+    if run.get("recorded_per_module"):
+        other = Profile.from_dict(run["recorded_per_module"])
+        again = {f: statistics.median(abs(_error(getattr(t.modules[q], f), getattr(other.modules[q], f)))
+                                      for q in other.fingerprint.module_fqns) for f in FIGURES}
+        print("against the recorder with one module per isolated pass (--per-module): median |error| "
+              + ", ".join(f"{f} {v:.1f}%" for f, v in again.items()))
     return {"median_abs_error_pct": medians, "step_error_pct": step_err,
             "same_order": t.post_forward_order == recorded.post_forward_order}
 
@@ -122,11 +137,13 @@ def report(run: dict) -> dict:
 @studies_argument
 @saved_run_options
 @click.option("--steps", default=5, show_default=True, help="active steps traced")
-def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int) -> None:
+@click.option("--per-module", is_flag=True, help="also record with one module per isolated pass, and compare")
+def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int, per_module: bool) -> None:
     if report_saved(refit, report):
         return
-    run_studies(MODULE, studies, lambda study: [study, "--steps", str(steps), *json_flag(json_out)],
-                lambda study: rank_main(study, steps, json_out))
+    run_studies(MODULE, studies,
+                lambda study: [study, "--steps", str(steps), *json_flag(json_out), *(["--per-module"] * per_module)],
+                lambda study: rank_main(study, steps, json_out, per_module))
 
 
 if __name__ == "__main__":

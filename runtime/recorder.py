@@ -153,7 +153,8 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     }
 
 
-def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, repeats: int = 3) -> Profile:
+def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, repeats: int = 3,
+                   per_module: bool = False) -> Profile:
     """Record a :class:`Profile` on every rank (collective: all ranks call it).
 
     Args:
@@ -163,6 +164,8 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         steps: timed default-plan steps (step ms, optimizer ms), run last.
         repeats: repeats of each compute and communication measurement
             (medians are kept; one extra warm-up repeat is dropped).
+        per_module: the isolated compute passes hold one module unsharded at a time, the others as in FSDP2's
+            default (what the in-loop tuner does under a tight memory budget); else every module at once.
 
     Returns:
         The consolidated profile (the same on every rank). Times in ms,
@@ -175,7 +178,11 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     for s in range(warmup_steps):  # the optimizer state exists before its bytes are counted
         train_step(workload, s)
     raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
-    isolated = isolated_figures(workload, fingerprint, repeats, device, raf)
+    if per_module:
+        isolated = merge_isolated([isolated_figures(workload, fingerprint, repeats, device, raf, only=(fqn,),
+                                                    collectives=i == 0) for i, (fqn, _) in enumerate(modules)])
+    else:
+        isolated = isolated_figures(workload, fingerprint, repeats, device, raf)
     default = _default_plan_steps(workload, steps, device)
     local = {"rank": dist.get_rank(), **default, "optimizer_state_bytes": optimizer_state_bytes(optimizer), **isolated}
     return consolidate(gather_objects(local), fingerprint, raf, isolated["calls"], workload.microbatches)

@@ -251,3 +251,23 @@ def test_a_plain_loop_on_a_stock_torch_model(tmp_path):
     assert r["steps_tuning_again"] == 0 and r["phases_again"] == ["done"] * 60
     assert r["log"][-1] == ("AutoTuner: study 'plain' has a plan for this model, world size and torch: applied, no "
                             "step spent tuning")
+
+
+def test_merged_passes_take_each_module_from_its_own_pass():
+    """``merge_isolated``: a module's compute from the pass that held it, the collectives and the overlap from the
+    pass that timed them, orders from the first; passes that disagree on the post-forward order are refused."""
+    from runtime.recorder import merge_isolated
+
+    def part(held: dict, overlap=None, order=("a", "b")) -> dict:
+        return {"overlap": overlap, "pre_forward_order": list(order), "post_forward_order": list(order),
+                "calls": dict.fromkeys(order, 1), "modules": held}
+
+    first = part({"": {"fwd_ms": 1.0}, "a": {"fwd_ms": 2.0, "all_gather_ms": 9.0}, "b": {"all_gather_ms": 8.0}},
+                 overlap={"module": "a"})
+    second = part({"b": {"fwd_ms": 3.0}})
+    merged = merge_isolated([first, second])
+    assert merged["modules"] == {"": {"fwd_ms": 1.0}, "a": {"fwd_ms": 2.0, "all_gather_ms": 9.0},
+                                 "b": {"all_gather_ms": 8.0, "fwd_ms": 3.0}}
+    assert merged["overlap"] == {"module": "a"} and merged["post_forward_order"] == ["a", "b"]
+    with pytest.raises(ValueError, match="disagree on the post-forward order"):
+        merge_isolated([first, part({"b": {}}, order=("b", "a"))])
