@@ -101,13 +101,13 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
         model.set_reshard_after_forward(False)
         model.set_reshard_after_backward(False)
     for fqn, m in modules:
-        if only is not None and fqn in held:
+        if fqn not in held:
+            continue
+        if only is not None:
             m.set_reshard_after_forward(False, recurse=False)
             m.set_reshard_after_backward(False, recurse=False)
             m.set_modules_to_backward_prefetch([m])
-    for fqn, m in modules:
-        if fqn in held:
-            m.unshard()
+        m.unshard()
     by_fqn = dict(modules)
 
     def clear_if_sharded(fqn: str) -> None:
