@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,7 +121,15 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
     )
     plans = fidelity_plans(profile)
     names = list(plans)
-    step_ms = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1)
+    started, done = time.perf_counter(), [0]
+
+    def progress() -> None:  # a line per round: where a long run is, and how fast steps go
+        done[0] += 1
+        if dist.get_rank() == 0 and done[0] % len(names) == 0:
+            print(f"  {done[0]} steps ({done[0] // len(names)} rounds incl. warm-up), "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+
+    step_ms = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1, on_step=progress)
     peaks = []
     for n in names:
         apply_plan(workload.model, plans[n], check=False)
@@ -132,9 +141,9 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
         run = {"study": config.name, "rounds": rounds, "profile": profile.to_dict(),
                "rows": [{"plan": n, "plan_json": plans[n].to_dict(), "steps_ms": t, "measured_unsharded_bytes": b}
                         for n, t, b in zip(names, step_ms, peaks, strict=True)]}
-        report(run)
-        if out:
+        if out:  # first: the report's calibration fits take minutes, and the measurements are what took the ranks
             Path(out).write_text(json.dumps(run, indent=1))
+        report(run)
     del workload
     shutdown_rank()
 

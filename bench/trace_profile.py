@@ -3,19 +3,20 @@
     python -m bench.trace_profile [studies/llama-cpu.toml ...] [--steps 5] [--json out.json]
     python -m bench.trace_profile --refit run.json ...   # saved runs (both profiles), today's simulator, no ranks
 
-For each study, on its ranks: the recorder's profile (``runtime.recorder.record_profile``, what ``tune`` uses);
-then a fresh model in a user's plain loop (``train_step``) under ``torch.profiler`` with the CPU activity,
-``profile_memory=True`` and ``record_shapes=True``, ``--steps`` active steps after one warm-up, each rank's trace
-written by ``tensorboard_trace_handler``. Rank 0 then builds the profile from the traces
-(:func:`planner.traces.trace_profile.profile_from_traces`, with the model's fingerprint, as ``--model`` gives) and
-prints, per module and figure, trace against recorder; the post-forward orders; the simulated default step from
-the trace profile's module figures alone against the traced step; the peaks.
+For each study, on its ranks: the recorder's profile (``runtime.recorder.record_profile``, what ``tune`` uses); then a
+fresh model in a user's plain loop (``train_step``) under ``torch.profiler`` with the CPU activity (and CUDA's on
+GPU), ``profile_memory=True`` and ``record_shapes=True``, ``--steps`` active steps after one warm-up, each rank's
+trace written by ``tensorboard_trace_handler`` (into ``--traces DIR``, or a temporary folder). Rank 0 then builds the
+profile from the traces (:func:`planner.traces.trace_profile.profile_from_traces`, with the model's fingerprint, as
+``--model`` gives) and prints, per module and figure, trace against recorder; the post-forward orders; the simulated
+default step from the trace profile's module figures alone against the traced step; the peaks.
 Targets (issue 21): the same post-forward order; module compute and collective times within 10% median; the
 simulated default step within 5% of the traced step.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import tempfile
@@ -29,7 +30,7 @@ MODULE = "bench.trace_profile"
 FIGURES = ("fwd_ms", "bwd_ms", "all_gather_ms", "reduce_scatter_ms")
 
 
-def rank_main(study: str, steps: int, out: str | None, per_module: bool = False) -> None:
+def rank_main(study: str, steps: int, out: str | None, per_module: bool = False, traces: str | None = None) -> None:
     """Every rank: record, then trace a fresh model's plain loop; rank 0 builds, compares and reports."""
     import torch
     import torch.distributed as dist
@@ -49,12 +50,16 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False)
     per_module_profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps,
                                         repeats=config.measure.profile_repeats, per_module=True) if per_module else None
     del workload
+    gc.collect()  # FSDP2's states hold reference cycles: else the recorded model stays in the traced step's memory
     user = build_study_workload(config.workload, mesh)  # the user's job: a fresh model, the plain loop
     for s in range(2):
         train_step(user, s)
-    folder = gather_objects(tempfile.mkdtemp(prefix="traces-") if dist.get_rank() == 0 else None)[0]
+    folder = gather_objects((traces or tempfile.mkdtemp(prefix="traces-")) if dist.get_rank() == 0 else None)[0]
     handler = torch.profiler.tensorboard_trace_handler(folder, worker_name=f"rank{dist.get_rank()}")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if mesh.device_type == "cuda":  # as a GPU user traces: the kernels too, on their streams
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, profile_memory=True,
                                 record_shapes=True, on_trace_ready=handler,
                                 schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps)) as prof:
         for s in range(steps + 1):
@@ -138,12 +143,15 @@ def report(run: dict) -> dict:
 @saved_run_options
 @click.option("--steps", default=5, show_default=True, help="active steps traced")
 @click.option("--per-module", is_flag=True, help="also record with one module per isolated pass, and compare")
-def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int, per_module: bool) -> None:
+@click.option("--traces", type=click.Path(file_okay=False), help="write the traces here (default: a temporary folder)")
+def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int, per_module: bool,
+         traces: str | None) -> None:
     if report_saved(refit, report):
         return
     run_studies(MODULE, studies,
-                lambda study: [study, "--steps", str(steps), *json_flag(json_out), *(["--per-module"] * per_module)],
-                lambda study: rank_main(study, steps, json_out, per_module))
+                lambda study: [study, "--steps", str(steps), *json_flag(json_out), *(["--per-module"] * per_module),
+                               *(["--traces", traces] if traces else [])],
+                lambda study: rank_main(study, steps, json_out, per_module, traces))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,17 @@ FSDP2 labels its work with ``record_function`` (torch 2.13, ``_fsdp_state.py`` a
 ``FSDP::backward_prefetch for fqn``; the root's labels carry no name, or ``()``.
 
 [Note: Compute from a trace]
-The labels are the only time FSDP2 works on the main thread; what runs between them is the model's own work.
-A walk over the top-level labels (:func:`_segments`) keeps a stack of the modules in forward (pushed at the end of
-``pre_forward``, popped at ``post_forward``) and in backward (pushed at the end of ``pre_backward``, popped at the
-first ``post_backward_*``), and gives every stretch between labels to the module on top (the root when the stack
-is empty, e.g. the loss). That is the recorder's rule: compute exclusive of nested FSDP modules, with the
-parameters unsharded, so no communication inside. On CPU a stretch's wall time is the compute; on GPU the
-compute is the GPU time of the work launched in the stretch (``cuda_runtime`` and kernel share a correlation id).
+The labels are the only time FSDP2 works on the loop's thread (on GPU, backward's labels run on autograd's thread
+for the device); what runs between them is the model's own work. A walk over the top-level labels
+(:func:`_segments`) keeps a stack of the modules in forward (pushed at the end of ``pre_forward``, popped at
+``post_forward``) and in backward (pushed at the end of ``pre_backward``, popped at the first ``post_backward_*``),
+and gives every stretch between labels to the module on top (the root when the stack is empty, e.g. the loss). That
+is the recorder's rule: compute exclusive of nested FSDP modules, with the parameters unsharded, so no communication
+inside. On CPU a stretch's wall time is the compute. On GPU it is the compute stream's time across the stretch, what
+CUDA events recorded at its two ends measure (the recorder's :class:`runtime.compute_timer.ComputeTimer`): an event
+recorded at host time t completes at the later of t and the end of the work launched on the stream before t (a
+launch and its kernel share a correlation id). So a stretch that launches faster than the GPU runs counts its
+kernels' time, and one that the host cannot feed (small kernels) counts its host time.
 Activation checkpointing shows as forward ops inside a module's backward stretch (``torch.utils.checkpoint``
 re-runs the block when backward first unpacks a saved tensor): ops that only a forward calls (``FORWARD_ONLY``:
 ``aten::linear``, ``aten::scaled_dot_product_attention``, ...; backward formulas call ``aten::mm`` and the
@@ -132,7 +136,11 @@ def rank_steps(trace: KinetoTrace) -> list[RankStep]:
         raise TraceFormatError(
             f"trace {trace.path!r} has no FSDP2 labels (FSDP::pre_forward, FSDP::all_gather, ...; it holds "
             f"{trace.summary()}): profile steps of a model wrapped with fully_shard, with the CPU activity on")
-    main = max({lb.event.thread for lb in labels}, key=lambda t: sum(lb.event.thread == t for lb in labels))
+    # The training loop's thread runs the forward labels. Backward's run there on CPU, and on GPU on autograd's
+    # thread for the device (``torch/csrc/autograd/engine.cpp``: one worker thread per device); labels of both
+    # threads interleave by time, as the loop's thread waits in ``backward()``.
+    forward = [lb for lb in labels if lb.kind in ("root_pre_forward", "pre_forward")] or labels
+    main = max({lb.event.thread for lb in forward}, key=lambda t: sum(lb.event.thread == t for lb in forward))
     windows = [(int(e.name.split("#")[1]), e) for e in trace.cpu if e.name.startswith("ProfilerStep#")
                and e.thread == main and e.name.split("#")[1].isdigit()]
     if not windows:
@@ -141,7 +149,7 @@ def rank_steps(trace: KinetoTrace) -> list[RankStep]:
         windows = [(0, TraceEvent("whole trace", "user_annotation", start, end - start, thread=main))]
     steps = []
     for number, window in windows:
-        inside = [lb for lb in labels if lb.event.thread == main and window.ts <= lb.event.ts <= window.end]
+        inside = [lb for lb in labels if window.ts <= lb.event.ts <= window.end]
         kinds = {lb.kind for lb in inside}
         if "root_pre_forward" in kinds and "root_post_backward_callback" in kinds:
             steps.append(_step(trace, number, window, inside, main))
@@ -209,13 +217,19 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
         if pre:
             times[phase + "_pre"][module] += ms
 
-    if trace.device_type == "cuda":
+    clock, streams = None, set()
+    if trace.device_type == "cuda":  # [Note: Compute from a trace]: the compute stream's time across a stretch
         starts = [s[0] for s in segments]
+        launched: dict[int, list[TraceEvent]] = defaultdict(list)  # segment -> its kernels, by start
         for k in trace.gpu:
-            launched = trace.launches.get(k.correlation) if k.correlation is not None else None
-            i = bisect.bisect_right(starts, launched) - 1 if launched is not None else -1
-            if i >= 0 and launched <= segments[i][1]:
-                credit(segments[i][2], segments[i][3], segments[i][4], k.dur / 1e3)
+            at = trace.launches.get(k.correlation) if k.correlation is not None else None
+            i = bisect.bisect_right(starts, at) - 1 if at is not None else -1
+            if i >= 0 and at <= segments[i][1]:
+                launched[i].append(k)
+        streams = {k.stream for ks in launched.values() for k in ks}  # the compute stream(s)
+        clock = trace.stream_clock(streams)
+        for i, (start, end, phase, module, pre) in enumerate(segments):
+            credit(phase, module, pre, _stream_ms(trace, clock, start, end, launched[i]))
     else:
         for start, end, phase, module, pre in segments:
             credit(phase, module, pre, (end - start) / 1e3)
@@ -224,19 +238,43 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
     optimizer = next((e for e in trace.cpu if e.name.startswith("Optimizer.step#") and e.thread == main
                       and window.contains(e.ts)), None)
     memory = _memory(trace, window, labels, optimizer, parent)
-    recompute_ms, recompute_bytes = recompute_in_backward(trace, segments, main)
+    recompute_ms, recompute_bytes = recompute_in_backward(trace, segments, {lb.event.thread for lb in labels})
     return RankStep(
         number=number, step_ms=window.dur / 1e3, microbatches=max(1, microbatches), pre_forward_order=pre_order,
         post_forward_order=post_order, fwd_ms=dict(times["fwd"]), bwd_ms=dict(times["bwd"]),
         fwd_pre_ms=dict(times["fwd_pre"]), bwd_pre_ms=dict(times["bwd_pre"]),
-        collectives=tuple(_collectives(trace, labels, main)), resharded=resharded,
+        collectives=tuple(_collectives(trace, labels)), resharded=resharded,
         optimizer=optimizer.name.split("#")[1].split(".")[0] if optimizer else None,
-        optimizer_ms=optimizer.dur / 1e3 if optimizer else None, recompute_ms=recompute_ms,
+        optimizer_ms=_optimizer_ms(trace, optimizer, clock, streams), recompute_ms=recompute_ms,
         recompute_bytes=recompute_bytes, **memory,
     )
 
 
-def _collectives(trace: KinetoTrace, labels: list[_Label], main) -> list[Collective]:
+def _stream_ms(trace: KinetoTrace, clock, start: float, end: float, kernels: list[TraceEvent]) -> float:
+    """The compute stream's time (ms) across the host span ``[start, end]`` that launched ``kernels`` (by start):
+    [Note: Compute from a trace]. From the stream's clock at ``start``, each kernel adds its duration and the time
+    the stream sat idle waiting for its launch; a kernel launched before the stream got to it but started later
+    waited on another stream (an all-gather), which is not compute. The host's time after the last kernel ends
+    counts too (an event recorded at ``end`` completes then)."""
+    t, total = clock(start), 0.0
+    for k in kernels:
+        total += max(0.0, min(k.ts, trace.launches[k.correlation]) - t) + k.dur
+        t = max(t, k.end)
+    return (total + max(0.0, end - t)) / 1e3
+
+
+def _optimizer_ms(trace: KinetoTrace, optimizer: TraceEvent | None, clock, streams: set) -> float | None:
+    """The optimizer step's time: its wall time on CPU; on GPU the compute stream's time across it
+    (:func:`_stream_ms`: it starts when backward's queued kernels end, as the host runs ahead)."""
+    if optimizer is None:
+        return None
+    if clock is None:
+        return optimizer.dur / 1e3
+    kernels = [k for k in trace.launched_in(optimizer) if k.stream in streams]
+    return _stream_ms(trace, clock, optimizer.ts, optimizer.end, kernels)
+
+
+def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:
     out, count = [], defaultdict(int)
     copy_outs = defaultdict(list)
     for lb in labels:
@@ -247,7 +285,7 @@ def _collectives(trace: KinetoTrace, labels: list[_Label], main) -> list[Collect
             continue
         kind = "all_gather" if lb.kind == "all_gather" else "reduce_scatter"
         found = _gpu_collective(trace, lb.event, kind) if trace.device_type == "cuda" else \
-            _gloo_collective(trace, lb.event, kind, main)
+            _gloo_collective(trace, lb.event, kind)
         if found is None:
             continue
         (start, end), nbytes, dtype_bytes = found
@@ -263,8 +301,9 @@ def _collectives(trace: KinetoTrace, labels: list[_Label], main) -> list[Collect
     return out
 
 
-def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str, main):
+def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     ops = ALL_GATHER_OPS if kind == "all_gather" else REDUCE_SCATTER_OPS
+    main = label.thread  # the c10d call runs on the label's thread, gloo's work on its own
     op = next((e for e in trace.cpu if e.thread == main and e.name in ops and label.contains(e.ts)), None)
     if op is None:
         return None

@@ -10,17 +10,21 @@ What is kept here (everything else in the file is ignored):
 - CPU events (``cpu_op``, ``user_annotation``): name, thread, start, duration, and with ``record_shapes=True`` the
   input dims and types (an all-gather's output numel, a reduce-scatter's input numel, their dtype).
 - GPU work (``kernel``, ``gpu_memcpy``, ``gpu_memset``): name, stream, start, duration, the ``correlation`` id that
-  links it to the CUDA runtime call that launched it (``cuda_runtime``, same id), and NCCL's ``In msg nelems`` /
+  links it to the call that launched it (same id: ``cuda_runtime``, or ``cuda_driver`` for ``cuLaunchKernel``,
+  which cuBLASLt uses for most of its matrix products), and NCCL's ``In msg nelems`` /
   ``Out msg nelems`` / ``dtype`` arguments.
 - ``[memory]`` instant events: ``Total Allocated`` after each allocation or free, per device type.
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
+import itertools
 import json
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +48,8 @@ class TraceEvent:
     Attributes:
         thread: the CPU thread id; for GPU work, ``None``.
         stream: the CUDA stream of GPU work; for CPU events, ``None``.
-        correlation: GPU work and the ``cuda_runtime`` call that launched it share it; ``None`` elsewhere.
+        correlation: GPU work and the ``cuda_runtime`` or ``cuda_driver`` call that launched it share it; ``None``
+            elsewhere.
         input_dims: ``record_shapes``: each input's shape (``()`` for a non-tensor); ``()`` without shapes.
         input_types: the inputs' scalar type names, same order.
         nelems: NCCL kernels: (``In msg nelems``, ``Out msg nelems``); else ``None``.
@@ -91,7 +96,7 @@ class KinetoTrace:
         device_type: ``"cuda"`` when the trace holds GPU work or ``deviceProperties``, else ``"cpu"``.
         cpu: CPU events, by start.
         gpu: GPU work (kernels, copies, memsets), by start.
-        launches: ``cuda_runtime`` start time (us) by correlation id.
+        launches: the launching ``cuda_runtime`` or ``cuda_driver`` call's start time (us) by correlation id.
         memory: ``[memory]`` events, by time.
         base_us: ``baseTimeNanoseconds`` in us (0 when absent): ``ts + base_us`` is the host's clock, so events of
             ranks on one host, or on hosts with synchronised clocks, line up.
@@ -114,8 +119,25 @@ class KinetoTrace:
         return tuple(sorted({e.stream for e in self.gpu if e.stream is not None}))
 
     def launched_in(self, window: TraceEvent) -> list[TraceEvent]:
-        """The GPU work whose ``cuda_runtime`` launch falls in ``window`` (a CPU event or span), by start."""
+        """The GPU work whose launch falls in ``window`` (a CPU event or span), by start."""
         return [k for k in self.gpu if k.correlation in self.launches and window.contains(self.launches[k.correlation])]
+
+    def stream_clock(self, streams: set[int]) -> Callable[[float], float]:
+        """``clock(t)``: when a CUDA event recorded at host time ``t`` (us) on ``streams`` completes, in us.
+
+        That is the later of ``t`` and the end of the work launched on those streams before ``t``
+        (``cudaEventRecord``: the event completes once the stream's earlier work has). Waits on other streams
+        (``cudaStreamWaitEvent``) are not in a trace by default, so they are not in the clock.
+        """
+        work = sorted((self.launches[k.correlation], k.end) for k in self.gpu
+                      if k.stream in streams and k.correlation in self.launches)
+        times, ends = [w[0] for w in work], list(itertools.accumulate((w[1] for w in work), max))
+
+        def clock(t: float) -> float:
+            i = bisect.bisect_left(times, t)
+            return max(t, ends[i - 1]) if i else t
+
+        return clock
 
     def gpu_ms_launched_in(self, window: TraceEvent) -> float:
         """The GPU time (ms) of :meth:`launched_in`'s work."""
@@ -191,7 +213,7 @@ def _parse(name: str, doc: dict[str, Any]) -> KinetoTrace:
                         nelems = (int(args["In msg nelems"]), int(args.get("Out msg nelems", 0)))
                     gpu.append(TraceEvent(str(e["name"]), cat, ts, dur, stream=args.get("stream"),
                                           correlation=args.get("correlation"), nelems=nelems, dtype=args.get("dtype")))
-                elif cat == "cuda_runtime" and "correlation" in args:
+                elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
                     launches[int(args["correlation"])] = ts
             elif ph == "i" and e.get("name") == "[memory]" and "Total Allocated" in args:
                 device = "cuda" if args.get("Device Type") == 1 else "cpu"

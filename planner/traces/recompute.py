@@ -19,7 +19,7 @@ FORWARD_ONLY = frozenset({"aten::linear", "aten::scaled_dot_product_attention", 
 
 
 def recompute_in_backward(trace: KinetoTrace, segments: list[tuple],
-                          main: int | str | None) -> tuple[dict[str, float], dict[str, int]]:
+                          threads: set[int | str | None]) -> tuple[dict[str, float], dict[str, int]]:
     """Per module, its recompute in backward: ms (the span from the first to the last :data:`FORWARD_ONLY` op of
     each backward stretch on CPU; on GPU the kernels launched in it) and bytes (the ``[memory]`` peak in the span
     above its start). Modules that recompute nothing are absent.
@@ -27,9 +27,9 @@ def recompute_in_backward(trace: KinetoTrace, segments: list[tuple],
     Args:
         segments: the stretches of :func:`planner.traces.fsdp_steps._segments`: (start us, end us, phase, module,
             before-first-nested).
-        main: the thread that runs FSDP2's labels.
+        threads: the threads that run FSDP2's labels (on GPU, backward runs on autograd's thread for the device).
     """
-    ops = [e for e in trace.cpu if e.thread == main and e.name in FORWARD_ONLY]
+    ops = [e for e in trace.cpu if e.thread in threads and e.name in FORWARD_ONLY]
     starts = [e.ts for e in ops]
     events = [m for m in trace.memory if m.device == trace.device_type]
     times, totals = [m.ts for m in events], [m.total_allocated for m in events]

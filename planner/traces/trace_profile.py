@@ -142,12 +142,16 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
         raise TraceFormatError(f"the model's FSDP modules {list(fingerprint.module_fqns)} are not the traces' "
                                f"{list(modules)}; give --model the factory of the traced job")
     unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True))
+    if world == 1:  # FSDPParamGroup.unshard copies the sharded parameters and returns before any all-gather label
+        missing.append(Missing("collectives", "none: FSDP2 runs no all-gather or reduce-scatter at world size 1, and "
+                               "reshard_after_forward is taken as FSDP2's default (every module but the root)",
+                               "nothing for this world size; trace the job at the world size you will tune"))
     module_profiles = {}
     for fqn in fingerprint.module_fqns:
         fwd, bwd = per_module("fwd_ms", fqn), per_module("bwd_ms", fqn)
         ag, rs = comm.get((fqn, "all_gather"), []), comm.get((fqn, "reduce_scatter"), [])
         nbytes = unsharded[fqn]
-        resharded = fqn in first.resharded
+        resharded = fqn in first.resharded if world > 1 else fqn != ""
         act = statistics.median(s.activation_bytes.get(fqn, 0) for s in per_rank[min(per_rank)])
         if not resharded:
             act = max(0, act - nbytes)  # its unsharded parameters stay allocated after its forward

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 21 on one CUDA machine, each stage bounded in time; results and one log under OUT.
+#
+#   bash bench/gpu_checks.sh OUT [STAGE ...]     # stages: env smoke trace fidelity peak ac tune (default: all)
+#
+# GPU_CHECKS_BUDGET=SECONDS bounds the whole run: a stage gets at most what is left of it (its own limit else).
+# Runs from the repository root with the machine's own torch (the project is put on PYTHONPATH, not installed;
+# wheels in .whl/, if any, go first: a machine with no package index). What each stage runs:
+#   smoke     bench.trace_profile on bench/llama-gpu-small.toml, 3 traced steps (a quick first pass of every
+#             GPU path: CUDA events, the caching allocator's peak, CUDA traces)
+#   trace     bench.trace_profile on studies/llama-gpu.toml, 5 traced steps
+#   fidelity  bench.fidelity on studies/llama-gpu.toml, 7 rounds (the JSON is written before the minutes-long report)
+#   peak      bench.peak_memory on studies/llama-gpu.toml
+#   ac        bench.trace_profile on bench/llama-gpu-ac-full.toml (every block checkpointed)
+#   tune      prefetch-planner tune studies/llama-gpu.toml, then studies best; the study's SQLite file and plan kept
+set -u
+out=${1:?usage: bash bench/gpu_checks.sh OUT [STAGE ...]}
+shift
+stages=${*:-env smoke trace fidelity peak ac tune}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PWD
+fi
+log=$out/gpu-checks.log
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log its output and how it ended
+    local name=$1 limit=$2
+    shift 2
+    local left=$((${GPU_CHECKS_BUDGET:-100000} - SECONDS - 5))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then echo "=== $name: skipped, the budget is spent" | tee -a "$log"; return; fi
+    echo "=== $name: $* (limit ${limit}s)" | tee -a "$log"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s" | tee -a "$log"
+}
+
+for s in $stages; do
+    case $s in
+    env)
+        stage env 60 bash -c 'nvidia-smi -L; python3 -c "import torch, optuna, pydantic, sqlalchemy, transformers
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0),
+      \"nccl\", torch.cuda.nccl.version(), \"optuna\", optuna.__version__, \"transformers\", transformers.__version__)"' ;;
+    smoke)
+        stage smoke 180 python3 -m bench.trace_profile bench/llama-gpu-small.toml --steps 3 \
+            --json "$out/trace-profile-llama-gpu-small.json" --traces /tmp/traces-small ;;
+    trace)
+        stage trace 300 python3 -m bench.trace_profile studies/llama-gpu.toml --steps 5 \
+            --json "$out/trace-profile-llama-gpu.json" --traces /tmp/traces-llama ;;
+    fidelity)
+        stage fidelity 150 python3 -m bench.fidelity studies/llama-gpu.toml --rounds 7 \
+            --json "$out/fidelity-llama-gpu.json" ;;
+    peak)
+        stage peak 300 python3 -m bench.peak_memory studies/llama-gpu.toml --json "$out/peak-memory-llama-gpu.json" ;;
+    ac)
+        stage ac 300 python3 -m bench.trace_profile bench/llama-gpu-ac-full.toml --steps 5 \
+            --json "$out/trace-profile-llama-gpu-ac-full.json" --traces /tmp/traces-ac ;;
+    tune)
+        stage tune 170 python3 -m jobs.cli tune studies/llama-gpu.toml
+        stage best 60 python3 -m jobs.cli studies best llama-gpu
+        cp studies/llama-gpu.db studies/llama-gpu.plan.json "$out/" 2>/dev/null ;;
+    *) echo "unknown stage $s" | tee -a "$log" ;;
+    esac
+done
