@@ -3,6 +3,8 @@
 #
 #   bash bench/gpu_checks.sh OUT [STAGE ...]     # stages: env smoke trace fidelity peak ac tune (default: all)
 #
+# Each study runs one rank per GPU of the machine (a copy of its TOML in /tmp/gpu-studies).
+#
 # GPU_CHECKS_BUDGET=SECONDS bounds the whole run: a stage gets at most what is left of it (its own limit else).
 # Runs from the repository root with the machine's own torch (the project is put on PYTHONPATH, not installed;
 # wheels in .whl/, if any, go first: a machine with no package index). What each stage runs:
@@ -24,6 +26,14 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         && export PYTHONPATH=/tmp/site:$PWD
 fi
 log=$out/gpu-checks.log
+# The studies with one rank per GPU of this machine (world size 1 on one GPU: FSDP2 then runs no collective).
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "$gpus" -ge 1 ] || gpus=1
+st=/tmp/gpu-studies
+mkdir -p $st
+for f in studies/llama-gpu.toml bench/llama-gpu-small.toml bench/llama-gpu-ac-full.toml; do
+    sed "s/^nproc_per_node = .*/nproc_per_node = $gpus/" "$f" > "$st/$(basename "$f")"
+done
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log its output and how it ended
     local name=$1 limit=$2
@@ -44,23 +54,23 @@ for s in $stages; do
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0),
       \"nccl\", torch.cuda.nccl.version(), \"optuna\", optuna.__version__, \"transformers\", transformers.__version__)"' ;;
     smoke)
-        stage smoke 180 python3 -m bench.trace_profile bench/llama-gpu-small.toml --steps 3 \
+        stage smoke 180 python3 -m bench.trace_profile $st/llama-gpu-small.toml --steps 3 \
             --json "$out/trace-profile-llama-gpu-small.json" --traces /tmp/traces-small ;;
     trace)
-        stage trace 300 python3 -m bench.trace_profile studies/llama-gpu.toml --steps 5 \
+        stage trace 300 python3 -m bench.trace_profile $st/llama-gpu.toml --steps 5 \
             --json "$out/trace-profile-llama-gpu.json" --traces /tmp/traces-llama ;;
     fidelity)
-        stage fidelity 150 python3 -m bench.fidelity studies/llama-gpu.toml --rounds 7 \
+        stage fidelity 150 python3 -m bench.fidelity $st/llama-gpu.toml --rounds 7 \
             --json "$out/fidelity-llama-gpu.json" ;;
     peak)
-        stage peak 300 python3 -m bench.peak_memory studies/llama-gpu.toml --json "$out/peak-memory-llama-gpu.json" ;;
+        stage peak 300 python3 -m bench.peak_memory $st/llama-gpu.toml --json "$out/peak-memory-llama-gpu.json" ;;
     ac)
-        stage ac 300 python3 -m bench.trace_profile bench/llama-gpu-ac-full.toml --steps 5 \
+        stage ac 300 python3 -m bench.trace_profile $st/llama-gpu-ac-full.toml --steps 5 \
             --json "$out/trace-profile-llama-gpu-ac-full.json" --traces /tmp/traces-ac ;;
     tune)
-        stage tune 170 python3 -m jobs.cli tune studies/llama-gpu.toml
-        stage best 60 python3 -m jobs.cli studies best llama-gpu
-        cp studies/llama-gpu.db studies/llama-gpu.plan.json "$out/" 2>/dev/null ;;
+        stage tune 170 python3 -m jobs.cli tune $st/llama-gpu.toml
+        stage best 60 python3 -m jobs.cli studies best llama-gpu --storage sqlite:///$st/llama-gpu.db
+        cp $st/llama-gpu.db $st/llama-gpu.plan.json "$out/" 2>/dev/null ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
     esac
 done
