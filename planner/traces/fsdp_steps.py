@@ -14,7 +14,7 @@ for the device); what runs between them is the model's own work. A walk over the
 and gives every stretch between labels to the module on top (the root when the stack is empty, e.g. the loss). That
 is the recorder's rule: compute exclusive of nested FSDP modules, with the parameters unsharded, so no communication
 inside. On CPU a stretch's wall time is the compute. On GPU it is the compute stream's time across the stretch, what
-CUDA events recorded at its two ends measure (the recorder's :class:`runtime.compute_timer.ComputeTimer`): an event
+CUDA events recorded at its two ends measure (the recorder's timer; :mod:`planner.traces.stream_time`): an event
 recorded at host time t completes at the later of t and the end of the work launched on the stream before t (a
 launch and its kernel share a correlation id). So a stretch that launches faster than the GPU runs counts its
 kernels' time, and one that the host cannot feed (small kernels) counts its host time.
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from planner.errors import TraceFormatError
 from planner.traces.kineto import DTYPE_BYTES, KinetoTrace, TraceEvent
 from planner.traces.recompute import recompute_in_backward
+from planner.traces.stream_time import stretches_ms
 
 LABEL = re.compile(r"^FSDP::(\w+)(?: \((.*)\))?$")
 POST_BACKWARD = ("post_backward_accumulate", "post_backward_reshard", "post_backward_rs_wait", "post_backward_reduce")
@@ -217,22 +218,12 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
         if pre:
             times[phase + "_pre"][module] += ms
 
-    clock, streams = None, set()
     if trace.device_type == "cuda":  # [Note: Compute from a trace]: the compute stream's time across a stretch
-        starts = [s[0] for s in segments]
-        launched: dict[int, list[TraceEvent]] = defaultdict(list)  # segment -> its kernels, by start
-        for k in trace.gpu:
-            at = trace.launches.get(k.correlation) if k.correlation is not None else None
-            i = bisect.bisect_right(starts, at) - 1 if at is not None else -1
-            if i >= 0 and at <= segments[i][1]:
-                launched[i].append(k)
-        streams = {k.stream for ks in launched.values() for k in ks}  # the compute stream(s)
-        clock = trace.stream_clock(streams)
-        for i, (start, end, phase, module, pre) in enumerate(segments):
-            credit(phase, module, pre, _stream_ms(trace, clock, start, end, launched[i]))
+        stretch, across = stretches_ms(trace, [(start, end) for start, end, *_ in segments])
     else:
-        for start, end, phase, module, pre in segments:
-            credit(phase, module, pre, (end - start) / 1e3)
+        stretch, across = [(end - start) / 1e3 for start, end, *_ in segments], lambda e: e.dur / 1e3
+    for (_, _, phase, module, pre), ms in zip(segments, stretch, strict=True):
+        credit(phase, module, pre, ms)
     resharded = frozenset(lb.fqn for lb in labels if lb.kind == "all_gather_copy_out"
                           and any(p.kind == "pre_backward" and p.event.contains(lb.event.ts) for p in labels))
     optimizer = next((e for e in trace.cpu if e.name.startswith("Optimizer.step#") and e.thread == main
@@ -245,33 +236,9 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
         fwd_pre_ms=dict(times["fwd_pre"]), bwd_pre_ms=dict(times["bwd_pre"]),
         collectives=tuple(_collectives(trace, labels)), resharded=resharded,
         optimizer=optimizer.name.split("#")[1].split(".")[0] if optimizer else None,
-        optimizer_ms=_optimizer_ms(trace, optimizer, clock, streams), recompute_ms=recompute_ms,
+        optimizer_ms=across(optimizer) if optimizer else None, recompute_ms=recompute_ms,
         recompute_bytes=recompute_bytes, **memory,
     )
-
-
-def _stream_ms(trace: KinetoTrace, clock, start: float, end: float, kernels: list[TraceEvent]) -> float:
-    """The compute stream's time (ms) across the host span ``[start, end]`` that launched ``kernels`` (by start):
-    [Note: Compute from a trace]. From the stream's clock at ``start``, each kernel adds its duration and the time
-    the stream sat idle waiting for its launch; a kernel launched before the stream got to it but started later
-    waited on another stream (an all-gather), which is not compute. The host's time after the last kernel ends
-    counts too (an event recorded at ``end`` completes then)."""
-    t, total = clock(start), 0.0
-    for k in kernels:
-        total += max(0.0, min(k.ts, trace.launches[k.correlation]) - t) + k.dur
-        t = max(t, k.end)
-    return (total + max(0.0, end - t)) / 1e3
-
-
-def _optimizer_ms(trace: KinetoTrace, optimizer: TraceEvent | None, clock, streams: set) -> float | None:
-    """The optimizer step's time: its wall time on CPU; on GPU the compute stream's time across it
-    (:func:`_stream_ms`: it starts when backward's queued kernels end, as the host runs ahead)."""
-    if optimizer is None:
-        return None
-    if clock is None:
-        return optimizer.dur / 1e3
-    kernels = [k for k in trace.launched_in(optimizer) if k.stream in streams]
-    return _stream_ms(trace, clock, optimizer.ts, optimizer.end, kernels)
 
 
 def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:

@@ -173,8 +173,8 @@ def test_a_stretch_on_gpu_counts_host_gaps_but_not_waits_on_other_streams():
     and runs 385-395 (30 of host gap + 10); the host works on until 400 (5): 95 us. Stretch [500, 600]: D is
     launched at 510 (10 of host gap) but waits on another stream until 700, then runs 50: the wait is not
     compute, 60 us. A CUDA event pair would read the first stretch's launch latency (5 us) too."""
-    from planner.traces.fsdp_steps import _stream_ms
     from planner.traces.kineto import KinetoTrace, TraceEvent
+    from planner.traces.stream_time import stream_ms
 
     def kernel(name: str, corr: int, ts: float, dur: float) -> TraceEvent:
         return TraceEvent(name, "kernel", ts, dur, stream=7, correlation=corr)
@@ -184,5 +184,5 @@ def test_a_stretch_on_gpu_counts_host_gaps_but_not_waits_on_other_streams():
                         gpu=(a, b, c, d), launches={1: 0.0, 2: 60.0, 3: 380.0, 4: 510.0}, memory=())
     clock = trace.stream_clock({7})
     assert clock(50) == 300 and clock(400) == 400 and clock(500) == 500
-    assert _stream_ms(trace, clock, 50, 400, [b, c]) == pytest.approx(0.095)
-    assert _stream_ms(trace, clock, 500, 600, [d]) == pytest.approx(0.060)
+    assert stream_ms(trace, clock, 50, 400, [b, c]) == pytest.approx(0.095)
+    assert stream_ms(trace, clock, 500, 600, [d]) == pytest.approx(0.060)
