@@ -66,6 +66,16 @@ from planner.simulation._kernel.timeline import allocate, event
 # if their event has completed by then.
 
 
+# [Note: World size 1]
+# At world size 1 FSDP2 runs no collective (torch 2.13, ``FSDPParamGroup.unshard``: ``if world_size == 1``).
+# ``unshard`` records an event and returns: a prefetch allocates nothing and takes no time. ``wait_for_unshard``
+# then allocates the unsharded parameters and copies the sharded ones in, on the compute stream (CPU: the
+# thread), with no all-gather output beside them; the recorder's all-gather time at world size 1 is that copy
+# (``FSDPModule.unshard`` waits). Seen on one H100 (python -m bench.peak_memory studies/llama-gpu.toml): deeper
+# prefetch measured no extra memory, and keeping the last block unsharded measured one block more, where the
+# model of larger worlds has a prefetch already holding it.
+
+
 @njit(cache=True)
 def release_held(clock, counters, held):
     """Release the held blocks whose event completed by the CPU's time.
@@ -89,6 +99,13 @@ def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_stat
     (``foreach_all_gather``). On a CPU device without ``async_op`` the thread
     blocks until it ends.
     """
+    if cfg.single_rank:  # [Note: World size 1]: nothing until wait_for_unshard
+        counters[UNSHARDED_ALIVE] += unsharded_bytes[i]
+        if counters[UNSHARDED_ALIVE] > counters[UNSHARDED_PEAK]:
+            counters[UNSHARDED_PEAK] = counters[UNSHARDED_ALIVE]
+        module_state[i, UNSHARD_STATE] = PENDING
+        all_gather_end[i] = clock[CPU]
+        return
     issue = clock[CPU]
     if cfg.gpu:
         release_held(clock, counters, held)
@@ -118,15 +135,25 @@ def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_stat
 
 
 @njit(cache=True)
-def wait_for_unshard(i, forward, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events,
-                     samples, held):
+def wait_for_unshard(i, forward, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end,
+                     in_flight, events, samples, held):
     """``FSDPParamGroup.wait_for_unshard`` of module ``i`` (callers check its all-gather is pending).
 
     GPU: the compute stream waits for the all-gather; in forward without
     ``async_op`` this is the copy-out that lets the next implicit prefetch
     start; with ``async_op`` the output's block is held from reuse
     ([Note: record_stream holds all-gather outputs]). CPU: the thread waits.
+    World size 1: the copy of [Note: World size 1].
     """
+    if cfg.single_rank:
+        copy = all_gather_ms[i] * cfg.comm_scale
+        if cfg.gpu:
+            clock[COMPUTE_STREAM] = (clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]) + copy
+        else:
+            clock[CPU] += copy
+        allocate(clock, counters, samples, unsharded_bytes[i])
+        module_state[i, UNSHARD_STATE] = UNSHARDED
+        return
     for q in range(counters[IN_FLIGHT]):
         if in_flight[q] == i:
             for r in range(q, counters[IN_FLIGHT] - 1):
@@ -166,14 +193,15 @@ def wait_for_unshard(i, forward, unsharded_bytes, cfg, clock, counters, module_s
 
 
 @njit(cache=True)
-def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events, samples, held):
+def reshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events,
+            samples, held):
     """``FSDPParamGroup.reshard`` of module ``i`` (callers check it is not sharded): free its unsharded parameters.
 
     A prefetch still pending is waited on first.
     """
     if module_state[i, UNSHARD_STATE] == PENDING:
-        wait_for_unshard(i, False, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight,
-                         events, samples, held)
+        wait_for_unshard(i, False, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state,
+                         all_gather_end, in_flight, events, samples, held)
     allocate(clock, counters, samples, -unsharded_bytes[i])
     counters[UNSHARDED_ALIVE] -= unsharded_bytes[i]
     module_state[i, UNSHARD_STATE] = SHARDED

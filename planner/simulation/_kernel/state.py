@@ -99,6 +99,7 @@ class ProfileArrays(NamedTuple):
     root_backward_post_ms: float
     root_activation_pre_bytes: int  # activations the root saves before its first child
     gpu: bool
+    single_rank: bool  # world size 1: FSDP2 runs no collective ([Note: World size 1] in param_group.py)
     microbatches: int
     optimizer_ms: float
     optimizer_temp_bytes: int  # what optimizer.step() allocates above its start, at its peak
@@ -133,6 +134,7 @@ class StepConfig(NamedTuple):
     """The scalars every per-module function reads (free to read: [Note: Arrays, not bundles, in the hot path])."""
 
     gpu: bool
+    single_rank: bool
     unshard_async_op: bool
     # Keep the all-gathers in flight in issue order: only where an overlap can slow them (CPU, async, slowdown).
     track_in_flight: bool
@@ -168,7 +170,7 @@ class Trace(NamedTuple):
 def new_step(prof, plan, params):
     """The :class:`StepConfig` and a fresh :class:`StepState` for one step of ``prof`` under ``plan``."""
     n = prof.all_gather_ms.shape[0]
-    cfg = StepConfig(prof.gpu, plan.unshard_async_op,
+    cfg = StepConfig(prof.gpu, prof.single_rank, plan.unshard_async_op,
                      (not prof.gpu) and plan.unshard_async_op and params.overlap_excess != 0.0,
                      plan.reduce_scatter_max_input_buffers, plan.separate_reduce_scatter_group,
                      params.issue_overhead_ms, params.overlap_excess,

@@ -422,3 +422,20 @@ def test_simulating_attaches_nothing_to_the_profile_or_the_plan(make_profile):
     simulate(p, plan)
     simulator_for(p).run(plan, trace=True)
     assert (vars(p), vars(plan)) == before
+
+
+def test_world_size_1_copies_at_wait_and_a_prefetch_holds_nothing(make_profile):
+    """[Note: World size 1]: FSDP2 runs no collective there. GPU, default plan: b0's wait copies its parameters on
+    the compute stream 0-5, F b0 5-15; b1's copy 15-20, F b1 20-30 (at world size 2 the all-gather of b1 runs
+    beside F b0 and F b1 is 15-25). Memory, U unsharded bytes per block and nothing else, async prefetch at depth
+    1 and 2: a block's bytes are allocated at its own wait and freed at its reshard, so at most one block is
+    alive: U at both depths (at world size 2, 3U and 5U with gloo's buffers)."""
+    u = 1000
+    one = make_profile(device="cuda", unsharded_bytes=u)
+    one = dataclasses.replace(one, fingerprint=dataclasses.replace(one.fingerprint, world_size=1))
+    r = simulate(one, Plan.default(one), trace=True)
+    assert _slices(r, "compute")["forward b0"] == pytest.approx((5.0, 15.0))
+    assert _slices(r, "compute")["forward b1"] == pytest.approx((20.0, 30.0))
+    four = make_profile(n_blocks=4, unsharded_bytes=u, device="cuda")
+    four = dataclasses.replace(four, fingerprint=dataclasses.replace(four.fingerprint, world_size=1))
+    assert [simulate(four, uniform.build(four, d, 1, True)).peak_bytes for d in (1, 2)] == [u, u]
