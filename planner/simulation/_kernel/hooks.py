@@ -68,7 +68,7 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
             unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
         if module_state[i, UNSHARD_STATE] == PENDING:
             wait_for_unshard(
-                i, True, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held
+                i, True, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held
             )
         for p in range(offsets[i], offsets[i + 1]):
             t = targets[p]
@@ -87,14 +87,14 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
         allocate(clock, counters, samples, activation[i])  # saved for backward
         clock[CPU] += cfg.issue_overhead_ms
         if raf[i] and module_state[i, UNSHARD_STATE] != SHARDED:
-            reshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
+            reshard(i, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if prof.root_forward_post_ms > 0:
         compute(root, FORWARD, prof.root_forward_post_ms * compute_scale, cfg, clock, counters, in_flight, ag_end,
                 module_state, events)
     allocate(clock, counters, samples, activation[root] - prof.root_activation_pre_bytes)
     clock[CPU] += cfg.issue_overhead_ms
     if raf[root] and module_state[root, UNSHARD_STATE] != SHARDED:
-        reshard(root, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
+        reshard(root, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
 
 
 @njit(cache=True, inline="always")  # per module: no call, no bundle copies
@@ -111,7 +111,7 @@ def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
         unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if module_state[i, UNSHARD_STATE] == PENDING:
         wait_for_unshard(
-            i, False, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held
+            i, False, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held
         )
     first, last = plan.backward_prefetch_offsets[i], plan.backward_prefetch_offsets[i + 1]
     for p in range(first, last):
@@ -146,8 +146,7 @@ def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
     allocate(clock, counters, samples, -prof.activation_bytes[i] - prof.recompute_bytes[i])
     clock[CPU] += cfg.issue_overhead_ms
     if reshard_after and module_state[i, UNSHARD_STATE] != SHARDED:
-        reshard(i, prof.all_gather_ms, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight,
-                events, samples, held)
+        reshard(i, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if reduce:
         reduce_scatter(i, prof.reduce_scatter_ms, prof.grad_bytes, cfg, clock, counters, st.reduce_scatter_end,
                        st.reduce_scatter_bytes, events, samples)

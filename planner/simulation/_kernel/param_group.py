@@ -71,9 +71,10 @@ from planner.simulation._kernel.timeline import allocate, event
 # ``unshard`` records an event and returns: a prefetch allocates nothing and takes no time. ``wait_for_unshard``
 # then allocates the unsharded parameters and copies the sharded ones in, on the compute stream (CPU: the
 # thread), with no all-gather output beside them; the recorder's all-gather time at world size 1 is that copy
-# (``FSDPModule.unshard`` waits). Seen on one H100 (python -m bench.peak_memory studies/llama-gpu.toml): deeper
-# prefetch measured no extra memory, and keeping the last block unsharded measured one block more, where the
-# model of larger worlds has a prefetch already holding it.
+# (``FSDPModule.unshard`` waits). ``unshard`` notes the copy's duration (ms) in ``all_gather_end``, which at world
+# size 1 holds no all-gather's end, and the wait adds it. Seen on one H100 (python -m bench.peak_memory
+# studies/llama-gpu.toml): deeper prefetch measured no extra memory, and keeping the last block unsharded measured
+# one block more, where the model of larger worlds has a prefetch already holding it.
 
 
 @njit(cache=True)
@@ -104,7 +105,7 @@ def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_stat
         if counters[UNSHARDED_ALIVE] > counters[UNSHARDED_PEAK]:
             counters[UNSHARDED_PEAK] = counters[UNSHARDED_ALIVE]
         module_state[i, UNSHARD_STATE] = PENDING
-        all_gather_end[i] = clock[CPU]
+        all_gather_end[i] = all_gather_ms[i] * cfg.comm_scale  # the copy's duration, for the wait
         return
     issue = clock[CPU]
     if cfg.gpu:
@@ -135,8 +136,8 @@ def unshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_stat
 
 
 @njit(cache=True)
-def wait_for_unshard(i, forward, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end,
-                     in_flight, events, samples, held):
+def wait_for_unshard(i, forward, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight,
+                     events, samples, held):
     """``FSDPParamGroup.wait_for_unshard`` of module ``i`` (callers check its all-gather is pending).
 
     GPU: the compute stream waits for the all-gather; in forward without
@@ -146,7 +147,7 @@ def wait_for_unshard(i, forward, all_gather_ms, unsharded_bytes, cfg, clock, cou
     World size 1: the copy of [Note: World size 1].
     """
     if cfg.single_rank:
-        copy = all_gather_ms[i] * cfg.comm_scale
+        copy = all_gather_end[i]  # noted by unshard
         if cfg.gpu:
             clock[COMPUTE_STREAM] = (clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]) + copy
         else:
@@ -193,15 +194,14 @@ def wait_for_unshard(i, forward, all_gather_ms, unsharded_bytes, cfg, clock, cou
 
 
 @njit(cache=True)
-def reshard(i, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events,
-            samples, held):
+def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight, events, samples, held):
     """``FSDPParamGroup.reshard`` of module ``i`` (callers check it is not sharded): free its unsharded parameters.
 
     A prefetch still pending is waited on first.
     """
     if module_state[i, UNSHARD_STATE] == PENDING:
-        wait_for_unshard(i, False, all_gather_ms, unsharded_bytes, cfg, clock, counters, module_state,
-                         all_gather_end, in_flight, events, samples, held)
+        wait_for_unshard(i, False, unsharded_bytes, cfg, clock, counters, module_state, all_gather_end, in_flight,
+                         events, samples, held)
     allocate(clock, counters, samples, -unsharded_bytes[i])
     counters[UNSHARDED_ALIVE] -= unsharded_bytes[i]
     module_state[i, UNSHARD_STATE] = SHARDED
