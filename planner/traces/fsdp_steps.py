@@ -56,10 +56,13 @@ class Collective:
     Attributes:
         kind: ``"all_gather"`` (with its copy-out) or ``"reduce_scatter"``.
         ordinal: the n-th collective of this module and kind in the step (0-based): ranks' calls pair up by it.
-        ms: this rank's time (gloo work, or the NCCL kernel and copies, plus the copy-out), waiting for peers
-            included.
+        ms: this rank's time: the transfer (gloo work, or the NCCL kernel and copies), waiting for peers
+            included, plus ``host_ms``.
         start_us, end_us: the gloo work's or the kernels' start and end on the host clock (``base_us`` added).
-        copy_out_ms: the copy-out's part of ``ms`` (all-gathers; else 0).
+        host_ms: this rank's FSDP2 work for the call outside the transfer, ms: the all-gather's copy-out; on CPU
+            also the copy-in before the transfer (``foreach_all_gather``'s, ``foreach_reduce``'s ``chunk_cat`` and
+            gloo's own input copy) and, for a reduce-scatter, the copy into the sharded gradient after it (the
+            thread waits for gloo between). On GPU the copy-in's kernels are in the transfer's span.
         bytes: all-gather output bytes (unsharded, padded), reduce-scatter input bytes; ``None`` without shapes.
         dtype_bytes: bytes per element; ``None`` without shapes.
     """
@@ -72,7 +75,7 @@ class Collective:
     dtype_bytes: int | None
     start_us: float = 0.0
     end_us: float = 0.0
-    copy_out_ms: float = 0.0
+    host_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -255,15 +258,14 @@ def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:
             _gloo_collective(trace, lb.event, kind)
         if found is None:
             continue
-        (start, end), nbytes, dtype_bytes = found
-        copy_ms = 0.0
+        (start, end), nbytes, dtype_bytes, host_ms = found
         if kind == "all_gather":
             copy = next((c for c in copy_outs[lb.fqn] if c.ts >= lb.event.ts), None)
             if copy is not None:
                 copy_outs[lb.fqn].remove(copy)
-                copy_ms = trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else copy.dur / 1e3
-        out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], (end - start) / 1e3 + copy_ms, nbytes,
-                              dtype_bytes, start + trace.base_us, end + trace.base_us, copy_ms))
+                host_ms += trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else copy.dur / 1e3
+        out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], (end - start) / 1e3 + host_ms, nbytes,
+                              dtype_bytes, start + trace.base_us, end + trace.base_us, host_ms))
         count[(lb.fqn, kind)] += 1
     return out
 
@@ -278,10 +280,12 @@ def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     work = [e for e in trace.cpu if e.name in names and e.thread != main and e.ts >= op.ts]
     first = min(work, key=lambda e: e.ts, default=None)
     span = (first.ts, first.end) if first is not None and first.ts <= op.end else (op.ts, op.end)
+    # the thread's own work around the transfer: the copy-in (and gloo's input copy) before, the copy-out after
+    host_ms = (span[0] - label.ts + max(0.0, label.end - span[1])) / 1e3
     dims = op.input_dims[0 if kind == "all_gather" else 1] if len(op.input_dims) > 1 else None
     dtype_bytes = DTYPE_BYTES.get(op.input_types[0]) if op.input_types else None
     nbytes = _numel(dims) * dtype_bytes if dims and dtype_bytes else None
-    return span, nbytes, dtype_bytes
+    return span, nbytes, dtype_bytes, host_ms
 
 
 def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
@@ -294,7 +298,7 @@ def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     k = nccl[0]
     dtype_bytes = DTYPE_BYTES.get(k.dtype) if k.dtype else None
     numel = (k.nelems[1] if kind == "all_gather" else k.nelems[0]) if k.nelems else None
-    return span, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes
+    return span, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes, 0.0
 
 
 def _numel(dims: tuple[int, ...]) -> int:

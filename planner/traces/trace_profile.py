@@ -7,8 +7,9 @@ then the max across ranks. Two figures differ in kind from the recorder's and sa
 - Collectives: the recorder times each alone after a barrier; in a step, a rank that arrives first waits for the
   others inside the collective, and one that arrives last may find the peers' data already sent and finish early
   (gloo). Neither rank's own time is the collective's. So each call is paired across ranks (the n-th of its
-  module and kind in the same step) and timed from the last rank's start to the last rank's end, on the host
-  clock (:func:`_collective_ms`), plus the longest copy-out; then the median over calls.
+  module and kind in the same step) and each rank's time is taken less its wait for the last rank to start, on
+  the host clock (:func:`_collective_ms`), with FSDP2's copies around the transfer; the most of the ranks, then
+  the median over calls.
 - What a trace does not hold is estimated and named in :attr:`Profile.estimated` and in :class:`TraceProfile`'s
   ``missing``, each with what it costs; a ``fingerprint`` from the model replaces the estimated one.
 """
@@ -129,8 +130,12 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
                 if c.bytes is not None:
                     sizes[(c.module, c.kind)] = c.bytes
                     dtype_bytes.add(c.dtype_bytes)
-    for (_, module, kind, _), ranks_calls in calls.items():
+    waits: dict[int, list[float]] = defaultdict(lambda: [0.0] * len(per_rank))  # per step, per rank: rank skew
+    for (number, module, kind, _), ranks_calls in calls.items():
         comm[(module, kind)].append(_collective_ms(ranks_calls))
+        last = max(c.start_us for c in ranks_calls)
+        for r, c in enumerate(ranks_calls):
+            waits[number][r] += (last - c.start_us) / 1e3
     estimated = []
     if fingerprint is None:
         fingerprint = _estimated_fingerprint(modules, sizes, world, device, dtype_bytes)
@@ -166,6 +171,11 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
             reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
         )
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])
+    if len(per_rank) > 1 and waits:
+        skew = statistics.median(max(w) for w in waits.values())
+        missing.append(Missing("rank skew", "none: the simulator runs one rank",
+                               f"a rank waited up to {skew:.1f} ms a step ({100 * skew / step_ms:.0f}% of the traced "
+                               "step) for a late rank at the collectives; a simulated step is short by about that"))
     optimizer_ms = [[s.optimizer_ms for s in steps if s.optimizer_ms is not None] for steps in per_rank.values()]
     if not any(optimizer_ms):
         missing.append(Missing("optimizer step", "0 ms", "no Optimizer.step# label in the steps profiled"))
@@ -197,15 +207,17 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
 
 
 def _collective_ms(calls: list[Collective]) -> float:
-    """One collective's time, ms, from every rank's view of it: from the last rank's start to the last rank's end,
-    plus the longest copy-out. One rank alone: its own time. Clocks that disagree (the span would be negative,
-    e.g. hosts out of sync): the least of the ranks' times."""
+    """One collective's time, ms, from every rank's view of it: each rank's transfer from the last rank's start
+    (a rank that arrived first waited for it, which is skew, not the collective) to its own end, plus its copies
+    around the transfer (:attr:`Collective.host_ms`); the most of the ranks. One rank alone: its own time. Clocks
+    that disagree (a transfer would end before the last start, e.g. hosts out of sync): the least of the ranks'
+    times."""
     if len(calls) == 1:
         return calls[0].ms
-    span = (max(c.end_us for c in calls) - max(c.start_us for c in calls)) / 1e3
-    if span < 0:
+    last = max(c.start_us for c in calls)
+    if any(c.end_us < last for c in calls):
         return min(c.ms for c in calls)
-    return span + max(c.copy_out_ms for c in calls)
+    return max(c.host_ms + (c.end_us - last) / 1e3 for c in calls)
 
 
 def _estimated_fingerprint(modules: tuple[str, ...], sizes: dict[tuple[str, str], int], world: int, device: str,

@@ -75,7 +75,10 @@ def test_ranks_consolidate_max_compute_and_collectives_from_last_start_to_last_e
     assert p.fingerprint.device_type == "cuda" and p.fingerprint.world_size == 2
     assert p.measured_peak_bytes == EXPECTED["peak_bytes"]  # on GPU the allocator's total is the whole
     assert p.measured_step_ms == pytest.approx(10.0) and p.in_step.default_step_ms == pytest.approx(10.0)
-    assert {m.figure for m in traced.missing} == {"parameter counts", "optimizer state"}
+    assert {m.figure for m in traced.missing} == {"parameter counts", "rank skew", "optimizer state"}
+    # each rank waited 200 us at two all-gathers (rank 1 early at layers.0's, rank 0 at layers.1's): 0.4 ms of 10
+    [skew] = [m for m in traced.missing if m.figure == "rank skew"]
+    assert "waited up to 0.4 ms a step (4% of the traced step)" in skew.cost
     again = Profile.from_json(p.to_json())  # the file the CLI writes reads back, and the simulator runs on it
     assert again == p and simulate(again, Plan.default(again)).step_ms > 0
 
@@ -186,3 +189,44 @@ def test_a_stretch_on_gpu_counts_host_gaps_but_not_waits_on_other_streams():
     assert clock(50) == 300 and clock(400) == 400 and clock(500) == 500
     assert stream_ms(trace, clock, 50, 400, [b, c]) == pytest.approx(0.095)
     assert stream_ms(trace, clock, 500, 600, [d]) == pytest.approx(0.060)
+
+
+def _gloo_reduce_scatter_trace(path: Path, rank: int, label_at: float, gloo_at: float, gloo_end: float) -> str:
+    """One rank's CPU view of one reduce-scatter, FSDP2 on gloo (times in us): ``foreach_reduce``'s label from
+    ``label_at`` for as long as this rank is in it; its ``chunk_cat`` copy-in (40 us), the c10d call with gloo's own
+    input copy (30 us), gloo's work on its own thread from ``gloo_at`` to ``gloo_end`` (this thread waits), then the
+    copy into the sharded gradient (50 us)."""
+    def event(name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    label_end = gloo_end + 50
+    events = [
+        {**event("FSDP::post_backward_reduce (layers.0)", label_at, label_end - label_at), "cat": "user_annotation"},
+        event("fsdp::chunk_cat", label_at, 40),
+        event("c10d::_reduce_scatter_base_", label_at + 40, 30, **{"Input Dims": [[8], [16]],
+                                                                   "Input type": ["float", "float"]}),
+        event("gloo:all_reduce", gloo_at, gloo_end - gloo_at, tid=2),
+        event("aten::copy_", gloo_end, 50),
+    ]
+    doc = {"schemaVersion": 1, "baseTimeNanoseconds": BASE_NS, "traceEvents": events,
+           "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": 2}}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_a_cpu_reduce_scatter_counts_fsdp2s_copies_and_not_the_wait_for_the_late_rank(tmp_path):
+    """On CPU the loop's thread does ``foreach_reduce``'s copies around gloo's transfer and waits between, so the
+    reduce-scatter the step sees is copy-in + transfer + copy-out: 70 + 180 + 50 us. Rank 0 arrives 100 us before
+    rank 1 and waits for it inside gloo (its label is 400 us long); that wait is rank skew, not the collective."""
+    from planner.traces.fsdp_steps import _collectives, _Label, fsdp_label
+    from planner.traces.trace_profile import _collective_ms
+
+    calls = []
+    for rank, at in ((0, 1000), (1, 1100)):
+        trace = read_trace(_gloo_reduce_scatter_trace(tmp_path / f"rank{rank}.json", rank, at, at + 70, 1350))
+        labels = [_Label(*k, e) for e in trace.cpu if (k := fsdp_label(e)) is not None]
+        [call] = _collectives(trace, labels)
+        calls.append(call)
+        assert call.kind == "reduce_scatter" and call.bytes == 16 * 4 and call.host_ms == pytest.approx(0.12)
+    assert [c.ms for c in calls] == pytest.approx([0.40, 0.30])  # each rank's own time: rank 0's holds its wait
+    assert _collective_ms(calls) == pytest.approx(0.30)
