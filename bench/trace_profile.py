@@ -72,7 +72,7 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
         traced = profile_from_traces([folder], recorded.fingerprint)
         run = {"study": config.name, "steps": steps, "traces": folder, "recorded": recorded.to_dict(),
                "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
-               "missing": [m.line() for m in traced.missing],
+               "missing": [m.line() for m in traced.missing], "rank_skew_ms": traced.rank_skew_ms,
                "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None}
         report(run)
         if out:
@@ -117,6 +117,9 @@ def report(run: dict) -> dict:
     medians = {f: statistics.median(v) for f, v in errors.items() if v}
     print("median |error| (trace vs recorder): " + ", ".join(f"{f} {v:.1f}%" for f, v in medians.items())
           + " (target <= 10%)")
+    if recorded.fingerprint.device_type == "cpu":
+        print("  (CPU: the trace's reduce-scatter is foreach_reduce's whole work on the thread, copies included; the "
+              "recorder's is a bare reduce-scatter of preallocated buffers)")
     alone = dataclasses.replace(t, in_step=None)
     predicted = simulate(alone, Plan.default(alone)).step_ms
     recorder_alone = dataclasses.replace(recorded, in_step=None)
@@ -126,6 +129,10 @@ def report(run: dict) -> dict:
           f"{recorded.measured_step_ms:.1f} ms; simulated from the module figures alone: trace profile "
           f"{predicted:.1f} ms ({step_err:+.1f}% vs traced, target 5%), recorder's profile {recorder_predicted:.1f} ms "
           f"({100 * (recorder_predicted / recorded.measured_step_ms - 1):+.1f}% vs its step)")
+    skew = run.get("rank_skew_ms")
+    if skew:  # measured in the same steps, not fitted: the waits for a late rank, in no module figure
+        print(f"  the traced rank skew, {skew:.1f} ms a step, added: {predicted + skew:.1f} ms "
+              f"({100 * ((predicted + skew) / t.measured_step_ms - 1):+.1f}% vs traced)")
     if t.measured_peak_bytes and recorded.measured_peak_bytes:
         print(f"peak: trace profile {mib(t.measured_peak_bytes)} (start bytes estimated), recorder "
               f"{mib(recorded.measured_peak_bytes)} "
@@ -138,7 +145,7 @@ def report(run: dict) -> dict:
                                       for q in other.fingerprint.module_fqns) for f in FIGURES}
         print("against the recorder with one module per isolated pass (--per-module): median |error| "
               + ", ".join(f"{f} {v:.1f}%" for f, v in again.items()))
-    return {"median_abs_error_pct": medians, "step_error_pct": step_err,
+    return {"median_abs_error_pct": medians, "step_error_pct": step_err, "rank_skew_ms": skew,
             "same_order": t.post_forward_order == recorded.post_forward_order}
 
 

@@ -47,12 +47,17 @@ class Missing:
 
 @dataclass(frozen=True)
 class TraceProfile:
-    """The profile built from traces, and what it could not get (:class:`Missing`, in the order found)."""
+    """The profile built from traces, and what it could not get (:class:`Missing`, in the order found).
+
+    ``rank_skew_ms``: the most any rank waited in a step for a late rank to start the collectives (median over
+    steps), ms; ``None`` with one rank's trace. In the traced step and in no figure of the profile.
+    """
 
     profile: Profile
     missing: tuple[Missing, ...]
     steps: int
     ranks: tuple[int, ...]
+    rank_skew_ms: float | None = None
 
 
 def profile_from_traces(paths: list[str], fingerprint: Fingerprint | None = None) -> TraceProfile:
@@ -171,8 +176,8 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
             reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
         )
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])
-    if len(per_rank) > 1 and waits:
-        skew = statistics.median(max(w) for w in waits.values())
+    skew = statistics.median(max(w) for w in waits.values()) if len(per_rank) > 1 and waits else None
+    if skew is not None:
         missing.append(Missing("rank skew", "none: the simulator runs one rank",
                                f"a rank waited up to {skew:.1f} ms a step ({100 * skew / step_ms:.0f}% of the traced "
                                "step) for a late rank at the collectives; a simulated step is short by about that"))
@@ -203,7 +208,7 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
         measured_step_ms=step_ms, measured_peak_bytes=peak, microbatches=first.microbatches,
         consolidation="max", in_step=in_step, source="trace", estimated=tuple(estimated),
     )
-    return TraceProfile(profile, tuple(missing), min(len(s) for s in per_rank.values()), tuple(per_rank))
+    return TraceProfile(profile, tuple(missing), min(len(s) for s in per_rank.values()), tuple(per_rank), skew)
 
 
 def _collective_ms(calls: list[Collective]) -> float:

@@ -79,6 +79,7 @@ def test_ranks_consolidate_max_compute_and_collectives_from_last_start_to_last_e
     # each rank waited 200 us at two all-gathers (rank 1 early at layers.0's, rank 0 at layers.1's): 0.4 ms of 10
     [skew] = [m for m in traced.missing if m.figure == "rank skew"]
     assert "waited up to 0.4 ms a step (4% of the traced step)" in skew.cost
+    assert traced.rank_skew_ms == pytest.approx(0.4)
     again = Profile.from_json(p.to_json())  # the file the CLI writes reads back, and the simulator runs on it
     assert again == p and simulate(again, Plan.default(again)).step_ms > 0
 
