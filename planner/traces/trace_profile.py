@@ -139,8 +139,9 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
     for (number, module, kind, _), ranks_calls in calls.items():
         comm[(module, kind)].append(_collective_ms(ranks_calls))
         last = max(c.start_us for c in ranks_calls)
-        for r, c in enumerate(ranks_calls):
-            waits[number][r] += (last - c.start_us) / 1e3
+        if len(ranks_calls) == len(per_rank):  # every rank's view of the call, in rank order
+            for r, c in enumerate(ranks_calls):
+                waits[number][r] += (last - c.start_us) / 1e3
     estimated = []
     if fingerprint is None:
         fingerprint = _estimated_fingerprint(modules, sizes, world, device, dtype_bytes)
