@@ -1,4 +1,5 @@
-"""Profiles from traces: a synthetic FSDP2 GPU trace with hand-computed figures, and the real A100 traces."""
+"""Profiles from traces: a synthetic FSDP2 GPU trace with hand-computed figures, a hand-built gloo (CPU)
+reduce-scatter, and the real A100 and H100 traces."""
 
 from __future__ import annotations
 
