@@ -2,6 +2,7 @@
 
     python -m bench.trace_profile [studies/llama-cpu.toml ...] [--steps 5] [--json out.json]
     python -m bench.trace_profile --refit run.json ...   # saved runs (both profiles), today's simulator, no ranks
+    python -m bench.trace_profile --decompose DIR        # traces: per step, the step against the sum of its calls
 
 For each study, on its ranks: the recorder's profile (``runtime.recorder.record_profile``, what ``tune`` uses); then a
 fresh model in a user's plain loop (``train_step``) under ``torch.profiler`` with the CPU activity (and CUDA's on
@@ -9,7 +10,8 @@ GPU), ``profile_memory=True`` and ``record_shapes=True``, ``--steps`` active ste
 trace written by ``tensorboard_trace_handler`` (into ``--traces DIR``, or a temporary folder). Rank 0 then builds the
 profile from the traces (:func:`planner.traces.trace_profile.profile_from_traces`, with the model's fingerprint, as
 ``--model`` gives) and prints, per module and figure, trace against recorder; the post-forward orders; the simulated
-default step from the trace profile's module figures alone against the traced step; the peaks.
+default step from the trace profile's module figures alone against the traced step; the peaks; and, per traced
+step, the step against the sum of its calls' figures (:func:`decompose`).
 Targets (issue 21): the same post-forward order; module compute and collective times within 10% median; the
 simulated default step within 5% of the traced step.
 """
@@ -73,6 +75,7 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
         run = {"study": config.name, "steps": steps, "traces": folder, "recorded": recorded.to_dict(),
                "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
                "missing": [m.line() for m in traced.missing], "rank_skew_ms": traced.rank_skew_ms,
+               "outside_ms": traced.outside_ms, "decomposition": decompose(folder),
                "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None}
         report(run)
         if out:
@@ -129,10 +132,15 @@ def report(run: dict) -> dict:
           f"{recorded.measured_step_ms:.1f} ms; simulated from the module figures alone: trace profile "
           f"{predicted:.1f} ms ({step_err:+.1f}% vs traced, target 5%), recorder's profile {recorder_predicted:.1f} ms "
           f"({100 * (recorder_predicted / recorded.measured_step_ms - 1):+.1f}% vs its step)")
-    skew = run.get("rank_skew_ms")
-    if skew:  # measured in the same steps, not fitted: the waits for a late rank, in no module figure
-        print(f"  the traced rank skew, {skew:.1f} ms a step, added: {predicted + skew:.1f} ms "
-              f"({100 * ((predicted + skew) / t.measured_step_ms - 1):+.1f}% vs traced)")
+    outside, skew = run.get("outside_ms"), run.get("rank_skew_ms")
+    if outside:  # measured in the same steps, not fitted: the loss, zero_grad, hooks, the loop
+        print(f"  the traced work outside the modules, {outside:.1f} ms a step, added: {predicted + outside:.1f} ms "
+              f"({100 * ((predicted + outside) / t.measured_step_ms - 1):+.1f}% vs traced)")
+    if skew:
+        print(f"  rank skew: a rank waited up to {skew:.1f} ms a step for a late rank (in the figures: the late "
+              "rank's work, each call's most of the ranks)")
+    for line in run.get("decomposition") or []:
+        print(f"  {line}")
     if t.measured_peak_bytes and recorded.measured_peak_bytes:
         print(f"peak: trace profile {mib(t.measured_peak_bytes)} (start bytes estimated), recorder "
               f"{mib(recorded.measured_peak_bytes)} "
@@ -149,14 +157,62 @@ def report(run: dict) -> dict:
             "same_order": t.post_forward_order == recorded.post_forward_order}
 
 
+def decompose(folder: str) -> list[str]:
+    """Per traced step (CPU), the step (the most of the ranks) against the sum of its calls' figures: each module's
+    forward and backward compute, the most of the ranks in that step; each collective as the profile times it
+    (:func:`planner.traces.trace_profile._collective_ms`); the optimizer; then the collectives' medians and means
+    over calls, summed per step, against the steps. Lines to print; ``[]`` for GPU traces (stretches overlap)."""
+    from collections import defaultdict
+
+    from planner.traces.fsdp_steps import rank_steps
+    from planner.traces.kineto import read_trace, trace_files
+    from planner.traces.trace_profile import _by_rank, _collective_ms
+
+    traces = _by_rank([read_trace(p) for p in trace_files([folder])])
+    if next(iter(traces.values())).device_type != "cpu":
+        return []
+    per_rank = [rank_steps(t) for t in traces.values()]
+    lines, by_call, colls = [], defaultdict(list), []
+    for steps in zip(*per_rank, strict=False):
+        compute = sum(max(s.fwd_ms.get(m, 0.0) for s in steps) + max(s.bwd_ms.get(m, 0.0) for s in steps)
+                      for m in steps[0].fwd_ms)
+        calls = defaultdict(list)
+        for s in steps:
+            for c in s.collectives:
+                calls[(c.module, c.kind, c.ordinal)].append(c)
+        coll = 0.0
+        for (module, kind, _), cs in calls.items():
+            ms = _collective_ms(cs)
+            coll += ms
+            by_call[(module, kind)].append(ms)
+        colls.append(coll)
+        opt = max(s.optimizer_ms or 0.0 for s in steps)
+        step = max(s.step_ms for s in steps)
+        total = compute + coll + opt
+        lines.append(f"step {steps[0].number}: {step:.0f} ms; its calls' figures sum to {total:.0f} "
+                     f"({100 * (total / step - 1):+.1f}%: compute {compute:.0f}, collectives {coll:.0f}, optimizer "
+                     f"{opt:.0f})")
+    n = len(colls)
+    medians = sum(statistics.median(v) * len(v) / n for v in by_call.values())
+    means = sum(statistics.fmean(v) * len(v) / n for v in by_call.values())
+    lines.append(f"collectives a step: the sum of each call's median {medians:.0f} ms, of its mean {means:.0f}; the "
+                 f"steps held {min(colls):.0f}-{max(colls):.0f} (median {statistics.median(colls):.0f})")
+    return lines
+
+
 @click.command(help=__doc__)
 @studies_argument
 @saved_run_options
 @click.option("--steps", default=5, show_default=True, help="active steps traced")
 @click.option("--per-module", is_flag=True, help="also record with one module per isolated pass, and compare")
 @click.option("--traces", type=click.Path(file_okay=False), help="write the traces here (default: a temporary folder)")
+@click.option("--decompose", "decompose_dir", type=click.Path(exists=True, file_okay=False),
+              help="print, per step of the traces there, the step against the sum of its calls, and stop")
 def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int, per_module: bool,
-         traces: str | None) -> None:
+         traces: str | None, decompose_dir: str | None) -> None:
+    if decompose_dir:
+        print("\n".join(decompose(decompose_dir)))
+        return
     if report_saved(refit, report):
         return
     run_studies(MODULE, studies,
