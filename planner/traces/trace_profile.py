@@ -231,14 +231,15 @@ def _outside_ms(step: RankStep) -> float:
 
 # [Note: A collective's figure is the mean of its calls]
 # A step is the sum of its calls: per traced CPU step, each call's figure (compute and collectives the most of the
-# ranks, the optimizer) summed to the step within 0.3-8% (`python -m bench.trace_profile --decompose DIR`), the
-# rest being work outside the modules (`TraceProfile.outside_ms`); the waits for a late rank are in those figures,
-# as the late rank's work. But a CPU collective's time is heavy-tailed (a copy into memory the process has not
-# touched yet took 8 ms one step and 131 the next), and every step draws a few tails: in two Llama runs the
-# medians over calls summed to 4381 and 4494 ms of collectives a step, the means to 4646 and 4965, the steps'
-# medians were 4865 and 5473 (bench/results/NOTES.md, "Profiles from traces"). The sum of the means is the mean
-# of the sums; the sum of the medians is below most steps. Compute is not heavy-tailed (its per-step maxima moved
-# the simulated step by 0.5%), so it keeps the recorder's consolidation, the median.
+# ranks, the optimizer) summed to the step within 0.1-7.5% in 32 steps (`python -m bench.trace_profile --decompose
+# DIR`), the rest being work outside the modules (`TraceProfile.outside_ms`); the waits for a late rank are in
+# those figures, as the late rank's work. But a CPU collective's time is heavy-tailed (a copy into memory the
+# process has not touched yet took 8 ms one step and 131 the next), and every step draws a few tails: in two
+# Llama runs of 8 steps the medians over calls summed to 4080 and 5056 ms of collectives a step, the means to 4454
+# and 5299, the steps' medians were 4619 and 5597 (`decomposition` in bench/results/trace-profile-llama-cpu*.json).
+# The sum of the means is the mean of the sums; the sum of the medians is below most steps. Compute is not
+# heavy-tailed (its per-step maxima moved the simulated step by 0.5%), so it keeps the recorder's consolidation,
+# the median.
 
 
 def _collective_ms(calls: list[Collective]) -> float:
