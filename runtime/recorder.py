@@ -21,8 +21,8 @@ What it records and how (docs/architecture.md, "Measurement"):
 - Activation bytes saved for backward, per module; and whether autograd
   saves any of its parameters (if not, e.g. an embedding, its parameters
   need no all-gather in backward: ``set_unshard_in_backward(False)``).
-- All-gather ms (``unshard``) and reduce-scatter ms (FSDP2's ``foreach_reduce``, its copy-in and fresh buffers
-  included) in isolation, all ranks together (:mod:`runtime.collective_timer`). Medians of several repeats.
+- All-gather ms and reduce-scatter ms in isolation, all ranks together
+  (:mod:`runtime.collective_timer`). Medians of several repeats.
 - On a CPU device, the all-gather of the module with the most unsharded
   parameters and compute, alone and at once (:mod:`runtime.overlap_timer`).
 - Per-rank figures are gathered (:func:`runtime.collectives.gather_objects`) and consolidated: max across
@@ -243,12 +243,11 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
     ag_ms = all_gather_ms(modules, repeats, device)
     numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
     figures["overlap"] = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
-    by_fqn = dict(modules)
-    for fqn in fingerprint.module_fqns:
+    for fqn, numel in zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True):
         own = own_parameters(modules, fqn)
         figures["modules"].setdefault(fqn, {}).update({
             "all_gather_ms": ag_ms[fqn],
-            "reduce_scatter_ms": reduce_scatter_ms(by_fqn[fqn], repeats, device),
+            "reduce_scatter_ms": reduce_scatter_ms(numel, own[0].dtype if own else torch.float32, repeats, device),
             "sharded_bytes": sum(p.to_local().numel() * p.element_size() for p in own),
         })
     return figures

@@ -132,68 +132,6 @@ def separate_reduce_scatter_group_setter(model: nn.Module) -> Callable[[bool], N
     return set_separate
 
 
-def unsharded_gradients(module: nn.Module) -> list[torch.Tensor]:
-    """Zero gradients shaped as an FSDP module's backward leaves them before its reduce-scatter: one per
-    trainable parameter, unsharded shape, the all-gather's dtype (``param_dtype`` under mixed precision); ``[]``
-    for a module without parameters of its own.
-
-    Why: ``FSDPParam._orig_size``, ``param_dtype`` and ``orig_dtype`` have no public accessor.
-    """
-    group = param_group(module)
-    return [torch.zeros(fp._orig_size, dtype=fp.param_dtype or fp.orig_dtype, device=fp.sharded_param.device)
-            for fp in (group.fsdp_params if group is not None else ()) if fp.sharded_param.requires_grad]
-
-
-def has_post_accumulate_grad_hooks(module: nn.Module) -> bool:
-    """Whether a sharded parameter of an FSDP module has a post-accumulate-grad hook (``foreach_reduce`` runs
-    them, e.g. an optimizer step in backward), so :func:`reduce_scatter_gradients` must not run on it."""
-    group = param_group(module)
-    return any(getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None)
-               for fp in (group.fsdp_params if group is not None else ()))
-
-
-def reduce_scatter_gradients(module: nn.Module, unsharded_grads: list[torch.Tensor]) -> None:
-    """FSDP2's reduce-scatter of an FSDP module's gradients, as its post-backward runs it, leaving every sharded
-    parameter's ``.grad`` as it was: ``chunk_cat`` into a fresh input, the pre- and post-divide, the collective,
-    the sharded gradients as views of a fresh output. Clears ``unsharded_grads`` (as FSDP2 does once copied in).
-    A CPU caller has the whole work done on return; a GPU caller synchronizes.
-
-    Why: ``foreach_reduce`` (``_fsdp_collectives.py``) and the arguments ``FSDPParamGroup.post_backward`` passes
-    it are private; a bare ``reduce_scatter_tensor`` on preallocated buffers leaves out the copy-in and the fresh
-    memory, which on CPU cost as much as the transfer (bench/results/NOTES.md). No all-reduce hook runs.
-
-    Raises:
-        ValueError: ``unsharded_grads`` is not one gradient per trainable parameter (:func:`unsharded_gradients`),
-            or a sharded parameter has a post-accumulate-grad hook (:func:`has_post_accumulate_grad_hooks`).
-    """
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import foreach_reduce
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
-
-    group = param_group(module)
-    params = [fp for fp in (group.fsdp_params if group is not None else ()) if fp.sharded_param.requires_grad]
-    if len(params) != len(unsharded_grads):
-        raise ValueError(f"{len(unsharded_grads)} gradients for {len(params)} trainable parameters")
-    if has_post_accumulate_grad_hooks(module):
-        raise ValueError("a sharded parameter has a post-accumulate-grad hook: the reduce-scatter would run it")
-    if not params:
-        return
-    kept = [fp.sharded_param.grad for fp in params]
-    for fp in params:
-        fp.sharded_param.grad = None
-    try:
-        ddp = isinstance(group.mesh_info, DDPMeshInfo)
-        foreach_reduce(
-            params, unsharded_grads,
-            group._reduce_scatter_process_group if isinstance(group.mesh_info, FSDPMeshInfo) else None,
-            group.comm_ctx.reduce_scatter_stream, group._reduce_scatter_comm, group._orig_dtype, group._reduce_dtype,
-            group.device, group.gradient_divide_factor, group._all_reduce_process_group if ddp else None,
-            group.comm_ctx.all_reduce_stream, True, None, None, group.force_sum_reduction_for_comms,
-        )
-    finally:
-        for fp, grad in zip(params, kept, strict=True):
-            fp.sharded_param.grad = grad
-
-
 def reduce_scatter_group(module: nn.Module) -> Any:
     """The process group an FSDP module's reduce-scatter runs on, for tests.
 

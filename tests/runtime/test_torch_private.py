@@ -120,30 +120,3 @@ def test_tracker_counts_the_blocks_alive(model):
     one_block = torch_private.param_group_unsharded_bytes(torch_private.param_group(model.blocks[0]))
     root = torch_private.param_group_unsharded_bytes(torch_private.param_group(model))
     assert tracker.peak_bytes >= root + 2 * one_block  # the root stays unsharded; a block computing, one prefetched
-
-
-def test_reduce_scatter_gradients_runs_fsdp2s_foreach_reduce_and_keeps_the_gradients(model):
-    _step(model)  # lazy init, and sharded gradients to keep
-    block = model.blocks[0]
-    group = torch_private.param_group(block)
-    kept = [fp.sharded_param.grad for fp in group.fsdp_params]
-    grads = torch_private.unsharded_gradients(block)
-    assert [tuple(g.shape) for g in grads] == [tuple(fp._orig_size) for fp in group.fsdp_params]
-    with torch.profiler.profile() as prof:
-        torch_private.reduce_scatter_gradients(block, grads)
-    names = {e.name for e in prof.events()}
-    assert "fsdp::chunk_cat" in names  # foreach_reduce's copy-in ran
-    assert grads == []  # FSDP2 clears the list once copied in
-    assert all(fp.sharded_param.grad is g for fp, g in zip(group.fsdp_params, kept, strict=True))
-    with pytest.raises(ValueError, match="gradients for"):
-        torch_private.reduce_scatter_gradients(block, [])
-
-
-def test_reduce_scatter_gradients_refuses_a_post_accumulate_grad_hook(model):
-    _step(model)
-    block = model.blocks[1]
-    assert not torch_private.has_post_accumulate_grad_hooks(block)
-    torch_private.param_group(block).fsdp_params[0].sharded_param.register_post_accumulate_grad_hook(lambda p: None)
-    assert torch_private.has_post_accumulate_grad_hooks(block)
-    with pytest.raises(ValueError, match="post-accumulate-grad hook"):
-        torch_private.reduce_scatter_gradients(block, torch_private.unsharded_gradients(block))
