@@ -150,6 +150,11 @@ class Profile:
         source: ``"recorder"`` (``prefetch-planner profile``, ``tune``) or ``"trace"`` (``profile --from-trace``,
             :mod:`planner.traces.trace_profile`).
         estimated: the figures not measured but estimated (a trace lacks them), by field name; ``()``: none.
+        outside_ms: the step's work outside the FSDP modules' forward and backward, the collectives and the
+            optimizer (the loss, ``zero_grad``, FSDP2's hooks, the training loop), ms per step; the simulator adds
+            it to the step as serial compute ([Note: Work outside the modules] in
+            :mod:`planner.simulation.simulator`). Measured from a CPU trace (:mod:`planner.traces.trace_profile`);
+            0 where not measured (the recorder's profile: the in-step ``comm_scale`` absorbs it).
         schema_version: :data:`PROFILE_SCHEMA_VERSION`.
     """
 
@@ -169,6 +174,7 @@ class Profile:
     in_step: InStepTimings | None = None
     source: str = "recorder"
     estimated: tuple[str, ...] = ()
+    outside_ms: float = 0.0
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property
@@ -178,13 +184,16 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list.
-        ``source`` and ``estimated`` are written only for a trace profile, and ``recompute_ms`` only for a
-        checkpointed module, so a plain recorder's profile is the file release 0.1.0 wrote, byte for byte."""
+        ``source``, ``estimated`` and ``outside_ms`` are written only for a trace profile, and ``recompute_ms``
+        only for a checkpointed module, so a plain recorder's profile is the file release 0.1.0 wrote, byte for
+        byte."""
         d = dataclasses.asdict(self)
         d["modules"] = [{k: v for k, v in dataclasses.asdict(m).items() if k not in RECOMPUTE_FIELDS or v}
                         for m in self.modules.values()]
         if self.source == "recorder" and not self.estimated:
             del d["source"], d["estimated"]
+        if not self.outside_ms:
+            del d["outside_ms"]
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:

@@ -137,6 +137,7 @@ class ProfileDocument(Document):
     in_step: InStepDocument | None = None
     source: Literal["recorder", "trace"] = "recorder"
     estimated: tuple[str, ...] = ()
+    outside_ms: float = Field(0.0, ge=0)
 
 
 _PROBLEMS = {

@@ -51,6 +51,18 @@ current stream (or the ``set_post_optim_event`` event): the first all-gather
 of a step never overlaps the previous optimizer step. Simulating one step that
 starts at 0, this is the initial state of every resource.
 
+[Note: Work outside the modules]
+A step also runs work that is no module's forward or backward, no collective
+and not the optimizer: the loss, ``zero_grad``, FSDP2's hooks, the training
+loop (``Profile.outside_ms``; a CPU trace measures it, 90-125 ms or about 2%
+of a reference step). It is serial compute on the loop's thread and nothing
+of FSDP2's is in flight around it in any plan: the loss runs after the last
+forward (no forward prefetch is left) and before the first pre-backward hook
+issues a backward all-gather; ``zero_grad`` runs after the optimizer, which
+waits for every reduce-scatter (``_root_post_backward_final_callback``). So
+it adds to the step as it is, scaled with the compute (``compute_scale``),
+after the optimizer.
+
 [Note: Speed]
 The step is one numeric kernel compiled by numba, over per-module arrays
 built once per profile (:class:`Simulator`) and once per plan
@@ -139,7 +151,7 @@ class SimResult:
 
     Attributes:
         step_ms: predicted step time (all microbatches' forward and backward,
-            then the optimizer), ms.
+            then the optimizer, then the profile's work outside the modules), ms.
         exposed_comm_ms: step time not covered by compute, ms.
         peak_bytes: predicted peak memory per rank, bytes: sharded
             parameters and optimizer state, plus the peak of what the step
@@ -181,6 +193,8 @@ class SimResult:
 
 
 # Kernel event kinds (planner.simulation._kernel.state FORWARD ...): name prefix and track.
+# The timeline's slice for the work outside the modules ([Note: Work outside the modules]).
+OUTSIDE_EVENT = "outside <root>"
 _KINDS = ("forward", "backward", "optimizer", "all-gather", "reduce-scatter", "wait")
 _TRACKS = (Track.COMPUTE, Track.COMPUTE, Track.COMPUTE, Track.ALL_GATHER, Track.REDUCE_SCATTER, Track.CPU_WAIT)
 _NO_EVENTS = np.zeros((1, 4), np.float32)  # the untraced placeholder ([Note: Trace capacity] in _kernel.timeline)
@@ -263,7 +277,9 @@ class Simulator:
             optimizer_temp_bytes=int(profile.optimizer_temp_bytes),
         ))
         self._baseline_bytes = sum(m.sharded_bytes for m in mods) + profile.optimizer_state_bytes  # alive at start
-        compute = sum(m.fwd_ms + m.bwd_ms for m in mods) * profile.microbatches + profile.optimizer_ms
+        self._outside_ms = float(profile.outside_ms)  # [Note: Work outside the modules]
+        compute = (sum(m.fwd_ms + m.bwd_ms for m in mods) * profile.microbatches + profile.optimizer_ms
+                   + self._outside_ms)
         self.lower_bound_ms = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
         self._trace_rows = 8 * (len(post) + len(self._names)) * profile.microbatches + 16
 
@@ -323,12 +339,16 @@ class Simulator:
             if not trace or max(n_events, n_samples) <= rows:
                 break
             rows = int(max(n_events, n_samples))  # again, with room for every row ([Note: Trace capacity])
-        step_ms = max(t_cpu, t_compute)
+        end_of_modules = max(t_cpu, t_compute)
+        outside = self._outside_ms * (params or self.params).compute_scale  # [Note: Work outside the modules]
+        step_ms, compute_ms = end_of_modules + outside, compute_ms + outside
         timeline, memory = [], []
         if trace:
             for kind, i, start, end in events[:n_events].tolist():
                 name = self._names[int(i)] or "<root>"
                 timeline.append(TraceEvent(f"{_KINDS[int(kind)]} {name}", _TRACKS[int(kind)], start, end))
+            if outside > 0:
+                timeline.append(TraceEvent(OUTSIDE_EVENT, Track.COMPUTE, end_of_modules, step_ms))
             memory = [(t, self._baseline_bytes + int(b)) for t, b in samples[:n_samples].tolist()]
         return SimResult(
             step_ms=step_ms,

@@ -70,7 +70,8 @@ def write_png(result: SimResult, path: str | Path, title: str = "predicted step"
     except ImportError:
         raise PlannerError("--png needs matplotlib: pip install matplotlib (or the project's [plot] extra)") from None
     colors = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2",
-              "all-gather": "#dd8452", "reduce-scatter": "#c44e52", "wait": "#bbbbbb"}
+              "all-gather": "#dd8452", "reduce-scatter": "#c44e52", "wait": "#bbbbbb",
+              "outside": "#937860"}  # outside: [Note: Work outside the modules]
     fig, (ax, mem) = plt.subplots(2, 1, figsize=(14, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     for row, track in enumerate(TRACKS):
         for e in (e for e in result.events if e.track == track):

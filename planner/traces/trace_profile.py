@@ -54,8 +54,9 @@ class TraceProfile:
     others wait for is in each call's figure (the most of the ranks).
     ``outside_ms``: on CPU, the step's time outside the modules' compute, the collectives (waits included) and
     the optimizer: the loss, ``zero_grad``, FSDP2's hooks and the loop; per rank the median over steps, the most
-    of the ranks, ms. No figure of the profile holds it (:attr:`missing` names it). ``None`` on GPU, where the
-    stretches overlap and do not sum to the step.
+    of the ranks, ms; the profile's ``outside_ms``, which the simulator adds to the step ([Note: Work outside the
+    modules] in :mod:`planner.simulation.simulator`). ``None`` on GPU, where the stretches overlap and do not sum
+    to the step (:attr:`missing` names it).
     """
 
     profile: Profile
@@ -185,11 +186,10 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])
     skew = statistics.median(max(w) for w in waits.values()) if len(per_rank) > 1 and waits else None
     outside = _median_max([[_outside_ms(s) for s in steps] for steps in per_rank.values()]) if device == "cpu" else None
-    if outside is not None:
-        missing.append(Missing("work outside the modules", "none: the simulator has no term for it",
-                               f"{outside:.1f} ms a step ({100 * outside / step_ms:.0f}% of the traced step) outside "
-                               "the modules' compute, the collectives and the optimizer (the loss, zero_grad, FSDP2's "
-                               "hooks, the loop); a simulated step is short by about that"))
+    if outside is None:
+        missing.append(Missing("work outside the modules", "0 ms",
+                               "on GPU the loop's CPU work overlaps the kernels and the stretches do not sum to the "
+                               "step; the loss's kernels and whatever of the loop the step waits for are in no figure"))
     optimizer_ms = [[s.optimizer_ms for s in steps if s.optimizer_ms is not None] for steps in per_rank.values()]
     if not any(optimizer_ms):
         missing.append(Missing("optimizer step", "0 ms", "no Optimizer.step# label in the steps profiled"))
@@ -216,6 +216,7 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
         optimizer_state_bytes=state_bytes, optimizer_temp_bytes=int(_median_max(temp)) if any(temp) else 0,
         measured_step_ms=step_ms, measured_peak_bytes=peak, microbatches=first.microbatches,
         consolidation="max", in_step=in_step, source="trace", estimated=tuple(estimated),
+        outside_ms=outside or 0.0,
     )
     return TraceProfile(profile, tuple(missing), min(len(s) for s in per_rank.values()), tuple(per_rank), skew,
                         outside)

@@ -40,6 +40,8 @@ def test_profile_from_a_users_cpu_traces(tmp_path, microbatches):
         assert m.fwd_ms > 0 and m.bwd_ms > 0 and m.all_gather_ms > 0 and m.reduce_scatter_ms > 0
         assert m.unsharded_bytes == nbytes and m.grad_bytes == nbytes  # the reduce-scatter input, unpadded here
     assert profile.measured_step_ms > profile.optimizer_ms > 0 and profile.measured_peak_bytes > sum(own.param_bytes)
+    # a CPU step is one thread: what no module, collective or optimizer holds is measured and simulated
+    assert 0 < profile.outside_ms < profile.measured_step_ms
     plan = uniform.build(profile, 1, 1, True)
     plan.check_matches(profile)  # a plan made on it names the model's modules and counts
     assert simulate(profile, plan).step_ms > 0

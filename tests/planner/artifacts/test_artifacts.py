@@ -51,6 +51,13 @@ def test_separate_reduce_scatter_group_round_trips_and_is_written_only_when_set(
     assert "separate_reduce_scatter_group" not in Plan.default(p).to_dict()  # earlier plans keep their keys
 
 
+def test_the_work_outside_the_modules_round_trips_and_is_written_only_when_measured(make_profile):
+    p = make_profile()
+    assert "outside_ms" not in p.to_dict()  # a recorder's profile: the file earlier releases wrote
+    traced = dataclasses.replace(p, outside_ms=12.5)
+    assert traced.to_dict()["outside_ms"] == 12.5 and Profile.from_json(traced.to_json()) == traced
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [

@@ -103,6 +103,7 @@ def test_a_plan_field_of_the_wrong_kind_is_named_not_coerced(mutate, message):
     (lambda d: d.update(microbatches=0), "profile field microbatches input should be greater than or equal to 1"),
     (lambda d: d["in_step"]["overlap"].pop("compute_ms"), "profile field in_step.overlap.compute_ms is missing"),
     (lambda d: d.update(optimizer_ms="fast"), "profile field optimizer_ms must be a number, found 'fast'"),
+    (lambda d: d.update(outside_ms=-1.0), "profile field outside_ms input should be greater than or equal to 0"),
 ])
 def test_a_profile_field_of_the_wrong_kind_is_named(mutate, message):
     d = _profile_dict()

@@ -39,6 +39,25 @@ def test_no_overlap_cpu_default(make_profile):
     assert _slices(r, "reduce-scatter")["reduce-scatter b0"] == pytest.approx((83.0, 86.0))
 
 
+def test_the_work_outside_the_modules_ends_the_step_and_scales_with_the_compute(make_profile):
+    """[Note: Work outside the modules]: 7 ms of loss, zero_grad and loop, serial after the optimizer (4 ms).
+    Default: 86 (as above) + 4 + 7 = 97, of which exposed communication still 26; its slice 90-97.
+    compute_scale 2: AG b0 0-5, F b0 5-25, AG b1 25-30, F b1 30-50, AG b1 50-55, AG b0 55-60, B b1 60-100,
+    RS b1 100-103, B b0 103-143, RS b0 143-146, optimizer 146-154, outside 154-168.
+    Async depth 1 (76 ms, test_cpu_explicit_prefetch_needs_async): 76 + 4 + 7 = 87."""
+    from planner.simulation.simulator import OUTSIDE_EVENT
+
+    p = dataclasses.replace(make_profile(optimizer_ms=4.0), outside_ms=7.0)
+    r = simulate(p, Plan.default(p), trace=True)
+    assert r.step_ms == pytest.approx(97.0) and r.exposed_comm_ms == pytest.approx(26.0)
+    assert r.events[-1].name == OUTSIDE_EVENT and (r.events[-1].start_ms, r.events[-1].end_ms) == pytest.approx((90, 97))
+    assert r.compute_ms == pytest.approx(71.0) and r.lower_bound_ms == pytest.approx(71.0)
+    slow = Simulator(p, SimParams(compute_scale=2.0)).run(Plan.default(p))
+    assert slow.step_ms == pytest.approx(168.0)
+    async_1 = uniform.build(p, forward_depth=1, backward_depth=1, unshard_async_op=True)
+    assert simulate(p, async_1).step_ms == pytest.approx(87.0)
+
+
 def test_cpu_async_default_overlaps_only_backward(make_profile):
     """CPU, default lists, async unshard: implicit forward prefetch needs CPU
     run-ahead, which a CPU device has not, so forward is unchanged (30 ms);

@@ -77,8 +77,10 @@ def test_ranks_consolidate_max_compute_and_collectives_from_last_start_to_last_e
     assert p.fingerprint.device_type == "cuda" and p.fingerprint.world_size == 2
     assert p.measured_peak_bytes == EXPECTED["peak_bytes"]  # on GPU the allocator's total is the whole
     assert p.measured_step_ms == pytest.approx(10.0) and p.in_step.default_step_ms == pytest.approx(10.0)
-    # the waits are the late rank's work, in each call's figure: not missing; on GPU nothing sums to the step
-    assert {m.figure for m in traced.missing} == {"parameter counts", "optimizer state"}
+    # the waits are the late rank's work, in each call's figure: not missing; on GPU nothing sums to the step, so
+    # the work outside the modules is
+    assert {m.figure for m in traced.missing} == {"parameter counts", "optimizer state", "work outside the modules"}
+    assert p.outside_ms == 0.0
     # each rank waited 200 us at two all-gathers (rank 1 early at layers.0's, rank 0 at layers.1's): 0.4 ms of 10
     assert traced.rank_skew_ms == pytest.approx(0.4) and traced.outside_ms is None
     again = Profile.from_json(p.to_json())  # the file the CLI writes reads back, and the simulator runs on it
