@@ -50,7 +50,8 @@ def test_the_work_outside_the_modules_ends_the_step_and_scales_with_the_compute(
     p = dataclasses.replace(make_profile(optimizer_ms=4.0), outside_ms=7.0)
     r = simulate(p, Plan.default(p), trace=True)
     assert r.step_ms == pytest.approx(97.0) and r.exposed_comm_ms == pytest.approx(26.0)
-    assert r.events[-1].name == OUTSIDE_EVENT and (r.events[-1].start_ms, r.events[-1].end_ms) == pytest.approx((90, 97))
+    last = r.events[-1]
+    assert last.name == OUTSIDE_EVENT and (last.start_ms, last.end_ms) == pytest.approx((90.0, 97.0))
     assert r.compute_ms == pytest.approx(71.0) and r.lower_bound_ms == pytest.approx(71.0)
     slow = Simulator(p, SimParams(compute_scale=2.0)).run(Plan.default(p))
     assert slow.step_ms == pytest.approx(168.0)
