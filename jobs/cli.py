@@ -195,9 +195,12 @@ def _profile_from_trace(paths: list[str], output: str | None, model: str | None,
     p = traced.profile
     click.echo(f"profile written to {output}: {len(p.modules)} FSDP modules from {len(traced.ranks)} trace(s) "
                f"(ranks {', '.join(map(str, traced.ranks))}; {traced.steps} step(s) each), traced step "
-               f"{p.measured_step_ms:.1f} ms (max across ranks of the median); from the module figures alone the "
+               f"{p.measured_step_ms:.1f} ms (max across ranks of the median); from the profile's figures alone the "
                f"simulator predicts {predicted_ms:.1f} ms ({100 * (predicted_ms / p.measured_step_ms - 1):+.1f}%), "
                "and `tune` solves its in-step parameters from the traced step")
+    if p.outside_ms:
+        click.echo(f"  measured: {p.outside_ms:.1f} ms a step of work outside the modules (the loss, zero_grad, "
+                   "FSDP2's hooks, the loop), in every simulated step")
     for m in traced.missing:
         click.echo(f"  estimated: {m.line()}")
 

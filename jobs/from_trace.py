@@ -23,7 +23,7 @@ def profile_from_trace(paths: list[str], output: str, model: str | None = None, 
         model_kwargs: the factory's keyword arguments, a JSON object.
 
     Returns:
-        The trace profile, and FSDP2's default plan's simulated step on it from the module figures alone (without
+        The trace profile, and FSDP2's default plan's simulated step on it from the profile's figures alone (without
         the in-step parameters, which are solved from the traced step itself and would meet it by construction), ms.
 
     Raises:

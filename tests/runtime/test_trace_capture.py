@@ -29,6 +29,7 @@ def test_profile_from_a_users_cpu_traces(tmp_path, microbatches):
                    "--model-kwargs", json.dumps(KWARGS), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "from 2 trace(s) (ranks 0, 1; 2 step(s) each)" in proc.stdout, proc.stdout
+    assert "of work outside the modules" in proc.stdout, proc.stdout
     profile = Profile.load(out)
     assert profile.fingerprint == own  # the fake world's model is the ranks' model
     assert profile.source == "trace" and "fingerprint" not in profile.estimated
