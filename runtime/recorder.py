@@ -17,7 +17,9 @@ What it records and how (docs/architecture.md, "Measurement"):
   FSDP module is unsharded first, with ``reshard_after_forward`` off,
   gradient sync off (``set_requires_gradient_sync(False)``) and
   ``set_reshard_after_backward(False)``, so no collective runs inside the
-  window.
+  window; each module's unsharded gradients are freed when its backward
+  ends, as in a step ([Note: The isolated backward frees each module's
+  gradients]).
 - Activation bytes saved for backward, per module; and whether autograd
   saves any of its parameters (if not, e.g. an embedding, its parameters
   need no all-gather in backward: ``set_unshard_in_backward(False)``).
@@ -80,18 +82,19 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
                       zero_grad: bool = True, only: Collection[str] | None = None) -> dict[str, Any]:
     """Compute ms per module and phase, orders and activation bytes, with every module unsharded, no communication.
 
-    Gradient sync is off in the window (nothing is reduced into the sharded gradients); the unsharded gradients
-    are cleared after it and every module resharded with ``raf``'s ``reshard_after_forward``. ``zero_grad``: also
+    Gradient sync is off in the window (nothing is reduced into the sharded gradients); each module's unsharded
+    gradients are freed when its backward ends, as FSDP2's reduce-scatter frees them in a step ([Note: The
+    isolated backward frees each module's gradients]), again after the window, and every module is resharded
+    with ``raf``'s ``reshard_after_forward``. ``zero_grad``: also
     ``optimizer.zero_grad(set_to_none=True)`` (the in-loop tuner leaves the user's gradients alone).
 
     ``only``: hold only these modules unsharded (``planner.study.in_loop.isolation_groups``, under a memory
     budget); the others run as in FSDP2's default (all-gather in pre-forward and pre-backward, reshard after),
-    their unsharded gradients cleared after their post-backward, and the timer's hooks run before FSDP2's, so
-    their all-gathers stay in their own windows. A held module's implicit backward prefetch (of the next module
-    in backward, in its own window) is turned off by an explicit prefetch of itself, a no-op
-    (``FSDPParamGroup.unshard`` returns at once on an unsharded group); FSDP2's default (implicit) is restored
-    after. Only the held modules' figures are clean: the caller keeps theirs (``times``, ``activation_bytes``,
-    ``needs_parameters_in_backward``, ``recompute_bytes`` hold only theirs).
+    and the timer's hooks run before FSDP2's, so their all-gathers stay in their own windows. A held module's
+    implicit backward prefetch (of the next module in backward, in its own window) is turned off by an explicit
+    prefetch of itself, a no-op (``FSDPParamGroup.unshard`` returns at once on an unsharded group); FSDP2's
+    default (implicit) is restored after. Only the held modules' figures are clean: the caller keeps theirs
+    (``times``, ``activation_bytes``, ``needs_parameters_in_backward``, ``recompute_bytes`` hold only theirs).
     """
     model = workload.model
     modules = fsdp_modules(model)
@@ -110,12 +113,10 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
         m.unshard()
     by_fqn = dict(modules)
 
-    def clear_if_sharded(fqn: str) -> None:
-        if fqn not in held:
-            clear_unsharded_grads(by_fqn[fqn])
+    def free_gradients(fqn: str) -> None:  # [Note: The isolated backward frees each module's gradients]
+        clear_unsharded_grads(by_fqn[fqn])
 
-    timer = ComputeTimer(modules, modules[0][0], device, hooks_first=only is not None,
-                         after_backward=clear_if_sharded if only is not None else None)
+    timer = ComputeTimer(modules, modules[0][0], device, hooks_first=only is not None, after_backward=free_gradients)
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     needs: dict[str, bool] = {}
     try:
@@ -151,6 +152,17 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
         "needs_parameters_in_backward": {f: v for f, v in needs.items() if f in held},
         "recompute_bytes": {f: b for f, b in timer.recompute_bytes.items() if f in held},
     }
+
+
+# [Note: The isolated backward frees each module's gradients]
+# With gradient sync off, FSDP2 leaves each module's gradients on its unsharded parameters until they are cleared.
+# Kept until the end of the isolated pass, every module's backward wrote its gradients into memory no earlier
+# module had freed; in a step, FSDP2's post-backward reduce-scatters them and frees them (``foreach_reduce``), and
+# the next module's gradients reuse that memory. Freeing them when each module's backward ends (the timer's
+# ``after_backward``, after its window is marked) read the backward lower on 23 of 24 (rank, round) pairs,
+# alternating the two in one process (reference Llama and GPT-2, 4 and 6 rounds, 2026-11-25): the blocks by
+# 7-17%, the root (the LM head's and embedding's gradients) by 30-50%. A traced step's backward had read
+# 10-24% below the recorder's (bench/results/NOTES.md, "Profiles from traces").
 
 
 def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, repeats: int = 3,

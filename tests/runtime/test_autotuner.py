@@ -189,7 +189,8 @@ def test_isolated_passes_a_module_at_a_time_agree_with_every_module_at_once(tmp_
     """The recorder's isolated passes on the checkpointed Llama, every all-gather made 60 ms slower: one module held
     unsharded per pass (the others all-gather as in FSDP2's default) gives the same orders, activation and recompute
     bytes and parameter needs as every module at once, no all-gather inside a held module's window, the user's gradients
-    untouched, and each pass's peak within what ``isolation_groups`` budgets for it."""
+    untouched, each module's unsharded gradients freed when its backward ends, and each pass's peak within what
+    ``isolation_groups`` budgets for it."""
     from planner.study.in_loop import in_loop_config, isolation_groups
 
     out = tmp_path / "isolated.json"
@@ -211,9 +212,15 @@ def test_isolated_passes_a_module_at_a_time_agree_with_every_module_at_once(tmp_
     assert r["grads_kept"]
     module_bytes = r["module_bytes"]
     grads = sum(module_bytes.values()) // 2
+    # every module at once holds each module's unsharded gradients only until its backward ends ([Note: The
+    # isolated backward frees each module's gradients]), so it peaks near the one-module passes (the same bytes,
+    # 2222984 against 2222984 at most); kept, they peaked 254 KiB over them (2642376 against 2387336), here 0.4x
+    # the unsharded parameters' bytes; the peaks are tensor bytes, the same from run to run
+    one_module = max(r["grouped_peaks"][:-1])
+    assert r["full_peak"] < one_module + sum(module_bytes.values()) // 4
     for fqn, peak in zip(r["fqns"][:-1], r["grouped_peaks"][:-1], strict=True):  # the last pass timed collectives
         assert peak <= r["default_peak"] + grads + 2 * module_bytes[fqn]
-        assert peak < r["full_peak"]
+        assert peak <= r["full_peak"]  # never above every module at once (equal here: freed gradients, above)
     # the budget that holds exactly one block with its gradient asks for one pass per module
     one = r["default_peak"] + grads + 2 * max(module_bytes.values())
     config = in_loop_config("job", "sqlite://", f"{one}B")
