@@ -1,79 +1,57 @@
 """Discrete-event simulator of one FSDP2 training step: :class:`Simulator`.
 
-A :class:`Simulator` holds one profile as the compiled kernel reads it
-(:mod:`planner.simulation._kernel`) and the global parameters
-(:class:`SimParams`) it runs with; :meth:`Simulator.run` walks the CPU thread
-through the hooks FSDP2 runs in one step, in program order, keeping the time
-at which each resource is next free: the issuing CPU thread, the compute
-stream (GPU only), the all-gather stream, and the process group that
-serializes every collective. The rules follow
-``torch/distributed/fsdp/_fully_shard/`` (torch 2.13); each rule cites the
-function it models (docs/architecture.md, "Where each FSDP2 rule is
-modelled", maps them). Which parameters a profile is simulated with (its
-calibration, else those solved from its in-step timings) is
+A :class:`Simulator` holds one profile as the compiled kernel reads it (:mod:`planner.simulation._kernel`) and the
+global parameters (:class:`SimParams`) it runs with; :meth:`Simulator.run` walks the CPU thread through the hooks
+FSDP2 runs in one step, in program order, keeping the time at which each resource is next free: the issuing CPU
+thread, the compute stream (GPU only), the all-gather stream, and the process group that serializes every
+collective. The rules follow ``torch/distributed/fsdp/_fully_shard/`` (torch 2.13); each rule cites the function it
+models (docs/architecture.md, "Where each FSDP2 rule is modelled", maps them). Which parameters a profile is
+simulated with (its calibration, else those solved from its in-step timings) is
 :mod:`planner.simulation.parameters`'s question.
 
 [Note: CPU device]
-On a CPU device there are no streams: compute blocks the issuing thread, a
-collective with ``async_op=False`` blocks it too, and only ``async_op=True``
-all-gathers run beside compute (in the gloo backend's threads). The
-reduce-scatter in ``foreach_reduce`` is always issued with ``async_op=False``,
-so on CPU it blocks the thread, queued behind any all-gather still in flight
-on the same process group.
-Compute and the gloo threads share the same cores: while they overlap, both
-progress at ``1 / overlap_slowdown`` of their speed, so an overlap of ``x``
-ms costs ``x * (overlap_slowdown - 1)`` ms on the compute and on every
-collective in flight. Slowing the compute alone would let a
-communication-bound step hide all of its compute for free, which the CPU
-reference workloads do not show.
-Simplification: gloo runs up to two collectives of a process group at once
-(``ProcessGroupGloo`` options, ``threads=2``); they are modelled one after
-another, so the model charges deeper explicit backward prefetch with async
-unshard more than the ranks do (the synchronous reduce-scatter waits behind
-one more all-gather).
+On a CPU device there are no streams: compute blocks the issuing thread, a collective with ``async_op=False`` blocks
+it too, and only ``async_op=True`` all-gathers run beside compute (in the gloo backend's threads). The
+reduce-scatter in ``foreach_reduce`` is always issued with ``async_op=False``, so on CPU it blocks the thread,
+queued behind any all-gather still in flight on the same process group. Compute and the gloo threads share the same
+cores: while they overlap, both progress at ``1 / overlap_slowdown`` of their speed, so an overlap of ``x`` ms costs
+``x * (overlap_slowdown - 1)`` ms on the compute and on every collective in flight. Slowing the compute alone would
+let a communication-bound step hide all of its compute for free, which the CPU reference workloads do not show.
+Simplification: gloo runs up to two collectives of a process group at once (``ProcessGroupGloo`` options,
+``threads=2``); they are modelled one after another, so the model charges deeper explicit backward prefetch with
+async unshard more than the ranks do (the synchronous reduce-scatter waits behind one more all-gather).
 
 [Note: Model structure]
-The torchtitan pattern: ``fully_shard`` per block, then the root. The root's
-own compute is split into the part before the first nested module
-(``fwd_pre_ms`` / ``bwd_pre_ms``, e.g. embedding in forward, LM head in
-backward) and the rest. Deeper nesting is simulated as siblings in
-post-forward order.
+The torchtitan pattern: ``fully_shard`` per block, then the root. The root's own compute is split into the part
+before the first nested module (``fwd_pre_ms`` / ``bwd_pre_ms``, e.g. embedding in forward, LM head in backward) and
+the rest. Deeper nesting is simulated as siblings in post-forward order.
 
 [Note: Memory in program order]
-Peak memory is the running sum of allocations and frees in the order the CPU
-issues them, which is what the caching allocator accounts (stream-ordered
-reuse follows the issuing order). Baseline: sharded parameters and
-gradients plus optimizer state.
+Peak memory is the running sum of allocations and frees in the order the CPU issues them, which is what the caching
+allocator accounts (stream-ordered reuse follows the issuing order). Baseline: sharded parameters and gradients plus
+optimizer state.
 
 [Note: Post-optimizer event]
-``FSDPState._root_pre_forward`` makes the all-gather streams wait for the
-current stream (or the ``set_post_optim_event`` event): the first all-gather
-of a step never overlaps the previous optimizer step. Simulating one step that
-starts at 0, this is the initial state of every resource.
+``FSDPState._root_pre_forward`` makes the all-gather streams wait for the current stream (or the
+``set_post_optim_event`` event): the first all-gather of a step never overlaps the previous optimizer step.
+Simulating one step that starts at 0, this is the initial state of every resource.
 
 [Note: Work outside the modules]
-A step also runs work that is no module's forward or backward, no collective
-and not the optimizer: the loss, ``zero_grad``, FSDP2's hooks, the training
-loop (``Profile.outside_ms``; a CPU trace measures it, 90-125 ms or about 2%
-of a reference step). It is serial compute on the loop's thread and nothing
-of FSDP2's is in flight around it in any plan: the loss runs after the last
-forward (no forward prefetch is left) and before the first pre-backward hook
-issues a backward all-gather; ``zero_grad`` runs after the optimizer, which
-waits for every reduce-scatter (``_root_post_backward_final_callback``). So
-it adds to the step as it is, scaled with the compute (``compute_scale``),
-after the optimizer.
+A step also runs work that is no module's forward or backward, no collective and not the optimizer: the loss,
+``zero_grad``, FSDP2's hooks, the training loop (``Profile.outside_ms``; a CPU trace measures it, 90-125 ms or about
+2% of a reference step). It is serial compute on the loop's thread and nothing of FSDP2's is in flight around it in
+any plan: the loss runs after the last forward (no forward prefetch is left) and before the first pre-backward hook
+issues a backward all-gather; ``zero_grad`` runs after the optimizer, which waits for every reduce-scatter
+(``_root_post_backward_final_callback``). So it adds to the step as it is, scaled with the compute
+(``compute_scale``), after the optimizer.
 
 [Note: Speed]
-The step is one numeric kernel compiled by numba, over per-module arrays
-built once per profile (:class:`Simulator`) and once per plan
-(:meth:`Simulator.compile`: a caller that runs one plan many times, such as
-calibration, compiles it once). The same kernel writes the trace, so traced
-and untraced runs cannot disagree. Inside the kernel, the per-module
-functions take plain arrays and callers check a module's state before
-calling them ([Note: Arrays, not bundles, in the hot path] in
-:mod:`planner.simulation._kernel.state`). ``python -m bench.simulator_speed``
-prints the figures.
-"""
+The step is one numeric kernel compiled by numba, over per-module arrays built once per profile (:class:`Simulator`)
+and once per plan (:meth:`Simulator.compile`: a caller that runs one plan many times, such as calibration, compiles
+it once). The same kernel writes the trace, so traced and untraced runs cannot disagree. Inside the kernel, the
+per-module functions take plain arrays and callers check a module's state before calling them ([Note: Arrays, not
+bundles, in the hot path] in :mod:`planner.simulation._kernel.state`). ``python -m bench.simulator_speed`` prints
+the figures."""
 
 from __future__ import annotations
 
