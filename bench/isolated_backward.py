@@ -27,6 +27,7 @@ def rank_main(study: str, rounds: int) -> None:
 
     import runtime.recorder as recorder
     from planner.artifacts.config import load_study_config
+    from runtime.measure import device_type_of
     from runtime.rank import init_rank, shutdown_rank
     from runtime.torch_private import reshard_after_forward
     from runtime.workload import build_study_workload, fsdp_modules, train_step
@@ -44,7 +45,7 @@ def rank_main(study: str, rounds: int) -> None:
         train_step(workload, s)
     modules = fsdp_modules(workload.model)
     raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
-    device = next(workload.model.parameters()).device.type
+    device = device_type_of(workload)
     times: dict[str, list[dict]] = {"free": [], "keep": []}
     try:
         for r in range(rounds):
