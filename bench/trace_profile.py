@@ -6,8 +6,9 @@
 
 For each study, on its ranks: the recorder's profile (``runtime.recorder.record_profile``, what ``tune`` uses); then a
 fresh model in a user's plain loop (``train_step``) under ``torch.profiler`` with the CPU activity (and CUDA's on
-GPU), ``profile_memory=True`` and ``record_shapes=True``, ``--steps`` active steps after one warm-up, each rank's
-trace written by ``tensorboard_trace_handler`` (into ``--traces DIR``, or a temporary folder). Rank 0 then builds the
+GPU), ``profile_memory=True`` and ``record_shapes=True``, ``--steps`` active steps in cycles of one untraced step,
+one warm-up and ``--active`` active steps (torchtitan's default traces one step a cycle), each rank's trace of each
+cycle written by ``tensorboard_trace_handler`` (into ``--traces DIR``, or a temporary folder). Rank 0 then builds the
 profile from the traces (:func:`planner.traces.trace_profile.profile_from_traces`, with the model's fingerprint, as
 ``--model`` gives) and prints, per module and figure, trace against recorder; the post-forward orders; the simulated
 default step from the trace profile's module figures alone against the traced step; the peaks; and, per traced
@@ -32,7 +33,8 @@ MODULE = "bench.trace_profile"
 FIGURES = ("fwd_ms", "bwd_ms", "all_gather_ms", "reduce_scatter_ms")
 
 
-def rank_main(study: str, steps: int, out: str | None, per_module: bool = False, traces: str | None = None) -> None:
+def rank_main(study: str, steps: int, out: str | None, per_module: bool = False, traces: str | None = None,
+              active: int = 1) -> None:
     """Every rank: record, then trace a fresh model's plain loop; rank 0 builds, compares and reports."""
     import torch
     import torch.distributed as dist
@@ -61,10 +63,12 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
     activities = [torch.profiler.ProfilerActivity.CPU]
     if mesh.device_type == "cuda":  # as a GPU user traces: the kernels too, on their streams
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # [Note: Several traces of one rank] in planner.traces.trace_profile: one file per rank and cycle
+    cycles = -(-steps // active)
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=active, repeat=cycles)
     with torch.profiler.profile(activities=activities, profile_memory=True,
-                                record_shapes=True, on_trace_ready=handler,
-                                schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps)) as prof:
-        for s in range(steps + 1):
+                                record_shapes=True, on_trace_ready=handler, schedule=schedule) as prof:
+        for s in range(cycles * (2 + active)):
             train_step(user, 2 + s)
             prof.step()
     dist.barrier()
@@ -72,7 +76,7 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
         from planner.traces.trace_profile import profile_from_traces
 
         traced = profile_from_traces([folder], recorded.fingerprint)
-        run = {"study": config.name, "steps": steps, "traces": folder, "recorded": recorded.to_dict(),
+        run = {"study": config.name, "steps": steps, "active": active, "traces": folder, "recorded": recorded.to_dict(),
                "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
                "missing": [m.line() for m in traced.missing], "rank_skew_ms": traced.rank_skew_ms,
                "outside_ms": traced.outside_ms, "decomposition": decompose(folder),
@@ -167,14 +171,13 @@ def decompose(folder: str) -> list[str]:
     over calls, summed per step, against the steps. Lines to print; ``[]`` for GPU traces (stretches overlap)."""
     from collections import defaultdict
 
-    from planner.traces.fsdp_steps import rank_steps
     from planner.traces.kineto import read_trace, trace_files
-    from planner.traces.trace_profile import _by_rank, _collective_ms
+    from planner.traces.trace_profile import _by_rank, _collective_ms, _steps_of_rank
 
     traces = _by_rank([read_trace(p) for p in trace_files([folder])])
-    if next(iter(traces.values())).device_type != "cpu":
+    if next(iter(traces.values()))[0].device_type != "cpu":
         return []
-    per_rank = [rank_steps(t) for t in traces.values()]
+    per_rank = [_steps_of_rank(rank, files) for rank, files in traces.items()]
     lines, by_call, colls = [], defaultdict(list), []
     for steps in zip(*per_rank, strict=False):
         compute = sum(max(s.fwd_ms.get(m, 0.0) for s in steps) + max(s.bwd_ms.get(m, 0.0) for s in steps)
@@ -207,21 +210,24 @@ def decompose(folder: str) -> list[str]:
 @studies_argument
 @saved_run_options
 @click.option("--steps", default=5, show_default=True, help="active steps traced")
+@click.option("--active", default=1, show_default=True,
+              help="active steps per profiler cycle (each cycle: one untraced step, one warm-up, then these)")
 @click.option("--per-module", is_flag=True, help="also record with one module per isolated pass, and compare")
 @click.option("--traces", type=click.Path(file_okay=False), help="write the traces here (default: a temporary folder)")
 @click.option("--decompose", "decompose_dir", type=click.Path(exists=True, file_okay=False),
               help="print, per step of the traces there, the step against the sum of its calls, and stop")
-def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int, per_module: bool,
-         traces: str | None, decompose_dir: str | None) -> None:
+def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int, active: int,
+         per_module: bool, traces: str | None, decompose_dir: str | None) -> None:
     if decompose_dir:
         print("\n".join(decompose(decompose_dir)))
         return
     if report_saved(refit, report):
         return
     run_studies(MODULE, studies,
-                lambda study: [study, "--steps", str(steps), *json_flag(json_out), *(["--per-module"] * per_module),
+                lambda study: [study, "--steps", str(steps), "--active", str(active), *json_flag(json_out),
+                               *(["--per-module"] * per_module),
                                *(["--traces", traces] if traces else [])],
-                lambda study: rank_main(study, steps, json_out, per_module, traces))
+                lambda study: rank_main(study, steps, json_out, per_module, traces, active))
 
 
 if __name__ == "__main__":

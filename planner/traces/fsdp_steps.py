@@ -89,10 +89,14 @@ class RankStep:
         resharded: modules all-gathered again in backward (``reshard_after_forward`` was on).
         optimizer: the ``Optimizer.step#Name.step`` label's ``Name``, or ``None``.
         peak_above_start_bytes: the most bytes allocated above the step's start; ``None`` without memory events.
-        start_bytes: ``Total Allocated`` at step start (on CPU only what was allocated while profiling).
+        start_bytes: ``Total Allocated`` at step start: before the file's first memory event, that event's total
+            less its own ``Bytes`` (a file of a later profiler cycle starts where the counter stood, and on CPU that
+            counter, the profiler's own, counts only what it saw allocated, never freeing what it saw allocated
+            while not profiling, so it climbs from cycle to cycle: only differences within a step are bytes).
         activation_bytes: first microbatch: bytes each module's forward left allocated, exclusive of nested modules.
         recompute_ms: per checkpointed module, its recompute inside its backward (part of ``bwd_ms``).
         recompute_bytes: per checkpointed module, the most bytes allocated during its recompute above its start.
+        path: the trace file the step is from.
     """
 
     number: int
@@ -114,6 +118,7 @@ class RankStep:
     activation_bytes: dict[str, int] = field(default_factory=dict)
     recompute_ms: dict[str, float] = field(default_factory=dict)
     recompute_bytes: dict[str, int] = field(default_factory=dict)
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -240,7 +245,7 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
         collectives=tuple(_collectives(trace, labels)), resharded=resharded,
         optimizer=optimizer.name.split("#")[1].split(".")[0] if optimizer else None,
         optimizer_ms=across(optimizer) if optimizer else None, recompute_ms=recompute_ms,
-        recompute_bytes=recompute_bytes, **memory,
+        recompute_bytes=recompute_bytes, path=trace.path, **memory,
     )
 
 
@@ -315,9 +320,9 @@ def _memory(trace: KinetoTrace, window: TraceEvent, labels: list[_Label], optimi
         return {}
     ts = [m.ts for m in events]
 
-    def total_at(t: float) -> int:
+    def total_at(t: float) -> int:  # before the file's first event: what that event found
         i = bisect.bisect_right(ts, t) - 1
-        return events[i].total_allocated if i >= 0 else 0
+        return events[i].total_allocated if i >= 0 else events[0].total_allocated - events[0].bytes
 
     inside = [m.total_allocated for m in events if window.contains(m.ts)]
     start = total_at(window.ts)

@@ -78,11 +78,13 @@ class TraceEvent:
 
 @dataclass(frozen=True)
 class MemoryEvent:
-    """A ``[memory]`` instant event: ``Total Allocated`` bytes on ``device`` right after it, at ``ts`` (us)."""
+    """A ``[memory]`` instant event: ``Total Allocated`` bytes on ``device`` right after it, at ``ts`` (us), and
+    ``bytes``, the allocation (positive) or free (negative) it records (``Bytes``; 0 where the event has none)."""
 
     ts: float
     total_allocated: int
     device: str
+    bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,8 @@ def _parse(name: str, doc: dict[str, Any]) -> KinetoTrace:
                     launches[int(args["correlation"])] = ts
             elif ph == "i" and e.get("name") == "[memory]" and "Total Allocated" in args:
                 device = "cuda" if args.get("Device Type") == 1 else "cpu"
-                memory.append(MemoryEvent(float(e["ts"]), int(args["Total Allocated"]), device))
+                memory.append(MemoryEvent(float(e["ts"]), int(args["Total Allocated"]), device,
+                                          int(args.get("Bytes", 0))))
         except (KeyError, TypeError, ValueError) as err:
             raise TraceFormatError(f"trace {name!r} has a malformed {cat or ph} event {str(e.get('name'))[:60]!r} "
                                    f"({type(err).__name__}: {err}); export it again with torch.profiler") from None

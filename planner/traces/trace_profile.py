@@ -72,44 +72,78 @@ def profile_from_traces(paths: list[str], fingerprint: Fingerprint | None = None
 
     Args:
         paths: the traces; each file's rank is its ``distributedInfo.rank``, else a ``rank<N>`` in its name,
-            else its position.
+            else its position. A rank may have several files, each other steps of the job (``torch.profiler``'s
+            ``schedule(..., repeat=N)`` writes one per cycle; torchtitan one per ``iteration_N`` folder): their steps
+            are taken together ([Note: Several traces of one rank]).
         fingerprint: the model's own (``runtime.apply.model_fingerprint``); ``None``: estimated from the traces
             (parameter counts padded to the world size, so a plan made on it names the model's modules but
             its ``apply`` check needs the real counts).
 
     Raises:
         TraceFormatError: a file that cannot be read or is not a Kineto trace; no FSDP2 labels; two files of
-            one rank; traces of different world sizes; ranks that disagree on the post-forward order; a
-            fingerprint that names other modules than the traces. The message names the files.
+            one rank that hold the same step; traces of different world sizes; ranks that disagree on the
+            post-forward order; a fingerprint that names other modules than the traces. The message names the
+            files.
     """
     traces = _by_rank([read_trace(p) for p in trace_files(paths)])
-    per_rank = {rank: rank_steps(t) for rank, t in traces.items()}
+    per_rank = {rank: _steps_of_rank(rank, files) for rank, files in traces.items()}
     first_rank = min(per_rank)
-    order = per_rank[first_rank][0].post_forward_order
+    first = per_rank[first_rank][0]
     for rank, steps in per_rank.items():
         for s in steps:
-            if s.post_forward_order != order:
+            if s.post_forward_order != first.post_forward_order:
                 raise TraceFormatError(
-                    f"ranks disagree on the post-forward order: {traces[first_rank].path!r} (rank {first_rank}) has "
-                    f"{list(order)}, {traces[rank].path!r} (rank {rank}, step {s.number}) has "
+                    f"ranks disagree on the post-forward order: {first.path!r} (rank {first_rank}) has "
+                    f"{list(first.post_forward_order)}, {s.path!r} (rank {rank}, step {s.number}) has "
                     f"{list(s.post_forward_order)}; give traces of the same steps of one job")
-    return _consolidate(traces, per_rank, fingerprint)
+    return _consolidate({rank: files[0] for rank, files in traces.items()}, per_rank, fingerprint)
 
 
-def _by_rank(traces: list[KinetoTrace]) -> dict[int, KinetoTrace]:
-    out: dict[int, KinetoTrace] = {}
+def _by_rank(traces: list[KinetoTrace]) -> dict[int, list[KinetoTrace]]:
+    out: dict[int, list[KinetoTrace]] = defaultdict(list)
     worlds = {t.world_size for t in traces if t.world_size is not None}
     if len(worlds) > 1:
         raise TraceFormatError(f"the traces come from different world sizes {sorted(worlds)}: "
                                + ", ".join(f"{t.path!r} ({t.world_size})" for t in traces))
+    ranked = [t for t in traces if t.rank is not None or re.search(r"rank[_-]?(\d+)", Path(t.path).name)]
     for i, t in enumerate(traces):
         named = re.search(r"rank[_-]?(\d+)", Path(t.path).name)
         rank = t.rank if t.rank is not None else int(named.group(1)) if named else i
-        if rank in out:
-            raise TraceFormatError(f"two traces of rank {rank}: {out[rank].path!r} and {t.path!r}; give one "
-                                   "trace per rank (one step range of one job)")
-        out[rank] = t
+        if len(ranked) < len(traces) and out.get(rank):  # a position is a rank only when no file names its own
+            raise TraceFormatError(f"two traces of rank {rank}: {out[rank][0].path!r} and {t.path!r}; give each "
+                                   "rank's trace its distributedInfo or a rank<N> in its name")
+        out[rank].append(t)
     return dict(sorted(out.items()))
+
+
+# [Note: Several traces of one rank]
+# A job traced with ``torch.profiler.schedule(wait, warmup, active, repeat=N)`` writes one file per rank and cycle,
+# torchtitan one folder per profiled iteration (``profiling/traces/iteration_N/rank{R}_trace.json``). The files of
+# one rank are other steps of the same job, and their steps are pooled: each step's ``ProfilerStep#N`` is the
+# profiler's own count, so steps of different cycles have different numbers, and the collectives of step N are
+# paired across ranks by it. Two files of one rank that hold the same step number are two runs, or one file given
+# twice, and are refused. Short cycles also perturb less: on the CPU testbed a step traced in a cycle of 8 active
+# steps ran 20-50% slower from its third step on, its collectives most (``decomposition`` in
+# bench/results/trace-profile-*-cpu*.json), where one active step per cycle did not (NOTES.md).
+
+
+def _steps_of_rank(rank: int, files: list[KinetoTrace]) -> list[RankStep]:
+    """One rank's steps from its files, in step order.
+
+    Raises:
+        TraceFormatError: two files hold the same step (``ProfilerStep#N``), or one file has no whole step.
+    """
+    seen: dict[int, str] = {}
+    steps = []
+    for trace in files:
+        for s in rank_steps(trace):
+            if s.number in seen:
+                raise TraceFormatError(f"two traces of rank {rank} hold step {s.number}: {seen[s.number]!r} and "
+                                       f"{trace.path!r}; give each step of a rank once (one trace per rank and "
+                                       "profiler cycle, of one job)")
+            seen[s.number] = trace.path
+            steps.append(s)
+    return sorted(steps, key=lambda s: s.number)
 
 
 def _median_max(values_per_rank: list[list[float]]) -> float:

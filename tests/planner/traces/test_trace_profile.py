@@ -236,8 +236,10 @@ def test_a_cpu_reduce_scatter_counts_fsdp2s_copies_and_not_the_wait_for_the_late
     assert _collective_ms(calls) == pytest.approx(0.30)
 
 
-def _steps(tmp_path: Path, slower_in_step_3: dict[str, float]) -> None:
-    """Three steps of the synthetic trace per rank, one after another; the third with ``slower_in_step_3``."""
+def _steps(tmp_path: Path, slower_in_step_3: dict[str, float], per_iteration: bool = False) -> list[str]:
+    """Three steps of the synthetic trace per rank, one after another; the third with ``slower_in_step_3``. In one
+    file per rank, or ``per_iteration``: one per rank and step, in torchtitan's ``iteration_N`` folders. Returns the
+    folders the traces are in."""
     for rank in range(2):
         events = []
         for step in range(3):
@@ -248,7 +250,14 @@ def _steps(tmp_path: Path, slower_in_step_3: dict[str, float]) -> None:
                 if "correlation" in e["args"]:
                     e["args"]["correlation"] += 1000 * step
             events += doc["traceEvents"]
-        (tmp_path / f"rank{rank}_trace.json").write_text(json.dumps({**doc, "traceEvents": events}))
+            if per_iteration:
+                folder = tmp_path / f"iteration_{step + 1}"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"rank{rank}_trace.json").write_text(json.dumps(doc))
+        if not per_iteration:
+            tmp_path.mkdir(parents=True, exist_ok=True)
+            (tmp_path / f"rank{rank}_trace.json").write_text(json.dumps({**doc, "traceEvents": events}))
+    return sorted(str(f) for f in tmp_path.iterdir() if f.is_dir()) if per_iteration else [str(tmp_path)]
 
 
 def test_a_collective_is_the_mean_of_its_calls_and_compute_the_median(tmp_path):
@@ -262,6 +271,47 @@ def test_a_collective_is_the_mean_of_its_calls_and_compute_the_median(tmp_path):
     assert layer.reduce_scatter_ms == pytest.approx(0.45)
     assert layer.fwd_ms == pytest.approx(0.5)
     assert traced.profile.modules["layers.1"].reduce_scatter_ms == pytest.approx(0.25)
+
+
+def test_the_steps_of_several_traces_of_a_rank_are_pooled_and_a_step_given_twice_is_refused(tmp_path):
+    """torchtitan writes one folder per profiled iteration (a ``schedule(..., repeat=N)`` one file per cycle): the
+    three steps in three folders give the profile of the three steps in one file, and a folder given twice is
+    one rank's step twice, named with both files."""
+    slower = {"ncclDevKernel_ReduceScatter_RING_LL_Sum_float (layers.0)": 600.0, "layers.0 fwd": 600.0}
+    pooled = profile_from_traces(_steps(tmp_path / "iterations", slower, per_iteration=True))
+    one_file = profile_from_traces(_steps(tmp_path / "one", slower))
+    assert pooled.steps == 3 and pooled.ranks == (0, 1)
+    assert pooled.profile.modules == one_file.profile.modules
+    assert pooled.rank_skew_ms == pytest.approx(one_file.rank_skew_ms)
+    first = sorted((tmp_path / "iterations").iterdir())[0]
+    with pytest.raises(TraceFormatError, match="two traces of rank 0 hold step 1") as info:
+        profile_from_traces([str(first), str(first / "rank0_trace.json")])
+    assert str(first / "rank0_trace.json") in str(info.value)
+
+
+def test_a_memory_counter_carried_over_from_an_earlier_cycle_moves_no_figure_but_the_start(tmp_path):
+    """A later profiler cycle's file starts where the counter stood, with no memory event before its step (on CPU the
+    profiler's counter climbs from cycle to cycle): every total 1 GiB higher, each event's ``Bytes`` its change, the
+    event before the step gone; the peak above the start and the activations are as before, the start 1 GiB
+    higher."""
+    [path, _] = write_traces(tmp_path)
+    [before] = rank_steps(read_trace(path))
+
+    def carry_over(doc):
+        previous = 0
+        for e in doc["traceEvents"]:
+            if e["name"] == "[memory]":
+                total = e["args"]["Total Allocated"]
+                e["args"].update({"Total Allocated": total + 2**30, "Bytes": total - previous})
+                previous = total
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e["name"] != "[memory]" or e["ts"] >= 0]
+
+    _edit(path, carry_over)
+    [after] = rank_steps(read_trace(path))
+    assert after.peak_above_start_bytes == before.peak_above_start_bytes > 0
+    assert after.activation_bytes == before.activation_bytes
+    assert after.optimizer_temp_bytes == before.optimizer_temp_bytes
+    assert after.start_bytes == before.start_bytes + 2**30
 
 
 def test_work_outside_the_modules_is_the_step_less_its_parts():
