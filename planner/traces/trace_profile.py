@@ -122,9 +122,10 @@ def _by_rank(traces: list[KinetoTrace]) -> dict[int, list[KinetoTrace]]:
 # one rank are other steps of the same job, and their steps are pooled: each step's ``ProfilerStep#N`` is the
 # profiler's own count, so steps of different cycles have different numbers, and the collectives of step N are
 # paired across ranks by it. Two files of one rank that hold the same step number are two runs, or one file given
-# twice, and are refused. Short cycles also perturb less: on the CPU testbed a step traced in a cycle of 8 active
-# steps ran 20-50% slower from its third step on, its collectives most (``decomposition`` in
-# bench/results/trace-profile-*-cpu*.json), where one active step per cycle did not (NOTES.md).
+# twice, and are refused. Short cycles also perturb less: on the CPU testbed the steps of a cycle of 8 active steps
+# ran 29-81% over untraced steps of the same launch, the collectives most, where one active step a cycle ran as
+# fast as the untraced step before it (median ratio 0.97-0.98 in three launches; `python -m bench.profiler_cycles`,
+# bench/results/NOTES.md).
 
 
 def _steps_of_rank(rank: int, files: list[KinetoTrace]) -> list[RankStep]:
