@@ -151,8 +151,8 @@ def confirm(study_toml, storage, job) -> None:
 @click.option("-o", "--output", help="Profile JSON to write (default: <toml dir>/<name>.profile.json).")
 @click.option("--torch-trace", help="Also write one default-plan step's torch.profiler trace (rank 0) here.")
 @click.option("--from-trace", "from_trace", is_flag=True,
-              help="Build the profile from a job's torch.profiler traces (one per rank, or their directory); "
-                   "no rank runs.")
+              help="Build the profile from a job's torch.profiler traces (one per rank, or per rank and profiler "
+                   "cycle, or their directories); no rank runs.")
 @click.option("--model", help="With --from-trace: the traced job's workload factory (package.module:function), "
                               "for the model's own parameter counts (else estimated).")
 @click.option("--model-kwargs", help="With --model: the factory's keyword arguments, a JSON object.")

@@ -114,6 +114,13 @@ def test_two_traces_of_one_rank_and_mixed_worlds(tmp_path):
     _edit(paths[1], lambda d: d["distributedInfo"].update(rank=1, world_size=4))
     with pytest.raises(TraceFormatError, match=r"different world sizes \[2, 4\]"):
         profile_from_traces(paths)
+    # a file that names no rank takes its position, 1 here: rank 1 is paths[0]'s own, so the two cannot be told apart
+    _edit(paths[0], lambda d: d["distributedInfo"].update(rank=1))
+    anonymous = str(tmp_path / "job_trace.json")
+    Path(paths[1]).rename(anonymous)
+    _edit(anonymous, lambda d: d.pop("distributedInfo"))
+    with pytest.raises(TraceFormatError, match="two traces of rank 1: .*rank<N> in its name"):
+        profile_from_traces([paths[0], anonymous])
 
 
 def test_a_trace_without_step_ranges_is_one_step(tmp_path):
