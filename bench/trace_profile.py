@@ -8,7 +8,9 @@ For each study, on its ranks: the recorder's profile (``runtime.recorder.record_
 fresh model in a user's plain loop (``train_step``) under ``torch.profiler`` with the CPU activity (and CUDA's on
 GPU), ``profile_memory=True`` and ``record_shapes=True``, ``--steps`` active steps in cycles of one untraced step,
 one warm-up and ``--active`` active steps (torchtitan's default traces one step a cycle), each rank's trace of each
-cycle written by ``tensorboard_trace_handler`` (into ``--traces DIR``, or a temporary folder). Rank 0 then builds the
+cycle written by ``tensorboard_trace_handler`` (into ``--traces DIR``, or a temporary folder); then the recorder
+again on the traced model (unless ``--no-recorder-again``), as the comparison's floor: how far the recorder moves
+from itself minutes later on this machine. Rank 0 then builds the
 profile from the traces (:func:`planner.traces.trace_profile.profile_from_traces`, with the model's fingerprint, as
 ``--model`` gives) and prints, per module and figure, trace against recorder; the post-forward orders; the simulated
 default step from the trace profile's module figures alone against the traced step; the peaks; and, per traced
@@ -34,8 +36,9 @@ FIGURES = ("fwd_ms", "bwd_ms", "all_gather_ms", "reduce_scatter_ms")
 
 
 def rank_main(study: str, steps: int, out: str | None, per_module: bool = False, traces: str | None = None,
-              active: int = 1) -> None:
-    """Every rank: record, then trace a fresh model's plain loop; rank 0 builds, compares and reports."""
+              active: int = 1, recorder_again: bool = True) -> None:
+    """Every rank: record, then trace a fresh model's plain loop, then (``recorder_again``) record the traced model;
+    rank 0 builds, compares and reports."""
     import torch
     import torch.distributed as dist
 
@@ -72,6 +75,9 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
             train_step(user, 2 + s)
             prof.step()
     dist.barrier()
+    # the recorder again, minutes later, on the traced model: how far the recorder moves from itself here
+    again = record_profile(user, warmup_steps=config.measure.warmup_steps, steps=config.measure.steps,
+                           repeats=config.measure.profile_repeats) if recorder_again else None
     if dist.get_rank() == 0:
         from planner.traces.trace_profile import profile_from_traces
 
@@ -80,7 +86,8 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
                "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
                "missing": [m.line() for m in traced.missing], "rank_skew_ms": traced.rank_skew_ms,
                "outside_ms": traced.outside_ms, "decomposition": decompose(folder),
-               "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None}
+               "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None,
+               "recorded_again": again.to_dict() if again else None}
         report(run)
         if out:
             Path(out).write_text(json.dumps(run))
@@ -156,12 +163,28 @@ def report(run: dict) -> dict:
         print(f"  estimated: {line}")
     if run.get("recorded_per_module"):
         other = Profile.from_dict(run["recorded_per_module"])
-        again = {f: statistics.median(abs(_error(getattr(t.modules[q], f), getattr(other.modules[q], f)))
-                                      for q in other.fingerprint.module_fqns) for f in FIGURES}
         print("against the recorder with one module per isolated pass (--per-module): median |error| "
-              + ", ".join(f"{f} {v:.1f}%" for f, v in again.items()))
-    return {"median_abs_error_pct": medians, "step_error_pct": step_err, "rank_skew_ms": skew,
-            "same_order": t.post_forward_order == recorded.post_forward_order}
+              + _medians(t, other, figures))
+    summary = {"median_abs_error_pct": medians, "step_error_pct": step_err, "rank_skew_ms": skew,
+               "same_order": t.post_forward_order == recorded.post_forward_order}
+    if run.get("recorded_again"):  # the noise floor of the comparison: the recorder against itself, minutes apart
+        again = Profile.from_dict(run["recorded_again"])
+        print(f"the recorder again after the trace (its step {again.measured_step_ms:.1f} ms): against its first "
+              f"recording, median |error| {_medians(again, recorded, figures)}; the trace against it "
+              f"{_medians(t, again, figures)}")
+        summary["recorder_again_median_abs_error_pct"] = _median_errors(again, recorded, figures)
+    return summary
+
+
+def _median_errors(a, b, figures: tuple[str, ...]) -> dict[str, float]:
+    """``a``'s module figures against ``b``'s: per figure the median over ``b``'s modules of the |error|, %."""
+    return {f: statistics.median(abs(_error(getattr(a.modules[q], f), getattr(b.modules[q], f)))
+                                 for q in b.fingerprint.module_fqns) for f in figures}
+
+
+def _medians(a, b, figures: tuple[str, ...]) -> str:
+    """:func:`_median_errors`, printed."""
+    return ", ".join(f"{f} {v:.1f}%" for f, v in _median_errors(a, b, figures).items())
 
 
 def decompose(folder: str) -> list[str]:
@@ -213,11 +236,13 @@ def decompose(folder: str) -> list[str]:
 @click.option("--active", default=1, show_default=True,
               help="active steps per profiler cycle (each cycle: one untraced step, one warm-up, then these)")
 @click.option("--per-module", is_flag=True, help="also record with one module per isolated pass, and compare")
+@click.option("--no-recorder-again", "recorder_again", is_flag=True, flag_value=False, default=True,
+              help="skip the second recording after the trace (the recorder against itself, the comparison's floor)")
 @click.option("--traces", type=click.Path(file_okay=False), help="write the traces here (default: a temporary folder)")
 @click.option("--decompose", "decompose_dir", type=click.Path(exists=True, file_okay=False),
               help="print, per step of the traces there, the step against the sum of its calls, and stop")
 def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int, active: int,
-         per_module: bool, traces: str | None, decompose_dir: str | None) -> None:
+         per_module: bool, recorder_again: bool, traces: str | None, decompose_dir: str | None) -> None:
     if decompose_dir:
         print("\n".join(decompose(decompose_dir)))
         return
@@ -225,9 +250,9 @@ def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...],
         return
     run_studies(MODULE, studies,
                 lambda study: [study, "--steps", str(steps), "--active", str(active), *json_flag(json_out),
-                               *(["--per-module"] * per_module),
+                               *(["--per-module"] * per_module), *(["--no-recorder-again"] * (not recorder_again)),
                                *(["--traces", traces] if traces else [])],
-                lambda study: rank_main(study, steps, json_out, per_module, traces, active))
+                lambda study: rank_main(study, steps, json_out, per_module, traces, active, recorder_again))
 
 
 if __name__ == "__main__":
