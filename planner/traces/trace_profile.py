@@ -105,11 +105,11 @@ def _by_rank(traces: list[KinetoTrace]) -> dict[int, list[KinetoTrace]]:
     if len(worlds) > 1:
         raise TraceFormatError(f"the traces come from different world sizes {sorted(worlds)}: "
                                + ", ".join(f"{t.path!r} ({t.world_size})" for t in traces))
-    ranked = [t for t in traces if t.rank is not None or re.search(r"rank[_-]?(\d+)", Path(t.path).name)]
-    for i, t in enumerate(traces):
-        named = re.search(r"rank[_-]?(\d+)", Path(t.path).name)
-        rank = t.rank if t.rank is not None else int(named.group(1)) if named else i
-        if len(ranked) < len(traces) and out.get(rank):  # a position is a rank only when no file names its own
+    named = [t.rank if t.rank is not None else int(m.group(1)) if (m := re.search(r"rank[_-]?(\d+)", Path(t.path).name))
+             else None for t in traces]
+    for i, (t, own) in enumerate(zip(traces, named, strict=True)):
+        rank = own if own is not None else i
+        if None in named and out.get(rank):  # a position is a rank only when no file names its own
             raise TraceFormatError(f"two traces of rank {rank}: {out[rank][0].path!r} and {t.path!r}; give each "
                                    "rank's trace its distributedInfo or a rank<N> in its name")
         out[rank].append(t)
