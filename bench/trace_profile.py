@@ -114,7 +114,6 @@ def report(run: dict) -> dict:
           f"{run['traces']}) vs the recorder")
     print(f"post-forward order: {'same' if t.post_forward_order == recorded.post_forward_order else 'DIFFERENT'} "
           f"({len(t.post_forward_order)} entries)")
-    errors: dict[str, list[float]] = {f: [] for f in FIGURES}
     # at world size 1 FSDP2 runs no collective (FSDPParamGroup.unshard returns before its all-gather): no figure
     figures = FIGURES if recorded.fingerprint.world_size > 1 else FIGURES[:2]
     if len(figures) < len(FIGURES):
@@ -124,11 +123,9 @@ def report(run: dict) -> dict:
         cells = []
         for f in figures:
             a, b = getattr(t.modules[fqn], f), getattr(recorded.modules[fqn], f)
-            err = _error(a, b)
-            errors[f].append(abs(err))
-            cells.append(f"{a:8.2f} / {b:8.2f} {err:+6.0f}%")
+            cells.append(f"{a:8.2f} / {b:8.2f} {_error(a, b):+6.0f}%")
         print(f"{fqn or '(root)':<18}" + "".join(f"{c:>26}" for c in cells))
-    medians = {f: statistics.median(v) for f, v in errors.items() if v}
+    medians = _median_errors(t, recorded, figures)
     print("median |error| (trace vs recorder): " + ", ".join(f"{f} {v:.1f}%" for f, v in medians.items())
           + " (target <= 10%)")
     if recorded.fingerprint.device_type == "cpu":
