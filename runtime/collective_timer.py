@@ -10,7 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from planner.artifacts.fingerprint import Fingerprint
 from runtime.measure import synchronize
+from runtime.overlap_timer import overlap_timings
+from runtime.workload import own_parameters
 
 
 def _median_ms(run: Callable[[], None], after: Callable[[], None], repeats: int, device: str) -> float:
@@ -41,3 +44,29 @@ def reduce_scatter_ms(numel: int, dtype: torch.dtype, repeats: int, device: str)
     # reduce_scatter_single replaces the deprecated reduce_scatter_tensor in newer torch
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _median_ms(lambda: reduce_scatter(out, inp), lambda: None, repeats, device)
+
+
+def module_collectives(modules: list[tuple[str, FSDPModule]], fingerprint: Fingerprint, repeats: int,
+                       device: str) -> tuple[dict[str, dict[str, float]], dict[str, float | str] | None]:
+    """Every FSDP module's collectives in isolation, and on a CPU device the overlap microbenchmark (all ranks).
+
+    In order: every module's all-gather (:func:`all_gather_ms`), the overlap microbenchmark
+    (:func:`runtime.overlap_timer.overlap_timings`, sized by those all-gathers; ``None`` on CUDA), every module's
+    reduce-scatter of a gradient of its unsharded parameters' elements and dtype (:func:`reduce_scatter_ms`).
+
+    Returns:
+        ``({fqn: {"all_gather_ms", "reduce_scatter_ms", "sharded_bytes"}}, overlap timings or None)``: ms, and
+        this rank's bytes of the module's own parameter shards.
+    """
+    ag_ms = all_gather_ms(modules, repeats, device)
+    numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
+    overlap = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
+    figures = {}
+    for fqn, numel in numels.items():
+        own = own_parameters(modules, fqn)
+        figures[fqn] = {
+            "all_gather_ms": ag_ms[fqn],
+            "reduce_scatter_ms": reduce_scatter_ms(numel, own[0].dtype if own else torch.float32, repeats, device),
+            "sharded_bytes": sum(p.to_local().numel() * p.element_size() for p in own),
+        }
+    return figures, overlap

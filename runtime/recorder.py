@@ -27,6 +27,9 @@ What it records and how (docs/architecture.md, "Measurement"):
   (:mod:`runtime.collective_timer`). Medians of several repeats.
 - On a CPU device, the all-gather of the module with the most unsharded
   parameters and compute, alone and at once (:mod:`runtime.overlap_timer`).
+  These and the collectives are timed first, after the warm-up steps, before
+  the isolated compute passes ([Note: The collectives are timed before the
+  isolated passes]).
 - Per-rank figures are gathered (:func:`runtime.collectives.gather_objects`) and consolidated: max across
   ranks (the overlap timings: mean across ranks), per-rank kept.
 """
@@ -45,11 +48,10 @@ import torch.distributed as dist
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import InStepTimings, ModuleProfile, OverlapTimings, Profile
 from runtime.apply import model_fingerprint
-from runtime.collective_timer import all_gather_ms, reduce_scatter_ms
+from runtime.collective_timer import module_collectives
 from runtime.collectives import gather_objects
 from runtime.compute_timer import TIMED, ComputeTimer
 from runtime.measure import device_type_of, synchronize
-from runtime.overlap_timer import overlap_timings
 from runtime.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
 from runtime.torch_private import clear_unsharded_grads, reshard_after_forward
 from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, train_step
@@ -154,6 +156,16 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     }
 
 
+# [Note: The collectives are timed before the isolated passes]
+# On CPU each collective allocates its output afresh, and memory the allocator gave back to the kernel is faulted in
+# again. The isolated passes hold every module unsharded and free it all at the end, so collectives timed just after
+# them reuse faulted-in memory that a step's collectives do not find: alternated in one process, the reference
+# Llama's all-gathers read 1.31-1.55 times, its reduce-scatters 1.42-1.67 times, as high after 4 training steps as
+# after the passes, with twice the minor page faults; with glibc's mmap off and no trimming, the same either way
+# (``bench.collective_drift``, bench/results/NOTES.md). So they are timed first, after a step (the warm-up steps,
+# or the user's step in the loop). On GPU the caching allocator keeps its blocks either way.
+
+
 # [Note: The isolated backward frees each module's gradients]
 # With gradient sync off, FSDP2 leaves each module's gradients on its unsharded parameters until they are cleared.
 # Kept until the end of the isolated pass, every module's backward wrote its gradients into memory no earlier
@@ -213,12 +225,13 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int, device: str,
                      raf: dict[str, bool], zero_grad: bool = True, only: Collection[str] | None = None,
                      collectives: bool = True) -> dict[str, Any]:
-    """This rank's figures measured outside a training step (collective: all ranks call it).
+    """This rank's figures measured outside a training step (collective: all ranks call it, after a step).
 
-    Per FSDP module: forward and backward compute with every module unsharded and no communication
-    (:func:`compute_unsharded`), activation bytes, whether backward needs its parameters; all-gather and
-    reduce-scatter ms in isolation (:mod:`runtime.collective_timer`); sharded bytes. On a CPU device also the
-    overlap microbenchmark (:mod:`runtime.overlap_timer`). Times in ms, sizes in bytes.
+    Per FSDP module: all-gather and reduce-scatter ms in isolation (:mod:`runtime.collective_timer`), sharded
+    bytes and, on a CPU device, the overlap microbenchmark (:mod:`runtime.overlap_timer`), timed first ([Note:
+    The collectives are timed before the isolated passes]); then forward and backward compute with every module
+    unsharded and no communication (:func:`compute_unsharded`), activation bytes, whether backward needs its
+    parameters. Times in ms, sizes in bytes.
 
     Args:
         workload: its ``make_batch(r)`` and ``loss_fn`` drive the compute windows (``repeats + 1`` passes).
@@ -234,9 +247,13 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
         :func:`consolidate` reads; passes of a few modules each make one with :func:`merge_isolated`.
     """
     modules = fsdp_modules(workload.model)
+    collective_figures, overlap = {}, None
+    # first, where the last step left the allocator: [Note: The collectives are timed before the isolated passes]
+    if collectives:
+        collective_figures, overlap = module_collectives(modules, fingerprint, repeats, device)
     compute = compute_unsharded(workload, repeats, device, raf, zero_grad=zero_grad, only=only)
     figures: dict[str, Any] = {
-        "overlap": None,
+        "overlap": overlap,
         "pre_forward_order": compute["pre_forward_order"],
         "post_forward_order": compute["post_forward_order"],
         "calls": compute["calls"],
@@ -250,18 +267,8 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
             for fqn, times in compute["times"].items()
         },
     }
-    if not collectives:
-        return figures
-    ag_ms = all_gather_ms(modules, repeats, device)
-    numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
-    figures["overlap"] = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
-    for fqn, numel in zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True):
-        own = own_parameters(modules, fqn)
-        figures["modules"].setdefault(fqn, {}).update({
-            "all_gather_ms": ag_ms[fqn],
-            "reduce_scatter_ms": reduce_scatter_ms(numel, own[0].dtype if own else torch.float32, repeats, device),
-            "sharded_bytes": sum(p.to_local().numel() * p.element_size() for p in own),
-        })
+    for fqn, values in collective_figures.items():
+        figures["modules"].setdefault(fqn, {}).update(values)
     return figures
 
 
