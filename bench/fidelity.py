@@ -100,8 +100,40 @@ def fidelity_plans(profile: Profile) -> dict[str, Plan]:
     return plans
 
 
-def rank_main(study: str, rounds: int, out: str | None) -> None:
-    """Every rank: record, measure the plans interleaved and their unsharded bytes; rank 0 reports."""
+def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profile:
+    """``profile`` with its collectives and overlap timings timed again just after the isolated compute passes, the
+    recorder's order before 2026-11-26 ([Note: The collectives are timed before the isolated passes] in
+    ``runtime/recorder.py``); all ranks call it. Max across ranks, as the recorder consolidates (the overlap
+    timings: mean)."""
+    import dataclasses
+
+    from planner.artifacts.profile import OverlapTimings
+    from runtime.collective_timer import module_collectives
+    from runtime.collectives import gather_objects
+    from runtime.measure import device_type_of
+    from runtime.recorder import isolated_figures
+    from runtime.torch_private import reshard_after_forward
+    from runtime.workload import fsdp_modules
+
+    modules = fsdp_modules(workload.model)
+    device = device_type_of(workload)
+    raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
+    isolated_figures(workload, profile.fingerprint, repeats, device, raf, collectives=False)
+    per_rank = gather_objects(module_collectives(modules, profile.fingerprint, repeats, device))
+    modules_after = {fqn: dataclasses.replace(
+        m, all_gather_ms=max(r[0][fqn]["all_gather_ms"] for r in per_rank),
+        reduce_scatter_ms=max(r[0][fqn]["reduce_scatter_ms"] for r in per_rank)) for fqn, m in profile.modules.items()}
+    overlap = profile.in_step.overlap
+    if overlap is not None and per_rank[0][1] is not None:
+        overlap = OverlapTimings(per_rank[0][1]["module"], **{
+            k: statistics.fmean(r[1][k] for r in per_rank) for k in ("all_gather_ms", "compute_ms", "overlapped_ms")})
+    return dataclasses.replace(profile, modules=modules_after,
+                               in_step=dataclasses.replace(profile.in_step, overlap=overlap))
+
+
+def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = False) -> None:
+    """Every rank: record (and, ``after_passes``, the collectives again after the isolated passes), measure the
+    plans interleaved and their unsharded bytes; rank 0 reports."""
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
@@ -119,6 +151,7 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
     profile = record_profile(
         workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats
     )
+    variant = collectives_after_passes(workload, profile, config.measure.profile_repeats) if after_passes else None
     plans = fidelity_plans(profile)
     names = list(plans)
     started, done = time.perf_counter(), [0]
@@ -139,6 +172,7 @@ def rank_main(study: str, rounds: int, out: str | None) -> None:
     peaks, _ = gather_max(peaks)
     if dist.get_rank() == 0:
         run = {"study": config.name, "rounds": rounds, "profile": profile.to_dict(),
+               "profile_collectives_after_passes": variant.to_dict() if variant else None,
                "rows": [{"plan": n, "plan_json": plans[n].to_dict(), "steps_ms": t, "measured_unsharded_bytes": b}
                         for n, t, b in zip(names, step_ms, peaks, strict=True)]}
         if out:  # first: the report's calibration fits take minutes, and the measurements are what took the ranks
@@ -173,6 +207,26 @@ def _splits(plans: list[Plan], count: int = 40, seed: int = 0) -> list[set[int]]
 def _quartiles(values: list[float], fmt: str) -> str:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return f"{fmt.format(q[1])} (quartiles {fmt.format(q[0])}-{fmt.format(q[2])})"
+
+
+def _errors(profile: Profile, plans: list[Plan], measured: list[float]) -> str:
+    """One profile's uncalibrated predictions of ``plans`` against ``measured`` (ms, ``plans[0]`` FSDP2's default):
+    the sums of its collectives, its in-step parameters, the median (max) |error|, and the median (max) |error| of
+    each other plan's predicted ratio to the default against its measured ratio (the default's own offset drops
+    out)."""
+    from planner.simulation.in_step import in_step_params
+    from planner.simulation.parameters import simulate
+
+    predicted = [simulate(profile, p).step_ms for p in plans]
+    errors = [100 * abs(p / m - 1) for p, m in zip(predicted, measured, strict=True)]
+    relative = [100 * abs((p / predicted[0]) / (m / measured[0]) - 1)
+                for p, m in zip(predicted[1:], measured[1:], strict=True)]
+    params = in_step_params(profile)
+    return (f"all-gathers {sum(m.all_gather_ms for m in profile.modules.values()):.0f} ms, reduce-scatters "
+            f"{sum(m.reduce_scatter_ms for m in profile.modules.values()):.0f} ms, comm_scale "
+            f"{params.comm_scale:.2f}, overlap_slowdown {params.overlap_slowdown:.2f}; median |error| "
+            f"{statistics.median(errors):.1f}% (max {max(errors):.1f}%), relative to the default "
+            f"{statistics.median(relative):.1f}% (max {max(relative):.1f}%)")
 
 
 def report(run: dict, splits: int = 40) -> None:
@@ -219,6 +273,11 @@ def report(run: dict, splits: int = 40) -> None:
         print(f"{r['plan']:<44} {m:>9.1f} {res.step_ms:>9.1f} {e:>+7.1f} {c:>9.1f} {ce:>+7.1f} "
               f"{peak / 2**20:>11.1f} / {res.peak_unsharded_bytes / 2**20:<10.1f}")
     print("('calibr.': leave-one-out, each plan predicted by a calibration fitted on the other plans)")
+    if run.get("profile_collectives_after_passes"):  # the same measurements, two recorders: a paired comparison
+        for label, p in (("collectives timed after a step (the recorder)", profile),
+                         ("collectives timed after the isolated passes", dataclasses.replace(
+                             Profile.from_dict(run["profile_collectives_after_passes"]), calibration=None))):
+            print(f"uncalibrated, {label}: {_errors(p, plans, measured)}")
     held_runs = []
     for train_idx in _splits(plans, splits):
         held = [i for i in range(len(obs)) if i not in train_idx]
@@ -268,12 +327,17 @@ def report(run: dict, splits: int = 40) -> None:
 @click.option("--rounds", default=31, show_default=True,
               help="interleaved rounds, one step of every plan each (about 30 minutes per study at 31 on the 2-core "
                    "CPU testbed)")
+@click.option("--collectives-after-passes", "after_passes", is_flag=True,
+              help="also time the collectives again just after the isolated passes (the recorder's order before "
+                   "2026-11-26) and compare both profiles' uncalibrated predictions of the same measured plans")
 @saved_run_options
-def main(studies: tuple[str, ...], rounds: int, json_out: str | None, refit: tuple[str, ...]) -> None:
+def main(studies: tuple[str, ...], rounds: int, after_passes: bool, json_out: str | None,
+         refit: tuple[str, ...]) -> None:
     if report_saved(refit, report):
         return
-    run_studies(MODULE, studies, lambda study: [study, "--rounds", str(rounds)] + json_flag(json_out),
-                lambda study: rank_main(study, rounds, json_out))
+    run_studies(MODULE, studies, lambda study: [study, "--rounds", str(rounds)] + json_flag(json_out)
+                + (["--collectives-after-passes"] if after_passes else []),
+                lambda study: rank_main(study, rounds, json_out, after_passes))
 
 
 if __name__ == "__main__":
