@@ -5,8 +5,10 @@ The profile's module figures are timed in isolation, and a real step is
 slower than they add up to, for three reasons:
 - the first steps after a model is built run far slower than later ones,
   so the recorder times FSDP2's default step last, when the run is warm;
-- collectives in a step run slower than the same collectives timed alone
-  after a barrier (copy-in and copy-out into a cold allocator, rank skew).
+- collectives in a step do not take what the same collectives take alone
+  after a barrier (FSDP2's copy-in and copy-out, rank skew; the recorder
+  times them after a step, with the allocator as a step leaves it: [Note:
+  The collectives are timed before the isolated passes] in runtime/recorder.py).
   The default plan on CPU overlaps nothing, so its step time is
   ``compute + comm_scale * comm``, and ``comm_scale`` is solved from it;
 - with ``unshard_async_op=True``, gloo's threads and the compute share the
