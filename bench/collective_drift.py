@@ -38,7 +38,7 @@ import time
 
 import click
 
-from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument
+from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument, user_profiler
 
 MODULE = "bench.collective_drift"
 
@@ -99,13 +99,8 @@ def rank_main(study: str, plan: list[tuple[str, int]], repeats: int, json_out: s
         return (time.perf_counter() - start) * 1e3
 
     def profiled(cycles: int) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        handler = torch.profiler.tensorboard_trace_handler(tempfile.mkdtemp(), worker_name=f"rank{dist.get_rank()}")
-        with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
-                                    on_trace_ready=handler,
-                                    schedule=torch.profiler.schedule(wait=1, warmup=1, active=1, repeat=cycles)) as p:
+        schedule = torch.profiler.schedule(wait=1, warmup=1, active=1, repeat=cycles)
+        with user_profiler(device, tempfile.mkdtemp(), schedule) as p:
             for _ in range(3 * cycles):
                 train_step(workload, next(counter))
                 p.step()

@@ -20,7 +20,7 @@ import time
 
 import click
 
-from bench.ranks import run_studies, studies_argument
+from bench.ranks import run_studies, studies_argument, user_profiler
 
 MODULE = "bench.profiler_cycles"
 BLOCKS = ("untraced", "long", "cycles")
@@ -50,13 +50,8 @@ def rank_main(study: str, steps: int, order: list[str]) -> None:
         return (time.perf_counter() - start) * 1e3
 
     def profiled(schedule, n: int) -> list[float]:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if mesh.device_type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        handler = torch.profiler.tensorboard_trace_handler(tempfile.mkdtemp(), worker_name=f"rank{dist.get_rank()}")
         out = []
-        with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
-                                    on_trace_ready=handler, schedule=schedule) as prof:
+        with user_profiler(mesh.device_type, tempfile.mkdtemp(), schedule) as prof:
             for _ in range(n):
                 out.append(timed())
                 prof.step()

@@ -60,3 +60,18 @@ def run_studies(module: str, studies: Sequence[str], forward: Callable[[str], li
 def json_flag(path: str | None) -> list[str]:
     """The ``--json PATH`` arguments to forward to the ranks (none without a path)."""
     return ["--json", path] if path else []
+
+
+def user_profiler(device_type: str, folder: str, schedule: Any) -> Any:
+    """``torch.profiler.profile`` as a user traces a plain loop and the benches trace it: the CPU activity (and
+    CUDA's on a CUDA device), ``profile_memory``, ``record_shapes``, ``schedule``, one Kineto JSON per rank and cycle
+    written into ``folder`` by ``tensorboard_trace_handler`` (``rank{R}`` in its name). Call it on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    handler = torch.profiler.tensorboard_trace_handler(folder, worker_name=f"rank{dist.get_rank()}")
+    return torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
+                                  on_trace_ready=handler, schedule=schedule)

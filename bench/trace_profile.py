@@ -29,7 +29,7 @@ from pathlib import Path
 
 import click
 
-from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument
+from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument, user_profiler
 
 MODULE = "bench.trace_profile"
 FIGURES = ("fwd_ms", "bwd_ms", "all_gather_ms", "reduce_scatter_ms")
@@ -62,15 +62,11 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
     for s in range(2):
         train_step(user, s)
     folder = gather_objects((traces or tempfile.mkdtemp(prefix="traces-")) if dist.get_rank() == 0 else None)[0]
-    handler = torch.profiler.tensorboard_trace_handler(folder, worker_name=f"rank{dist.get_rank()}")
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if mesh.device_type == "cuda":  # as a GPU user traces: the kernels too, on their streams
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # [Note: Several traces of one rank] in planner.traces.trace_profile: one file per rank and cycle
+    # [Note: Several traces of one rank] in planner.traces.trace_profile: one file per rank and cycle (as a GPU user
+    # traces: the kernels too, on their streams)
     cycles = -(-steps // active)
     schedule = torch.profiler.schedule(wait=1, warmup=1, active=active, repeat=cycles)
-    with torch.profiler.profile(activities=activities, profile_memory=True,
-                                record_shapes=True, on_trace_ready=handler, schedule=schedule) as prof:
+    with user_profiler(mesh.device_type, folder, schedule) as prof:
         for s in range(cycles * (2 + active)):
             train_step(user, 2 + s)
             prof.step()
