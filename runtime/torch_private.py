@@ -30,6 +30,19 @@ from planner.errors import UnsupportedPlanError
 TESTED_TORCH = "2.13"
 
 
+def gloo_worker_threads() -> int:
+    """The worker threads a gloo process group runs its collectives on, by default (``ProcessGroupGloo``'s
+    ``Options::threads``).
+
+    Why: the simulator's CPU rule that a synchronous reduce-scatter runs beside an all-gather in flight assumes two
+    ([Note: Gloo's two worker threads] in ``planner/simulation/_kernel/param_group.py``); the default is read
+    from ``ProcessGroupGloo._Options()._threads``, which has no public accessor.
+    """
+    import torch.distributed as dist
+
+    return int(dist.ProcessGroupGloo._Options()._threads)
+
+
 def param_group(module: nn.Module) -> FSDPParamGroup | None:
     """The ``FSDPParamGroup`` of an FSDP module (``None`` if it manages no parameters of its own).
 

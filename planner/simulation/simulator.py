@@ -12,14 +12,15 @@ simulated with (its calibration, else those solved from its in-step timings) is
 [Note: CPU device]
 On a CPU device there are no streams: compute blocks the issuing thread, a collective with ``async_op=False`` blocks
 it too, and only ``async_op=True`` all-gathers run beside compute (in the gloo backend's threads). The
-reduce-scatter in ``foreach_reduce`` is always issued with ``async_op=False``, so on CPU it blocks the thread,
-queued behind any all-gather still in flight on the same process group. Compute and the gloo threads share the same
-cores: while they overlap, both progress at ``1 / overlap_slowdown`` of their speed, so an overlap of ``x`` ms costs
-``x * (overlap_slowdown - 1)`` ms on the compute and on every collective in flight. Slowing the compute alone would
-let a communication-bound step hide all of its compute for free, which the CPU reference workloads do not show.
-Simplification: gloo runs up to two collectives of a process group at once (``ProcessGroupGloo`` options,
-``threads=2``); they are modelled one after another, so the model charges deeper explicit backward prefetch with
-async unshard more than the ranks do (the synchronous reduce-scatter waits behind one more all-gather).
+reduce-scatter in ``foreach_reduce`` is always issued with ``async_op=False``, so on CPU it blocks the thread; it
+runs beside an all-gather still in flight, on gloo's second worker thread ([Note: Gloo's two worker threads] in
+:mod:`planner.simulation._kernel.param_group`). Compute and the gloo threads share the same cores: while they
+overlap, both progress at ``1 / overlap_slowdown`` of their speed, so an overlap of ``x`` ms costs
+``x * (overlap_slowdown - 1)`` ms on the compute and on every collective in flight; a reduce-scatter beside an
+all-gather shares them the same way. Slowing the compute alone would let a communication-bound step hide all of its
+compute for free, which the CPU reference workloads do not show. Simplification: all-gathers issued together (a
+prefetch list of two or more) run one after another, where gloo's two workers run two of them at once, sharing the
+cores (two 51 MB all-gathers: both done after 213-217 ms, against 124 ms for one and 248 for two in turn).
 
 [Note: Model structure]
 The torchtitan pattern: ``fully_shard`` per block, then the root. The root's own compute is split into the part

@@ -37,6 +37,10 @@ def test_tested_torch_is_the_running_torch():
     )
 
 
+def test_gloo_runs_two_collectives_at_once_as_the_simulator_assumes():
+    assert torch_private.gloo_worker_threads() == 2  # [Note: Gloo's two worker threads]
+
+
 def test_param_group_and_reshard_after_forward(model):
     _step(model)  # lazy init: the root's setting is decided there (FSDPState._lazy_init)
     block = model.blocks[0]

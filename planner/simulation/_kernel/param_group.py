@@ -37,7 +37,7 @@ from planner.simulation._kernel.state import (
     UNSHARDED_PEAK,
     njit,
 )
-from planner.simulation._kernel.timeline import allocate, event
+from planner.simulation._kernel.timeline import allocate, delay_in_flight, event
 
 # [Note: Gloo's all-gather buffer]
 # On a CPU device (gloo) an all-gather allocates, besides FSDP2's output,
@@ -48,6 +48,18 @@ from planner.simulation._kernel.timeline import allocate, event
 # until ``wait_for_unshard``. On the reference Llama this put the measured
 # peak of every async plan one block's unsharded bytes above FSDP2's
 # default, which the model missed (python -m bench.peak_memory).
+
+# [Note: Gloo's two worker threads]
+# ``ProcessGroupGloo`` runs its collectives on a pool of worker threads (``Options::threads``, 2 by default), taken
+# from one queue in issue order: a collective starts as soon as a worker is free, beside the one still running. On
+# a CPU device a synchronous reduce-scatter issued while a prefetch all-gather is in flight (async unshard, in
+# backward) therefore starts at once, unless two all-gathers are running, and then when the first ends. The two
+# share the cores as compute and a collective do (``overlap_slowdown``): on the reference testbed, a 51 MB
+# all-gather (124 ms alone) and a reduce-scatter of the same gradient (175 ms alone) issued together both ended
+# after 264-268 ms, against 299 ms one after the other, which is a slowdown of 1.73; compute beside an all-gather
+# measured 1.76-1.95. A reduce-scatter group of its own (``set_separate_reduce_scatter_group``) is another pool:
+# it never waits for the all-gathers, and shares the cores with them the same way. Before this rule the model
+# queued the reduce-scatter behind the all-gather; every async plan's backward then paid for both in turn.
 
 # [Note: record_stream holds all-gather outputs]
 # On GPU with ``unshard_async_op=True``, c10d's all-gather calls
@@ -208,7 +220,8 @@ def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_e
 
 
 @njit(cache=True)
-def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue_end, queue_bytes, events, samples):
+def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue_end, queue_bytes, events, samples,
+                   in_flight, all_gather_end, module_state):
     """``foreach_reduce`` of module ``i``'s gradient, issued by ``FSDPParamGroup.post_backward``.
 
     Its input buffer, a copy of the unsharded gradient (freed once copied
@@ -220,9 +233,10 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
     the code is the same, so a synchronous reduce-scatter's buffer outlives
     it (the profiler shows it alive at the next pre-backward's peak). GPU:
     dropping the oldest first makes the compute stream wait for it. CPU:
-    synchronous ([Note: CPU device]). It queues behind the collectives of
-    its process group: the all-gathers' too, unless
-    ``set_separate_reduce_scatter_group`` gave it its own.
+    synchronous ([Note: CPU device]). GPU: it queues behind the collectives of
+    its process group, the all-gathers' too, unless
+    ``set_separate_reduce_scatter_group`` gave it its own. CPU: it runs beside
+    the all-gathers in flight ([Note: Gloo's two worker threads]).
     """
     # reduce_scatter_max_input_buffers: before foreach_reduce, the oldest input buffers are dropped (GPU: the
     # compute stream waits on their reduce-scatters first; FSDPParamGroup.post_backward).
@@ -241,9 +255,29 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
     allocate(clock, counters, samples, grad_bytes[i])
     allocate(clock, counters, samples, -grad_bytes[i])
     group = REDUCE_SCATTER_GROUP if cfg.separate_reduce_scatter_group else PROCESS_GROUP
-    start = issue if issue > clock[group] else clock[group]
-    end = start + reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
-    clock[group] = end
+    if cfg.gpu:
+        start = issue if issue > clock[group] else clock[group]
+        end = start + reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+        clock[group] = end
+    else:  # [Note: Gloo's two worker threads]
+        start = issue
+        if not cfg.separate_reduce_scatter_group:  # both workers busy: wait for the first all-gather to end
+            running, first_end = 0, 0.0
+            for q in range(counters[IN_FLIGHT]):
+                e = all_gather_end[in_flight[q]]
+                if e > issue:
+                    running += 1
+                    if running == 1 or e < first_end:
+                        first_end = e
+            if running >= 2:
+                start = first_end
+        end = start + reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+        if cfg.overlap_excess != 0.0 and clock[PROCESS_GROUP] > start:
+            # beside the all-gathers still in flight, sharing the cores: both slowed as compute is beside them
+            delay = (min(clock[PROCESS_GROUP], end) - start) * cfg.overlap_excess
+            end += delay
+            delay_in_flight(start, delay, clock, counters, in_flight, all_gather_end, module_state, events)
+        clock[REDUCE_SCATTER_GROUP] = end
     clock[COMM_TOTAL] += reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
     event(events, counters, REDUCE_SCATTER, i, start, end)
     tail = counters[RS_TAIL]

@@ -136,7 +136,7 @@ class StepConfig(NamedTuple):
     gpu: bool
     single_rank: bool
     unshard_async_op: bool
-    # Keep the all-gathers in flight in issue order: only where an overlap can slow them (CPU, async, slowdown).
+    # Keep the all-gathers in flight in issue order: only where they run beside other work (CPU, async).
     track_in_flight: bool
     reduce_scatter_max_input_buffers: int
     separate_reduce_scatter_group: bool
@@ -171,7 +171,7 @@ def new_step(prof, plan, params):
     """The :class:`StepConfig` and a fresh :class:`StepState` for one step of ``prof`` under ``plan``."""
     n = prof.all_gather_ms.shape[0]
     cfg = StepConfig(prof.gpu, prof.single_rank, plan.unshard_async_op,
-                     (not prof.gpu) and plan.unshard_async_op and params.overlap_excess != 0.0,
+                     (not prof.gpu) and plan.unshard_async_op,
                      plan.reduce_scatter_max_input_buffers, plan.separate_reduce_scatter_group,
                      params.issue_overhead_ms, params.overlap_excess,
                      params.comm_scale, params.collective_latency_ms)

@@ -125,14 +125,46 @@ def test_forward_depth_2_hides_large_all_gather(make_profile):
     assert d2.step_ms < d1.step_ms
 
 
-def test_reduce_scatter_serialized_behind_all_gather(make_profile):
+def test_reduce_scatter_runs_beside_the_all_gather_in_flight(make_profile):
     """CPU, async, B 2 ms, AG 10 ms: forward AG b0 0-10, F 10-20, AG b1 20-30,
-    F 30-40; AG b1 40-50, B b1 50-52 while AG b0 runs 50-60; RS b1 is issued
-    at 52 but the process group is busy: 60-63. B b0 63-65, RS b0 65-68."""
+    F 30-40; AG b1 40-50, B b1 50-52 while AG b0 runs 50-60. RS b1 is issued
+    at 52; gloo's second worker thread runs it at once, 52-55 ([Note: Gloo's
+    two worker threads]). B b0 waits for AG b0: 60-62, RS b0 62-65.
+    With the cores shared (overlap_slowdown 1.5), every overlap costs half of
+    itself on both sides: B b1 overlaps AG b0 for 2 ms, 50-53, AG b0 to 61;
+    RS b1 53-56 overlaps it for 3 ms, 53-57.5, AG b0 to 62.5; B b0 62.5-64.5,
+    RS b0 64.5-67.5. (Queued behind AG b0, as modelled before, RS b1 would
+    have run 60-63 and the step ended at 68.)"""
     p = make_profile(fwd=10.0, bwd=2.0, ag=10.0, rs=3.0)
-    r = simulate(p, dataclasses.replace(Plan.default(p), unshard_async_op=True), trace=True)
-    assert _slices(r, "reduce-scatter")["reduce-scatter b1"] == pytest.approx((60.0, 63.0))
-    assert r.step_ms == pytest.approx(68.0)
+    plan = dataclasses.replace(Plan.default(p), unshard_async_op=True)
+    r = simulate(p, plan, SimParams(), trace=True)
+    assert _slices(r, "reduce-scatter")["reduce-scatter b1"] == pytest.approx((52.0, 55.0))
+    assert _slices(r, "compute")["backward b0"] == pytest.approx((60.0, 62.0))
+    assert r.step_ms == pytest.approx(65.0)
+    shared = simulate(p, plan, SimParams(overlap_slowdown=1.5), trace=True)
+    assert _slices(shared, "compute")["backward b1"] == pytest.approx((50.0, 53.0))
+    assert _slices(shared, "reduce-scatter")["reduce-scatter b1"] == pytest.approx((53.0, 57.5))
+    assert _slices(shared, "all-gather")["all-gather b0"][1] == pytest.approx(62.5)
+    assert _slices(shared, "compute")["backward b0"] == pytest.approx((62.5, 64.5))
+    assert shared.step_ms == pytest.approx(67.5)
+
+
+def test_reduce_scatter_waits_when_both_gloo_workers_are_busy(make_profile):
+    """CPU, async, backward prefetch 2 (b2's pre-backward issues b1's and b0's all-gathers, 10 ms each, one after
+    another: the model's simplification), B 2 ms: AG b2 in backward 60-70, then AG b1 70-80 and AG b0 80-90 are
+    in flight; B b2 70-72; RS b2, issued at 72, finds two all-gathers running on the group and starts when the
+    first (b1's) ends: 80-83. With its own group (``set_separate_reduce_scatter_group``) it starts at 72."""
+    p = make_profile(n_blocks=3, fwd=10.0, bwd=2.0, ag=10.0, rs=3.0)
+    plan = uniform.build(p, 0, 2, True)
+    r = simulate(p, plan, SimParams(), trace=True)
+    ag = _slices(r, "all-gather")
+    assert ag["all-gather b1"][1] == pytest.approx(ag["all-gather b0"][0])  # queued one after another
+    start = _slices(r, "compute")["backward b2"][1]
+    assert _slices(r, "reduce-scatter")["reduce-scatter b2"] == pytest.approx((ag["all-gather b1"][1],
+                                                                              ag["all-gather b1"][1] + 3.0))
+    assert ag["all-gather b1"][1] > start
+    apart = simulate(p, dataclasses.replace(plan, separate_reduce_scatter_group=True), SimParams(), trace=True)
+    assert _slices(apart, "reduce-scatter")["reduce-scatter b2"] == pytest.approx((start, start + 3.0))
 
 
 def test_peak_memory_depth_2_vs_depth_1(make_profile):
