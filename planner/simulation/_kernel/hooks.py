@@ -148,8 +148,8 @@ def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
     if reshard_after and module_state[i, UNSHARD_STATE] != SHARDED:
         reshard(i, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if reduce:
-        reduce_scatter(i, prof.reduce_scatter_ms, prof.grad_bytes, cfg, clock, counters, st.reduce_scatter_end,
-                       st.reduce_scatter_bytes, events, samples, in_flight, ag_end, module_state)
+        reduce_scatter(i, prof, cfg, clock, counters, st.reduce_scatter_end, st.reduce_scatter_bytes, events, samples,
+                       in_flight, ag_end, module_state)
         module_state[i, GRAD_ALIVE] = 0
         if not module_state[i, SHARDED_GRAD_ALIVE]:  # foreach_reduce: the sharded gradient, kept to the optimizer
             module_state[i, SHARDED_GRAD_ALIVE] = 1

@@ -219,9 +219,9 @@ def reshard(i, unsharded_bytes, cfg, clock, counters, module_state, all_gather_e
     module_state[i, UNSHARD_STATE] = SHARDED
 
 
-@njit(cache=True)
-def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue_end, queue_bytes, events, samples,
-                   in_flight, all_gather_end, module_state):
+@njit(cache=True, inline="always")  # takes the profile's bundle: inlined, it costs no reference counting
+def reduce_scatter(i, prof, cfg, clock, counters, queue_end, queue_bytes, events, samples, in_flight, all_gather_end,
+                   module_state):
     """``foreach_reduce`` of module ``i``'s gradient, issued by ``FSDPParamGroup.post_backward``.
 
     Its input buffer, a copy of the unsharded gradient (freed once copied
@@ -252,12 +252,12 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
         issue = clock[CPU]
     # foreach_reduce copies the unsharded gradient into a new input buffer, then drops the gradient:
     # for a moment both are alive.
-    allocate(clock, counters, samples, grad_bytes[i])
-    allocate(clock, counters, samples, -grad_bytes[i])
+    allocate(clock, counters, samples, prof.grad_bytes[i])
+    allocate(clock, counters, samples, -prof.grad_bytes[i])
     group = REDUCE_SCATTER_GROUP if cfg.separate_reduce_scatter_group else PROCESS_GROUP
     if cfg.gpu:
         start = issue if issue > clock[group] else clock[group]
-        end = start + reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+        end = start + prof.reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
         clock[group] = end
     else:  # [Note: Gloo's two worker threads]
         start = issue
@@ -271,18 +271,18 @@ def reduce_scatter(i, reduce_scatter_ms, grad_bytes, cfg, clock, counters, queue
                         first_end = e
             if running >= 2:
                 start = first_end
-        end = start + reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+        end = start + prof.reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
         if cfg.overlap_excess != 0.0 and clock[PROCESS_GROUP] > start:
             # beside the all-gathers still in flight, sharing the cores: both slowed as compute is beside them
             delay = (min(clock[PROCESS_GROUP], end) - start) * cfg.overlap_excess
             end += delay
             delay_in_flight(start, delay, clock, counters, in_flight, all_gather_end, module_state, events)
         clock[REDUCE_SCATTER_GROUP] = end
-    clock[COMM_TOTAL] += reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
+    clock[COMM_TOTAL] += prof.reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
     event(events, counters, REDUCE_SCATTER, i, start, end)
     tail = counters[RS_TAIL]
     queue_end[tail] = end
-    queue_bytes[tail] = grad_bytes[i]
+    queue_bytes[tail] = prof.grad_bytes[i]
     counters[RS_TAIL] = tail + 1
     if not cfg.gpu:
         clock[CPU] = end  # [Note: CPU device] the reduce-scatter is synchronous
