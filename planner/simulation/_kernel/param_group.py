@@ -37,7 +37,7 @@ from planner.simulation._kernel.state import (
     UNSHARDED_PEAK,
     njit,
 )
-from planner.simulation._kernel.timeline import allocate, delay_in_flight, event
+from planner.simulation._kernel.timeline import allocate, beside_all_gathers, event
 
 # [Note: Gloo's all-gather buffer]
 # On a CPU device (gloo) an all-gather allocates, besides FSDP2's output,
@@ -271,12 +271,8 @@ def reduce_scatter(i, prof, cfg, clock, counters, queue_end, queue_bytes, events
                         first_end = e
             if running >= 2:
                 start = first_end
-        end = start + prof.reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
-        if cfg.overlap_excess != 0.0 and clock[PROCESS_GROUP] > start:
-            # beside the all-gathers still in flight, sharing the cores: both slowed as compute is beside them
-            delay = (min(clock[PROCESS_GROUP], end) - start) * cfg.overlap_excess
-            end += delay
-            delay_in_flight(start, delay, clock, counters, in_flight, all_gather_end, module_state, events)
+        end = beside_all_gathers(start, start + prof.reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms,
+                                 cfg, clock, counters, in_flight, all_gather_end, module_state, events)
         clock[REDUCE_SCATTER_GROUP] = end
     clock[COMM_TOTAL] += prof.reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
     event(events, counters, REDUCE_SCATTER, i, start, end)

@@ -126,6 +126,22 @@ def delay_in_flight(since, delay, clock, counters, in_flight, all_gather_end, mo
             delay_event(events, module_state[j, ALL_GATHER_ROW], since, delay)
 
 
+@njit(cache=True, inline="always")
+def beside_all_gathers(start, end, cfg, clock, counters, in_flight, all_gather_end, module_state, events):
+    """CPU: the end of work from ``start`` to ``end`` (compute, or a reduce-scatter on gloo's other worker) that runs
+    beside the all-gathers in flight.
+
+    [Note: CPU device] they share the cores, so for the overlapped work both progress at 1/overlap_slowdown of
+    their speed. The work ends later by overlap * (slowdown - 1), and so does every all-gather still in flight
+    (the process group runs them one after another).
+    """
+    if cfg.overlap_excess != 0.0 and clock[PROCESS_GROUP] > start:
+        delay = (min(clock[PROCESS_GROUP], end) - start) * cfg.overlap_excess
+        delay_in_flight(start, delay, clock, counters, in_flight, all_gather_end, module_state, events)
+        return end + delay
+    return end
+
+
 @njit(cache=True)
 def compute(i, kind, ms, cfg, clock, counters, in_flight, all_gather_end, module_state, events):
     """Run ``ms`` of compute for module ``i``: on the compute stream (GPU) or the issuing thread (CPU)."""
@@ -135,16 +151,8 @@ def compute(i, kind, ms, cfg, clock, counters, in_flight, all_gather_end, module
         clock[COMPUTE_STREAM] = end
     else:
         start = clock[CPU]
-        end = start + ms
-        if cfg.overlap_excess != 0.0 and clock[PROCESS_GROUP] > start:
-            # [Note: CPU device] a collective runs beside this compute: they
-            # share the cores, so for the overlapped work both progress at
-            # 1/overlap_slowdown of their speed. The compute ends later by
-            # overlap * (slowdown - 1), and so does every collective still in
-            # flight (the process group runs them one after another).
-            delay = (min(clock[PROCESS_GROUP], end) - start) * cfg.overlap_excess
-            end += delay
-            delay_in_flight(start, delay, clock, counters, in_flight, all_gather_end, module_state, events)
+        end = beside_all_gathers(start, start + ms, cfg, clock, counters, in_flight, all_gather_end, module_state,
+                                 events)
         clock[CPU] = end
     clock[COMPUTE_TOTAL] += end - start
     event(events, counters, kind, i, start, end)
