@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,58 +15,101 @@ from runtime.measure import synchronize
 from runtime.overlap_timer import overlap_timings
 from runtime.workload import own_parameters
 
-
-def _median_ms(run: Callable[[], None], after: Callable[[], None], repeats: int, device: str) -> float:
-    """Median wall time of ``run`` in ms over ``repeats`` (one extra warm-up dropped), each after a barrier."""
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        synchronize(device)
-        t0 = time.perf_counter()
-        run()
-        synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-        after()
-    return statistics.median(times[1:])
-
-
-def all_gather_ms(modules: list[tuple[str, FSDPModule]], repeats: int, device: str) -> dict[str, float]:
-    """Per FSDP module: one ``module.unshard()`` (all-gather + copy-out) after a barrier, ms (median)."""
-    return {fqn: _median_ms(m.unshard, m.reshard, repeats, device) for fqn, m in modules}
+# [Note: Collectives timed in rounds]
+# The machine's speed drifts within a recording: on the 2-core testbed a slow stretch of a few seconds once read
+# blocks 4-6 of the reference Llama at 183-323 ms and the other five identical blocks at 112-131 (2 repeats a
+# figure, every repeat of a module one after another, bench/results/NOTES.md). A plan search reads per-module
+# figures, so a stretch that lands on a few modules makes them look dear to prefetch. The collectives are
+# therefore timed in rounds: each round times every module's all-gather and then its reduce-scatter, and the next
+# round starts one module later, so a slow stretch costs one repeat of several modules rather than every repeat of
+# a few. A median drops that repeat only with 3 or more of them, so the collectives take at least
+# ``COLLECTIVE_ROUNDS`` (about 2.5 s a round on the reference Llama). Alternated in one process (python -m
+# bench.collective_drift --plan ..., 6 measurements each way): the 8 identical Llama blocks' all-gathers spread
+# (max - min over median) 0.10-0.19 in 5 rounds against 0.12-0.64 module by module with 2 repeats, their
+# reduce-scatters 0.12-0.27 against 0.18-0.67; the root's all-gather, timed first module by module, read 1.8-2.1
+# times its usual figure in 2 of 6 measurements, and at most 1.14 times in rounds. With 2 rounds, rounds did no
+# better than module by module. The same order runs on every rank (the collectives must match).
+COLLECTIVE_ROUNDS = 5
 
 
-def reduce_scatter_ms(numel: int, dtype: torch.dtype, repeats: int, device: str) -> float:
-    """One reduce-scatter of a gradient of ``numel`` elements of ``dtype`` (padded as FSDP2 pads), ms (median)."""
+def _timed_ms(run, device: str) -> float:
+    """Wall time of ``run()`` in ms, after a barrier, the device synchronized on both ends."""
+    dist.barrier()
+    synchronize(device)
+    t0 = time.perf_counter()
+    run()
+    synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: dict[str, int], repeats: int,
+                      device: str) -> dict[str, dict[str, float]]:
+    """Per module of ``unsharded_numels``: the median all-gather and reduce-scatter in ms, timed in rounds.
+
+    Every rank calls this together. Round ``r`` of ``repeats + 1`` (the first warms up and is dropped) times, for
+    each module from the ``r``-th on, wrapping around ([Note: Collectives timed in rounds]):
+
+    - one ``module.unshard()`` (all-gather and copy-out, FSDP2's ``FSDPParamGroup.unshard`` and
+      ``wait_for_unshard``), then ``module.reshard()`` untimed;
+    - one reduce-scatter of a gradient of the module's unsharded elements in the dtype of its own parameters,
+      padded to a multiple of the world size as FSDP2 pads, into a preallocated output (the buffers of one size
+      are shared by the modules of that size).
+
+    Args:
+        modules: the FSDP modules, ``(fqn, module)``, all resharded.
+        unsharded_numels: the modules to time, ``fqn -> unsharded parameter elements``, the same on every rank
+            and in the same order.
+        repeats: timed rounds (at least 1).
+        device: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        ``{fqn: {"all_gather_ms", "reduce_scatter_ms"}}``, medians over the rounds.
+    """
     world = dist.get_world_size()
-    padded = -(-numel // world) * world
-    inp = torch.zeros(padded, dtype=dtype, device=device)
-    out = torch.empty(padded // world, dtype=dtype, device=device)
+    by_fqn = dict(modules)
+    fqns = list(unsharded_numels)
     # reduce_scatter_single replaces the deprecated reduce_scatter_tensor in newer torch
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _median_ms(lambda: reduce_scatter(out, inp), lambda: None, repeats, device)
+    buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+    all_gathers: dict[str, list[float]] = {fqn: [] for fqn in fqns}
+    reduce_scatters: dict[str, list[float]] = {fqn: [] for fqn in fqns}
+    for r in range(repeats + 1):
+        for k in range(len(fqns)):
+            fqn = fqns[(r + k) % len(fqns)]
+            module = by_fqn[fqn]
+            all_gather = _timed_ms(module.unshard, device)
+            module.reshard()
+            own = own_parameters(modules, fqn)
+            dtype = own[0].dtype if own else torch.float32
+            padded = -(-unsharded_numels[fqn] // world) * world
+            if (padded, dtype) not in buffers:
+                buffers[padded, dtype] = (torch.zeros(padded, dtype=dtype, device=device),
+                                          torch.empty(padded // world, dtype=dtype, device=device))
+            inp, out = buffers[padded, dtype]
+            reduce_scatter_time = _timed_ms(functools.partial(reduce_scatter, out, inp), device)
+            if r:
+                all_gathers[fqn].append(all_gather)
+                reduce_scatters[fqn].append(reduce_scatter_time)
+    return {fqn: {"all_gather_ms": statistics.median(all_gathers[fqn]),
+                  "reduce_scatter_ms": statistics.median(reduce_scatters[fqn])} for fqn in fqns}
 
 
 def module_collectives(modules: list[tuple[str, FSDPModule]], fingerprint: Fingerprint, repeats: int,
                        device: str) -> tuple[dict[str, dict[str, float]], dict[str, float | str] | None]:
     """Every FSDP module's collectives in isolation, and on a CPU device the overlap microbenchmark (all ranks).
 
-    In order: every module's all-gather (:func:`all_gather_ms`), the overlap microbenchmark
-    (:func:`runtime.overlap_timer.overlap_timings`, sized by those all-gathers; ``None`` on CUDA), every module's
-    reduce-scatter of a gradient of its unsharded parameters' elements and dtype (:func:`reduce_scatter_ms`).
+    In order: every module's all-gather and reduce-scatter in ``max(repeats, COLLECTIVE_ROUNDS)`` rounds
+    (:func:`collective_rounds`), then the overlap microbenchmark (:func:`runtime.overlap_timer.overlap_timings`,
+    sized by those all-gathers; ``None`` on CUDA).
 
     Returns:
         ``({fqn: {"all_gather_ms", "reduce_scatter_ms", "sharded_bytes"}}, overlap timings or None)``: ms, and
         this rank's bytes of the module's own parameter shards.
     """
-    ag_ms = all_gather_ms(modules, repeats, device)
     numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
+    figures = collective_rounds(modules, numels, max(repeats, COLLECTIVE_ROUNDS), device)
+    ag_ms = {fqn: values["all_gather_ms"] for fqn, values in figures.items()}
     overlap = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
-    figures = {}
-    for fqn, numel in numels.items():
-        own = own_parameters(modules, fqn)
-        figures[fqn] = {
-            "all_gather_ms": ag_ms[fqn],
-            "reduce_scatter_ms": reduce_scatter_ms(numel, own[0].dtype if own else torch.float32, repeats, device),
-            "sharded_bytes": sum(p.to_local().numel() * p.element_size() for p in own),
-        }
+    for fqn, values in figures.items():
+        values["sharded_bytes"] = sum(p.to_local().numel() * p.element_size() for p in own_parameters(modules, fqn))
     return figures, overlap

@@ -24,7 +24,7 @@ What it records and how (docs/architecture.md, "Measurement"):
   saves any of its parameters (if not, e.g. an embedding, its parameters
   need no all-gather in backward: ``set_unshard_in_backward(False)``).
 - All-gather ms and reduce-scatter ms in isolation, all ranks together
-  (:mod:`runtime.collective_timer`). Medians of several repeats.
+  (:mod:`runtime.collective_timer`), medians of rounds over every module ([Note: Collectives timed in rounds]).
 - On a CPU device, the all-gather of the module with the most unsharded
   parameters and compute, alone and at once (:mod:`runtime.overlap_timer`).
   These and the collectives are timed first, after the warm-up steps, before

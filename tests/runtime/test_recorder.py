@@ -11,26 +11,31 @@ from runtime.workload import fsdp_modules, train_step
 
 
 def test_the_collectives_are_timed_after_the_step_and_before_the_isolated_passes(mesh, monkeypatch):
-    """[Note: The collectives are timed before the isolated passes]: every all-gather, the overlap microbenchmark and
-    every reduce-scatter run before the compute passes, whose freed memory would spare them a step's page faults;
-    the figures of both land on every module, and a pass without collectives times none."""
+    """[Note: The collectives are timed before the isolated passes]: every all-gather and reduce-scatter (in rounds)
+    and the overlap microbenchmark run before the compute passes, whose freed memory would spare them a step's page
+    faults; the figures of both land on every module, and a pass without collectives times none. The collectives
+    take ``COLLECTIVE_ROUNDS`` rounds where the study asks for fewer repeats ([Note: Collectives timed in rounds])."""
     workload = mlp(mesh, dim=64, layers=3)
     train_step(workload, 0)
     modules = fsdp_modules(workload.model)
     calls: list[str] = []
+    rounds: list[int] = []
 
     def logged(name, real):
         def run(*args, **kwargs):
             calls.append(name)
+            if name == "collective_rounds":
+                rounds.append(args[2])
             return real(*args, **kwargs)
         return run
 
-    for name in ("all_gather_ms", "overlap_timings", "reduce_scatter_ms"):
+    for name in ("collective_rounds", "overlap_timings"):
         monkeypatch.setattr(collective_timer, name, logged(name, getattr(collective_timer, name)))
     monkeypatch.setattr(recorder, "compute_unsharded", logged("compute_unsharded", recorder.compute_unsharded))
     raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
     figures = recorder.isolated_figures(workload, model_fingerprint(workload.model), 1, "cpu", raf)
-    assert calls == ["all_gather_ms", "overlap_timings", *["reduce_scatter_ms"] * len(modules), "compute_unsharded"]
+    assert calls == ["collective_rounds", "overlap_timings", "compute_unsharded"]
+    assert rounds == [collective_timer.COLLECTIVE_ROUNDS]
     assert figures["overlap"] is not None
     for fqn, _ in modules:
         values = figures["modules"][fqn]
@@ -41,3 +46,40 @@ def test_the_collectives_are_timed_after_the_step_and_before_the_isolated_passes
     only = recorder.isolated_figures(workload, model_fingerprint(workload.model), 1, "cpu", raf, collectives=False)
     assert calls == ["compute_unsharded"] and only["overlap"] is None
     assert all("all_gather_ms" not in values for values in only["modules"].values())
+
+
+def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in_rounds(mesh, monkeypatch):
+    """[Note: Collectives timed in rounds]: a stretch as long as half a round, three times slower, lands on one repeat
+    of each module it touches, so every median over 3 rounds keeps the module's own time. Timed module by module (the
+    order before), the same stretch would take two of a module's three repeats and move its median."""
+    workload = mlp(mesh, dim=64, layers=4)
+    train_step(workload, 0)
+    modules = fsdp_modules(workload.model)
+    numels = dict(zip(model_fingerprint(workload.model).module_fqns, model_fingerprint(workload.model).param_numels,
+                      strict=True))
+    own_time = {fqn: 10.0 * (k + 1) for k, fqn in enumerate(numels)}
+    order: list[str] = []
+
+    def timed(run, device):
+        run()
+        fqn = current[0]
+        order.append(fqn)
+        slow = len(numels) * 2 + 3 <= len(order) < len(numels) * 3 + 3  # half a round, from mid-round 1 on
+        return own_time[fqn] * (3.0 if slow else 1.0)
+
+    current = [""]
+    real_unshard = {fqn: m.unshard for fqn, m in modules}
+    for fqn, m in modules:
+        monkeypatch.setattr(m, "unshard", lambda fqn=fqn, real=real_unshard[fqn]: (current.__setitem__(0, fqn), real()))
+    monkeypatch.setattr(collective_timer, "_timed_ms", timed)
+    figures = collective_timer.collective_rounds(modules, numels, 3, "cpu")
+
+    fqns = list(numels)
+    assert order[::2][:len(fqns) * 2] == fqns + fqns[1:] + fqns[:1]  # round 1 starts one module later
+    for fqn in fqns:
+        assert figures[fqn]["all_gather_ms"] == own_time[fqn]
+        assert figures[fqn]["reduce_scatter_ms"] == own_time[fqn]
+
+    order.clear()  # module by module: each module's rounds one after another
+    by_module = {fqn: collective_timer.collective_rounds(modules, {fqn: numels[fqn]}, 3, "cpu")[fqn] for fqn in fqns}
+    assert any(by_module[fqn]["reduce_scatter_ms"] != own_time[fqn] for fqn in fqns)
