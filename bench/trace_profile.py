@@ -124,6 +124,8 @@ def report(run: dict) -> dict:
     medians = _median_errors(t, recorded, figures)
     print("median |error| (trace vs recorder): " + ", ".join(f"{f} {v:.1f}%" for f, v in medians.items())
           + " (target <= 10%)")
+    print("  with each figure's level removed (its median ratio over modules, the level a step-wide scale absorbs): "
+          + _shapes(t, recorded, figures))
     if recorded.fingerprint.device_type == "cpu":
         print("  (CPU: the trace's reduce-scatter is foreach_reduce's whole work on the thread, copies included; the "
               "recorder's is a bare reduce-scatter of preallocated buffers)")
@@ -165,6 +167,8 @@ def report(run: dict) -> dict:
         print(f"the recorder again after the trace (its step {again.measured_step_ms:.1f} ms): against its first "
               f"recording, median |error| {_medians(again, recorded, figures)}; the trace against it "
               f"{_medians(t, again, figures)}")
+        print(f"  with the level removed: against its first {_shapes(again, recorded, figures)}; the trace against it "
+              f"{_shapes(t, again, figures)}")
         summary["recorder_again_median_abs_error_pct"] = _median_errors(again, recorded, figures)
     return summary
 
@@ -173,6 +177,25 @@ def _median_errors(a, b, figures: tuple[str, ...]) -> dict[str, float]:
     """``a``'s module figures against ``b``'s: per figure the median over ``b``'s modules of the |error|, %."""
     return {f: statistics.median(abs(_error(getattr(a.modules[q], f), getattr(b.modules[q], f)))
                                  for q in b.fingerprint.module_fqns) for f in figures}
+
+
+def _shape_errors(a, b, figures: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """``a``'s module figures against ``b``'s with the level removed: per figure ``(level, error)``, the level the
+    median over ``b``'s modules of ``a / b`` (modules where ``b`` is 0 left out) and the error the median of
+    ``|(a / b) / level - 1|``, %. A one-number
+    scale over every module (the in-step ``comm_scale``) corrects the level, not the error."""
+    shapes = {}
+    for f in figures:
+        ratios = [getattr(a.modules[q], f) / getattr(b.modules[q], f) for q in b.fingerprint.module_fqns
+                  if getattr(b.modules[q], f)] or [1.0]
+        level = statistics.median(ratios)
+        shapes[f] = (level, 100 * statistics.median(abs(r / level - 1) for r in ratios))
+    return shapes
+
+
+def _shapes(a, b, figures: tuple[str, ...]) -> str:
+    """:func:`_shape_errors`, printed."""
+    return ", ".join(f"{f} x{level:.2f} {error:.1f}%" for f, (level, error) in _shape_errors(a, b, figures).items())
 
 
 def _medians(a, b, figures: tuple[str, ...]) -> str:
