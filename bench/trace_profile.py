@@ -182,8 +182,8 @@ def _median_errors(a, b, figures: tuple[str, ...]) -> dict[str, float]:
 def _shape_errors(a, b, figures: tuple[str, ...]) -> dict[str, tuple[float, float]]:
     """``a``'s module figures against ``b``'s with the level removed: per figure ``(level, error)``, the level the
     median over ``b``'s modules of ``a / b`` (modules where ``b`` is 0 left out) and the error the median of
-    ``|(a / b) / level - 1|``, %. A one-number
-    scale over every module (the in-step ``comm_scale``) corrects the level, not the error."""
+    ``|(a / b) / level - 1|``, %. A one-number scale over every module (the in-step ``comm_scale``) corrects the
+    level, not the error."""
     shapes = {}
     for f in figures:
         ratios = [getattr(a.modules[q], f) / getattr(b.modules[q], f) for q in b.fingerprint.module_fqns

@@ -71,6 +71,10 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
     # reduce_scatter_single replaces the deprecated reduce_scatter_tensor in newer torch
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+    sizes = {}  # fqn -> (padded elements, dtype) of its gradient
+    for fqn in fqns:
+        own = own_parameters(modules, fqn)
+        sizes[fqn] = (-(-unsharded_numels[fqn] // world) * world, own[0].dtype if own else torch.float32)
     all_gathers: dict[str, list[float]] = {fqn: [] for fqn in fqns}
     reduce_scatters: dict[str, list[float]] = {fqn: [] for fqn in fqns}
     for r in range(repeats + 1):
@@ -79,13 +83,11 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
             module = by_fqn[fqn]
             all_gather = _timed_ms(module.unshard, device)
             module.reshard()
-            own = own_parameters(modules, fqn)
-            dtype = own[0].dtype if own else torch.float32
-            padded = -(-unsharded_numels[fqn] // world) * world
-            if (padded, dtype) not in buffers:
-                buffers[padded, dtype] = (torch.zeros(padded, dtype=dtype, device=device),
-                                          torch.empty(padded // world, dtype=dtype, device=device))
-            inp, out = buffers[padded, dtype]
+            if sizes[fqn] not in buffers:
+                padded, dtype = sizes[fqn]
+                buffers[sizes[fqn]] = (torch.zeros(padded, dtype=dtype, device=device),
+                                       torch.empty(padded // world, dtype=dtype, device=device))
+            inp, out = buffers[sizes[fqn]]
             reduce_scatter_time = _timed_ms(functools.partial(reduce_scatter, out, inp), device)
             if r:
                 all_gathers[fqn].append(all_gather)
