@@ -20,7 +20,9 @@ from planner.errors import ProfileFormatError
 PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
 
 
-RECOMPUTE_FIELDS = ("recompute_ms", "recompute_activation_bytes")  # written only for a checkpointed module
+# written only where not 0 (a checkpointed module; a backward that allocates temporaries), so a profile without
+# them is the file release 0.1.0 wrote
+OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_bytes")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,12 @@ class ModuleProfile:
             module not checkpointed.
         recompute_activation_bytes: the activations its recompute holds during its backward (the recorder: the
             bytes of its children's outputs there); its ``activation_bytes`` are then the checkpointed inputs.
+        backward_temp_bytes: the temporaries of its backward compute before its first nested FSDP module's (all of
+            it for a module without nested ones; the loss's and the LM head's for a root): the most bytes alive in
+            that stretch above those alive at its start, less ``grad_bytes`` and ``recompute_activation_bytes``,
+            which the simulator allocates apart; at least 0. E.g. a root's gradient of the logits, batch x
+            sequence x vocabulary. 0 where not measured ([Note: Backward temporaries] in
+            :mod:`runtime.compute_timer`).
     """
 
     fqn: str
@@ -76,6 +84,7 @@ class ModuleProfile:
     needs_parameters_in_backward: bool = True
     recompute_ms: float = 0.0
     recompute_activation_bytes: int = 0
+    backward_temp_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,11 +193,11 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list.
-        ``source``, ``estimated`` and ``outside_ms`` are written only for a trace profile, and ``recompute_ms``
-        only for a checkpointed module, so a plain recorder's profile is the file release 0.1.0 wrote, byte for
-        byte."""
+        ``source``, ``estimated`` and ``outside_ms`` are written only for a trace profile, and the
+        :data:`OPTIONAL_FIELDS` only where not 0, so a profile without them is the file release 0.1.0 wrote, byte
+        for byte."""
         d = dataclasses.asdict(self)
-        d["modules"] = [{k: v for k, v in dataclasses.asdict(m).items() if k not in RECOMPUTE_FIELDS or v}
+        d["modules"] = [{k: v for k, v in dataclasses.asdict(m).items() if k not in OPTIONAL_FIELDS or v}
                         for m in self.modules.values()]
         if self.source == "recorder" and not self.estimated:
             del d["source"], d["estimated"]

@@ -99,6 +99,7 @@ class ModuleProfileDocument(Document):
     needs_parameters_in_backward: bool = True
     recompute_ms: float = Field(0.0, ge=0)
     recompute_activation_bytes: int = Field(0, ge=0)
+    backward_temp_bytes: int = Field(0, ge=0)
 
 
 class OverlapDocument(Document):

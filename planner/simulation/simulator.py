@@ -239,6 +239,7 @@ class Simulator:
             grad_bytes=np.array([m.grad_bytes // m.calls for m in mods], i64),
             activation_bytes=np.array([m.activation_bytes // m.calls for m in mods], i64),
             recompute_bytes=np.array([m.recompute_activation_bytes // m.calls for m in mods], i64),
+            backward_temp_bytes=np.array([m.backward_temp_bytes for m in mods], i64),
             sharded_bytes=np.array([m.sharded_bytes for m in mods], i64),
             children=np.array([self._index[f] for f in profile.pre_forward_order if f != profile.root_fqn], i64),
             post_forward=np.array(post, i64),

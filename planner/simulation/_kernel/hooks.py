@@ -125,9 +125,13 @@ def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
 
 
 @njit(cache=True, inline="always")
-def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
+def _backward(i, ms, temp, reduce, reshard_after, prof, cfg, st, trace):
     """Module ``i``'s backward compute, then ``FSDPParamGroup.post_backward``: reshard, then reduce-scatter
     (only with gradient sync, ``set_requires_gradient_sync``).
+
+    ``temp``: the compute's temporaries (``ModuleProfile.backward_temp_bytes``), allocated for the compute and freed
+    after it, on top of its gradient and recomputed activations ([Note: Backward temporaries] in
+    :mod:`runtime.compute_timer`).
 
     A checkpointed module (``recompute_bytes`` > 0) recomputes its forward inside this compute, its parameters
     already unsharded by ``_pre_backward``: non-reentrant ``torch.utils.checkpoint`` re-runs the block when
@@ -140,10 +144,10 @@ def _backward(i, ms, reduce, reshard_after, prof, cfg, st, trace):
     if not module_state[i, GRAD_ALIVE]:  # autograd allocates the unsharded gradient once
         module_state[i, GRAD_ALIVE] = 1
         allocate(clock, counters, samples, prof.grad_bytes[i])
-    if prof.recompute_bytes[i]:
-        allocate(clock, counters, samples, prof.recompute_bytes[i])
+    if prof.recompute_bytes[i] + temp:
+        allocate(clock, counters, samples, prof.recompute_bytes[i] + temp)
     compute(i, BACKWARD, ms, cfg, clock, counters, in_flight, ag_end, module_state, events)
-    allocate(clock, counters, samples, -prof.activation_bytes[i] - prof.recompute_bytes[i])
+    allocate(clock, counters, samples, -prof.activation_bytes[i] - prof.recompute_bytes[i] - temp)
     clock[CPU] += cfg.issue_overhead_ms
     if reshard_after and module_state[i, UNSHARD_STATE] != SHARDED:
         reshard(i, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
@@ -171,16 +175,22 @@ def _microbatch_backward(last, prof, plan, cfg, st, trace, compute_scale):
     if not st.module_state[root, GRAD_ALIVE]:  # the root's head (LM head) gets its gradients first
         st.module_state[root, GRAD_ALIVE] = 1
         allocate(st.clock, st.counters, trace.samples, prof.grad_bytes[root])
+    temp = prof.backward_temp_bytes[root]  # the loss's and the LM head's temporaries
+    if temp:
+        allocate(st.clock, st.counters, trace.samples, temp)
     if prof.root_backward_pre_ms > 0:
         compute(root, BACKWARD, prof.root_backward_pre_ms * compute_scale, cfg, st.clock, st.counters, st.in_flight,
                 st.all_gather_end, st.module_state, trace.events)
+    if temp:
+        allocate(st.clock, st.counters, trace.samples, -temp)
     for index in range(post.shape[0] - 1, -1, -1):
         i = post[index]
         if i == root:
             continue
         _pre_backward(i, index, prof, plan, cfg, st, trace)
-        _backward(i, prof.backward_ms[i] * compute_scale, last, reshard_after, prof, cfg, st, trace)
-    _backward(root, prof.root_backward_post_ms * compute_scale, last, reshard_after, prof, cfg, st, trace)
+        _backward(i, prof.backward_ms[i] * compute_scale, prof.backward_temp_bytes[i], last, reshard_after, prof, cfg,
+                  st, trace)
+    _backward(root, prof.root_backward_post_ms * compute_scale, 0, last, reshard_after, prof, cfg, st, trace)
 
 
 @njit(cache=True)
