@@ -88,7 +88,7 @@ class ProfileArrays(NamedTuple):
     grad_bytes: np.ndarray  # int64[n], per call
     activation_bytes: np.ndarray  # int64[n], per call
     recompute_bytes: np.ndarray  # int64[n], per call: a checkpointed block's recomputed activations, in its backward
-    backward_temp_bytes: np.ndarray  # int64[n]: its backward's temporaries (the root's: in its part before its children)
+    backward_temp_bytes: np.ndarray  # int64[n]: its backward's temporaries (the root's: before its children's)
     sharded_bytes: np.ndarray  # int64[n]: this rank's parameter shard, and so its sharded gradient
     children: np.ndarray  # int64: the modules other than the root, in pre-forward order
     post_forward: np.ndarray  # int64: the post-forward order, with multiplicity
