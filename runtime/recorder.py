@@ -96,7 +96,9 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     implicit backward prefetch (of the next module in backward, in its own window) is turned off by an explicit
     prefetch of itself, a no-op (``FSDPParamGroup.unshard`` returns at once on an unsharded group); FSDP2's
     default (implicit) is restored after. Only the held modules' figures are clean: the caller keeps theirs
-    (``times``, ``activation_bytes``, ``needs_parameters_in_backward``, ``recompute_bytes`` hold only theirs).
+    (``times``, ``activation_bytes``, ``needs_parameters_in_backward``, ``recompute_bytes``, ``backward_peak``
+    hold only theirs). The warm-up repeat, dropped from the times, reads the memory alive at each mark:
+    ``backward_peak`` ([Note: Backward temporaries] in :mod:`runtime.compute_timer`).
     """
     model = workload.model
     modules = fsdp_modules(model)
@@ -123,7 +125,7 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     needs: dict[str, bool] = {}
     try:
         for r in range(repeats + 1):  # the first repeat warms up and is dropped
-            timer.run(workload, r)
+            timer.run(workload, r, memory=r == 0)
             times, pre_order, post_order, calls = timer.attribute()
             if r == 0:  # a held module registers its unsharded parameters
                 for fqn in held:
@@ -153,6 +155,7 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
         "activation_bytes": {f: b for f, b in timer.act_bytes.items() if f in held},
         "needs_parameters_in_backward": {f: v for f, v in needs.items() if f in held},
         "recompute_bytes": {f: b for f, b in timer.recompute_bytes.items() if f in held},
+        "backward_peak": {f: b for f, b in timer.backward_peak.items() if f in held},
     }
 
 
@@ -262,6 +265,7 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
                 **times,
                 "activation_bytes": compute["activation_bytes"].get(fqn, 0),
                 "recompute_activation_bytes": compute["recompute_bytes"].get(fqn, 0),
+                "backward_peak_bytes": compute["backward_peak"].get(fqn, 0),
                 "needs_parameters_in_backward": compute["needs_parameters_in_backward"][fqn],
             }
             for fqn, times in compute["times"].items()
@@ -324,6 +328,9 @@ def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, b
             needs_parameters_in_backward=bool(figures["needs_parameters_in_backward"]),  # any rank: max
             recompute_ms=figures.get("recompute_ms", 0.0),
             recompute_activation_bytes=int(figures.get("recompute_activation_bytes", 0)),
+            # [Note: Backward temporaries] in runtime.compute_timer: the simulator allocates these two apart
+            backward_temp_bytes=max(0, int(figures.get("backward_peak_bytes", 0)) - unsharded[fqn]
+                                    - int(figures.get("recompute_activation_bytes", 0))),
             calls=max(1, calls.get(fqn, 1)),
         )
     root = fingerprint.module_fqns[0]

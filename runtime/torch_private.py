@@ -251,6 +251,35 @@ def profiler_allocations(prof: Any, within: str | None = None) -> list[tuple[int
     return out
 
 
+def profiler_running() -> bool:
+    """Whether a ``torch.profiler`` (or ``torch.autograd.profiler``) profile is active in this process
+    (``torch.autograd._profiler_enabled``).
+
+    Why: a profiler cannot start inside another; the compute timer's memory run on CPU profiles, so under a
+    user's profiler it reads no memory instead of failing the user's job.
+    """
+    return bool(torch.autograd._profiler_enabled())
+
+
+def profiler_marks(prof: Any, prefix: str) -> list[tuple[int, str]]:
+    """``(time ns, name)`` of the ``record_function`` blocks whose name starts with ``prefix``, in time order, on
+    the clock of :func:`profiler_allocations`.
+
+    Why: the bytes alive at chosen points of a profiled run on a CPU device (:mod:`runtime.compute_timer` marks
+    each module's window with an empty block). Read from the same event tree as :func:`profiler_allocations`
+    (``experimental_event_tree()``, ``name``, ``start_time_ns``).
+    """
+    out: list[tuple[int, str]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.name.startswith(prefix):
+            out.append((event.start_time_ns, event.name))
+        stack.extend(event.children)
+    out.sort()
+    return out
+
+
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A default process group of ``world_size`` ranks in this one process, whose collectives do nothing.

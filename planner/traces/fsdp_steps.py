@@ -96,6 +96,9 @@ class RankStep:
         activation_bytes: first microbatch: bytes each module's forward left allocated, exclusive of nested modules.
         recompute_ms: per checkpointed module, its recompute inside its backward (part of ``bwd_ms``).
         recompute_bytes: per checkpointed module, the most bytes allocated during its recompute above its start.
+        backward_peak_bytes: per module, the most bytes allocated in its backward stretches before its first nested
+            module's, above those allocated when the stretch began (after its ``pre_backward`` label); the
+            recorder's figure of the same name ([Note: Backward temporaries] in ``runtime/compute_timer.py``).
         path: the trace file the step is from.
     """
 
@@ -118,6 +121,7 @@ class RankStep:
     activation_bytes: dict[str, int] = field(default_factory=dict)
     recompute_ms: dict[str, float] = field(default_factory=dict)
     recompute_bytes: dict[str, int] = field(default_factory=dict)
+    backward_peak_bytes: dict[str, int] = field(default_factory=dict)
     path: str = ""
 
 
@@ -236,7 +240,7 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
                           and any(p.kind == "pre_backward" and p.event.contains(lb.event.ts) for p in labels))
     optimizer = next((e for e in trace.cpu if e.name.startswith("Optimizer.step#") and e.thread == main
                       and window.contains(e.ts)), None)
-    memory = _memory(trace, window, labels, optimizer, parent)
+    memory = _memory(trace, window, labels, optimizer, parent, segments)
     recompute_ms, recompute_bytes = recompute_in_backward(trace, segments, {lb.event.thread for lb in labels})
     return RankStep(
         number=number, step_ms=window.dur / 1e3, microbatches=max(1, microbatches), pre_forward_order=pre_order,
@@ -314,7 +318,7 @@ def _numel(dims: tuple[int, ...]) -> int:
 
 
 def _memory(trace: KinetoTrace, window: TraceEvent, labels: list[_Label], optimizer: TraceEvent | None,
-            parent: dict[str, str]) -> dict:
+            parent: dict[str, str], segments: list[tuple]) -> dict:
     events = [m for m in trace.memory if m.device == trace.device_type]
     if not events:
         return {}
@@ -338,4 +342,24 @@ def _memory(trace: KinetoTrace, window: TraceEvent, labels: list[_Label], optimi
         if child in net and par in exclusive:
             exclusive[par] -= net[child]
     out["activation_bytes"] = {f: max(0, b) for f, b in exclusive.items()}
+    out["backward_peak_bytes"] = _backward_peaks(events, total_at, segments)
     return out
+
+
+def _backward_peaks(events: list, total_at, segments: list[tuple]) -> dict[str, int]:
+    """Per module, the most bytes allocated in its backward stretches before its first nested module's, above the
+    level where its run of such stretches began (a module's stretches back to back, as a root's between its own
+    labels, are one run); the max over the step's runs."""
+    ts = [m.ts for m in events]
+    peaks: dict[str, int] = {}
+    last, base = None, 0
+    for start, end, phase, module, pre in segments:
+        if phase != "bwd" or not pre:
+            last = None
+            continue
+        if module != last:
+            base, last = total_at(start), module
+        lo, hi = bisect.bisect_right(ts, start), bisect.bisect_right(ts, end)
+        peak = max([total_at(start)] + [events[i].total_allocated for i in range(lo, hi)])
+        peaks[module] = max(peaks.get(module, 0), peak - base)
+    return peaks

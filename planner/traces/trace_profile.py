@@ -208,14 +208,18 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
         act = statistics.median(s.activation_bytes.get(fqn, 0) for s in per_rank[min(per_rank)])
         if not resharded:
             act = max(0, act - nbytes)  # its unsharded parameters stay allocated after its forward
+        grad = sizes.get((fqn, "reduce_scatter"), nbytes)
+        recompute = int(max(s.recompute_bytes.get(fqn, 0) for ss in per_rank.values() for s in ss))
         module_profiles[fqn] = ModuleProfile(
             fqn=fqn, fwd_ms=fwd, bwd_ms=bwd, fwd_pre_ms=min(per_module("fwd_pre_ms", fqn), fwd),
             bwd_pre_ms=min(per_module("bwd_pre_ms", fqn), bwd),
             all_gather_ms=statistics.fmean(ag) if ag else 0.0, reduce_scatter_ms=statistics.fmean(rs) if rs else 0.0,
             unsharded_bytes=nbytes, sharded_bytes=-(-nbytes // world),
-            grad_bytes=sizes.get((fqn, "reduce_scatter"), nbytes), activation_bytes=int(act),
+            grad_bytes=grad, activation_bytes=int(act),
             recompute_ms=per_module("recompute_ms", fqn),
-            recompute_activation_bytes=int(max(s.recompute_bytes.get(fqn, 0) for ss in per_rank.values() for s in ss)),
+            recompute_activation_bytes=recompute,
+            backward_temp_bytes=max(0, int(_median_max([[s.backward_peak_bytes.get(fqn, 0) for s in ss]
+                                                        for ss in per_rank.values()])) - grad - recompute),
             reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
         )
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])

@@ -124,3 +124,25 @@ def test_tracker_counts_the_blocks_alive(model):
     one_block = torch_private.param_group_unsharded_bytes(torch_private.param_group(model.blocks[0]))
     root = torch_private.param_group_unsharded_bytes(torch_private.param_group(model))
     assert tracker.peak_bytes >= root + 2 * one_block  # the root stays unsharded; a block computing, one prefetched
+
+
+def test_profiler_allocations_and_marks_share_one_clock():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    assert not torch_private.profiler_running()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert torch_private.profiler_running()
+        with record_function("test: mark 0"):
+            pass
+        kept = torch.empty(1 << 20, dtype=torch.uint8)
+        with record_function("test: mark 1"):
+            pass
+        del kept
+        with record_function("test: mark 2"):
+            pass
+    marks = torch_private.profiler_marks(prof, "test: mark ")
+    assert [name for _, name in marks] == ["test: mark 0", "test: mark 1", "test: mark 2"]
+    allocations = torch_private.profiler_allocations(prof)
+    between = [size for t, size, _ in allocations if marks[0][0] <= t <= marks[1][0]]
+    after = [size for t, size, _ in allocations if marks[1][0] <= t <= marks[2][0]]
+    assert 1 << 20 in between and -(1 << 20) in after  # the MiB allocated between the first two, freed after

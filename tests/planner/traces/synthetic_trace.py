@@ -29,6 +29,8 @@ EXPECTED = {
     # layers.1 is checkpointed: a forward op in its backward stretch launched 0.15 ms of kernels, holding 2000 B
     "recompute_ms": {"layers.1": 0.15},
     "recompute_bytes": {"layers.1": 2000},
+    # the most above each module's backward start, before its first nested module's: layers.1's recompute
+    "backward_peak_bytes": {"": 0, "layers.1": 2000, "layers.0": 0},
     # the NCCL kernel plus the copy-out's kernel; both calls of a layer alike
     "all_gather_ms": {"": 0.22, "layers.0": 0.33, "layers.1": 0.33},
     "reduce_scatter_ms": {"": 0.1, "layers.0": 0.25, "layers.1": 0.25},

@@ -1,0 +1,99 @@
+"""The compute timer's backward temporaries ([Note: Backward temporaries] in ``runtime/compute_timer.py``).
+
+A small FSDP2 model on a one-rank gloo group whose loss projects onto a wide, fixed vocabulary: the loss's
+backward then allocates the gradient of the logits (batch x vocabulary x 4 bytes) in the root's backward before its
+blocks', while the model's own gradients are a few KiB.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+from runtime.compute_timer import ComputeTimer, memory_at_marks
+from runtime.recorder import fsdp_modules
+from runtime.reference_workloads import MLPStack
+from runtime.workload import Workload
+
+DIM, VOCAB, TOKENS = 16, 8192, 256
+LOGITS_BYTES = TOKENS * VOCAB * 4  # 8 MiB
+
+
+def _workload(mesh) -> Workload:
+    torch.manual_seed(0)
+    model = MLPStack(DIM, layers=2)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    head = torch.randn(DIM, VOCAB)  # not a parameter: its gradient is never allocated
+
+    def loss_fn(m, batch):
+        x, labels = batch
+        return F.cross_entropy(m(x) @ head, labels)
+
+    def make_batch(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(TOKENS, DIM, generator=g), torch.randint(0, VOCAB, (TOKENS,), generator=g)
+
+    return Workload(model, torch.optim.SGD(model.parameters(), lr=0.1), make_batch, loss_fn)
+
+
+def test_the_losss_gradient_of_the_logits_is_the_roots_backward_temporary(mesh):
+    workload = _workload(mesh)
+    modules = fsdp_modules(workload.model)
+    timer = ComputeTimer(modules, modules[0][0], "cpu")
+    try:
+        timer.run(workload, 0)
+        assert timer.backward_peak == {}  # read only when asked: a profiled run is not one to time
+        timer.run(workload, 1, memory=True)
+    finally:
+        timer.remove()
+    peak = timer.backward_peak
+    assert set(peak) == {fqn for fqn, _ in modules}
+    # the gradient of the logits, and of the log-softmax inside cross_entropy: one or two logits-sized tensors
+    assert LOGITS_BYTES <= peak[""] <= 3 * LOGITS_BYTES
+    block_params = sum(p.numel() * 4 for p in modules[1][1].parameters())
+    for fqn, _ in modules[1:]:  # a block's: its gradients and a few activation-sized tensors (256 x 64 floats)
+        assert peak[fqn] <= block_params + 4 * TOKENS * 4 * DIM * 4
+
+
+def test_no_memory_is_read_under_a_profiler_already_running(mesh):
+    workload = _workload(mesh)
+    modules = fsdp_modules(workload.model)
+    timer = ComputeTimer(modules, modules[0][0], "cpu")
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            timer.run(workload, 0, memory=True)
+    finally:
+        timer.remove()
+    assert timer.backward_peak == {}
+    assert timer.marks  # the run itself went on
+
+
+def test_memory_at_marks_reads_the_level_and_the_peak_between_marks():
+    # (time, size, total after): +100 at 1, +50 at 2, -120 at 4, +10 at 6; marks at 0, 3, 5, 7
+    allocations = [(1, 100, 1100), (2, 50, 1150), (4, -120, 1030), (6, 10, 1040)]
+    assert memory_at_marks(allocations, [0, 3, 5, 7]) == [(1000, 1000), (1150, 1150), (1030, 1150), (1040, 1040)]
+    assert memory_at_marks([], [0, 1]) == [(0, 0), (0, 0)]
+
+
+@pytest.mark.parametrize(("peak", "temp"), [(10_000, 10_000 - 300 - 50), (200, 0)])
+def test_the_recorder_takes_the_gradient_and_the_recompute_off_the_backward_peak(peak, temp):
+    """The simulator allocates a module's gradient (its parameter bytes, 300) and recomputed activations (50)
+    apart from its temporaries; a peak below the two is no temporary."""
+    from planner.artifacts.fingerprint import Fingerprint
+    from runtime.recorder import consolidate
+
+    figures = {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_pre_ms": 1.0, "bwd_pre_ms": 2.0, "all_gather_ms": 0.5,
+               "reduce_scatter_ms": 0.5, "sharded_bytes": 150, "activation_bytes": 10,
+               "needs_parameters_in_backward": True, "recompute_ms": 0.0, "recompute_activation_bytes": 50,
+               "backward_peak_bytes": peak}
+    rank = {"rank": 0, "post_forward_order": [], "pre_forward_order": [], "modules": {"": figures},
+            "overlap": None, "step_ms": 10.0, "optimizer_ms": 1.0, "optimizer_state_bytes": 0,
+            "optimizer_temp_bytes": 0, "peak_bytes": [1000]}
+    fp = Fingerprint(("",), (75,), (300,), 2, "cpu", ("torch.float32",), "test")  # 300 gradient bytes
+    profile = consolidate([rank], fp, {"": False}, {"": 1})
+    assert profile.modules[""].backward_temp_bytes == temp
+    assert ("backward_temp_bytes" in profile.to_dict()["modules"][0]) == (temp > 0)  # written only where not 0
