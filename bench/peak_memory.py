@@ -105,6 +105,11 @@ def report(run: dict) -> dict:
     summary = {"median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors)}
     print(f"median |error| {summary['median_abs_error_pct']:.1f}%, max {summary['max_abs_error_pct']:.1f}% "
           f"over {len(errors)} plans (target: median <= 3%)")
+    temps = [m.backward_temp_bytes for f, m in profile.modules.items() if f != profile.root_fqn]
+    if temps:
+        root = profile.modules[profile.root_fqn].backward_temp_bytes
+        print(f"backward temporaries in the profile: the root {mib(root)}, a module's median "
+              f"{mib(int(statistics.median(temps)))} (0: not measured, or a profile before them)")
     base = rows.get("uniform depth 1 async")
     if base:
         print("extra memory of keeping blocks unsharded, against uniform depth 1 async (MiB): measured / predicted")

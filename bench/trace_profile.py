@@ -154,6 +154,16 @@ def report(run: dict) -> dict:
         print(f"peak: trace profile {mib(t.measured_peak_bytes)} (start bytes estimated), recorder "
               f"{mib(recorded.measured_peak_bytes)} "
               f"({100 * (t.measured_peak_bytes / recorded.measured_peak_bytes - 1):+.1f}%)")
+    print("backward temporaries, trace / recorder: the root " + " / ".join(
+              mib(p.modules[p.root_fqn].backward_temp_bytes) for p in (t, recorded))
+          + ", the modules' median " + " / ".join(
+              mib(int(statistics.median([m.backward_temp_bytes for f, m in p.modules.items() if f != p.root_fqn]
+                                        or [0]))) for p in (t, recorded)))
+    if recorded.measured_peak_bytes:
+        peaks = [simulate(p, Plan.default(p)).peak_bytes for p in (alone, recorder_alone)]
+        print(f"  the default's simulated peak from the trace profile {mib(peaks[0])}, from the recorder's "
+              f"{mib(peaks[1])}; the recorder measured {mib(recorded.measured_peak_bytes)} "
+              f"({100 * (peaks[1] / recorded.measured_peak_bytes - 1):+.1f}%)")
     for line in run["missing"]:
         print(f"  estimated: {line}")
     if run.get("recorded_per_module"):

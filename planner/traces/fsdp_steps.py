@@ -93,7 +93,8 @@ class RankStep:
             less its own ``Bytes`` (a file of a later profiler cycle starts where the counter stood, and on CPU that
             counter, the profiler's own, counts only what it saw allocated, never freeing what it saw allocated
             while not profiling, so it climbs from cycle to cycle: only differences within a step are bytes).
-        activation_bytes: first microbatch: bytes each module's forward left allocated, exclusive of nested modules.
+        activation_bytes: first microbatch: bytes each module's forward left allocated, exclusive of nested modules;
+            the root's also with what the loop freed or allocated between the root's forward and its backward.
         recompute_ms: per checkpointed module, its recompute inside its backward (part of ``bwd_ms``).
         recompute_bytes: per checkpointed module, the most bytes allocated during its recompute above its start.
         backward_peak_bytes: per module, the most bytes allocated in its backward stretches before its first nested
@@ -341,6 +342,12 @@ def _memory(trace: KinetoTrace, window: TraceEvent, labels: list[_Label], optimi
     for child, par in parent.items():
         if child in net and par in exclusive:
             exclusive[par] -= net[child]
+    # What the loop frees or keeps between the root's forward and its backward is the root's: e.g. the logits of a
+    # loss computed in the root's forward, returned in its output and dropped once the loss is read (HF's
+    # ``model(...).loss``; 500 MiB in the GPU Llama), or a loss computed in the loop (torchtitan) that saves its own.
+    backward = next((lb.event for lb in labels if lb.kind == "pre_backward" and lb.fqn == ""), None)
+    if "" in exclusive and backward is not None:
+        exclusive[""] += total_at(backward.ts) - total_at(first_post[""].end)
     out["activation_bytes"] = {f: max(0, b) for f, b in exclusive.items()}
     out["backward_peak_bytes"] = _backward_peaks(events, total_at, segments)
     return out
