@@ -4,7 +4,6 @@ reduce-scatter, and the real A100 and H100 traces."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 
