@@ -15,15 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from runtime.peak_memory import stderr_silenced
-from runtime.torch_private import profiler_allocations, profiler_marks, profiler_running
+from runtime.mark_memory import MarkMemory, backward_peaks
 from runtime.workload import Workload
 
 TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms")
-MARK = "prefetch-planner: mark "  # the record_function name of a mark in a profiled run on CPU
 
 # [Note: Backward temporaries]
 # A backward allocates more than the gradients it leaves: the loss's backward holds the gradient of the logits
@@ -32,10 +29,7 @@ MARK = "prefetch-planner: mark "  # the record_function name of a mark in a prof
 # root's backward before the last block's, and the simulator, without them, put FSDP2's default 172 MiB (0.9%)
 # under its measured peak and priced a last block kept unsharded at 0 where it measured +196 MiB (one block)
 # (bench/results/NOTES.md, "On a GPU"). So the timer reads the bytes alive at each mark and the most alive since
-# the one before: on GPU the caching allocator's counters (``memory_allocated``, ``max_memory_allocated`` then
-# ``reset_peak_memory_stats``), host-side and in program order, as the allocator accounts them; on CPU, where
-# there are no counters, a run under ``torch.profiler.profile(profile_memory=True)`` whose marks are empty
-# ``record_function`` blocks, read against its allocation events (:func:`runtime.torch_private.profiler_marks`).
+# the one before (:mod:`runtime.mark_memory`: on GPU the caching allocator's counters; on CPU a profiled run).
 # A module's :attr:`ComputeTimer.backward_peak` is the most bytes alive in its backward before its first nested
 # module's, above those alive when its backward started; the recorder takes its gradient and its recomputed
 # activations off it (``ModuleProfile.backward_temp_bytes``), as the simulator allocates those apart.
@@ -123,8 +117,8 @@ class ComputeTimer:
         self.recompute_depth: dict[str, int] = defaultdict(int)
         self.recompute_bytes: dict[str, int] = defaultdict(int)  # its children's outputs in backward, last run
         self.recompute_seen: dict[str, dict[int, weakref.ref]] = defaultdict(dict)  # per module
-        self.memory: list[tuple[int, int]] | None = None  # per mark: (bytes alive, most alive since the last mark)
-        self.profiling = False  # a CPU run under the profiler: each mark is an empty record_function block
+        self.memory = MarkMemory(self.cuda)
+        self.reading_memory = False
         self.backward_peak: dict[str, int] = {}  # [Note: Backward temporaries], from the last run with memory
         fsdp = {id(m) for _, m in modules}
         for fqn, m in modules:
@@ -145,14 +139,10 @@ class ComputeTimer:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append((event, kind, fqn))
-            if self.memory is not None:
-                self.memory.append((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
-                torch.cuda.reset_peak_memory_stats()
         else:
             self.marks.append((time.perf_counter(), kind, fqn))
-            if self.profiling:
-                with record_function(f"{MARK}{len(self.marks) - 1}"):
-                    pass
+        if self.reading_memory:
+            self.memory.at_mark()
 
     def _marks_to_seconds(self) -> None:
         if self.cuda and self.marks:
@@ -240,25 +230,17 @@ class ComputeTimer:
     def run(self, workload: Workload, step: int, memory: bool = False) -> None:
         """One forward + backward, marking windows; ``memory``: also :attr:`backward_peak` (on CPU the run is
         profiled, which slows it: not a run to time; under a profiler already running it reads none)."""
-        self.memory = [] if memory and self.cuda else None
-        if memory and not self.cuda and not profiler_running():
-            prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.peak_memory
-                prof.__enter__()
-            self.profiling = True
-            try:
-                self._run(workload, step)
-            finally:
-                self.profiling = False
-                with stderr_silenced():
-                    prof.__exit__(None, None, None)
-            self.memory = memory_at_marks(profiler_allocations(prof), [t for t, _ in profiler_marks(prof, MARK)])
-        else:
+        if not memory:
             self._run(workload, step)
-        if self.cuda and self.memory is not None:
-            torch.cuda.reset_peak_memory_stats()
-        if self.memory is not None:
-            self.backward_peak = self._backward_peaks()
+            return
+        self.reading_memory = True
+        try:
+            with self.memory.reading():
+                self._run(workload, step)
+        finally:
+            self.reading_memory = False
+        if self.memory.levels is not None:
+            self.backward_peak = backward_peaks([(k, f) for _, k, f in self.marks], self.memory.levels, self.root)
 
     def _run(self, workload: Workload, step: int) -> None:
         self.marks.clear()
@@ -284,34 +266,6 @@ class ComputeTimer:
             self.in_backward = False
         self.mark("exit", self.root)
         self._marks_to_seconds()
-
-    def _backward_peaks(self) -> dict[str, int]:
-        """Per module: the most bytes alive in its backward before its first nested module's, above those alive
-        when its backward started (the windows of :meth:`attribute`; [Note: Backward temporaries])."""
-        memory = self.memory or []
-        if len(memory) != len(self.marks):  # a mark the profiler did not see: no figure rather than a wrong one
-            return {}
-        peaks: dict[str, int] = {}
-        start: dict[str, int] = {}
-        stack: list[str] = []
-        child_seen: set[str] = set()
-        backward = False
-        for i, (_, kind, fqn) in enumerate(self.marks):
-            if kind in ("enter", "benter"):
-                if kind == "enter" and fqn == self.root and i > 0 and not stack:
-                    backward = True
-                    child_seen.clear()
-                if stack and stack[-1] != fqn:
-                    child_seen.add(stack[-1])
-                if backward and fqn not in stack:  # each backward window of a module called twice: its own start
-                    start[fqn] = memory[i][0]
-                stack.append(fqn)
-            elif kind in ("exit", "bexit") and fqn in stack:
-                del stack[len(stack) - 1 - stack[::-1].index(fqn)]
-            if backward and stack and i + 1 < len(memory) and stack[-1] not in child_seen:
-                top = stack[-1]
-                peaks[top] = max(peaks.get(top, 0), memory[i + 1][1] - start[top])
-        return peaks
 
     def attribute(self) -> tuple[dict[str, dict[str, float]], list[str], list[str], dict[str, int]]:
         """Exclusive ms per module and phase, pre-/post-forward order, forward calls."""
@@ -355,27 +309,3 @@ class ComputeTimer:
         for h in self.handles:
             h.remove()
 
-
-def memory_at_marks(allocations: list[tuple[int, int, int]], marks: list[int]) -> list[tuple[int, int]]:
-    """Per mark: ``(bytes alive at it, most bytes alive since the mark before)``, from a CPU memory profile.
-
-    Args:
-        allocations: :func:`runtime.torch_private.profiler_allocations`, ``(time ns, bytes, total after)``.
-        marks: the marks' times, ns, on the same clock, in order.
-
-    The totals count what was allocated while profiling and is still alive, so only differences between marks
-    mean anything. Before the first allocation the total is that event's total less its size.
-    """
-    if not allocations:
-        return [(0, 0) for _ in marks]
-    out: list[tuple[int, int]] = []
-    alive = allocations[0][2] - allocations[0][1]
-    j = 0
-    for t in marks:
-        peak = alive
-        while j < len(allocations) and allocations[j][0] <= t:
-            alive = allocations[j][2]
-            peak = max(peak, alive)
-            j += 1
-        out.append((alive, peak))
-    return out

@@ -2,36 +2,30 @@
 
 What it records and how (docs/architecture.md, "Measurement"):
 
-- Gradient accumulation: the workload's microbatches per step
-  (``Profile.microbatches``); the module figures below are per microbatch,
-  the step figures per step (every microbatch and the optimizer).
-- Step ms, optimizer ms and peak memory of FSDP2's default plan: median
-  over timed steps after warm-up, timed last, when the run is warm
-  (the first steps after the model is built run far slower: [Note: Why the
-  isolated figures are not enough] in :mod:`planner.simulation.in_step`); then the
-  peak of :data:`runtime.peak_memory.PEAK_STEPS` untimed steps, and what
-  the optimizer step allocates on top (:func:`runtime.peak_memory.measure_peak`).
-- Pre- and post-forward order of the FSDP modules, with multiplicity, from
-  forward hooks; compute ms per module, forward and backward, exclusive of
-  nested FSDP modules (:class:`runtime.compute_timer.ComputeTimer`): every
-  FSDP module is unsharded first, with ``reshard_after_forward`` off,
-  gradient sync off (``set_requires_gradient_sync(False)``) and
-  ``set_reshard_after_backward(False)``, so no collective runs inside the
-  window; each module's unsharded gradients are freed when its backward
-  ends, as in a step ([Note: The isolated backward frees each module's
-  gradients]).
-- Activation bytes saved for backward, per module; and whether autograd
-  saves any of its parameters (if not, e.g. an embedding, its parameters
-  need no all-gather in backward: ``set_unshard_in_backward(False)``).
-- All-gather ms and reduce-scatter ms in isolation, all ranks together
-  (:mod:`runtime.collective_timer`), medians of rounds over every module ([Note: Collectives timed in rounds]).
-- On a CPU device, the all-gather of the module with the most unsharded
-  parameters and compute, alone and at once (:mod:`runtime.overlap_timer`).
-  These and the collectives are timed first, after the warm-up steps, before
-  the isolated compute passes ([Note: The collectives are timed before the
-  isolated passes]).
-- Per-rank figures are gathered (:func:`runtime.collectives.gather_objects`) and consolidated: max across
-  ranks (the overlap timings: mean across ranks), per-rank kept.
+- Gradient accumulation: the workload's microbatches per step (``Profile.microbatches``); the module figures below are
+  per microbatch, the step figures per step (every microbatch and the optimizer).
+- Step ms, optimizer ms and peak memory of FSDP2's default plan: median over timed steps after warm-up, timed last,
+  when the run is warm (the first steps after the model is built run far slower: [Note: Why the isolated figures are
+  not enough] in :mod:`planner.simulation.in_step`); then the peak of :data:`runtime.peak_memory.PEAK_STEPS` untimed
+  steps, and what the optimizer step allocates on top (:func:`runtime.peak_memory.measure_peak`).
+- Pre- and post-forward order of the FSDP modules, with multiplicity, from forward hooks; compute ms per module,
+  forward and backward, exclusive of nested FSDP modules (:class:`runtime.compute_timer.ComputeTimer`): every FSDP
+  module is unsharded first, with ``reshard_after_forward`` off, gradient sync off
+  (``set_requires_gradient_sync(False)``) and ``set_reshard_after_backward(False)``, so no collective runs inside the
+  window; each module's unsharded gradients are freed when its backward ends, as in a step ([Note: The isolated
+  backward frees each module's gradients]).
+- Activation bytes saved for backward, per module; and whether autograd saves any of its parameters (if not, e.g. an
+  embedding, its parameters need no all-gather in backward: ``set_unshard_in_backward(False)``).
+- Backward temporaries per module: the most bytes alive in its backward above its start, less its gradient and
+  recomputed activations, read in the isolated passes' first, untimed repeat ([Note: Backward temporaries] in
+  :mod:`runtime.compute_timer`).
+- All-gather ms and reduce-scatter ms in isolation, all ranks together (:mod:`runtime.collective_timer`), medians of
+  rounds over every module ([Note: Collectives timed in rounds]).
+- On a CPU device, the all-gather of the module with the most unsharded parameters and compute, alone and at once
+  (:mod:`runtime.overlap_timer`). These and the collectives are timed first, after the warm-up steps, before the
+  isolated compute passes ([Note: The collectives are timed before the isolated passes]).
+- Per-rank figures are gathered (:func:`runtime.collectives.gather_objects`) and consolidated: max across ranks (the
+  overlap timings: mean across ranks), per-rank kept.
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.profile import InStepTimings, ModuleProfile, OverlapTimings, Profile
+from planner.artifacts.profile import InStepTimings, ModuleProfile, OverlapTimings, Profile, backward_temporaries
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import module_collectives
 from runtime.collectives import gather_objects
@@ -328,9 +322,8 @@ def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, b
             needs_parameters_in_backward=bool(figures["needs_parameters_in_backward"]),  # any rank: max
             recompute_ms=figures.get("recompute_ms", 0.0),
             recompute_activation_bytes=int(figures.get("recompute_activation_bytes", 0)),
-            # [Note: Backward temporaries] in runtime.compute_timer: the simulator allocates these two apart
-            backward_temp_bytes=max(0, int(figures.get("backward_peak_bytes", 0)) - unsharded[fqn]
-                                    - int(figures.get("recompute_activation_bytes", 0))),
+            backward_temp_bytes=backward_temporaries(figures.get("backward_peak_bytes", 0), unsharded[fqn],
+                                                     figures.get("recompute_activation_bytes", 0)),
             calls=max(1, calls.get(fqn, 1)),
         )
     root = fingerprint.module_fqns[0]

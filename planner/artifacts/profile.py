@@ -87,6 +87,13 @@ class ModuleProfile:
     backward_temp_bytes: int = 0
 
 
+def backward_temporaries(peak_bytes: int, grad_bytes: int, recompute_bytes: int) -> int:
+    """:attr:`ModuleProfile.backward_temp_bytes` from a backward's most bytes alive above its start (the recorder's
+    or a trace's), bytes: less what the simulator allocates apart, the gradient and the recomputed activations;
+    at least 0 (a backward that frees its activations as it goes peaks below its gradient)."""
+    return max(0, int(peak_bytes) - int(grad_bytes) - int(recompute_bytes))
+
+
 @dataclass(frozen=True)
 class OverlapTimings:
     """An all-gather and compute, alone and at once, on a CPU device (``runtime.overlap_timer``).

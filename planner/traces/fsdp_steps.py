@@ -30,7 +30,6 @@ A collective is the gloo work (``gloo:*``, its own thread) or the NCCL kernel (i
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from planner.errors import TraceFormatError
 from planner.traces.kineto import DTYPE_BYTES, KinetoTrace, TraceEvent
 from planner.traces.recompute import recompute_in_backward
+from planner.traces.step_memory import step_memory
 from planner.traces.stream_time import stretches_ms
 
 LABEL = re.compile(r"^FSDP::(\w+)(?: \((.*)\))?$")
@@ -241,7 +241,7 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
                           and any(p.kind == "pre_backward" and p.event.contains(lb.event.ts) for p in labels))
     optimizer = next((e for e in trace.cpu if e.name.startswith("Optimizer.step#") and e.thread == main
                       and window.contains(e.ts)), None)
-    memory = _memory(trace, window, labels, optimizer, parent, segments)
+    memory = step_memory(trace, window, labels, optimizer, parent, segments)
     recompute_ms, recompute_bytes = recompute_in_backward(trace, segments, {lb.event.thread for lb in labels})
     return RankStep(
         number=number, step_ms=window.dur / 1e3, microbatches=max(1, microbatches), pre_forward_order=pre_order,
@@ -316,57 +316,3 @@ def _numel(dims: tuple[int, ...]) -> int:
     for d in dims:
         n *= d
     return n
-
-
-def _memory(trace: KinetoTrace, window: TraceEvent, labels: list[_Label], optimizer: TraceEvent | None,
-            parent: dict[str, str], segments: list[tuple]) -> dict:
-    events = [m for m in trace.memory if m.device == trace.device_type]
-    if not events:
-        return {}
-    ts = [m.ts for m in events]
-
-    def total_at(t: float) -> int:  # before the file's first event: what that event found
-        i = bisect.bisect_right(ts, t) - 1
-        return events[i].total_allocated if i >= 0 else events[0].total_allocated - events[0].bytes
-
-    inside = [m.total_allocated for m in events if window.contains(m.ts)]
-    start = total_at(window.ts)
-    out = {"start_bytes": start, "peak_above_start_bytes": max(inside, default=start) - start}
-    if optimizer is not None:
-        during = [m.total_allocated for m in events if optimizer.contains(m.ts)]
-        out["optimizer_temp_bytes"] = max(0, max(during, default=0) - total_at(optimizer.ts))
-    first_pre = {lb.fqn: lb.event for lb in reversed(labels) if lb.kind == "pre_forward"}
-    first_post = {lb.fqn: lb.event for lb in reversed(labels) if lb.kind == "post_forward"}
-    net = {f: total_at(first_post[f].end) - total_at(first_pre[f].ts) for f in first_pre if f in first_post}
-    exclusive = dict(net)
-    for child, par in parent.items():
-        if child in net and par in exclusive:
-            exclusive[par] -= net[child]
-    # What the loop frees or keeps between the root's forward and its backward is the root's: e.g. the logits of a
-    # loss computed in the root's forward, returned in its output and dropped once the loss is read (HF's
-    # ``model(...).loss``; 500 MiB in the GPU Llama), or a loss computed in the loop (torchtitan) that saves its own.
-    backward = next((lb.event for lb in labels if lb.kind == "pre_backward" and lb.fqn == ""), None)
-    if "" in exclusive and backward is not None:
-        exclusive[""] += total_at(backward.ts) - total_at(first_post[""].end)
-    out["activation_bytes"] = {f: max(0, b) for f, b in exclusive.items()}
-    out["backward_peak_bytes"] = _backward_peaks(events, total_at, segments)
-    return out
-
-
-def _backward_peaks(events: list, total_at, segments: list[tuple]) -> dict[str, int]:
-    """Per module, the most bytes allocated in its backward stretches before its first nested module's, above the
-    level where its run of such stretches began (a module's stretches back to back, as a root's between its own
-    labels, are one run); the max over the step's runs."""
-    ts = [m.ts for m in events]
-    peaks: dict[str, int] = {}
-    last, base = None, 0
-    for start, end, phase, module, pre in segments:
-        if phase != "bwd" or not pre:
-            last = None
-            continue
-        if module != last:
-            base, last = total_at(start), module
-        lo, hi = bisect.bisect_right(ts, start), bisect.bisect_right(ts, end)
-        peak = max([total_at(start)] + [events[i].total_allocated for i in range(lo, hi)])
-        peaks[module] = max(peaks.get(module, 0), peak - base)
-    return peaks

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.profile import InStepTimings, ModuleProfile, Profile
+from planner.artifacts.profile import InStepTimings, ModuleProfile, Profile, backward_temporaries
 from planner.errors import TraceFormatError
 from planner.traces.fsdp_steps import Collective, RankStep, rank_steps
 from planner.traces.kineto import TORCH_DTYPE, KinetoTrace, read_trace, trace_files
@@ -218,8 +218,9 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
             grad_bytes=grad, activation_bytes=int(act),
             recompute_ms=per_module("recompute_ms", fqn),
             recompute_activation_bytes=recompute,
-            backward_temp_bytes=max(0, int(_median_max([[s.backward_peak_bytes.get(fqn, 0) for s in ss]
-                                                        for ss in per_rank.values()])) - grad - recompute),
+            backward_temp_bytes=backward_temporaries(
+                _median_max([[s.backward_peak_bytes.get(fqn, 0) for s in ss] for ss in per_rank.values()]), grad,
+                recompute),
             reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
         )
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])

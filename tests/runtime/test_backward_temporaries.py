@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from runtime.compute_timer import ComputeTimer, memory_at_marks
+from runtime.compute_timer import ComputeTimer
+from runtime.mark_memory import memory_at_marks
 from runtime.recorder import fsdp_modules
 from runtime.reference_workloads import MLPStack
 from runtime.workload import Workload

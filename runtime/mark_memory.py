@@ -1,0 +1,130 @@
+"""The bytes alive at each mark of the compute timer's run, and each module's backward peak from them.
+
+[Note: Backward temporaries] in :mod:`runtime.compute_timer` says why. On GPU a mark reads the caching
+allocator's counters (``memory_allocated``, ``max_memory_allocated``, then ``reset_peak_memory_stats``), host-side
+and in program order, as the allocator accounts them. On CPU there are no counters: the run goes under
+``torch.profiler.profile(profile_memory=True)``, each mark is an empty ``record_function`` block, and the marks
+are read against the allocation events after the run (:func:`memory_at_marks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from runtime.peak_memory import stderr_silenced
+from runtime.torch_private import profiler_allocations, profiler_marks, profiler_running
+
+MARK = "prefetch-planner: mark "  # the record_function name of a mark in a profiled run on CPU
+
+
+class MarkMemory:
+    """Reads ``(bytes alive, most bytes alive since the mark before)`` at each mark of one run.
+
+    Use: ``with reader.reading(): ...`` around the run, :meth:`at_mark` in every mark, then :attr:`levels`
+    (``None`` when nothing could be read: on CPU under a profiler already running, as a profiler cannot start
+    inside another).
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.levels: list[tuple[int, int]] | None = None
+        self._marks = 0
+        self._profiling = False
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        self.levels, self._marks = ([] if self.cuda else None), 0
+        if self.cuda:
+            try:
+                yield
+            finally:
+                torch.cuda.reset_peak_memory_stats()
+            return
+        if profiler_running():
+            yield
+            return
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.peak_memory
+            prof.__enter__()
+        self._profiling = True
+        try:
+            yield
+        finally:
+            self._profiling = False
+            with stderr_silenced():
+                prof.__exit__(None, None, None)
+        self.levels = memory_at_marks(profiler_allocations(prof), [t for t, _ in profiler_marks(prof, MARK)])
+
+    def at_mark(self) -> None:
+        """Called at each mark, inside :meth:`reading`."""
+        if self.cuda and self.levels is not None:
+            self.levels.append((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+            torch.cuda.reset_peak_memory_stats()
+        elif self._profiling:
+            with record_function(f"{MARK}{self._marks}"):
+                pass
+        self._marks += 1
+
+
+def memory_at_marks(allocations: list[tuple[int, int, int]], marks: list[int]) -> list[tuple[int, int]]:
+    """Per mark: ``(bytes alive at it, most bytes alive since the mark before)``, from a CPU memory profile.
+
+    Args:
+        allocations: :func:`runtime.torch_private.profiler_allocations`, ``(time ns, bytes, total after)``.
+        marks: the marks' times, ns, on the same clock, in order.
+
+    The totals count what was allocated while profiling and is still alive, so only differences between marks
+    mean anything. Before the first allocation the total is that event's total less its size.
+    """
+    if not allocations:
+        return [(0, 0) for _ in marks]
+    out: list[tuple[int, int]] = []
+    alive = allocations[0][2] - allocations[0][1]
+    j = 0
+    for t in marks:
+        peak = alive
+        while j < len(allocations) and allocations[j][0] <= t:
+            alive = allocations[j][2]
+            peak = max(peak, alive)
+            j += 1
+        out.append((alive, peak))
+    return out
+
+
+def backward_peaks(marks: list[tuple[str, str]], levels: list[tuple[int, int]], root: str) -> dict[str, int]:
+    """Per module: the most bytes alive in its backward before its first nested module's, above those alive when
+    that backward window opened (the compute timer's windows; [Note: Backward temporaries]).
+
+    Args:
+        marks: the timer's ``(kind, fqn)`` per mark, in order (``enter``/``exit`` of a forward, ``benter``/``bexit``
+            of a backward; the root's second ``enter`` opens the backward).
+        levels: :attr:`MarkMemory.levels`, one per mark; any other length gives ``{}`` (a mark the profiler did not
+            see: no figure rather than a wrong one).
+    """
+    if len(levels) != len(marks):
+        return {}
+    peaks: dict[str, int] = {}
+    start: dict[str, int] = {}
+    stack: list[str] = []
+    child_seen: set[str] = set()
+    backward = False
+    for i, (kind, fqn) in enumerate(marks):
+        if kind in ("enter", "benter"):
+            if kind == "enter" and fqn == root and i > 0 and not stack:
+                backward = True
+                child_seen.clear()
+            if stack and stack[-1] != fqn:
+                child_seen.add(stack[-1])
+            if backward and fqn not in stack:  # each backward window of a module called twice: its own start
+                start[fqn] = levels[i][0]
+            stack.append(fqn)
+        elif kind in ("exit", "bexit") and fqn in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(fqn)]
+        if backward and stack and i + 1 < len(levels) and stack[-1] not in child_seen:
+            top = stack[-1]
+            peaks[top] = max(peaks.get(top, 0), levels[i + 1][1] - start[top])
+    return peaks
