@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from runtime.mark_memory import MarkMemory, backward_peaks
-from runtime.workload import Workload
+from runtime.workload import Workload, own_parameters
 
 TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms")
 
@@ -90,7 +90,7 @@ class ComputeTimer:
     stream, turned into seconds (``Event.elapsed_time``) after the run.
 
     ``run(..., memory=True)`` also reads the bytes alive at each mark and at most since the one before, and sets
-    :attr:`backward_peak` ([Note: Backward temporaries]).
+    :attr:`backward_peak` ([Note: Backward temporaries]) and :attr:`root_grad_pre_bytes`.
 
     ``hooks_first``: the timer's module hooks run before FSDP2's (``prepend=True``), so a module's window holds
     FSDP2's work for it: the all-gather in its pre-forward (``FSDPState._pre_forward``) and in its pre-backward
@@ -119,6 +119,10 @@ class ComputeTimer:
         self.recompute_seen: dict[str, dict[int, weakref.ref]] = defaultdict(dict)  # per module
         self.memory = MarkMemory(self.cuda)
         self.reading_memory = False
+        self.modules = modules
+        # the root's gradient bytes alive when its first nested module's backward starts (the LM head's, not the
+        # embedding's), from the last run with memory; None before
+        self.root_grad_pre_bytes: int | None = None
         self.backward_peak: dict[str, int] = {}  # [Note: Backward temporaries], from the last run with memory
         fsdp = {id(m) for _, m in modules}
         for fqn, m in modules:
@@ -143,6 +147,9 @@ class ComputeTimer:
             self.marks.append((time.perf_counter(), kind, fqn))
         if self.reading_memory:
             self.memory.at_mark()
+            if kind == "benter" and self.root_grad_pre_bytes is None:
+                grads = [p.grad for p in own_parameters(self.modules, self.root) if p.grad is not None]
+                self.root_grad_pre_bytes = sum(g.untyped_storage().nbytes() for g in grads)
 
     def _marks_to_seconds(self) -> None:
         if self.cuda and self.marks:
@@ -233,7 +240,7 @@ class ComputeTimer:
         if not memory:
             self._run(workload, step)
             return
-        self.reading_memory = True
+        self.reading_memory, self.root_grad_pre_bytes = True, None
         try:
             with self.memory.reading():
                 self._run(workload, step)

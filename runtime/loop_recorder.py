@@ -41,9 +41,10 @@ from planner.errors import PlannerError
 from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
 from runtime.compute_timer import tensors_in
+from runtime.consolidation import consolidate, merge_isolated
 from runtime.measure import synchronize
 from runtime.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
-from runtime.recorder import consolidate, isolated_figures, merge_isolated, optimizer_state_bytes
+from runtime.recorder import isolated_figures, optimizer_state_bytes
 from runtime.torch_private import profiler_allocations, reshard_after_forward
 from runtime.workload import Workload, fsdp_modules
 

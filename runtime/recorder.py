@@ -40,13 +40,14 @@ import torch
 import torch.distributed as dist
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.profile import InStepTimings, ModuleProfile, OverlapTimings, Profile, backward_temporaries
+from planner.artifacts.profile import Profile
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import module_collectives
 from runtime.collectives import gather_objects
 from runtime.compute_timer import TIMED, ComputeTimer
+from runtime.consolidation import consolidate, merge_isolated
 from runtime.measure import device_type_of, synchronize
-from runtime.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
+from runtime.peak_memory import PEAK_STEPS, measure_peak
 from runtime.torch_private import clear_unsharded_grads, reshard_after_forward
 from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, train_step
 
@@ -92,7 +93,8 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     default (implicit) is restored after. Only the held modules' figures are clean: the caller keeps theirs
     (``times``, ``activation_bytes``, ``needs_parameters_in_backward``, ``recompute_bytes``, ``backward_peak``
     hold only theirs). The warm-up repeat, dropped from the times, reads the memory alive at each mark:
-    ``backward_peak`` ([Note: Backward temporaries] in :mod:`runtime.compute_timer`).
+    ``backward_peak``, and ``root_grad_pre_bytes`` (``None``: the root not held) ([Note: Backward temporaries] in
+    :mod:`runtime.compute_timer`).
     """
     model = workload.model
     modules = fsdp_modules(model)
@@ -150,6 +152,7 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
         "needs_parameters_in_backward": {f: v for f, v in needs.items() if f in held},
         "recompute_bytes": {f: b for f, b in timer.recompute_bytes.items() if f in held},
         "backward_peak": {f: b for f, b in timer.backward_peak.items() if f in held},
+        "root_grad_pre_bytes": timer.root_grad_pre_bytes if modules[0][0] in held else None,
     }
 
 
@@ -260,6 +263,8 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
                 "activation_bytes": compute["activation_bytes"].get(fqn, 0),
                 "recompute_activation_bytes": compute["recompute_bytes"].get(fqn, 0),
                 "backward_peak_bytes": compute["backward_peak"].get(fqn, 0),
+                **({"grad_pre_bytes": compute["root_grad_pre_bytes"]}
+                   if fqn == modules[0][0] and compute["root_grad_pre_bytes"] is not None else {}),
                 "needs_parameters_in_backward": compute["needs_parameters_in_backward"][fqn],
             }
             for fqn, times in compute["times"].items()
@@ -270,81 +275,3 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
     return figures
 
 
-def merge_isolated(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One rank's :func:`isolated_figures` from passes of a few modules each: each module's figures from the parts
-    that hold them; orders and forward calls from the first part (the same in every pass); the overlap
-    microbenchmark from the part that ran it.
-
-    Raises:
-        ValueError: the parts disagree on the post-forward order.
-    """
-    merged = {**parts[0], "modules": {}}
-    for part in parts:
-        if part["post_forward_order"] != merged["post_forward_order"]:
-            raise ValueError(f"the isolated passes disagree on the post-forward order: {merged['post_forward_order']}"
-                             f" then {part['post_forward_order']}")
-        merged["overlap"] = merged["overlap"] or part["overlap"]
-        for fqn, figures in part["modules"].items():
-            merged["modules"].setdefault(fqn, {}).update(figures)
-    return merged
-
-
-def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
-                microbatches: int = 1) -> Profile:
-    """The profile from every rank's figures (``record_profile``'s ``local``, gathered): max across ranks of every
-    figure; orders must agree across ranks.
-
-    Raises:
-        RuntimeError: the ranks disagree on the post-forward order.
-    """
-    first = per_rank[0]
-    for other in per_rank[1:]:
-        if other["post_forward_order"] != first["post_forward_order"]:
-            raise RuntimeError(f"ranks disagree on the post-forward order: rank 0 {first['post_forward_order']}, "
-                               f"rank {other['rank']} {other['post_forward_order']}")
-    unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True))
-    modules = {}
-    for fqn in fingerprint.module_fqns:
-        figures = {k: max(r["modules"][fqn][k] for r in per_rank) for k in first["modules"][fqn]}
-        modules[fqn] = ModuleProfile(
-            fqn=fqn,
-            fwd_ms=figures["fwd_ms"],
-            bwd_ms=figures["bwd_ms"],
-            fwd_pre_ms=min(figures["fwd_pre_ms"], figures["fwd_ms"]),
-            bwd_pre_ms=min(figures["bwd_pre_ms"], figures["bwd_ms"]),
-            all_gather_ms=figures["all_gather_ms"],
-            reduce_scatter_ms=figures["reduce_scatter_ms"],
-            unsharded_bytes=unsharded[fqn],
-            sharded_bytes=int(figures["sharded_bytes"]),
-            grad_bytes=unsharded[fqn],
-            activation_bytes=int(figures["activation_bytes"]),
-            reshard_after_forward=raf[fqn],
-            needs_parameters_in_backward=bool(figures["needs_parameters_in_backward"]),  # any rank: max
-            recompute_ms=figures.get("recompute_ms", 0.0),
-            recompute_activation_bytes=int(figures.get("recompute_activation_bytes", 0)),
-            backward_temp_bytes=backward_temporaries(figures.get("backward_peak_bytes", 0), unsharded[fqn],
-                                                     figures.get("recompute_activation_bytes", 0)),
-            calls=max(1, calls.get(fqn, 1)),
-        )
-    root = fingerprint.module_fqns[0]
-    overlap = None
-    if first["overlap"] is not None:
-        overlap = OverlapTimings(first["overlap"]["module"],
-                                 **{k: statistics.fmean(r["overlap"][k] for r in per_rank)
-                                    for k in ("all_gather_ms", "compute_ms", "overlapped_ms")})
-    step_ms = max(r["step_ms"] for r in per_rank)
-    return Profile(
-        fingerprint=fingerprint,
-        pre_forward_order=(root, *first["pre_forward_order"]),
-        post_forward_order=(*first["post_forward_order"], root),
-        modules=modules,
-        optimizer_ms=max(r["optimizer_ms"] for r in per_rank),
-        optimizer_state_bytes=max(r["optimizer_state_bytes"] for r in per_rank),
-        measured_step_ms=step_ms,
-        optimizer_temp_bytes=max(r["optimizer_temp_bytes"] for r in per_rank),
-        measured_peak_bytes=peak_of_steps([r["peak_bytes"] for r in per_rank]),
-        microbatches=microbatches,
-        per_rank=per_rank,
-        consolidation="max",
-        in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap),
-    )

@@ -22,7 +22,7 @@ PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
 
 # written only where not 0 (a checkpointed module; a backward that allocates temporaries), so a profile without
 # them is the file release 0.1.0 wrote
-OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_bytes")
+OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_bytes", "backward_post_grad_bytes")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,9 @@ class ModuleProfile:
             which the simulator allocates apart; at least 0. E.g. a root's gradient of the logits, batch x
             sequence x vocabulary. 0 where not measured ([Note: Backward temporaries] in
             :mod:`runtime.compute_timer`).
+        backward_post_grad_bytes: of ``grad_bytes``, what autograd allocates only after its nested modules'
+            backward (a root's embedding, whose gradient comes last); the rest (the LM head's) comes before them.
+            0: all before (not measured, as from a trace).
     """
 
     fqn: str
@@ -85,6 +88,7 @@ class ModuleProfile:
     recompute_ms: float = 0.0
     recompute_activation_bytes: int = 0
     backward_temp_bytes: int = 0
+    backward_post_grad_bytes: int = 0
 
 
 def backward_temporaries(peak_bytes: int, grad_bytes: int, recompute_bytes: int) -> int:

@@ -100,6 +100,7 @@ class ModuleProfileDocument(Document):
     recompute_ms: float = Field(0.0, ge=0)
     recompute_activation_bytes: int = Field(0, ge=0)
     backward_temp_bytes: int = Field(0, ge=0)
+    backward_post_grad_bytes: int = Field(0, ge=0)
 
 
 class OverlapDocument(Document):

@@ -174,7 +174,7 @@ def _microbatch_backward(last, prof, plan, cfg, st, trace, compute_scale):
     _pre_backward(root, prof.root_post_index, prof, plan, cfg, st, trace)
     if not st.module_state[root, GRAD_ALIVE]:  # the root's head (LM head) gets its gradients first
         st.module_state[root, GRAD_ALIVE] = 1
-        allocate(st.clock, st.counters, trace.samples, prof.grad_bytes[root])
+        allocate(st.clock, st.counters, trace.samples, prof.grad_bytes[root] - prof.root_post_grad_bytes)
     temp = prof.backward_temp_bytes[root]  # the loss's and the LM head's temporaries
     if temp:
         allocate(st.clock, st.counters, trace.samples, temp)
@@ -190,6 +190,9 @@ def _microbatch_backward(last, prof, plan, cfg, st, trace, compute_scale):
         _pre_backward(i, index, prof, plan, cfg, st, trace)
         _backward(i, prof.backward_ms[i] * compute_scale, prof.backward_temp_bytes[i], last, reshard_after, prof, cfg,
                   st, trace)
+    if st.module_state[root, GRAD_ALIVE] == 1 and prof.root_post_grad_bytes:  # the rest (the embedding's), after
+        st.module_state[root, GRAD_ALIVE] = 2                                  # its children's backward
+        allocate(st.clock, st.counters, trace.samples, prof.root_post_grad_bytes)
     _backward(root, prof.root_backward_post_ms * compute_scale, 0, last, reshard_after, prof, cfg, st, trace)
 
 

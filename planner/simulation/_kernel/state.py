@@ -68,7 +68,7 @@ COUNTERS = 13
 # StepState.module_state columns, per module.
 UNSHARD_STATE = 0  # SHARDED, PENDING (all-gather issued, not waited on) or UNSHARDED
 ALL_GATHER_ROW = 1  # the trace row of the module's last all-gather (-1: none)
-GRAD_ALIVE = 2  # 1 while its unsharded gradient is allocated
+GRAD_ALIVE = 2  # 1 while its unsharded gradient is allocated (the root: 1 its part before its children, 2 all)
 SHARDED_GRAD_ALIVE = 3  # 1 once its sharded gradient exists (the reduce-scatter's output, kept to the optimizer)
 MODULE_FIELDS = 4
 SHARDED, PENDING, UNSHARDED = 0, 1, 2
@@ -99,6 +99,7 @@ class ProfileArrays(NamedTuple):
     root_backward_pre_ms: float  # the root's backward before its first child's
     root_backward_post_ms: float
     root_activation_pre_bytes: int  # activations the root saves before its first child
+    root_post_grad_bytes: int  # of the root's gradient, what comes after its children's backward (the embedding's)
     gpu: bool
     single_rank: bool  # world size 1: FSDP2 runs no collective ([Note: World size 1] in param_group.py)
     microbatches: int

@@ -52,3 +52,22 @@ def test_a_blocks_backward_temporaries_come_on_top_of_what_its_compute_holds(mak
     unsharded (b0 prefetched) and both activations, 2a + 2U + t = 1220; b0's compute a + U + t = 1110. Peak 1220."""
     p = _with_temporaries(make_profile(unsharded_bytes=10, activation_bytes=100), b0=1000, b1=1000)
     assert simulate(p, Plan.default(p)).peak_bytes == 1220
+
+
+def test_a_roots_gradient_that_comes_after_its_blocks_is_not_held_through_their_backward(make_profile):
+    """The root's gradient G = 1000 bytes, of which the embedding's E = 600 come only after its blocks' backward
+    (``backward_post_grad_bytes``); blocks U = 10, activations a = 1000; CPU default plan.
+
+    All of G allocated at the root's pre-backward (E = 0): b1's pre-backward with b0's synchronous prefetch holds
+    G + 2a + 3U = 3030, the peak. With E = 600 only G - E = 400 is there: 2430. The root's reduce-scatter at the
+    end copies its whole gradient either way: 2G = 2000.
+    """
+    base = make_profile(unsharded_bytes=10, activation_bytes=1000)
+    root = dataclasses.replace(base.modules[""], grad_bytes=1000)
+    whole = dataclasses.replace(base, modules={**base.modules, "": root})
+    split = dataclasses.replace(whole, modules={
+        **whole.modules, "": dataclasses.replace(root, backward_post_grad_bytes=600)})
+    assert simulate(whole, Plan.default(whole)).peak_bytes == 3030
+    traced = simulate(split, Plan.default(split), trace=True)
+    assert traced.peak_bytes == 2430
+    assert max(b for t, b in traced.memory if t >= traced.step_ms - 1e-9) < 2430  # the end: 2G at most

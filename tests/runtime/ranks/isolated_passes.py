@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from runtime.apply import model_fingerprint
+from runtime.consolidation import merge_isolated
 from runtime.loop_recorder import PeakMeter
 from runtime.rank import init_rank, shutdown_rank
-from runtime.recorder import isolated_figures, merge_isolated
+from runtime.recorder import isolated_figures
 from runtime.torch_private import is_sharded, reshard_after_forward, watching_unshard_and_reshard
 from runtime.workload import build_workload, fsdp_modules
 
