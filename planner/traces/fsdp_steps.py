@@ -100,6 +100,8 @@ class RankStep:
         backward_peak_bytes: per module, the most bytes allocated in its backward stretches before its first nested
             module's, above those allocated when the stretch began (after its ``pre_backward`` label); the
             recorder's figure of the same name ([Note: Backward temporaries] in ``runtime/compute_timer.py``).
+        root_backward_post_bytes: the bytes the root's backward stretches after its children's leave allocated
+            (the embedding's gradient): ``ModuleProfile.backward_post_grad_bytes``; ``None`` without memory events.
         path: the trace file the step is from.
     """
 
@@ -123,6 +125,7 @@ class RankStep:
     recompute_ms: dict[str, float] = field(default_factory=dict)
     recompute_bytes: dict[str, int] = field(default_factory=dict)
     backward_peak_bytes: dict[str, int] = field(default_factory=dict)
+    root_backward_post_bytes: int | None = None
     path: str = ""
 
 

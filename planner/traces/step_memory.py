@@ -12,7 +12,7 @@ def step_memory(trace: KinetoTrace, window: TraceEvent, labels: list, optimizer:
                 parent: dict[str, str], segments: list[tuple]) -> dict:
     """The memory figures of :class:`planner.traces.fsdp_steps.RankStep`, by field name (``{}`` without memory
     events): ``start_bytes``, ``peak_above_start_bytes``, ``optimizer_temp_bytes`` (with an optimizer step),
-    ``activation_bytes`` and ``backward_peak_bytes``.
+    ``activation_bytes``, ``backward_peak_bytes`` and ``root_backward_post_bytes``.
 
     Args:
         labels: the step's FSDP2 labels (``kind``, ``fqn``, ``event``); ``parent``: module nesting (child -> parent);
@@ -48,6 +48,9 @@ def step_memory(trace: KinetoTrace, window: TraceEvent, labels: list, optimizer:
         exclusive[""] += total_at(backward.ts) - total_at(first_post[""].end)
     out["activation_bytes"] = {f: max(0, b) for f, b in exclusive.items()}
     out["backward_peak_bytes"] = _backward_peaks(events, total_at, segments)
+    # the root's stretches after its children's backward (the embedding's backward) leave its gradient allocated
+    out["root_backward_post_bytes"] = max(0, sum(total_at(end) - total_at(start) for start, end, phase, module, pre
+                                                 in segments if phase == "bwd" and module == "" and not pre))
     return out
 
 

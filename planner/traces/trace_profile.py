@@ -209,6 +209,8 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
         if not resharded:
             act = max(0, act - nbytes)  # its unsharded parameters stay allocated after its forward
         grad = sizes.get((fqn, "reduce_scatter"), nbytes)
+        post = min(grad, int(_median_max([[s.root_backward_post_bytes or 0 for s in ss] for ss in per_rank.values()])))
+        post = post if fqn == "" else 0  # the root's gradient after its children's backward (the embedding's)
         recompute = int(max(s.recompute_bytes.get(fqn, 0) for ss in per_rank.values() for s in ss))
         module_profiles[fqn] = ModuleProfile(
             fqn=fqn, fwd_ms=fwd, bwd_ms=bwd, fwd_pre_ms=min(per_module("fwd_pre_ms", fqn), fwd),
@@ -219,8 +221,8 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
             recompute_ms=per_module("recompute_ms", fqn),
             recompute_activation_bytes=recompute,
             backward_temp_bytes=backward_temporaries(
-                _median_max([[s.backward_peak_bytes.get(fqn, 0) for s in ss] for ss in per_rank.values()]), grad,
-                recompute),
+                _median_max([[s.backward_peak_bytes.get(fqn, 0) for s in ss] for ss in per_rank.values()]),
+                grad - post, recompute), backward_post_grad_bytes=post,
             reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
         )
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])

@@ -31,6 +31,8 @@ EXPECTED = {
     "recompute_bytes": {"layers.1": 2000},
     # the most above each module's backward start, before its first nested module's: layers.1's recompute
     "backward_peak_bytes": {"": 0, "layers.1": 2000, "layers.0": 0},
+    # what the root's backward after its nested modules leaves allocated: the embedding's gradient
+    "root_backward_post_bytes": 3000,
     # the NCCL kernel plus the copy-out's kernel; both calls of a layer alike
     "all_gather_ms": {"": 0.22, "layers.0": 0.33, "layers.1": 0.33},
     "reduce_scatter_ms": {"": 0.1, "layers.0": 0.25, "layers.1": 0.25},
@@ -145,6 +147,7 @@ class GpuTrace:
         self.label("FSDP::post_backward_reshard (layers.0)", 1410, 1420)
         self.reduce_scatter("layers.0", 1420, 4570, 4000, 250)
         self.kernel("embedding bwd", 1550, 4580, 70)  # root, after its nested modules
+        self.memory(1560, 1_007_000)  # the embedding's gradient
         self.label("FSDP::root_post_backward_callback", 1600, 1700)
         self.reduce_scatter("", 1610, 4820, 2000, 100)
         self.label("Optimizer.step#AdamW.step", 1700, 1900)
