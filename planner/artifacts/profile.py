@@ -62,8 +62,9 @@ class ModuleProfile:
             bytes of its children's outputs there); its ``activation_bytes`` are then the checkpointed inputs.
         backward_temp_bytes: the temporaries of its backward compute before its first nested FSDP module's (all of
             it for a module without nested ones; the loss's and the LM head's for a root): the most bytes alive in
-            that stretch above those alive at its start, less ``grad_bytes`` and ``recompute_activation_bytes``,
-            which the simulator allocates apart; at least 0. E.g. a root's gradient of the logits, batch x
+            that stretch above those alive at its start, less its gradient there (``grad_bytes`` less
+            ``backward_post_grad_bytes``) and ``recompute_activation_bytes``, which the simulator allocates apart; at
+            least 0. E.g. a root's gradient of the logits, batch x
             sequence x vocabulary. 0 where not measured ([Note: Backward temporaries] in
             :mod:`runtime.compute_timer`).
         backward_post_grad_bytes: of ``grad_bytes``, what autograd allocates only after its nested modules'
