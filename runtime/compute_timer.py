@@ -319,4 +319,3 @@ class ComputeTimer:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-
