@@ -153,7 +153,8 @@ class ComputeTimer:
             self.memory.at_mark()
             if kind == "benter" and self.root_grad_pre_bytes is None:
                 grads = [p.grad for p in own_parameters(self.modules, self.root) if p.grad is not None]
-                self.root_grad_pre_bytes = sum(g.untyped_storage().nbytes() for g in grads)
+                self.root_grad_pre_bytes = sum(  # a sharded gradient (a root not held unsharded): its local shard
+                    (g.to_local() if isinstance(g, DTensor) else g).untyped_storage().nbytes() for g in grads)
 
     def _marks_to_seconds(self) -> None:
         if self.cuda and self.marks:
