@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from runtime.mark_memory import MarkMemory, backward_peaks
+from runtime.mark_memory import MarkMemory, backward_peaks, walk_marks
 from runtime.workload import Workload, own_parameters
 
 TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms")
@@ -280,41 +280,29 @@ class ComputeTimer:
         self._marks_to_seconds()
 
     def attribute(self) -> tuple[dict[str, dict[str, float]], list[str], list[str], dict[str, int]]:
-        """Exclusive ms per module and phase, pre-/post-forward order, forward calls."""
+        """Exclusive ms per module and phase, pre-/post-forward order, forward calls (the windows of
+        :func:`runtime.mark_memory.walk_marks`)."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(TIMED, 0.0))
         pre_order, post_order = [], []
         calls: dict[str, int] = defaultdict(int)
-        stack: list[str] = []
-        child_seen: set[str] = set()
-        backward = False
         recompute_start: dict[str, float] = {}
-        for i, (t, kind, fqn) in enumerate(self.marks):
+        for step in walk_marks([(kind, fqn) for _, kind, fqn in self.marks], self.root):
+            i, kind, fqn, t = step.index, step.kind, step.fqn, self.marks[step.index][0]
             if kind == "rstart":
                 recompute_start[fqn] = t
             elif kind == "rend":
                 out[fqn]["recompute_ms"] += (t - recompute_start.pop(fqn, t)) * 1e3
-            elif kind in ("enter", "benter"):
-                if kind == "enter" and fqn == self.root and i > 0 and not stack:
-                    backward = True  # the second root entry opens the backward window
-                    child_seen.clear()
-                if stack and stack[-1] != fqn:
-                    child_seen.add(stack[-1])
-                stack.append(fqn)
-                if kind == "enter" and not backward and fqn != self.root:
-                    pre_order.append(fqn)
-                    calls[fqn] += 1
-            else:
-                if fqn in stack:
-                    del stack[len(stack) - 1 - stack[::-1].index(fqn)]
-                if kind == "exit" and not backward and fqn != self.root:
-                    post_order.append(fqn)
-            if stack and i + 1 < len(self.marks):
+            elif kind == "enter" and not step.backward and fqn != self.root:
+                pre_order.append(fqn)
+                calls[fqn] += 1
+            elif kind == "exit" and not step.backward and fqn != self.root:
+                post_order.append(fqn)
+            if step.top is not None and i + 1 < len(self.marks):
                 dt = (self.marks[i + 1][0] - t) * 1e3
-                top = stack[-1]
-                phase = "bwd" if backward else "fwd"
-                out[top][f"{phase}_ms"] += dt
-                if top not in child_seen:
-                    out[top][f"{phase}_pre_ms"] += dt
+                phase = "bwd" if step.backward else "fwd"
+                out[step.top][f"{phase}_ms"] += dt
+                if step.pre:
+                    out[step.top][f"{phase}_pre_ms"] += dt
         return dict(out), pre_order, post_order, dict(calls)
 
     def remove(self) -> None:

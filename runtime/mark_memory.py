@@ -10,7 +10,8 @@ are read against the allocation events after the run (:func:`memory_at_marks`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -95,13 +96,58 @@ def memory_at_marks(allocations: list[tuple[int, int, int]], marks: list[int]) -
     return out
 
 
+class MarkStep(NamedTuple):
+    """One mark of the compute timer's run, as :func:`walk_marks` finds it.
+
+    Attributes:
+        index: its position among the marks; ``kind``, ``fqn``: the mark's.
+        backward: the run is in its backward (the root's second ``enter`` opens it).
+        opened: a module's window opened here (``enter``/``benter`` of a module not already open).
+        top: the module the time up to the next mark belongs to (the innermost open one), ``None``: none open.
+        pre: ``top`` has not yet had a nested module open in this phase (its part before its first child's).
+    """
+
+    index: int
+    kind: str
+    fqn: str
+    backward: bool
+    opened: bool
+    top: str | None
+    pre: bool
+
+
+def walk_marks(marks: Sequence[tuple[str, str]], root: str) -> Iterator[MarkStep]:
+    """The compute timer's windows over its ``(kind, fqn)`` marks, in order: the one walk its time attribution
+    (:meth:`runtime.compute_timer.ComputeTimer.attribute`) and :func:`backward_peaks` share.
+
+    ``enter``/``exit`` open and close a module's forward window, ``benter``/``bexit`` its backward window; the
+    root's second ``enter`` opens the backward; other kinds (the recompute's ``rstart``/``rend``) open nothing.
+    """
+    stack: list[str] = []
+    child_seen: set[str] = set()
+    backward = False
+    for i, (kind, fqn) in enumerate(marks):
+        opened = False
+        if kind in ("enter", "benter"):
+            if kind == "enter" and fqn == root and i > 0 and not stack:
+                backward = True
+                child_seen.clear()
+            if stack and stack[-1] != fqn:
+                child_seen.add(stack[-1])
+            opened = fqn not in stack
+            stack.append(fqn)
+        elif kind in ("exit", "bexit") and fqn in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(fqn)]
+        top = stack[-1] if stack else None
+        yield MarkStep(i, kind, fqn, backward, opened, top, top is not None and top not in child_seen)
+
+
 def backward_peaks(marks: list[tuple[str, str]], levels: list[tuple[int, int]], root: str) -> dict[str, int]:
     """Per module: the most bytes alive in its backward before its first nested module's, above those alive when
-    that backward window opened (the compute timer's windows; [Note: Backward temporaries]).
+    that backward window opened (the compute timer's windows, :func:`walk_marks`; [Note: Backward temporaries]).
 
     Args:
-        marks: the timer's ``(kind, fqn)`` per mark, in order (``enter``/``exit`` of a forward, ``benter``/``bexit``
-            of a backward; the root's second ``enter`` opens the backward).
+        marks: the timer's ``(kind, fqn)`` per mark, in order.
         levels: :attr:`MarkMemory.levels`, one per mark; any other length gives ``{}`` (a mark the profiler did not
             see: no figure rather than a wrong one).
     """
@@ -109,22 +155,9 @@ def backward_peaks(marks: list[tuple[str, str]], levels: list[tuple[int, int]], 
         return {}
     peaks: dict[str, int] = {}
     start: dict[str, int] = {}
-    stack: list[str] = []
-    child_seen: set[str] = set()
-    backward = False
-    for i, (kind, fqn) in enumerate(marks):
-        if kind in ("enter", "benter"):
-            if kind == "enter" and fqn == root and i > 0 and not stack:
-                backward = True
-                child_seen.clear()
-            if stack and stack[-1] != fqn:
-                child_seen.add(stack[-1])
-            if backward and fqn not in stack:  # each backward window of a module called twice: its own start
-                start[fqn] = levels[i][0]
-            stack.append(fqn)
-        elif kind in ("exit", "bexit") and fqn in stack:
-            del stack[len(stack) - 1 - stack[::-1].index(fqn)]
-        if backward and stack and i + 1 < len(levels) and stack[-1] not in child_seen:
-            top = stack[-1]
-            peaks[top] = max(peaks.get(top, 0), levels[i + 1][1] - start[top])
+    for step in walk_marks(marks, root):
+        if step.backward and step.opened:  # each backward window of a module called twice: its own start
+            start[step.fqn] = levels[step.index][0]
+        if step.backward and step.pre and step.index + 1 < len(levels):
+            peaks[step.top] = max(peaks.get(step.top, 0), levels[step.index + 1][1] - start[step.top])
     return peaks
