@@ -65,6 +65,10 @@ class Collective:
             thread waits for gloo between). On GPU the copy-in's kernels are in the transfer's span.
         bytes: all-gather output bytes (unsharded, padded), reduce-scatter input bytes; ``None`` without shapes.
         dtype_bytes: bytes per element; ``None`` without shapes.
+        call_copy_ms: the part of ``host_ms`` inside the ``c10d::`` call before the transfer (gloo's own input copy),
+            ms; 0 on GPU. ``call_copy_ms`` plus the transfer is what a bare call of the collective on preallocated
+            buffers times, without FSDP2's copies around it (the recorder's reduce-scatter,
+            ``runtime.collective_timer.collective_rounds``).
     """
 
     module: str
@@ -76,6 +80,7 @@ class Collective:
     start_us: float = 0.0
     end_us: float = 0.0
     host_ms: float = 0.0
+    call_copy_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -271,14 +276,14 @@ def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:
             _gloo_collective(trace, lb.event, kind)
         if found is None:
             continue
-        (start, end), nbytes, dtype_bytes, host_ms = found
+        (start, end), nbytes, dtype_bytes, host_ms, call_copy_ms = found
         if kind == "all_gather":
             copy = next((c for c in copy_outs[lb.fqn] if c.ts >= lb.event.ts), None)
             if copy is not None:
                 copy_outs[lb.fqn].remove(copy)
                 host_ms += trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else copy.dur / 1e3
         out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], (end - start) / 1e3 + host_ms, nbytes,
-                              dtype_bytes, start + trace.base_us, end + trace.base_us, host_ms))
+                              dtype_bytes, start + trace.base_us, end + trace.base_us, host_ms, call_copy_ms))
         count[(lb.fqn, kind)] += 1
     return out
 
@@ -298,7 +303,7 @@ def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     dims = op.input_dims[0 if kind == "all_gather" else 1] if len(op.input_dims) > 1 else None
     dtype_bytes = DTYPE_BYTES.get(op.input_types[0]) if op.input_types else None
     nbytes = _numel(dims) * dtype_bytes if dims and dtype_bytes else None
-    return span, nbytes, dtype_bytes, host_ms
+    return span, nbytes, dtype_bytes, host_ms, max(0.0, span[0] - op.ts) / 1e3
 
 
 def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
@@ -311,7 +316,7 @@ def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     k = nccl[0]
     dtype_bytes = DTYPE_BYTES.get(k.dtype) if k.dtype else None
     numel = (k.nelems[1] if kind == "all_gather" else k.nelems[0]) if k.nelems else None
-    return span, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes, 0.0
+    return span, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes, 0.0, 0.0
 
 
 def _numel(dims: tuple[int, ...]) -> int:

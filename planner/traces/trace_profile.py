@@ -285,18 +285,22 @@ def _outside_ms(step: RankStep) -> float:
 # the median.
 
 
-def _collective_ms(calls: list[Collective]) -> float:
+def _collective_ms(calls: list[Collective], bare: bool = False) -> float:
     """One collective's time, ms, from every rank's view of it: each rank's transfer from the last rank's start
     (a rank that arrived first waited for it, which is skew, not the collective) to its own end, plus its copies
     around the transfer (:attr:`Collective.host_ms`); the most of the ranks. One rank alone: its own time. Clocks
     that disagree (a transfer would end before the last start, e.g. hosts out of sync): the least of the ranks'
-    times."""
+    times. ``bare``: the call's own copy (:attr:`Collective.call_copy_ms`) in place of every copy around the
+    transfer, what a bare call of the collective on preallocated buffers times."""
+    def copies(c: Collective) -> float:
+        return c.call_copy_ms if bare else c.host_ms
+
     if len(calls) == 1:
-        return calls[0].ms
+        return calls[0].ms - calls[0].host_ms + copies(calls[0])
     last = max(c.start_us for c in calls)
     if any(c.end_us < last for c in calls):
-        return min(c.ms for c in calls)
-    return max(c.host_ms + (c.end_us - last) / 1e3 for c in calls)
+        return min(c.ms - c.host_ms + copies(c) for c in calls)
+    return max(copies(c) + (c.end_us - last) / 1e3 for c in calls)
 
 
 def _estimated_fingerprint(modules: tuple[str, ...], sizes: dict[tuple[str, str], int], world: int, device: str,

@@ -278,8 +278,13 @@ def test_a_cpu_reduce_scatter_counts_fsdp2s_copies_and_not_the_wait_for_the_late
         [call] = _collectives(trace, labels)
         calls.append(call)
         assert call.kind == "reduce_scatter" and call.bytes == 16 * 4 and call.host_ms == pytest.approx(0.12)
+        assert call.call_copy_ms == pytest.approx(0.03)  # gloo's input copy: the c10d call's start to gloo's
     assert [c.ms for c in calls] == pytest.approx([0.40, 0.30])  # each rank's own time: rank 0's holds its wait
     assert _collective_ms(calls) == pytest.approx(0.30)
+    # the bare call, as the recorder times a reduce-scatter: gloo's input copy and the transfer, no chunk_cat or
+    # copy-out: 30 + 180 us
+    assert _collective_ms(calls, bare=True) == pytest.approx(0.21)
+    assert _collective_ms(calls[:1], bare=True) == pytest.approx(0.03 + 0.28)  # one rank: its wait included
 
 
 def _steps(tmp_path: Path, slower_in_step_3: dict[str, float], per_iteration: bool = False) -> list[str]:
