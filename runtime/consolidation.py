@@ -77,6 +77,8 @@ def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, b
                                  **{k: statistics.fmean(r["overlap"][k] for r in per_rank)
                                     for k in ("all_gather_ms", "compute_ms", "overlapped_ms")})
     step_ms = max(r["step_ms"] for r in per_rank)
+    ratios = [r["async_ratio"] for r in per_rank if r.get("async_ratio") is not None]
+    async_step_ms = step_ms * max(ratios) if ratios else None
     return Profile(
         fingerprint=fingerprint,
         pre_forward_order=(root, *first["pre_forward_order"]),
@@ -90,5 +92,5 @@ def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, b
         microbatches=microbatches,
         per_rank=per_rank,
         consolidation="max",
-        in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap),
+        in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap, async_default_step_ms=async_step_ms),
     )

@@ -48,30 +48,58 @@ from runtime.compute_timer import TIMED, ComputeTimer
 from runtime.consolidation import consolidate, merge_isolated
 from runtime.measure import device_type_of, synchronize
 from runtime.peak_memory import PEAK_STEPS, measure_peak
-from runtime.torch_private import clear_unsharded_grads, reshard_after_forward
+from runtime.torch_private import clear_unsharded_grads, reshard_after_forward, unshard_async_op_setter
 from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, train_step
 
 
-def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
-    """FSDP2's default plan: median step ms and optimizer ms, then its peak memory (run warm)."""
+def _timed_step(workload: Workload, step: int, device: str) -> tuple[float, float]:
+    """One training step after a barrier: ``(step ms, optimizer ms)``."""
     optimizer = workload.optimizer
+    dist.barrier()
+    synchronize(device)
+    t0 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    forward_backward(workload, step)
+    synchronize(device)
+    t1 = time.perf_counter()
+    optimizer.step()
+    synchronize(device)
+    t2 = time.perf_counter()
+    return (t2 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+# [Note: The async default, timed in turn with the default]
+# On a CPU device the simulator's overlap slowdown is solved from FSDP2's default plan with unshard_async_op
+# ([Note: The overlap slowdown from an async step] in planner/simulation/in_step.py). Its step is timed in pairs with
+# the default's, the order rotated from pair to pair, and kept as the median ratio of the two (this machine's steps
+# drift by as much as the gain: a ratio of neighbours cancels the drift). At least ASYNC_PAIRS pairs.
+ASYNC_PAIRS = 5
+
+
+def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
+    """FSDP2's default plan: median step ms and optimizer ms; on CPU at world size 2 or more, the async default's
+    step over the default's ([Note: The async default, timed in turn with the default]); then its peak memory (run
+    warm)."""
     step_ms, opt_ms = [], []
     for s in range(steps):
-        dist.barrier()
-        synchronize(device)
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        forward_backward(workload, s)
-        synchronize(device)
-        t1 = time.perf_counter()
-        optimizer.step()
-        synchronize(device)
-        t2 = time.perf_counter()
-        step_ms.append((t2 - t0) * 1e3)
-        opt_ms.append((t2 - t1) * 1e3)
+        step, opt = _timed_step(workload, s, device)
+        step_ms.append(step)
+        opt_ms.append(opt)
+    async_ratio = None
+    if device == "cpu" and dist.get_world_size() > 1:
+        set_async_op = unshard_async_op_setter(workload.model)
+        ratios = []
+        for s in range(max(steps, ASYNC_PAIRS)):
+            timed = {}
+            for async_op in (False, True) if s % 2 == 0 else (True, False):
+                set_async_op(async_op)
+                timed[async_op] = _timed_step(workload, steps + 2 * s + async_op, device)[0]
+            ratios.append(timed[True] / timed[False])
+        set_async_op(False)
+        async_ratio = statistics.median(ratios)
     peaks = [measure_peak(workload, steps + s) for s in range(PEAK_STEPS)]
     return {"step_ms": statistics.median(step_ms), "optimizer_ms": statistics.median(opt_ms),
-            "peak_bytes": [p.peak_bytes for p in peaks],
+            "async_ratio": async_ratio, "peak_bytes": [p.peak_bytes for p in peaks],
             "optimizer_temp_bytes": max(p.optimizer_temp_bytes for p in peaks)}
 
 
@@ -185,7 +213,8 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         workload: this rank's workload; its model must not have run a plan
             other than FSDP2's default.
         warmup_steps: untimed default-plan steps first.
-        steps: timed default-plan steps (step ms, optimizer ms), run last.
+        steps: timed default-plan steps (step ms, optimizer ms), run last; on CPU at world size 2 or more then
+            as many pairs (at least ``ASYNC_PAIRS``) of the default and the async default in turn.
         repeats: repeats of each compute and communication measurement
             (medians are kept; one extra warm-up repeat is dropped).
         per_module: the isolated compute passes hold one module unsharded at a time, the others as in FSDP2's

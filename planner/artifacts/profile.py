@@ -132,10 +132,16 @@ class InStepTimings:
             across ranks. The in-step ``comm_scale`` is solved from it.
         overlap: on a CPU device, an all-gather and compute alone and at
             once (:class:`OverlapTimings`); ``None`` on GPU.
+        async_default_step_ms: on a CPU device at world size 2 or more, FSDP2's default plan with
+            ``unshard_async_op`` (its backward prefetch then runs beside the backward compute): ``default_step_ms``
+            times the median over pairs of steps, the two plans in turn, of its step over the default's, max across
+            ranks, ms. The in-step ``overlap_slowdown`` is solved from it; ``None`` where not measured (GPU, world
+            size 1, the in-loop recorder, trace profiles, profiles written before it).
     """
 
     default_step_ms: float
     overlap: OverlapTimings | None = None
+    async_default_step_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +221,8 @@ class Profile:
             del d["source"], d["estimated"]
         if not self.outside_ms:
             del d["outside_ms"]
+        if d["in_step"] is not None and d["in_step"]["async_default_step_ms"] is None:
+            del d["in_step"]["async_default_step_ms"]
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -255,7 +263,8 @@ class Profile:
         if doc.in_step is not None:
             overlap = doc.in_step.overlap
             in_step = InStepTimings(doc.in_step.default_step_ms,
-                                    OverlapTimings(**dict(overlap)) if overlap is not None else None)
+                                    OverlapTimings(**dict(overlap)) if overlap is not None else None,
+                                    doc.in_step.async_default_step_ms)
         modules = {m.fqn: ModuleProfile(**dict(m)) for m in doc.modules}
         fields = {k: v for k, v in dict(doc).items() if k not in ("fingerprint", "modules", "in_step")}
         profile = cls(fingerprint=Fingerprint(**dict(doc.fingerprint)), modules=modules, in_step=in_step, **fields)

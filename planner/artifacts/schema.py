@@ -117,6 +117,7 @@ class InStepDocument(Document):
 
     default_step_ms: float
     overlap: OverlapDocument | None = None
+    async_default_step_ms: float | None = Field(None, gt=0)
 
 
 class ProfileDocument(Document):

@@ -12,6 +12,9 @@ def test_predicted_unsharded_peak_matches_tracked(ranks, tmp_path):
     out = tmp_path / "memory.json"
     ranks("memory.py", str(out))
     result = json.loads(out.read_text())
+    # [Note: The async default, timed in turn with the default]: on CPU at world size 2 the recorder times it
+    default_ms, async_ms = result.pop("in_step")
+    assert default_ms > 0 and async_ms is not None and async_ms > 0
     for name, (measured, predicted) in result.items():
         assert measured == predicted, f"{name}: tracked {measured} B, predicted {predicted} B"
     # deeper prefetch keeps more all-gather outputs alive, as FSDP2 does

@@ -7,7 +7,13 @@ import pytest
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import InStepTimings, OverlapTimings, Profile
 from planner.simulation.calibrate import Observation, calibrate
-from planner.simulation.in_step import in_step_params, measured_slowdown, overlap_slowdown, solve_comm_scale
+from planner.simulation.in_step import (
+    in_step_params,
+    measured_slowdown,
+    overlap_slowdown,
+    solve_comm_scale,
+    solve_overlap_slowdown,
+)
 from planner.simulation.parameters import simulate
 from planner.simulation.simulator import SimParams
 from planner.testing import synthetic_profile
@@ -52,6 +58,33 @@ def test_in_step_params_use_measured_overlap_and_solved_comm_scale_on_cpu():
     assert simulate(profile, async_plan).step_ms == pytest.approx(simulate(profile, async_plan, params).step_ms)
     assert simulate(profile, async_plan).step_ms > simulate(profile, async_plan, dataclasses.replace(
         params, overlap_slowdown=1.0)).step_ms
+
+
+def test_the_async_defaults_step_sets_the_slowdown_after_comm_scale():
+    """[Note: The overlap slowdown from an async step]: a profile whose default and async-default steps were made
+    with comm_scale 0.8 and slowdown 1.3 gets both back, where the microbenchmark alone says 1.5; without the async
+    step the microbenchmark's stands. Steps below what a free overlap gives, or above fair sharing, clip to 1 and
+    2."""
+    base = synthetic_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=6.0)
+    truth = SimParams(comm_scale=0.8, overlap_slowdown=1.3)
+    async_default = dataclasses.replace(Plan.default(base), unshard_async_op=True)
+    measured = simulate(base, Plan.default(base), truth).step_ms
+    measured_async = simulate(base, async_default, truth).step_ms
+    bench = OverlapTimings("b0", all_gather_ms=8.0, compute_ms=10.0, overlapped_ms=14.0)  # 1.5
+    assert measured_async < simulate(base, async_default, dataclasses.replace(truth, overlap_slowdown=1.5)).step_ms
+    profile = dataclasses.replace(base, in_step=InStepTimings(measured, bench, measured_async))
+    params = in_step_params(profile)
+    assert params.comm_scale == pytest.approx(0.8, abs=1e-6)
+    assert params.overlap_slowdown == pytest.approx(1.3, abs=1e-6)
+    assert in_step_params(_with_in_step(base, measured, bench)).overlap_slowdown == pytest.approx(1.5)
+    assert solve_overlap_slowdown(base, truth, 1.0) == pytest.approx(1.0)
+    assert solve_overlap_slowdown(base, truth, 10 * measured_async) == pytest.approx(2.0)
+    # GPU: the async step is not used (streams, not shared cores)
+    gpu = dataclasses.replace(profile, fingerprint=dataclasses.replace(profile.fingerprint, device_type="cuda"))
+    assert in_step_params(gpu).overlap_slowdown == SimParams().overlap_slowdown
+    # it round-trips, and a profile without it writes no key
+    assert Profile.from_json(profile.to_json()).in_step == profile.in_step
+    assert "async_default_step_ms" not in _with_in_step(base, measured, bench).to_json()
 
 
 def test_a_default_that_hides_its_communication_leaves_comm_scale_alone():

@@ -1,6 +1,7 @@
 """Rank script: tracked unsharded bytes vs the simulator's prediction, per plan.
 
-argv: output JSON. Rank 0 writes {plan: [measured peak bytes, predicted peak bytes]}.
+argv: output JSON. Rank 0 writes {plan: [measured peak bytes, predicted peak bytes]} and, under "in_step", the
+profile's in-step timings (its default step and the async default's, ms).
 """
 
 import json
@@ -32,6 +33,7 @@ for name, plan in plans.items():
     with UnshardedBytesTracker() as tracker:
         train_step(workload, 0)
     result[name] = [tracker.peak_bytes, simulate(profile, plan).peak_unsharded_bytes]
+result["in_step"] = [profile.in_step.default_step_ms, profile.in_step.async_default_step_ms]
 if dist.get_rank() == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(result, f)
