@@ -186,10 +186,12 @@ class TuningSession:
                         "(exposed communication and overhead)")
         logger.info(f"      simulated default: step {default.step_ms:.1f} ms, exposed communication "
                     f"{default.exposed_comm_ms:.1f} ms, lower bound {default.lower_bound_ms:.1f} ms")
-        if profile.in_step is not None:
+        if profile.in_step is not None and not profile.calibration:
             params = self.simulator.params
+            source = ("solved from the async default's step" if profile.in_step.async_default_step_ms is not None
+                      and profile.fingerprint.device_type != "cuda" else "measured")
             logger.info(f"      in-step parameters: comm_scale {params.comm_scale:.2f} (solved from the measured "
-                        f"default step), overlap_slowdown {params.overlap_slowdown:.2f} (measured)")
+                        f"default step), overlap_slowdown {params.overlap_slowdown:.2f} ({source})")
 
     def _memory_budget(self) -> int | None:
         """``[search] memory_budget`` in bytes per rank, checked against the smallest predicted peak; ``None``: unset.
