@@ -2,17 +2,18 @@
 
     python -m bench.overlap_anchor bench/results/fidelity-*-cpu-*.json [--anchor "uniform depth 1 async"]
 
-The simulator takes ``overlap_slowdown`` from the recorder's microbenchmark (an all-gather and matrix multiplies
-alone and at once: 1.8-2.0 on the 2-core testbed), and the async plans are then predicted too slow (bench/results/
-NOTES.md: compute beside an all-gather inside a step slowed about 1.4). This asks whether one measured async step
-would fix it: per saved ``bench.fidelity`` run, ``comm_scale`` is solved from the default step as ``tune`` solves it
-(``planner.simulation.in_step.in_step_params``; on CPU the default overlaps nothing, so it does not depend on the
-slowdown), then the slowdown by bisection in [1, 2] so that the anchor plan's predicted step equals the recorder's
-default step times the anchor's measured ratio to the default (the median step of each, from the run's interleaved
-rounds). Every other plan (the default and the anchor left out) is then predicted both ways and printed: the
-median and max |error|, the same for each plan's ratio to the default, and the signed median of that error over the
-async plans. The anchor's ratio here is a fidelity run's median over 9-15 rounds, less noisy than a recorder's
-few steps would be. Measures nothing.
+The simulator took ``overlap_slowdown`` from the recorder's microbenchmark (an all-gather and matrix multiplies
+alone and at once: 1.8-2.0 on the 2-core testbed), and the async plans were then predicted too slow
+(bench/results/NOTES.md: compute beside an all-gather inside a step slowed about 1.4). This asked, before the
+recorder timed one, whether one measured async step would fix it (the rule ``tune`` now uses on CPU:
+``planner.simulation.in_step.solve_overlap_slowdown``). Per saved ``bench.fidelity`` run, ``comm_scale`` is solved
+from the default step as ``tune`` solves it (``planner.simulation.in_step.in_step_params``; on CPU the default
+overlaps nothing, so it does not depend on the slowdown), then the slowdown by bisection in [1, 2] so that the
+anchor plan's predicted step equals the recorder's default step times the anchor's measured ratio to the default
+(the median step of each, from the run's interleaved rounds). Every other plan (the default and the anchor left
+out) is then predicted both ways and printed: the median and max |error|, the same for each plan's ratio to the
+default, and the signed median of that error over the async plans. The anchor's ratio here is a fidelity run's
+median over 9-15 rounds, less noisy than a recorder's few steps would be. Measures nothing.
 """
 
 from __future__ import annotations
@@ -27,19 +28,6 @@ import click
 ANCHOR = "uniform depth 0 async"
 
 
-def solve_slowdown(simulator, compiled, params, target_ms: float) -> float:
-    """The ``overlap_slowdown`` in [1, 2] at which the compiled plan's predicted step is ``target_ms`` (bisection:
-    the step does not decrease with the slowdown); an end of the range when the target is outside it."""
-    low, high = 1.0, 2.0
-    for _ in range(30):
-        mid = 0.5 * (low + high)
-        if simulator.run(compiled, dataclasses.replace(params, overlap_slowdown=mid)).step_ms < target_ms:
-            low = mid
-        else:
-            high = mid
-    return 0.5 * (low + high)
-
-
 def anchored(run: dict, anchor: str = ANCHOR) -> dict:
     """One saved fidelity run: the held-out errors with the microbenchmark's slowdown and with the anchored one.
 
@@ -48,7 +36,7 @@ def anchored(run: dict, anchor: str = ANCHOR) -> dict:
     """
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
-    from planner.simulation.in_step import in_step_params
+    from planner.simulation.in_step import in_step_params, solve_overlap_slowdown
     from planner.simulation.simulator import Simulator
 
     profile = dataclasses.replace(Profile.from_dict(run["profile"]), calibration=None)
@@ -66,8 +54,8 @@ def anchored(run: dict, anchor: str = ANCHOR) -> dict:
     out = {"study": run["study"], "anchor": anchor, "anchor_ratio": measured[a] / measured[0]}
     held = [i for i in range(len(plans)) if i not in (0, a)]
     for label, p in (("microbenchmark", params),
-                     ("anchored", dataclasses.replace(params, overlap_slowdown=solve_slowdown(
-                         simulator, compiled[a], params, target)))):
+                     ("anchored", dataclasses.replace(params, overlap_slowdown=solve_overlap_slowdown(
+                         profile, params, target, plans[a])))):
         predicted = [simulator.run(c, p).step_ms for c in compiled]
         errors = [100 * abs(predicted[i] / measured[i] - 1) for i in held]
         relative = [100 * ((predicted[i] / predicted[0]) / (measured[i] / measured[0]) - 1) for i in held]

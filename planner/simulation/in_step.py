@@ -108,16 +108,16 @@ def solve_comm_scale(profile: Profile, params: SimParams, measured_ms: float) ->
     return 0.5 * (low + high)
 
 
-def solve_overlap_slowdown(profile: Profile, params: SimParams, measured_ms: float) -> float:
-    """The ``overlap_slowdown`` at which FSDP2's default plan with ``unshard_async_op`` predicts ``measured_ms``
-    ([Note: The overlap slowdown from an async step]).
+def solve_overlap_slowdown(profile: Profile, params: SimParams, measured_ms: float, plan: Plan | None = None) -> float:
+    """The ``overlap_slowdown`` at which ``plan`` (by default FSDP2's default plan with ``unshard_async_op``)
+    predicts ``measured_ms`` ([Note: The overlap slowdown from an async step]).
 
     Bisection in :data:`OVERLAP_SLOWDOWN_BOUNDS`: the predicted step does not
     decrease with the slowdown. A step below the bound's prediction gives 1,
     one above gives 2.
     """
     simulator = Simulator(profile, params)
-    plan = simulator.compile(dataclasses.replace(Plan.default(profile), unshard_async_op=True))
+    plan = simulator.compile(plan or dataclasses.replace(Plan.default(profile), unshard_async_op=True))
     low, high = OVERLAP_SLOWDOWN_BOUNDS
     for _ in range(40):
         mid = 0.5 * (low + high)
