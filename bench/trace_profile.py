@@ -213,6 +213,26 @@ def _medians(a, b, figures: tuple[str, ...]) -> str:
     return ", ".join(f"{f} {v:.1f}%" for f, v in _median_errors(a, b, figures).items())
 
 
+def steps_and_calls(folders: list[str]) -> tuple[str, list[tuple[tuple, dict[tuple[str, str, int], list]]]]:
+    """The traces in ``folders``, step by step: their device type, and per step the ranks' ``RankStep``s and every
+    collective call's ranks' views, ``{(module, kind, ordinal): [Collective, ...]}``."""
+    from collections import defaultdict
+
+    from planner.traces.kineto import read_trace, trace_files
+    from planner.traces.trace_profile import _by_rank, _steps_of_rank
+
+    traces = _by_rank([read_trace(p) for p in trace_files(folders)])
+    per_rank = [_steps_of_rank(rank, files) for rank, files in traces.items()]
+    out = []
+    for steps in zip(*per_rank, strict=False):
+        calls = defaultdict(list)
+        for s in steps:
+            for c in s.collectives:
+                calls[(c.module, c.kind, c.ordinal)].append(c)
+        out.append((steps, calls))
+    return next(iter(traces.values()))[0].device_type, out
+
+
 def decompose(folder: str) -> list[str]:
     """Per traced step (CPU), the step (the most of the ranks) against the sum of its calls' figures: each module's
     forward and backward compute, the most of the ranks in that step; each collective as the profile times it
@@ -220,21 +240,15 @@ def decompose(folder: str) -> list[str]:
     over calls, summed per step, against the steps. Lines to print; ``[]`` for GPU traces (stretches overlap)."""
     from collections import defaultdict
 
-    from planner.traces.kineto import read_trace, trace_files
-    from planner.traces.trace_profile import _by_rank, _collective_ms, _steps_of_rank
+    from planner.traces.trace_profile import _collective_ms
 
-    traces = _by_rank([read_trace(p) for p in trace_files([folder])])
-    if next(iter(traces.values()))[0].device_type != "cpu":
+    device_type, per_step = steps_and_calls([folder])
+    if device_type != "cpu":
         return []
-    per_rank = [_steps_of_rank(rank, files) for rank, files in traces.items()]
     lines, by_call, colls = [], defaultdict(list), []
-    for steps in zip(*per_rank, strict=False):
+    for steps, calls in per_step:
         compute = sum(max(s.fwd_ms.get(m, 0.0) for s in steps) + max(s.bwd_ms.get(m, 0.0) for s in steps)
                       for m in steps[0].fwd_ms)
-        calls = defaultdict(list)
-        for s in steps:
-            for c in s.collectives:
-                calls[(c.module, c.kind, c.ordinal)].append(c)
         coll = 0.0
         for (module, kind, _), cs in calls.items():
             ms = _collective_ms(cs)

@@ -35,7 +35,7 @@ from pathlib import Path
 import click
 
 from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument, user_profiler
-from bench.trace_profile import FIGURES, _error, _median_errors, _shape_errors
+from bench.trace_profile import FIGURES, _error, _median_errors, _shape_errors, steps_and_calls
 
 MODULE = "bench.trace_rounds"
 
@@ -101,20 +101,13 @@ def bare_reduce_scatters(folders: list[str]) -> dict[str, float]:
     """Per module, the mean over its reduce-scatter calls in the traces of ``folders`` of the bare call's time, ms:
     gloo's input copy and the transfer, from the last rank's start, the most of the ranks
     (``planner.traces.trace_profile._collective_ms(bare=True)``), what the recorder's bare reduce-scatter times."""
-    from planner.traces.kineto import read_trace, trace_files
-    from planner.traces.trace_profile import _by_rank, _collective_ms, _steps_of_rank
+    from planner.traces.trace_profile import _collective_ms
 
-    traces = _by_rank([read_trace(p) for p in trace_files(folders)])
-    per_rank = [_steps_of_rank(rank, files) for rank, files in traces.items()]
     out = defaultdict(list)
-    for steps in zip(*per_rank, strict=False):
-        calls = defaultdict(list)
-        for s in steps:
-            for c in s.collectives:
-                if c.kind == "reduce_scatter":
-                    calls[(c.module, c.ordinal)].append(c)
-        for (module, _), cs in calls.items():
-            out[module].append(_collective_ms(cs, bare=True))
+    for _, calls in steps_and_calls(folders)[1]:
+        for (module, kind, _), cs in calls.items():
+            if kind == "reduce_scatter":
+                out[module].append(_collective_ms(cs, bare=True))
     return {module: statistics.fmean(v) for module, v in out.items()}
 
 
