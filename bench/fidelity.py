@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument
+from bench.ranks import as_tune_ranks, json_flag, report_saved, run_studies, saved_run_options, studies_argument
 
 if TYPE_CHECKING:
     from planner.artifacts.plan import Plan
@@ -145,6 +145,7 @@ def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = Fal
     from runtime.recorder import record_profile
     from runtime.workload import build_study_workload, train_step
 
+    as_tune_ranks()
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
     workload = build_study_workload(config.workload, mesh)

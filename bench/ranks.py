@@ -57,6 +57,20 @@ def run_studies(module: str, studies: Sequence[str], forward: Callable[[str], li
         sys.exit(2)
 
 
+def as_tune_ranks() -> None:
+    """Import what a ``tune`` rank has imported before it records (``jobs.tune``: Optuna, SQLAlchemy, the simulator,
+    the search spaces), so that a bench records in the process state ``tune`` records in. Call it on every rank,
+    first.
+
+    Why: on the 2-core CPU testbed these imports move how much an async all-gather hides in a step. The reference
+    Llama with full checkpointing, the recorder's loop of the default and the async default in turn, 3 pairs a
+    block, 4 blocks each way in one process: the async default over the default read 0.985 (median of 12 pairs)
+    before the imports and 0.926 after (bench/results/NOTES.md, 2026-11-26). A bench that imported them only after
+    recording solved the overlap slowdown from a ratio ``tune`` would not have read.
+    """
+    import jobs.tune  # noqa: F401
+
+
 def json_flag(path: str | None) -> list[str]:
     """The ``--json PATH`` arguments to forward to the ranks (none without a path)."""
     return ["--json", path] if path else []
