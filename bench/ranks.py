@@ -58,9 +58,9 @@ def run_studies(module: str, studies: Sequence[str], forward: Callable[[str], li
 
 
 def as_tune_ranks() -> None:
-    """Import what a ``tune`` rank has imported before it records (``jobs.tune``: Optuna, SQLAlchemy, the simulator,
-    the search spaces), so that a bench records in the process state ``tune`` records in. Call it on every rank,
-    first.
+    """Import what a ``tune`` rank has imported before it records (``jobs.tune``), so that a bench records in the
+    process state ``tune`` records in ([Note: Record in tune's process state] in ``jobs/profile.py``, which does the
+    same). Call it on every rank, first.
 
     Why: on the 2-core CPU testbed these imports move how much an async all-gather hides in a step. The reference
     Llama with full checkpointing, the recorder's loop of the default and the async default in turn, 3 pairs a

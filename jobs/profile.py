@@ -54,6 +54,12 @@ class ProfileJob:
         Raises:
             PlannerError: a bad workload (the same on every rank).
         """
+        # [Note: Record in tune's process state] ``tune``'s ranks have imported ``jobs.tune`` (Optuna, SQLAlchemy,
+        # the simulator, the search spaces) before they record; these ranks import it too, so that a profile
+        # recorded here reads what ``tune`` would. On the 2-core CPU testbed those imports moved the recorder's
+        # async default over the default from 0.985 to 0.926 (``bench.ranks.as_tune_ranks``, bench/results/NOTES.md).
+        import jobs.tune  # noqa: F401
+
         mesh = init_rank(self.config.launch.backend)
         workload: Workload | None = None
         ended = False

@@ -19,3 +19,28 @@ def test_profile_command_with_torch_trace(cli, tmp_path):
     assert profile.post_forward_order[-1] == "" and len(profile.per_rank) == 2
     trace = json.loads((tmp_path / "torch.json").read_text())
     assert any("FSDP::all_gather" in e.get("name", "") for e in trace["traceEvents"])
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_profile_job_records_after_importing_what_tune_imports(monkeypatch):
+    """[Note: Record in tune's process state]: the ranks have ``jobs.tune`` imported before they start recording."""
+    import sys
+    from types import SimpleNamespace
+
+    import jobs.profile
+
+    seen = []
+
+    def init_rank(backend):
+        seen.append("jobs.tune" in sys.modules)
+        raise _Stop
+
+    monkeypatch.delitem(sys.modules, "jobs.tune", raising=False)
+    monkeypatch.setattr(jobs.profile, "init_rank", init_rank)
+    job = jobs.profile.ProfileJob(SimpleNamespace(launch=SimpleNamespace(backend="gloo")), "unused.json")
+    with pytest.raises(_Stop):
+        job.run()
+    assert seen == [True]
