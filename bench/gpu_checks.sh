@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 21 on one CUDA machine, each stage bounded in time; results and one log under OUT.
 #
-#   bash bench/gpu_checks.sh OUT [STAGE ...]     # stages: env smoke trace fidelity peak ac qwen2 tune (default: all)
+#   bash bench/gpu_checks.sh OUT [STAGE ...]
+#   # stages: env smoke trace fidelity peak ac ac-fidelity ac-selective qwen2 qwen2-trace tune (default: all but
+#   # qwen2-trace, which qwen2 holds)
 #
 # Each study runs one rank per GPU of the machine (a copy of its TOML in /tmp/gpu-studies).
 #
@@ -14,13 +16,17 @@
 #   fidelity  bench.fidelity on studies/llama-gpu.toml, 7 rounds (the JSON is written before the minutes-long report)
 #   peak      bench.peak_memory on studies/llama-gpu.toml
 #   ac        bench.trace_profile on bench/llama-gpu-ac-full.toml (every block checkpointed)
+#   ac-fidelity  bench.fidelity --measure-only on bench/llama-gpu-ac-selective.toml (every other block
+#             checkpointed), then on bench/llama-gpu-ac-full.toml, 7 rounds each (the fits: --refit on the JSON)
+#   ac-selective  bench.peak_memory, then bench.trace_profile (5 traced steps), on bench/llama-gpu-ac-selective.toml
 #   qwen2     bench.peak_memory, then bench.trace_profile (3 traced steps), on bench/qwen2-gpu.toml (a model not tuned
 #             on, with a 151936-word vocabulary: the largest backward temporaries)
+#   qwen2-trace  its bench.trace_profile alone
 #   tune      prefetch-planner tune studies/llama-gpu.toml, then studies best; the study's SQLite file and plan kept
 set -u
 out=${1:?usage: bash bench/gpu_checks.sh OUT [STAGE ...]}
 shift
-stages=${*:-env smoke trace fidelity peak ac qwen2 tune}
+stages=${*:-env smoke trace fidelity peak ac ac-fidelity ac-selective qwen2 tune}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -33,7 +39,8 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$gpus" -ge 1 ] || gpus=1
 st=/tmp/gpu-studies
 mkdir -p $st
-for f in studies/llama-gpu.toml bench/llama-gpu-small.toml bench/llama-gpu-ac-full.toml bench/qwen2-gpu.toml; do
+for f in studies/llama-gpu.toml bench/llama-gpu-small.toml bench/llama-gpu-ac-full.toml bench/llama-gpu-ac-selective.toml \
+    bench/qwen2-gpu.toml; do
     sed "s/^nproc_per_node = .*/nproc_per_node = $gpus/" "$f" > "$st/$(basename "$f")"
 done
 
@@ -69,8 +76,19 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
     ac)
         stage ac 300 python3 -m bench.trace_profile $st/llama-gpu-ac-full.toml --steps 5 \
             --json "$out/trace-profile-llama-gpu-ac-full.json" --traces /tmp/traces-ac ;;
-    qwen2)
-        stage qwen2-peak 200 python3 -m bench.peak_memory $st/qwen2-gpu.toml --json "$out/peak-memory-qwen2-gpu.json"
+    ac-fidelity)
+        for ac in selective full; do
+            stage ac-$ac-fidelity 200 python3 -m bench.fidelity $st/llama-gpu-ac-$ac.toml --rounds 7 --measure-only \
+                --json "$out/fidelity-llama-gpu-ac-$ac.json"
+        done ;;
+    ac-selective)
+        stage ac-selective-peak 200 python3 -m bench.peak_memory $st/llama-gpu-ac-selective.toml \
+            --json "$out/peak-memory-llama-gpu-ac-selective.json"
+        stage ac-selective-trace 200 python3 -m bench.trace_profile $st/llama-gpu-ac-selective.toml --steps 5 \
+            --json "$out/trace-profile-llama-gpu-ac-selective.json" --traces /tmp/traces-ac-selective ;;
+    qwen2|qwen2-trace)
+        [ "$s" = qwen2 ] && stage qwen2-peak 200 python3 -m bench.peak_memory $st/qwen2-gpu.toml \
+            --json "$out/peak-memory-qwen2-gpu.json"
         stage qwen2-trace 200 python3 -m bench.trace_profile $st/qwen2-gpu.toml --steps 3 \
             --json "$out/trace-profile-qwen2-gpu.json" --traces /tmp/traces-qwen2 ;;
     tune)
