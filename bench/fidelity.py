@@ -131,11 +131,9 @@ def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profil
                                in_step=dataclasses.replace(profile.in_step, overlap=overlap))
 
 
-def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = False,
-              measure_only: bool = False) -> None:
+def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = False, only: bool = False) -> None:
     """Every rank: record (and, ``after_passes``, the collectives again after the isolated passes), measure the
-    plans interleaved and their unsharded bytes; rank 0 reports (``measure_only``: the uncalibrated line alone,
-    the calibration fits left to ``--refit``)."""
+    plans interleaved and their unsharded bytes; rank 0 reports (``only``: the uncalibrated line alone)."""
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
@@ -180,10 +178,9 @@ def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = Fal
                         for n, t, b in zip(names, step_ms, peaks, strict=True)]}
         if out:  # first: the report's calibration fits take minutes, and the measurements are what took the ranks
             Path(out).write_text(json.dumps(run, indent=1))
-        if measure_only:
-            measured = [statistics.median(t) for t in step_ms]
+        if only:  # the uncalibrated line alone; the calibration fits left to --refit on the JSON
             print(f"\n{config.name}, {len(names)} plans x {rounds} rounds, uncalibrated: "
-                  f"{_errors(profile, [plans[n] for n in names], measured)}", flush=True)
+                  f"{_errors(profile, [plans[n] for n in names], [statistics.median(t) for t in step_ms])}")
         else:
             report(run)
     del workload
@@ -338,17 +335,14 @@ def report(run: dict, splits: int = 40) -> None:
 @click.option("--collectives-after-passes", "after_passes", is_flag=True,
               help="also time the collectives again just after the isolated passes (the recorder's order before "
                    "2026-11-26) and compare both profiles' uncalibrated predictions of the same measured plans")
-@click.option("--measure-only", is_flag=True,
-              help="after the measurements, print the uncalibrated errors alone and skip the calibration fits "
-                   "(minutes on a few cores; run them later with --refit on the --json file)")
+@click.option("--measure-only", is_flag=True, help="print the uncalibrated errors alone (the fits: --refit on --json)")
 @saved_run_options
 def main(studies: tuple[str, ...], rounds: int, after_passes: bool, measure_only: bool, json_out: str | None,
          refit: tuple[str, ...]) -> None:
     if report_saved(refit, report):
         return
     run_studies(MODULE, studies, lambda study: [study, "--rounds", str(rounds)] + json_flag(json_out)
-                + (["--collectives-after-passes"] if after_passes else [])
-                + (["--measure-only"] if measure_only else []),
+                + ["--collectives-after-passes"] * after_passes + ["--measure-only"] * measure_only,
                 lambda study: rank_main(study, rounds, json_out, after_passes, measure_only))
 
 

@@ -159,6 +159,10 @@ def report(run: dict) -> dict:
           + ", the modules' median " + " / ".join(
               mib(int(statistics.median([m.backward_temp_bytes for f, m in p.modules.items() if f != p.root_fqn]
                                         or [0]))) for p in (t, recorded)))
+    print("the root's saved bytes, trace / recorder: " + " / ".join(
+        mib(p.modules[p.root_fqn].activation_bytes) for p in (t, recorded)) + ", of them after its blocks' forward "
+          "(freed before their backward) " + " / ".join(
+        mib(p.modules[p.root_fqn].activation_post_bytes) for p in (t, recorded)))
     if recorded.measured_peak_bytes:
         peaks = [simulate(p, Plan.default(p)).peak_bytes for p in (alone, recorder_alone)]
         print(f"  the default's simulated peak from the trace profile {mib(peaks[0])}, from the recorder's "

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from runtime.mark_memory import MarkMemory, backward_peaks, walk_marks
 from runtime.workload import Workload, own_parameters
@@ -37,6 +36,24 @@ TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms")
 # first in forward, so last in backward). :attr:`ComputeTimer.root_grad_pre_bytes` reads the first part when the
 # first nested module's backward starts; the rest is ``ModuleProfile.backward_post_grad_bytes``. Held whole
 # through the blocks' backward, Qwen2's 1187 MiB embedding gradient put the predicted peak 1.6% high there.
+
+# [Note: The recompute stops early]
+# The timer ran its passes under ``set_checkpoint_early_stop(False)`` until 2026-11-26, the user's step does not: by
+# default ``torch.utils.checkpoint`` stops once the tensors backward needs are back, and the Llama MLP's down
+# projection (1.8 of a block's 9.8 ms forward, H100) never runs again. The recorder read a checkpointed block's
+# backward 7% above the traced step's (H100, H200), and the H200 Llama's default was predicted 4.2% (full) and 2.2%
+# (selective) over its measured step (bench/results/NOTES.md). Now the recompute runs as the user's does.
+
+# [Note: The root's saved tensors in two parts]
+# The root's own forward saves tensors before its blocks (the embedding: its indices) and after them (the final
+# norm, the LM head, the loss: HF's cross-entropy keeps the log-softmax, batch x sequence x vocabulary). Autograd
+# runs the latter's nodes first in backward and frees what each saved as it runs, so they are gone before the last
+# block's backward. The simulator held all of the root's activations to the end of its backward: on one H200 the
+# Llama with every other block checkpointed (bench/llama-gpu-ac-selective.toml) was predicted 1.6% over its
+# measured peak, at a checkpointed block's backward, 596 MiB held there that were not, and a last block kept
+# unsharded at +0 where it measured +196 MiB. The timer counts the root's saved bytes after its first nested
+# module's forward (:attr:`ComputeTimer.root_activation_post_bytes`, ``ModuleProfile.activation_post_bytes``); the
+# simulator frees them at the end of the root's backward part before its children's.
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -86,8 +103,9 @@ class ComputeTimer:
     :attr:`recompute_bytes`: the recomputed activations, which live until the block's gradient compute has used
     them. Functional ops' outputs (an activation function called as a function, a residual add) are not seen:
     an underestimate.
-    The timed forward runs under ``set_checkpoint_early_stop(False)``, so the recompute runs to the block's
-    end (by default it stops once the tensors backward needs are back, a few ops short).
+    The recompute runs as the user's does, stopped early ([Note: The recompute stops early]): the child running
+    then never returns. Each submodule forward that returns in it marks ``rtick``; one no ``rend`` closes ends at
+    its last ``rtick``.
 
     On CPU a mark is ``time.perf_counter()``; on GPU the hooks run ahead of
     the kernels they launch, so a mark is a CUDA event recorded on the current
@@ -128,6 +146,11 @@ class ComputeTimer:
         # embedding's), from the last run with memory; None before
         self.root_grad_pre_bytes: int | None = None
         self.backward_peak: dict[str, int] = {}  # [Note: Backward temporaries], from the last run with memory
+        # of the root's activation bytes, those saved after its first nested module's forward (the final norm's, the
+        # LM head's, the loss's): its backward frees them before its nested modules' ([Note: The root's saved
+        # tensors in two parts])
+        self.root_activation_post_bytes = 0
+        self.child_entered = False  # in this forward
         fsdp = {id(m) for _, m in modules}
         for fqn, m in modules:
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True, prepend=hooks_first))
@@ -169,6 +192,7 @@ class ComputeTimer:
             if not fired[0]:
                 fired[0] = True
                 self.mark(kind, fqn)
+                self.recompute_depth[fqn] = 0  # a recompute stopped early never returned from its last child
                 if kind == "bexit" and self.after_backward is not None:
                     self.after_backward(fqn)
 
@@ -179,6 +203,7 @@ class ComputeTimer:
             self.mark("enter", fqn)
             self.live.append(fqn)
             if fqn != self.root:
+                self.child_entered = True
                 end_hook = self._once("bexit", fqn)
                 for t in tensors_in((args, kwargs)):
                     if t.requires_grad:
@@ -210,6 +235,8 @@ class ComputeTimer:
                 self.mark("rstart", fqn)
             elif step < 0 and self.recompute_depth[fqn] == 0:
                 self.mark("rend", fqn)
+            elif step < 0:
+                self.mark("rtick", fqn)
 
         return hook
 
@@ -217,6 +244,7 @@ class ComputeTimer:
         def hook(module, args, output):
             if self.in_backward and self.recompute_depth[fqn] > 0:
                 self.recompute_bytes[fqn] += self._new_bytes(fqn, tensors_in(output))
+                self.mark("rtick", fqn)
 
         return hook
 
@@ -237,6 +265,8 @@ class ComputeTimer:
             self.saved_parameter_storages.add(key)
         elif self.live and first_seen(self.seen_storages, key, t):
             self.act_bytes[self.live[-1]] += t.untyped_storage().nbytes()
+            if self.live[-1] == self.root and self.child_entered and not self.in_backward:
+                self.root_activation_post_bytes += t.untyped_storage().nbytes()
         return t
 
     def run(self, workload: Workload, step: int, memory: bool = False) -> None:
@@ -258,6 +288,7 @@ class ComputeTimer:
         self.marks.clear()
         self.seen_storages.clear()
         self.act_bytes.clear()
+        self.root_activation_post_bytes, self.child_entered = 0, False
         self.saved_parameter_storages.clear()
         # the unsharded parameters (a module held sharded registers its DTensor shards: its figures are not kept)
         self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()
@@ -267,7 +298,7 @@ class ComputeTimer:
         self.recompute_bytes.clear()
         self.recompute_seen.clear()
         # the whole recompute runs, so each child's forward hook closes its window (early stop ends it mid-forward)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), set_checkpoint_early_stop(False):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             loss = workload.loss_fn(workload.model, workload.make_batch(step))
         self.mark("exit", self.root)
         self.mark("enter", self.root)
@@ -286,12 +317,21 @@ class ComputeTimer:
         pre_order, post_order = [], []
         calls: dict[str, int] = defaultdict(int)
         recompute_start: dict[str, float] = {}
+        recompute_last: dict[str, float] = {}  # its last rtick ([Note: The recompute stops early])
         for step in walk_marks([(kind, fqn) for _, kind, fqn in self.marks], self.root):
             i, kind, fqn, t = step.index, step.kind, step.fqn, self.marks[step.index][0]
             if kind == "rstart":
-                recompute_start[fqn] = t
+                recompute_start[fqn] = recompute_last[fqn] = t
+            elif kind == "rtick":
+                if fqn in recompute_start:
+                    recompute_last[fqn] = t
             elif kind == "rend":
+                recompute_last.pop(fqn, None)
                 out[fqn]["recompute_ms"] += (t - recompute_start.pop(fqn, t)) * 1e3
+            elif recompute_start:  # a recompute stopped early: it ended at its last rtick
+                for f, start in recompute_start.items():
+                    out[f]["recompute_ms"] += (recompute_last.pop(f) - start) * 1e3
+                recompute_start.clear()
             elif kind == "enter" and not step.backward and fqn != self.root:
                 pre_order.append(fqn)
                 calls[fqn] += 1

@@ -65,6 +65,8 @@ def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, b
             recompute_activation_bytes=int(figures.get("recompute_activation_bytes", 0)),
             # the root's gradient before its children's backward (the LM head's), measured; the rest after
             backward_post_grad_bytes=max(0, unsharded[fqn] - int(figures.get("grad_pre_bytes", unsharded[fqn]))),
+            # the root's saved bytes after its children's forward, freed before their backward
+            activation_post_bytes=min(int(figures["activation_bytes"]), int(figures.get("activation_post_bytes", 0))),
             backward_temp_bytes=backward_temporaries(figures.get("backward_peak_bytes", 0),
                                                      min(unsharded[fqn], figures.get("grad_pre_bytes", unsharded[fqn])),
                                                      figures.get("recompute_activation_bytes", 0)),

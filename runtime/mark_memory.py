@@ -121,7 +121,8 @@ def walk_marks(marks: Sequence[tuple[str, str]], root: str) -> Iterator[MarkStep
     (:meth:`runtime.compute_timer.ComputeTimer.attribute`) and :func:`backward_peaks` share.
 
     ``enter``/``exit`` open and close a module's forward window, ``benter``/``bexit`` its backward window; the
-    root's second ``enter`` opens the backward; other kinds (the recompute's ``rstart``/``rend``) open nothing.
+    root's second ``enter`` opens the backward; other kinds (the recompute's ``rstart``/``rtick``/``rend``) open
+    nothing.
     """
     stack: list[str] = []
     child_seen: set[str] = set()

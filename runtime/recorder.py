@@ -122,7 +122,8 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     (``times``, ``activation_bytes``, ``needs_parameters_in_backward``, ``recompute_bytes``, ``backward_peak``
     hold only theirs). The warm-up repeat, dropped from the times, reads the memory alive at each mark:
     ``backward_peak``, and ``root_grad_pre_bytes`` (``None``: the root not held) ([Note: Backward temporaries] in
-    :mod:`runtime.compute_timer`).
+    :mod:`runtime.compute_timer`); every run reads ``root_activation_post_bytes`` (``None``: the root not held;
+    [Note: The root's saved tensors in two parts] there).
     """
     model = workload.model
     modules = fsdp_modules(model)
@@ -181,6 +182,7 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
         "recompute_bytes": {f: b for f, b in timer.recompute_bytes.items() if f in held},
         "backward_peak": {f: b for f, b in timer.backward_peak.items() if f in held},
         "root_grad_pre_bytes": timer.root_grad_pre_bytes if modules[0][0] in held else None,
+        "root_activation_post_bytes": timer.root_activation_post_bytes if modules[0][0] in held else None,
     }
 
 
@@ -294,6 +296,8 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
                 "backward_peak_bytes": compute["backward_peak"].get(fqn, 0),
                 **({"grad_pre_bytes": compute["root_grad_pre_bytes"]}
                    if fqn == modules[0][0] and compute["root_grad_pre_bytes"] is not None else {}),
+                **({"activation_post_bytes": compute["root_activation_post_bytes"]}
+                   if fqn == modules[0][0] and compute["root_activation_post_bytes"] is not None else {}),
                 "needs_parameters_in_backward": compute["needs_parameters_in_backward"][fqn],
             }
             for fqn, times in compute["times"].items()

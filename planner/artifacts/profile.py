@@ -22,7 +22,8 @@ PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
 
 # written only where not 0 (a checkpointed module; a backward that allocates temporaries), so a profile without
 # them is the file release 0.1.0 wrote
-OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_bytes", "backward_post_grad_bytes")
+OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_bytes", "backward_post_grad_bytes",
+                   "activation_post_bytes")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class ModuleProfile:
         backward_post_grad_bytes: of ``grad_bytes``, what autograd allocates only after its nested modules'
             backward (a root's embedding, whose gradient comes last); the rest (the LM head's) comes before them.
             0: all before (not measured, as from a trace).
+        activation_post_bytes: of ``activation_bytes``, those saved after its first nested module's forward (a
+            root's final norm, LM head and loss: its backward uses and frees them before its nested modules'
+            backward); the rest (a root's embedding) live to the end of its backward. 0: not measured (a trace, an
+            older profile): the simulator splits ``activation_bytes`` by the forward's time, ``fwd_pre_ms`` of
+            ``fwd_ms`` before.
     """
 
     fqn: str
@@ -90,6 +96,20 @@ class ModuleProfile:
     recompute_activation_bytes: int = 0
     backward_temp_bytes: int = 0
     backward_post_grad_bytes: int = 0
+    activation_post_bytes: int = 0
+
+
+def root_activation_pre_bytes(root: ModuleProfile) -> int:
+    """Of the root's ``activation_bytes``, those saved before its first child's forward, bytes: the simulator
+    allocates them there and frees them at the end of the root's backward, and the rest after its children's
+    forward, freed when its backward's part before its children's ends: the final norm, LM head and loss, whose
+    autograd nodes run first in backward and free what they saved (``torch.autograd``'s ``retain_graph=False``).
+
+    ``activation_bytes - activation_post_bytes`` where the recorder measured the split; else the forward's time
+    split (``fwd_pre_ms`` of ``fwd_ms``), a guess a trace profile and an older profile fall back on."""
+    if root.activation_post_bytes > 0:
+        return max(0, root.activation_bytes - root.activation_post_bytes)
+    return int(root.activation_bytes * root.fwd_pre_ms / root.fwd_ms) if root.fwd_ms > 0 else 0
 
 
 def backward_temporaries(peak_bytes: int, grad_bytes: int, recompute_bytes: int) -> int:

@@ -101,6 +101,7 @@ class ModuleProfileDocument(Document):
     recompute_activation_bytes: int = Field(0, ge=0)
     backward_temp_bytes: int = Field(0, ge=0)
     backward_post_grad_bytes: int = Field(0, ge=0)
+    activation_post_bytes: int = Field(0, ge=0)
 
 
 class OverlapDocument(Document):

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.artifacts.plan import Plan
-from planner.artifacts.profile import Profile
+from planner.artifacts.profile import Profile, root_activation_pre_bytes
 from planner.simulation._kernel import PlanArrays, ProfileArrays, step_function
 
 
@@ -249,7 +249,7 @@ class Simulator:
             root_forward_post_ms=float(r.fwd_ms - r.fwd_pre_ms),
             root_backward_pre_ms=float(r.bwd_pre_ms),
             root_backward_post_ms=float(r.bwd_ms - r.bwd_pre_ms),
-            root_activation_pre_bytes=int(r.activation_bytes * r.fwd_pre_ms / r.fwd_ms) if r.fwd_ms > 0 else 0,
+            root_activation_pre_bytes=root_activation_pre_bytes(r),
             root_post_grad_bytes=min(int(r.backward_post_grad_bytes), int(r.grad_bytes)),
             gpu=profile.fingerprint.device_type != "cpu",
             single_rank=profile.fingerprint.world_size == 1,

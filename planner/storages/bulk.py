@@ -9,13 +9,15 @@ takes it, under a write lock that SQLite honours too), and the study stays Optun
 ``optuna studies``, optuna-dashboard).
 
 Optuna's table layout is private (``optuna.storages._rdb.models``); this
-module is the one place that reaches it, and
+module is the one place that reaches it (the bulk write, and one query:
+:func:`running_without_heartbeat`), and
 ``tests/planner/storages/test_bulk.py`` reads every field back through
 Optuna, so an Optuna release that changes the layout fails that test loudly.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Sequence
 
@@ -88,3 +90,24 @@ def add_trials_bulk(storage: optuna.storages.RDBStorage, study_name: str, trials
             if rows:
                 conn.execute(tables[name].insert(), rows)
 
+
+
+def running_without_heartbeat(storage: optuna.storages.RDBStorage, study_name: str, older_than_s: float) -> list[int]:
+    """The storage trial ids of study ``study_name``'s RUNNING trials that have no heartbeat at all and started
+    more than ``older_than_s`` seconds ago, ascending.
+
+    Optuna's stale check (``RDBStorage._get_stale_trial_ids``) skips a trial that never beat: a job killed between
+    creating a trial RUNNING and recording its first heartbeat (two transactions) leaves one that nothing fails.
+    ``datetime_start`` is written with the writer's clock (``datetime.now()``), as here.
+    """
+    cutoff = datetime.datetime.now() - datetime.timedelta(seconds=older_than_s)
+    trials, studies = models.TrialModel.__table__, models.StudyModel.__table__
+    beats = models.TrialHeartbeatModel.__table__
+    query = (sa.select(trials.c.trial_id)
+             .join(studies, studies.c.study_id == trials.c.study_id)
+             .outerjoin(beats, beats.c.trial_id == trials.c.trial_id)
+             .where(studies.c.study_name == study_name, trials.c.state == optuna.trial.TrialState.RUNNING,
+                    beats.c.trial_id.is_(None), trials.c.datetime_start < cutoff)
+             .order_by(trials.c.trial_id))
+    with storage.engine.connect() as conn:
+        return [row[0] for row in conn.execute(query)]

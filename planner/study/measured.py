@@ -17,6 +17,7 @@ job fails and re-queues (:meth:`MeasuredStage.claim_retries`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from planner.errors import FailKind, PlannerError
 from planner.simulation.simulator import Simulator
 from planner.storages import storage_errors
 from planner.storages.archive import save_measured_plans, save_profile, update_profile
+from planner.storages.bulk import running_without_heartbeat
 from planner.study.candidates import Candidate, plan_key
 from planner.study.heartbeat import Heartbeat
 from planner.study.provenance import MeasuredPlan
@@ -132,6 +134,7 @@ class MeasuredStage:
         with self._storage_errors(), warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
+            self._fail_never_beat()
             for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
                 trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, t.number)
                 try:
@@ -150,6 +153,26 @@ class MeasuredStage:
                 retry_of = MeasuredTrialRecord.from_trial(t).retry_of
                 out.append(MeasuredTrial(t.number, trial_id, plan, result.step_ms, result.peak_bytes, retry_of))
         return out
+
+    def _fail_never_beat(self) -> None:
+        """Fail, as Optuna's ``fail_stale_trials`` does, the RUNNING trials that never recorded a heartbeat and
+        started more than ``grace_period_s`` ago, and re-queue their plans through the storage's stale-trial
+        callback.
+
+        A job creates a trial RUNNING, then records its first heartbeat (:meth:`Heartbeat.add`): two transactions.
+        Killed between them (a node lost), it leaves a trial that Optuna's check skips, as it looks only at trials
+        with a heartbeat; it stayed RUNNING for good, and its plan counted as measured elsewhere.
+        """
+        grace = self.config.study.grace_period_s
+        callback = self.storage.get_heartbeat_stale_trial_callback()
+        for trial_id in running_without_heartbeat(self.storage, self.config.name, grace):
+            try:
+                if not self.storage.set_trial_state_values(trial_id, optuna.trial.TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another job failed or finished it first
+            if callback is not None:
+                callback(self.study, copy.deepcopy(self.storage.get_trial(trial_id)))
 
     def settled_keys(self) -> set[str]:
         """:func:`~planner.study.candidates.plan_key` of plans not to measure again in this study.

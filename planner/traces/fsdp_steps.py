@@ -105,6 +105,9 @@ class RankStep:
         backward_peak_bytes: per module, the most bytes allocated in its backward stretches before its first nested
             module's, above those allocated when the stretch began (after its ``pre_backward`` label); the
             recorder's figure of the same name ([Note: Backward temporaries] in ``runtime/compute_timer.py``).
+        root_forward_post_bytes: the bytes the root's forward stretches after its children's leave allocated (its
+            final norm's, LM head's and loss's), with what the loop freed or allocated between the root's forward
+            and its backward: ``ModuleProfile.activation_post_bytes``; ``None`` without memory events.
         root_backward_post_bytes: the bytes the root's backward stretches after its children's leave allocated
             (the embedding's gradient): ``ModuleProfile.backward_post_grad_bytes``; ``None`` without memory events.
         path: the trace file the step is from.
@@ -130,6 +133,7 @@ class RankStep:
     recompute_ms: dict[str, float] = field(default_factory=dict)
     recompute_bytes: dict[str, int] = field(default_factory=dict)
     backward_peak_bytes: dict[str, int] = field(default_factory=dict)
+    root_forward_post_bytes: int | None = None
     root_backward_post_bytes: int | None = None
     path: str = ""
 

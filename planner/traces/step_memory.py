@@ -4,6 +4,7 @@ activations and its backward's peak (:func:`step_memory`, for :mod:`planner.trac
 from __future__ import annotations
 
 import bisect
+import itertools
 
 from planner.traces.kineto import KinetoTrace, TraceEvent
 
@@ -12,7 +13,7 @@ def step_memory(trace: KinetoTrace, window: TraceEvent, labels: list, optimizer:
                 parent: dict[str, str], segments: list[tuple]) -> dict:
     """The memory figures of :class:`planner.traces.fsdp_steps.RankStep`, by field name (``{}`` without memory
     events): ``start_bytes``, ``peak_above_start_bytes``, ``optimizer_temp_bytes`` (with an optimizer step),
-    ``activation_bytes``, ``backward_peak_bytes`` and ``root_backward_post_bytes``.
+    ``activation_bytes``, ``backward_peak_bytes``, ``root_forward_post_bytes`` and ``root_backward_post_bytes``.
 
     Args:
         labels: the step's FSDP2 labels (``kind``, ``fqn``, ``event``); ``parent``: module nesting (child -> parent);
@@ -48,6 +49,12 @@ def step_memory(trace: KinetoTrace, window: TraceEvent, labels: list, optimizer:
         exclusive[""] += total_at(backward.ts) - total_at(first_post[""].end)
     out["activation_bytes"] = {f: max(0, b) for f, b in exclusive.items()}
     out["backward_peak_bytes"] = _backward_peaks(events, total_at, segments)
+    # the root's forward stretches after its children's (the final norm, the LM head, the loss), and the loop's up to
+    # the root's backward, in the first microbatch: the part of its activations its backward frees before its
+    # children's ([Note: The root's saved tensors in two parts] in runtime/compute_timer.py)
+    first_forward = itertools.takewhile(lambda seg: seg[2] == "fwd", segments)
+    out["root_forward_post_bytes"] = max(0, sum(total_at(end) - total_at(start) for start, end, phase, module, pre
+                                                in first_forward if module == "" and not pre))
     # the root's stretches after its children's backward (the embedding's backward) leave its gradient allocated
     out["root_backward_post_bytes"] = max(0, sum(total_at(end) - total_at(start) for start, end, phase, module, pre
                                                  in segments if phase == "bwd" and module == "" and not pre))

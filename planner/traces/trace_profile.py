@@ -212,6 +212,9 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
         post = min(grad, int(_median_max([[s.root_backward_post_bytes or 0 for s in ss] for ss in per_rank.values()])))
         post = post if fqn == "" else 0  # the root's gradient after its children's backward (the embedding's)
         recompute = int(max(s.recompute_bytes.get(fqn, 0) for ss in per_rank.values() for s in ss))
+        # the root's activations after its children's forward, freed before their backward (0: no memory events)
+        after = min(int(act), int(statistics.median(s.root_forward_post_bytes or 0 for s in per_rank[min(per_rank)])))
+        after = after if fqn == "" else 0
         module_profiles[fqn] = ModuleProfile(
             fqn=fqn, fwd_ms=fwd, bwd_ms=bwd, fwd_pre_ms=min(per_module("fwd_pre_ms", fqn), fwd),
             bwd_pre_ms=min(per_module("bwd_pre_ms", fqn), bwd),
@@ -222,7 +225,7 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
             recompute_activation_bytes=recompute,
             backward_temp_bytes=backward_temporaries(
                 _median_max([[s.backward_peak_bytes.get(fqn, 0) for s in ss] for ss in per_rank.values()]),
-                grad - post, recompute), backward_post_grad_bytes=post,
+                grad - post, recompute), backward_post_grad_bytes=post, activation_post_bytes=after,
             reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
         )
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])

@@ -102,3 +102,24 @@ def test_the_recorder_takes_the_gradient_and_the_recompute_off_the_backward_peak
     profile = consolidate([rank], fp, {"": False}, {"": 1})
     assert (profile.modules[""].backward_temp_bytes, profile.modules[""].backward_post_grad_bytes) == (temp, post)
     assert ("backward_temp_bytes" in profile.to_dict()["modules"][0]) == (temp > 0)  # written only where not 0
+
+
+def test_the_roots_saved_tensors_after_its_blocks_are_the_losss_and_the_heads(mesh):
+    """A tiny Llama (transformers) whose loss is computed in the root's forward ([Note: The root's saved tensors in
+    two parts]): of the root's saved bytes, the embedding's (its token indices) come before the blocks, and the
+    final norm's, the LM head's and the loss's (the log-softmax, tokens x vocabulary x 4 bytes) after them."""
+    from runtime.reference_workloads import llama
+
+    tokens, vocab, hidden = 2 * 32, 4096, 64
+    workload = llama(mesh, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     vocab_size=vocab, batch_size=2, seq_len=32)
+    modules = fsdp_modules(workload.model)
+    timer = ComputeTimer(modules, modules[0][0], "cpu")
+    try:
+        timer.run(workload, 0)
+    finally:
+        timer.remove()
+    saved, after = timer.act_bytes[""], timer.root_activation_post_bytes
+    assert after >= tokens * vocab * 4  # the log-softmax, at least
+    # before the blocks: the token indices (int64) and what the rotary embedding saves, a few KiB
+    assert saved - after <= tokens * 8 + 4 * tokens * hidden * 4

@@ -147,7 +147,9 @@ def _backward(i, ms, temp, reduce, reshard_after, prof, cfg, st, trace):
     if prof.recompute_bytes[i] + temp:
         allocate(clock, counters, samples, prof.recompute_bytes[i] + temp)
     compute(i, BACKWARD, ms, cfg, clock, counters, in_flight, ag_end, module_state, events)
-    allocate(clock, counters, samples, -prof.activation_bytes[i] - prof.recompute_bytes[i] - temp)
+    # the root's: those of its forward before its children's (the rest went in its part before theirs)
+    saved = prof.root_activation_pre_bytes if i == prof.root else prof.activation_bytes[i]
+    allocate(clock, counters, samples, -saved - prof.recompute_bytes[i] - temp)
     clock[CPU] += cfg.issue_overhead_ms
     if reshard_after and module_state[i, UNSHARD_STATE] != SHARDED:
         reshard(i, prof.unsharded_bytes, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
@@ -183,6 +185,9 @@ def _microbatch_backward(last, prof, plan, cfg, st, trace, compute_scale):
                 st.all_gather_end, st.module_state, trace.events)
     if temp:
         allocate(st.clock, st.counters, trace.samples, -temp)
+    # the saved tensors of the root's forward after its children's (the final norm's, the LM head's, the loss's)
+    # are used by this part of its backward, and autograd frees them as each node runs; the rest at its post part
+    allocate(st.clock, st.counters, trace.samples, -(prof.activation_bytes[root] - prof.root_activation_pre_bytes))
     for index in range(post.shape[0] - 1, -1, -1):
         i = post[index]
         if i == root:

@@ -98,7 +98,8 @@ class ProfileArrays(NamedTuple):
     root_forward_post_ms: float
     root_backward_pre_ms: float  # the root's backward before its first child's
     root_backward_post_ms: float
-    root_activation_pre_bytes: int  # activations the root saves before its first child
+    root_activation_pre_bytes: int  # activations the root saves before its first child (freed at the end of its
+    # backward; the rest, at the end of its part before its children's)
     root_post_grad_bytes: int  # of the root's gradient, what comes after its children's backward (the embedding's)
     gpu: bool
     single_rank: bool  # world size 1: FSDP2 runs no collective ([Note: World size 1] in param_group.py)

@@ -71,3 +71,44 @@ def test_a_roots_gradient_that_comes_after_its_blocks_is_not_held_through_their_
     traced = simulate(split, Plan.default(split), trace=True)
     assert traced.peak_bytes == 2430
     assert max(b for t, b in traced.memory if t >= traced.step_ms - 1e-9) < 2430  # the end: 2G at most
+
+
+def test_the_roots_saved_tensors_after_its_blocks_are_freed_before_the_blocks_backward(make_profile):
+    """The root saves R = 5000 bytes in its forward, of which P = 4900 after its blocks' forward
+    (``activation_post_bytes``: the final norm's, the LM head's and the loss's) and R - P = 100 before (the
+    embedding's); blocks U = 10, a = 100; b1's backward temporaries t = 1000; CPU default plan.
+
+    Held to the end of the root's backward (P = 0 and the forward's time all before its blocks: the split the
+    simulator had), b1's backward holds R + 2a + 2U + t = 6220, the peak. Freed at the end of the root's part
+    before its blocks' backward (autograd frees what the loss's and the head's nodes saved as they run), b1's
+    backward holds R - P + 2a + 2U + t = 1320, and the peak is the root's forward after its blocks: R + 2a + 2U =
+    5220 (b1 not yet resharded: its post-forward reshard comes after the root's).
+    """
+    base = make_profile(unsharded_bytes=10, activation_bytes=100)
+    root = dataclasses.replace(base.modules[""], fwd_ms=2.0, fwd_pre_ms=2.0, bwd_ms=2.0, bwd_pre_ms=1.0,
+                               activation_bytes=5000)
+    modules = {**base.modules, "b1": dataclasses.replace(base.modules["b1"], backward_temp_bytes=1000)}
+    held = dataclasses.replace(base, modules={**modules, "": root})
+    split = dataclasses.replace(base, modules={**modules, "": dataclasses.replace(
+        root, fwd_pre_ms=1.0, activation_post_bytes=4900)})
+
+    def in_b1_backward(result):
+        window = next(e for e in result.events if e.name == "backward b1")
+        return max(b for t, b in result.memory if window.start_ms <= t <= window.end_ms)
+
+    whole, freed = simulate(held, Plan.default(held), trace=True), simulate(split, Plan.default(split), trace=True)
+    assert (whole.peak_bytes, in_b1_backward(whole)) == (6220, 6220)
+    assert (freed.peak_bytes, in_b1_backward(freed)) == (5220, 1320)
+    assert freed.memory[-1][1] == 0  # all of it freed, once
+
+
+def test_without_a_measured_split_the_roots_saved_tensors_split_by_the_forwards_time(make_profile):
+    """A trace profile or an older one (``activation_post_bytes`` 0): the root's fwd_pre_ms of fwd_ms, here 1 of 4,
+    puts R / 4 before its blocks, held to the end of its backward, and 3R / 4 after them, freed before theirs."""
+    from planner.artifacts.profile import root_activation_pre_bytes
+
+    base = make_profile()
+    root = dataclasses.replace(base.modules[""], fwd_ms=4.0, fwd_pre_ms=1.0, activation_bytes=4000)
+    assert root_activation_pre_bytes(root) == 1000
+    assert root_activation_pre_bytes(dataclasses.replace(root, activation_post_bytes=3900)) == 100
+    assert root_activation_pre_bytes(dataclasses.replace(root, fwd_ms=0.0, fwd_pre_ms=0.0)) == 0

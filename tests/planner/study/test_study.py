@@ -150,6 +150,37 @@ def test_a_second_job_skips_settled_plans(make_profile, config):
         stage.close()
 
 
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_retried(make_profile, config, monkeypatch):
+    """A job killed between creating its trials RUNNING and recording their first heartbeat (two transactions)
+    leaves trials that Optuna's stale check skips, as it looks only at trials with a heartbeat: they stayed
+    RUNNING for good (the likely cause of a CI failure of tests/runtime/test_cluster.py's SIGKILL test). The next
+    job leaves them alone within grace_period_s (their job may be about to beat), then fails them and measures
+    their plans again."""
+    config = config.model_copy(update={"study": config.study.model_copy(
+        update={"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1})})
+    profile = make_profile(n_blocks=4)
+    storage = open_storage(config.storage_url, config)
+    sim = simulated_stage(
+        simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
+    )
+    dead = _stage(config, storage, profile, "dead")
+    monkeypatch.setattr(dead.heartbeat, "add", lambda trial_id: None)  # killed before the first beat
+    asked = dead.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
+    dead.close()
+    early = _stage(config, storage, profile, "early")
+    assert not early.claim_retries()
+    assert {early.study.trials[a.number].state.name for a in asked} == {"RUNNING"}
+    early.close()
+    time.sleep(2.5)
+    job = _stage(config, storage, profile, "next")
+    retries = job.claim_retries()
+    assert sorted(r.retry_of for r in retries) == sorted(a.number for a in asked)
+    assert {job.study.trials[a.number].state.name for a in asked} == {"FAIL"}
+    run_round(job, retries, [100.0, 80.0])
+    job.close()
+    assert "RUNNING" not in {t.state.name for t in job.study.trials}
+
+
 def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     """A job killed mid-trial: no heartbeat for grace_period_s, the next job fails it and measures it again."""
     config = config.model_copy(update={"study": config.study.model_copy(

@@ -208,15 +208,23 @@ def test_the_h100_traces_backward_temporaries_put_the_measured_peak_where_it_fel
     kept = dataclasses.replace(default, modules={
         **default.modules, last: dataclasses.replace(default.modules[last], reshard_after_forward=False)})
     before = simulate(recorded, Plan.default(recorded)).peak_bytes
-    assert before == pytest.approx(recorded.measured_peak_bytes, rel=0.012)  # 0.9% under, without them
+    # without them 3.0% under (0.9% while the simulator held the root's saved tensors, the loss's 500 MiB
+    # log-softmax among them, through the blocks' backward: [Note: The root's saved tensors in two parts])
+    assert before == pytest.approx(recorded.measured_peak_bytes, rel=0.035)
+    assert before < simulate(temps, default).peak_bytes
     assert simulate(temps, default).peak_bytes == pytest.approx(recorded.measured_peak_bytes, rel=0.005)
-    assert simulate(recorded, dataclasses.replace(kept, fingerprint=recorded.fingerprint)).peak_bytes == before
+    # and its peak, at the forward's end now, counts the kept block too (it priced it at 0 at the blocks' backward)
+    extra_without = simulate(recorded, dataclasses.replace(kept, fingerprint=recorded.fingerprint)).peak_bytes - before
+    assert extra_without == recorded.modules[last].unsharded_bytes
     extra = simulate(temps, kept).peak_bytes - simulate(temps, default).peak_bytes
     assert extra == recorded.modules[last].unsharded_bytes
     # the trace profile on its own: the logits, returned by the root and dropped once the loss is read, are not
     # the root's activations (a parser that kept them read 1097 MiB, and the default's peak +1.7%)
     root = (traced.modules[""].activation_bytes, recorded.modules[""].activation_bytes)
     assert root[0] == pytest.approx(root[1], rel=0.01)
+    # of them, after its blocks' forward: the loss's log-softmax (500 MiB) and the final norm's and the LM head's
+    # inputs (2 x 32 MiB), which its backward frees before the blocks'; before them the embedding's output (33 MiB)
+    assert traced.modules[""].activation_post_bytes == pytest.approx(4 * 1024 * (32000 + 2 * 2048) * 4, rel=1e-3)
     assert simulate(traced, Plan.default(traced)).peak_bytes == pytest.approx(recorded.measured_peak_bytes, rel=0.005)
 
 
