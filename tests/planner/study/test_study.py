@@ -150,12 +150,9 @@ def test_a_second_job_skips_settled_plans(make_profile, config):
         stage.close()
 
 
-def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_retried(make_profile, config, monkeypatch):
-    """A job killed between creating its trials RUNNING and recording their first heartbeat (two transactions)
-    leaves trials that Optuna's stale check skips, as it looks only at trials with a heartbeat: they stayed
-    RUNNING for good (the likely cause of a CI failure of tests/runtime/test_cluster.py's SIGKILL test). The next
-    job leaves them alone within grace_period_s (their job may be about to beat), then fails them and measures
-    their plans again."""
+def _short_grace(make_profile, config):
+    """A study whose trials go stale 2 s after their last heartbeat (1 s apart), retried once; its simulated stage
+    run: ``(config, profile, storage, simulated study)``."""
     config = config.model_copy(update={"study": config.study.model_copy(
         update={"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1})})
     profile = make_profile(n_blocks=4)
@@ -163,6 +160,16 @@ def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_retried(make_pr
     sim = simulated_stage(
         simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
     )
+    return config, profile, storage, sim
+
+
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_retried(make_profile, config, monkeypatch):
+    """A job killed between creating its trials RUNNING and recording their first heartbeat (two transactions)
+    leaves trials that Optuna's stale check skips, as it looks only at trials with a heartbeat: they stayed
+    RUNNING for good (the likely cause of a CI failure of tests/runtime/test_cluster.py's SIGKILL test). The next
+    job leaves them alone within grace_period_s (their job may be about to beat), then fails them and measures
+    their plans again."""
+    config, profile, storage, sim = _short_grace(make_profile, config)
     dead = _stage(config, storage, profile, "dead")
     monkeypatch.setattr(dead.heartbeat, "add", lambda trial_id: None)  # killed before the first beat
     asked = dead.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
@@ -183,13 +190,7 @@ def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_retried(make_pr
 
 def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     """A job killed mid-trial: no heartbeat for grace_period_s, the next job fails it and measures it again."""
-    config = config.model_copy(update={"study": config.study.model_copy(
-        update={"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1})})
-    profile = make_profile(n_blocks=4)
-    storage = open_storage(config.storage_url, config)
-    sim = simulated_stage(
-        simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
-    )
+    config, profile, storage, sim = _short_grace(make_profile, config)
     dead = _stage(config, storage, profile, "dead")
     [default, other] = dead.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
     run_round(dead, [default], [100.0])
