@@ -297,7 +297,7 @@ class ComputeTimer:
         self.recompute_depth.clear()
         self.recompute_bytes.clear()
         self.recompute_seen.clear()
-        # the whole recompute runs, so each child's forward hook closes its window (early stop ends it mid-forward)
+        # the recompute runs as the user's: early stop ends it mid-forward ([Note: The recompute stops early])
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             loss = workload.loss_fn(workload.model, workload.make_batch(step))
         self.mark("exit", self.root)
@@ -320,6 +320,10 @@ class ComputeTimer:
         recompute_last: dict[str, float] = {}  # its last rtick ([Note: The recompute stops early])
         for step in walk_marks([(kind, fqn) for _, kind, fqn in self.marks], self.root):
             i, kind, fqn, t = step.index, step.kind, step.fqn, self.marks[step.index][0]
+            if recompute_start and kind not in ("rtick", "rend"):  # one stopped early: it ended at its last rtick
+                for f, start in recompute_start.items():
+                    out[f]["recompute_ms"] += (recompute_last.pop(f) - start) * 1e3
+                recompute_start.clear()
             if kind == "rstart":
                 recompute_start[fqn] = recompute_last[fqn] = t
             elif kind == "rtick":
@@ -328,10 +332,6 @@ class ComputeTimer:
             elif kind == "rend":
                 recompute_last.pop(fqn, None)
                 out[fqn]["recompute_ms"] += (t - recompute_start.pop(fqn, t)) * 1e3
-            elif recompute_start:  # a recompute stopped early: it ended at its last rtick
-                for f, start in recompute_start.items():
-                    out[f]["recompute_ms"] += (recompute_last.pop(f) - start) * 1e3
-                recompute_start.clear()
             elif kind == "enter" and not step.backward and fqn != self.root:
                 pre_order.append(fqn)
                 calls[fqn] += 1
