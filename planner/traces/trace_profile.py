@@ -213,8 +213,8 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
         post = post if fqn == "" else 0  # the root's gradient after its children's backward (the embedding's)
         recompute = int(max(s.recompute_bytes.get(fqn, 0) for ss in per_rank.values() for s in ss))
         # the root's activations after its children's forward, freed before their backward (0: no memory events)
-        after = min(int(act), int(statistics.median(s.root_forward_post_bytes or 0 for s in per_rank[min(per_rank)])))
-        after = after if fqn == "" else 0
+        after = 0 if fqn else min(int(act), int(statistics.median(
+            s.root_forward_post_bytes or 0 for s in per_rank[min(per_rank)])))
         module_profiles[fqn] = ModuleProfile(
             fqn=fqn, fwd_ms=fwd, bwd_ms=bwd, fwd_pre_ms=min(per_module("fwd_pre_ms", fqn), fwd),
             bwd_pre_ms=min(per_module("bwd_pre_ms", fqn), bwd),
