@@ -83,3 +83,38 @@ def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in
     order.clear()  # module by module: each module's rounds one after another
     by_module = {fqn: collective_timer.collective_rounds(modules, {fqn: numels[fqn]}, 3, "cpu")[fqn] for fqn in fqns}
     assert any(by_module[fqn]["reduce_scatter_ms"] != own_time[fqn] for fqn in fqns)
+
+
+def test_the_defaults_step_is_timed_after_the_async_pairs_and_the_peak_steps(mesh, monkeypatch):
+    """[Note: The default's step is timed last]: a slow stretch after the isolated passes, as long as the async pairs,
+    lands on the pairs, whose ratio of neighbours cancels it, and not on the default's step ms, the anchor of every
+    prediction; the peak steps run between the two. Timed first (the order before), the stretch read 3 x."""
+    workload = mlp(mesh, dim=64, layers=2)
+    train_step(workload, 0)
+    events: list[str] = []
+    async_on = [False]
+
+    def setter(model):
+        return lambda value: async_on.__setitem__(0, value)
+
+    def timed_step(workload, step, device):
+        slow = 3.0 if sum(e != "peak" for e in events) < 2 * recorder.ASYNC_PAIRS else 1.0
+        events.append("async" if async_on[0] else "default")
+        return 100.0 * slow * (0.8 if async_on[0] else 1.0), 5.0
+
+    def peak(workload, step, real=recorder.measure_peak):
+        events.append("peak")
+        return real(workload, step)
+
+    monkeypatch.setattr(recorder, "_timed_step", timed_step)
+    monkeypatch.setattr(recorder, "unshard_async_op_setter", setter)
+    monkeypatch.setattr(recorder, "measure_peak", peak)
+    monkeypatch.setattr(recorder.dist, "get_world_size", lambda *args, **kwargs: 2)
+    figures = recorder._default_plan_steps(workload, 5, "cpu")
+
+    pairs = 2 * recorder.ASYNC_PAIRS
+    assert events[pairs:] == ["peak"] * recorder.PEAK_STEPS + ["default"] * 5
+    assert sorted(events[:pairs]) == ["async"] * recorder.ASYNC_PAIRS + ["default"] * recorder.ASYNC_PAIRS
+    assert figures["step_ms"] == 100.0 and figures["optimizer_ms"] == 5.0
+    assert abs(figures["async_ratio"] - 0.8) < 1e-12
+    assert len(figures["peak_bytes"]) == recorder.PEAK_STEPS and not async_on[0]
