@@ -21,6 +21,7 @@ error for all plans.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -50,8 +51,6 @@ def fidelity_plans(profile: Profile) -> dict[str, Plan]:
     every pre-backward: communication); no reshard after forward (one
     all-gather per module less), sync and with forward prefetch 1 async.
     """
-    import dataclasses
-
     import optuna
 
     from planner.artifacts.config import StudyConfig
@@ -90,14 +89,16 @@ def fidelity_plans(profile: Profile) -> dict[str, Plan]:
         backward_bad[f] = dataclasses.replace(default.modules[f], backward_prefetch=(post[i + 1],))
     plans["bad: re-gather a finished module"] = dataclasses.replace(default, modules=backward_bad)
 
-    def without_reshard(plan: Plan) -> Plan:  # every block keeps its parameters after forward (the root always does)
-        return dataclasses.replace(plan, modules={
-            f: m if f == profile.root_fqn else dataclasses.replace(m, reshard_after_forward=False)
-            for f, m in plan.modules.items()})
-
-    plans["no reshard after forward"] = without_reshard(default)
-    plans["no reshard after forward, prefetch 1 async"] = without_reshard(uniform.build(profile, 1, 1, True))
+    plans["no reshard after forward"] = without_reshard(profile, default)
+    plans["no reshard after forward, prefetch 1 async"] = without_reshard(profile, uniform.build(profile, 1, 1, True))
     return plans
+
+
+def without_reshard(profile: Profile, plan: Plan) -> Plan:
+    """``plan`` with every block keeping its parameters unsharded after forward (the root always does)."""
+    return dataclasses.replace(plan, modules={
+        f: m if f == profile.root_fqn else dataclasses.replace(m, reshard_after_forward=False)
+        for f, m in plan.modules.items()})
 
 
 def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profile:
@@ -105,8 +106,6 @@ def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profil
     recorder's order before 2026-11-26 ([Note: The collectives are timed before the isolated passes] in
     ``runtime/recorder.py``); all ranks call it. Max across ranks, as the recorder consolidates (the overlap
     timings: mean)."""
-    import dataclasses
-
     from planner.artifacts.profile import OverlapTimings
     from runtime.collective_timer import module_collectives
     from runtime.collectives import gather_objects
@@ -246,8 +245,6 @@ def report(run: dict, splits: int = 40) -> None:
     a calibration fitted on the other half; the measurement's own noise;
     the memory error.
     """
-    import dataclasses
-
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
     from planner.simulation.calibrate import Observation, calibrated, fit, spearman, summary

@@ -8,7 +8,7 @@ study's settings, its timed steps logged (``runtime.recorder._timed_step``: the 
 timed steps, [Note: The default's step is timed last]); then ``--blocks`` in order, each ``--rounds`` rounds of
 :func:`runtime.measure.measure_plans` (one warm-up step a plan, then interleaved rounds, each step's max across
 ranks): ``alone``, FSDP2's default by itself; ``beside``, the default and the same plan with every block kept
-unsharded after forward (``bench.fidelity``'s "no reshard after forward"), which holds more memory through the
+unsharded after forward (``bench.fidelity.without_reshard``), which holds more memory through the
 forward.
 
 Rank 0 prints the recorder's default step and its logged steps (seconds since the recording began, ms), then per
@@ -37,11 +37,10 @@ BLOCKS = ("alone", "beside")
 def rank_main(study: str, rounds: int, blocks: list[str], json_out: str | None) -> None:
     """Every rank: record, then the blocks of rounds; rank 0 prints (and writes ``json_out``)."""
     as_tune_ranks()
-    import dataclasses
-
     import torch.distributed as dist
 
     import runtime.recorder as recorder
+    from bench.fidelity import without_reshard
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from runtime.measure import measure_plans
@@ -67,9 +66,7 @@ def rank_main(study: str, rounds: int, blocks: list[str], json_out: str | None) 
     finally:
         recorder._timed_step = timed_step
     default = Plan.default(profile)
-    beside = dataclasses.replace(default, modules={
-        f: m if f == profile.root_fqn else dataclasses.replace(m, reshard_after_forward=False)
-        for f, m in default.modules.items()})
+    beside = without_reshard(profile, default)
     rows = []
     for block in blocks:
         start = time.perf_counter() - t0
