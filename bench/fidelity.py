@@ -179,7 +179,7 @@ def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = Fal
             Path(out).write_text(json.dumps(run, indent=1))
         if only:  # the uncalibrated line alone; the calibration fits left to --refit on the JSON
             print(f"\n{config.name}, {len(names)} plans x {rounds} rounds, uncalibrated: "
-                  f"{_errors(profile, [plans[n] for n in names], [statistics.median(t) for t in step_ms])}")
+                  f"{_errors(profile, [plans[n] for n in names], step_ms)}")
         else:
             report(run)
     del workload
@@ -213,18 +213,19 @@ def _quartiles(values: list[float], fmt: str) -> str:
     return f"{fmt.format(q[1])} (quartiles {fmt.format(q[0])}-{fmt.format(q[2])})"
 
 
-def _errors(profile: Profile, plans: list[Plan], measured: list[float]) -> str:
-    """One profile's uncalibrated predictions of ``plans`` against ``measured`` (ms, ``plans[0]`` FSDP2's default):
-    the sums of its collectives, its in-step parameters, the median (max) |error|, and the median (max) |error| of
-    each other plan's predicted ratio to the default against its measured ratio (the default's own offset drops
-    out)."""
+def _errors(profile: Profile, plans: list[Plan], steps: list[list[float]]) -> str:
+    """One profile's uncalibrated predictions of ``plans`` against their measured steps (ms, per plan one a round,
+    ``plans[0]`` FSDP2's default): the sums of its collectives, its in-step parameters, the median (max) |error|
+    against each plan's median step, and the median (max) |error| of each other plan's predicted ratio to the
+    default against its measured one, the median of its per-round ratios (the default's offset, and each round's
+    level, drop out)."""
     from planner.simulation.in_step import in_step_params
     from planner.simulation.parameters import simulate
 
     predicted = [simulate(profile, p).step_ms for p in plans]
-    errors = [100 * abs(p / m - 1) for p, m in zip(predicted, measured, strict=True)]
-    relative = [100 * abs((p / predicted[0]) / (m / measured[0]) - 1)
-                for p, m in zip(predicted[1:], measured[1:], strict=True)]
+    errors = [100 * abs(p / statistics.median(t) - 1) for p, t in zip(predicted, steps, strict=True)]
+    relative = [100 * abs((p / predicted[0]) / statistics.median(a / b for a, b in zip(t, steps[0], strict=True)) - 1)
+                for p, t in zip(predicted[1:], steps[1:], strict=True)]
     params = in_step_params(profile)
     return (f"all-gathers {sum(m.all_gather_ms for m in profile.modules.values()):.0f} ms, reduce-scatters "
             f"{sum(m.reduce_scatter_ms for m in profile.modules.values()):.0f} ms, comm_scale "
@@ -275,11 +276,12 @@ def report(run: dict, splits: int = 40) -> None:
         print(f"{r['plan']:<44} {m:>9.1f} {res.step_ms:>9.1f} {e:>+7.1f} {c:>9.1f} {ce:>+7.1f} "
               f"{peak / 2**20:>11.1f} / {res.peak_unsharded_bytes / 2**20:<10.1f}")
     print("('calibr.': leave-one-out, each plan predicted by a calibration fitted on the other plans)")
+    print(f"uncalibrated: {_errors(profile, plans, steps)}")
     if run.get("profile_collectives_after_passes"):  # the same measurements, two recorders: a paired comparison
         for label, p in (("collectives timed after a step (the recorder)", profile),
                          ("collectives timed after the isolated passes", dataclasses.replace(
                              Profile.from_dict(run["profile_collectives_after_passes"]), calibration=None))):
-            print(f"uncalibrated, {label}: {_errors(p, plans, measured)}")
+            print(f"uncalibrated, {label}: {_errors(p, plans, steps)}")
     held_runs = []
     for train_idx in _splits(plans, splits):
         held = [i for i in range(len(obs)) if i not in train_idx]
