@@ -8,8 +8,8 @@ What it records and how (docs/architecture.md, "Measurement"):
   :data:`runtime.peak_memory.PEAK_STEPS` untimed steps, and what the optimizer step allocates on top
   (:func:`runtime.peak_memory.measure_peak`); then the median over timed steps, last of all, when the run has
   settled (the first steps after the model is built run far slower: [Note: Why the isolated figures are not
-  enough] in :mod:`planner.simulation.in_step`; the steps just after the isolated passes too: [Note: The
-  default's step is timed last]).
+  enough] in :mod:`planner.simulation.in_step`; the steps just after the isolated passes and the profiled peak
+  steps too: [Note: The default's step is timed last]).
 - Pre- and post-forward order of the FSDP modules, with multiplicity, from forward hooks; compute ms per module,
   forward and backward, exclusive of nested FSDP modules (:class:`runtime.compute_timer.ComputeTimer`): every FSDP
   module is unsharded first, with ``reshard_after_forward`` off, gradient sync off
@@ -80,19 +80,22 @@ ASYNC_PAIRS = 5
 # [Note: The default's step is timed last]
 # The default's step ms is the anchor of every step prediction (comm_scale is solved from it: [Note: Why the
 # isolated figures are not enough] in planner/simulation/in_step.py), so it is timed where the process's steps have
-# settled: after the async pairs and the peak steps, not right after the isolated passes. On this CPU the steps
-# just after the passes ran 24-28% slower than default steps a minute later, in three processes (the Llama plain,
-# with full and with selective checkpointing); the steps 40-60 s after the passes were already near the later ones.
-# In four more processes the stretch did not show, and the default timed last read 0.98-1.09 of the steps after it
-# (bench/results/NOTES.md, "The default's step, timed last"). The pairs need no settled stretch: their ratio of
-# neighbours cancels the drift, and it agreed with the rounds' while the default's step did not. The profiled peak
-# steps just before leave no slowdown behind (steps after them over steps before: 0.95-1.10, no direction).
+# settled: after the profiled peak steps and the async pairs, not right after the isolated passes or the profiler.
+# On this CPU the steps just after the passes ran 24-28% slower than default steps a minute later, in three
+# processes (the Llama plain, with full and with selective checkpointing); the steps 40-60 s after the passes were
+# already near the later ones. In four more processes the stretch did not show, and the default timed last read
+# 0.98-1.09 of the steps after it (bench/results/NOTES.md, "The default's step, timed last"). The first step after
+# the profiled peak steps ran slow as well, in two processes of four +43% and +24% over the pairs' default (in the
+# second a stretch of five steps, and the anchor then 19% over the rounds: NOTES.md, "The peak steps first"), so
+# the peak steps run first and the pairs after them: the pairs need no settled stretch, their ratio of neighbours
+# cancels the drift.
 
 
 def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
-    """FSDP2's default plan, in this order: on CPU at world size 2 or more, the async default's step over the
-    default's ([Note: The async default, timed in turn with the default]); its peak memory; then its median step ms
-    and optimizer ms over ``steps`` timed steps ([Note: The default's step is timed last])."""
+    """FSDP2's default plan, in this order: its peak memory; on CPU at world size 2 or more, the async default's step
+    over the default's ([Note: The async default, timed in turn with the default]); then its median step ms and
+    optimizer ms over ``steps`` timed steps ([Note: The default's step is timed last])."""
+    peaks = [measure_peak(workload, steps + s) for s in range(PEAK_STEPS)]
     async_ratio = None
     if device == "cpu" and dist.get_world_size() > 1:
         set_async_op = unshard_async_op_setter(workload.model)
@@ -105,7 +108,6 @@ def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str
             ratios.append(timed[True] / timed[False])
         set_async_op(False)
         async_ratio = statistics.median(ratios)
-    peaks = [measure_peak(workload, steps + s) for s in range(PEAK_STEPS)]
     step_ms, opt_ms = [], []
     for s in range(steps):
         step, opt = _timed_step(workload, s, device)
@@ -228,9 +230,9 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         workload: this rank's workload; its model must not have run a plan
             other than FSDP2's default.
         warmup_steps: untimed default-plan steps first.
-        steps: timed default-plan steps (step ms, optimizer ms), run last; before them, on CPU at world size 2 or
-            more, as many pairs (at least ``ASYNC_PAIRS``) of the default and the async default in turn, then
-            the peak steps.
+        steps: timed default-plan steps (step ms, optimizer ms), run last; before them the peak steps, then, on
+            CPU at world size 2 or more, as many pairs (at least ``ASYNC_PAIRS``) of the default and the async
+            default in turn.
         repeats: repeats of each compute and communication measurement
             (medians are kept; one extra warm-up repeat is dropped).
         per_module: the isolated compute passes hold one module unsharded at a time, the others as in FSDP2's
