@@ -9,7 +9,7 @@ the async pairs, then the default's timed steps) and the rounds' (``runtime.meas
 order of the run's rows). Each rank writes ``RUN.faults-rank{R}.json`` beside ``--json RUN``: a list of
 ``[source, step ms, faults]``, ``source`` ``"recorder"`` or ``"rounds"``. On the 2-core CPU testbed a fault costs
 about 1.8 us (a fresh 64 MiB tensor: 16384 faults, 30 ms; 3 ms with glibc's heap pinned), and FSDP2's default step
-on the checkpointed Llama takes 0.5-0.7 million of them (bench/results/NOTES.md, "Page faults and the rounds'
+on the checkpointed Llama takes 0.5-0.75 million of them (bench/results/NOTES.md, "Page faults and the rounds'
 level").
 """
 
@@ -57,7 +57,8 @@ def count_faults(out: Path) -> None:
 
 
 def summary(run: Path) -> None:
-    """Print, per rank, the recorder's default steps and each plan's median step ms and faults in the rounds.
+    """Print, per rank, the recorder's timed steps (ms, faults), each plan's median step ms and faults in the rounds,
+    each round's medians over plans, and how a plan's step ms follows its faults from round to round.
 
     Raises:
         FileNotFoundError: ``run`` or its fault files are missing.
