@@ -46,6 +46,14 @@ ALL_GATHER_OPS = ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesc
 # gloo's work by collective: its reduce-scatter of a flat tensor runs as an all-reduce (``gloo:all_reduce``); the
 # name keeps a reduce-scatter from matching the prefetch all-gather that gloo runs beside it.
 GLOO_WORK = {"all_gather": ("gloo:all_gather",), "reduce_scatter": ("gloo:reduce_scatter", "gloo:all_reduce")}
+# [Note: gloo's work after its call]
+# A ``c10d::`` call on gloo only enqueues the work (after its own input copy, for a reduce-scatter); a gloo thread
+# runs it, and the loop waits on it later: inside the label for a reduce-scatter and a sync all-gather (the
+# ``torch.distributed`` wrapper's ``wait()``), in ``FSDP::all_gather_copy_out`` for an async one. The work often
+# starts a few us after the call returned: in a traced step of the reference Llama (2026-11-27) about half of
+# the calls, e.g. ``c10d::_reduce_scatter_base_`` 25.9-49.1 ms into its label, ``gloo:all_reduce`` from 49.2.
+# Matched only inside the call, those calls took the call (the input copy) for the transfer and the transfer
+# for a copy: their bare figure lost the transfer, and their full one kept the wait for the late rank.
 REDUCE_SCATTER_OPS = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced", "c10d::reduce_scatter_")
 
 
@@ -269,6 +277,7 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
 def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:
     out, count = [], defaultdict(int)
     copy_outs = defaultdict(list)
+    claimed: set[tuple] = set()  # gloo works already matched to an earlier call: (start, thread)
     for lb in labels:
         if lb.kind == "all_gather_copy_out":
             copy_outs[lb.fqn].append(lb.event)
@@ -276,38 +285,46 @@ def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:
         if lb.kind not in ("all_gather", "post_backward_reduce"):
             continue
         kind = "all_gather" if lb.kind == "all_gather" else "reduce_scatter"
+        copy = next((c for c in copy_outs[lb.fqn] if c.ts >= lb.event.ts), None) if kind == "all_gather" else None
+        # where the loop waits on the work: in the label (a reduce-scatter, a sync all-gather) or in the copy-out
+        until = max(lb.event.end, copy.end if copy is not None else lb.event.end)
         found = _gpu_collective(trace, lb.event, kind) if trace.device_type == "cuda" else \
-            _gloo_collective(trace, lb.event, kind)
+            _gloo_collective(trace, lb.event, kind, until, claimed)
         if found is None:
             continue
         (start, end), nbytes, dtype_bytes, host_ms, call_copy_ms = found
-        if kind == "all_gather":
-            copy = next((c for c in copy_outs[lb.fqn] if c.ts >= lb.event.ts), None)
-            if copy is not None:
-                copy_outs[lb.fqn].remove(copy)
-                host_ms += trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else copy.dur / 1e3
+        if copy is not None:
+            copy_outs[lb.fqn].remove(copy)
+            host_ms += trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else copy.dur / 1e3
         out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], (end - start) / 1e3 + host_ms, nbytes,
                               dtype_bytes, start + trace.base_us, end + trace.base_us, host_ms, call_copy_ms))
         count[(lb.fqn, kind)] += 1
     return out
 
 
-def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
+def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str, until: float, claimed: set[tuple]):
+    """The c10d call in ``label`` and its gloo work: the first work of the kind's names on another thread that
+    starts from the call's start to ``until`` (where the loop waits on it) and no earlier call claimed. The call
+    only enqueues the work, so the work may start after the call returned ([Note: gloo's work after its call])."""
     ops = ALL_GATHER_OPS if kind == "all_gather" else REDUCE_SCATTER_OPS
     main = label.thread  # the c10d call runs on the label's thread, gloo's work on its own
     op = next((e for e in trace.cpu if e.thread == main and e.name in ops and label.contains(e.ts)), None)
     if op is None:
         return None
     names = GLOO_WORK[kind]
-    work = [e for e in trace.cpu if e.name in names and e.thread != main and e.ts >= op.ts]
+    work = [e for e in trace.cpu if e.name in names and e.thread != main and op.ts <= e.ts <= until
+            and (e.ts, e.thread) not in claimed]
     first = min(work, key=lambda e: e.ts, default=None)
-    span = (first.ts, first.end) if first is not None and first.ts <= op.end else (op.ts, op.end)
-    # the thread's own work around the transfer: the copy-in (and gloo's input copy) before, the copy-out after
-    host_ms = (span[0] - label.ts + max(0.0, label.end - span[1])) / 1e3
+    if first is not None:
+        claimed.add((first.ts, first.thread))
+    span = (first.ts, first.end) if first is not None else (op.ts, op.end)
+    # the thread's own work around the transfer, inside the label: the copy-in (and gloo's input copy) before, the
+    # copy-out after (an async all-gather's transfer may start after its label ended)
+    host_ms = (min(span[0], label.end) - label.ts + max(0.0, label.end - span[1])) / 1e3
     dims = op.input_dims[0 if kind == "all_gather" else 1] if len(op.input_dims) > 1 else None
     dtype_bytes = DTYPE_BYTES.get(op.input_types[0]) if op.input_types else None
     nbytes = _numel(dims) * dtype_bytes if dims and dtype_bytes else None
-    return span, nbytes, dtype_bytes, host_ms, max(0.0, span[0] - op.ts) / 1e3
+    return span, nbytes, dtype_bytes, host_ms, max(0.0, min(span[0], op.end) - op.ts) / 1e3
 
 
 def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):

@@ -252,8 +252,8 @@ def test_a_stretch_on_gpu_counts_host_gaps_but_not_waits_on_other_streams():
 def _gloo_reduce_scatter_trace(path: Path, rank: int, label_at: float, gloo_at: float, gloo_end: float) -> str:
     """One rank's CPU view of one reduce-scatter, FSDP2 on gloo (times in us): ``foreach_reduce``'s label from
     ``label_at`` for as long as this rank is in it; its ``chunk_cat`` copy-in (40 us), the c10d call with gloo's own
-    input copy (30 us), gloo's work on its own thread from ``gloo_at`` to ``gloo_end`` (this thread waits), then the
-    copy into the sharded gradient (50 us)."""
+    input copy (30 us), gloo's work on its own thread from ``gloo_at`` to ``gloo_end`` (this thread waits; the work
+    may start after the call returned, at ``label_at + 70``), then the copy into the sharded gradient (50 us)."""
     def event(name, ts, dur, tid=1, **args):
         return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
@@ -293,6 +293,25 @@ def test_a_cpu_reduce_scatter_counts_fsdp2s_copies_and_not_the_wait_for_the_late
     # copy-out: 30 + 180 us
     assert _collective_ms(calls, bare=True) == pytest.approx(0.21)
     assert _collective_ms(calls[:1], bare=True) == pytest.approx(0.03 + 0.28)  # one rank: its wait included
+
+
+def test_gloos_work_that_starts_after_its_call_returned_is_still_the_transfer(tmp_path):
+    """[Note: gloo's work after its call]: the c10d call returns at 70 us into the label (its input copy done) and
+    gloo's thread starts the work 5 us later. The transfer is still gloo's work, not the call: the figures read as
+    when the work starts with the call's return (the test above), the 5 us between counted as the thread's own."""
+    from planner.traces.fsdp_steps import _collectives, _Label, fsdp_label
+    from planner.traces.trace_profile import _collective_ms
+
+    calls = []
+    for rank, at in ((0, 1000), (1, 1100)):
+        trace = read_trace(_gloo_reduce_scatter_trace(tmp_path / f"rank{rank}.json", rank, at, at + 75, 1350))
+        labels = [_Label(*k, e) for e in trace.cpu if (k := fsdp_label(e)) is not None]
+        [call] = _collectives(trace, labels)
+        calls.append(call)
+        assert (call.start_us - trace.base_us, call.end_us - trace.base_us) == (at + 75, 1350)
+        assert call.call_copy_ms == pytest.approx(0.03) and call.host_ms == pytest.approx(0.125)
+    assert _collective_ms(calls) == pytest.approx(0.125 + 0.175)
+    assert _collective_ms(calls, bare=True) == pytest.approx(0.03 + 0.175)
 
 
 def _steps(tmp_path: Path, slower_in_step_3: dict[str, float], per_iteration: bool = False) -> list[str]:
