@@ -12,7 +12,8 @@ cycle written by ``tensorboard_trace_handler`` (into ``--traces DIR``, or a temp
 again on the traced model (unless ``--no-recorder-again``), as the comparison's floor: how far the recorder moves
 from itself minutes later on this machine. Rank 0 then builds the
 profile from the traces (:func:`planner.traces.trace_profile.profile_from_traces`, with the model's fingerprint, as
-``--model`` gives) and prints, per module and figure, trace against recorder; the post-forward orders; the simulated
+``--model`` gives) and prints, per module and figure, trace against recorder; on CPU, the reduce-scatter in the
+recorder's kind too (the trace's bare call, :func:`bare_reduce_scatters`); the post-forward orders; the simulated
 default step from the trace profile's module figures alone against the traced step; the peaks; and, per traced
 step, the step against the sum of its calls' figures (:func:`decompose`).
 Targets (issue 21): the same post-forward order; module compute and collective times within 10% median; the
@@ -83,7 +84,8 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
                "missing": [m.line() for m in traced.missing], "rank_skew_ms": traced.rank_skew_ms,
                "outside_ms": traced.outside_ms, "decomposition": decompose(folder),
                "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None,
-               "recorded_again": again.to_dict() if again else None}
+               "recorded_again": again.to_dict() if again else None,
+               "bare_reduce_scatter_ms": bare_reduce_scatters([folder]) if mesh.device_type == "cpu" else None}
         report(run)
         if out:
             Path(out).write_text(json.dumps(run))
@@ -129,6 +131,8 @@ def report(run: dict) -> dict:
     if recorded.fingerprint.device_type == "cpu":
         print("  (CPU: the trace's reduce-scatter is foreach_reduce's whole work on the thread, copies included; the "
               "recorder's is a bare reduce-scatter of preallocated buffers)")
+        if run.get("bare_reduce_scatter_ms") and "reduce_scatter_ms" in figures:  # runs saved before 2026-11-27 lack it
+            print(bare_reduce_scatter_line(t, recorded, run["bare_reduce_scatter_ms"])[0])
     outside, skew = run.get("outside_ms"), run.get("rank_skew_ms")
     if outside and not t.outside_ms:  # a run saved before the profile carried it: as today's code builds it
         t = dataclasses.replace(t, outside_ms=outside)
@@ -215,6 +219,36 @@ def _shapes(a, b, figures: tuple[str, ...]) -> str:
 def _medians(a, b, figures: tuple[str, ...]) -> str:
     """:func:`_median_errors`, printed."""
     return ", ".join(f"{f} {v:.1f}%" for f, v in _median_errors(a, b, figures).items())
+
+
+def bare_reduce_scatters(folders: list[str]) -> dict[str, float]:
+    """Per module, the mean over its reduce-scatter calls in the traces of ``folders`` of the bare call's time, ms:
+    gloo's input copy and the transfer, from the last rank's start, the most of the ranks
+    (``planner.traces.trace_profile._collective_ms(bare=True)``), what the recorder's bare reduce-scatter times."""
+    from collections import defaultdict
+
+    from planner.traces.trace_profile import _collective_ms
+
+    out = defaultdict(list)
+    for _, calls in steps_and_calls(folders)[1]:
+        for (module, kind, _), cs in calls.items():
+            if kind == "reduce_scatter":
+                out[module].append(_collective_ms(cs, bare=True))
+    return {module: statistics.fmean(v) for module, v in out.items()}
+
+
+def bare_reduce_scatter_line(traced, recorded, bare: dict[str, float]) -> tuple[str, float]:
+    """The report's line on the reduce-scatter in the recorder's kind: ``bare`` (:func:`bare_reduce_scatters`)
+    against the recorder's figures (median |error| over modules, and the level, the median ratio), and FSDP2's
+    copies around the call (the trace profile's figure less the bare one). Returns the line and the median |error|,
+    percent."""
+    fqns = [q for q in recorded.fingerprint.module_fqns if q in bare]
+    errors = [abs(_error(bare[q], recorded.modules[q].reduce_scatter_ms)) for q in fqns]
+    level = statistics.median(bare[q] / recorded.modules[q].reduce_scatter_ms for q in fqns)
+    copies = statistics.median(traced.modules[q].reduce_scatter_ms - bare[q] for q in fqns)
+    return (f"  the reduce-scatter in the recorder's kind (the trace's bare call: gloo's input copy and the transfer, "
+            f"no foreach_reduce copies): median |error| {statistics.median(errors):.1f}%, level x{level:.2f}; "
+            f"FSDP2's copies around it {copies:.1f} ms a module (median)"), statistics.median(errors)
 
 
 def steps_and_calls(folders: list[str]) -> tuple[str, list[tuple[tuple, dict[tuple[str, str, int], list]]]]:

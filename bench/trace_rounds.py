@@ -29,13 +29,12 @@ import dataclasses
 import json
 import statistics
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import click
 
 from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument, user_profiler
-from bench.trace_profile import FIGURES, _error, _median_errors, _shape_errors, steps_and_calls
+from bench.trace_profile import FIGURES, _median_errors, _shape_errors, bare_reduce_scatter_line, bare_reduce_scatters
 
 MODULE = "bench.trace_rounds"
 
@@ -97,20 +96,6 @@ def rank_main(study: str, rounds: int, steps: int, active: int, out: str | None,
     shutdown_rank()
 
 
-def bare_reduce_scatters(folders: list[str]) -> dict[str, float]:
-    """Per module, the mean over its reduce-scatter calls in the traces of ``folders`` of the bare call's time, ms:
-    gloo's input copy and the transfer, from the last rank's start, the most of the ranks
-    (``planner.traces.trace_profile._collective_ms(bare=True)``), what the recorder's bare reduce-scatter times."""
-    from planner.traces.trace_profile import _collective_ms
-
-    out = defaultdict(list)
-    for _, calls in steps_and_calls(folders)[1]:
-        for (module, kind, _), cs in calls.items():
-            if kind == "reduce_scatter":
-                out[module].append(_collective_ms(cs, bare=True))
-    return {module: statistics.fmean(v) for module, v in out.items()}
-
-
 def median_profile(profiles: list):
     """The first of ``profiles`` (one model's) with each module's figures of :data:`FIGURES` and the measured step
     replaced by their medians over ``profiles``."""
@@ -137,7 +122,6 @@ def report(run: dict) -> dict:
     recorded = [Profile.from_dict(d) for d in run["recorded_rounds"]]
     traced = [Profile.from_dict(d) for d in run["traced_rounds"]]
     pooled, rec = Profile.from_dict(run["traced"]), median_profile(recorded)
-    fqns = rec.fingerprint.module_fqns
     figures = FIGURES if rec.fingerprint.world_size > 1 else FIGURES[:2]
     n = len(recorded)
     print(f"\n== {run['study']}: {n} rounds, each the recorder and {run['steps']} traced steps in turn, one model "
@@ -150,14 +134,8 @@ def report(run: dict) -> dict:
     summary = {"median_abs_error_pct": medians, "rounds": n}
     bare = run.get("bare_reduce_scatter_ms") or {}
     if "reduce_scatter_ms" in figures and bare:
-        errors = [abs(_error(bare[q], rec.modules[q].reduce_scatter_ms)) for q in fqns if q in bare]
-        ratios = [bare[q] / rec.modules[q].reduce_scatter_ms for q in fqns if q in bare]
-        summary["bare_reduce_scatter_pct"] = statistics.median(errors)
-        print(f"  the reduce-scatter in the recorder's kind (the trace's bare call: gloo's input copy and the "
-              f"transfer, no foreach_reduce copies): median |error| {statistics.median(errors):.1f}%, level "
-              f"x{statistics.median(ratios):.2f}; FSDP2's copies around it "
-              f"{statistics.median(pooled.modules[q].reduce_scatter_ms - bare[q] for q in fqns if q in bare):.1f} "
-              "ms a module (median)")
+        line, summary["bare_reduce_scatter_pct"] = bare_reduce_scatter_line(pooled, rec, bare)
+        print(line)
     print("per round, the trace against that round's recording: median |error| / level (trace over recorder)")
     print(f"{'round':<7}{'first':<9}" + "".join(f"{f:>24}" for f in figures))
     per_round = []
