@@ -272,18 +272,27 @@ def _gloo_reduce_scatter_trace(path: Path, rank: int, label_at: float, gloo_at: 
     return str(path)
 
 
+def _two_ranks_reduce_scatter(tmp_path: Path, gloo_after: float) -> list:
+    """:func:`_gloo_reduce_scatter_trace` on rank 0 (label at 1000 us) and rank 1 (at 1100), gloo's work from
+    ``gloo_after`` us into each label to 1350: per rank, its one parsed call and its trace."""
+    from planner.traces.fsdp_steps import _collectives, _Label, fsdp_label
+
+    out = []
+    for rank, at in ((0, 1000), (1, 1100)):
+        trace = read_trace(_gloo_reduce_scatter_trace(tmp_path / f"rank{rank}.json", rank, at, at + gloo_after, 1350))
+        [call] = _collectives(trace, [_Label(*k, e) for e in trace.cpu if (k := fsdp_label(e)) is not None])
+        out.append((call, trace))
+    return out
+
+
 def test_a_cpu_reduce_scatter_counts_fsdp2s_copies_and_not_the_wait_for_the_late_rank(tmp_path):
     """On CPU the loop's thread does ``foreach_reduce``'s copies around gloo's transfer and waits between, so the
     reduce-scatter the step sees is copy-in + transfer + copy-out: 70 + 180 + 50 us. Rank 0 arrives 100 us before
     rank 1 and waits for it inside gloo (its label is 400 us long); that wait is rank skew, not the collective."""
-    from planner.traces.fsdp_steps import _collectives, _Label, fsdp_label
     from planner.traces.trace_profile import _collective_ms
 
     calls = []
-    for rank, at in ((0, 1000), (1, 1100)):
-        trace = read_trace(_gloo_reduce_scatter_trace(tmp_path / f"rank{rank}.json", rank, at, at + 70, 1350))
-        labels = [_Label(*k, e) for e in trace.cpu if (k := fsdp_label(e)) is not None]
-        [call] = _collectives(trace, labels)
+    for call, _ in _two_ranks_reduce_scatter(tmp_path, gloo_after=70):
         calls.append(call)
         assert call.kind == "reduce_scatter" and call.bytes == 16 * 4 and call.host_ms == pytest.approx(0.12)
         assert call.call_copy_ms == pytest.approx(0.03)  # gloo's input copy: the c10d call's start to gloo's
@@ -299,14 +308,10 @@ def test_gloos_work_that_starts_after_its_call_returned_is_still_the_transfer(tm
     """[Note: gloo's work after its call]: the c10d call returns at 70 us into the label (its input copy done) and
     gloo's thread starts the work 5 us later. The transfer is still gloo's work, not the call: the figures read as
     when the work starts with the call's return (the test above), the 5 us between counted as the thread's own."""
-    from planner.traces.fsdp_steps import _collectives, _Label, fsdp_label
     from planner.traces.trace_profile import _collective_ms
 
     calls = []
-    for rank, at in ((0, 1000), (1, 1100)):
-        trace = read_trace(_gloo_reduce_scatter_trace(tmp_path / f"rank{rank}.json", rank, at, at + 75, 1350))
-        labels = [_Label(*k, e) for e in trace.cpu if (k := fsdp_label(e)) is not None]
-        [call] = _collectives(trace, labels)
+    for (call, trace), at in zip(_two_ranks_reduce_scatter(tmp_path, gloo_after=75), (1000, 1100), strict=True):
         calls.append(call)
         assert (call.start_us - trace.base_us, call.end_us - trace.base_us) == (at + 75, 1350)
         assert call.call_copy_ms == pytest.approx(0.03) and call.host_ms == pytest.approx(0.125)
