@@ -54,6 +54,8 @@ GLOO_WORK = {"all_gather": ("gloo:all_gather",), "reduce_scatter": ("gloo:reduce
 # the calls, e.g. ``c10d::_reduce_scatter_base_`` 25.9-49.1 ms into its label, ``gloo:all_reduce`` from 49.2.
 # Matched only inside the call, those calls took the call (the input copy) for the transfer and the transfer
 # for a copy: their bare figure lost the transfer, and their full one kept the wait for the late rank.
+# An async all-gather's copy-out label waits for the transfer before it copies: only its part after the transfer
+# is copy (else the transfer counts twice).
 REDUCE_SCATTER_OPS = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced", "c10d::reduce_scatter_")
 
 
@@ -293,9 +295,10 @@ def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:
         if found is None:
             continue
         (start, end), nbytes, dtype_bytes, host_ms, call_copy_ms = found
-        if copy is not None:
+        if copy is not None:  # on CPU its part after the transfer: an async all-gather's copy-out first waits for it
             copy_outs[lb.fqn].remove(copy)
-            host_ms += trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else copy.dur / 1e3
+            host_ms += trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else \
+                max(0.0, copy.end - max(copy.ts, end)) / 1e3
         out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], (end - start) / 1e3 + host_ms, nbytes,
                               dtype_bytes, start + trace.base_us, end + trace.base_us, host_ms, call_copy_ms))
         count[(lb.fqn, kind)] += 1

@@ -319,6 +319,29 @@ def test_gloos_work_that_starts_after_its_call_returned_is_still_the_transfer(tm
     assert _collective_ms(calls, bare=True) == pytest.approx(0.03 + 0.175)
 
 
+def test_an_async_all_gathers_transfer_after_its_label_is_counted_once(tmp_path):
+    """An async all-gather on gloo (us): its label 0-100 (the copy-in, 0-90, then the c10d call, 90-100, which
+    only enqueues the work); compute runs; gloo's thread runs the transfer 150-400; the copy-out's label, 300-450,
+    waits for it until 400, then copies 50. The transfer is gloo's work, found after the label ended, and the
+    copy-out counts only its 50 after the transfer: 100 + 250 + 50 us, not the copy-out's wait a second time."""
+    from planner.traces.fsdp_steps import _collectives, _Label, fsdp_label
+
+    def event(name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    events = [{**event("FSDP::all_gather (layers.0)", 0, 100), "cat": "user_annotation"},
+              event("c10d::_allgather_base_", 90, 10, **{"Input Dims": [[16], [8]], "Input type": ["float", "float"]}),
+              event("gloo:all_gather", 150, 250, tid=2),
+              {**event("FSDP::all_gather_copy_out (layers.0)", 300, 150), "cat": "user_annotation"}]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "baseTimeNanoseconds": BASE_NS, "traceEvents": events,
+                                "distributedInfo": {"backend": "gloo", "rank": 0, "world_size": 1}}))
+    trace = read_trace(str(path))
+    [call] = _collectives(trace, [_Label(*k, e) for e in trace.cpu if (k := fsdp_label(e)) is not None])
+    assert (call.start_us - trace.base_us, call.end_us - trace.base_us) == (150, 400)
+    assert call.host_ms == pytest.approx(0.15) and call.ms == pytest.approx(0.40)
+
+
 def _steps(tmp_path: Path, slower_in_step_3: dict[str, float], per_iteration: bool = False) -> list[str]:
     """Three steps of the synthetic trace per rank, one after another; the third with ``slower_in_step_3``. In one
     file per rank, or ``per_iteration``: one per rank and step, in torchtitan's ``iteration_N`` folders. Returns the
