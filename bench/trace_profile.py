@@ -79,13 +79,14 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
         from planner.traces.trace_profile import profile_from_traces
 
         traced = profile_from_traces([folder], recorded.fingerprint)
+        parsed = steps_and_calls([folder])  # the decomposition's and the bare reduce-scatters' view of the traces
         run = {"study": config.name, "steps": steps, "active": active, "traces": folder, "recorded": recorded.to_dict(),
                "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
                "missing": [m.line() for m in traced.missing], "rank_skew_ms": traced.rank_skew_ms,
-               "outside_ms": traced.outside_ms, "decomposition": decompose(folder),
+               "outside_ms": traced.outside_ms, "decomposition": decompose(parsed),
                "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None,
                "recorded_again": again.to_dict() if again else None,
-               "bare_reduce_scatter_ms": bare_reduce_scatters([folder]) if mesh.device_type == "cpu" else None}
+               "bare_reduce_scatter_ms": bare_reduce_scatters(parsed[1]) if mesh.device_type == "cpu" else None}
         report(run)
         if out:
             Path(out).write_text(json.dumps(run))
@@ -221,16 +222,16 @@ def _medians(a, b, figures: tuple[str, ...]) -> str:
     return ", ".join(f"{f} {v:.1f}%" for f, v in _median_errors(a, b, figures).items())
 
 
-def bare_reduce_scatters(folders: list[str]) -> dict[str, float]:
-    """Per module, the mean over its reduce-scatter calls in the traces of ``folders`` of the bare call's time, ms:
-    gloo's input copy and the transfer, from the last rank's start, the most of the ranks
+def bare_reduce_scatters(per_step: list) -> dict[str, float]:
+    """Per module, the mean over its reduce-scatter calls in ``per_step`` (:func:`steps_and_calls`' second part) of
+    the bare call's time, ms: gloo's input copy and the transfer, from the last rank's start, the most of the ranks
     (``planner.traces.trace_profile._collective_ms(bare=True)``), what the recorder's bare reduce-scatter times."""
     from collections import defaultdict
 
     from planner.traces.trace_profile import _collective_ms
 
     out = defaultdict(list)
-    for _, calls in steps_and_calls(folders)[1]:
+    for _, calls in per_step:
         for (module, kind, _), cs in calls.items():
             if kind == "reduce_scatter":
                 out[module].append(_collective_ms(cs, bare=True))
@@ -271,16 +272,17 @@ def steps_and_calls(folders: list[str]) -> tuple[str, list[tuple[tuple, dict[tup
     return next(iter(traces.values()))[0].device_type, out
 
 
-def decompose(folder: str) -> list[str]:
+def decompose(parsed: tuple[str, list]) -> list[str]:
     """Per traced step (CPU), the step (the most of the ranks) against the sum of its calls' figures: each module's
     forward and backward compute, the most of the ranks in that step; each collective as the profile times it
     (:func:`planner.traces.trace_profile._collective_ms`); the optimizer; then the collectives' medians and means
-    over calls, summed per step, against the steps. Lines to print; ``[]`` for GPU traces (stretches overlap)."""
+    over calls, summed per step, against the steps. ``parsed``: :func:`steps_and_calls` of the traces. Lines to
+    print; ``[]`` for GPU traces (stretches overlap)."""
     from collections import defaultdict
 
     from planner.traces.trace_profile import _collective_ms
 
-    device_type, per_step = steps_and_calls([folder])
+    device_type, per_step = parsed
     if device_type != "cpu":
         return []
     lines, by_call, colls = [], defaultdict(list), []
@@ -322,7 +324,7 @@ def decompose(folder: str) -> list[str]:
 def main(studies: tuple[str, ...], json_out: str | None, refit: tuple[str, ...], steps: int, active: int,
          per_module: bool, recorder_again: bool, traces: str | None, decompose_dir: str | None) -> None:
     if decompose_dir:
-        print("\n".join(decompose(decompose_dir)))
+        print("\n".join(decompose(steps_and_calls([decompose_dir]))))
         return
     if report_saved(refit, report):
         return

@@ -34,7 +34,14 @@ from pathlib import Path
 import click
 
 from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument, user_profiler
-from bench.trace_profile import FIGURES, _median_errors, _shape_errors, bare_reduce_scatter_line, bare_reduce_scatters
+from bench.trace_profile import (
+    FIGURES,
+    _median_errors,
+    _shape_errors,
+    bare_reduce_scatter_line,
+    bare_reduce_scatters,
+    steps_and_calls,
+)
 
 MODULE = "bench.trace_rounds"
 
@@ -83,12 +90,13 @@ def rank_main(study: str, rounds: int, steps: int, active: int, out: str | None,
         subs = [f"{folder}/round{r}" for r in range(rounds)]
         fingerprint = recorded[0].fingerprint
         pooled = profile_from_traces(subs, fingerprint)
+        per_round = [steps_and_calls([s])[1] for s in subs]  # each round's steps and calls, parsed once
         run = {"study": config.name, "rounds": rounds, "steps": steps, "active": active, "traces": folder,
                "recorded_rounds": [p.to_dict() for p in recorded],
                "traced_rounds": [profile_from_traces([s], fingerprint).profile.to_dict() for s in subs],
                "traced": pooled.profile.to_dict(), "missing": [m.line() for m in pooled.missing],
-               "bare_reduce_scatter_ms": bare_reduce_scatters(subs),
-               "bare_reduce_scatter_rounds_ms": [bare_reduce_scatters([s]) for s in subs]}
+               "bare_reduce_scatter_ms": bare_reduce_scatters([step for r in per_round for step in r]),
+               "bare_reduce_scatter_rounds_ms": [bare_reduce_scatters(r) for r in per_round]}
         report(run)
         if out:
             Path(out).write_text(json.dumps(run))

@@ -289,7 +289,7 @@ def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:
         kind = "all_gather" if lb.kind == "all_gather" else "reduce_scatter"
         copy = next((c for c in copy_outs[lb.fqn] if c.ts >= lb.event.ts), None) if kind == "all_gather" else None
         # where the loop waits on the work: in the label (a reduce-scatter, a sync all-gather) or in the copy-out
-        until = max(lb.event.end, copy.end if copy is not None else lb.event.end)
+        until = max(lb.event.end, copy.end) if copy is not None else lb.event.end
         found = _gpu_collective(trace, lb.event, kind) if trace.device_type == "cuda" else \
             _gloo_collective(trace, lb.event, kind, until, claimed)
         if found is None:
