@@ -8,9 +8,9 @@ page faults (``getrusage``, every thread) across each timed step: the recorder's
 the async pairs, then the default's timed steps) and the rounds' (``runtime.measure.timed_step``, plans in the
 order of the run's rows). Each rank writes ``RUN.faults-rank{R}.json`` beside ``--json RUN``: a list of
 ``[source, step ms, faults]``, ``source`` ``"recorder"`` or ``"rounds"``. On the 2-core CPU testbed a fault costs
-about 1.8 us (a fresh 64 MiB tensor: 16384 faults, 30 ms; 3 ms with glibc's heap pinned), and FSDP2's default step
-on the checkpointed Llama takes 0.5-0.75 million of them (bench/results/NOTES.md, "Page faults and the rounds'
-level").
+about 1.8 us (a fresh 64 MiB tensor: 16384 faults, 30 ms; 3 ms when it reuses the heap), and FSDP2's default step
+on the checkpointed Llama takes 0.5-0.75 million of them (bench/results/NOTES.md, "Page faults, the machine,
+and the floor of a 9-round run"; page faults do not set the rounds' level: "Not the page faults").
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ def _errors(profile: Profile, plans: list[Plan], steps: list[list[float]]) -> st
     ``plans[0]`` FSDP2's default): the sums of its collectives, its in-step parameters, the median (max) |error|
     against each plan's median step, and the median (max) |error| of each other plan's predicted ratio to the
     default against its measured one, the median of its per-round ratios (the default's offset, and each round's
-    level, drop out)."""
+    level, drop out); last, the default's own error, the level the first figure carries into every plan."""
     from planner.simulation.in_step import in_step_params
     from planner.simulation.parameters import simulate
 
@@ -226,12 +226,13 @@ def _errors(profile: Profile, plans: list[Plan], steps: list[list[float]]) -> st
     errors = [100 * abs(p / statistics.median(t) - 1) for p, t in zip(predicted, steps, strict=True)]
     relative = [100 * abs((p / predicted[0]) / statistics.median(a / b for a, b in zip(t, steps[0], strict=True)) - 1)
                 for p, t in zip(predicted[1:], steps[1:], strict=True)]
-    params = in_step_params(profile)
+    params, level = in_step_params(profile), predicted[0] / statistics.median(steps[0]) - 1
     return (f"all-gathers {sum(m.all_gather_ms for m in profile.modules.values()):.0f} ms, reduce-scatters "
             f"{sum(m.reduce_scatter_ms for m in profile.modules.values()):.0f} ms, comm_scale "
             f"{params.comm_scale:.2f}, overlap_slowdown {params.overlap_slowdown:.2f}; median |error| "
             f"{statistics.median(errors):.1f}% (max {max(errors):.1f}%), relative to the default "
-            f"{statistics.median(relative):.1f}% (max {max(relative):.1f}%)")
+            f"{statistics.median(relative):.1f}% (max {max(relative):.1f}%); the default's level {100 * level:+.1f}% "
+            f"({predicted[0]:.0f} ms predicted, {statistics.median(steps[0]):.0f} measured)")
 
 
 def report(run: dict, splits: int = 40) -> None:

@@ -32,3 +32,13 @@ def test_a_plan_off_its_predicted_ratio_in_every_round_reads_that_far_off():
     default = [100.0, 300.0, 310.0]
     plan = [1.25 * ratio * d for d in default]
     assert _relative(_errors(profile, plans, [default, plan])) == 20.0  # predicted / measured = 1 / 1.25
+
+
+def test_the_defaults_level_is_the_prediction_over_its_measured_median():
+    """The default measured at 0.8 of its prediction in every round reads +25.0%: the level every plan carries."""
+    profile = synthetic_profile(n_blocks=3)
+    plans = [Plan.default(profile), uniform.build(profile, 1, 1, True)]
+    predicted = [simulate(profile, p).step_ms for p in plans]
+    line = _errors(profile, plans, [[0.8 * predicted[0]] * 3, [0.8 * predicted[1]] * 3])
+    assert re.search(r"the default's level ([+-][0-9.]+)%", line).group(1) == "+25.0"
+    assert _relative(line) == 0.0
