@@ -14,10 +14,10 @@ forward; ``all``, ``bench.fidelity``'s 15 plans, the default first, as its round
 Rank 0 prints the recorder's default step and its logged steps, then per block the default's median, its steps,
 and per step rank 0's own process CPU ms (``getrusage``, every thread: compute, gloo's and autograd's threads) and
 minor page faults. A default that reads the same in every block does not depend on what ran before it; CPU ms that
-move with the step say the process did more or less work, not that it waited for a core. On the 2-core CPU testbed
-the default read 11-15% lower after one round of ``all`` than alone before it in two processes of four, its CPU
-ms 10-13% lower (bench/results/NOTES.md, "Not the page faults"). Run the process alone on the machine.
-``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's: 2 MiB pages for large CPU tensors) takes most page faults out.
+move with the step say the process did more or less work, not that it waited for a core. On the 2-core CPU testbed,
+with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's switch: 2 MiB pages for large CPU tensors, which takes most page faults
+out), the default read 11-15% lower after one round of ``all`` than alone before it in two processes of four, its
+CPU ms 10-13% lower (bench/results/NOTES.md, "Not the page faults"). Run the process alone on the machine.
 """
 
 from __future__ import annotations
