@@ -33,14 +33,21 @@ from __future__ import annotations
 
 import gc
 import json
-import resource
 import statistics
 import tempfile
 import time
 
 import click
 
-from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument, user_profiler
+from bench.ranks import (
+    json_flag,
+    process_usage,
+    report_saved,
+    run_studies,
+    saved_run_options,
+    studies_argument,
+    user_profiler,
+)
 
 MODULE = "bench.collective_drift"
 
@@ -149,13 +156,13 @@ def rank_main(study: str, plan: list[tuple[str, int]], repeats: int, json_out: s
                          "reduce_scatter_ms": {f: m.reduce_scatter_ms for f, m in profile.modules.items()},
                          "step_ms": profile.measured_step_ms})
             continue
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        faults = process_usage()[1]
         times = count or repeats
         if action == "measure":
             figures = collective_rounds(modules, numels, times, device)
         else:
             figures = {fqn: collective_rounds(modules, {fqn: numels[fqn]}, times, device)[fqn] for fqn in numels}
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        faults = process_usage()[1] - faults
         ag = {fqn: values["all_gather_ms"] for fqn, values in figures.items()}
         rs = {fqn: values["reduce_scatter_ms"] for fqn, values in figures.items()}
         overlap = overlap_timings(modules, numels, ag, 10) if device != "cuda" else None

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 from pathlib import Path
 
+from bench.ranks import process_usage
+
 MODULE = "bench.fault_counts"
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def count_faults(out: Path) -> None:
@@ -41,15 +38,15 @@ def count_faults(out: Path) -> None:
     recorded, rounds = recorder._timed_step, measure.timed_step
 
     def recorder_step(workload, step, device):
-        f0 = _faults()
+        f0 = process_usage()[1]
         ms = recorded(workload, step, device)
-        log.append(["recorder", ms[0], _faults() - f0])
+        log.append(["recorder", ms[0], process_usage()[1] - f0])
         return ms
 
     def rounds_step(workload, step):
-        f0 = _faults()
+        f0 = process_usage()[1]
         ms = rounds(workload, step)
-        log.append(["rounds", ms, _faults() - f0])
+        log.append(["rounds", ms, process_usage()[1] - f0])
         return ms
 
     recorder._timed_step, measure.timed_step = recorder_step, rounds_step

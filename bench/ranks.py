@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -91,3 +92,9 @@ def user_profiler(device_type: str, folder: str, schedule: Any) -> Any:
     handler = torch.profiler.tensorboard_trace_handler(folder, worker_name=f"rank{dist.get_rank()}")
     return torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
                                   on_trace_ready=handler, schedule=schedule)
+
+
+def process_usage() -> tuple[float, int]:
+    """This process's CPU ms so far (user and system, every thread) and its minor page faults (``getrusage``)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return (r.ru_utime + r.ru_stime) * 1e3, r.ru_minflt

@@ -23,23 +23,16 @@ CPU ms 10-13% lower (bench/results/NOTES.md, "Not the page faults"). Run the pro
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import time
 from pathlib import Path
 
 import click
 
-from bench.ranks import as_tune_ranks, json_flag, run_studies
+from bench.ranks import as_tune_ranks, json_flag, process_usage, run_studies
 
 MODULE = "bench.step_history"
 BLOCKS = ("alone", "beside", "all")
-
-
-def _usage() -> tuple[float, int]:
-    """This process's CPU ms so far (user and system, every thread) and its minor page faults."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return (r.ru_utime + r.ru_stime) * 1e3, r.ru_minflt
 
 
 def rank_main(study: str, rounds: int, blocks: list[tuple[str, int | None]], json_out: str | None) -> None:
@@ -64,16 +57,16 @@ def rank_main(study: str, rounds: int, blocks: list[tuple[str, int | None]], jso
     t0 = time.perf_counter()
 
     def logging_step(w, step, device):
-        cpu, faults = _usage()
+        cpu, faults = process_usage()
         out = timed_step(w, step, device)
-        cpu2, faults2 = _usage()
+        cpu2, faults2 = process_usage()
         logged.append((time.perf_counter() - t0, out[0], cpu2 - cpu, faults2 - faults))
         return out
 
     def counting_step(w, step):
-        cpu, faults = _usage()
+        cpu, faults = process_usage()
         ms = rounds_step(w, step)
-        cpu2, faults2 = _usage()
+        cpu2, faults2 = process_usage()
         usage.append((cpu2 - cpu, faults2 - faults))
         return ms
 
