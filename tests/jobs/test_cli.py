@@ -90,3 +90,20 @@ def test_console_script_error_is_one_line(tmp_path):
         capture_output=True, text=True,
     )
     assert_one_line_error(proc.returncode, proc.stderr, "cannot read study file")
+
+
+_EXIT_AFTER_RANKS = """
+import atexit, sys
+from jobs.cli import _exit_with_ranks
+atexit.register(lambda: print("teardown ran", flush=True))
+_exit_with_ranks(int(sys.argv[1]), "tuning", (2, 3, 130))
+"""
+
+
+@pytest.mark.parametrize(("ranks_code", "exit_code", "teardown"), [(130, 130, False), (2, 2, True), (-6, 1, True)])
+def test_an_interrupted_launch_exits_130_without_the_interpreters_teardown(ranks_code, exit_code, teardown):
+    done = subprocess.run([sys.executable, "-c", _EXIT_AFTER_RANKS, str(ranks_code)], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2], timeout=120)
+    assert done.returncode == exit_code, done.stderr
+    assert ("teardown ran" in done.stdout) == teardown
+    assert ("rank failed with exit code -6" in done.stderr) == (ranks_code == -6)
