@@ -156,13 +156,13 @@ def rank_main(study: str, plan: list[tuple[str, int]], repeats: int, json_out: s
                          "reduce_scatter_ms": {f: m.reduce_scatter_ms for f, m in profile.modules.items()},
                          "step_ms": profile.measured_step_ms})
             continue
-        faults = process_usage()[1]
+        faults = process_usage().faults
         times = count or repeats
         if action == "measure":
             figures = collective_rounds(modules, numels, times, device)
         else:
             figures = {fqn: collective_rounds(modules, {fqn: numels[fqn]}, times, device)[fqn] for fqn in numels}
-        faults = process_usage()[1] - faults
+        faults = process_usage().faults - faults
         ag = {fqn: values["all_gather_ms"] for fqn, values in figures.items()}
         rs = {fqn: values["reduce_scatter_ms"] for fqn, values in figures.items()}
         overlap = overlap_timings(modules, numels, ag, 10) if device != "cuda" else None

@@ -7,7 +7,7 @@ import resource
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 
@@ -50,7 +50,8 @@ def run_studies(module: str, studies: Sequence[str], forward: Callable[[str], li
             rank_main(studies[0])
             return
         for study in studies:
-            code = launch_ranks(forward(study), load_study_config(study).launch.nproc_per_node, module=module)
+            launch = load_study_config(study).launch
+            code = launch_ranks(forward(study), launch.nproc_per_node, module=module, allocator=launch.allocator)
             if code:
                 sys.exit(code)
     except PlannerError as e:
@@ -94,7 +95,26 @@ def user_profiler(device_type: str, folder: str, schedule: Any) -> Any:
                                   on_trace_ready=handler, schedule=schedule)
 
 
-def process_usage() -> tuple[float, int]:
-    """This process's CPU ms so far (user and system, every thread) and its minor page faults (``getrusage``)."""
+class ProcessUsage(NamedTuple):
+    """This process's CPU ms in user space and in the kernel (every thread), and its minor page faults, so far
+    (``getrusage``); ``after - before`` is what ran between. On the CPU testbed the kernel's ms are mostly page faults:
+    a fault costs about 1.7 us there, zeroing its page included (bench/results/NOTES.md, "The level is the page
+    faults")."""
+
+    user_ms: float
+    system_ms: float
+    faults: int
+
+    @property
+    def cpu_ms(self) -> float:
+        return self.user_ms + self.system_ms
+
+    def __sub__(self, before: ProcessUsage) -> ProcessUsage:  # type: ignore[override]
+        return ProcessUsage(self.user_ms - before.user_ms, self.system_ms - before.system_ms,
+                            self.faults - before.faults)
+
+
+def process_usage() -> ProcessUsage:
+    """This process's usage so far (:class:`ProcessUsage`)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return (r.ru_utime + r.ru_stime) * 1e3, r.ru_minflt
+    return ProcessUsage(r.ru_utime * 1e3, r.ru_stime * 1e3, r.ru_minflt)

@@ -12,12 +12,14 @@ block kept unsharded after forward (``bench.fidelity.without_reshard``), which h
 forward; ``all``, ``bench.fidelity``'s 15 plans, the default first, as its rounds run them.
 
 Rank 0 prints the recorder's default step and its logged steps, then per block the default's median, its steps,
-and per step rank 0's own process CPU ms (``getrusage``, every thread: compute, gloo's and autograd's threads) and
-minor page faults. A default that reads the same in every block does not depend on what ran before it; CPU ms that
-move with the step say the process did more or less work, not that it waited for a core. On the 2-core CPU testbed,
-with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's switch: 2 MiB pages for large CPU tensors, which takes most page faults
-out), the default read 11-15% lower after one round of ``all`` than alone before it in two processes of four, its
-CPU ms 10-13% lower (bench/results/NOTES.md, "Not the page faults"). Run the process alone on the machine.
+and per step rank 0's own process CPU ms (``getrusage``, every thread: compute, gloo's and autograd's threads), of
+them the kernel's, and its minor page faults. A default that reads the same in every block does not depend on what
+ran before it; CPU ms that move with the step say the process did more or less work, not that it waited for a core,
+and kernel ms that move with the faults say the work was page faults. On the 2-core CPU testbed with glibc's
+allocator the default read 5-19% lower after one round of ``all`` than alone before it in three processes of three,
+0.25-0.41 million faults a step fewer, and a sampling profile put the kernel's fault work at all of the difference;
+under ``[launch] allocator = "jemalloc"`` it took no fault and read the same in every block (bench/results/NOTES.md,
+"The level is the page faults after all"). Run the process alone on the machine.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import click
 
-from bench.ranks import as_tune_ranks, json_flag, process_usage, run_studies
+from bench.ranks import ProcessUsage, as_tune_ranks, json_flag, process_usage, run_studies
 
 MODULE = "bench.step_history"
 BLOCKS = ("alone", "beside", "all")
@@ -51,23 +53,23 @@ def rank_main(study: str, rounds: int, blocks: list[tuple[str, int | None]], jso
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
     workload = build_study_workload(config.workload, mesh)
-    logged: list[tuple[float, float, float, int]] = []  # (s since the recording began, ms, CPU ms, faults)
-    usage: list[tuple[float, int]] = []  # per step of the blocks, in the order they ran: (CPU ms, faults)
+    logged: list[tuple[float, float, float, float, int]] = []  # (s since the recording began, ms, CPU ms, kernel ms,
+    #                                                             faults)
+    usage: list[ProcessUsage] = []  # per step of the blocks, in the order they ran
     timed_step, rounds_step = recorder._timed_step, measure.timed_step
     t0 = time.perf_counter()
 
     def logging_step(w, step, device):
-        cpu, faults = process_usage()
+        before = process_usage()
         out = timed_step(w, step, device)
-        cpu2, faults2 = process_usage()
-        logged.append((time.perf_counter() - t0, out[0], cpu2 - cpu, faults2 - faults))
+        used = process_usage() - before
+        logged.append((time.perf_counter() - t0, out[0], used.cpu_ms, used.system_ms, used.faults))
         return out
 
     def counting_step(w, step):
-        cpu, faults = process_usage()
+        before = process_usage()
         ms = rounds_step(w, step)
-        cpu2, faults2 = process_usage()
-        usage.append((cpu2 - cpu, faults2 - faults))
+        usage.append(process_usage() - before)
         return ms
 
     recorder._timed_step, measure.timed_step = logging_step, counting_step
@@ -85,7 +87,8 @@ def rank_main(study: str, rounds: int, blocks: list[tuple[str, int | None]], jso
             own = usage[first::len(plans)]  # the default's steps (it runs first in each round; warm-ups untimed)
             rows.append({"block": block, "start_s": start, "default_ms": step_ms[0] if step_ms else [],
                          "others_ms": [statistics.median(ms) for ms in step_ms[1:] if ms],
-                         "default_cpu_ms": [c for c, _ in own], "default_faults": [f for _, f in own]})
+                         "default_cpu_ms": [u.cpu_ms for u in own], "default_system_ms": [u.system_ms for u in own],
+                         "default_faults": [u.faults for u in own]})
     finally:
         recorder._timed_step, measure.timed_step = timed_step, rounds_step
     if dist.get_rank() == 0:
@@ -100,11 +103,12 @@ def rank_main(study: str, rounds: int, blocks: list[tuple[str, int | None]], jso
 
 def _print(name: str, recorder_ms: float, logged: list, rows: list[dict]) -> None:
     """Rank 0's report: the recorder's steps, then per block the default's steps with their CPU ms and faults."""
-    print(f"\n{name}: the recorder's default {recorder_ms:.1f} ms; its timed steps (s, ms, CPU ms, faults): "
-          f"{[(round(t), round(ms), round(c), f) for t, ms, c, f in logged]}")
+    print(f"\n{name}: the recorder's default {recorder_ms:.1f} ms; its timed steps (s, ms, CPU ms, kernel ms, "
+          f"faults): {[(round(t), round(ms), round(c), round(k), f) for t, ms, c, k, f in logged]}")
     for row in rows:
         cells = (f"default {statistics.median(row['default_ms']):.0f} ms, CPU "
-                 f"{statistics.median(row['default_cpu_ms']):.0f} ms, "
+                 f"{statistics.median(row['default_cpu_ms']):.0f} ms (in the kernel "
+                 f"{statistics.median(row['default_system_ms']):.0f}), "
                  f"{statistics.median(row['default_faults']) / 1e3:.0f}k faults (medians); steps "
                  f"{[round(x) for x in row['default_ms']]}")
         if row["others_ms"]:

@@ -52,7 +52,7 @@ class ConfirmJob:
             StorageError: the storage is unreachable.
         """
         load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator)
         check_writable(config.storage_url)
 
     def run(self) -> int | None:
@@ -65,7 +65,7 @@ class ConfirmJob:
             StepFailed: a step raised on this rank.
         """
         launch = self.config.launch
-        mesh = init_rank(launch.backend, launch.timeout_s)
+        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator)
         group = control_group(launch.timeout_s)
         rank0 = dist.get_rank() == 0
         ended = False

@@ -41,7 +41,7 @@ class ProfileJob:
             PlannerError: an output's folder does not exist.
         """
         load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator)
         check_output_folders(*outputs)
 
     def run(self) -> tuple[Profile, float] | None:
@@ -60,7 +60,7 @@ class ProfileJob:
         # over the default by 0.04-0.09 in three processes (``bench.ranks.as_tune_ranks``, bench/results/NOTES.md).
         import jobs.tune  # noqa: F401
 
-        mesh = init_rank(self.config.launch.backend)
+        mesh = init_rank(self.config.launch.backend, allocator=self.config.launch.allocator)
         workload: Workload | None = None
         ended = False
         try:

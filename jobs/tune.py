@@ -74,7 +74,7 @@ class TuneJob:
             PlannerError: an output's folder does not exist.
         """
         load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator)
         check_writable(config.storage_url)
         check_output_folders(*outputs)
         if profile_in is not None:
@@ -90,7 +90,7 @@ class TuneJob:
         """
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         launch = self.config.launch
-        mesh = init_rank(launch.backend, launch.timeout_s)
+        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator)
         group = control_group(launch.timeout_s)
         rank0 = dist.get_rank() == 0
         workload: Workload | None = None

@@ -11,21 +11,29 @@ from __future__ import annotations
 import logging
 import os
 
+from planner.artifacts.names import Allocator
+from runtime.allocator import rank_environment_set
+
 
 def in_torchrun() -> bool:
     """Whether this process is a rank started by torchrun (``RANK``/``WORLD_SIZE`` set)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch_ranks(cli_args: list[str], nproc_per_node: int, module: str = "jobs.cli") -> int:
+def launch_ranks(cli_args: list[str], nproc_per_node: int, module: str = "jobs.cli",
+                 allocator: Allocator | str = Allocator.SYSTEM) -> int:
     """Run ``python -m <module> <cli_args>`` on local ranks (``jobs.cli``; a bench: ``bench.fidelity``).
 
     Uses ``torch.distributed.run`` with a standalone rendezvous on a free
-    local port, one compute thread per rank (``OMP_NUM_THREADS=1``).
+    local port, one compute thread per rank (``OMP_NUM_THREADS=1``), the
+    ranks under ``allocator`` (``[launch] allocator``, :mod:`runtime.allocator`).
 
     Returns:
         0 if every rank succeeded, 130 if the launcher was interrupted (the
         ranks get the signal too), else the first failing rank's exit code.
+
+    Raises:
+        StudyConfigError: ``allocator`` is not installed.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -37,7 +45,8 @@ def launch_ranks(cli_args: list[str], nproc_per_node: int, module: str = "jobs.c
         ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", module, *cli_args]
     )
     try:
-        run(args)
+        with rank_environment_set(allocator):
+            run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c), 1)

@@ -11,24 +11,28 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from planner.artifacts.names import Backend
+from planner.artifacts.names import Allocator, Backend
 from planner.errors import StudyConfigError
+from runtime.allocator import check_rank_allocator, rank_environment
 
 
-def check_runnable(backend: Backend | str, ranks_per_node: int) -> None:
+def check_runnable(backend: Backend | str, ranks_per_node: int,
+                   allocator: Allocator | str = Allocator.SYSTEM) -> None:
     """Refuse a study this machine cannot run, before any rank starts.
 
     ``nccl`` needs one CUDA device per rank on the node; ``gloo`` runs
-    anywhere.
+    anywhere; ``jemalloc`` must be installed.
 
     Args:
         backend: ``[launch] backend``.
         ranks_per_node: ranks this node will run (``[launch] nproc_per_node``,
             or torchrun's ``LOCAL_WORLD_SIZE``).
+        allocator: ``[launch] allocator``.
 
     Raises:
         StudyConfigError: naming the key and what to set instead.
     """
+    rank_environment(allocator)
     if Backend(backend) != Backend.NCCL:
         return
     if not torch.cuda.is_available():
@@ -44,19 +48,23 @@ def check_runnable(backend: Backend | str, ranks_per_node: int) -> None:
         )
 
 
-def init_rank(backend: Backend | str, timeout_s: float = 900.0) -> DeviceMesh:
+def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Allocator | str | None = None) -> DeviceMesh:
     """Initialize the process group and a 1-D device mesh over every rank.
 
     ``timeout_s`` bounds every collective of the process group (a rank waits
     at most that long for its peers). On CPU, one compute thread per rank
-    (``torch.set_num_threads(1)``).
+    (``torch.set_num_threads(1)``). ``allocator`` (``[launch] allocator``):
+    the rank must run under it; ``None``: not checked.
 
     Raises:
         StudyConfigError: the machine cannot run ``backend`` with this many
-            ranks per node (:func:`check_runnable`).
+            ranks per node (:func:`check_runnable`), or the rank runs under
+            another allocator (:func:`runtime.allocator.check_rank_allocator`).
     """
     backend = Backend(backend)
     check_runnable(backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if allocator is not None:
+        check_rank_allocator(allocator)
     device = "cuda" if backend == Backend.NCCL else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)

@@ -17,6 +17,7 @@ Example (``studies/llama-cpu.toml``)::
     nproc_per_node = 2
     backend = "gloo"
     timeout_s = 900       # the longest any rank waits for another
+    allocator = "system"  # or "jemalloc" (preloaded, keeps its pages: no page faults in a CPU step)
 
     [search]
     space = "uniform"      # or "per_module", "assign"

@@ -1,4 +1,4 @@
-"""The names a study chooses from: the ranks' backend, the search space, the sampler.
+"""The names a study chooses from: the ranks' backend and allocator, the search space, the sampler.
 
 Shared by the study config (which validates them), the search spaces and the
 sampler registry (keyed by them) and the runtime (the backend), so this module
@@ -15,6 +15,19 @@ class Backend(enum.StrEnum):
 
     GLOO = "gloo"
     NCCL = "nccl"
+
+
+class Allocator(enum.StrEnum):
+    """``[launch] allocator``: the ranks' CPU memory allocator (``runtime.allocator``).
+
+    ``system``: the C library's ``malloc`` (glibc's on Linux), as a plain ``torchrun`` runs. ``jemalloc``: jemalloc
+    preloaded and told to keep every page it has (``runtime.allocator.JEMALLOC_CONF``), as PyTorch's CPU launcher
+    offers (``torch.backends.xeon.run_cpu --enable-jemalloc``): a CPU step then takes no page faults, as a GPU step
+    takes no ``cudaMalloc`` under the caching allocator.
+    """
+
+    SYSTEM = "system"
+    JEMALLOC = "jemalloc"
 
 
 class SpaceName(enum.StrEnum):

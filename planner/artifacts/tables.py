@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from planner.artifacts.memory_budget import MemoryBudget
-from planner.artifacts.names import Backend, SamplerName, SpaceName
+from planner.artifacts.names import Allocator, Backend, SamplerName, SpaceName
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings
 
@@ -83,11 +83,15 @@ class LaunchTable(Table):
         timeout_s: the longest one rank waits for another, s: the process
             group's timeout (every collective of a training step) and the
             rank protocol's (``runtime.protocol``).
+        allocator: the ranks' CPU memory allocator (:class:`Allocator`):
+            ``system`` or ``jemalloc``. Tune under the one you train with:
+            on CPU it sets how much of a step is page faults.
     """
 
     nproc_per_node: StrictInt = Field(2, ge=1)
     backend: Backend = Backend.GLOO
     timeout_s: StrictInt = Field(900, ge=1)
+    allocator: Allocator = Allocator.SYSTEM
 
 
 class SearchTable(Table):
