@@ -99,7 +99,7 @@ class ProcessUsage(NamedTuple):
     """This process's CPU ms in user space and in the kernel (every thread), and its minor page faults, so far
     (``getrusage``); ``after - before`` is what ran between. On the CPU testbed the kernel's ms are mostly page faults:
     a fault costs about 1.7 us there, zeroing its page included (bench/results/NOTES.md, "The level is the page
-    faults")."""
+    faults after all")."""
 
     user_ms: float
     system_ms: float
