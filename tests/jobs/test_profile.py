@@ -34,13 +34,14 @@ def test_the_profile_job_records_after_importing_what_tune_imports(monkeypatch):
 
     seen = []
 
-    def init_rank(backend):
+    def init_rank(backend, allocator=None):
         seen.append("jobs.tune" in sys.modules)
         raise _Stop
 
     monkeypatch.delitem(sys.modules, "jobs.tune", raising=False)
     monkeypatch.setattr(jobs.profile, "init_rank", init_rank)
-    job = jobs.profile.ProfileJob(SimpleNamespace(launch=SimpleNamespace(backend="gloo")), "unused.json")
+    launch = SimpleNamespace(backend="gloo", allocator="system")
+    job = jobs.profile.ProfileJob(SimpleNamespace(launch=launch), "unused.json")
     with pytest.raises(_Stop):
         job.run()
     assert seen == [True]
