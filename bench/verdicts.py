@@ -33,8 +33,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from planner.artifacts.tables import LaunchTable
 
 MODULE = "bench.verdicts"
 
@@ -52,7 +56,7 @@ def aa_main(study: str, races: int, out: str) -> None:
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
+    mesh = init_rank(config.launch.backend, allocator=config.launch.allocator)
     workload = build_study_workload(config.workload, mesh)
     profile = record_profile(workload, warmup_steps=1, steps=2, repeats=1)
     default = Plan.default(profile)
@@ -96,7 +100,7 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
+    mesh = init_rank(config.launch.backend, allocator=config.launch.allocator)
     plan = load_plan(plan_path)
     tuned = build_study_workload(config.workload, mesh)
     apply_plan(tuned.model, plan)
@@ -117,10 +121,11 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     shutdown_rank()
 
 
-def _launch(args: list[str], nproc: int) -> None:
+def _launch(args: list[str], launch: LaunchTable) -> None:
+    """Start ``python -m bench.verdicts ARGS`` on the study's ranks, under its ``[launch]`` (ranks, allocator)."""
     from runtime.launch import launch_ranks
 
-    code = launch_ranks(args, nproc, module=MODULE)
+    code = launch_ranks(args, launch.nproc_per_node, module=MODULE, allocator=launch.allocator)
     if code:
         sys.exit(code)
 
@@ -170,7 +175,7 @@ def coverage(study: str, rounds: int, remeasures: int, work: Path) -> dict:
     for k in range(remeasures):
         measured = work / f"remeasure{k}.json"
         _launch(["--part", "remeasure", study, "--plan", str(work / "reported.json"), "--rounds", str(rounds),
-                 "--out", str(measured)], config.launch.nproc_per_node)
+                 "--out", str(measured)], config.launch)
         times = json.loads(measured.read_text())
         c = confirm(times["tuned"], times["default"], noise_pct=float("nan"))
         independent.append({"ratio": c.ratio, "ci95": list(c.ci95), "rounds": rounds})
@@ -200,9 +205,9 @@ def rate_text(events: int, runs: int) -> str:
     return f"{events}/{runs} = {100 * events / runs:.1f}% [{100 * ci.low:.1f}%, {100 * ci.high:.1f}%]"
 
 
-def aa(study: str, races: int, work: Path, nproc: int) -> list[dict]:
+def aa(study: str, races: int, work: Path, launch: LaunchTable) -> list[dict]:
     """The A/A races on fresh ranks; prints the false 'faster' rate with its interval; the races' rows."""
-    _launch(["--part", "aa", study, "--aa-races", str(races), "--out", str(work / "aa.json")], nproc)
+    _launch(["--part", "aa", study, "--aa-races", str(races), "--out", str(work / "aa.json")], launch)
     rows = json.loads((work / "aa.json").read_text())
     false = sum(r["verdict"] == "faster" for r in rows)
     dropped = sum(r["verdict"] == "dropped" for r in rows)
@@ -265,7 +270,7 @@ def main(study: str, aa_races: int, rounds: int, remeasures: int, skip_synthetic
             if not skip_synthetic:
                 figures["synthetic"] = synthetic_sweep()
             if not skip_aa:
-                figures["aa"] = aa(study, aa_races, work, config.launch.nproc_per_node)
+                figures["aa"] = aa(study, aa_races, work, config.launch)
             if not skip_coverage:
                 figures["coverage"] = coverage(study, rounds, remeasures, work)
         if json_out:
