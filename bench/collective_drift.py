@@ -39,15 +39,8 @@ import time
 
 import click
 
-from bench.ranks import (
-    json_flag,
-    process_usage,
-    report_saved,
-    run_studies,
-    saved_run_options,
-    studies_argument,
-    user_profiler,
-)
+from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument, user_profiler
+from runtime.process_usage import process_usage
 
 MODULE = "bench.collective_drift"
 

@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.ranks import process_usage
+from runtime.process_usage import process_usage
 
 MODULE = "bench.fault_counts"
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import click
 
@@ -93,28 +92,3 @@ def user_profiler(device_type: str, folder: str, schedule: Any) -> Any:
     handler = torch.profiler.tensorboard_trace_handler(folder, worker_name=f"rank{dist.get_rank()}")
     return torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True,
                                   on_trace_ready=handler, schedule=schedule)
-
-
-class ProcessUsage(NamedTuple):
-    """This process's CPU ms in user space and in the kernel (every thread), and its minor page faults, so far
-    (``getrusage``); ``after - before`` is what ran between. On the CPU testbed the kernel's ms are mostly page faults:
-    a fault costs about 1.7 us there, zeroing its page included (bench/results/NOTES.md, "The level is the page
-    faults after all")."""
-
-    user_ms: float
-    system_ms: float
-    faults: int
-
-    @property
-    def cpu_ms(self) -> float:
-        return self.user_ms + self.system_ms
-
-    def __sub__(self, before: ProcessUsage) -> ProcessUsage:  # type: ignore[override]
-        return ProcessUsage(self.user_ms - before.user_ms, self.system_ms - before.system_ms,
-                            self.faults - before.faults)
-
-
-def process_usage() -> ProcessUsage:
-    """This process's usage so far (:class:`ProcessUsage`)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return ProcessUsage(r.ru_utime * 1e3, r.ru_stime * 1e3, r.ru_minflt)

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import click
 
-from bench.ranks import ProcessUsage, as_tune_ranks, json_flag, process_usage, run_studies
+from bench.ranks import as_tune_ranks, json_flag, run_studies
+from runtime.process_usage import ProcessUsage, process_usage
 
 MODULE = "bench.step_history"
 BLOCKS = ("alone", "beside", "all")

@@ -20,6 +20,7 @@ from jobs.outputs import check_output_folders
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlanMismatchError, one_line
+from planner.presentation.model_summary import allocator_mismatch
 from planner.storages import check_writable
 from planner.study.measured import MeasuredTrial, job_name
 from planner.study.session import TuneOutcome, TuningSession
@@ -140,6 +141,9 @@ class TuneJob:
         if difference is not None:
             raise PlanMismatchError(f"profile {self.profile_in!r} is not of this study's model: {difference}; build "
                                     "it with --model (prefetch-planner profile --from-trace ... --model FACTORY)")
+        mismatch = allocator_mismatch(profile, self.config.launch.allocator, self.profile_in)
+        if mismatch is not None:
+            logger.warning(mismatch)
         source = f"{profile.source}, estimated: {', '.join(profile.estimated)}" if profile.estimated else profile.source
         logger.info(f"[1/3] tuning from the profile {self.profile_in} ({source}); nothing recorded")
         return profile

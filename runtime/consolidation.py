@@ -94,5 +94,14 @@ def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, b
         microbatches=microbatches,
         per_rank=per_rank,
         consolidation="max",
-        in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap, async_default_step_ms=async_step_ms),
+        in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap, async_default_step_ms=async_step_ms,
+                              allocator=first.get("allocator"),
+                              default_step_faults=_max_of(per_rank, "step_faults"),
+                              default_step_kernel_ms=_max_of(per_rank, "step_kernel_ms")),
     )
+
+
+def _max_of(per_rank: list[dict[str, Any]], key: str) -> Any:
+    """The max across ranks of ``key``; ``None`` where a rank did not measure it (the in-loop recorder)."""
+    values = [r.get(key) for r in per_rank]
+    return None if any(v is None for v in values) else max(values)

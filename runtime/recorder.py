@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import Profile
+from runtime.allocator import loaded_allocator
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import module_collectives
 from runtime.collectives import gather_objects
@@ -50,6 +51,7 @@ from runtime.compute_timer import TIMED, ComputeTimer
 from runtime.consolidation import consolidate, merge_isolated
 from runtime.measure import device_type_of, synchronize
 from runtime.peak_memory import PEAK_STEPS, measure_peak
+from runtime.process_usage import process_usage
 from runtime.torch_private import clear_unsharded_grads, reshard_after_forward, unshard_async_op_setter
 from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, train_step
 
@@ -94,7 +96,9 @@ ASYNC_PAIRS = 5
 def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
     """FSDP2's default plan, in this order: its peak memory; on CPU at world size 2 or more, the async default's step
     over the default's ([Note: The async default, timed in turn with the default]); then its median step ms and
-    optimizer ms over ``steps`` timed steps ([Note: The default's step is timed last])."""
+    optimizer ms over ``steps`` timed steps ([Note: The default's step is timed last]), with their mean page faults
+    and kernel CPU ms a step and the allocator the rank runs under ([Note: The allocator's share of the anchor] in
+    planner/simulation/in_step.py)."""
     peaks = [measure_peak(workload, steps + s) for s in range(PEAK_STEPS)]
     async_ratio = None
     if device == "cpu" and dist.get_world_size() > 1:
@@ -109,11 +113,15 @@ def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str
         set_async_op(False)
         async_ratio = statistics.median(ratios)
     step_ms, opt_ms = [], []
+    before = process_usage()
     for s in range(steps):
         step, opt = _timed_step(workload, s, device)
         step_ms.append(step)
         opt_ms.append(opt)
+    usage = process_usage() - before  # the barriers' waits are user-space spins or sleeps, not faults
     return {"step_ms": statistics.median(step_ms), "optimizer_ms": statistics.median(opt_ms),
+            "step_faults": usage.faults // steps, "step_kernel_ms": usage.system_ms / steps,
+            "allocator": str(loaded_allocator()),
             "async_ratio": async_ratio, "peak_bytes": [p.peak_bytes for p in peaks],
             "optimizer_temp_bytes": max(p.optimizer_temp_bytes for p in peaks)}
 

@@ -157,11 +157,30 @@ class InStepTimings:
             times the median over pairs of steps, the two plans in turn, of its step over the default's, max across
             ranks, ms. The in-step ``overlap_slowdown`` is solved from it; ``None`` where not measured (GPU, world
             size 1, the in-loop recorder, trace profiles, profiles written before it).
+        allocator: the CPU memory allocator the ranks ran under (``[launch] allocator``: ``"system"`` or
+            ``"jemalloc"``, :class:`planner.artifacts.names.Allocator`); ``None``: not known (a trace, an older
+            profile).
+        default_step_faults: minor page faults a step of ``default_step_ms`` took, over its timed steps, max across
+            ranks (``getrusage``); ``None``: not measured.
+        default_step_kernel_ms: CPU ms a step of ``default_step_ms`` spent in the kernel, every thread of the rank,
+            max across ranks; ``None``: not measured. On a CPU device under glibc this is mostly page faults, and
+            the simulator does not model it: it is in ``default_step_ms``, hence in ``comm_scale`` ([Note: The
+            allocator's share of the anchor] in :mod:`planner.simulation.in_step`).
     """
 
     default_step_ms: float
     overlap: OverlapTimings | None = None
     async_default_step_ms: float | None = None
+    allocator: str | None = None
+    default_step_faults: int | None = None
+    default_step_kernel_ms: float | None = None
+
+    def kernel_share(self) -> float | None:
+        """``default_step_kernel_ms`` over ``default_step_ms`` (0..1, more where several threads fault at once);
+        ``None``: not measured."""
+        if self.default_step_kernel_ms is None:
+            return None
+        return self.default_step_kernel_ms / self.default_step_ms
 
 
 @dataclass(frozen=True)
@@ -241,8 +260,8 @@ class Profile:
             del d["source"], d["estimated"]
         if not self.outside_ms:
             del d["outside_ms"]
-        if d["in_step"] is not None and d["in_step"]["async_default_step_ms"] is None:
-            del d["in_step"]["async_default_step_ms"]
+        if d["in_step"] is not None:
+            d["in_step"] = {k: v for k, v in d["in_step"].items() if v is not None or k == "overlap"}
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -282,9 +301,8 @@ class Profile:
         in_step = None
         if doc.in_step is not None:
             overlap = doc.in_step.overlap
-            in_step = InStepTimings(doc.in_step.default_step_ms,
-                                    OverlapTimings(**dict(overlap)) if overlap is not None else None,
-                                    doc.in_step.async_default_step_ms)
+            in_step = InStepTimings(**{**dict(doc.in_step),
+                                       "overlap": OverlapTimings(**dict(overlap)) if overlap is not None else None})
         modules = {m.fqn: ModuleProfile(**dict(m)) for m in doc.modules}
         fields = {k: v for k, v in dict(doc).items() if k not in ("fingerprint", "modules", "in_step")}
         profile = cls(fingerprint=Fingerprint(**dict(doc.fingerprint)), modules=modules, in_step=in_step, **fields)

@@ -119,6 +119,9 @@ class InStepDocument(Document):
     default_step_ms: float
     overlap: OverlapDocument | None = None
     async_default_step_ms: float | None = Field(None, gt=0)
+    allocator: Literal["system", "jemalloc"] | None = None
+    default_step_faults: int | None = Field(None, ge=0)
+    default_step_kernel_ms: float | None = Field(None, ge=0)
 
 
 class ProfileDocument(Document):

@@ -30,6 +30,7 @@ from planner.artifacts.memory_budget import check_feasible
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError
+from planner.presentation.model_summary import model_summary
 from planner.simulation.calibrate import CalibrationResult, Observation, calibrate
 from planner.simulation.parameters import simulator_for
 from planner.simulation.simulator import Simulator
@@ -178,20 +179,8 @@ class TuningSession:
         return asked
 
     def _log_model(self) -> None:
-        profile, default = self.profile, self.simulator.run(Plan.default(self.profile))
-        if profile.measured_step_ms:
-            exposed = profile.measured_step_ms - default.compute_ms
-            logger.info(f"      measured step {profile.measured_step_ms:.1f} ms with FSDP2's default, of which "
-                        f"{exposed:.1f} ms ({100 * exposed / profile.measured_step_ms:.0f}%) is not compute "
-                        "(exposed communication and overhead)")
-        logger.info(f"      simulated default: step {default.step_ms:.1f} ms, exposed communication "
-                    f"{default.exposed_comm_ms:.1f} ms, lower bound {default.lower_bound_ms:.1f} ms")
-        if profile.in_step is not None and not profile.calibration:
-            params = self.simulator.params
-            source = ("solved from the async default's step" if profile.in_step.async_default_step_ms is not None
-                      and profile.fingerprint.device_type != "cuda" else "measured")
-            logger.info(f"      in-step parameters: comm_scale {params.comm_scale:.2f} (solved from the measured "
-                        f"default step), overlap_slowdown {params.overlap_slowdown:.2f} ({source})")
+        for line in model_summary(self.profile, self.simulator.run(Plan.default(self.profile)), self.simulator.params):
+            logger.info(line)
 
     def _memory_budget(self) -> int | None:
         """``[search] memory_budget`` in bytes per rank, checked against the smallest predicted peak; ``None``: unset.

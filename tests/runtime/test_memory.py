@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -15,6 +16,10 @@ def test_predicted_unsharded_peak_matches_tracked(ranks, tmp_path):
     # [Note: The async default, timed in turn with the default]: on CPU at world size 2 the recorder times it
     default_ms, async_ms = result.pop("in_step")
     assert default_ms > 0 and async_ms is not None and async_ms > 0
+    # [Note: The allocator's share of the anchor]: the allocator the ranks ran under, the step's faults and kernel ms
+    allocator, faults, kernel_ms = result.pop("usage")
+    assert allocator == ("jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "system")
+    assert isinstance(faults, int) and faults >= 0 and 0 <= kernel_ms < default_ms * 2  # 2 ranks' threads at most
     for name, (measured, predicted) in result.items():
         assert measured == predicted, f"{name}: tracked {measured} B, predicted {predicted} B"
     # deeper prefetch keeps more all-gather outputs alive, as FSDP2 does

@@ -108,3 +108,19 @@ def test_fingerprint_first_difference(make_profile):
     numel = dataclasses.replace(fp, param_numels=(100, 100, 7, 100))
     assert "parameter count of FSDP module 'b1'" in fp.first_difference(numel)
     assert fp.first_difference(dataclasses.replace(fp, torch_version="other")) is None
+
+
+def test_the_default_steps_allocator_and_faults_round_trip_and_are_written_only_when_measured(make_profile):
+    from planner.artifacts.profile import InStepTimings
+
+    older = dataclasses.replace(make_profile(), in_step=InStepTimings(100.0))
+    assert set(older.to_dict()["in_step"]) == {"default_step_ms", "overlap"}  # the file earlier releases wrote
+    measured = dataclasses.replace(older, in_step=InStepTimings(100.0, allocator="jemalloc", default_step_faults=12,
+                                                                default_step_kernel_ms=2.5))
+    again = Profile.from_json(measured.to_json())
+    assert again == measured and again.in_step.kernel_share() == pytest.approx(0.025)
+    assert older.in_step.kernel_share() is None
+    d = measured.to_dict()
+    d["in_step"]["allocator"] = "tcmalloc"
+    with pytest.raises(ProfileFormatError, match="in_step.allocator"):
+        Profile.from_dict(d)

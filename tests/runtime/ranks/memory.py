@@ -1,7 +1,8 @@
 """Rank script: tracked unsharded bytes vs the simulator's prediction, per plan.
 
 argv: output JSON. Rank 0 writes {plan: [measured peak bytes, predicted peak bytes]} and, under "in_step", the
-profile's in-step timings (its default step and the async default's, ms).
+profile's in-step timings (its default step and the async default's, ms), and under "usage" the allocator, page faults
+and kernel ms of its default step.
 """
 
 import json
@@ -34,6 +35,8 @@ for name, plan in plans.items():
         train_step(workload, 0)
     result[name] = [tracker.peak_bytes, simulate(profile, plan).peak_unsharded_bytes]
 result["in_step"] = [profile.in_step.default_step_ms, profile.in_step.async_default_step_ms]
+in_step = profile.in_step
+result["usage"] = [in_step.allocator, in_step.default_step_faults, in_step.default_step_kernel_ms]
 if dist.get_rank() == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(result, f)

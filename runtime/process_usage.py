@@ -1,0 +1,38 @@
+"""This process's CPU time and page faults (``getrusage``): what a step cost the kernel as well as user space.
+
+On a CPU device a step's tensors come from the C library's ``malloc``, and with glibc's a block freed above its
+mmap threshold is faulted in again on the next step. On the 2-core testbed that kernel work was 0.9-1.9 s of a
+2.7-3.9 s checkpointed Llama step, and it moved between processes (bench/results/NOTES.md, "The level is the page
+faults after all"). The recorder keeps the default step's share in the profile (``InStepTimings``), so a report can
+say how much of the step it anchors on was the allocator's.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import NamedTuple
+
+
+class ProcessUsage(NamedTuple):
+    """This process's CPU ms in user space and in the kernel (every thread), and its minor page faults, so far
+    (``getrusage(RUSAGE_SELF)``); ``after - before`` is what ran between. On the CPU testbed the kernel's ms are
+    mostly page faults: a fault costs about 1.7 us there, zeroing its page included."""
+
+    user_ms: float
+    system_ms: float
+    faults: int
+
+    @property
+    def cpu_ms(self) -> float:
+        """User and kernel ms together."""
+        return self.user_ms + self.system_ms
+
+    def __sub__(self, before: ProcessUsage) -> ProcessUsage:  # type: ignore[override]
+        return ProcessUsage(self.user_ms - before.user_ms, self.system_ms - before.system_ms,
+                            self.faults - before.faults)
+
+
+def process_usage() -> ProcessUsage:
+    """This process's usage so far (:class:`ProcessUsage`)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return ProcessUsage(r.ru_utime * 1e3, r.ru_stime * 1e3, r.ru_minflt)
