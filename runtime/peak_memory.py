@@ -38,7 +38,10 @@ from runtime.workload import Workload, forward_backward, train_step
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
 # some steps of the same plan peak one block's unsharded bytes higher than most (the reference Llama: 1 step
-# in 4 to 8, either rank; not the garbage collector: the same with gc.collect() before and gc off during).
+# in 4 to 8, either rank; not the garbage collector: the same with gc.collect() before and gc off during). They are
+# gloo's copies of the reduce-scatter input (c10d::_reduce_scatter_base_ -> aten::clone, one block's unsharded
+# gradient each), 0 to 3 of them alive at a peak, most freed at the next block's post-backward and some later
+# (bench/results/NOTES.md, "The step's faults in the profile; peaks and a verdict under jemalloc").
 PEAK_STEPS = 3
 OPTIMIZER_BLOCK = "prefetch-planner: optimizer.step"  # the record_function around the optimizer step
 
