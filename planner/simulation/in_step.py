@@ -59,7 +59,7 @@ step's faults and kernel ms (``InStepTimings.default_step_faults``,
 ``default_step_kernel_ms``) and ``tune`` logs the share
 (:mod:`planner.presentation.model_summary`). Under ``[launch] allocator =
 "jemalloc"`` a warm step takes no faults, and the checkpointed Llama's
-uncalibrated step error read 0.9-4.2% in 3 runs of 4 (5.9% in the fourth),
+uncalibrated step error read 0.9-4.2% in 4 runs of 5 (5.9% in the fifth),
 against 4.0-33.9% under glibc.
 """
 
