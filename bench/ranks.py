@@ -49,8 +49,7 @@ def run_studies(module: str, studies: Sequence[str], forward: Callable[[str], li
             rank_main(studies[0])
             return
         for study in studies:
-            launch = load_study_config(study).launch
-            code = launch_ranks(forward(study), launch.nproc_per_node, module=module, allocator=launch.allocator)
+            code = launch_ranks(forward(study), load_study_config(study).launch, module=module)
             if code:
                 sys.exit(code)
     except PlannerError as e:

@@ -125,7 +125,7 @@ def _launch(args: list[str], launch: LaunchTable) -> None:
     """Start ``python -m bench.verdicts ARGS`` on the study's ranks, under its ``[launch]`` (ranks, allocator)."""
     from runtime.launch import launch_ranks
 
-    code = launch_ranks(args, launch.nproc_per_node, module=MODULE, allocator=launch.allocator)
+    code = launch_ranks(args, launch, module=MODULE)
     if code:
         sys.exit(code)
 

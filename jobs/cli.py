@@ -91,8 +91,8 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
         args += ["--from-profile", profile_in]
     job = job_name()
     args += ["--job", job, "--confirm-launches", str(config.measure.confirm_launches)]
-    _exit_with_ranks(launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch.nproc_per_node,
-                                  allocator=config.launch.allocator), "tuning", _EXPECTED_RANK_EXITS)
+    _exit_with_ranks(launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch), "tuning",
+                     _EXPECTED_RANK_EXITS)
     _confirm_in_fresh_launches(study_toml, config, job, plan_out)
 
 
@@ -111,8 +111,7 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
                else "one model switching plans")
         click.echo(f"[confirm {i + 1}/{launches}] fresh ranks: trial {waiting.survivor.provenance.trial} against "
                    f"FSDP2's default, {waiting.rounds} rounds, {how}")
-        code = launch_ranks(["confirm", study_toml, "--storage", config.storage_url, "--job", job],
-                            config.launch.nproc_per_node, allocator=config.launch.allocator)
+        code = launch_ranks(["confirm", study_toml, "--storage", config.storage_url, "--job", job], config.launch)
         if code:
             click.echo(f"confirmation launch {i + 1} failed (exit code {code}); concluding on the launches measured",
                        err=True)
@@ -143,8 +142,7 @@ def confirm(study_toml, storage, job) -> None:
         return
     ConfirmJob.check_before_launch(config)
     _exit_with_ranks(launch_ranks(["confirm", study_toml, "--storage", config.storage_url, "--job", job],
-                                  config.launch.nproc_per_node, allocator=config.launch.allocator), "confirmation",
-                     _EXPECTED_RANK_EXITS)
+                                  config.launch), "confirmation", _EXPECTED_RANK_EXITS)
 
 
 @main.command()
@@ -183,7 +181,7 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs) -> Non
         return
     ProfileJob.check_before_launch(config, output, torch_trace)
     code = launch_ranks(["profile", study_toml, "-o", output] + (["--torch-trace", torch_trace] if torch_trace else []),
-                        config.launch.nproc_per_node, allocator=config.launch.allocator)
+                        config.launch)
     _exit_with_ranks(code, "profiling", (2,))
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
-from planner.artifacts.names import Allocator
 from runtime.allocator import rank_environment_set
+
+if TYPE_CHECKING:
+    from planner.artifacts.tables import LaunchTable
 
 
 def in_torchrun() -> bool:
@@ -20,20 +23,20 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch_ranks(cli_args: list[str], nproc_per_node: int, module: str = "jobs.cli",
-                 allocator: Allocator | str = Allocator.SYSTEM) -> int:
+def launch_ranks(cli_args: list[str], launch: LaunchTable, module: str = "jobs.cli") -> int:
     """Run ``python -m <module> <cli_args>`` on local ranks (``jobs.cli``; a bench: ``bench.fidelity``).
 
     Uses ``torch.distributed.run`` with a standalone rendezvous on a free
-    local port, one compute thread per rank (``OMP_NUM_THREADS=1``), the
-    ranks under ``allocator`` (``[launch] allocator``, :mod:`runtime.allocator`).
+    local port, the study's ``[launch]`` ``nproc_per_node`` ranks, one compute
+    thread per rank (``OMP_NUM_THREADS=1``), under its ``allocator``
+    (:mod:`runtime.allocator`).
 
     Returns:
         0 if every rank succeeded, 130 if the launcher was interrupted (the
         ranks get the signal too), else the first failing rank's exit code.
 
     Raises:
-        StudyConfigError: ``allocator`` is not installed.
+        StudyConfigError: the ``allocator`` is not installed.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -42,10 +45,10 @@ def launch_ranks(cli_args: list[str], nproc_per_node: int, module: str = "jobs.c
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc_per_node}", "--module", module, *cli_args]
+        ["--standalone", f"--nproc-per-node={launch.nproc_per_node}", "--module", module, *cli_args]
     )
     try:
-        with rank_environment_set(allocator):
+        with rank_environment_set(launch.allocator):
             run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planner.artifacts.names import Allocator, Backend
 from planner.errors import StudyConfigError
-from runtime.allocator import check_rank_allocator, rank_environment
+from runtime.allocator import check_rank_allocator, jemalloc_library
 
 
 def check_runnable(backend: Backend | str, ranks_per_node: int,
@@ -32,7 +32,8 @@ def check_runnable(backend: Backend | str, ranks_per_node: int,
     Raises:
         StudyConfigError: naming the key and what to set instead.
     """
-    rank_environment(allocator)
+    if Allocator(allocator) == Allocator.JEMALLOC:
+        jemalloc_library()  # refuses a machine without it
     if Backend(backend) != Backend.NCCL:
         return
     if not torch.cuda.is_available():
