@@ -18,6 +18,7 @@ import sys
 
 import click
 
+from jobs import PROGRESS_LOGGERS
 from planner.artifacts.config import StudyConfig, load_study_config
 from planner.errors import PlannerError
 from planner.presentation import cli as planner_cli
@@ -209,7 +210,7 @@ def _log_rank0_progress() -> None:
     rank0 = os.environ.get("RANK", "0") == "0"
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    for name in ("jobs", "planner", "runtime"):
+    for name in PROGRESS_LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers = [handler]
         logger.setLevel(logging.INFO if rank0 else logging.WARNING)

@@ -15,7 +15,9 @@ import logging
 import optuna
 import torch.distributed as dist
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from jobs import PROGRESS_LOGGERS
 from jobs.outputs import check_output_folders
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
@@ -155,14 +157,26 @@ class TuneJob:
                              confirm_launches=self.confirm_launches)
 
     def _measure(self, workload: Workload, group: dist.ProcessGroup, rank0: bool):
-        self._bar = tqdm(desc="measured", unit="step", disable=not rank0 or not self.progress)
+        """The measured round, its progress bar drawn from the first measured step.
+
+        The simulated stage runs inside the round (rank 0, on the first ask), with its own bar and log lines: a
+        bar drawn before it would sit under Optuna's and split the lines. While the bar is drawn, the progress
+        loggers' records go through ``tqdm.write`` (``logging_redirect_tqdm``), so a line never lands on the bar.
+        """
+        self._bar = None
+        loggers = [logging.getLogger(name) for name in PROGRESS_LOGGERS]
         try:
-            return measured_round(workload, self.session, self.config.measure.warmup_steps, group, self._stepped)
+            with logging_redirect_tqdm(loggers=loggers):
+                return measured_round(workload, self.session, self.config.measure.warmup_steps, group,
+                                      self._stepped if rank0 and self.progress else None)
         finally:
-            self._bar.close()
+            if self._bar is not None:
+                self._bar.close()
 
     def _stepped(self) -> None:
         """Progress: one step more; the total is what the schedule may still run (an ETA at its worst)."""
+        if self._bar is None:
+            self._bar = tqdm(desc="measured", unit="step")
         bar = self._bar
         schedule = self.session.schedule if self.session is not None else None
         if schedule is not None:
@@ -171,6 +185,6 @@ class TuneJob:
 
     def _dropped(self, trial: MeasuredTrial, rounds: int) -> None:
         race = self.session.schedule.race
-        self._bar.write(f"      dropped trial {trial.number} after {rounds} rounds: significantly slower than the "
+        tqdm.write(f"      dropped trial {trial.number} after {rounds} rounds: significantly slower than the "
                         f"leader (noise {race.noise_pct():.1f}% step IQR / median; this look's test drops a plan "
                         f"{100 * race.detectable_slowdown():.1f}% slower with 80% power)")

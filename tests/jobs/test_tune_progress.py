@@ -1,0 +1,74 @@
+"""The tune job's progress on rank 0: the measured bar is drawn from the first measured step, and the jobs' log lines
+never land on it (the simulated stage's lines used to follow ``measured: 0step`` on the same terminal line)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+import jobs.tune as tune_module
+from jobs import PROGRESS_LOGGERS
+from jobs.cli import _log_rank0_progress
+from jobs.tune import TuneJob
+
+
+@pytest.fixture
+def rank0_logging(monkeypatch):
+    """Installs the progress loggers as ``jobs.cli`` sets them on rank 0 (stdout, INFO) when called in a test, where
+    stdout is the test's capture; restores them afterwards."""
+    loggers = [logging.getLogger(name) for name in PROGRESS_LOGGERS]
+    saved = [(lg.handlers, lg.level, lg.propagate) for lg in loggers]
+    monkeypatch.setenv("RANK", "0")
+    yield _log_rank0_progress
+    for lg, (handlers, level, propagate) in zip(loggers, saved, strict=True):
+        lg.handlers, lg.propagate = handlers, propagate
+        lg.setLevel(level)
+
+
+def _job(progress: bool) -> TuneJob:
+    config = SimpleNamespace(measure=SimpleNamespace(warmup_steps=1))
+    return TuneJob(config, plan_out="unused.plan.json", profile_out="unused.profile.json", progress=progress)
+
+
+def _round_that_logs(capsys, seen: dict):
+    """A measured round: the simulated stage logs, three steps are measured, the race logs its table."""
+
+    def measured_round(workload, session, warmup_steps, group, on_step):
+        logging.getLogger("planner.study.session").info("[2/3] simulated stage: 30 trials")
+        seen["before the first step"] = capsys.readouterr()
+        for _ in range(3):
+            if on_step is not None:
+                on_step()
+        logging.getLogger("planner.study.session").info("race: 3 rounds")
+        return "round result"
+
+    return measured_round
+
+
+def test_the_measured_bar_is_drawn_from_the_first_step_and_log_lines_stay_whole(monkeypatch, capsys, rank0_logging):
+    rank0_logging()
+    seen = {}
+    monkeypatch.setattr(tune_module, "measured_round", _round_that_logs(capsys, seen))
+    assert _job(progress=True)._measure(workload=None, group=None, rank0=True) == "round result"
+    after = capsys.readouterr()
+
+    before = seen["before the first step"]
+    assert before.err == ""  # no bar yet while the simulated stage logs
+    assert before.out == "[2/3] simulated stage: 30 trials\n"
+    assert "measured" in after.err and "3step" in after.err  # drawn, and counted every step
+    assert after.out.endswith("race: 3 rounds\n")  # written through tqdm.write, a whole line of its own
+    assert "\nrace: 3 rounds\n" in "\n" + after.out
+
+
+@pytest.mark.parametrize("progress, rank0", [(False, True), (True, False)])
+def test_no_bar_without_progress_or_off_rank0(monkeypatch, capsys, rank0_logging, progress, rank0):
+    rank0_logging()
+    seen = {}
+    monkeypatch.setattr(tune_module, "measured_round", _round_that_logs(capsys, seen))
+    _job(progress=progress)._measure(workload=None, group=None, rank0=rank0)
+    after = capsys.readouterr()
+
+    assert seen["before the first step"].err == "" and after.err == ""
+    assert after.out == "race: 3 rounds\n"
