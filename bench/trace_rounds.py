@@ -36,6 +36,7 @@ import click
 from bench.ranks import json_flag, report_saved, run_studies, saved_run_options, studies_argument, user_profiler
 from bench.trace_profile import (
     FIGURES,
+    _error,
     _median_errors,
     _shape_errors,
     bare_reduce_scatter_line,
@@ -109,7 +110,7 @@ def median_profile(profiles: list):
     replaced by their medians over ``profiles``."""
     first = profiles[0]
     modules = {fqn: dataclasses.replace(m, **{f: statistics.median(getattr(p.modules[fqn], f) for p in profiles)
-                                              for f in FIGURES})
+                                              for f in (*FIGURES, "recompute_ms")})
                for fqn, m in first.modules.items()}
     return dataclasses.replace(first, modules=modules,
                                measured_step_ms=statistics.median(p.measured_step_ms for p in profiles))
@@ -119,6 +120,23 @@ def levels(a, b, figures: tuple[str, ...]) -> dict[str, float]:
     """Per figure, the median over ``b``'s modules of ``a``'s figure over ``b``'s (modules where ``b`` is 0 left
     out): the level a step-wide scale absorbs."""
     return {f: level for f, (level, _) in _shape_errors(a, b, figures).items()}
+
+
+def recompute_line(traced, recorded) -> tuple[str, float] | None:
+    """The checkpointed modules' recompute (the part of ``bwd_ms`` that re-runs the forward), ``traced`` against
+    ``recorded``: the line and the median |error| over the modules the recorder saw recompute, %; ``None`` where it
+    saw none (no checkpointing)."""
+    fqns = [q for q in recorded.fingerprint.module_fqns if recorded.modules[q].recompute_ms > 0]
+    if not fqns:
+        return None
+    error = statistics.median(abs(_error(traced.modules[q].recompute_ms, recorded.modules[q].recompute_ms))
+                              for q in fqns)
+    others = [q for q in recorded.fingerprint.module_fqns if q not in fqns and traced.modules[q].recompute_ms > 0]
+    total = {name: sum(p.modules[q].recompute_ms for q in fqns) for name, p in (("t", traced), ("r", recorded))}
+    return (f"recompute, the {len(fqns)} modules the recorder saw recompute: median |error| {error:.1f}%, "
+            f"{total['t']:.1f} ms a step traced against {total['r']:.1f} recorded (the trace's span starts at a "
+            f"block's first forward-only op, planner/traces/recompute.py); traced in {len(others)} other "
+            "module(s)"), error
 
 
 def report(run: dict) -> dict:
@@ -144,6 +162,10 @@ def report(run: dict) -> dict:
     if "reduce_scatter_ms" in figures and bare:
         line, summary["bare_reduce_scatter_pct"] = bare_reduce_scatter_line(pooled, rec, bare)
         print(line)
+    recompute = recompute_line(pooled, rec)
+    if recompute is not None:
+        print(recompute[0])
+        summary["recompute_pct"] = recompute[1]
     print("per round, the trace against that round's recording: median |error| / level (trace over recorder)")
     print(f"{'round':<7}{'first':<9}" + "".join(f"{f:>24}" for f in figures))
     per_round = []
