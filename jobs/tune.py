@@ -186,5 +186,5 @@ class TuneJob:
     def _dropped(self, trial: MeasuredTrial, rounds: int) -> None:
         race = self.session.schedule.race
         tqdm.write(f"      dropped trial {trial.number} after {rounds} rounds: significantly slower than the "
-                        f"leader (noise {race.noise_pct():.1f}% step IQR / median; this look's test drops a plan "
-                        f"{100 * race.detectable_slowdown():.1f}% slower with 80% power)")
+                   f"leader (noise {race.noise_pct():.1f}% step IQR / median; this look's test drops a plan "
+                   f"{100 * race.detectable_slowdown():.1f}% slower with 80% power)")
