@@ -132,9 +132,9 @@ def recompute_line(traced, recorded) -> tuple[str, float] | None:
     error = statistics.median(abs(_error(traced.modules[q].recompute_ms, recorded.modules[q].recompute_ms))
                               for q in fqns)
     others = [q for q in recorded.fingerprint.module_fqns if q not in fqns and traced.modules[q].recompute_ms > 0]
-    total = {name: sum(p.modules[q].recompute_ms for q in fqns) for name, p in (("t", traced), ("r", recorded))}
+    traced_ms, recorded_ms = (sum(p.modules[q].recompute_ms for q in fqns) for p in (traced, recorded))
     return (f"recompute, the {len(fqns)} modules the recorder saw recompute: median |error| {error:.1f}%, "
-            f"{total['t']:.1f} ms a step traced against {total['r']:.1f} recorded (the trace's span starts at a "
+            f"{traced_ms:.1f} ms a step traced against {recorded_ms:.1f} recorded (the trace's span starts at a "
             f"block's first forward-only op, planner/traces/recompute.py); traced in {len(others)} other "
             "module(s)"), error
 

@@ -46,7 +46,7 @@ def step_usage_lines(in_step: InStepTimings) -> list[str]:
     from :data:`FAULTS_PER_STEP_MS_NOTED` faults a ms on, a second line on what they do to the predictions and the
     setting that removes them. ``[]`` where the profile did not measure them (a trace, an older profile)."""
     share, faults = in_step.kernel_share(), in_step.default_step_faults
-    if share is None or faults is None or in_step.default_step_kernel_ms is None:
+    if share is None or faults is None:  # share is None where the kernel ms are
         return []
     lines = [f"the default's step took {faults:,} page faults and {in_step.default_step_kernel_ms:.0f} ms of kernel "
              f"CPU ({100 * share:.0f}% of the step: the faults, gloo's socket copies, the scheduler), under the "
