@@ -92,7 +92,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
         stage qwen2-trace 200 python3 -m bench.trace_profile $st/qwen2-gpu.toml --steps 3 \
             --json "$out/trace-profile-qwen2-gpu.json" --traces /tmp/traces-qwen2 ;;
     tune)
-        stage tune 170 python3 -m jobs.cli tune $st/llama-gpu.toml
+        stage tune 230 python3 -m jobs.cli tune $st/llama-gpu.toml
         stage best 60 python3 -m jobs.cli studies best llama-gpu --storage sqlite:///$st/llama-gpu.db
         cp $st/llama-gpu.db $st/llama-gpu.plan.json "$out/" 2>/dev/null ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
