@@ -64,6 +64,7 @@ class TuneJob:
         self.profile_in = profile_in
         self.session: TuningSession | None = None
         self._bar: tqdm | None = None
+        self._bar_blocks = 0  # the schedule's blocks the bar's total was set at
 
     @staticmethod
     def check_before_launch(config: StudyConfig, *outputs: str, profile_in: str | None = None) -> None:
@@ -163,24 +164,30 @@ class TuneJob:
         bar drawn before it would sit under Optuna's and split the lines. While the bar is drawn, the progress
         loggers' records go through ``tqdm.write`` (``logging_redirect_tqdm``), so a line never lands on the bar.
         """
-        self._bar = None
+        self._bar, self._bar_blocks = None, 0
         loggers = [logging.getLogger(name) for name in PROGRESS_LOGGERS]
         try:
             with logging_redirect_tqdm(loggers=loggers):
-                return measured_round(workload, self.session, self.config.measure.warmup_steps, group,
-                                      self._stepped if rank0 and self.progress else None)
+                result = measured_round(workload, self.session, self.config.measure.warmup_steps, group,
+                                        self._stepped if rank0 and self.progress else None)
+            if self._bar is not None:  # the schedule may end before its worst case: the bar ends full
+                self._bar.total = self._bar.n
+            return result
         finally:
             if self._bar is not None:
                 self._bar.close()
 
     def _stepped(self) -> None:
-        """Progress: one step more; the total is what the schedule may still run (an ETA at its worst)."""
+        """Progress: one step more. The total is set at each block's first step, to the steps run before it and what
+        the schedule may still run (this block included: an ETA at its worst), and holds within the block; no total
+        during the warm-up, before the schedule exists."""
         if self._bar is None:
             self._bar = tqdm(desc="measured", unit="step")
         bar = self._bar
         schedule = self.session.schedule if self.session is not None else None
-        if schedule is not None:
-            bar.total = bar.n + 1 + schedule.planned_steps()
+        if schedule is not None and schedule.blocks != self._bar_blocks:
+            self._bar_blocks = schedule.blocks
+            bar.total = bar.n + schedule.planned_steps()
         bar.update()
 
     def _dropped(self, trial: MeasuredTrial, rounds: int) -> None:

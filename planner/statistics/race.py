@@ -128,12 +128,24 @@ class Race:
         # The rounds alpha is spent over ([Note: Dropping ...]): fixed before any data, the first block included.
         self._spend_over = max(self.settings.max_rounds, self.block())
 
-    def block(self) -> int:
+    def block(self, looked: bool | None = None) -> int:
         """Rounds of the next block: whole cycles of the design over the plans alive, at least ``min_rounds``
-        before the first look and ``block_rounds`` after ([Note: Looks on whole cycles])."""
+        before the first look and ``block_rounds`` after ([Note: Looks on whole cycles]); ``looked``: as if a look
+        had (not) been made yet (default: whether one was)."""
         cycle = cycle_rounds(len(self.alive))
-        want = self.settings.block_rounds if self.looks else self.settings.min_rounds
+        looked = bool(self.looks) if looked is None else looked
+        want = self.settings.block_rounds if looked else self.settings.min_rounds
         return cycle * max(1, math.ceil(want / cycle))
+
+    def rounds_left(self) -> int:
+        """Rounds the race may still run if no plan is dropped (progress bars): the next block, which always runs,
+        then, with two candidates or more, every block that would end by ``max_rounds`` (:meth:`finished`); the time
+        budget is not counted."""
+        left = self.block()
+        after = self.block(looked=True)
+        while len(self.candidates) > 1 and len(self.rounds) + left + after <= self.settings.max_rounds:
+            left += after
+        return left
 
     @property
     def candidates(self) -> list[int]:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.statistics.race import Race, RaceSettings, cycle_rounds
+from planner.statistics.race import Race, RaceSettings
 from planner.statistics.verdict import Confirmation, confirm, confirmation_rounds, step_noise_pct
 
 
@@ -62,6 +62,7 @@ class Schedule:
         confirm_ms: ``{plan: step times}`` of the confirmation rounds, ms.
         on_drop: called with each dropped plan and the rounds run (progress reports).
         clock: seconds, for the race's time budget.
+        blocks: blocks handed out so far (progress bars: :meth:`planned_steps` changes only with a new block).
     """
 
     n_plans: int
@@ -74,6 +75,7 @@ class Schedule:
     phase: Phase = field(init=False, default=Phase.RACE)
     confirmation: Confirmation | None = field(init=False, default=None)
     confirm_ms: dict[int, list[float]] = field(init=False, default_factory=dict)
+    blocks: int = field(init=False, default=0)
     _started: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -90,11 +92,14 @@ class Schedule:
         if self._started is None:
             self._started = self.clock()
         if self.phase == Phase.RACE:
-            return self.race.orders(self.race.block())
-        if self.phase == Phase.CONFIRM:
-            return confirmation_orders((self.survivor, self.default), self.confirm_settings.rounds(
+            block = self.race.orders(self.race.block())
+        elif self.phase == Phase.CONFIRM:
+            block = confirmation_orders((self.survivor, self.default), self.confirm_settings.rounds(
                 self.race.ratio_sigma()))
-        return None
+        else:
+            return None
+        self.blocks += 1
+        return block
 
     def record(self, block: list[dict[int, float]]) -> None:
         """The step times of the block just run: per round, plan -> ms (max across ranks)."""
@@ -117,13 +122,12 @@ class Schedule:
             self.phase = Phase.DONE
 
     def planned_steps(self) -> int:
-        """Steps still to run at most, as known now (progress bars): the race's rest and the largest confirmation."""
+        """Steps still to run at most, as known at the last block handed out (progress bars): the race's rest and the
+        largest confirmation. The block in flight counts whole until :meth:`record` takes it."""
         if self.phase == Phase.DONE:
             return 0
         confirm_steps = 2 * self.confirm_settings.max_rounds if self.confirm_settings.launches == 0 else 0
         if self.phase == Phase.CONFIRM:
             return confirm_steps
-        rest = max(self.race_settings.max_rounds - len(self.race.rounds), self.race.block())
-        rest += -rest % cycle_rounds(len(self.race.alive))
-        return rest * len(self.race.alive) + confirm_steps
+        return self.race.rounds_left() * len(self.race.alive) + confirm_steps
 

@@ -4,6 +4,9 @@ never land on it (the simulated stage's lines used to follow ``measured: 0step``
 from __future__ import annotations
 
 import logging
+import math
+import random
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +15,7 @@ import jobs.tune as tune_module
 from jobs import PROGRESS_LOGGERS
 from jobs.cli import _log_rank0_progress
 from jobs.tune import TuneJob
+from planner.statistics.schedule import Schedule
 
 
 @pytest.fixture
@@ -72,3 +76,51 @@ def test_no_bar_without_progress_or_off_rank0(monkeypatch, capsys, rank0_logging
 
     assert seen["before the first step"].err == "" and after.err == ""
     assert after.out == "race: 3 rounds\n"
+
+
+def _round_on_a_schedule(job: TuneJob, seen: list):
+    """A measured round of 4 plans on a real schedule (plan 3 far slower, so the race drops it; then the confirmation
+    in-process): 2 warm-up steps a plan before the schedule exists, then its blocks. ``seen``: (n, total) after each
+    step."""
+
+    def measured_round(workload, session, warmup_steps, group, on_step):
+        schedule = Schedule(4, clock=lambda: 0.0)
+        rng = random.Random(0)
+        for _ in range(2 * 4):
+            on_step()
+            seen.append((job._bar.n, job._bar.total))
+        job.session = SimpleNamespace(schedule=schedule)
+        while (block := schedule.next_block()) is not None:
+            times = []
+            for order in block:
+                ms = {}
+                for plan in order:
+                    ms[plan] = (130.0 if plan == 3 else 100.0) * math.exp(rng.gauss(0, 0.01))
+                    on_step()
+                    seen.append((job._bar.n, job._bar.total))
+                times.append(ms)
+            schedule.record(times)
+        return schedule
+
+    return measured_round
+
+
+def test_the_measured_bar_total_holds_within_a_block_and_ends_full(monkeypatch, capsys, rank0_logging):
+    """The total is set from the schedule at each block's first step: it never grows as steps run (it did, by one a
+    step, while a block's rounds were not yet recorded), shrinks when the race drops a plan or the confirmation needs
+    fewer rounds than its most, and the bar ends full."""
+    rank0_logging()
+    job = _job(progress=True)
+    seen: list = []
+    monkeypatch.setattr(tune_module, "measured_round", _round_on_a_schedule(job, seen))
+    schedule = job._measure(workload=None, group=None, rank0=True)
+    capsys.readouterr()
+
+    warm_up, scheduled = seen[:8], seen[8:]
+    assert all(total is None for _, total in warm_up)
+    totals = [total for _, total in scheduled]
+    assert all(n <= total for n, total in scheduled)
+    assert all(later <= earlier for earlier, later in pairwise(totals))
+    assert totals[-1] < totals[0]  # the drop and the confirmation's rounds came in under the worst case
+    assert schedule.race.alive != [0, 1, 2, 3] and schedule.confirmation is not None
+    assert job._bar.n == len(seen) and job._bar.total == job._bar.n

@@ -258,3 +258,22 @@ def test_confirm_is_a_paired_median_with_a_reproducible_interval():
     assert c.verdict == Verdict.FASTER and c.rounds == 8 and c.launches == 1
     with pytest.raises(ValueError, match="6 or more paired rounds"):
         confirm([1.0] * 7, [1.0] * 6, 0.0)
+
+
+@pytest.mark.parametrize("plans, settings", [
+    (2, RaceSettings()), (3, RaceSettings()), (4, RaceSettings()), (5, RaceSettings()), (13, RaceSettings()),
+    (3, RaceSettings(min_rounds=4, block_rounds=2, max_rounds=40)), (4, RaceSettings(min_rounds=6, max_rounds=30)),
+])
+def test_planned_steps_at_each_block_are_the_steps_a_race_without_drops_still_runs(plans, settings):
+    """The progress bar's total: asked as a block starts, the schedule's worst case is exact when no plan is dropped
+    (it counted the rounds up to ``max_rounds`` rounded up to a whole cycle, past where the race stops)."""
+    s = Schedule(plans, settings, ConfirmSettings(launches=2), clock=lambda: 0.0)
+    rng = np.random.default_rng(3)
+    planned, sizes = [], []
+    while (block := s.next_block()) is not None:
+        planned.append(s.planned_steps())
+        sizes.append(sum(len(order) for order in block))
+        s.record([{p: 100.0 * math.exp(rng.normal(0, 0.01)) for p in order} for order in block])
+    assert not s.race.dropped  # the premise: equal plans, none dropped at this seed
+    assert planned == [sum(sizes[k:]) for k in range(len(sizes))]
+    assert s.planned_steps() == 0
