@@ -65,6 +65,7 @@ class TuneJob:
         self.session: TuningSession | None = None
         self._bar: tqdm | None = None
         self._bar_blocks = 0  # the schedule's blocks the bar's total was set at
+        self._warm_up_steps: int | None = None  # the measured round's warm-up steps, once it says
 
     @staticmethod
     def check_before_launch(config: StudyConfig, *outputs: str, profile_in: str | None = None) -> None:
@@ -164,12 +165,13 @@ class TuneJob:
         bar drawn before it would sit under Optuna's and split the lines. While the bar is drawn, the progress
         loggers' records go through ``tqdm.write`` (``logging_redirect_tqdm``), so a line never lands on the bar.
         """
-        self._bar, self._bar_blocks = None, 0
+        self._bar, self._bar_blocks, self._warm_up_steps = None, 0, None
         loggers = [logging.getLogger(name) for name in PROGRESS_LOGGERS]
         try:
             with logging_redirect_tqdm(loggers=loggers):
+                shown = rank0 and self.progress
                 result = measured_round(workload, self.session, self.config.measure.warmup_steps, group,
-                                        self._stepped if rank0 and self.progress else None)
+                                        self._stepped if shown else None, self._warming_up if shown else None)
             if self._bar is not None:  # the schedule may end before its worst case: the bar ends full
                 self._bar.total = self._bar.n
             return result
@@ -177,12 +179,16 @@ class TuneJob:
             if self._bar is not None:
                 self._bar.close()
 
+    def _warming_up(self, steps: int) -> None:
+        """Progress: the warm-up's steps, the bar's total until the schedule exists (it is drawn at the first step)."""
+        self._warm_up_steps = steps
+
     def _stepped(self) -> None:
-        """Progress: one step more. The total is set at each block's first step, to the steps run before it and what
-        the schedule may still run (this block included: an ETA at its worst), and holds within the block; no total
-        during the warm-up, before the schedule exists."""
+        """Progress: one step more. The total is the warm-up's steps until the schedule exists; then it is set at
+        each block's first step, to the steps run before it and what the schedule may still run (this block
+        included: an ETA at its worst), and holds within the block."""
         if self._bar is None:
-            self._bar = tqdm(desc="measured", unit="step")
+            self._bar = tqdm(desc="measured", unit="step", total=self._warm_up_steps)
         bar = self._bar
         schedule = self.session.schedule if self.session is not None else None
         if schedule is not None and schedule.blocks != self._bar_blocks:

@@ -174,6 +174,11 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
                       step_peak(profiler_allocations(prof, within=OPTIMIZER_BLOCK)))
 
 
+def warm_up_steps(warmup_steps: int) -> int:
+    """Steps :func:`warm_up_measuring_peaks` runs per plan for ``warmup_steps``: its plain steps and its peak steps."""
+    return max(0, warmup_steps - PEAK_STEPS) + PEAK_STEPS
+
+
 def warm_up_measuring_peaks(workload: Workload, plans: Sequence[Plan], warmup_steps: int, steps: StepCounter,
                             on_step: Callable[[], None] | None = None) -> list[list[int]]:
     """Warm each plan up, measuring its peak on the way (all ranks call this with the same plans).
@@ -193,7 +198,7 @@ def warm_up_measuring_peaks(workload: Workload, plans: Sequence[Plan], warmup_st
     try:
         for index, plan in enumerate(plans):  # noqa: B007 - the except clause names the plan by its index
             apply_plan(workload.model, plan, check=False)
-            for _ in range(max(0, warmup_steps - PEAK_STEPS)):
+            for _ in range(warm_up_steps(warmup_steps) - PEAK_STEPS):
                 train_step(workload, steps.next())
                 if on_step is not None:
                     on_step()

@@ -64,7 +64,7 @@ from runtime.apply import apply_plan
 from runtime.collectives import broadcast_from_rank0, broadcast_plans, gather_objects
 from runtime.interrupts import interrupts_deferred
 from runtime.measure import Scheduler, StepCounter, StepFailed, run_schedule
-from runtime.peak_memory import peak_of_steps, warm_up_measuring_peaks
+from runtime.peak_memory import peak_of_steps, warm_up_measuring_peaks, warm_up_steps
 from runtime.workload import Workload
 
 
@@ -135,6 +135,7 @@ def measured_round(
     warmup_steps: int,
     group: dist.ProcessGroup,
     on_step: Callable[[], None] | None = None,
+    on_warm_up: Callable[[int], None] | None = None,
 ) -> RoundResult:
     """One measured round on every rank (see the Note above).
 
@@ -145,6 +146,8 @@ def measured_round(
         warmup_steps: untimed steps per plan before the first block.
         group: the control group (``runtime.collectives.control_group``).
         on_step: progress callback per step.
+        on_warm_up: progress callback, called once before the warm-up with its steps (every plan that applied
+            everywhere, ``runtime.peak_memory.warm_up_steps(warmup_steps)`` steps each).
 
     Returns:
         :class:`RoundResult` (``told`` empty on ranks other than 0).
@@ -173,7 +176,7 @@ def measured_round(
             stage.fail(asked, "not measured: FSDP2's default plan failed to apply, so there is nothing to compare "
                               "with", FailKind.INTERRUPTED)
         return RoundResult([], {asked[i].number: r for i, r in failed.items()} if rank0 else {})
-    return round_.measure(keep, failed, warmup_steps, on_step)
+    return round_.measure(keep, failed, warmup_steps, on_step, on_warm_up)
 
 
 class _Round:
@@ -207,9 +210,11 @@ class _Round:
         return keep, failed
 
     def measure(self, keep: list[int], failed: dict[int, str], warmup_steps: int,
-                on_step: Callable[[], None] | None) -> RoundResult:
+                on_step: Callable[[], None] | None, on_warm_up: Callable[[int], None] | None) -> RoundResult:
         """Warm up, then run the schedule's blocks until rank 0's schedule is done; rank 0 tells the study."""
         plans = [self.plans[i] for i in keep]
+        if on_warm_up is not None:
+            on_warm_up(len(plans) * warm_up_steps(warmup_steps))
         steps = StepCounter()
         local_peaks = self._everywhere(
             keep, lambda: warm_up_measuring_peaks(self.workload, plans, warmup_steps, steps, on_step))

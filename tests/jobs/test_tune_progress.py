@@ -39,7 +39,7 @@ def _job(progress: bool) -> TuneJob:
 def _round_that_logs(capsys, seen: dict):
     """A measured round: the simulated stage logs, three steps are measured, the race logs its table."""
 
-    def measured_round(workload, session, warmup_steps, group, on_step):
+    def measured_round(workload, session, warmup_steps, group, on_step, on_warm_up):
         logging.getLogger("planner.study.session").info("[2/3] simulated stage: 30 trials")
         seen["before the first step"] = capsys.readouterr()
         for _ in range(3):
@@ -80,12 +80,13 @@ def test_no_bar_without_progress_or_off_rank0(monkeypatch, capsys, rank0_logging
 
 def _round_on_a_schedule(job: TuneJob, seen: list):
     """A measured round of 4 plans on a real schedule (plan 3 far slower, so the race drops it; then the confirmation
-    in-process): 2 warm-up steps a plan before the schedule exists, then its blocks. ``seen``: (n, total) after each
-    step."""
+    in-process): 2 warm-up steps a plan before the schedule exists, announced, then its blocks. ``seen``: (n, total)
+    after each step."""
 
-    def measured_round(workload, session, warmup_steps, group, on_step):
+    def measured_round(workload, session, warmup_steps, group, on_step, on_warm_up):
         schedule = Schedule(4, clock=lambda: 0.0)
         rng = random.Random(0)
+        on_warm_up(2 * 4)
         for _ in range(2 * 4):
             on_step()
             seen.append((job._bar.n, job._bar.total))
@@ -106,9 +107,10 @@ def _round_on_a_schedule(job: TuneJob, seen: list):
 
 
 def test_the_measured_bar_total_holds_within_a_block_and_ends_full(monkeypatch, capsys, rank0_logging):
-    """The total is set from the schedule at each block's first step: it never grows as steps run (it did, by one a
-    step, while a block's rounds were not yet recorded), shrinks when the race drops a plan or the confirmation needs
-    fewer rounds than its most, and the bar ends full."""
+    """The total is the warm-up's steps, as the round announces them, until the schedule exists; then it is set from
+    the schedule at each block's first step: it never grows as steps run (it did, by one a step, while a block's
+    rounds were not yet recorded), shrinks when the race drops a plan or the confirmation needs fewer rounds than its
+    most, and the bar ends full."""
     rank0_logging()
     job = _job(progress=True)
     seen: list = []
@@ -117,7 +119,7 @@ def test_the_measured_bar_total_holds_within_a_block_and_ends_full(monkeypatch, 
     capsys.readouterr()
 
     warm_up, scheduled = seen[:8], seen[8:]
-    assert all(total is None for _, total in warm_up)
+    assert warm_up == [(n, 8) for n in range(1, 9)]  # the warm-up's own count, full at its last step
     totals = [total for _, total in scheduled]
     assert all(n <= total for n, total in scheduled)
     assert all(later <= earlier for earlier, later in pairwise(totals))
