@@ -180,19 +180,21 @@ class TuneJob:
                 self._bar.close()
 
     def _warming_up(self, steps: int) -> None:
-        """Progress: the warm-up's steps, the bar's total until the schedule exists (it is drawn at the first step)."""
+        """Progress: the warm-up's steps, the bar's total until the schedule exists (drawn at the first step)."""
         self._warm_up_steps = steps
 
     def _stepped(self) -> None:
-        """Progress: one step more. The total is the warm-up's steps until the schedule exists; then it is set at
-        each block's first step, to the steps run before it and what the schedule may still run (this block
-        included: an ETA at its worst), and holds within the block."""
+        """Progress: one step more. The bar reads ``warm-up``, its total the warm-up's steps, until the schedule
+        exists; then ``measured``, its total set at each block's first step to the steps run before it and what the
+        schedule may still run (this block included: an ETA at its worst), and held within the block."""
         if self._bar is None:
-            self._bar = tqdm(desc="measured", unit="step", total=self._warm_up_steps)
+            desc = "measured" if self._warm_up_steps is None else "warm-up"
+            self._bar = tqdm(desc=desc, unit="step", total=self._warm_up_steps)
         bar = self._bar
         schedule = self.session.schedule if self.session is not None else None
         if schedule is not None and schedule.blocks != self._bar_blocks:
             self._bar_blocks = schedule.blocks
+            bar.set_description_str("measured", refresh=False)
             bar.total = bar.n + schedule.planned_steps()
         bar.update()
 

@@ -78,10 +78,10 @@ def test_no_bar_without_progress_or_off_rank0(monkeypatch, capsys, rank0_logging
     assert after.out == "race: 3 rounds\n"
 
 
-def _round_on_a_schedule(job: TuneJob, seen: list):
+def _round_on_a_schedule(job: TuneJob, seen: list, descriptions: set):
     """A measured round of 4 plans on a real schedule (plan 3 far slower, so the race drops it; then the confirmation
     in-process): 2 warm-up steps a plan before the schedule exists, announced, then its blocks. ``seen``: (n, total)
-    after each step."""
+    after each step; ``descriptions``: the bar's descriptions in the warm-up."""
 
     def measured_round(workload, session, warmup_steps, group, on_step, on_warm_up):
         schedule = Schedule(4, clock=lambda: 0.0)
@@ -90,6 +90,7 @@ def _round_on_a_schedule(job: TuneJob, seen: list):
         for _ in range(2 * 4):
             on_step()
             seen.append((job._bar.n, job._bar.total))
+            descriptions.add(job._bar.desc)
         job.session = SimpleNamespace(schedule=schedule)
         while (block := schedule.next_block()) is not None:
             times = []
@@ -114,12 +115,14 @@ def test_the_measured_bar_total_holds_within_a_block_and_ends_full(monkeypatch, 
     rank0_logging()
     job = _job(progress=True)
     seen: list = []
-    monkeypatch.setattr(tune_module, "measured_round", _round_on_a_schedule(job, seen))
+    warm_up_descriptions: set = set()
+    monkeypatch.setattr(tune_module, "measured_round", _round_on_a_schedule(job, seen, warm_up_descriptions))
     schedule = job._measure(workload=None, group=None, rank0=True)
     capsys.readouterr()
 
     warm_up, scheduled = seen[:8], seen[8:]
     assert warm_up == [(n, 8) for n in range(1, 9)]  # the warm-up's own count, full at its last step
+    assert warm_up_descriptions == {"warm-up"} and job._bar.desc == "measured"  # a full warm-up bar is not the end
     totals = [total for _, total in scheduled]
     assert all(n <= total for n, total in scheduled)
     assert all(later <= earlier for earlier, later in pairwise(totals))
