@@ -12,8 +12,8 @@ median, standard deviation (with its 95% chi-square interval) and the runs withi
 autocorrelation of the rounds' levels.
 
 What it tells apart: if the anchor's error were the rounds' own round-to-round level noise, its spread across runs
-would be about the rounds' level spread (a recorder's few steps sample about one round's worth of time), and
-timing the anchor over more of the recorder's run would shrink it. A larger spread, or a bias, is a level the
+would be about one round's level spread (the recorder's five timed steps take less time than a round), and timing
+the anchor over more of the recorder's run would shrink it. A larger spread, or a bias, is a level the
 recorder's stretch of the process has and the rounds' stretch does not. Measures nothing.
 """
 
@@ -154,7 +154,15 @@ def summary(runs: list[RunLevel]) -> list[str]:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 def main(runs: tuple[str, ...]) -> None:
     """The anchor's level across saved bench.fidelity runs (see the module's docstring)."""
-    for line in summary([run_level(p) for p in runs]):
+    levels = []
+    for path in runs:
+        try:
+            levels.append(run_level(path))
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # json's decode error is a ValueError
+            click.echo(f"error: {path}: not a saved `bench.fidelity --json` run ({type(e).__name__}: {e}); pass the "
+                       "runs under bench/results/fidelity-*.json", err=True)
+            raise SystemExit(2) from e
+    for line in summary(levels):
         click.echo(line)
 
 

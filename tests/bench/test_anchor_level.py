@@ -8,8 +8,9 @@ import math
 import random
 
 import pytest
+from click.testing import CliRunner
 
-from bench.anchor_level import lag1_autocorrelation, round_levels, run_level, sd_interval, summary
+from bench.anchor_level import lag1_autocorrelation, main, round_levels, run_level, sd_interval, summary
 
 
 def _run(tmp_path, name, anchor_ms, steps_ms, allocator=None, study="llama-cpu"):
@@ -75,3 +76,15 @@ def test_the_summary_groups_inferred_allocators_with_recorded_ones(tmp_path):
     sd = math.sqrt(sum((e - 1 / 30) ** 2 for e in (0.02, -0.04, 0.12)) / 2)  # the sample sd, n - 1
     assert f"sd {100 * sd:.1f}%" in line
     assert lines[-1] == "lag-1 autocorrelation of the rounds' levels, pooled: nan"  # no round moved
+
+
+def test_a_file_that_is_not_a_fidelity_run_is_one_line_and_exit_2(tmp_path):
+    good = _run(tmp_path, "good.json", 1000.0, [[1000.0, 1010.0], [500.0, 505.0]], "jemalloc")
+    bad = tmp_path / "trace.json"
+    bad.write_text(json.dumps({"traceEvents": []}))
+    result = CliRunner().invoke(main, [str(good), str(bad)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: {bad}: not a saved `bench.fidelity --json` run (KeyError: 'profile'); pass the runs under "
+        "bench/results/fidelity-*.json"]
+    assert CliRunner().invoke(main, [str(good)]).exit_code == 0
