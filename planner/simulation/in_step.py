@@ -59,8 +59,10 @@ step's faults and kernel ms (``InStepTimings.default_step_faults``,
 ``default_step_kernel_ms``) and ``tune`` logs the share
 (:mod:`planner.presentation.model_summary`). Under ``[launch] allocator =
 "jemalloc"`` a warm step takes no faults, and the checkpointed Llama's
-uncalibrated step error read 0.9-4.2% in 4 runs of 5 (5.9% in the fifth),
-against 4.0-33.9% under glibc.
+uncalibrated step error read 0.9-16.1%, within 5% in 4 runs of 8, against
+4.0-33.9% under glibc; what is left is the recorder's stretch of the process
+at a level of its own (sd 9.1% across the 8 runs: NOTES.md, "The anchor's
+level across the saved runs").
 """
 
 from __future__ import annotations
