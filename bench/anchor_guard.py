@@ -31,6 +31,8 @@ from pathlib import Path
 
 import click
 
+from bench.saved_runs import read_saved
+
 GUARD = 1.1  # the registered threshold: timed over the pairs' default, either way
 ASYNC_PAIRS = 5  # runtime.recorder.ASYNC_PAIRS (tests/bench/test_anchor_guard.py checks they agree)
 RETIMED = 5  # the default's steps a re-timed anchor takes
@@ -155,14 +157,8 @@ def summary(runs: list[GuardRun]) -> list[str]:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 def main(runs: tuple[str, ...]) -> None:
     """The recorder's anchor against a guard that re-times it (see the module's docstring)."""
-    read = []
-    for path in runs:
-        try:
-            read.append(guard_run(path))
-        except (KeyError, TypeError, ValueError, IndexError) as e:  # json's decode error is a ValueError
-            click.echo(f"error: {path}: not a saved `bench.step_history --json` run that starts with an `alone` "
-                       f"block ({type(e).__name__}: {e}); pass bench/results/step-history-guard-*.json", err=True)
-            raise SystemExit(2) from e
+    read = read_saved(runs, guard_run, "a saved `bench.step_history --json` run that starts with an `alone` block",
+                      "pass bench/results/step-history-guard-*.json")
     for line in summary(read):
         click.echo(line)
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import click
 
+from bench.saved_runs import read_saved
+
 WITHIN = 0.05  # the uncalibrated target of issue 21: 5%
 
 
@@ -154,14 +156,8 @@ def summary(runs: list[RunLevel]) -> list[str]:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 def main(runs: tuple[str, ...]) -> None:
     """The anchor's level across saved bench.fidelity runs (see the module's docstring)."""
-    levels = []
-    for path in runs:
-        try:
-            levels.append(run_level(path))
-        except (KeyError, TypeError, ValueError, IndexError) as e:  # json's decode error is a ValueError
-            click.echo(f"error: {path}: not a saved `bench.fidelity --json` run ({type(e).__name__}: {e}); pass the "
-                       "runs under bench/results/fidelity-*.json", err=True)
-            raise SystemExit(2) from e
+    levels = read_saved(runs, run_level, "a saved `bench.fidelity --json` run",
+                        "pass the runs under bench/results/fidelity-*.json")
     for line in summary(levels):
         click.echo(line)
 
