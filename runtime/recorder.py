@@ -90,7 +90,10 @@ ASYNC_PAIRS = 5
 # the profiled peak steps ran slow as well, in two processes of four +43% and +24% over the pairs' default (in the
 # second a stretch of five steps, and the anchor then 19% over the rounds: NOTES.md, "The peak steps first"), so
 # the peak steps run first and the pairs after them: the pairs need no settled stretch, their ratio of neighbours
-# cancels the drift.
+# cancels the drift. Tried and rejected: timing the anchor again where its steps disagree with the pairs' default
+# steps by over 10%. Registered before its test, over 23 fresh processes it fired 3 times and put the anchor 6-13
+# points further off each time; the machine's slow stretches outlast the pairs (NOTES.md, "A guard for the anchor,
+# registered before its runs"; python -m bench.anchor_guard).
 
 
 def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
