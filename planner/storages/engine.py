@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import optuna
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
@@ -63,25 +64,68 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def describe_storage_error(url: str, e: BaseException) -> str:
-    """One line naming what is wrong with the storage at ``url`` and how to fix it."""
+    """One line naming what is wrong with the storage at ``url`` and how to fix it.
+
+    A locked SQLite file is told apart by how long the failed statement waited
+    (:func:`time_lock_waits`): the whole busy timeout (another process held the
+    write lock that long), or much less (SQLite refuses without waiting, e.g.
+    ``SQLITE_BUSY_SNAPSHOT``: a transaction that read, then writes after another
+    connection committed), or unknown (an engine without the timing).
+    """
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
     if isinstance(e, ImportError):
         return (f"cannot open storage {url!r}: its database driver is not installed ({text}); "
                 "for PostgreSQL: pip install 'prefetch-planner[postgres]'")
     if "database is locked" in text:
-        return (f"storage {url!r} is locked: another process held its write lock for more than "
-                f"{sqlite_timeout_s():.0f} s; end that process (or raise PREFETCH_PLANNER_SQLITE_TIMEOUT_S) "
-                "and run again")
+        timeout = sqlite_timeout_s()
+        waited = getattr(e, WAITED_S, None)
+        if waited is not None and waited < 0.9 * timeout:
+            return (f"storage {url!r} is locked: SQLite refused a write after {waited:.2f} s, without waiting out "
+                    f"its {timeout:g} s busy timeout (it does so when another process wrote since this "
+                    "transaction read); run again")
+        held = f"for {waited:.3g} s" if waited is not None else f"for more than {timeout:g} s"
+        return (f"storage {url!r} is locked: another process held its write lock {held}; end that process "
+                "(or raise PREFETCH_PLANNER_SQLITE_TIMEOUT_S) and run again")
     return f"cannot open storage {url!r}: {text}"
+
+
+def time_lock_waits(engine: sa.Engine) -> None:
+    """Time each statement on ``engine``; a failed one's exception gets the seconds it took as ``WAITED_S``.
+
+    For :func:`describe_storage_error`: "database is locked" after the whole
+    busy timeout and after a moment are different problems. SQLAlchemy
+    events ``before_cursor_execute`` and ``handle_error``; no effect on a
+    statement that succeeds.
+    """
+    sa.event.listen(engine, "before_cursor_execute", _statement_started)
+    sa.event.listen(engine, "handle_error", _statement_failed)
+
+
+WAITED_S = "prefetch_planner_waited_s"
+_STARTED = "prefetch_planner_statement_started"
+
+
+def _statement_started(conn: sa.Connection, *_args: Any) -> None:
+    conn.info[_STARTED] = time.monotonic()
+
+
+def _statement_failed(context: sa.engine.ExceptionContext) -> None:
+    started = context.connection.info.get(_STARTED) if context.connection is not None else None
+    if started is not None and context.sqlalchemy_exception is not None:
+        setattr(context.sqlalchemy_exception, WAITED_S, time.monotonic() - started)
 
 
 @contextlib.contextmanager
 def storage_errors(url: str) -> Iterator[None]:
-    """Database errors inside become one-line :class:`StorageError`."""
+    """Database errors inside become one-line :class:`StorageError`: SQLAlchemy's, and Optuna's
+    ``StorageInternalError`` (which its RDB storage raises from a SQLAlchemy error, e.g. a locked file)."""
     try:
         yield
     except sa.exc.SQLAlchemyError as e:
         raise StorageError(describe_storage_error(url, e)) from None
+    except optuna.exceptions.StorageInternalError as e:
+        cause = e.__cause__ if isinstance(e.__cause__, sa.exc.SQLAlchemyError) else e
+        raise StorageError(describe_storage_error(url, cause)) from None
 
 
 def create_racing(create: Callable[[], T], attempts: int = 5) -> T:
@@ -142,6 +186,7 @@ def check_writable(url: str) -> None:
                 raise StorageError(f"cannot create storage {url!r}: folder {str(path.parent)!r} does not exist")
             return
         engine = sa.create_engine(url, **engine_kwargs(url))
+        time_lock_waits(engine)
         try:
             with engine.connect() as conn:
                 if engine.dialect.name == "sqlite":

@@ -15,6 +15,7 @@ from planner.storages.engine import (
     create_racing,
     describe_storage_error,
     engine_kwargs,
+    time_lock_waits,
     use_sqlite_pragmas,
 )
 from planner.storages.models import Base
@@ -60,6 +61,7 @@ def open_storage(url: str, config: StudyConfig | None = None) -> optuna.storages
                 lambda: optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url), **heartbeat)
             )
         use_sqlite_pragmas(storage.engine)
+        time_lock_waits(storage.engine)
         create_racing(lambda: Base.metadata.create_all(storage.engine))
         return storage
     except Exception as e:  # noqa: BLE001 - SQLAlchemy/driver errors of every kind

@@ -36,7 +36,7 @@ from planner.simulation.parameters import simulator_for
 from planner.simulation.simulator import Simulator
 from planner.statistics.race import Race
 from planner.statistics.schedule import Schedule
-from planner.storages import open_storage
+from planner.storages import open_storage, storage_errors
 from planner.storages.archive import latest_calibration
 from planner.study.candidates import select_candidates
 from planner.study.confirmation import write_plan
@@ -140,15 +140,17 @@ class TuningSession:
         self._log_model()
         self.budget_bytes = self._memory_budget()  # before the storage is opened: a refused budget writes nothing
         storage = open_storage(config.storage_url, config)
-        stored = latest_calibration(storage.engine, config.name, self.profile)
+        with storage_errors(config.storage_url):
+            stored = latest_calibration(storage.engine, config.name, self.profile)
         if stored:
             self.profile = dataclasses.replace(self.profile, calibration=stored)
             self.simulator = simulator_for(self.profile)
             logger.info("      using the calibration of an earlier run of this study: "
                         + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
         logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
-        sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
-                              budget_bytes=self.budget_bytes)
+        with storage_errors(config.storage_url):
+            sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
+                                  budget_bytes=self.budget_bytes)
         self.stage = MeasuredStage(config, storage, self.simulator, self.job, self.space, self.source)
         with self.critical():  # trials created RUNNING are held by the stage (fail_held)
             retries = self.stage.claim_retries()

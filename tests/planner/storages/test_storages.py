@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 
 import optuna
 import pytest
@@ -89,11 +90,71 @@ def test_check_writable_names_a_held_lock(tmp_path, monkeypatch):
     holder = sqlite3.connect(db, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        with pytest.raises(StorageError, match="is locked: another process held its write lock for more than 0 s"):
+        with pytest.raises(StorageError, match=r"is locked: another process held its write lock for 0\.2\d* s"):
             check_writable(f"sqlite:///{db}")
     finally:
         holder.execute("ROLLBACK")
         holder.close()
+
+
+def test_a_write_that_waited_out_the_busy_timeout_says_how_long(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "0.3")
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    engine = open_storage(url).engine
+    holder = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StorageError) as info, storage_errors(url), engine.begin() as conn:
+            conn.exec_driver_sql("INSERT INTO planner_profiles (study_name, measured_step_ms, json, created_at) "
+                                 "VALUES ('s', 1, '', '2026-11-28')")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        engine.dispose()
+    waited = float(str(info.value).split("write lock for ")[1].split(" s")[0])
+    assert 0.3 <= waited < 2.0, info.value
+
+
+def test_optunas_write_on_a_locked_file_is_one_line_too(tmp_path, monkeypatch):
+    """Optuna wraps the lock in its StorageInternalError; the message still says how long the write waited."""
+    monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "0.3")
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    storage = open_storage(url)
+    holder = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StorageError, match=r"is locked: another process held its write lock for 0\.3\d* s"), \
+                storage_errors(url):
+            optuna.create_study(study_name="s", storage=storage)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        storage.engine.dispose()
+
+
+def test_a_write_refused_at_once_is_not_blamed_on_a_long_held_lock(tmp_path, monkeypatch):
+    """SQLITE_BUSY_SNAPSHOT: a transaction that read, then writes after another connection committed, is refused
+    without the busy timeout (https://sqlite.org/rescode.html#busy_snapshot); the message says so."""
+    monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "30")
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    engine = open_storage(url).engine
+    other = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+    insert = ("INSERT INTO planner_profiles (study_name, measured_step_ms, json, created_at) "
+              "VALUES ('s', 1, '', '2026-11-28')")
+    started = time.monotonic()
+    try:
+        with pytest.raises(StorageError) as info, storage_errors(url), engine.connect() as conn:
+            conn.exec_driver_sql("BEGIN")
+            conn.exec_driver_sql("SELECT count(*) FROM planner_profiles").all()  # this transaction's snapshot
+            other.execute(insert)  # another process commits after it
+            conn.exec_driver_sql(insert)
+    finally:
+        other.close()
+        engine.dispose()
+    assert time.monotonic() - started < 10
+    assert "SQLite refused a write after 0.0" in str(info.value), info.value
+    assert "without waiting out its 30 s busy timeout" in str(info.value)
+    assert "held its write lock" not in str(info.value)
 
 
 def test_storage_errors_become_one_line():

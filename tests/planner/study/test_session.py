@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sqlite3
 import time
 
 import numpy as np
 import pytest
 
 from planner.artifacts.plan import Plan
-from planner.errors import MemoryBudgetError, PlannerError
+from planner.errors import MemoryBudgetError, PlannerError, StorageError
 from planner.simulation.simulator import SimParams
 from planner.statistics.verdict import Verdict
 from planner.study import study_trials
@@ -103,6 +104,21 @@ def test_the_round_starts_with_fsdp2s_default_and_tells_the_trials_it_started(tm
     with pytest.raises(PlannerError, match="tell the trials the round was started with"):
         session.tell(asked[:2], [[1.0], [1.0]], [[[1.0]], [[1.0]]])
     session.close()
+
+
+def test_a_locked_study_in_the_simulated_stage_is_a_storage_error(tmp_path, profile, monkeypatch):
+    """Optuna's own writes (the simulated stage's study) on a locked file: a one-line StorageError, not Optuna's
+    StorageInternalError with a traceback."""
+    drive_round(_session(tmp_path, profile), [100.0, 80.0, 90.0])
+    monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "0.3")
+    holder = sqlite3.connect(tmp_path / "t.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StorageError, match=r"is locked: another process held its write lock for 0\.3\d* s"):
+            _session(tmp_path, profile).prepare()
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
 
 
 def test_nothing_measured_writes_no_plan(tmp_path, profile):
