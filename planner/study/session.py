@@ -140,15 +140,14 @@ class TuningSession:
         self._log_model()
         self.budget_bytes = self._memory_budget()  # before the storage is opened: a refused budget writes nothing
         storage = open_storage(config.storage_url, config)
-        with storage_errors(config.storage_url):
+        with storage_errors(config.storage_url):  # Optuna's writes here raise its StorageInternalError
             stored = latest_calibration(storage.engine, config.name, self.profile)
-        if stored:
-            self.profile = dataclasses.replace(self.profile, calibration=stored)
-            self.simulator = simulator_for(self.profile)
-            logger.info("      using the calibration of an earlier run of this study: "
-                        + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
-        logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
-        with storage_errors(config.storage_url):
+            if stored:
+                self.profile = dataclasses.replace(self.profile, calibration=stored)
+                self.simulator = simulator_for(self.profile)
+                logger.info("      using the calibration of an earlier run of this study: "
+                            + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
+            logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
             sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
                                   budget_bytes=self.budget_bytes)
         self.stage = MeasuredStage(config, storage, self.simulator, self.job, self.space, self.source)
