@@ -9,6 +9,7 @@ starts, and turns database errors into one-line :class:`StorageError`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session
 from planner.errors import StorageError, StudyNotFoundError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def sqlite_timeout_s() -> float:
@@ -93,20 +95,33 @@ def time_lock_waits(engine: sa.Engine) -> None:
     """Time each statement on ``engine``; a failed one's exception gets the seconds it took as ``WAITED_S``.
 
     For :func:`describe_storage_error`: "database is locked" after the whole
-    busy timeout and after a moment are different problems. SQLAlchemy
-    events ``before_cursor_execute`` and ``handle_error``; no effect on a
-    statement that succeeds.
+    busy timeout and after a moment are different problems. On SQLite a
+    statement that succeeds after more than :data:`SLOW_WRITE_S` (it waited
+    for another job's write lock: the planner's statements take milliseconds)
+    is logged as a warning. SQLAlchemy events ``before_cursor_execute``,
+    ``after_cursor_execute`` and ``handle_error``.
     """
     sa.event.listen(engine, "before_cursor_execute", _statement_started)
     sa.event.listen(engine, "handle_error", _statement_failed)
+    if engine.dialect.name == "sqlite":
+        sa.event.listen(engine, "after_cursor_execute", _statement_done)
 
 
 WAITED_S = "prefetch_planner_waited_s"
+SLOW_WRITE_S = 5.0
 _STARTED = "prefetch_planner_statement_started"
 
 
 def _statement_started(conn: sa.Connection, *_args: Any) -> None:
     conn.info[_STARTED] = time.monotonic()
+
+
+def _statement_done(conn: sa.Connection, *_args: Any) -> None:
+    took = time.monotonic() - conn.info.get(_STARTED, time.monotonic())
+    if took > SLOW_WRITE_S:
+        logger.warning(f"a statement on the study's SQLite file took {took:.1f} s, most likely waiting for another "
+                       f"job's write lock (a job gives up after PREFETCH_PLANNER_SQLITE_TIMEOUT_S, "
+                       f"{sqlite_timeout_s():g} s)")
 
 
 def _statement_failed(context: sa.engine.ExceptionContext) -> None:

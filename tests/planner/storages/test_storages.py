@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+import threading
 import time
 
 import optuna
@@ -21,6 +23,7 @@ from planner.storages import (
     session,
     storage_errors,
 )
+from planner.storages import engine as engine_module
 from planner.storages.engine import create_racing
 from planner.storages.models import Base
 
@@ -113,6 +116,28 @@ def test_a_write_that_waited_out_the_busy_timeout_says_how_long(tmp_path, monkey
         engine.dispose()
     waited = float(str(info.value).split("write lock for ")[1].split(" s")[0])
     assert 0.3 <= waited < 2.0, info.value
+
+
+def test_a_write_that_waited_long_for_the_lock_is_logged(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(engine_module, "SLOW_WRITE_S", 0.2)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    engine = open_storage(url).engine
+    holder = sqlite3.connect(tmp_path / "s.db", isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.5, holder.execute, ["ROLLBACK"])
+    release.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="planner.storages.engine"), engine.begin() as conn:
+            conn.exec_driver_sql("INSERT INTO planner_profiles (study_name, measured_step_ms, json, created_at) "
+                                 "VALUES ('s', 1, '', '2026-11-28')")
+            conn.exec_driver_sql("SELECT count(*) FROM planner_profiles").all()  # quick: not logged
+    finally:
+        release.join()
+        holder.close()
+        engine.dispose()
+    slow = [m for m in caplog.messages if "most likely waiting for another job's write lock" in m]
+    assert len(slow) == 1, slow
+    assert 0.4 <= float(slow[0].split(" took ")[1].split(" s")[0]) < 3.0, slow
 
 
 def test_optunas_write_on_a_locked_file_is_one_line_too(tmp_path, monkeypatch):
