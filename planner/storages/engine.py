@@ -65,14 +65,15 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def describe_storage_error(url: str, e: BaseException) -> str:
+def describe_storage_error(url: str, e: BaseException, waited_s: float | None = None) -> str:
     """One line naming what is wrong with the storage at ``url`` and how to fix it.
 
     A locked SQLite file is told apart by how long the failed statement waited
-    (:func:`time_lock_waits`): the whole busy timeout (another process held the
-    write lock that long), or much less (SQLite refuses without waiting, e.g.
-    ``SQLITE_BUSY_SNAPSHOT``: a transaction that read, then writes after another
-    connection committed), or unknown (an engine without the timing).
+    (:func:`time_lock_waits`, else ``waited_s``: at most that long, s): the
+    whole busy timeout (another process held the write lock that long), or much
+    less (SQLite refuses without waiting, e.g. ``SQLITE_BUSY_SNAPSHOT``: a
+    transaction that read, then writes after another connection committed), or
+    unknown (neither given).
     """
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
     if isinstance(e, ImportError):
@@ -80,7 +81,7 @@ def describe_storage_error(url: str, e: BaseException) -> str:
                 "for PostgreSQL: pip install 'prefetch-planner[postgres]'")
     if "database is locked" in text:
         timeout = sqlite_timeout_s()
-        waited = getattr(e, WAITED_S, None)
+        waited = getattr(e, WAITED_S, waited_s)
         if waited is not None and waited < 0.9 * timeout:
             return (f"storage {url!r} is locked: SQLite refused a write after {waited:.2f} s, without waiting out "
                     f"its {timeout:g} s busy timeout (it does so when another process wrote since this "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ def open_storage(url: str, config: StudyConfig | None = None) -> optuna.storages
     Raises:
         StorageError: the URL cannot be opened (the message says why).
     """
+    started = time.monotonic()  # Optuna's own statements while it builds the storage are not timed one by one
     try:
         with warnings.catch_warnings():  # the heartbeat and its callback are "experimental" since Optuna 2.8
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -65,7 +67,7 @@ def open_storage(url: str, config: StudyConfig | None = None) -> optuna.storages
         create_racing(lambda: Base.metadata.create_all(storage.engine))
         return storage
     except Exception as e:  # noqa: BLE001 - SQLAlchemy/driver errors of every kind
-        raise StorageError(describe_storage_error(url, e)) from None
+        raise StorageError(describe_storage_error(url, e, waited_s=time.monotonic() - started)) from None
 
 
 def open_storage_read_only(url: str) -> optuna.storages.RDBStorage:

@@ -140,6 +140,21 @@ def test_a_write_that_waited_long_for_the_lock_is_logged(tmp_path, monkeypatch, 
     assert 0.4 <= float(slow[0].split(" took ")[1].split(" s")[0]) < 3.0, slow
 
 
+def test_a_storage_locked_while_optuna_builds_it_says_how_long_it_waited(tmp_path, monkeypatch):
+    """Optuna's statements in ``RDBStorage()`` are not timed one by one: the message bounds the wait by the call's."""
+    monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "0.3")
+    holder = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StorageError) as info:
+            open_storage(f"sqlite:///{tmp_path / 's.db'}")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert "held its write lock for " in str(info.value) and "more than" not in str(info.value), info.value
+    assert 0.3 <= float(str(info.value).split("write lock for ")[1].split(" s")[0]) < 5.0, info.value
+
+
 def test_optunas_write_on_a_locked_file_is_one_line_too(tmp_path, monkeypatch):
     """Optuna wraps the lock in its StorageInternalError; the message still says how long the write waited."""
     monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "0.3")
