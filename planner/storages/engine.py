@@ -75,6 +75,8 @@ def describe_storage_error(url: str, e: BaseException, waited_s: float | None = 
     transaction that read, then writes after another connection committed), or
     unknown (neither given).
     """
+    if isinstance(e, optuna.exceptions.StorageInternalError) and isinstance(e.__cause__, sa.exc.SQLAlchemyError):
+        e = e.__cause__  # Optuna's RDB storage wraps the driver's error
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
     if isinstance(e, ImportError):
         return (f"cannot open storage {url!r}: its database driver is not installed ({text}); "
@@ -137,11 +139,8 @@ def storage_errors(url: str) -> Iterator[None]:
     ``StorageInternalError`` (which its RDB storage raises from a SQLAlchemy error, e.g. a locked file)."""
     try:
         yield
-    except sa.exc.SQLAlchemyError as e:
+    except (sa.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
         raise StorageError(describe_storage_error(url, e)) from None
-    except optuna.exceptions.StorageInternalError as e:
-        cause = e.__cause__ if isinstance(e.__cause__, sa.exc.SQLAlchemyError) else e
-        raise StorageError(describe_storage_error(url, cause)) from None
 
 
 def create_racing(create: Callable[[], T], attempts: int = 5) -> T:
@@ -150,15 +149,21 @@ def create_racing(create: Callable[[], T], attempts: int = 5) -> T:
     Two jobs starting on a new database both see a table missing and both
     create it; the second gets "already exists" (SQLite) or a duplicate key
     on the catalog (PostgreSQL), and Optuna's version row a unique-constraint
-    error. The tables are then there: trying again succeeds.
+    error. The tables are then there: trying again succeeds. A SQLite file
+    that refused a write well inside its busy timeout ("database is locked"
+    at once, see :func:`describe_storage_error`) is tried again too; one
+    locked for the whole timeout is not.
     """
     for attempt in range(attempts):
+        started = time.monotonic()
         try:
             return create()
-        except sa.exc.SQLAlchemyError as e:
-            text = str(e).lower()
+        except (sa.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+            cause = e.__cause__ if isinstance(e, optuna.exceptions.StorageInternalError) else e
+            text = str(cause).lower()
             racing = ("already exists", "duplicate key", "unique constraint")  # SQLite, PostgreSQL, both
-            if attempt == attempts - 1 or not any(r in text for r in racing):
+            refused = "database is locked" in text and time.monotonic() - started < 0.9 * sqlite_timeout_s()
+            if attempt == attempts - 1 or not (refused or any(r in text for r in racing)):
                 raise
             time.sleep(0.1 * (attempt + 1))
     raise AssertionError("unreachable")

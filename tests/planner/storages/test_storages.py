@@ -226,6 +226,29 @@ def test_create_racing_retries_only_a_concurrent_creation():
     assert len(calls) == 1  # not a race: no retry
 
 
+def test_create_racing_retries_a_lock_refused_at_once_not_one_held_for_the_timeout(monkeypatch):
+    monkeypatch.setenv("PREFETCH_PLANNER_SQLITE_TIMEOUT_S", "0.2")
+    calls = []
+
+    def locked(wait_s: float):
+        def create():
+            calls.append(1)
+            time.sleep(wait_s)
+            if len(calls) < 2:
+                try:  # as Optuna's RDB storage raises it
+                    raise sa.exc.OperationalError("INSERT", {}, Exception("database is locked"))
+                except sa.exc.OperationalError as e:
+                    raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from e
+            return "created"
+        return create
+
+    assert create_racing(locked(0.0)) == "created" and len(calls) == 2
+    calls.clear()
+    with pytest.raises(optuna.exceptions.StorageInternalError):
+        create_racing(locked(0.2))  # waited out the whole busy timeout: not tried again
+    assert len(calls) == 1
+
+
 def test_models_are_the_planner_tables():
     assert set(Base.metadata.tables) == {"planner_profiles", "planner_plans", "planner_measured_runs",
                                          "planner_confirmations"}
