@@ -75,8 +75,7 @@ def describe_storage_error(url: str, e: BaseException, waited_s: float | None = 
     transaction that read, then writes after another connection committed), or
     unknown (neither given).
     """
-    if isinstance(e, optuna.exceptions.StorageInternalError) and isinstance(e.__cause__, sa.exc.SQLAlchemyError):
-        e = e.__cause__  # Optuna's RDB storage wraps the driver's error
+    e = _unwrapped(e)
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
     if isinstance(e, ImportError):
         return (f"cannot open storage {url!r}: its database driver is not installed ({text}); "
@@ -84,7 +83,7 @@ def describe_storage_error(url: str, e: BaseException, waited_s: float | None = 
     if "database is locked" in text:
         timeout = sqlite_timeout_s()
         waited = getattr(e, WAITED_S, waited_s)
-        if waited is not None and waited < 0.9 * timeout:
+        if waited is not None and _refused_at_once(waited):
             return (f"storage {url!r} is locked: SQLite refused a write after {waited:.2f} s, without waiting out "
                     f"its {timeout:g} s busy timeout (it does so when another process wrote since this "
                     "transaction read); run again")
@@ -92,6 +91,18 @@ def describe_storage_error(url: str, e: BaseException, waited_s: float | None = 
         return (f"storage {url!r} is locked: another process held its write lock {held}; end that process "
                 "(or raise PREFETCH_PLANNER_SQLITE_TIMEOUT_S) and run again")
     return f"cannot open storage {url!r}: {text}"
+
+
+def _unwrapped(e: BaseException) -> BaseException:
+    """The driver's error inside Optuna's ``StorageInternalError`` (its RDB storage wraps it), else ``e``."""
+    if isinstance(e, optuna.exceptions.StorageInternalError) and isinstance(e.__cause__, sa.exc.SQLAlchemyError):
+        return e.__cause__
+    return e
+
+
+def _refused_at_once(waited_s: float) -> bool:
+    """A "database is locked" after ``waited_s`` s came well inside the busy timeout: SQLite did not wait it out."""
+    return waited_s < 0.9 * sqlite_timeout_s()
 
 
 def time_lock_waits(engine: sa.Engine) -> None:
@@ -159,10 +170,9 @@ def create_racing(create: Callable[[], T], attempts: int = 5) -> T:
         try:
             return create()
         except (sa.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
-            cause = e.__cause__ if isinstance(e, optuna.exceptions.StorageInternalError) else e
-            text = str(cause).lower()
+            text = str(_unwrapped(e)).lower()
             racing = ("already exists", "duplicate key", "unique constraint")  # SQLite, PostgreSQL, both
-            refused = "database is locked" in text and time.monotonic() - started < 0.9 * sqlite_timeout_s()
+            refused = "database is locked" in text and _refused_at_once(time.monotonic() - started)
             if attempt == attempts - 1 or not (refused or any(r in text for r in racing)):
                 raise
             time.sleep(0.1 * (attempt + 1))
