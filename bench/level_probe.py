@@ -24,8 +24,10 @@ probes that stay flat while the step moves put the move in the step's own path (
 
 Why: on the 2-core CPU testbed the default's level moved 10-30% over minutes in one process, with no page fault
 under jemalloc and the process's CPU ms moving with it, and that move is most of the uncalibrated step error of
-issue 21 (bench/results/NOTES.md, "A guard for the anchor"). A cache-resident probe alone (2026-11-27) stayed within
-+-5%. Run the process alone on the machine.
+issue 21 (bench/results/NOTES.md, "A guard for the anchor"). In six 8-minute processes of the plain Llama under glibc
+and the selective one under jemalloc, the step's window levels moved with a 4.5-6.1% sd, and the products of the
+model's shape followed them in five (r 0.79-0.84); the copy and the all-gather less (NOTES, "Probes of the machine
+beside the step"). Run the process alone on the machine.
 """
 
 from __future__ import annotations
