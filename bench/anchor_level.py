@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,13 +118,23 @@ def lag1_autocorrelation(runs: list[RunLevel]) -> float:
     Raises:
         ValueError: no run has two rounds.
     """
+    return pooled_lag1([run.round_levels for run in runs])
+
+
+def pooled_lag1(series: Iterable[Sequence[float]]) -> float:
+    """The lag-1 autocorrelation of log levels (each > 0), each series' own mean taken out, pooled over the series
+    (``nan`` when no level moves). Also ``bench.level_probe``'s, over one run's window levels.
+
+    Raises:
+        ValueError: no series has two levels (no run has two rounds or windows).
+    """
     pairs = []
-    for run in runs:
-        logs = [math.log(x) for x in run.round_levels]
-        mean = statistics.fmean(logs)
+    for levels in series:
+        logs = [math.log(x) for x in levels]
+        mean = statistics.fmean(logs) if logs else 0.0
         pairs += [(a - mean, b - mean) for a, b in itertools.pairwise(logs)]
     if not pairs:
-        raise ValueError("no run has two rounds")
+        raise ValueError("no run has two rounds (or two windows): nothing to correlate")
     num = sum(a * b for a, b in pairs)
     den = math.sqrt(sum(a * a for a, _ in pairs) * sum(b * b for _, b in pairs))
     return num / den if den > 0 else math.nan

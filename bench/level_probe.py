@@ -41,6 +41,7 @@ from pathlib import Path
 
 import click
 
+from bench.anchor_level import pooled_lag1
 from bench.ranks import as_tune_ranks, json_flag, run_studies
 from bench.saved_runs import read_saved
 
@@ -158,13 +159,9 @@ class SeriesLevels:
 
     @property
     def lag1(self) -> float:
-        """The levels' lag-1 autocorrelation (``nan`` with fewer than three windows or a constant series)."""
-        lv = self.levels
-        if len(lv) < 3:
-            return math.nan
-        m = statistics.fmean(lv)
-        den = sum((v - m) ** 2 for v in lv)
-        return sum((lv[i] - m) * (lv[i + 1] - m) for i in range(len(lv) - 1)) / den if den else math.nan
+        """The levels' lag-1 autocorrelation (``bench.anchor_level.pooled_lag1`` of this one series; ``nan`` with
+        fewer than two windows or a constant series)."""
+        return pooled_lag1([self.levels]) if len(self.levels) > 1 else math.nan
 
 
 def window_levels(start_s: list[float], values: list[float], window_s: float) -> list[float]:
