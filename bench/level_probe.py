@@ -10,8 +10,10 @@ step and then five fixed probes, every one after a barrier and timed on every ra
 across ranks, as a step's is). The probes touch neither the model nor FSDP2:
 
 - ``matmul_cache``: 60 matrix products of 384 x 384, in cache (the cores' speed);
-- ``matmul_weights``: the model's own product shape, 64 tokens x hidden by a hidden x intermediate weight, over 8
-  weights in turn (92 MB: each product streams its weight from memory, as the step's products do);
+- ``matmul_weights``: the model's own product shape, tokens x hidden by a hidden x intermediate weight (the study's
+  ``batch_size`` x ``seq_len``, ``hidden_size``, ``intermediate_size``, the reference Llama's defaults where one is
+  absent: 64 x 1024 by 1024 x 2816), over 8 weights in turn (92 MB: each product streams its weight from memory, as
+  the step's products do);
 - ``copy``: a 50 MiB tensor copied into another eight times (memory bandwidth);
 - ``fresh``: a fresh 50 MiB tensor filled, six times (the allocator and, under glibc, the kernel's page faults);
 - ``all_gather``: gloo's all-gather of a 25 MiB shard into a preallocated 50 MiB output, twice (loopback sockets).
@@ -47,7 +49,6 @@ from bench.saved_runs import read_saved
 
 MODULE = "bench.level_probe"
 STEP = "step"
-PROBES = ("matmul_cache", "matmul_weights", "copy", "fresh", "all_gather")
 MIB = 1 << 20
 
 
@@ -106,7 +107,7 @@ def rank_main(study: str, minutes: float, window_s: float, json_out: str | None)
     for probe in probes.values():
         probe()
     t_start: list[float] = []
-    series: dict[str, list[float]] = {name: [] for name in (STEP, *PROBES)}
+    series: dict[str, list[float]] = {name: [] for name in (STEP, *probes)}
     t0 = time.perf_counter()
     stop = torch.zeros(1)
     while True:
