@@ -1,6 +1,7 @@
 """Benchmarks that print figures: ``python -m bench.NAME --help``.
 
 Speed, memory and fidelity targets live here, not in timed unit tests. What
-the benches measured, and when, is kept in ``bench/results/`` (``NOTES.md``
-and the saved ``--json`` runs).
+the benches measured is kept in ``bench/results/`` as dated markdown reports
+(workload, hardware, versions, command, table), which the docs' accuracy page
+quotes.
 """

@@ -103,7 +103,7 @@ def without_reshard(profile: Profile, plan: Plan) -> Plan:
 
 def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profile:
     """``profile`` with its collectives and overlap timings timed again just after the isolated compute passes, the
-    recorder's order before 2026-11-26 ([Note: The collectives are timed before the isolated passes] in
+    recorder's earlier order ([Note: The collectives are timed before the isolated passes] in
     ``runtime/recorder.py``); all ranks call it. Max across ranks, as the recorder consolidates (the overlap
     timings: mean)."""
     from planner.artifacts.profile import OverlapTimings
@@ -333,8 +333,8 @@ def report(run: dict, splits: int = 40) -> None:
               help="interleaved rounds, one step of every plan each (about 30 minutes per study at 31 on the 2-core "
                    "CPU testbed)")
 @click.option("--collectives-after-passes", "after_passes", is_flag=True,
-              help="also time the collectives again just after the isolated passes (the recorder's order before "
-                   "2026-11-26) and compare both profiles' uncalibrated predictions of the same measured plans")
+              help="also time the collectives again just after the isolated passes (the recorder's earlier "
+                   "order) and compare both profiles' uncalibrated predictions of the same measured plans")
 @click.option("--measure-only", is_flag=True, help="print the uncalibrated errors alone (the fits: --refit on --json)")
 @saved_run_options
 def main(studies: tuple[str, ...], rounds: int, after_passes: bool, measure_only: bool, json_out: str | None,

@@ -62,12 +62,8 @@ def as_tune_ranks() -> None:
     process state ``tune`` records in ([Note: Record in tune's process state] in ``jobs/profile.py``, which does the
     same). Call it on every rank, first.
 
-    Why: on the 2-core CPU testbed these imports move how much an async all-gather hides in a step. The reference
-    Llama with full checkpointing, the recorder's loop of the default and the async default in turn, 3 pairs a
-    block, 4 blocks each way in one process: the async default over the default read 0.985 (median of 12 pairs)
-    before the imports and 0.926 after, and about 1.0 then 0.94 and 0.92 in two more processes; after them the
-    recorder read within -0.06 to +0.04 of the pairs that followed it in three processes, before them 0.05-0.07
-    above in four of five (bench/results/NOTES.md, 2026-11-26). A bench that imported them only after recording
+    Why: on a CPU these imports move how much an async all-gather hides in a step (the recorder's async default
+    over its default reads lower after them). A bench that imported them only after recording
     solved the overlap slowdown from a ratio ``tune`` would not have read.
     """
     import jobs.tune  # noqa: F401

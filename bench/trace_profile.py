@@ -132,7 +132,7 @@ def report(run: dict) -> dict:
     if recorded.fingerprint.device_type == "cpu":
         print("  (CPU: the trace's reduce-scatter is foreach_reduce's whole work on the thread, copies included; the "
               "recorder's is a bare reduce-scatter of preallocated buffers)")
-        if run.get("bare_reduce_scatter_ms") and "reduce_scatter_ms" in figures:  # runs saved before 2026-11-27 lack it
+        if run.get("bare_reduce_scatter_ms") and "reduce_scatter_ms" in figures:  # older saved runs lack it
             print(bare_reduce_scatter_line(t, recorded, run["bare_reduce_scatter_ms"])[0])
     outside, skew = run.get("outside_ms"), run.get("rank_skew_ms")
     if outside and not t.outside_ms:  # a run saved before the profile carried it: as today's code builds it

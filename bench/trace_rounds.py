@@ -3,9 +3,9 @@
     python -m bench.trace_rounds [studies/llama-cpu.toml ...] [--rounds 4] [--steps 4] [--json out.json]
     python -m bench.trace_rounds --refit run.json ...   # saved runs, today's simulator, no ranks
 
-``bench.trace_profile`` records once and traces once, minutes apart, and on this 2-core machine the level of the
-collectives moved between two recordings of one process by as much as the 10% target (x0.78 to x1.30 of the first,
-bench/results/NOTES.md). So this bench compares them as two plans are compared: interleaved, the order rotated. Every
+``bench.trace_profile`` records once and traces once, minutes apart, and on a CPU the level of the collectives
+moves between two recordings of one process by as much as the agreement sought (docs/decisions/cpu-step-level.md).
+So this bench compares them as two plans are compared: interleaved, the order rotated. Every
 rank builds one model, runs two plain steps, then ``--rounds`` rounds; a round records the profile
 (``runtime.recorder.record_profile``, what ``tune`` uses) and traces ``--steps`` active steps of the plain loop under
 ``torch.profiler`` (as ``bench.trace_profile`` does: CPU activity, memory, shapes; cycles of one untraced step, one

@@ -22,9 +22,11 @@ from jobs import PROGRESS_LOGGERS
 from planner.artifacts.config import StudyConfig, load_study_config
 from planner.errors import PlannerError
 from planner.presentation import cli as planner_cli
+from planner.version import DISTRIBUTION
 
 
 @click.group(cls=planner_cli.PlannerGroup, context_settings=planner_cli.CONTEXT_SETTINGS)
+@click.version_option(package_name=DISTRIBUTION, prog_name="prefetch-planner", message="%(prog)s %(version)s")
 def main() -> None:
     """Auto-tune FSDP2 prefetching: record, simulate, search, measure, apply."""
 

@@ -56,8 +56,8 @@ class ProfileJob:
         """
         # [Note: Record in tune's process state] ``tune``'s ranks have imported ``jobs.tune`` (Optuna, SQLAlchemy,
         # the simulator, the search spaces) before they record; these ranks import it too, so that a profile
-        # recorded here reads what ``tune`` would. On the 2-core CPU testbed those imports moved the async default
-        # over the default by 0.04-0.09 in three processes (``bench.ranks.as_tune_ranks``, bench/results/NOTES.md).
+        # recorded here reads what ``tune`` would: on CPU those imports move how much an async all-gather hides in
+        # a step (``bench.ranks.as_tune_ranks``).
         import jobs.tune  # noqa: F401
 
         mesh = init_rank(self.config.launch.backend, allocator=self.config.launch.allocator)

@@ -3,9 +3,8 @@ makes that it runs under the one the study names.
 
 On CPU a step's tensors come from the C library's ``malloc``. glibc hands blocks above its mmap threshold (at most
 32 MiB) back to the kernel when they are freed, so every step faults them in again, and whether the heap has room
-for a block depends on what the process freed before. On the 2-core testbed a checkpointed Llama step took 0.34-0.75
-million page faults, 1.7-1.9 s of kernel work in a 3.6-3.9 s step, and the count moved within one process after
-other plans ran (bench/results/NOTES.md, "The level is the page faults after all"). jemalloc told never to return
+for a block depends on what the process freed before: a step's page faults, and so its kernel time, move with what
+ran before it in the process (docs/decisions/cpu-allocator.md). jemalloc told never to return
 a page (:data:`JEMALLOC_CONF`) takes none after the first steps, as PyTorch's caching allocator on a GPU calls no
 ``cudaMalloc`` once warm. PyTorch's own CPU launcher preloads jemalloc the same way
 (``torch.backends.xeon.run_cpu --enable-jemalloc``).

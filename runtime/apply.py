@@ -17,7 +17,7 @@ from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan
 from planner.errors import PlanMismatchError, UnsupportedPlanError
 from runtime.accumulation import set_accumulation
-from runtime.torch_private import TESTED_TORCH, separate_reduce_scatter_group_setter, unshard_async_op_setter
+from runtime.torch_private import TESTED_ADVICE, separate_reduce_scatter_group_setter, unshard_async_op_setter
 from runtime.workload import fsdp_modules, own_parameters
 
 logger = logging.getLogger(__name__)
@@ -129,14 +129,14 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     if rs_buffers is None and plan.reduce_scatter_max_input_buffers != 1:
         raise UnsupportedPlanError(
             f"the plan sets reduce_scatter_max_input_buffers = {plan.reduce_scatter_max_input_buffers}, but torch "
-            f"{torch.__version__} has no FSDPModule.set_reduce_scatter_max_input_buffers (tested with torch "
-            f"{TESTED_TORCH}); install torch=={TESTED_TORCH}.* or use a plan with 1 input buffer"
+            f"{torch.__version__} has no FSDPModule.set_reduce_scatter_max_input_buffers "
+            f"({TESTED_ADVICE} or use a plan with 1 input buffer)"
         )
     has_unshard_in_backward = hasattr(model, "set_unshard_in_backward")
     if not has_unshard_in_backward and not all(m.unshard_in_backward for m in plan.modules.values()):
         raise UnsupportedPlanError(
             f"the plan turns unshard_in_backward off, but torch {torch.__version__} has no "
-            f"FSDPModule.set_unshard_in_backward (tested with torch {TESTED_TORCH}); install torch=={TESTED_TORCH}.*"
+            f"FSDPModule.set_unshard_in_backward ({TESTED_ADVICE})"
         )
     if check:
         difference = plan.fingerprint.first_difference(model_fingerprint(model))

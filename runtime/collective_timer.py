@@ -16,19 +16,14 @@ from runtime.overlap_timer import overlap_timings
 from runtime.workload import own_parameters
 
 # [Note: Collectives timed in rounds]
-# The machine's speed drifts within a recording: on the 2-core testbed a slow stretch of a few seconds once read
-# blocks 4-6 of the reference Llama at 183-323 ms and the other five identical blocks at 112-131 (2 repeats a
-# figure, every repeat of a module one after another, bench/results/NOTES.md). A plan search reads per-module
+# The machine's speed drifts within a recording: a slow stretch of a few seconds that lands on the repeats of a few
+# modules, timed one module after another, reads those modules far above identical ones. A plan search reads per-module
 # figures, so a stretch that lands on a few modules makes them look dear to prefetch. The collectives are
 # therefore timed in rounds: each round times every module's all-gather and then its reduce-scatter, and the next
 # round starts one module later, so a slow stretch costs one repeat of several modules rather than every repeat of
 # a few. A median drops that repeat only with 3 or more of them, so the collectives take at least
-# ``COLLECTIVE_ROUNDS`` (about 2.5 s a round on the reference Llama). Alternated in one process (python -m
-# bench.collective_drift --plan ..., 6 measurements each way): the 8 identical Llama blocks' all-gathers spread
-# (max - min over median) 0.10-0.19 in 5 rounds against 0.12-0.64 module by module with 2 repeats, their
-# reduce-scatters 0.12-0.27 against 0.18-0.67; the root's all-gather, timed first module by module, read 1.8-2.1
-# times its usual figure in 2 of 6 measurements, and at most 1.14 times in rounds. With 2 rounds, rounds did no
-# better than module by module. The same order runs on every rank (the collectives must match).
+# ``COLLECTIVE_ROUNDS`` (docs/decisions/collectives-in-rounds.md). The same order runs on every rank (the collectives
+# must match).
 COLLECTIVE_ROUNDS = 5
 
 

@@ -24,10 +24,10 @@ TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms")
 # [Note: Backward temporaries]
 # A backward allocates more than the gradients it leaves: the loss's backward holds the gradient of the logits
 # (batch x sequence x vocabulary, 500 MiB in the GPU Llama) while the LM head's backward uses it, and a block's
-# attention and MLP backward hold theirs. On one H100 and one H200 the reference Llama's peak fell there, in the
-# root's backward before the last block's, and the simulator, without them, put FSDP2's default 172 MiB (0.9%)
-# under its measured peak and priced a last block kept unsharded at 0 where it measured +196 MiB (one block)
-# (bench/results/NOTES.md, "On a GPU"). So the timer reads the bytes alive at each mark and the most alive since
+# attention and MLP backward hold theirs. A step's peak can fall there, in the root's backward before the last
+# block's, and a simulator without them puts FSDP2's default under its measured peak and prices a last block kept
+# unsharded at nothing where it costs one block's unsharded bytes. So the timer reads the bytes alive at each mark and
+# the most alive since
 # the one before (:mod:`runtime.mark_memory`: on GPU the caching allocator's counters; on CPU a profiled run).
 # A module's :attr:`ComputeTimer.backward_peak` is the most bytes alive in its backward before its first nested
 # module's, above those alive when its backward started; the recorder takes its gradient there and its recomputed
@@ -35,14 +35,13 @@ TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms")
 # gradient comes in two parts: the LM head's before its blocks' backward, the embedding's after (the embedding runs
 # first in forward, so last in backward). :attr:`ComputeTimer.root_grad_pre_bytes` reads the first part when the
 # first nested module's backward starts; the rest is ``ModuleProfile.backward_post_grad_bytes``. Held whole
-# through the blocks' backward, Qwen2's 1187 MiB embedding gradient put the predicted peak 1.6% high there.
+# through the blocks' backward, a large embedding's gradient would put the predicted peak high there.
 
 # [Note: The recompute stops early]
-# The timer ran its passes under ``set_checkpoint_early_stop(False)`` until 2026-11-26, the user's step does not: by
-# default ``torch.utils.checkpoint`` stops once the tensors backward needs are back, and the Llama MLP's down
-# projection (1.8 of a block's 9.8 ms forward, H100) never runs again. The recorder read a checkpointed block's
-# backward 7% above the traced step's (H100, H200), and the H200 Llama's default was predicted 4.2% (full) and 2.2%
-# (selective) over its measured step (bench/results/NOTES.md). Now the recompute runs as the user's does.
+# By default ``torch.utils.checkpoint`` stops recomputing once the tensors backward needs are back
+# (``set_checkpoint_early_stop(True)``), so the last ops of a block's forward, such as a Llama MLP's down
+# projection, never run again. A timer that ran its passes with early stop off would read a checkpointed block's
+# backward above the user's. So the recompute runs as the user's does, under the user's setting.
 
 # [Note: The root's saved tensors in two parts]
 # The root's own forward saves tensors before its blocks (the embedding: its indices) and after them (the final

@@ -37,11 +37,10 @@ from runtime.torch_private import profiler_allocations
 from runtime.workload import Workload, forward_backward, train_step
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
-# some steps of the same plan peak one block's unsharded bytes higher than most (the reference Llama: 1 step
-# in 4 to 8, either rank; not the garbage collector: the same with gc.collect() before and gc off during). They are
-# gloo's copies of the reduce-scatter input (c10d::_reduce_scatter_base_ -> aten::clone, one block's unsharded
-# gradient each), 0 to 3 of them alive at a peak, most freed at the next block's post-backward and some later
-# (bench/results/NOTES.md, "The step's faults in the profile; peaks and a verdict under jemalloc").
+# some steps of the same plan peak one block's unsharded bytes higher than most, on either rank, whatever the
+# garbage collector does. They are gloo's copies of the reduce-scatter input (c10d::_reduce_scatter_base_ ->
+# aten::clone, one block's unsharded gradient each): a few may be alive at a peak, most freed at the next block's
+# post-backward and some later, so a single step's peak is not the plan's.
 PEAK_STEPS = 3
 OPTIMIZER_BLOCK = "prefetch-planner: optimizer.step"  # the record_function around the optimizer step
 

@@ -1,10 +1,9 @@
 """This process's CPU time and page faults (``getrusage``): what a step cost the kernel as well as user space.
 
 On a CPU device a step's tensors come from the C library's ``malloc``, and with glibc's a block freed above its
-mmap threshold is faulted in again on the next step. On the 2-core testbed that kernel work was 0.9-1.9 s of a
-2.7-3.9 s checkpointed Llama step, and it moved between processes (bench/results/NOTES.md, "The level is the page
-faults after all"). The recorder keeps the default step's share in the profile (``InStepTimings``), so a report can
-say how much of the step it anchors on was the allocator's.
+mmap threshold is faulted in again on the next step, and how much of that kernel work a step does depends on the
+heap's state (docs/decisions/cpu-allocator.md). The recorder keeps the default step's share in the profile
+(``InStepTimings``), so a report can say how much of the step it anchors on was the allocator's.
 """
 
 from __future__ import annotations

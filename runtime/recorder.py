@@ -83,17 +83,11 @@ ASYNC_PAIRS = 5
 # The default's step ms is the anchor of every step prediction (comm_scale is solved from it: [Note: Why the
 # isolated figures are not enough] in planner/simulation/in_step.py), so it is timed where the process's steps have
 # settled: after the profiled peak steps and the async pairs, not right after the isolated passes or the profiler.
-# On this CPU the steps just after the passes ran 24-28% slower than default steps a minute later, in three
-# processes (the Llama plain, with full and with selective checkpointing); the steps 40-60 s after the passes were
-# already near the later ones. In four more processes the stretch did not show, and the default timed last read
-# 0.98-1.09 of the steps after it (bench/results/NOTES.md, "The default's step, timed last"). The first step after
-# the profiled peak steps ran slow as well, in two processes of four +43% and +24% over the pairs' default (in the
-# second a stretch of five steps, and the anchor then 19% over the rounds: NOTES.md, "The peak steps first"), so
-# the peak steps run first and the pairs after them: the pairs need no settled stretch, their ratio of neighbours
-# cancels the drift. Tried and rejected: timing the anchor again where its steps disagree with the pairs' default
-# steps by over 10%. Registered before its test, over 23 fresh processes it fired 3 times and put the anchor 6-13
-# points further off each time; the machine's slow stretches outlast the pairs (NOTES.md, "A guard for the anchor,
-# registered before its runs"; python -m bench.anchor_guard).
+# On CPU the steps just after the passes can run slower than default steps a minute later (the passes' freed
+# memory and the profiler leave the heap and caches in another state), and so can the first step after the
+# profiled peak steps. So the peak steps run first and the pairs after them: the pairs need no settled stretch,
+# their ratio of neighbours cancels the drift. Re-timing the anchor where its steps disagree with the pairs' was
+# tried and rejected (docs/decisions/anchor-guard.md).
 
 
 def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
@@ -215,10 +209,8 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
 # [Note: The collectives are timed before the isolated passes]
 # On CPU each collective allocates its output afresh, and memory the allocator gave back to the kernel is faulted in
 # again. The isolated passes hold every module unsharded and free it all at the end, so collectives timed just after
-# them reuse faulted-in memory that a step's collectives do not find: alternated in one process, the reference
-# Llama's all-gathers read 1.31-1.55 times, its reduce-scatters 1.42-1.67 times, as high after 4 training steps as
-# after the passes, with twice the minor page faults; with glibc's mmap off and no trimming, the same either way
-# (``bench.collective_drift``, bench/results/NOTES.md). So they are timed first, after a step (the warm-up steps,
+# them reuse faulted-in memory that a step's collectives do not find, and read low against a step's
+# (docs/decisions/collectives-in-rounds.md). So they are timed first, after a step (the warm-up steps,
 # or the user's step in the loop). On GPU the caching allocator keeps its blocks either way.
 
 
@@ -226,11 +218,9 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
 # With gradient sync off, FSDP2 leaves each module's gradients on its unsharded parameters until they are cleared.
 # Kept until the end of the isolated pass, every module's backward wrote its gradients into memory no earlier
 # module had freed; in a step, FSDP2's post-backward reduce-scatters them and frees them (``foreach_reduce``), and
-# the next module's gradients reuse that memory. Freeing them when each module's backward ends (the timer's
-# ``after_backward``, after its window is marked) read the backward lower on 23 of 24 (rank, round) pairs,
-# alternating the two in one process (reference Llama and GPT-2, 4 and 6 rounds, 2026-11-25): the blocks by
-# 7-17%, the root (the LM head's and embedding's gradients) by 30-50%. A traced step's backward had read
-# 10-24% below the recorder's (bench/results/NOTES.md, "Profiles from traces").
+# the next module's gradients reuse that memory. So the timer frees them when each module's backward ends (its
+# ``after_backward``, after its window is marked), as the step does; kept to the end of the pass, every backward
+# pays for fresh memory and reads above a traced step's.
 
 
 def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, repeats: int = 3,

@@ -16,8 +16,22 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from planner.errors import WorkloadError
 from runtime.activation_checkpointing import apply_activation_checkpointing
 from runtime.workload import Workload
+
+
+def _transformers(model: str) -> Any:
+    """The ``transformers`` package, which the Hugging Face reference workloads build their models with.
+
+    Raises:
+        WorkloadError: ``transformers`` is not installed; the message names the extra that installs it.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise WorkloadError(f"the reference {model} needs transformers: pip install 'prefetch-planner[hf]'") from e
+    return transformers
 
 
 def _batch_fn(vocab_size: int, batch_size: int, seq_len: int, rank: int, device: str = "cpu"):
@@ -53,9 +67,8 @@ def llama(
     FSDP module of its own (as torchtitan wraps it): its backward reads no
     parameter, so ``set_unshard_in_backward(False)`` applies to it.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    transformers = _transformers("Llama")
+    config = transformers.LlamaConfig(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers,
@@ -67,7 +80,7 @@ def llama(
         attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config)
     first = [model.model.embed_tokens] if shard_embedding else []
     return _sharded_lm(mesh, model, first, model.model.layers, activation_checkpointing, lr, vocab_size,
                        batch_size, seq_len)
@@ -90,15 +103,14 @@ def gpt2(
     Each ``transformer.h[i]`` is one FSDP module; the root holds the
     embeddings, final layer norm and the (tied) LM head.
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
+    transformers = _transformers("GPT-2")
+    config = transformers.GPT2Config(
         n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size,
         n_positions=max(seq_len, 128), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config)
     return _sharded_lm(mesh, model, [], model.transformer.h, activation_checkpointing, lr, vocab_size, batch_size,
                        seq_len)
 
@@ -123,15 +135,14 @@ def qwen2(
 
     Each ``model.layers[i]`` is one FSDP module; the root holds embedding, final norm and LM head.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
+    transformers = _transformers("Qwen2")
+    config = transformers.Qwen2Config(
         hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, vocab_size=vocab_size,
         max_position_embeddings=max(seq_len, 128), tie_word_embeddings=False, attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = transformers.Qwen2ForCausalLM(config)
     return _sharded_lm(mesh, model, [], model.model.layers, activation_checkpointing, lr, vocab_size, batch_size,
                        seq_len)
 

@@ -38,12 +38,9 @@ the parameter means (:data:`PHYSICAL_LIMITS`): no per-hook overhead, no
 latency, an overlap that costs nothing (``overlap_slowdown`` 1) or one core
 shared fairly (2). A fit there says the effect is absent, or as large as it
 can be, and is judged like any other fit: by its cross-validated error
-against the noise floor. On the reference Llama (2026-11-26, 15 plans x 9
-rounds, ``fidelity-llama-cpu-collectives-first-r9.json``), with the reduce-
-scatter then queued behind the all-gather, the overlap family fitted
-``overlap_slowdown`` 1.00 with a nested cross-validated error of 3.8%,
-against 9.6% uncalibrated (microbenchmark: 1.89), and the old rule rejected
-it for being on its bound; ``bench/results/NOTES.md`` has the other runs.
+against the noise floor: a fit that finds an overlap costing nothing
+(``overlap_slowdown`` 1) where the microbenchmark read more is an answer
+about the step, not a fit that failed.
 """
 
 from __future__ import annotations

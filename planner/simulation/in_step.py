@@ -23,46 +23,35 @@ half the measured excess, the model under-predicted the gain of keeping
 blocks unsharded after forward (which saves their backward all-gathers): the
 backward all-gathers of a prefetch-1 async plan are hidden far less than the
 half assumed. Calibration starts from these values
-(:mod:`planner.simulation.calibrate`). The runs behind both notes are in
-``bench/results/NOTES.md``.
+(:mod:`planner.simulation.calibrate`).
 
 [Note: The overlap slowdown from an async step]
-The pair alone is not the step. On the 2-core testbed the microbenchmark read
-1.8-2.0, yet inside traced steps the compute beside an all-gather slowed
-1.4 (``python -m bench.async_gain``), and with the measured slowdown every
-async plan was predicted too slow: by +3 to +19% of its ratio to the default
-(median over the async plans of 14 saved fidelity runs). Where the profile
+The pair alone is not the step: inside a step the compute beside an
+all-gather slows less than the microbenchmark's pair, which runs the two
+flat out, so with the pair's slowdown every async plan is predicted too
+slow against the default. Where the profile
 holds the step of FSDP2's default with ``unshard_async_op``
 (``InStepTimings.async_default_step_ms``, timed in turn with the default's
 steps), the slowdown is solved from it instead, after ``comm_scale`` (on CPU
-the default overlaps nothing, so ``comm_scale`` does not depend on it).
-Offline on those 14 runs (``python -m bench.overlap_anchor``), each other
-plan's ratio error fell in 12 of them (e.g. 6.2 to 5.3%, 7.1 to 3.5%, 10.6
-to 4.6% on Llama) and the async bias went to -2.7 to +5.3%; where the
-microbenchmark was already right (two GPT-2 runs) it got a little worse
-(1.0 to 1.4%, 1.1 to 2.0%). Live on the reference Llama, the recorder read
-the async default at 0.909 of the default (interleaved rounds: 0.911), the
-slowdown 1.60 (the microbenchmark 1.78), and the 13 other plans' ratio
-error went from 5.0% (max 18.1%) to 3.2% (max 11.9%).
+the default overlaps nothing, so ``comm_scale`` does not depend on it)
+(docs/decisions/overlap-slowdown.md).
 
 [Note: The allocator's share of the anchor]
 On a CPU device the default's measured step holds the kernel's work for the
-page faults of its fresh tensors. Under glibc, on the 2-core testbed, that
-was 0.9-1.9 s of a 2.7-3.9 s checkpointed Llama step, and it moved between
-processes, and within one, by up to 20% of the step while the tensors stayed
-the same (bench/results/NOTES.md, "The level is the page faults after all").
-The simulator has no allocator: that work lands in ``comm_scale``, the one
+page faults of its fresh tensors. Under glibc that work is a large share of
+the step, and it moves between processes, and within one, while the tensors
+stay the same (docs/decisions/cpu-allocator.md). The simulator has no allocator: that work lands in ``comm_scale``,
+the one
 parameter solved from the step, and every plan is priced as if it faulted
 as the default did in the recording process. Nothing here corrects for it,
 since a plan's faults are not known before it runs. The recorder keeps the
 step's faults and kernel ms (``InStepTimings.default_step_faults``,
 ``default_step_kernel_ms``) and ``tune`` logs the share
 (:mod:`planner.presentation.model_summary`). Under ``[launch] allocator =
-"jemalloc"`` a warm step takes no faults, and the checkpointed Llama's
-uncalibrated step error read 0.9-16.1%, within 5% in 4 runs of 8, against
-4.0-33.9% under glibc; what is left is the recorder's stretch of the process
-at a level of its own (sd 9.1% across the 8 runs: NOTES.md, "The anchor's
-level across the saved runs").
+"jemalloc"`` a warm step takes no faults. What is left on a CPU is the
+machine's own level, which moves from one half-minute to the next, so an
+absolute CPU step prediction is not held to a few percent
+(docs/decisions/cpu-step-level.md); paired ratios are.
 """
 
 from __future__ import annotations

@@ -34,14 +34,14 @@ rounds "faster" needs all 8 ratios below 1.
 [Note: Confirming across launches]
 A process's rounds share its state (allocator, caches, where the OS put its
 threads), so an interval from one process describes that process; the
-user's next job is another (issue 19: a plan confirmed at 0.763 [0.755,
-0.773] re-measured at 0.778-0.802 in four fresh processes). The
+user's next job is another, and a plan's gain moves from process to
+process by more than one process's interval admits. The
 confirmation therefore runs in ``L`` fresh launches (new processes, models
 built afresh, each plan on its own model instance from its first step, as
 a user's job runs it: ``jobs/confirm.py``), each with its own sign-test
-interval. (One model switching plans every step, as the race does, read
-0.840 [0.782, 0.941] on GPT-2 where three fresh processes with a model per
-plan read 0.743-0.759: the switching itself costs.) The verdict is "faster" only if every launch's interval
+interval. (One model switching plans every step, as the race does, pays for
+the switching itself, so it reads a plan's gain smaller than a job that
+runs the plan from its first step.) The verdict is "faster" only if every launch's interval
 lies below 1: an intersection-union test, whose false-"faster" rate is at
 most 2.5% for any launch whose own median is not below 1 (Berger 1982), so
 variation between launches cannot manufacture a verdict. The interval

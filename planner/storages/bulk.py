@@ -2,7 +2,7 @@
 
 ``Study.add_trials`` on an RDB storage writes trial by trial, one ORM row and
 one commit at a time, which dominates a large simulated study's wall time
-(``bench/results/NOTES.md``). :func:`add_trials_bulk` writes the same rows with SQLAlchemy
+(``python -m bench.simulator_speed`` times it). :func:`add_trials_bulk` writes the same rows with SQLAlchemy
 Core ``executemany`` inserts, one transaction: trial numbers follow the
 study's (under the study row's lock, as Optuna's ``_create_new_trial``
 takes it, under a write lock that SQLite honours too), and the study stays Optuna's to read (``optuna.load_study``,

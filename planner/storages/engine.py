@@ -49,8 +49,8 @@ def engine_kwargs(url: str) -> dict[str, Any]:
 def use_sqlite_pragmas(engine: sa.Engine) -> None:
     """Switch a SQLite engine's connections to write-ahead logging with ``synchronous=NORMAL``.
 
-    Commits cost less (``bench/results/NOTES.md``) and readers do not block the writer. Reconnects the pool so every
-    connection has them. No effect on other databases.
+    A commit then appends to the log instead of syncing the database file (SQLite's WAL mode), and readers do not
+    block the writer. Reconnects the pool so every connection has them. No effect on other databases.
     """
     if engine.dialect.name != "sqlite":
         return

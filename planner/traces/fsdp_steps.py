@@ -50,8 +50,8 @@ GLOO_WORK = {"all_gather": ("gloo:all_gather",), "reduce_scatter": ("gloo:reduce
 # A ``c10d::`` call on gloo only enqueues the work (after its own input copy, for a reduce-scatter); a gloo thread
 # runs it, and the loop waits on it later: inside the label for a reduce-scatter and a sync all-gather (the
 # ``torch.distributed`` wrapper's ``wait()``), in ``FSDP::all_gather_copy_out`` for an async one. The work often
-# starts a few us after the call returned: in a traced step of the reference Llama (2026-11-27) about half of
-# the calls, e.g. ``c10d::_reduce_scatter_base_`` 25.9-49.1 ms into its label, ``gloo:all_reduce`` from 49.2.
+# starts a few us after the call returned, e.g. a ``c10d::_reduce_scatter_base_`` that returns inside its label
+# before the ``gloo:all_reduce`` it enqueued begins.
 # Matched only inside the call, those calls took the call (the input copy) for the transfer and the transfer
 # for a copy: their bare figure lost the transfer, and their full one kept the wait for the late rank.
 # An async all-gather's copy-out label waits for the transfer before it copies: only its part after the transfer

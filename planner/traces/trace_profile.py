@@ -122,10 +122,9 @@ def _by_rank(traces: list[KinetoTrace]) -> dict[int, list[KinetoTrace]]:
 # one rank are other steps of the same job, and their steps are pooled: each step's ``ProfilerStep#N`` is the
 # profiler's own count, so steps of different cycles have different numbers, and the collectives of step N are
 # paired across ranks by it. Two files of one rank that hold the same step number are two runs, or one file given
-# twice, and are refused. Short cycles also perturb less: on the CPU testbed the steps of a cycle of 8 active steps
-# ran 29-81% over untraced steps of the same launch, the collectives most, where one active step a cycle ran as
-# fast as the untraced step before it (median ratio 0.97-0.98 in three launches; `python -m bench.profiler_cycles`,
-# bench/results/NOTES.md).
+# twice, and are refused. Short cycles also perturb less: the profiler buffers every event of a cycle's active
+# steps in the process, and a long cycle's later steps run slow beside that work, the collectives most; one active
+# step a cycle, as torchtitan traces, runs as fast as an untraced step (docs/decisions/profiler-cycles.md).
 
 
 def _steps_of_rank(rank: int, files: list[KinetoTrace]) -> list[RankStep]:
@@ -277,14 +276,13 @@ def _outside_ms(step: RankStep) -> float:
 
 # [Note: A collective's figure is the mean of its calls]
 # A step is the sum of its calls: per traced CPU step, each call's figure (compute and collectives the most of the
-# ranks, the optimizer) summed to the step within 0.1-7.5% in 32 steps (`python -m bench.trace_profile --decompose
-# DIR`), the rest being work outside the modules (`TraceProfile.outside_ms`); the waits for a late rank are in
+# ranks, the optimizer) sum to the step (`python -m bench.trace_profile --decompose DIR` checks it), the rest being
+# work outside the modules (`TraceProfile.outside_ms`); the waits for a late rank are in
 # those figures, as the late rank's work. But a CPU collective's time is heavy-tailed (a copy into memory the
-# process has not touched yet took 8 ms one step and 131 the next), and every step draws a few tails: in two
-# Llama runs of 8 steps the medians over calls summed to 4080 and 5056 ms of collectives a step, the means to 4454
-# and 5299, the steps' medians were 4619 and 5597 (`decomposition` in bench/results/trace-profile-llama-cpu*.json).
+# process has not touched yet is an order of magnitude dearer than one into memory it has), and every step draws
+# a few tails, so the sum of the calls' medians falls below most steps while the sum of their means does not.
 # The sum of the means is the mean of the sums; the sum of the medians is below most steps. Compute is not
-# heavy-tailed (its per-step maxima moved the simulated step by 0.5%), so it keeps the recorder's consolidation,
+# heavy-tailed, so it keeps the recorder's consolidation,
 # the median.
 
 

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # the framework is an extra, not a core dependency
+    raise ImportError("runtime.adapters.hf needs transformers: pip install 'prefetch-planner[hf]'") from e
 
 from runtime.adapters import root_fsdp_module
 from runtime.autotuner import AutoTuner

@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch import Callback
+try:
+    from lightning.pytorch import Callback
+except ImportError as e:  # the framework is an extra, not a core dependency
+    raise ImportError("runtime.adapters.lightning needs lightning: pip install 'prefetch-planner[lightning]'") from e
 from torch import nn
 
 from runtime.adapters import root_fsdp_module

@@ -88,8 +88,8 @@ def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in
 def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mesh, monkeypatch):
     """[Note: The default's step is timed last]: a slow stretch after the isolated passes and the profiled peak steps,
     as long as the async pairs, lands on the pairs, whose ratio of neighbours cancels it, and not on the default's
-    step ms, the anchor of every prediction. Timed first (the order before 2026-11-27), the stretch read 3 x; timed
-    right after the peak steps (the order of the morning of 2026-11-27), a stretch after them would have."""
+    step ms, the anchor of every prediction. Timed first (an earlier order), the stretch read 3 x; timed
+    right after the peak steps (another earlier order), a stretch after them would have."""
     workload = mlp(mesh, dim=64, layers=2)
     train_step(workload, 0)
     events: list[str] = []

@@ -31,10 +31,24 @@ def _step(model):
 
 
 def test_tested_torch_is_the_running_torch():
-    assert torch.__version__.startswith(torch_private.TESTED_TORCH), (
-        f"torch {torch.__version__} is not the tested {torch_private.TESTED_TORCH}: check runtime/torch_private.py "
-        "against it, then update TESTED_TORCH and pyproject.toml"
+    line = ".".join(torch.__version__.split(".")[:2])
+    assert line in torch_private.TESTED_TORCH, (
+        f"torch {torch.__version__} is not a tested line {torch_private.TESTED_TORCH}: check runtime/torch_private.py "
+        "against it, then add it to TESTED_TORCH and pyproject.toml's range"
     )
+
+
+def test_pyproject_admits_exactly_the_tested_lines():
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    (torch_req,) = [Requirement(d) for d in project["dependencies"] if Requirement(d).name == "torch"]
+    lines = [f"2.{minor}" for minor in range(5, 30)]
+    admitted = [line for line in lines if torch_req.specifier.contains(f"{line}.0")]
+    assert admitted == list(torch_private.TESTED_TORCH), (torch_req, admitted)
 
 
 def test_gloo_runs_two_collectives_at_once_as_the_simulator_assumes():

@@ -14,7 +14,7 @@ constants below, which numba folds.
 Taking an array out of a NamedTuple in compiled code costs a reference-count
 increment and decrement; passing it as an argument costs nothing, and the
 step's time is mostly such overhead when bundles are passed around
-(``bench/results/NOTES.md``). So the hooks (:mod:`planner.simulation._kernel.hooks`)
+(``python -m bench.simulator_speed`` measures it). So the hooks (:mod:`planner.simulation._kernel.hooks`)
 unpack the bundles once per microbatch, and the per-module functions they
 call take plain arrays; :class:`StepConfig` holds only scalars, which cost
 nothing to read.

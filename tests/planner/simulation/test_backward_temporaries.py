@@ -33,7 +33,7 @@ def test_the_roots_backward_temporaries_set_the_peak_before_the_blocks_backward(
     prefetch of b0 in b1's pre-backward, 2a + 3U = 230 with gloo's buffer.
     Keeping b0 unsharded after forward adds U where the root's temporaries are, 5220. Without them the simulator
     priced it at 0: its peak stayed at the root's prefetch of b1 (b0, b1 and gloo's buffer, 2a + 3U = 230). That was
-    the GPU runs' one-block shortfall (bench/results/NOTES.md, "On a GPU").
+    the GPU runs' one-block shortfall.
     """
     base = make_profile(unsharded_bytes=10, activation_bytes=100)
     p = _with_temporaries(base, root=5000)

@@ -114,7 +114,8 @@ def test_a_fit_on_a_bound_is_rejected(make_profile):
 
 def test_a_fit_at_a_physical_limit_is_judged_by_its_held_out_error(make_profile):
     """The microbenchmark says the overlap costs 1.8, the step says it costs nothing (as on the reference Llama,
-    2026-11-26): ``overlap_slowdown`` fits its lower bound, 1, which is what "no slowdown" means, not a guard."""
+    the collectives first): ``overlap_slowdown`` fits its lower bound, 1, which is what "no slowdown" means, not a
+    guard."""
     import dataclasses
 
     from planner.artifacts.profile import InStepTimings, OverlapTimings

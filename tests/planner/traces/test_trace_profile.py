@@ -188,7 +188,7 @@ def test_the_h100_traces_backward_temporaries_put_the_measured_peak_where_it_fel
     """The same H100 run: the root's backward, before its last block's, holds the loss's gradient of the logits
     (4 x 1024 tokens x 32000 x 4 bytes = 500 MiB) above its gradients; the recorder's profile of that run lacked it
     and put FSDP2's default 172 MiB (0.9%) under its measured peak, and a last block kept unsharded at +0 MiB where
-    the H100 and H200 runs measured +196 (one block; bench/results/NOTES.md, "On a GPU"). The embedding's gradient
+    the H100 and H200 runs measured +196 (one block). The embedding's gradient
     comes only after the blocks' backward. With the trace's temporaries and the root's gradient in those two parts
     the default comes within 0.5%, and the kept block costs one block."""
     recorded = Profile.from_dict(json.loads((SHARED_TRACES / "fsdp2-llama-h100-ws1.recorder.json").read_text()))
