@@ -4,7 +4,7 @@
   imports inside functions (not those under ``if TYPE_CHECKING:``, which never run).
 - Data flows one way: ``planner`` and ``search_spaces`` never import ``runtime``, ``jobs`` or ``bench``,
   and ``planner`` never imports ``search_spaces`` (it is handed the spaces), not even inside a function.
-- No source file over 350 lines; no function with more than 12 parameters.
+- No source file over 500 lines (split by concept, never squeezed); no function with more than 12 parameters.
 - No state attached to frozen objects: no ``object.__setattr__`` in ``planner/`` or ``search_spaces/``.
 - Private torch attributes are reached only through ``runtime/torch_private.py``: any ``._name`` attribute that
   our own sources do not define is someone else's private API, and is flagged anywhere else (no allow-list).
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "runtime", "search_spaces", "jobs", "bench")
-MAX_LINES = 350
+MAX_LINES = 500
 MAX_PARAMETERS = 12
 # The module, and its test (which checks the attributes themselves still exist).
 PRIVATE_API_FILES = {ROOT / "runtime" / "torch_private.py", ROOT / "tests" / "runtime" / "test_torch_private.py"}

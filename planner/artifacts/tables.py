@@ -66,8 +66,15 @@ class StudyTable(Table):
 
 
 class WorkloadTable(Table):
-    """``[workload]``: ``factory`` ``"package.module:function"``, called on every rank as ``factory(mesh, **kwargs)``;
-    ``microbatches``: forward/backward passes per optimizer step (gradient accumulation, ``runtime.accumulation``)."""
+    """``[workload]``: the model, optimizer and batches every rank trains.
+
+    Attributes:
+        factory: ``"package.module:function"``, called on every rank as ``factory(mesh, **kwargs)``; it returns a
+            ``runtime.Workload`` whose model is wrapped with ``fully_shard``.
+        kwargs: keyword arguments of the factory.
+        microbatches: forward/backward passes per optimizer step (gradient accumulation,
+            ``runtime.accumulation``).
+    """
 
     factory: StrictStr
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -135,7 +142,6 @@ class SearchTable(Table):
     def budget(self) -> MemoryBudget | None:
         """The parsed :attr:`memory_budget`, ``None`` when unset."""
         return MemoryBudget.parse(self.memory_budget) if self.memory_budget is not None else None
-
 
 
 class MeasureTable(Table):

@@ -255,8 +255,11 @@ def _step(trace: KinetoTrace, number: int, window: TraceEvent, labels: list[_Lab
 
     if trace.device_type == "cuda":  # [Note: Compute from a trace]: the compute stream's time across a stretch
         stretch, across = stretches_ms(trace, [(start, end) for start, end, *_ in segments])
-    else:
-        stretch, across = [(end - start) / 1e3 for start, end, *_ in segments], lambda e: e.dur / 1e3
+    else:  # on CPU a stretch is its wall time, and an event's time is its own duration
+        stretch = [(end - start) / 1e3 for start, end, *_ in segments]
+
+        def across(event):
+            return event.dur / 1e3
     for (_, _, phase, module, pre), ms in zip(segments, stretch, strict=True):
         credit(phase, module, pre, ms)
     resharded = frozenset(lb.fqn for lb in labels if lb.kind == "all_gather_copy_out"

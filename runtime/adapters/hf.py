@@ -32,8 +32,11 @@ class PrefetchTuningCallback(TrainerCallback):
     """A ``TrainerCallback`` that tunes FSDP2's prefetch on the Trainer's own steps.
 
     Args:
-        study, storage, memory_budget, keys: as :class:`runtime.AutoTuner` (``plan_out=``, ``recheck=``,
-            any study key).
+        study: the study's name, as :class:`runtime.AutoTuner`'s.
+        storage: the study's SQLAlchemy URL (``None``: a temporary SQLite file), as :class:`runtime.AutoTuner`'s.
+        memory_budget: the per-rank peak a plan may reach (``"+20%"``, ``"1.5GiB"``), as
+            :class:`runtime.AutoTuner`'s.
+        **keys: :class:`runtime.AutoTuner`'s other keywords (``plan_out=``, ``recheck=``, any study key).
 
     Attributes:
         tuner: the :class:`runtime.AutoTuner` from the first step on (``None`` before).

@@ -31,7 +31,11 @@ class PrefetchTuning(Callback):
     """A Lightning ``Callback`` that tunes FSDP2's prefetch on the Trainer's own steps.
 
     Args:
-        study, storage, memory_budget, keys: as :class:`runtime.AutoTuner`.
+        study: the study's name, as :class:`runtime.AutoTuner`'s.
+        storage: the study's SQLAlchemy URL (``None``: a temporary SQLite file), as :class:`runtime.AutoTuner`'s.
+        memory_budget: the per-rank peak a plan may reach (``"+20%"``, ``"1.5GiB"``), as
+            :class:`runtime.AutoTuner`'s.
+        **keys: :class:`runtime.AutoTuner`'s other keywords (``plan_out=``, ``recheck=``, any study key).
         module_of: the root FSDP module of the ``LightningModule`` (default: its outermost ``fully_shard`` module).
 
     Attributes:
