@@ -71,7 +71,12 @@ logger = logging.getLogger(__name__)
 
 
 class AutoTuner:
-    """Tunes FSDP2's prefetch and resharding on the steps of the user's own training loop (module docstring).
+    """Tunes FSDP2's prefetch and resharding on the steps of the user's own training loop.
+
+    Every rank builds it and enters :meth:`step` on the same steps. Its phases, in order: recording (FSDP2's
+    default while the profile is recorded), searching (the simulated study, between two steps), racing (one plan a
+    step, switched at the same step on every rank), confirming (the survivor against FSDP2's default on fresh
+    rounds), done (the confirmed plan, or FSDP2's default, stays applied; :meth:`step` does nothing).
 
     Args:
         model: the root module, already wrapped with ``fully_shard`` (per block, then the root), on every rank
@@ -137,7 +142,8 @@ class AutoTuner:
         self._microbatch_hook: Any = None  # hook handles, removed when done
         self._optimizer_hook: Any = None
         self._optimizers: list[Any] = []
-        self._microbatch, self._microbatches = 0, 1  # this step's root forwards so far; per step, recorded
+        self._microbatch = 0  # this step's root forwards so far
+        self._microbatches = 1  # root forwards per step, as recorded
         self.device = next(model.parameters()).device.type
         files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
         self._round = InLoopRound(model, self.config, self._group, files)
@@ -293,7 +299,8 @@ class AutoTuner:
         self.phase = TunerPhase.SEARCHING
         profile = recorder.profile(isolated, lambda local: gather_objects(local, self._group))
         recorder.remove()
-        self._recorder, self._meter = None, PeakMeter(self.model, recorder.optimizers)
+        self._recorder = None
+        self._meter = PeakMeter(self.model, recorder.optimizers)
         self._microbatches = profile.microbatches
         self._log(f"AutoTuner: recorded FSDP2's default on {self.steps_tuning} steps (step "
                   f"{profile.measured_step_ms:.1f} ms, {profile.microbatches} microbatch(es)); {recorder.isolation}")

@@ -274,7 +274,8 @@ class ComputeTimer:
         if not memory:
             self._run(workload, step)
             return
-        self.reading_memory, self.root_grad_pre_bytes = True, None
+        self.reading_memory = True
+        self.root_grad_pre_bytes = None
         try:
             with self.memory.reading():
                 self._run(workload, step)
@@ -287,7 +288,8 @@ class ComputeTimer:
         self.marks.clear()
         self.seen_storages.clear()
         self.act_bytes.clear()
-        self.root_activation_post_bytes, self.child_entered = 0, False
+        self.root_activation_post_bytes = 0
+        self.child_entered = False
         self.saved_parameter_storages.clear()
         # the unsharded parameters (a module held sharded registers its DTensor shards: its figures are not kept)
         self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()

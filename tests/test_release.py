@@ -97,3 +97,13 @@ def test_the_wheel_carries_its_dependencies_entry_point_and_type_markers(tmp_pat
     assert f"Name: {DISTRIBUTION}" in metadata and "License-Expression: BSD-3-Clause" in metadata
     assert "prefetch-planner = jobs.cli:main" in entry_points
     assert not any(n.startswith(("tests/", "bench/", "docs/")) for n in names)
+
+
+def test_the_top_level_is_the_design_cards_and_the_release_files():
+    card = {"pyproject.toml", "planner", "runtime", "search_spaces", "tests", "studies", "README.md"}
+    release = {"LICENSE", "CHANGELOG.md", "mkdocs.yml", "docs", "jobs", "bench", ".ci", ".gitignore"}
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    top = {line.split("/", 1)[0] for line in tracked.stdout.splitlines()}
+    assert top == card | release

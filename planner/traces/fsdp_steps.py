@@ -206,8 +206,14 @@ def _top_level(labels: list[_Label]) -> list[_Label]:
 def _segments(labels: list[_Label], window: TraceEvent):
     """The walk of [Note: Compute from a trace]: (start, end, phase, module, before-first-nested) stretches, the
     orders, the microbatch count and the first microbatch's module nesting (child -> parent)."""
-    segments, stack, phase, t = [], [], None, None
-    pre_order, post_order, parent, nested = [], [], {}, set()
+    segments: list = []  # (start, end, phase, module, before-first-nested)
+    stack: list[str] = []  # the FSDP modules open at this label, outermost first
+    phase: str | None = None  # "fwd", "bwd", or None between them
+    t = None  # where the open stretch started
+    pre_order: list[str] = []
+    post_order: list[str] = []
+    parent: dict[str, str] = {}
+    nested: set[str] = set()
     microbatches = 0
     for lb in _top_level(labels):
         if phase is not None and t is not None and lb.event.ts > t:
