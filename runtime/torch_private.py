@@ -27,9 +27,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from planner.errors import UnsupportedPlanError
 
-TESTED_TORCH: tuple[str, ...] = ("2.13", "2.14")
+TESTED_TORCH: tuple[str, ...] = ("2.13", "2.14", "2.15")
 # What an error about a missing torch API advises: the tested lines, and the newest to install.
-TESTED_ADVICE = f"tested with torch {' and '.join(TESTED_TORCH)}; install torch=={TESTED_TORCH[-1]}.*"
+TESTED_ADVICE = f"tested with torch {', '.join(TESTED_TORCH)}; install torch=={TESTED_TORCH[-1]}.*"
 
 
 def gloo_worker_threads() -> int:
@@ -74,10 +74,14 @@ def clear_unsharded_grads(module: nn.Module) -> None:
     the gradients it leaves on the unsharded parameters
     (``FSDPParam.unsharded_accumulated_grad``, ``FSDPParam._unsharded_param.grad``)
     would otherwise be reduced by the next synced backward and change training.
+    From torch 2.15 ``unsharded_accumulated_grad`` is a read-only property that
+    reads ``_unsharded_param.grad`` (the autograd leaf owns accumulation), so
+    only the latter is cleared there.
     """
     group = param_group(module)
     for fsdp_param in group.fsdp_params if group is not None else ():
-        fsdp_param.unsharded_accumulated_grad = None
+        if not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+            fsdp_param.unsharded_accumulated_grad = None
         if hasattr(fsdp_param, "_unsharded_param"):  # absent until the first all-gather
             fsdp_param._unsharded_param.grad = None
 
