@@ -54,7 +54,7 @@ def step_usage_lines(in_step: InStepTimings) -> list[str]:
     if in_step.allocator == "system" and faults >= FAULTS_PER_STEP_MS_NOTED * in_step.default_step_ms:
         lines.append("the simulator does not model the faults: their work is priced into comm_scale, and under "
                      "glibc it moved the step by up to 20% between processes on our CPU testbed; [launch] allocator "
-                     "= \"jemalloc\" keeps the pages (README: CPU steps and page faults)")
+                     "= \"jemalloc\" keeps the pages (docs/decisions/cpu-allocator.md)")
     return lines
 
 

@@ -2,7 +2,7 @@
 
 - :mod:`runtime.adapters.hf`: a ``transformers.TrainerCallback`` (extra ``prefetch-planner[hf]``).
 - :mod:`runtime.adapters.lightning`: a ``lightning.pytorch.Callback`` (extra ``prefetch-planner[lightning]``).
-- torchtitan: a recipe in the README (apply the plan after ``parallelize``).
+- torchtitan: a recipe, ``docs/examples/torchtitan_recipe.py`` (the tuner on ``model_parts[0]`` after ``parallelize``).
 """
 
 from __future__ import annotations

@@ -229,7 +229,7 @@ def test_torchrun_max_restarts_resumes_the_study(tmp_path):
                        space="uniform", sim=30, measured=3, rounds=2, timeout=5)
     toml.write_text(toml.read_text().replace("layers = 4 }", "layers = 4, first_attempt_only = true }"))
     # torchrun shares its rendezvous store with the restarted ranks' process group, which then can read
-    # the previous attempt's addresses (pytorch/pytorch#135712); README says to set this with --max-restarts.
+    # the previous attempt's addresses (pytorch/pytorch#135712); docs/clusters.md says to set this with --max-restarts.
     env = dict(rank_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
