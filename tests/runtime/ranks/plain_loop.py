@@ -2,17 +2,19 @@
 
 argv: storage URL, output JSON, AutoTuner keys JSON, steps.
 
-The model is a stack of ``torch.nn.TransformerEncoderLayer`` (dropout on) with a linear head, ``fully_shard`` on
-each layer and then the root, AdamW, a cross-entropy loss on random tokens: written the way a user writes it, with
+The model is ``docs/examples/plain_loop.py``'s: a stack of ``torch.nn.TransformerEncoderLayer`` (dropout on) with a
+linear head, ``fully_shard`` on each layer and then the root, AdamW, a cross-entropy loss on random tokens: written the way a user writes it, with
 nothing from ``runtime`` but the tuner. The loop runs three times, each on a freshly built model: without the tuner,
 with it (a cold study), and with it again on the same study (the next start). Rank 0 writes {"without", "with",
 "again": [loss hex per step], "phases"/"phases_again": [phase per step], "steps_tuning"/"steps_tuning_again",
 "confirmation": [ratio, verdict] or null, "log": the tuner's log lines}.
 """
 
+import importlib.util
 import json
 import logging
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,20 +38,16 @@ logging.getLogger("runtime.autotuner").addHandler(Remember())
 logging.getLogger("runtime.autotuner").setLevel(logging.INFO)
 
 
-class Classifier(nn.Module):
-    def __init__(self, vocab: int = 128, dim: int = 64, layers: int = 3):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.1, batch_first=True)
-            for _ in range(layers))
-        self.head = nn.Linear(dim, vocab)
+def _example_classifier() -> type[nn.Module]:
+    """The model of ``docs/examples/plain_loop.py``, the loop a user copies (its ``main`` does not run on import)."""
+    path = Path(__file__).resolve().parents[3] / "docs" / "examples" / "plain_loop.py"
+    spec = importlib.util.spec_from_file_location("plain_loop_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Classifier
 
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+
+Classifier = _example_classifier()
 
 
 def build():
