@@ -3,11 +3,11 @@
 argv: storage URL, output JSON, AutoTuner keys JSON, steps.
 
 The model is ``docs/examples/plain_loop.py``'s: a stack of ``torch.nn.TransformerEncoderLayer`` (dropout on) with a
-linear head, ``fully_shard`` on each layer and then the root, AdamW, a cross-entropy loss on random tokens: written the way a user writes it, with
-nothing from ``runtime`` but the tuner. The loop runs three times, each on a freshly built model: without the tuner,
-with it (a cold study), and with it again on the same study (the next start). Rank 0 writes {"without", "with",
-"again": [loss hex per step], "phases"/"phases_again": [phase per step], "steps_tuning"/"steps_tuning_again",
-"confirmation": [ratio, verdict] or null, "log": the tuner's log lines}.
+linear head, ``fully_shard`` on each layer and then the root, AdamW, a cross-entropy loss on random tokens: written
+the way a user writes it, with nothing from ``runtime`` but the tuner. The loop runs three times, each on a freshly
+built model: without the tuner, with it (a cold study), and with it again on the same study (the next start). Rank 0
+writes {"without", "with", "again": [loss hex per step], "phases"/"phases_again": [phase per step],
+"steps_tuning"/"steps_tuning_again", "confirmation": [ratio, verdict] or null, "log": the tuner's log lines}.
 """
 
 import importlib.util
