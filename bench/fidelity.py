@@ -120,12 +120,13 @@ def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profil
     isolated_figures(workload, profile.fingerprint, repeats, device, raf, collectives=False)
     per_rank = gather_objects(module_collectives(modules, profile.fingerprint, repeats, device))
     modules_after = {fqn: dataclasses.replace(
-        m, all_gather_ms=max(r[0][fqn]["all_gather_ms"] for r in per_rank),
-        reduce_scatter_ms=max(r[0][fqn]["reduce_scatter_ms"] for r in per_rank)) for fqn, m in profile.modules.items()}
+        m, all_gather_ms=max(r[0][fqn].all_gather_ms for r in per_rank),
+        reduce_scatter_ms=max(r[0][fqn].reduce_scatter_ms for r in per_rank)) for fqn, m in profile.modules.items()}
     overlap = profile.in_step.overlap
     if overlap is not None and per_rank[0][1] is not None:
-        overlap = OverlapTimings(per_rank[0][1]["module"], **{
-            k: statistics.fmean(r[1][k] for r in per_rank) for k in ("all_gather_ms", "compute_ms", "overlapped_ms")})
+        overlap = OverlapTimings(per_rank[0][1].module, **{
+            k: statistics.fmean(getattr(r[1], k) for r in per_rank)
+            for k in ("all_gather_ms", "compute_ms", "overlapped_ms")})
     return dataclasses.replace(profile, modules=modules_after,
                                in_step=dataclasses.replace(profile.in_step, overlap=overlap))
 

@@ -6,14 +6,18 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.knobs import KNOBS, Knob, Scope
 from planner.artifacts.plan import Plan
 from planner.errors import PlanMismatchError, UnsupportedPlanError
 from runtime.accumulation import set_accumulation
@@ -97,16 +101,12 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     """Configure FSDP2 on ``model`` as ``plan`` says.
 
     Calls, per FSDP module: ``set_modules_to_forward_prefetch``,
-    ``set_modules_to_backward_prefetch``, ``set_reshard_after_forward``
-    (not recursive), ``set_unshard_in_backward``; on the root: ``_set_unshard_async_op``
-    (:func:`runtime.torch_private.unshard_async_op_setter`) and
-    ``set_reduce_scatter_max_input_buffers`` and
-    ``set_separate_reduce_scatter_group``
-    (:func:`runtime.torch_private.separate_reduce_scatter_group_setter`); and records
-    ``reshard_after_backward`` for gradient accumulation, which
-    :func:`runtime.accumulation.prepare_microbatch` sets before each
-    microbatch but the last. Applying a plan replaces the
-    previous one entirely (empty lists restore FSDP2's defaults).
+    ``set_modules_to_backward_prefetch`` and ``set_reshard_after_forward``
+    (not recursive); then each knob's setter (``planner.artifacts.knobs.KNOBS``:
+    on the root, on every FSDP module, or per module with its own value),
+    through :data:`ROOT_SETTERS` where FSDP2's setter needs a wrapper. Every
+    setter the running torch has is called, with FSDP2's default where the
+    plan leaves a knob, so applying a plan replaces the previous one entirely.
 
     Args:
         model: the root FSDP module.
@@ -117,27 +117,12 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     Raises:
         PlanMismatchError: the plan was made for another model or world size;
             the message names the first difference.
-        UnsupportedPlanError: the plan uses a setting the running torch does
-            not have (the message names the torch version); nothing is applied.
+        UnsupportedPlanError: the plan sets a knob the running torch has no
+            setter for (the message names the knob, the setter and the torch
+            version); nothing is applied.
     """
     modules = dict(fsdp_modules(model))
-    set_async_op = unshard_async_op_setter(model)
-    set_separate_rs = None  # also switched off by a plan without it, after one with it (raises if torch lacks it)
-    if plan.separate_reduce_scatter_group or hasattr(model, "set_separate_reduce_scatter_group"):
-        set_separate_rs = separate_reduce_scatter_group_setter(model)
-    rs_buffers = getattr(model, "set_reduce_scatter_max_input_buffers", None)
-    if rs_buffers is None and plan.reduce_scatter_max_input_buffers != 1:
-        raise UnsupportedPlanError(
-            f"the plan sets reduce_scatter_max_input_buffers = {plan.reduce_scatter_max_input_buffers}, but torch "
-            f"{torch.__version__} has no FSDPModule.set_reduce_scatter_max_input_buffers "
-            f"({TESTED_ADVICE} or use a plan with 1 input buffer)"
-        )
-    has_unshard_in_backward = hasattr(model, "set_unshard_in_backward")
-    if not has_unshard_in_backward and not all(m.unshard_in_backward for m in plan.modules.values()):
-        raise UnsupportedPlanError(
-            f"the plan turns unshard_in_backward off, but torch {torch.__version__} has no "
-            f"FSDPModule.set_unshard_in_backward ({TESTED_ADVICE})"
-        )
+    setters = {k.name: _setter(model, k, _values(plan, k)) for k in KNOBS}  # before any call: all or nothing
     if check:
         difference = plan.fingerprint.first_difference(model_fingerprint(model))
         if difference is not None:
@@ -151,12 +136,51 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
         module.set_modules_to_forward_prefetch([modules[t] for t in mp.forward_prefetch])
         module.set_modules_to_backward_prefetch([modules[t] for t in mp.backward_prefetch])
         module.set_reshard_after_forward(mp.reshard_after_forward, recurse=False)
-        if has_unshard_in_backward:
-            module.set_unshard_in_backward(mp.unshard_in_backward)
-    set_async_op(plan.unshard_async_op)
-    if set_separate_rs is not None:
-        set_separate_rs(plan.separate_reduce_scatter_group)
-    set_accumulation(model, plan.reshard_after_backward)
-    if rs_buffers is not None:  # without it FSDP2 always has 1, which the plan then asks for
-        rs_buffers(plan.reduce_scatter_max_input_buffers)
+    for k in KNOBS:
+        set_value = setters[k.name]
+        if set_value is None:  # torch lacks it, and the plan keeps FSDP2's default
+            continue
+        if k.scope is Scope.ROOT:
+            set_value(model, plan.knobs[k.name])
+        else:
+            for fqn, module in modules.items():
+                if k.scope is Scope.EVERY_MODULE:
+                    set_value(module, plan.knobs[k.name])
+                elif fqn in plan.modules:
+                    set_value(module, plan.modules[fqn].knobs[k.name])
 
+
+ROOT_SETTERS: dict[str, Callable[[nn.Module], Callable[[bool], None]]] = {
+    "_set_unshard_async_op": unshard_async_op_setter,
+    "set_separate_reduce_scatter_group": separate_reduce_scatter_group_setter,
+    "set_reshard_after_backward": lambda model: functools.partial(set_accumulation, model),
+}
+"""FSDP2 setters (``Knob.setter``) applied through ``runtime``'s own wrappers: the private async-op setter, a
+reduce-scatter group made once per model, and the per-microbatch resharding of gradient accumulation
+(:func:`runtime.accumulation.prepare_microbatch` sets it before each microbatch but the last)."""
+
+
+def _values(plan: Plan, k: Knob) -> list[Any]:
+    """The plan's values of knob ``k``: one, or one per module."""
+    return [m.knobs[k.name] for m in plan.modules.values()] if k.scope is Scope.MODULE else [plan.knobs[k.name]]
+
+
+def _setter(model: nn.Module, k: Knob, values: list[Any]) -> Callable[[nn.Module, Any], None] | None:
+    """How to apply knob ``k``: ``(module, value) -> None``; ``None`` where the running torch lacks its setter and
+    every one of ``values`` (the plan's) is FSDP2's default.
+
+    Raises:
+        UnsupportedPlanError: torch lacks the setter and the plan sets another value.
+    """
+    wrapper = ROOT_SETTERS.get(k.setter)
+    if wrapper is not None and (hasattr(model, k.setter) or any(v != k.default for v in values)):
+        wrapped = wrapper(model)  # raises UnsupportedPlanError naming the setter where torch lacks it
+        return lambda _module, value: wrapped(value)
+    if hasattr(model, k.setter):
+        return lambda module, value: getattr(module, k.setter)(value)
+    changed = [v for v in values if v != k.default]
+    if changed:
+        raise UnsupportedPlanError(
+            f"the plan sets {k.name} = {changed[0]!r}, but torch {torch.__version__} has no "
+            f"FSDPModule.{k.setter} ({TESTED_ADVICE} or use a plan that keeps FSDP2's default, {k.default!r})")
+    return None

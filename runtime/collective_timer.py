@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.rank_figures import CollectiveFigures, OverlapTimings
 from runtime.measure import synchronize
 from runtime.overlap_timer import overlap_timings
 from runtime.workload import own_parameters
@@ -58,7 +60,7 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
         device: ``"cpu"`` or ``"cuda"``.
 
     Returns:
-        ``{fqn: {"all_gather_ms", "reduce_scatter_ms"}}``, medians over the rounds.
+        Per FQN, its all-gather and reduce-scatter ms, medians over the rounds (``sharded_bytes`` left 0).
     """
     world = dist.get_world_size()
     by_fqn = dict(modules)
@@ -87,12 +89,12 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
             if r:
                 all_gathers[fqn].append(all_gather)
                 reduce_scatters[fqn].append(reduce_scatter_time)
-    return {fqn: {"all_gather_ms": statistics.median(all_gathers[fqn]),
-                  "reduce_scatter_ms": statistics.median(reduce_scatters[fqn])} for fqn in fqns}
+    return {fqn: CollectiveFigures(statistics.median(all_gathers[fqn]), statistics.median(reduce_scatters[fqn]))
+            for fqn in fqns}
 
 
 def module_collectives(modules: list[tuple[str, FSDPModule]], fingerprint: Fingerprint, repeats: int,
-                       device: str) -> tuple[dict[str, dict[str, float]], dict[str, float | str] | None]:
+                       device: str) -> tuple[dict[str, CollectiveFigures], OverlapTimings | None]:
     """Every FSDP module's collectives in isolation, and on a CPU device the overlap microbenchmark (all ranks).
 
     In order: every module's all-gather and reduce-scatter in ``max(repeats, COLLECTIVE_ROUNDS)`` rounds
@@ -100,13 +102,13 @@ def module_collectives(modules: list[tuple[str, FSDPModule]], fingerprint: Finge
     sized by those all-gathers; ``None`` on CUDA).
 
     Returns:
-        ``({fqn: {"all_gather_ms", "reduce_scatter_ms", "sharded_bytes"}}, overlap timings or None)``: ms, and
-        this rank's bytes of the module's own parameter shards.
+        Per FQN its figures (``sharded_bytes``: this rank's bytes of the module's own parameter shards), and the
+        overlap timings or ``None``.
     """
     numels = dict(zip(fingerprint.module_fqns, fingerprint.param_numels, strict=True))
     figures = collective_rounds(modules, numels, max(repeats, COLLECTIVE_ROUNDS), device)
-    ag_ms = {fqn: values["all_gather_ms"] for fqn, values in figures.items()}
+    ag_ms = {fqn: values.all_gather_ms for fqn, values in figures.items()}
     overlap = overlap_timings(modules, numels, ag_ms, max(repeats, 10)) if device != "cuda" else None
-    for fqn, values in figures.items():
-        values["sharded_bytes"] = sum(p.to_local().numel() * p.element_size() for p in own_parameters(modules, fqn))
-    return figures, overlap
+    return {fqn: dataclasses.replace(values, sharded_bytes=sum(p.to_local().numel() * p.element_size()
+                                                                for p in own_parameters(modules, fqn)))
+            for fqn, values in figures.items()}, overlap

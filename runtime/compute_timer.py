@@ -16,10 +16,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from planner.artifacts.rank_figures import COMPUTE_FIELDS
 from runtime.mark_memory import MarkMemory, backward_peaks, walk_marks
 from runtime.workload import Workload, own_parameters
-
-TIMED = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms")
 
 # [Note: Backward temporaries]
 # A backward allocates more than the gradients it leaves: the loss's backward holds the gradient of the logits
@@ -314,7 +313,7 @@ class ComputeTimer:
     def attribute(self) -> tuple[dict[str, dict[str, float]], list[str], list[str], dict[str, int]]:
         """Exclusive ms per module and phase, pre-/post-forward order, forward calls (the windows of
         :func:`runtime.mark_memory.walk_marks`)."""
-        out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(TIMED, 0.0))
+        out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPUTE_FIELDS, 0.0))
         pre_order, post_order = [], []
         calls: dict[str, int] = defaultdict(int)
         recompute_start: dict[str, float] = {}

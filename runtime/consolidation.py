@@ -3,105 +3,118 @@ rank's consolidated (:func:`consolidate`: max across ranks, as the recorder's mo
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Any
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.profile import InStepTimings, ModuleProfile, OverlapTimings, Profile, backward_temporaries
+from planner.artifacts.profile import InStepTimings, ModuleProfile, Profile, backward_temporaries
+from planner.artifacts.rank_figures import (
+    CollectiveFigures,
+    ComputeFigures,
+    IsolatedFigures,
+    ModuleFigures,
+    OverlapTimings,
+    RankFigures,
+)
 from runtime.peak_memory import peak_of_steps
 
 
-def merge_isolated(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One rank's :func:`isolated_figures` from passes of a few modules each: each module's figures from the parts
-    that hold them; orders and forward calls from the first part (the same in every pass); the overlap
-    microbenchmark from the part that ran it.
+def merge_isolated(parts: list[IsolatedFigures]) -> IsolatedFigures:
+    """One rank's :func:`runtime.recorder.isolated_figures` from passes of a few modules each: each module's
+    figures from the parts that hold them; orders and forward calls from the first part (the same in every pass);
+    the overlap microbenchmark from the part that ran it.
 
     Raises:
         ValueError: the parts disagree on the post-forward order.
     """
-    merged = {**parts[0], "modules": {}}
-    for part in parts:
-        if part["post_forward_order"] != merged["post_forward_order"]:
-            raise ValueError(f"the isolated passes disagree on the post-forward order: {merged['post_forward_order']}"
-                             f" then {part['post_forward_order']}")
-        merged["overlap"] = merged["overlap"] or part["overlap"]
-        for fqn, figures in part["modules"].items():
-            merged["modules"].setdefault(fqn, {}).update(figures)
-    return merged
+    return functools.reduce(IsolatedFigures.merged, parts)
 
 
-def consolidate(per_rank: list[dict], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
+def consolidate(per_rank: list[RankFigures], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
                 microbatches: int = 1) -> Profile:
     """The profile from every rank's figures (``record_profile``'s ``local``, gathered): max across ranks of every
-    figure; orders must agree across ranks.
+    figure (the overlap timings: the mean); orders must agree across ranks.
 
     Raises:
         RuntimeError: the ranks disagree on the post-forward order.
     """
-    first = per_rank[0]
+    first = per_rank[0].isolated
     for other in per_rank[1:]:
-        if other["post_forward_order"] != first["post_forward_order"]:
-            raise RuntimeError(f"ranks disagree on the post-forward order: rank 0 {first['post_forward_order']}, "
-                               f"rank {other['rank']} {other['post_forward_order']}")
+        if other.isolated.post_forward_order != first.post_forward_order:
+            raise RuntimeError(f"ranks disagree on the post-forward order: rank 0 {list(first.post_forward_order)}, "
+                               f"rank {other.rank} {list(other.isolated.post_forward_order)}")
     unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True))
-    modules = {}
-    for fqn in fingerprint.module_fqns:
-        figures = {k: max(r["modules"][fqn][k] for r in per_rank) for k in first["modules"][fqn]}
-        modules[fqn] = ModuleProfile(
-            fqn=fqn,
-            fwd_ms=figures["fwd_ms"],
-            bwd_ms=figures["bwd_ms"],
-            fwd_pre_ms=min(figures["fwd_pre_ms"], figures["fwd_ms"]),
-            bwd_pre_ms=min(figures["bwd_pre_ms"], figures["bwd_ms"]),
-            all_gather_ms=figures["all_gather_ms"],
-            reduce_scatter_ms=figures["reduce_scatter_ms"],
-            unsharded_bytes=unsharded[fqn],
-            sharded_bytes=int(figures["sharded_bytes"]),
-            grad_bytes=unsharded[fqn],
-            activation_bytes=int(figures["activation_bytes"]),
-            reshard_after_forward=raf[fqn],
-            needs_parameters_in_backward=bool(figures["needs_parameters_in_backward"]),  # any rank: max
-            recompute_ms=figures.get("recompute_ms", 0.0),
-            recompute_activation_bytes=int(figures.get("recompute_activation_bytes", 0)),
-            # the root's gradient before its children's backward (the LM head's), measured; the rest after
-            backward_post_grad_bytes=max(0, unsharded[fqn] - int(figures.get("grad_pre_bytes", unsharded[fqn]))),
-            # the root's saved bytes after its children's forward, freed before their backward
-            activation_post_bytes=min(int(figures["activation_bytes"]), int(figures.get("activation_post_bytes", 0))),
-            backward_temp_bytes=backward_temporaries(figures.get("backward_peak_bytes", 0),
-                                                     min(unsharded[fqn], figures.get("grad_pre_bytes", unsharded[fqn])),
-                                                     figures.get("recompute_activation_bytes", 0)),
-            calls=max(1, calls.get(fqn, 1)),
-        )
+    modules = {fqn: _module_profile(fqn, unsharded[fqn], [r.isolated.modules[fqn] for r in per_rank], raf[fqn],
+                                    calls.get(fqn, 1)) for fqn in fingerprint.module_fqns}
     root = fingerprint.module_fqns[0]
     overlap = None
-    if first["overlap"] is not None:
-        overlap = OverlapTimings(first["overlap"]["module"],
-                                 **{k: statistics.fmean(r["overlap"][k] for r in per_rank)
+    if first.overlap is not None:
+        overlap = OverlapTimings(first.overlap.module,
+                                 **{k: statistics.fmean(getattr(r.isolated.overlap, k) for r in per_rank)
                                     for k in ("all_gather_ms", "compute_ms", "overlapped_ms")})
-    step_ms = max(r["step_ms"] for r in per_rank)
-    ratios = [r["async_ratio"] for r in per_rank if r.get("async_ratio") is not None]
-    async_step_ms = step_ms * max(ratios) if ratios else None
+    steps = [r.steps for r in per_rank]
+    step_ms = max(s.step_ms for s in steps)
+    ratios = [s.async_ratio for s in steps if s.async_ratio is not None]
     return Profile(
         fingerprint=fingerprint,
-        pre_forward_order=(root, *first["pre_forward_order"]),
-        post_forward_order=(*first["post_forward_order"], root),
+        pre_forward_order=(root, *first.pre_forward_order),
+        post_forward_order=(*first.post_forward_order, root),
         modules=modules,
-        optimizer_ms=max(r["optimizer_ms"] for r in per_rank),
-        optimizer_state_bytes=max(r["optimizer_state_bytes"] for r in per_rank),
+        optimizer_ms=max(s.optimizer_ms for s in steps),
+        optimizer_state_bytes=max(s.optimizer_state_bytes for s in steps),
         measured_step_ms=step_ms,
-        optimizer_temp_bytes=max(r["optimizer_temp_bytes"] for r in per_rank),
-        measured_peak_bytes=peak_of_steps([r["peak_bytes"] for r in per_rank]),
+        optimizer_temp_bytes=max(s.optimizer_temp_bytes for s in steps),
+        measured_peak_bytes=peak_of_steps([list(s.peak_bytes) for s in steps]),
         microbatches=microbatches,
-        per_rank=per_rank,
+        per_rank=list(per_rank),
         consolidation="max",
-        in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap, async_default_step_ms=async_step_ms,
-                              allocator=first.get("allocator"),
-                              default_step_faults=_max_of(per_rank, "step_faults"),
-                              default_step_kernel_ms=_max_of(per_rank, "step_kernel_ms")),
+        in_step=InStepTimings(default_step_ms=step_ms, overlap=overlap,
+                              async_default_step_ms=step_ms * max(ratios) if ratios else None,
+                              allocator=steps[0].allocator,
+                              default_step_faults=_max_of([s.step_faults for s in steps]),
+                              default_step_kernel_ms=_max_of([s.step_kernel_ms for s in steps])),
     )
 
 
-def _max_of(per_rank: list[dict[str, Any]], key: str) -> Any:
-    """The max across ranks of ``key``; ``None`` where a rank did not measure it (the in-loop recorder)."""
-    values = [r.get(key) for r in per_rank]
+def _module_profile(fqn: str, unsharded: int, ranks: list[ModuleFigures], raf: bool, calls: int) -> ModuleProfile:
+    """One module's profile from every rank's figures of it: the max across ranks of each (needs its parameters in
+    backward on any rank: needs them). ``unsharded``: its unsharded parameter bytes."""
+    compute = [m.compute or ComputeFigures() for m in ranks]
+    collectives = [m.collectives or CollectiveFigures(0.0, 0.0) for m in ranks]
+
+    grad_pre = [c.grad_pre_bytes for c in compute if c.grad_pre_bytes is not None]
+    grad_pre_bytes = max(grad_pre) if grad_pre else unsharded
+    activation = int(max([c.activation_bytes for c in compute]))
+    recompute_activation = int(max([c.recompute_activation_bytes for c in compute]))
+    post = [c.activation_post_bytes for c in compute if c.activation_post_bytes is not None]
+    fwd_ms, bwd_ms = max([c.fwd_ms for c in compute]), max([c.bwd_ms for c in compute])
+    return ModuleProfile(
+        fqn=fqn,
+        fwd_ms=fwd_ms,
+        bwd_ms=bwd_ms,
+        fwd_pre_ms=min(max([c.fwd_pre_ms for c in compute]), fwd_ms),
+        bwd_pre_ms=min(max([c.bwd_pre_ms for c in compute]), bwd_ms),
+        all_gather_ms=max([c.all_gather_ms for c in collectives]),
+        reduce_scatter_ms=max([c.reduce_scatter_ms for c in collectives]),
+        unsharded_bytes=unsharded,
+        sharded_bytes=int(max([c.sharded_bytes for c in collectives])),
+        grad_bytes=unsharded,
+        activation_bytes=activation,
+        reshard_after_forward=raf,
+        needs_parameters_in_backward=any(c.needs_parameters_in_backward for c in compute),
+        recompute_ms=max([c.recompute_ms for c in compute]),
+        recompute_activation_bytes=recompute_activation,
+        # the root's gradient before its children's backward (the LM head's), measured; the rest after
+        backward_post_grad_bytes=max(0, unsharded - int(grad_pre_bytes)),
+        # the root's saved bytes after its children's forward, freed before their backward
+        activation_post_bytes=min(activation, int(max(post))) if post else 0,
+        backward_temp_bytes=backward_temporaries(max([c.backward_peak_bytes for c in compute]),
+                                                 min(unsharded, grad_pre_bytes), recompute_activation),
+        calls=max(1, calls),
+    )
+
+
+def _max_of(values: list[Any]) -> Any:
+    """The max across ranks; ``None`` where a rank did not measure it (the in-loop recorder)."""
     return None if any(v is None for v in values) else max(values)

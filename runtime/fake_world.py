@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch.distributed.device_mesh import init_device_mesh
 
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.json_types import JsonObject
 from runtime.apply import model_fingerprint
 from runtime.torch_private import fake_process_group
 from runtime.workload import build_workload
 
 
-def workload_fingerprint(factory: str, kwargs: dict[str, Any], world_size: int) -> Fingerprint:
+def workload_fingerprint(factory: str, kwargs: JsonObject, world_size: int) -> Fingerprint:
     """The fingerprint of ``factory(mesh, **kwargs)``'s model, sharded over ``world_size`` ranks.
 
     The model is built on the CPU in this process, on a fake process group (no collective runs; nothing is

@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
+from planner.artifacts.rank_figures import IsolatedFigures, RankFigures, StepFigures
 from planner.errors import PlannerError
 from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
@@ -148,7 +149,7 @@ class LoopRecorder:
         self._opt_block: Any = None
         self.meter = PeakMeter(model, self.optimizers)
         self.passes: list[tuple[str, ...]] | None = None  # the isolated passes' modules, once decided
-        self.parts: list[dict[str, Any]] = []  # this rank's figures of the passes run so far
+        self.parts: list[IsolatedFigures] = []  # this rank's figures of the passes run so far
         self._isolation_s = 0.0
         self._handles = [
             model.register_forward_pre_hook(self._root_forward, with_kwargs=True),
@@ -205,7 +206,7 @@ class LoopRecorder:
             h.remove()
         self._handles = []
 
-    def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> dict[str, Any] | None:
+    def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> IsolatedFigures | None:
         """The next isolated pass (collective: every rank calls it, between two steps): this rank's isolated
         figures of every module once the last pass has run (:func:`runtime.recorder.merge_isolated`), else
         ``None``. The first call decides the passes from the recorded peaks and the memory budget
@@ -244,7 +245,7 @@ class LoopRecorder:
             f", {len(passes)} passes of at most {max(map(len, passes))} module(s) each (the memory budget)"
             if len(passes) > 1 else "")
 
-    def isolated(self, only: tuple[str, ...] | None = None, collectives: bool = True) -> dict[str, Any]:
+    def isolated(self, only: tuple[str, ...] | None = None, collectives: bool = True) -> IsolatedFigures:
         """This rank's isolated figures (collective: every rank calls it, between two steps).
 
         The user's gradients, random-number generators and buffers are as they were after it. ``only`` and
@@ -276,7 +277,7 @@ class LoopRecorder:
                 b.copy_(buffers[name])
         return figures
 
-    def profile(self, isolated: dict[str, Any], gather: Callable[[Any], list[Any]]) -> Profile:
+    def profile(self, isolated: IsolatedFigures, gather: Callable[[Any], list[Any]]) -> Profile:
         """The profile from this rank's steps and ``isolated`` figures and every other rank's (collective).
 
         Args:
@@ -287,19 +288,15 @@ class LoopRecorder:
         """
         if not self.step_ms or not self.peaks:
             raise PlannerError("the in-loop recorder has no timed step or no peak-memory step")
-        local = {
-            "rank": dist.get_rank(),
-            "step_ms": statistics.median(self.step_ms),
-            "optimizer_ms": statistics.median(self.optimizer_ms) if self.optimizer_ms else 0.0,
-            "peak_bytes": list(self.peaks),
-            "optimizer_temp_bytes": max(self.optimizer_temp, default=0),
-            "optimizer_state_bytes": sum(optimizer_state_bytes(o) for o in self.optimizers),
-            **isolated,
-        }
+        steps = StepFigures(step_ms=statistics.median(self.step_ms),
+                            optimizer_ms=statistics.median(self.optimizer_ms) if self.optimizer_ms else 0.0,
+                            peak_bytes=tuple(self.peaks), optimizer_temp_bytes=max(self.optimizer_temp, default=0),
+                            optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self.optimizers))
+        local = RankFigures(dist.get_rank(), steps, isolated)
         modules = fsdp_modules(self.model)
         raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
         microbatches = max(1, statistics.median_low(self.microbatches))
         try:
-            return consolidate(gather(local), model_fingerprint(self.model), raf, isolated["calls"], microbatches)
+            return consolidate(gather(local), model_fingerprint(self.model), raf, isolated.calls, microbatches)
         except RuntimeError as e:
             raise PlannerError(str(e)) from None

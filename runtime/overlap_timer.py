@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from planner.artifacts.rank_figures import OverlapTimings
+
 # The compute beside the all-gather: (rows x inner) @ (inner x inner) float32 matrix multiplies.
 _ROWS, _INNER = 64, 1024
 
@@ -38,7 +40,7 @@ def _timed_ms(run) -> float:
 
 
 def overlap_timings(modules: list[tuple[str, FSDPModule]], unsharded_numels: dict[str, int],
-                    all_gather_ms: dict[str, float], repeats: int = 5) -> dict[str, float | str]:
+                    all_gather_ms: dict[str, float], repeats: int = 5) -> OverlapTimings:
     """Compute alone, all-gather alone, and both at once, interleaved over ``repeats`` rounds (CPU device).
 
     Every rank calls this together. The all-gather is ``module.unshard()``
@@ -57,8 +59,7 @@ def overlap_timings(modules: list[tuple[str, FSDPModule]], unsharded_numels: dic
         repeats: rounds; each round times the three in a rotated order.
 
     Returns:
-        ``{"module": fqn, "all_gather_ms", "compute_ms", "overlapped_ms"}``:
-        medians over the rounds, this rank's wall times, ms.
+        Medians over the rounds, this rank's wall times, ms.
     """
     fqn = max(unsharded_numels, key=lambda f: unsharded_numels[f])  # the first of equals: the same on every rank
     module = dict(modules)[fqn]
@@ -84,4 +85,4 @@ def overlap_timings(modules: list[tuple[str, FSDPModule]], unsharded_numels: dic
             module.reshard()
             if r:
                 samples[name].append(ms)
-    return {"module": fqn, **{n: statistics.median(v) for n, v in samples.items()}}
+    return OverlapTimings(fqn, **{n: statistics.median(v) for n, v in samples.items()})

@@ -36,18 +36,26 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Collection
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import Profile
+from planner.artifacts.rank_figures import (
+    COMPUTE_FIELDS,
+    ComputeFigures,
+    IsolatedFigures,
+    ModuleFigures,
+    RankFigures,
+    StepFigures,
+)
 from runtime.allocator import loaded_allocator
 from runtime.apply import model_fingerprint
 from runtime.collective_timer import module_collectives
 from runtime.collectives import gather_objects
-from runtime.compute_timer import TIMED, ComputeTimer
+from runtime.compute_timer import ComputeTimer
 from runtime.consolidation import consolidate, merge_isolated
 from runtime.measure import device_type_of, synchronize
 from runtime.peak_memory import PEAK_STEPS, measure_peak
@@ -90,7 +98,7 @@ ASYNC_PAIRS = 5
 # tried and rejected (docs/decisions/anchor-guard.md).
 
 
-def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str, Any]:
+def _default_plan_steps(workload: Workload, steps: int, device: str) -> StepFigures:
     """FSDP2's default plan, in this order: its peak memory; on CPU at world size 2 or more, the async default's step
     over the default's ([Note: The async default, timed in turn with the default]); then its median step ms and
     optimizer ms over ``steps`` timed steps ([Note: The default's step is timed last]), with their mean page faults
@@ -116,16 +124,50 @@ def _default_plan_steps(workload: Workload, steps: int, device: str) -> dict[str
         step_ms.append(step)
         opt_ms.append(opt)
     usage = process_usage() - before  # the barriers' waits are user-space spins or sleeps, not faults
-    return {"step_ms": statistics.median(step_ms), "optimizer_ms": statistics.median(opt_ms),
-            "step_faults": usage.faults // steps, "step_kernel_ms": usage.system_ms / steps,
-            "allocator": str(loaded_allocator()),
-            "async_ratio": async_ratio, "peak_bytes": [p.peak_bytes for p in peaks],
-            "optimizer_temp_bytes": max(p.optimizer_temp_bytes for p in peaks)}
+    return StepFigures(step_ms=statistics.median(step_ms), optimizer_ms=statistics.median(opt_ms),
+                       peak_bytes=tuple(p.peak_bytes for p in peaks),
+                       optimizer_temp_bytes=max(p.optimizer_temp_bytes for p in peaks),
+                       optimizer_state_bytes=optimizer_state_bytes(workload.optimizer), async_ratio=async_ratio,
+                       step_faults=usage.faults // steps, step_kernel_ms=usage.system_ms / steps,
+                       allocator=str(loaded_allocator()))
+
+
+def _hold_unsharded(model: nn.Module, modules: list[tuple[str, nn.Module]], held: set[str], every: bool) -> None:
+    """Unshard the ``held`` modules and keep them so, with gradient sync off (:func:`compute_unsharded`): every
+    module at once, or each held one with an explicit prefetch of itself in place of its implicit backward
+    prefetch."""
+    model.set_requires_gradient_sync(False)
+    if every:
+        model.set_reshard_after_forward(False)
+        model.set_reshard_after_backward(False)
+    for fqn, m in modules:
+        if fqn not in held:
+            continue
+        if not every:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+            m.set_modules_to_backward_prefetch([m])
+        m.unshard()
+
+
+def _release(model: nn.Module, modules: list[tuple[str, nn.Module]], held: set[str], raf: dict[str, bool],
+             every: bool) -> None:
+    """Undo :func:`_hold_unsharded`: gradient sync on, each module's ``reshard_after_forward`` as ``raf`` says,
+    FSDP2's implicit backward prefetch back, unsharded gradients freed, every module resharded."""
+    model.set_requires_gradient_sync(True)
+    model.set_reshard_after_backward(True)
+    for fqn, m in modules:
+        m.set_reshard_after_forward(raf[fqn], recurse=False)
+        if not every and fqn in held:
+            m.set_modules_to_backward_prefetch([])
+        clear_unsharded_grads(m)
+        m.reshard()
 
 
 def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[str, bool],
-                      zero_grad: bool = True, only: Collection[str] | None = None) -> dict[str, Any]:
-    """Compute ms per module and phase, orders and activation bytes, with every module unsharded, no communication.
+                      zero_grad: bool = True, only: Collection[str] | None = None) -> IsolatedFigures:
+    """Compute ms per module and phase, orders and activation bytes, with every module unsharded, no communication
+    (the figures without collectives or overlap).
 
     Gradient sync is off in the window (nothing is reduced into the sharded gradients); each module's unsharded
     gradients are freed when its backward ends, as FSDP2's reduce-scatter frees them in a step ([Note: The
@@ -148,18 +190,7 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     model = workload.model
     modules = fsdp_modules(model)
     held = {fqn for fqn, _ in modules} if only is None else set(only)
-    model.set_requires_gradient_sync(False)
-    if only is None:
-        model.set_reshard_after_forward(False)
-        model.set_reshard_after_backward(False)
-    for fqn, m in modules:
-        if fqn not in held:
-            continue
-        if only is not None:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.set_reshard_after_backward(False, recurse=False)
-            m.set_modules_to_backward_prefetch([m])
-        m.unshard()
+    _hold_unsharded(model, modules, held, every=only is None)
     by_fqn = dict(modules)
 
     def free_gradients(fqn: str) -> None:  # [Note: The isolated backward frees each module's gradients]
@@ -180,30 +211,22 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
                     needs[fqn] = needs[fqn] or fqn in timer.recomputing
                 continue
             for fqn, _ in modules:
-                for key in TIMED:
+                for key in COMPUTE_FIELDS:
                     samples[fqn][key].append(times.get(fqn, {}).get(key, 0.0))
     finally:
         timer.remove()
-        model.set_requires_gradient_sync(True)
-        model.set_reshard_after_backward(True)
-        for fqn, m in modules:
-            m.set_reshard_after_forward(raf[fqn], recurse=False)
-            if only is not None and fqn in held:
-                m.set_modules_to_backward_prefetch([])
-            clear_unsharded_grads(m)
-            m.reshard()
+        _release(model, modules, held, raf, every=only is None)
         if zero_grad:
             workload.optimizer.zero_grad(set_to_none=True)
-    return {
-        "times": {fqn: {k: statistics.median(samples[fqn][k]) for k in TIMED} for fqn, _ in modules if fqn in held},
-        "pre_forward_order": pre_order, "post_forward_order": post_order, "calls": calls,
-        "activation_bytes": {f: b for f, b in timer.act_bytes.items() if f in held},
-        "needs_parameters_in_backward": {f: v for f, v in needs.items() if f in held},
-        "recompute_bytes": {f: b for f, b in timer.recompute_bytes.items() if f in held},
-        "backward_peak": {f: b for f, b in timer.backward_peak.items() if f in held},
-        "root_grad_pre_bytes": timer.root_grad_pre_bytes if modules[0][0] in held else None,
-        "root_activation_post_bytes": timer.root_activation_post_bytes if modules[0][0] in held else None,
-    }
+    root = modules[0][0]
+    figures = {fqn: ModuleFigures(ComputeFigures(
+        **{k: statistics.median(samples[fqn][k]) for k in COMPUTE_FIELDS},
+        activation_bytes=timer.act_bytes.get(fqn, 0), recompute_activation_bytes=timer.recompute_bytes.get(fqn, 0),
+        backward_peak_bytes=timer.backward_peak.get(fqn, 0), needs_parameters_in_backward=needs[fqn],
+        grad_pre_bytes=timer.root_grad_pre_bytes if fqn == root else None,
+        activation_post_bytes=timer.root_activation_post_bytes if fqn == root else None))
+        for fqn, _ in modules if fqn in held}
+    return IsolatedFigures(None, tuple(pre_order), tuple(post_order), calls, figures)
 
 
 # [Note: The collectives are timed before the isolated passes]
@@ -243,7 +266,7 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         The consolidated profile (the same on every rank). Times in ms,
         sizes in bytes.
     """
-    model, optimizer = workload.model, workload.optimizer
+    model = workload.model
     modules = fsdp_modules(model)
     device = device_type_of(workload)
     fingerprint = model_fingerprint(model, dist.get_world_size())
@@ -255,9 +278,8 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
                                                     collectives=i == 0) for i, (fqn, _) in enumerate(modules)])
     else:
         isolated = isolated_figures(workload, fingerprint, repeats, device, raf)
-    default = _default_plan_steps(workload, steps, device)
-    local = {"rank": dist.get_rank(), **default, "optimizer_state_bytes": optimizer_state_bytes(optimizer), **isolated}
-    return consolidate(gather_objects(local), fingerprint, raf, isolated["calls"], workload.microbatches)
+    local = RankFigures(dist.get_rank(), _default_plan_steps(workload, steps, device), isolated)
+    return consolidate(gather_objects(local), fingerprint, raf, isolated.calls, workload.microbatches)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -272,7 +294,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int, device: str,
                      raf: dict[str, bool], zero_grad: bool = True, only: Collection[str] | None = None,
-                     collectives: bool = True) -> dict[str, Any]:
+                     collectives: bool = True) -> IsolatedFigures:
     """This rank's figures measured outside a training step (collective: all ranks call it, after a step).
 
     Per FSDP module: all-gather and reduce-scatter ms in isolation (:mod:`runtime.collective_timer`), sharded
@@ -291,8 +313,7 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
             unsharded at a time).
 
     Returns:
-        ``{"overlap", "pre_forward_order", "post_forward_order", "calls", "modules": {fqn: figures}}``, the keys
-        :func:`consolidate` reads; passes of a few modules each make one with :func:`merge_isolated`.
+        The figures :func:`consolidate` reads; passes of a few modules each make one with :func:`merge_isolated`.
     """
     modules = fsdp_modules(workload.model)
     collective_figures, overlap = {}, None
@@ -300,28 +321,8 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
     if collectives:
         collective_figures, overlap = module_collectives(modules, fingerprint, repeats, device)
     compute = compute_unsharded(workload, repeats, device, raf, zero_grad=zero_grad, only=only)
-    figures: dict[str, Any] = {
-        "overlap": overlap,
-        "pre_forward_order": compute["pre_forward_order"],
-        "post_forward_order": compute["post_forward_order"],
-        "calls": compute["calls"],
-        "modules": {
-            fqn: {
-                **times,
-                "activation_bytes": compute["activation_bytes"].get(fqn, 0),
-                "recompute_activation_bytes": compute["recompute_bytes"].get(fqn, 0),
-                "backward_peak_bytes": compute["backward_peak"].get(fqn, 0),
-                **({"grad_pre_bytes": compute["root_grad_pre_bytes"]}
-                   if fqn == modules[0][0] and compute["root_grad_pre_bytes"] is not None else {}),
-                **({"activation_post_bytes": compute["root_activation_post_bytes"]}
-                   if fqn == modules[0][0] and compute["root_activation_post_bytes"] is not None else {}),
-                "needs_parameters_in_backward": compute["needs_parameters_in_backward"][fqn],
-            }
-            for fqn, times in compute["times"].items()
-        },
-    }
-    for fqn, values in collective_figures.items():
-        figures["modules"].setdefault(fqn, {}).update(values)
-    return figures
+    measured = IsolatedFigures(overlap, compute.pre_forward_order, compute.post_forward_order, compute.calls,
+                               {fqn: ModuleFigures(collectives=c) for fqn, c in collective_figures.items()})
+    return measured.merged(compute)
 
 

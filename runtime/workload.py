@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from planner.artifacts.json_types import JsonObject
 from planner.errors import WorkloadError
 from runtime.accumulation import prepare_microbatch
 
@@ -63,7 +64,7 @@ def load_factory(spec: str) -> Callable[..., Workload]:
     return factory
 
 
-def build_workload(spec: str, mesh: Any, kwargs: dict[str, Any], microbatches: int = 1) -> Workload:
+def build_workload(spec: str, mesh: Any, kwargs: JsonObject, microbatches: int = 1) -> Workload:
     """Call the factory and check what it returns.
 
     Args:

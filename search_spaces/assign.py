@@ -17,15 +17,11 @@ Parameters, for every parameter group ``m`` of :func:`search_spaces.per_module.g
         held across the step.
     ``uib:m`` (bool; only for groups whose parameters backward does not read,
         ``ModuleProfile.needs_parameters_in_backward``, e.g. an embedding):
-        False skips its all-gather in backward (``set_unshard_in_backward``).
-    ``unshard_async_op`` (bool): ``_set_unshard_async_op``.
-    ``reduce_scatter_max_input_buffers`` (1, 2; GPU only: on a CPU device
-        the reduce-scatter is synchronous and the cap changes nothing).
-    ``reshard_after_backward`` (bool; only with microbatches > 1): reshard
-        after the backward of the microbatches before the last.
-    ``separate_reduce_scatter_group`` (bool): reduce-scatter on its own
-        process group (``set_separate_reduce_scatter_group``), not queued
-        behind the all-gathers.
+        False skips its all-gather in backward (``set_unshard_in_backward``);
+        generally ``f"{knob.param}:m"`` for each module knob.
+    the plan knobs (``planner.artifacts.knobs.PLAN_KNOBS``), each as its
+        declaration samples it (e.g. ``unshard_async_op``, bool), and where
+        declared the module knobs per group (``uib:m`` above).
 
 The distances map onto FSDP2's per-issuer lists: a module issued at forward
 distance k is appended to ``forward_prefetch`` of the module k before it
@@ -41,9 +37,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from planner.artifacts import knobs
+from planner.artifacts.knobs import Knob, KnobValues
 from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
+from planner.study.search_space import TrialParams
 from search_spaces._orders import orders
 from search_spaces.per_module import groups
 from search_spaces.uniform import UniformSpace
@@ -52,9 +51,7 @@ WINDOW = 3
 
 
 def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], reshard_after_forward: dict[str, bool],
-          unshard_async_op: bool, reduce_scatter_max_input_buffers: int = 1,
-          reshard_after_backward: bool = True, separate_reduce_scatter_group: bool = False,
-          unshard_in_backward: dict[str, bool] | None = None) -> Plan:
+          knobs: KnobValues | None = None, module_knobs: dict[str, KnobValues] | None = None) -> Plan:
     """The plan with per-module issue distances and reshard flags (see module docstring).
 
     Args:
@@ -62,8 +59,8 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
         backward: FQN -> backward issue distance (>= 1; 1: FSDP2's default).
         reshard_after_forward: FQN -> whether it reshards after forward
             (ignored for modules wrapped not to, e.g. the root).
-        unshard_in_backward: FQN -> False to skip its backward all-gather
-            (modules left out: True).
+        knobs: the plan's knobs (default: FSDP2's).
+        module_knobs: FQN -> its module knobs (modules left out: FSDP2's defaults).
 
     Raises:
         KeyError: an FQN of the profile is missing from a mapping.
@@ -83,14 +80,11 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
             forward_prefetch=tuple(fwd_lists[fqn]),
             backward_prefetch=tuple(bwd_lists[fqn]),
             reshard_after_forward=o.reshard_after_forward[fqn] and reshard_after_forward[fqn],
-            unshard_in_backward=(unshard_in_backward or {}).get(fqn, True),
+            knobs=(module_knobs or {}).get(fqn, KnobValues(module=True)),
         )
         for fqn in profile.fingerprint.module_fqns
     }
-    return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op,
-                reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
-                reshard_after_backward=reshard_after_backward,
-                separate_reduce_scatter_group=separate_reduce_scatter_group)
+    return Plan(profile.fingerprint, modules, knobs=knobs or KnobValues())
 
 
 class AssignSpace:
@@ -100,24 +94,19 @@ class AssignSpace:
 
     def suggest(self, trial: Any, profile: Profile) -> Plan:
         """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
-        forward, backward, raf, uib = {}, {}, {}, {}
+        forward, backward, raf, module_knobs = {}, {}, {}, {}
         for name, members in groups(profile):
             fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
             bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
             keep = trial.suggest_categorical(f"raf:{name}", [True, False])
-            gather = trial.suggest_categorical(f"uib:{name}", [True, False]) if _skippable(profile, members) else True
+            own = KnobValues({k.name: knobs.suggest(trial, k, f"{k.param}:{name}") for k in _module_knobs(
+                profile, members)}, module=True)
             for f in members:
-                forward[f], backward[f], raf[f], uib[f] = fwd, bwd, keep, gather
-        knobs: dict[str, Any] = {"unshard_async_op": trial.suggest_categorical("unshard_async_op", [False, True])}
-        if profile.fingerprint.device_type != "cpu":
-            knobs["reduce_scatter_max_input_buffers"] = trial.suggest_int("reduce_scatter_max_input_buffers", 1, 2)
-        if profile.microbatches > 1:
-            knobs["reshard_after_backward"] = trial.suggest_categorical("reshard_after_backward", [True, False])
-        knobs["separate_reduce_scatter_group"] = trial.suggest_categorical("separate_reduce_scatter_group",
-                                                                           [False, True])
-        return build(profile, forward, backward, raf, unshard_in_backward=uib, **knobs)
+                forward[f], backward[f], raf[f], module_knobs[f] = fwd, bwd, keep, own
+        plan_knobs = knobs.sample(trial, profile.fingerprint.device_type, profile.microbatches)
+        return build(profile, forward, backward, raf, plan_knobs, module_knobs)
 
-    def grid(self, profile: Profile) -> list[dict[str, Any]]:
+    def grid(self, profile: Profile) -> list[TrialParams]:
         """The uniform grid written in this space's parameters (FSDP2's default first), then "keep the last k".
 
         The second part: prefetch 1 (sync and async) and 2 (async) with the last
@@ -133,7 +122,7 @@ class AssignSpace:
                 out.append(_params(profile, names, fwd, bwd, async_op, [True] * (len(names) - k) + [False] * k))
         return out
 
-    def uniform_grid(self, profile: Profile) -> list[dict[str, Any]]:
+    def uniform_grid(self, profile: Profile) -> list[TrialParams]:
         """The uniform grid (``UniformSpace.grid``) in this space's parameters, FSDP2's default first."""
         names = [name for name, _ in groups(profile)]
         return [_params(profile, names, g["forward_depth"], g["backward_depth"], g["unshard_async_op"],
@@ -141,18 +130,22 @@ class AssignSpace:
 
 
 def _params(profile: Profile, names: list[str], fwd: int, bwd: int, async_op: bool, raf: list[bool]
-            ) -> dict[str, Any]:
-    params: dict[str, Any] = {f"fwd:{n}": fwd for n in names}
+            ) -> TrialParams:
+    params: TrialParams = {f"fwd:{n}": fwd for n in names}
     params.update({f"bwd:{n}": bwd for n in names})
     params.update({f"raf:{n}": r for n, r in zip(names, raf, strict=True)})
-    params.update({f"uib:{n}": True for n, members in groups(profile) if _skippable(profile, members)})
+    params.update({f"{k.param}:{n}": k.default for n, members in groups(profile)
+                   for k in _module_knobs(profile, members)})
     params["unshard_async_op"] = async_op
-    if profile.fingerprint.device_type != "cpu":
-        params["reduce_scatter_max_input_buffers"] = 1
-    if profile.microbatches > 1:
-        params["reshard_after_backward"] = True
-    params["separate_reduce_scatter_group"] = False
+    for name, value in knobs.default_params(profile.fingerprint.device_type, profile.microbatches).items():
+        params.setdefault(name, value)
     return params
+
+
+def _module_knobs(profile: Profile, members: list[str]) -> list[Knob]:
+    """The module knobs sampled for a parameter group (``planner.artifacts.knobs.sampled``)."""
+    return [k for k in knobs.MODULE_KNOBS if knobs.sampled(k, profile.fingerprint.device_type, profile.microbatches,
+                                                             _skippable(profile, members))]
 
 
 def _skippable(profile: Profile, members: list[str]) -> bool:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.artifacts.knobs import KnobValues
 from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
+from planner.study.search_space import TrialParams
 from search_spaces._orders import orders
 from search_spaces.uniform import UniformSpace
 
@@ -52,7 +54,7 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], u
         )
         for fqn in profile.fingerprint.module_fqns
     }
-    return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op)
+    return Plan(profile.fingerprint, modules, knobs=KnobValues(unshard_async_op=unshard_async_op))
 
 
 class PerModuleSpace:
@@ -70,19 +72,19 @@ class PerModuleSpace:
                 forward[f], backward[f] = fwd, bwd
         return build(profile, forward, backward, trial.suggest_categorical("unshard_async_op", [False, True]))
 
-    def grid(self, profile: Profile) -> list[dict[str, Any]]:
+    def grid(self, profile: Profile) -> list[TrialParams]:
         """The uniform grid written in this space's parameters, FSDP2's default first."""
         names = [name for name, _ in groups(profile)]
         out = []
         for g in UniformSpace().grid(profile):
             if not g["reshard_after_forward"]:  # this space keeps each module's setting
                 continue
-            params: dict[str, Any] = {f"fwd:{n}": g["forward_depth"] for n in names}
+            params: TrialParams = {f"fwd:{n}": g["forward_depth"] for n in names}
             params.update({f"bwd:{n}": g["backward_depth"] for n in names})
             params["unshard_async_op"] = g["unshard_async_op"]
             out.append(params)
         return out
 
-    def uniform_grid(self, profile: Profile) -> list[dict[str, Any]]:
+    def uniform_grid(self, profile: Profile) -> list[TrialParams]:
         """The whole grid: it holds only uniform plans."""
         return self.grid(profile)

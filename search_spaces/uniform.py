@@ -18,9 +18,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from planner.artifacts.knobs import KnobValues
 from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
+from planner.study.search_space import TrialParams
 from search_spaces._orders import orders
 
 MAX_DEPTH = 3
@@ -38,7 +40,7 @@ def build(profile: Profile, forward_depth: int, backward_depth: int, unshard_asy
         )
         for fqn in profile.fingerprint.module_fqns
     }
-    return Plan(profile.fingerprint, modules, unshard_async_op=unshard_async_op)
+    return Plan(profile.fingerprint, modules, knobs=KnobValues(unshard_async_op=unshard_async_op))
 
 
 class UniformSpace:
@@ -56,7 +58,7 @@ class UniformSpace:
             trial.suggest_categorical("reshard_after_forward", [True, False]),
         )
 
-    def grid(self, profile: Profile) -> list[dict[str, Any]]:
+    def grid(self, profile: Profile) -> list[TrialParams]:
         """Every parameter set of the space, FSDP2's default first."""
         return [
             {"forward_depth": f, "backward_depth": b, "unshard_async_op": a, "reshard_after_forward": r}
@@ -64,6 +66,6 @@ class UniformSpace:
                                                 range(1, MAX_DEPTH + 1))
         ]
 
-    def uniform_grid(self, profile: Profile) -> list[dict[str, Any]]:
+    def uniform_grid(self, profile: Profile) -> list[TrialParams]:
         """The whole grid: every plan of this space sets all modules alike."""
         return self.grid(profile)

@@ -244,3 +244,72 @@ def test_the_private_api_check_catches_a_private_torch_attribute():
         "bad.py:1 imports torch.distributed.fsdp._fully_shard"]
     documented_and_not = {"ok.py": "import os\nos._exit(130)\n", "bad.py": "import torch\ntorch._exit(1)\n"}
     assert private_api_offenders(documented_and_not) == ["bad.py:2 ._exit"]
+
+
+PRODUCT = ("planner", "runtime", "search_spaces", "jobs")
+MAX_FUNCTION_LINES = 80
+# A knob is declared once (planner/artifacts/knobs.py); beyond that only its simulator rule and the runtime
+# mechanism a few need (gradient accumulation, a private setter) may name it.
+KNOB_FILES = 5
+COUNTED_KNOBS = ("reduce_scatter_max_input_buffers", "reshard_after_backward", "unshard_in_backward",
+                 "separate_reduce_scatter_group")
+
+
+def names_in_code(tree: ast.Module, name: str) -> bool:
+    """Whether ``tree`` names ``name`` in code: an identifier containing it (not FSDP2's own setters ``set_<name>``
+    and ``_set_<name>``) or a string constant equal to it. Comments and docstrings do not count."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    setters = {f"set_{name}", f"_set_{name}"}
+    for node in ast.walk(tree):
+        identifiers = []
+        if isinstance(node, ast.Name):
+            identifiers = [node.id]
+        elif isinstance(node, ast.Attribute):
+            identifiers = [node.attr]
+        elif isinstance(node, ast.arg):
+            identifiers = [node.arg]
+        elif isinstance(node, ast.keyword) and node.arg:
+            identifiers = [node.arg]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            identifiers = [node.name]
+        elif isinstance(node, ast.alias):
+            identifiers = [node.name.rpartition(".")[2], node.asname or ""]
+        elif isinstance(node, ast.Constant) and id(node) not in docstrings and node.value == name:
+            return True
+        if any(name in i and i not in setters for i in identifiers):
+            return True
+    return False
+
+
+def test_names_in_code_ignores_comments_docstrings_and_fsdp2_setters():
+    tree = ast.parse('"""reshard_after_backward"""\n# reshard_after_backward\nm.set_reshard_after_backward(x)\n'
+                     'f"the plan sets reshard_after_backward"\n')
+    assert not names_in_code(tree, "reshard_after_backward")
+    assert names_in_code(ast.parse('d["reshard_after_backward"]'), "reshard_after_backward")
+    assert names_in_code(ast.parse("plan.reshard_after_backward"), "reshard_after_backward")
+
+
+@pytest.mark.parametrize("knob", COUNTED_KNOBS)
+def test_a_knob_is_named_in_few_product_files(knob):
+    files = [str(p.relative_to(ROOT)) for p in _sources(*PRODUCT) if names_in_code(ast.parse(p.read_text()), knob)]
+    assert len(files) <= KNOB_FILES, files
+
+
+def test_no_product_function_over_the_limit():
+    long = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+            for p in _sources(*PRODUCT) for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == []
+
+
+MAX_UNTYPED_DICTS = 12  # figures and records cross files as dataclasses; JSON is typed as planner.artifacts.json_types
+
+
+def test_few_string_keyed_dicts_of_anything_in_the_product():
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in _sources(*PRODUCT)
+             for n, line in enumerate(p.read_text().splitlines(), 1) if "dict[str, Any]" in line]
+    assert len(found) <= MAX_UNTYPED_DICTS, found

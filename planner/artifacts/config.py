@@ -44,6 +44,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from planner.artifacts.json_types import JsonObject
 from planner.artifacts.names import Backend, SamplerName, SpaceName
 from planner.artifacts.tables import TABLES, LaunchTable, MeasureTable, SearchTable, StudyTable, Table, WorkloadTable
 from planner.errors import StudyConfigError
@@ -127,7 +128,7 @@ def load_study_config(path: str | Path, **overrides: Any) -> StudyConfig:
     return _validate(raw, path.parent, str(path), overrides)
 
 
-def _validate(raw: dict[str, Any], directory: str | Path, source: str, overrides: dict[str, Any]) -> StudyConfig:
+def _validate(raw: JsonObject, directory: str | Path, source: str, overrides: JsonObject) -> StudyConfig:
     for table, value in raw.items():
         if table not in TABLES:
             raise StudyConfigError(f"{source}: unknown table [{table}]; expected {', '.join(sorted(TABLES))}")

@@ -2,7 +2,7 @@
 
 A plan is what ``runtime.apply_plan`` turns into FSDP2 calls:
 ``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``,
-``set_reshard_after_forward`` and ``_set_unshard_async_op``. FSDP2's default
+``set_reshard_after_forward`` and each knob's setter (``planner.artifacts.knobs``). FSDP2's default
 behaviour is itself a plan (:meth:`Plan.default`), so every comparison is plan
 against plan.
 """
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.json_types import JsonObject
+from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS, KnobValues
 from planner.artifacts.profile import Profile
 from planner.artifacts.schema import SCHEMA_VERSION, PlanDocument, dump_checked, load_checked
 from planner.errors import PlanFormatError, PlanMismatchError
@@ -37,18 +39,18 @@ class ModulePlan:
         reshard_after_forward: free the unsharded parameters after forward
             (and all-gather them again in backward). ``False`` trades memory
             for one all-gather less.
-        unshard_in_backward: all-gather the parameters in backward
-            (``set_unshard_in_backward``). ``False`` only for a module whose
-            parameters backward does not read
-            (``ModuleProfile.needs_parameters_in_backward``, e.g. an
-            embedding): its backward all-gather is skipped. Written to JSON
-            only when false.
+        knobs: the module's own FSDP2 knobs (``planner.artifacts.knobs.MODULE_KNOBS``),
+            read as ``module_plan.knobs[name]``; FSDP2's defaults where not set.
     """
 
     forward_prefetch: tuple[str, ...] = ()
     backward_prefetch: tuple[str, ...] = ()
     reshard_after_forward: bool = True
-    unshard_in_backward: bool = True
+    knobs: KnobValues = field(default_factory=lambda: KnobValues(module=True))
+
+    def with_knobs(self, **values: Any) -> ModulePlan:
+        """A copy with module knobs set: ``module_plan.with_knobs(unshard_in_backward=False)``."""
+        return dataclasses.replace(self, knobs=self.knobs.replace(**values))
 
 
 class Source(enum.StrEnum):
@@ -107,32 +109,24 @@ class Plan:
     Attributes:
         fingerprint: the model it was made for (checked by ``apply_plan``).
         modules: per FSDP module FQN, its :class:`ModulePlan`.
-        unshard_async_op: issue pre-forward/pre-backward and prefetch
-            all-gathers with ``async_op=True`` (``_set_unshard_async_op``). On a
-            CPU device this is what lets a prefetched all-gather run beside
-            compute.
-        reduce_scatter_max_input_buffers: ``set_reduce_scatter_max_input_buffers``
-            (1 is FSDP2's default).
-        reshard_after_backward: during gradient accumulation, reshard after
-            the backward of microbatches other than the last
-            (``set_reshard_after_backward``); ``False`` keeps parameters
-            unsharded between microbatches, trading memory for all-gathers.
-        separate_reduce_scatter_group: reduce-scatter on its own process
-            group (``set_separate_reduce_scatter_group``), so it does not queue
-            behind an all-gather on the shared one. Written to JSON only when
-            true, so plans from before keep their behaviour key.
+        knobs: the plan's FSDP2 knobs (``planner.artifacts.knobs.PLAN_KNOBS``: what each
+            does, its FSDP2 setter and default), also read as attributes:
+            ``plan.unshard_async_op``.
         provenance: where the plan came from.
         schema_version: :data:`PLAN_SCHEMA_VERSION`.
     """
 
     fingerprint: Fingerprint
     modules: dict[str, ModulePlan]
-    unshard_async_op: bool = False
-    reduce_scatter_max_input_buffers: int = 1
-    reshard_after_backward: bool = True
-    separate_reduce_scatter_group: bool = False
+    knobs: KnobValues = field(default_factory=KnobValues)
     provenance: Provenance = field(default_factory=Provenance)
     schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __getattr__(self, name: str) -> Any:
+        """A plan knob's value: ``plan.unshard_async_op`` is ``plan.knobs["unshard_async_op"]``."""
+        if name.startswith("_") or name not in (k.name for k in PLAN_KNOBS):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.knobs[name]
 
     @classmethod
     def default(cls, profile: Profile) -> Plan:
@@ -173,27 +167,32 @@ class Plan:
         """Whether this plan behaves like :meth:`default` for ``profile``."""
         return self.behaviour_key() == Plan.default(profile).behaviour_key()
 
+    def with_knobs(self, **values: Any) -> Plan:
+        """A copy with plan knobs set: ``plan.with_knobs(unshard_async_op=True)``.
+
+        Raises:
+            PlanFormatError: an unknown knob or a value of the wrong type.
+        """
+        return dataclasses.replace(self, knobs=self.knobs.replace(**values))
+
     def with_provenance(self, **kwargs: Any) -> Plan:
         """Return a copy with provenance fields replaced."""
         return dataclasses.replace(self, provenance=dataclasses.replace(self.provenance, **kwargs))
 
-    def to_dict(self) -> dict[str, Any]:
-        """The Plan JSON object (:class:`planner.artifacts.schema.PlanDocument`); ``separate_reduce_scatter_group`` and
-        a module's ``unshard_in_backward`` only when they differ from FSDP2's default, so plans from before them keep
-        their :meth:`behaviour_key`."""
+    def to_dict(self) -> JsonObject:
+        """The Plan JSON object (:class:`planner.artifacts.schema.PlanDocument`); each knob written as its
+        declaration says (``planner.artifacts.knobs.Written``), so plans from before a knob keep their
+        :meth:`behaviour_key`."""
         return {
             "schema_version": self.schema_version,
             "fingerprint": dataclasses.asdict(self.fingerprint),
-            "unshard_async_op": self.unshard_async_op,
-            "reduce_scatter_max_input_buffers": self.reduce_scatter_max_input_buffers,
-            "reshard_after_backward": self.reshard_after_backward,
-            **({"separate_reduce_scatter_group": True} if self.separate_reduce_scatter_group else {}),
+            **self.knobs.to_json(),
             "modules": {
                 fqn: {
                     "forward_prefetch": list(m.forward_prefetch),
                     "backward_prefetch": list(m.backward_prefetch),
                     "reshard_after_forward": m.reshard_after_forward,
-                    **({} if m.unshard_in_backward else {"unshard_in_backward": False}),
+                    **m.knobs.to_json(),
                 }
                 for fqn, m in self.modules.items()
             },
@@ -238,11 +237,10 @@ class Plan:
                            ("export it again", export, export))
         plan = cls(
             fingerprint=Fingerprint(**dict(doc.fingerprint)),
-            modules={fqn: ModulePlan(**dict(m)) for fqn, m in doc.modules.items()},
-            unshard_async_op=doc.unshard_async_op,
-            reduce_scatter_max_input_buffers=doc.reduce_scatter_max_input_buffers,
-            reshard_after_backward=doc.reshard_after_backward,
-            separate_reduce_scatter_group=doc.separate_reduce_scatter_group,
+            modules={fqn: ModulePlan(m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward,
+                                     KnobValues({k.name: getattr(m, k.name) for k in MODULE_KNOBS}, module=True))
+                     for fqn, m in doc.modules.items()},
+            knobs=KnobValues({k.name: getattr(doc, k.name) for k in PLAN_KNOBS}),
             provenance=Provenance(**{**dict(doc.provenance), "source": Source(doc.provenance.source)}),
         )
         plan.validate()
@@ -263,8 +261,6 @@ class Plan:
                     raise PlanFormatError(
                         f"module {fqn!r} prefetches {target!r}, which is not an FSDP module of its fingerprint"
                     )
-        if self.reduce_scatter_max_input_buffers < 1:
-            raise PlanFormatError("reduce_scatter_max_input_buffers must be >= 1")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

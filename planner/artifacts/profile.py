@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.json_types import JsonObject
+from planner.artifacts.rank_figures import OverlapTimings, RankFigures
 from planner.artifacts.schema import SCHEMA_VERSION, ProfileDocument, dump_checked, load_checked
 from planner.errors import ProfileFormatError
 
@@ -120,27 +122,6 @@ def backward_temporaries(peak_bytes: int, grad_bytes: int, recompute_bytes: int)
 
 
 @dataclass(frozen=True)
-class OverlapTimings:
-    """An all-gather and compute, alone and at once, on a CPU device (``runtime.overlap_timer``).
-
-    Each figure is a median over rounds on each rank, then the mean across
-    ranks, ms; :func:`planner.simulation.in_step.measured_slowdown` solves the
-    simulator's ``overlap_slowdown`` from them.
-
-    Attributes:
-        module: the FQN of the module all-gathered (the one with the most unsharded parameters).
-        all_gather_ms: its ``unshard()`` alone.
-        compute_ms: matrix multiplies of about as long, alone.
-        overlapped_ms: both at once (``unshard(async_op=True)``, the compute, then the wait).
-    """
-
-    module: str
-    all_gather_ms: float
-    compute_ms: float
-    overlapped_ms: float
-
-
-@dataclass(frozen=True)
 class InStepTimings:
     """In-step measurements the simulator's global parameters are solved from (:mod:`planner.simulation.in_step`).
 
@@ -203,7 +184,7 @@ class Profile:
             max across ranks, bytes (``runtime.peak_memory``: the allocator's
             peak on GPU, profiled tensor bytes on CPU); ``None`` in profiles
             recorded before it was measured on CPU.
-        per_rank: each rank's raw figures, as gathered with ``all_gather_object``.
+        per_rank: each rank's figures before consolidation (:class:`planner.artifacts.rank_figures.RankFigures`).
         consolidation: how per-rank figures were merged (``"max"``).
         microbatches: forward/backward passes per optimizer step (gradient
             accumulation); the module figures are per microbatch.
@@ -233,7 +214,7 @@ class Profile:
     optimizer_temp_bytes: int = 0
     measured_step_ms: float | None = None
     measured_peak_bytes: int | None = None
-    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    per_rank: list[RankFigures] = field(default_factory=list)
     consolidation: str = "max"
     microbatches: int = 1
     calibration: dict[str, float] | None = None
@@ -248,12 +229,13 @@ class Profile:
         """The FQN of the root FSDP module (first in pre-forward order)."""
         return self.pre_forward_order[0]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list.
         ``source``, ``estimated`` and ``outside_ms`` are written only for a trace profile, and the
         :data:`OPTIONAL_FIELDS` only where not 0, so a profile without them is the file release 0.1.0 wrote, byte
         for byte."""
         d = dataclasses.asdict(self)
+        d["per_rank"] = [r.to_json() for r in self.per_rank]
         d["modules"] = [{k: v for k, v in dataclasses.asdict(m).items() if k not in OPTIONAL_FIELDS or v}
                         for m in self.modules.values()]
         if self.source == "recorder" and not self.estimated:
@@ -304,8 +286,9 @@ class Profile:
             in_step = InStepTimings(**{**dict(doc.in_step),
                                        "overlap": OverlapTimings(**dict(overlap)) if overlap is not None else None})
         modules = {m.fqn: ModuleProfile(**dict(m)) for m in doc.modules}
-        fields = {k: v for k, v in dict(doc).items() if k not in ("fingerprint", "modules", "in_step")}
-        profile = cls(fingerprint=Fingerprint(**dict(doc.fingerprint)), modules=modules, in_step=in_step, **fields)
+        fields = {k: v for k, v in dict(doc).items() if k not in ("fingerprint", "modules", "in_step", "per_rank")}
+        profile = cls(fingerprint=Fingerprint(**dict(doc.fingerprint)), modules=modules, in_step=in_step,
+                      per_rank=[RankFigures.from_document(r) for r in doc.per_rank], **fields)
         unknown = set(profile.post_forward_order) - set(modules)
         if unknown:
             raise ProfileFormatError(f"post_forward_order names modules with no figures: {sorted(unknown)}")

@@ -11,9 +11,13 @@ as they always did; ``schema_version`` stays 1.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic.fields import FieldInfo
+
+from planner.artifacts.json_types import JsonObject
+from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS, Knob, Written
 
 SCHEMA_VERSION = 1
 
@@ -36,14 +40,22 @@ class FingerprintDocument(Document):
     torch_version: str
 
 
-class ModulePlanDocument(Document):
-    """One module of a plan (:class:`planner.artifacts.plan.ModulePlan`); ``unshard_in_backward`` written only when
-    false."""
+def _knob_fields(knobs: tuple[Knob, ...]) -> dict[str, tuple[type, FieldInfo]]:
+    """The pydantic fields of ``knobs``: each typed as its default, required or defaulted as it is written."""
+    return {k.name: (k.kind, Field(... if k.written is Written.REQUIRED else k.default, ge=k.minimum))
+            for k in knobs}
 
+
+class _ModulePlanStructure(Document):
     forward_prefetch: tuple[str, ...]
     backward_prefetch: tuple[str, ...]
     reshard_after_forward: bool
-    unshard_in_backward: bool = True
+
+
+ModulePlanDocument = create_model("ModulePlanDocument", __base__=_ModulePlanStructure,
+                                  __doc__="One module of a plan (:class:`planner.artifacts.plan.ModulePlan`) and "
+                                          "its ``MODULE_KNOBS`` (``planner.artifacts.knobs``).",
+                                  **_knob_fields(MODULE_KNOBS))
 
 
 class ProvenanceDocument(Document):
@@ -66,18 +78,17 @@ class ProvenanceDocument(Document):
     memory_budget_bytes: int | None = None
 
 
-class PlanDocument(Document):
-    """A Plan JSON file (:class:`planner.artifacts.plan.Plan`); ``separate_reduce_scatter_group`` written only when
-    true, so plans from before it keep their behaviour key."""
-
+class _PlanStructure(Document):
     schema_version: Literal[1]
     fingerprint: FingerprintDocument
-    unshard_async_op: bool
-    reduce_scatter_max_input_buffers: int = Field(1, ge=1)
-    reshard_after_backward: bool = True
-    separate_reduce_scatter_group: bool = False
-    modules: dict[str, ModulePlanDocument]
+    modules: dict[str, ModulePlanDocument]  # type: ignore[valid-type]
     provenance: ProvenanceDocument = Field(default_factory=ProvenanceDocument)
+
+
+PlanDocument = create_model("PlanDocument", __base__=_PlanStructure,
+                            __doc__="A Plan JSON file (:class:`planner.artifacts.plan.Plan`): its structure and its "
+                                    "``PLAN_KNOBS`` (``planner.artifacts.knobs``), each written as declared.",
+                            **_knob_fields(PLAN_KNOBS))
 
 
 class ModuleProfileDocument(Document):
@@ -113,6 +124,47 @@ class OverlapDocument(Document):
     overlapped_ms: float
 
 
+class ModuleFiguresDocument(Document):
+    """One module of a rank's figures (:class:`planner.artifacts.rank_figures.ModuleFigures`); the fields release
+    0.1.0 wrote first, in its order, then the later ones (written only where not 0 or null)."""
+
+    fwd_ms: float
+    bwd_ms: float
+    fwd_pre_ms: float
+    bwd_pre_ms: float
+    all_gather_ms: float
+    reduce_scatter_ms: float
+    sharded_bytes: int
+    activation_bytes: int
+    needs_parameters_in_backward: bool = True
+    recompute_ms: float = 0.0
+    recompute_activation_bytes: int = 0
+    backward_peak_bytes: int = 0
+    grad_pre_bytes: int | None = None
+    activation_post_bytes: int | None = None
+
+
+class RankFiguresDocument(Document):
+    """One rank's figures in ``per_rank`` (:class:`planner.artifacts.rank_figures.RankFigures`), flat; the fields
+    release 0.1.0 wrote first, in its order, then the later ones (written only where set)."""
+
+    rank: int
+    step_ms: float
+    optimizer_ms: float
+    peak_bytes: list[int] | None
+    optimizer_temp_bytes: int = 0
+    overlap: OverlapDocument | None = None
+    optimizer_state_bytes: int = 0
+    pre_forward_order: tuple[str, ...]
+    post_forward_order: tuple[str, ...]
+    modules: dict[str, ModuleFiguresDocument]
+    calls: dict[str, int] = Field(default_factory=dict)
+    async_ratio: float | None = None
+    step_faults: int | None = None
+    step_kernel_ms: float | None = None
+    allocator: str | None = None
+
+
 class InStepDocument(Document):
     """``in_step`` (:class:`planner.artifacts.profile.InStepTimings`)."""
 
@@ -125,7 +177,8 @@ class InStepDocument(Document):
 
 
 class ProfileDocument(Document):
-    """A Profile JSON file (:class:`planner.artifacts.profile.Profile`); ``per_rank`` is every rank's raw figures."""
+    """A Profile JSON file (:class:`planner.artifacts.profile.Profile`); ``per_rank`` is every rank's figures before
+    consolidation."""
 
     schema_version: Literal[1]
     fingerprint: FingerprintDocument
@@ -137,7 +190,7 @@ class ProfileDocument(Document):
     optimizer_temp_bytes: int = 0
     measured_step_ms: float | None = None
     measured_peak_bytes: int | None = None
-    per_rank: list[dict[str, Any]] = Field(default_factory=list)
+    per_rank: list[RankFiguresDocument] = Field(default_factory=list)
     consolidation: str = "max"
     microbatches: int = Field(1, ge=1)
     calibration: dict[str, float] | None = None
@@ -183,7 +236,7 @@ def describe(error: ValidationError, what: str) -> str:
 D = TypeVar("D", bound=BaseModel)
 
 
-def dump_checked(document: type[BaseModel], data: dict[str, Any], error: type[Exception], what: str) -> str:
+def dump_checked(document: type[BaseModel], data: JsonObject, error: type[Exception], what: str) -> str:
     """``data`` as JSON text (indent 1), checked against ``document`` first: what could not be read back is never
     written.
 

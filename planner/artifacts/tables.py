@@ -8,8 +8,6 @@ line.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -22,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from planner.artifacts.json_types import JsonObject
 from planner.artifacts.memory_budget import MemoryBudget
 from planner.artifacts.names import Allocator, Backend, SamplerName, SpaceName
 from planner.statistics.race import RaceSettings
@@ -77,7 +76,7 @@ class WorkloadTable(Table):
     """
 
     factory: StrictStr
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: JsonObject = Field(default_factory=dict)
     microbatches: StrictInt = Field(1, ge=1)
 
 

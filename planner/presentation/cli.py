@@ -178,14 +178,11 @@ def studies_best(name, storage) -> None:
         click.echo(f"  race (not confirmed): median {pv.measured_ms:.1f} ms, FSDP2's default {ms(r.default_ms)} ms "
                    "in the same race")
     click.echo(f"  predicted  {ms(pv.predicted_ms)} ms")
-    knobs = {"unshard_async_op": plan.unshard_async_op, "reduce_scatter_max_input_buffers":
-             plan.reduce_scatter_max_input_buffers, "reshard_after_backward": plan.reshard_after_backward,
-             "separate_reduce_scatter_group": plan.separate_reduce_scatter_group}
-    click.echo("  " + "  ".join(f"{k} {v}" for k, v in knobs.items()))
+    click.echo("  " + "  ".join(f"{k} {v}" for k, v in plan.knobs.items()))
     for fqn, m in plan.modules.items():
         click.echo(f"  {fqn or '<root>':<28} forward {list(m.forward_prefetch) or 'implicit'}  "
                    f"backward {list(m.backward_prefetch) or 'default'}  reshard_after_forward {m.reshard_after_forward}"
-                   + ("" if m.unshard_in_backward else "  unshard_in_backward False"))
+                   + "".join(f"  {k} {v}" for k, v in m.knobs.changed.items()))
 
 
 @studies.command("pareto")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS
 from planner.artifacts.plan import Plan
 from planner.statistics.verdict import Confirmation, Verdict, confirmation_rounds, confirmation_text
 from planner.study.queries import BestPlan
@@ -13,16 +14,24 @@ from planner.units import mib
 
 
 def describe(plan: Plan) -> str:
-    """A short human description of a plan: the longest prefetch lists (a uniform plan's depths), async unshard,
-    modules kept unsharded after forward, and the knobs left at FSDP2's default otherwise."""
+    """A short human description of a plan: the longest prefetch lists (a uniform plan's depths), the knobs shown
+    always (async unshard), modules kept unsharded after forward, then each knob set otherwise than FSDP2's default
+    (``Knob.text``)."""
     fwd = max(len(m.forward_prefetch) for m in plan.modules.values())
     bwd = max(max(1, len(m.backward_prefetch)) for m in plan.modules.values())
     n = len(plan.modules)
-    k = sum(not m.reshard_after_forward for m in plan.modules.values())
-    kept = ", no reshard after forward" if k == n else f", {k} of {n} modules unsharded after forward" if k > 1 else ""
-    kept += ", reduce-scatter on its own process group" if plan.separate_reduce_scatter_group else ""
-    kept += ", no reshard after backward between microbatches" if not plan.reshard_after_backward else ""
-    return f"forward prefetch {fwd or 'implicit'}, backward prefetch {bwd}, async unshard {plan.unshard_async_op}{kept}"
+    kept = sum(not m.reshard_after_forward for m in plan.modules.values())
+    parts = [f"forward prefetch {fwd or 'implicit'}", f"backward prefetch {bwd}"]
+    parts += [k.describe(plan.knobs[k.name]) for k in PLAN_KNOBS if k.shown]
+    if kept == n:
+        parts.append("no reshard after forward")
+    elif kept > 1:
+        parts.append(f"{kept} of {n} modules unsharded after forward")
+    parts += [k.describe(plan.knobs[k.name]) for k in PLAN_KNOBS if not k.shown]
+    for k in MODULE_KNOBS:
+        changed = [m.knobs[k.name] for m in plan.modules.values() if m.knobs[k.name] != k.default]
+        parts += [f"{k.describe(changed[0])} ({len(changed)} of {n} modules)"] if changed else []
+    return ", ".join(p for p in parts if p)
 
 
 def tune_report(outcome: TuneOutcome, study: str) -> list[str]:

@@ -125,7 +125,7 @@ def solve_overlap_slowdown(profile: Profile, params: SimParams, measured_ms: flo
     one above gives 2.
     """
     simulator = Simulator(profile, params)
-    plan = simulator.compile(plan or dataclasses.replace(Plan.default(profile), unshard_async_op=True))
+    plan = simulator.compile(plan or Plan.default(profile).with_knobs(unshard_async_op=True))
     low, high = OVERLAP_SLOWDOWN_BOUNDS
     for _ in range(40):
         mid = 0.5 * (low + high)

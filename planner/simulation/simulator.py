@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner.artifacts.knobs import KnobValues
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile, root_activation_pre_bytes
 from planner.simulation._kernel import PlanArrays, ProfileArrays, step_function
@@ -272,11 +273,12 @@ class Simulator:
                 (plans are validated against their fingerprint when loaded).
         """
         idx, n = self._index, len(self._names)
-        fwd_lists, bwd_lists, raf, uib = [()] * n, [()] * n, [True] * n, [True] * n  # left out: FSDP2's defaults
+        own = KnobValues(module=True).as_array()
+        fwd_lists, bwd_lists, raf, module_knobs = [()] * n, [()] * n, [True] * n, [own] * n  # left out: defaults
         for fqn, m in plan.modules.items():
             i = idx[fqn]
             fwd_lists[i], bwd_lists[i], raf[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
-            uib[i] = m.unshard_in_backward
+            module_knobs[i] = m.knobs.as_array()
         i64 = np.int64
         fields = tuple(PlanArrays(
             forward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),
@@ -284,11 +286,8 @@ class Simulator:
             backward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, bwd_lists))], i64),
             backward_prefetch_targets=np.array([idx[t] for ts in bwd_lists for t in ts], i64),
             reshard_after_forward=np.array(raf, np.bool_),
-            unshard_in_backward=np.array(uib, np.bool_),
-            unshard_async_op=bool(plan.unshard_async_op),
-            reduce_scatter_max_input_buffers=int(plan.reduce_scatter_max_input_buffers),
-            reshard_after_backward=bool(plan.reshard_after_backward),
-            separate_reduce_scatter_group=bool(plan.separate_reduce_scatter_group),
+            knobs=tuple(plan.knobs.as_array()),
+            module_knobs=np.array(module_knobs, i64).reshape(n, len(own)),
         ))
         return CompiledPlan(plan, fields, self)
 

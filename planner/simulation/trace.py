@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
+from planner.artifacts.json_types import JsonObject
 from planner.errors import PlannerError
 from planner.simulation.simulator import SimResult, Track
 from planner.units import MIB, mib
@@ -17,7 +17,7 @@ from planner.units import MIB, mib
 TRACKS = tuple(Track)  # one row per resource, top to bottom
 
 
-def chrome_trace(result: SimResult, title: str = "predicted step") -> dict[str, Any]:
+def chrome_trace(result: SimResult, title: str = "predicted step") -> JsonObject:
     """The Chrome trace-event JSON object of a traced :class:`SimResult`.
 
     Times become µs (``ts``/``dur``); tracks are threads of one process.
@@ -27,7 +27,7 @@ def chrome_trace(result: SimResult, title: str = "predicted step") -> dict[str, 
     """
     if not result.events:
         raise ValueError("simulate(..., trace=True) first: this result has no timeline")
-    events: list[dict[str, Any]] = [
+    events: list[JsonObject] = [
         {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": title}},
     ]
     for tid, track in enumerate(TRACKS, start=1):

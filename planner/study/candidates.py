@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 import optuna
 
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.study.records import SimulatedTrialRecord
-from planner.study.search_space import SearchSpace
+from planner.study.search_space import SearchSpace, TrialParams
 from planner.study.simulated import complete_trials
 
 
@@ -38,7 +37,7 @@ class Candidate:
         reconfirms: for the study's recommendation raced again, the trial that recommended it.
     """
 
-    params: dict[str, Any]
+    params: TrialParams
     distributions: dict[str, optuna.distributions.BaseDistribution]
     plan: Plan
     predicted_ms: float
@@ -118,8 +117,7 @@ def select_candidates(
 def _what_it_does(trial: optuna.trial.FrozenTrial, plan: Plan, best_ms: float) -> tuple:
     """Plans alike here are near-copies the model cannot tell apart: the same knobs and the same predicted step."""
     kept = frozenset(f for f, m in plan.modules.items() if not m.reshard_after_forward)
-    return (plan.unshard_async_op, plan.reduce_scatter_max_input_buffers, plan.reshard_after_backward,
-            plan.separate_reduce_scatter_group, kept,
+    return (plan.knobs, kept,
             round(trial.values[0] / best_ms, 3),
             round((SimulatedTrialRecord.from_trial(trial).exposed_comm_ms or 0.0) / max(best_ms, 1e-9), 3))
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import optuna
 
+from planner.artifacts.json_types import JsonObject
 from planner.artifacts.names import SpaceName
 from planner.errors import FailKind
 from planner.statistics.verdict import Confirmation, Verdict
+from planner.study.search_space import TrialParams
 
 # Optuna's own system attribute: the trial a re-queued stale trial retries (RetryFailedTrialCallback).
 _RETRY_OF = "failed_trial"
@@ -32,7 +33,7 @@ class StudyRecord:
 
     space: SpaceName
 
-    def to_user_attrs(self) -> dict[str, Any]:
+    def to_user_attrs(self) -> JsonObject:
         """The study's user attributes."""
         return {"space": str(self.space)}
 
@@ -115,7 +116,7 @@ class MeasuredTrialRecord:
 
     number: int | None = None
     state: optuna.trial.TrialState | None = None
-    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    params: TrialParams = dataclasses.field(default_factory=dict)
     measured_ms: float | None = None
     retry_of: int | None = None
     predicted_ms: float | None = None
@@ -134,7 +135,7 @@ class MeasuredTrialRecord:
     measured_peak_bytes: int | None = None
     failure: Failure | None = None
 
-    def to_user_attrs(self) -> dict[str, Any]:
+    def to_user_attrs(self) -> JsonObject:
         """The set fields as Optuna user attributes (JSON values); trial number, state, parameters and value are
         Optuna's own and not among them."""
         attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "plan_key",
@@ -214,12 +215,12 @@ class SimulatedTrialRecord:
 
     number: int | None = None
     state: optuna.trial.TrialState | None = None
-    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    params: TrialParams = dataclasses.field(default_factory=dict)
     predicted_ms: float | None = None
     predicted_peak_bytes: int | None = None
     exposed_comm_ms: float | None = None
 
-    def to_user_attrs(self) -> dict[str, Any]:
+    def to_user_attrs(self) -> JsonObject:
         """The user attributes a simulated trial carries beside its two objective values."""
         return {"peak_bytes": self.predicted_peak_bytes, "exposed_comm_ms": self.exposed_comm_ms}
 

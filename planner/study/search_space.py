@@ -7,11 +7,17 @@ The planner never imports ``search_spaces``: whoever runs a study (``jobs``,
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
+
+ParamValue: TypeAlias = bool | int | float | str
+"""One Optuna parameter's value: a categorical's choice, an int or a float."""
+
+TrialParams: TypeAlias = dict[str, ParamValue]
+"""A trial's parameters by name, as Optuna stores them (``FrozenTrial.params``) and as a grid enqueues them."""
 
 
 @runtime_checkable
@@ -33,11 +39,11 @@ class SearchSpace(Protocol):
         """Draw a plan from ``trial`` (``optuna.Trial``, or ``optuna.trial.FixedTrial`` to rebuild one)."""
         ...
 
-    def grid(self, profile: Profile) -> list[dict[str, Any]]:
+    def grid(self, profile: Profile) -> list[TrialParams]:
         """Parameter sets the simulated stage enqueues first, FSDP2's default first."""
         ...
 
-    def uniform_grid(self, profile: Profile) -> list[dict[str, Any]]:
+    def uniform_grid(self, profile: Profile) -> list[TrialParams]:
         """The part of :meth:`grid` that sets every module alike: the hand-set baseline every study races
         ([Note: Candidates worth racing] in :mod:`planner.study.candidates`)."""
         ...

@@ -69,17 +69,7 @@ def simulated_stage(
             older prefetch-planner).
     """
     search, profile = config.search, simulator.profile
-    try:
-        stored = optuna.create_study(study_name=config.name + SIM_SUFFIX, storage=storage,
-                                     directions=["minimize", "minimize"], load_if_exists=True)
-    except ValueError as e:
-        raise StudyConfigError(
-            f"study {config.name + SIM_SUFFIX!r} has one objective (made by an older prefetch-planner; {e}); "
-            f"delete it (`optuna delete-study --study-name {config.name + SIM_SUFFIX} --storage URL`) or name the "
-            "study anew") from None
-    for key, value in StudyRecord(space.name).to_user_attrs().items():
-        stored.set_user_attr(key, value)
-    name_objective(stored, *SIM_METRICS)
+    stored = _stored_study(config.name + SIM_SUFFIX, storage, space)
     previous = [t for t in stored.trials if t.state.is_finished()]
     study = optuna.create_study(directions=["minimize", "minimize"],
                                 sampler=make_sampler(search.sampler, search.seed + len(previous)))
@@ -109,6 +99,25 @@ def simulated_stage(
     else:
         stored.add_trials(new)
     return study
+
+
+def _stored_study(name: str, storage: optuna.storages.BaseStorage, space: SearchSpace) -> optuna.Study:
+    """Study ``name`` (``NAME.sim``), made or loaded, with its two objectives named and its space recorded.
+
+    Raises:
+        StudyConfigError: it exists with one objective (made by an older prefetch-planner).
+    """
+    try:
+        stored = optuna.create_study(study_name=name, storage=storage, directions=["minimize", "minimize"],
+                                     load_if_exists=True)
+    except ValueError as e:
+        raise StudyConfigError(
+            f"study {name!r} has one objective (made by an older prefetch-planner; {e}); delete it "
+            f"(`optuna delete-study --study-name {name} --storage URL`) or name the study anew") from None
+    for key, value in StudyRecord(space.name).to_user_attrs().items():
+        stored.set_user_attr(key, value)
+    name_objective(stored, *SIM_METRICS)
+    return stored
 
 
 def smallest_peak(simulator: Simulator, space: SearchSpace) -> int:

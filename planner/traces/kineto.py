@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planner.artifacts.json_types import JsonObject
 from planner.errors import TraceFormatError
 
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -196,7 +197,7 @@ def read_trace(path: str | Path) -> KinetoTrace:
     return _parse(name, doc)
 
 
-def _parse(name: str, doc: dict[str, Any]) -> KinetoTrace:
+def _parse(name: str, doc: JsonObject) -> KinetoTrace:
     cpu, gpu, memory, launches = [], [], [], {}
     for e in doc["traceEvents"]:
         if not isinstance(e, dict):

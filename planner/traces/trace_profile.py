@@ -161,72 +161,16 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
     if len(traces) < world:
         missing.append(Missing("ranks", f"{len(traces)} of {world} traces", "the max across ranks sees only those"))
 
-    def per_module(attr: str, fqn: str) -> float:
-        return _median_max([[getattr(s, attr).get(fqn, 0.0) / s.microbatches for s in steps]
-                            for steps in per_rank.values()])
-
-    comm: dict[tuple[str, str], list[float]] = defaultdict(list)
-    sizes: dict[tuple[str, str], int] = {}
-    dtype_bytes: set[int] = set()
-    calls: dict[tuple[int, str, str, int], list[Collective]] = defaultdict(list)
-    for steps in per_rank.values():
-        for s in steps:
-            for c in s.collectives:
-                calls[(s.number, c.module, c.kind, c.ordinal)].append(c)
-                if c.bytes is not None:
-                    sizes[(c.module, c.kind)] = c.bytes
-                    dtype_bytes.add(c.dtype_bytes)
-    waits: dict[int, list[float]] = defaultdict(lambda: [0.0] * len(per_rank))  # per step, per rank: rank skew
-    for (number, module, kind, _), ranks_calls in calls.items():
-        comm[(module, kind)].append(_collective_ms(ranks_calls))
-        last = max(c.start_us for c in ranks_calls)
-        if len(ranks_calls) == len(per_rank):  # every rank's view of the call, in rank order
-            for r, c in enumerate(ranks_calls):
-                waits[number][r] += (last - c.start_us) / 1e3
-    estimated = []
-    if fingerprint is None:
-        fingerprint = _estimated_fingerprint(modules, sizes, world, device, dtype_bytes)
-        estimated.append("fingerprint")
-        missing.append(Missing("parameter counts", "all-gather sizes, padded to the world size" if sizes else "none "
-                               "(record with record_shapes=True)", "plans name the modules but `apply` checks the "
-                               "counts: pass --model FACTORY for the model's own"))
-    elif tuple(fingerprint.module_fqns) and set(fingerprint.module_fqns) != set(modules):
-        raise TraceFormatError(f"the model's FSDP modules {list(fingerprint.module_fqns)} are not the traces' "
-                               f"{list(modules)}; give --model the factory of the traced job")
+    comm, sizes, dtype_bytes, waits = _collectives(per_rank)
+    estimated: list[str] = []
+    fingerprint = _checked_fingerprint(fingerprint, modules, sizes, (world, device, dtype_bytes), missing, estimated)
     unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True))
     if world == 1:  # FSDPParamGroup.unshard copies the sharded parameters and returns before any all-gather label
         missing.append(Missing("collectives", "none: FSDP2 runs no all-gather or reduce-scatter at world size 1, and "
                                "reshard_after_forward is taken as FSDP2's default (every module but the root)",
                                "nothing for this world size; trace the job at the world size you will tune"))
-    module_profiles = {}
-    for fqn in fingerprint.module_fqns:
-        fwd, bwd = per_module("fwd_ms", fqn), per_module("bwd_ms", fqn)
-        ag, rs = comm.get((fqn, "all_gather"), []), comm.get((fqn, "reduce_scatter"), [])
-        nbytes = unsharded[fqn]
-        resharded = fqn in first.resharded if world > 1 else fqn != ""
-        act = statistics.median(s.activation_bytes.get(fqn, 0) for s in per_rank[min(per_rank)])
-        if not resharded:
-            act = max(0, act - nbytes)  # its unsharded parameters stay allocated after its forward
-        grad = sizes.get((fqn, "reduce_scatter"), nbytes)
-        post = min(grad, int(_median_max([[s.root_backward_post_bytes or 0 for s in ss] for ss in per_rank.values()])))
-        post = post if fqn == "" else 0  # the root's gradient after its children's backward (the embedding's)
-        recompute = int(max(s.recompute_bytes.get(fqn, 0) for ss in per_rank.values() for s in ss))
-        # the root's activations after its children's forward, freed before their backward (0: no memory events)
-        after = 0 if fqn else min(int(act), int(statistics.median(
-            s.root_forward_post_bytes or 0 for s in per_rank[min(per_rank)])))
-        module_profiles[fqn] = ModuleProfile(
-            fqn=fqn, fwd_ms=fwd, bwd_ms=bwd, fwd_pre_ms=min(per_module("fwd_pre_ms", fqn), fwd),
-            bwd_pre_ms=min(per_module("bwd_pre_ms", fqn), bwd),
-            all_gather_ms=statistics.fmean(ag) if ag else 0.0, reduce_scatter_ms=statistics.fmean(rs) if rs else 0.0,
-            unsharded_bytes=nbytes, sharded_bytes=-(-nbytes // world),
-            grad_bytes=grad, activation_bytes=int(act),
-            recompute_ms=per_module("recompute_ms", fqn),
-            recompute_activation_bytes=recompute,
-            backward_temp_bytes=backward_temporaries(
-                _median_max([[s.backward_peak_bytes.get(fqn, 0) for s in ss] for ss in per_rank.values()]),
-                grad - post, recompute), backward_post_grad_bytes=post, activation_post_bytes=after,
-            reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
-        )
+    module_profiles = {fqn: _module_profile(fqn, unsharded[fqn], per_rank, comm, sizes, world)
+                       for fqn in fingerprint.module_fqns}
     step_ms = _median_max([[s.step_ms for s in steps] for steps in per_rank.values()])
     skew = statistics.median(max(w) for w in waits.values()) if len(per_rank) > 1 and waits else None
     outside = _median_max([[_outside_ms(s) for s in steps] for steps in per_rank.values()]) if device == "cpu" else None
@@ -238,12 +182,7 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
     if not any(optimizer_ms):
         missing.append(Missing("optimizer step", "0 ms", "no Optimizer.step# label in the steps profiled"))
     sharded_total = sum(m.sharded_bytes for m in module_profiles.values())
-    state_factor = STATE_PER_PARAM_BYTE.get(first.optimizer or "", 2)
-    state_bytes = state_factor * sharded_total
-    estimated.append("optimizer_state_bytes")
-    name = first.optimizer or "an unknown optimizer"
-    missing.append(Missing("optimizer state", f"{state_factor} x the sharded parameter bytes ({name})",
-                           "the predicted peak is off by any difference"))
+    state_bytes = _optimizer_state_bytes(first.optimizer, sharded_total, missing, estimated)
     peak = _peak(per_rank, device, sharded_total + state_bytes, missing, estimated)
     in_step = InStepTimings(default_step_ms=step_ms, overlap=None)
     if device == "cpu":
@@ -264,6 +203,104 @@ def _consolidate(traces: dict[int, KinetoTrace], per_rank: dict[int, list[RankSt
     )
     return TraceProfile(profile, tuple(missing), min(len(s) for s in per_rank.values()), tuple(per_rank), skew,
                         outside)
+
+
+def _module_profile(fqn: str, nbytes: int, per_rank: dict[int, list[RankStep]],
+                    comm: dict[tuple[str, str], list[float]], sizes: dict[tuple[str, str], int],
+                    world: int) -> ModuleProfile:
+    """Module ``fqn``'s figures across ranks and steps: times the median over steps of the max across ranks (per
+    microbatch), collectives the mean per call, memory from the first rank's steps. ``nbytes``: its unsharded
+    parameter bytes."""
+    first = per_rank[min(per_rank)][0]
+
+    def per_module(attr: str) -> float:
+        return _median_max([[getattr(s, attr).get(fqn, 0.0) / s.microbatches for s in steps]
+                            for steps in per_rank.values()])
+
+    fwd, bwd = per_module("fwd_ms"), per_module("bwd_ms")
+    ag, rs = comm.get((fqn, "all_gather"), []), comm.get((fqn, "reduce_scatter"), [])
+    resharded = fqn in first.resharded if world > 1 else fqn != ""
+    act = statistics.median(s.activation_bytes.get(fqn, 0) for s in per_rank[min(per_rank)])
+    if not resharded:
+        act = max(0, act - nbytes)  # its unsharded parameters stay allocated after its forward
+    grad = sizes.get((fqn, "reduce_scatter"), nbytes)
+    post = min(grad, int(_median_max([[s.root_backward_post_bytes or 0 for s in ss] for ss in per_rank.values()])))
+    post = post if fqn == "" else 0  # the root's gradient after its children's backward (the embedding's)
+    recompute = int(max(s.recompute_bytes.get(fqn, 0) for ss in per_rank.values() for s in ss))
+    # the root's activations after its children's forward, freed before their backward (0: no memory events)
+    after = 0 if fqn else min(int(act), int(statistics.median(
+        s.root_forward_post_bytes or 0 for s in per_rank[min(per_rank)])))
+    return ModuleProfile(
+        fqn=fqn, fwd_ms=fwd, bwd_ms=bwd, fwd_pre_ms=min(per_module("fwd_pre_ms"), fwd),
+        bwd_pre_ms=min(per_module("bwd_pre_ms"), bwd),
+        all_gather_ms=statistics.fmean(ag) if ag else 0.0, reduce_scatter_ms=statistics.fmean(rs) if rs else 0.0,
+        unsharded_bytes=nbytes, sharded_bytes=-(-nbytes // world),
+        grad_bytes=grad, activation_bytes=int(act),
+        recompute_ms=per_module("recompute_ms"),
+        recompute_activation_bytes=recompute,
+        backward_temp_bytes=backward_temporaries(
+            _median_max([[s.backward_peak_bytes.get(fqn, 0) for s in ss] for ss in per_rank.values()]),
+            grad - post, recompute), backward_post_grad_bytes=post, activation_post_bytes=after,
+        reshard_after_forward=resharded, calls=max(1, first.post_forward_order.count(fqn)),
+    )
+
+
+def _checked_fingerprint(fingerprint: Fingerprint | None, modules: tuple[str, ...], sizes: dict[tuple[str, str], int],
+                         world_device_dtypes: tuple[int, str, set[int]], missing: list[Missing],
+                         estimated: list[str]) -> Fingerprint:
+    """The model's fingerprint, checked against the traces' FSDP modules; without one, estimated from the
+    all-gather sizes (noted in ``missing`` and ``estimated``).
+
+    Raises:
+        TraceFormatError: the model's FSDP modules are not the traces'.
+    """
+    if fingerprint is None:
+        estimated.append("fingerprint")
+        missing.append(Missing("parameter counts", "all-gather sizes, padded to the world size" if sizes else "none "
+                               "(record with record_shapes=True)", "plans name the modules but `apply` checks the "
+                               "counts: pass --model FACTORY for the model's own"))
+        return _estimated_fingerprint(modules, sizes, *world_device_dtypes)
+    if tuple(fingerprint.module_fqns) and set(fingerprint.module_fqns) != set(modules):
+        raise TraceFormatError(f"the model's FSDP modules {list(fingerprint.module_fqns)} are not the traces' "
+                               f"{list(modules)}; give --model the factory of the traced job")
+    return fingerprint
+
+
+def _collectives(per_rank: dict[int, list[RankStep]]) -> tuple[dict[tuple[str, str], list[float]],
+                                                                 dict[tuple[str, str], int], set[int],
+                                                                 dict[int, list[float]]]:
+    """Each call's time across ranks (:func:`_collective_ms`), per ``(module, kind)``; the bytes each moves; the
+    element sizes seen; and per step, per rank, the ms it waited for the last rank to join (rank skew)."""
+    comm: dict[tuple[str, str], list[float]] = defaultdict(list)
+    sizes: dict[tuple[str, str], int] = {}
+    dtype_bytes: set[int] = set()
+    calls: dict[tuple[int, str, str, int], list[Collective]] = defaultdict(list)
+    for steps in per_rank.values():
+        for s in steps:
+            for c in s.collectives:
+                calls[(s.number, c.module, c.kind, c.ordinal)].append(c)
+                if c.bytes is not None:
+                    sizes[(c.module, c.kind)] = c.bytes
+                    dtype_bytes.add(c.dtype_bytes)
+    waits: dict[int, list[float]] = defaultdict(lambda: [0.0] * len(per_rank))
+    for (number, module, kind, _), ranks_calls in calls.items():
+        comm[(module, kind)].append(_collective_ms(ranks_calls))
+        last = max(c.start_us for c in ranks_calls)
+        if len(ranks_calls) == len(per_rank):  # every rank's view of the call, in rank order
+            for r, c in enumerate(ranks_calls):
+                waits[number][r] += (last - c.start_us) / 1e3
+    return comm, sizes, dtype_bytes, waits
+
+
+def _optimizer_state_bytes(optimizer: str | None, sharded_total: int, missing: list[Missing],
+                           estimated: list[str]) -> int:
+    """The optimizer state, estimated from the optimizer's name (a trace holds no allocation of it); the estimate
+    is noted in ``missing`` and ``estimated``."""
+    state_factor = STATE_PER_PARAM_BYTE.get(optimizer or "", 2)
+    estimated.append("optimizer_state_bytes")
+    missing.append(Missing("optimizer state", f"{state_factor} x the sharded parameter bytes "
+                           f"({optimizer or 'an unknown optimizer'})", "the predicted peak is off by any difference"))
+    return state_factor * sharded_total
 
 
 def _outside_ms(step: RankStep) -> float:

@@ -38,7 +38,7 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
     for fqn in blocks:
         m = profile.modules[fqn]
         assert m.fwd_ms > 0 and m.bwd_ms > 0 and m.all_gather_ms > 0 and m.reduce_scatter_ms > 0
-        assert m.all_gather_ms == max(r["modules"][fqn]["all_gather_ms"] for r in profile.per_rank)
+        assert m.all_gather_ms == max(r.isolated.modules[fqn].collectives.all_gather_ms for r in profile.per_rank)
         assert m.unsharded_bytes == 4 * (128 * 4 * 128 * 2 + 4 * 128 + 128 + 2 * 128)
         assert m.sharded_bytes == m.unsharded_bytes // 2
         assert m.activation_bytes > 0

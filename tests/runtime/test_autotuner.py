@@ -263,18 +263,28 @@ def test_a_plain_loop_on_a_stock_torch_model(tmp_path):
 def test_merged_passes_take_each_module_from_its_own_pass():
     """``merge_isolated``: a module's compute from the pass that held it, the collectives and the overlap from the
     pass that timed them, orders from the first; passes that disagree on the post-forward order are refused."""
+    from planner.artifacts.rank_figures import (
+        CollectiveFigures,
+        ComputeFigures,
+        IsolatedFigures,
+        ModuleFigures,
+        OverlapTimings,
+    )
     from runtime.recorder import merge_isolated
 
-    def part(held: dict, overlap=None, order=("a", "b")) -> dict:
-        return {"overlap": overlap, "pre_forward_order": list(order), "post_forward_order": list(order),
-                "calls": dict.fromkeys(order, 1), "modules": held}
+    def part(held: dict, overlap=None, order=("a", "b")) -> IsolatedFigures:
+        return IsolatedFigures(overlap, order, order, dict.fromkeys(order, 1), held)
 
-    first = part({"": {"fwd_ms": 1.0}, "a": {"fwd_ms": 2.0, "all_gather_ms": 9.0}, "b": {"all_gather_ms": 8.0}},
-                 overlap={"module": "a"})
-    second = part({"b": {"fwd_ms": 3.0}})
+    def fwd(ms):
+        return ComputeFigures(fwd_ms=ms)
+
+    overlap = OverlapTimings("a", 1.0, 1.0, 1.5)
+    first = part({"": ModuleFigures(fwd(1.0)), "a": ModuleFigures(fwd(2.0), CollectiveFigures(9.0, 1.0)),
+                  "b": ModuleFigures(collectives=CollectiveFigures(8.0, 1.0))}, overlap=overlap)
+    second = part({"b": ModuleFigures(fwd(3.0))})
     merged = merge_isolated([first, second])
-    assert merged["modules"] == {"": {"fwd_ms": 1.0}, "a": {"fwd_ms": 2.0, "all_gather_ms": 9.0},
-                                 "b": {"all_gather_ms": 8.0, "fwd_ms": 3.0}}
-    assert merged["overlap"] == {"module": "a"} and merged["post_forward_order"] == ["a", "b"]
+    assert merged.modules == {"": ModuleFigures(fwd(1.0)), "a": ModuleFigures(fwd(2.0), CollectiveFigures(9.0, 1.0)),
+                              "b": ModuleFigures(fwd(3.0), CollectiveFigures(8.0, 1.0))}
+    assert merged.overlap == overlap and merged.post_forward_order == ("a", "b")
     with pytest.raises(ValueError, match="disagree on the post-forward order"):
-        merge_isolated([first, part({"b": {}}, order=("b", "a"))])
+        merge_isolated([first, part({"b": ModuleFigures()}, order=("b", "a"))])

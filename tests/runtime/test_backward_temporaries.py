@@ -89,15 +89,20 @@ def test_the_recorder_takes_the_gradient_and_the_recompute_off_the_backward_peak
     children's backward, the rest after) and recomputed activations (50) apart from its temporaries; a peak below
     the two is no temporary."""
     from planner.artifacts.fingerprint import Fingerprint
+    from planner.artifacts.rank_figures import (
+        CollectiveFigures,
+        ComputeFigures,
+        IsolatedFigures,
+        ModuleFigures,
+        RankFigures,
+        StepFigures,
+    )
     from runtime.consolidation import consolidate
 
-    figures = {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_pre_ms": 1.0, "bwd_pre_ms": 2.0, "all_gather_ms": 0.5,
-               "reduce_scatter_ms": 0.5, "sharded_bytes": 150, "activation_bytes": 10,
-               "needs_parameters_in_backward": True, "recompute_ms": 0.0, "recompute_activation_bytes": 50,
-               "backward_peak_bytes": peak, **({} if grad_pre is None else {"grad_pre_bytes": grad_pre})}
-    rank = {"rank": 0, "post_forward_order": [], "pre_forward_order": [], "modules": {"": figures},
-            "overlap": None, "step_ms": 10.0, "optimizer_ms": 1.0, "optimizer_state_bytes": 0,
-            "optimizer_temp_bytes": 0, "peak_bytes": [1000]}
+    compute = ComputeFigures(fwd_ms=1.0, bwd_ms=2.0, fwd_pre_ms=1.0, bwd_pre_ms=2.0, activation_bytes=10,
+                             recompute_activation_bytes=50, backward_peak_bytes=peak, grad_pre_bytes=grad_pre)
+    module = ModuleFigures(compute, CollectiveFigures(0.5, 0.5, 150))
+    rank = RankFigures(0, StepFigures(10.0, 1.0, (1000,)), IsolatedFigures(None, (), (), {}, {"": module}))
     fp = Fingerprint(("",), (75,), (300,), 2, "cpu", ("torch.float32",), "test")  # 300 gradient bytes
     profile = consolidate([rank], fp, {"": False}, {"": 1})
     assert (profile.modules[""].backward_temp_bytes, profile.modules[""].backward_post_grad_bytes) == (temp, post)

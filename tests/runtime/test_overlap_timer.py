@@ -17,10 +17,10 @@ def test_overlap_timings_time_the_largest_module_and_reshard(mesh):
     # chosen by size, the same on every rank, not by this rank's timings (which name another module here)
     all_gather_ms = {fqn: (1.0 if fqn == largest else 5.0) for fqn, _ in modules}
     timings = overlap_timings(modules, numels, all_gather_ms, repeats=2)
-    assert timings["module"] == largest
-    assert all(timings[k] > 0 for k in ("all_gather_ms", "compute_ms", "overlapped_ms"))
+    assert timings.module == largest
+    assert all(getattr(timings, k) > 0 for k in ("all_gather_ms", "compute_ms", "overlapped_ms"))
     # "both" runs the compute too: it cannot take less than most of the compute alone
-    assert timings["overlapped_ms"] > 0.5 * timings["compute_ms"]
+    assert timings.overlapped_ms > 0.5 * timings.compute_ms
     # every module is left resharded: the training step that follows works and starts from shards
     for _, m in modules:
         assert all(isinstance(p.data, torch.distributed.tensor.DTensor) for p in m.parameters())

@@ -36,16 +36,16 @@ def test_the_collectives_are_timed_after_the_step_and_before_the_isolated_passes
     figures = recorder.isolated_figures(workload, model_fingerprint(workload.model), 1, "cpu", raf)
     assert calls == ["collective_rounds", "overlap_timings", "compute_unsharded"]
     assert rounds == [collective_timer.COLLECTIVE_ROUNDS]
-    assert figures["overlap"] is not None
+    assert figures.overlap is not None
     for fqn, _ in modules:
-        values = figures["modules"][fqn]
-        assert values["all_gather_ms"] > 0 and values["reduce_scatter_ms"] > 0 and values["sharded_bytes"] > 0
-        assert "fwd_ms" in values and "bwd_ms" in values
+        values = figures.modules[fqn]
+        assert values.collectives.all_gather_ms > 0 and values.collectives.reduce_scatter_ms > 0
+        assert values.collectives.sharded_bytes > 0 and values.compute is not None
 
     calls.clear()
     only = recorder.isolated_figures(workload, model_fingerprint(workload.model), 1, "cpu", raf, collectives=False)
-    assert calls == ["compute_unsharded"] and only["overlap"] is None
-    assert all("all_gather_ms" not in values for values in only["modules"].values())
+    assert calls == ["compute_unsharded"] and only.overlap is None
+    assert all(values.collectives is None for values in only.modules.values())
 
 
 def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in_rounds(mesh, monkeypatch):
@@ -77,12 +77,12 @@ def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in
     fqns = list(numels)
     assert order[::2][:len(fqns) * 2] == fqns + fqns[1:] + fqns[:1]  # round 1 starts one module later
     for fqn in fqns:
-        assert figures[fqn]["all_gather_ms"] == own_time[fqn]
-        assert figures[fqn]["reduce_scatter_ms"] == own_time[fqn]
+        assert figures[fqn].all_gather_ms == own_time[fqn]
+        assert figures[fqn].reduce_scatter_ms == own_time[fqn]
 
     order.clear()  # module by module: each module's rounds one after another
     by_module = {fqn: collective_timer.collective_rounds(modules, {fqn: numels[fqn]}, 3, "cpu")[fqn] for fqn in fqns}
-    assert any(by_module[fqn]["reduce_scatter_ms"] != own_time[fqn] for fqn in fqns)
+    assert any(by_module[fqn].reduce_scatter_ms != own_time[fqn] for fqn in fqns)
 
 
 def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mesh, monkeypatch):
@@ -115,10 +115,10 @@ def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mes
     monkeypatch.setattr(recorder.dist, "get_world_size", lambda *args, **kwargs: 2)
     figures = recorder._default_plan_steps(workload, 5, "cpu")
 
-    assert figures["step_ms"] == 100.0 and figures["optimizer_ms"] == 5.0
+    assert figures.step_ms == 100.0 and figures.optimizer_ms == 5.0
     pairs = slice(recorder.PEAK_STEPS, recorder.PEAK_STEPS + 2 * recorder.ASYNC_PAIRS)
     assert events[:pairs.start] == ["peak"] * recorder.PEAK_STEPS
     assert sorted(events[pairs]) == ["async"] * recorder.ASYNC_PAIRS + ["default"] * recorder.ASYNC_PAIRS
     assert events[pairs.stop:] == ["default"] * 5
-    assert abs(figures["async_ratio"] - 0.8) < 1e-12
-    assert len(figures["peak_bytes"]) == recorder.PEAK_STEPS and not async_on[0]
+    assert abs(figures.async_ratio - 0.8) < 1e-12
+    assert len(figures.peak_bytes) == recorder.PEAK_STEPS and not async_on[0]

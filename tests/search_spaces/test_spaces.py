@@ -142,7 +142,7 @@ def test_assign_skips_backward_all_gathers_only_where_backward_reads_no_paramete
     assert [k for k in ASSIGN.grid(p)[0] if k.startswith("uib:")] == ["uib:b0"]
     params = ASSIGN.grid(p)[0] | {"uib:b0": False, "separate_reduce_scatter_group": True}
     plan = ASSIGN.suggest(optuna.trial.FixedTrial(params), p)
-    assert [f for f, m in plan.modules.items() if not m.unshard_in_backward] == ["b0"]
+    assert [f for f, m in plan.modules.items() if not m.knobs.unshard_in_backward] == ["b0"]
     assert plan.separate_reduce_scatter_group is True
     assert (
         simulate(p, plan).comm_ms < simulate(p, ASSIGN.suggest(optuna.trial.FixedTrial(ASSIGN.grid(p)[0]), p)).comm_ms

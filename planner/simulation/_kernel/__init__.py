@@ -13,10 +13,11 @@ through :func:`step_function`.
 [Note: The kernel's numba cache]
 numba's ``cache=True`` checks only the file of the function it loads: after an
 edit to a callee in another file (``param_group.py``), ``step`` would keep
-running the old callee. So a digest of every kernel source is kept beside the
-cache, and when it differs the cache files go and numba compiles afresh. The
+running the old callee, and a knob's position (``planner.artifacts.knobs``)
+is folded in as a constant. So a digest of every kernel source and of the
+knob declarations is kept beside the cache, and when it differs the cache files go and numba compiles afresh. The
 check runs once per process, before the first compile (:func:`step_function`),
-not at import, under an exclusive lock on a file beside the cache: ranks
+not at import, under an exclusive lock (``filelock``) on a file beside the cache: ranks
 started together wait for one another instead of deleting the files another
 is loading. numba itself writes its cache files by atomic rename. Best
 effort: where the folder cannot be written (a read-only install), the cache
@@ -26,12 +27,14 @@ stays as it is.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import filelock
+
+from planner.artifacts import knobs
 from planner.simulation._kernel.hooks import step
 from planner.simulation._kernel.state import KernelParams, PlanArrays, ProfileArrays
 
@@ -41,8 +44,9 @@ HERE = Path(__file__).parent
 
 
 def sources_digest(here: Path = HERE) -> str:
-    """SHA-1 of every kernel source file, in name order."""
-    return hashlib.sha1(b"".join(f.read_bytes() for f in sorted(here.glob("*.py")))).hexdigest()
+    """SHA-1 of every kernel source file, in name order, and of the knob declarations the kernel reads."""
+    files = [*sorted(here.glob("*.py")), Path(knobs.__file__)]
+    return hashlib.sha1(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
 def drop_stale_numba_cache(here: Path = HERE) -> bool:
@@ -72,19 +76,19 @@ def drop_stale_numba_cache(here: Path = HERE) -> bool:
 
 @contextlib.contextmanager
 def cache_lock(here: Path = HERE) -> Iterator[None]:
-    """Hold an exclusive lock on ``__pycache__/kernel.lock`` (``fcntl.flock``); no lock where it cannot be made."""
+    """Hold an exclusive lock on ``__pycache__/kernel.lock`` (``filelock.FileLock``); no lock where it cannot be
+    made."""
     try:
         (here / "__pycache__").mkdir(exist_ok=True)
-        handle = open(here / "__pycache__" / "kernel.lock", "a")
+        lock = filelock.FileLock(here / "__pycache__" / "kernel.lock")
+        lock.acquire()
     except OSError:
         yield
         return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @functools.cache

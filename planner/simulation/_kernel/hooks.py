@@ -15,6 +15,7 @@ NamedTuple inside compiled code, where it costs nothing.
 
 from __future__ import annotations
 
+from planner.artifacts.knobs import position
 from planner.simulation._kernel.param_group import reduce_scatter, reshard, unshard, wait_for_unshard
 from planner.simulation._kernel.state import (
     BACKWARD,
@@ -45,6 +46,9 @@ from planner.simulation._kernel.state import (
     njit,
 )
 from planner.simulation._kernel.timeline import allocate, compute
+
+UNSHARD_IN_BACKWARD = position("unshard_in_backward")  # planner.artifacts.knobs: PlanArrays.module_knobs[:, here]
+RESHARD_AFTER_BACKWARD = position("reshard_after_backward")  # PlanArrays.knobs[here]
 
 
 @njit(cache=True)
@@ -105,9 +109,9 @@ def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
     in pre-backward, for its own unshard and for a prefetch of it)."""
     clock, counters, module_state = st.clock, st.counters, st.module_state
     ag_end, in_flight, events, samples, held = st.all_gather_end, st.in_flight, trace.events, trace.samples, st.held
-    ag_ms, unsharded, uib = prof.all_gather_ms, prof.unsharded_bytes, plan.unshard_in_backward
+    ag_ms, unsharded, own = prof.all_gather_ms, prof.unsharded_bytes, plan.module_knobs
     clock[CPU] += cfg.issue_overhead_ms
-    if module_state[i, UNSHARD_STATE] == SHARDED and uib[i]:
+    if module_state[i, UNSHARD_STATE] == SHARDED and own[i, UNSHARD_IN_BACKWARD]:
         unshard(i, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if module_state[i, UNSHARD_STATE] == PENDING:
         wait_for_unshard(
@@ -116,11 +120,11 @@ def _pre_backward(i, post_index, prof, plan, cfg, st, trace):
     first, last = plan.backward_prefetch_offsets[i], plan.backward_prefetch_offsets[i + 1]
     for p in range(first, last):
         t = plan.backward_prefetch_targets[p]
-        if module_state[t, UNSHARD_STATE] == SHARDED and uib[t]:
+        if module_state[t, UNSHARD_STATE] == SHARDED and own[t, UNSHARD_IN_BACKWARD]:
             unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if last == first and post_index > 0:
         t = prof.post_forward[post_index - 1]
-        if module_state[t, UNSHARD_STATE] == SHARDED and uib[t]:
+        if module_state[t, UNSHARD_STATE] == SHARDED and own[t, UNSHARD_IN_BACKWARD]:
             unshard(t, ag_ms, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
 
 
@@ -171,7 +175,7 @@ def _microbatch_backward(last, prof, plan, cfg, st, trace, compute_scale):
     ``last`` microbatch), ``set_reshard_after_backward`` decides whether
     modules reshard.
     """
-    reshard_after = last or plan.reshard_after_backward
+    reshard_after = last or plan.knobs[RESHARD_AFTER_BACKWARD] != 0
     post, root = prof.post_forward, prof.root
     _pre_backward(root, prof.root_post_index, prof, plan, cfg, st, trace)
     if not st.module_state[root, GRAD_ALIVE]:  # the root's head (LM head) gets its gradients first

@@ -9,6 +9,7 @@ not bundles, in the hot path]).
 
 from __future__ import annotations
 
+from planner.artifacts.knobs import position
 from planner.simulation._kernel.state import (
     ALL_GATHER,
     ALL_GATHER_ROW,
@@ -38,6 +39,9 @@ from planner.simulation._kernel.state import (
     njit,
 )
 from planner.simulation._kernel.timeline import allocate, beside_all_gathers, event
+
+MAX_INPUT_BUFFERS = position("reduce_scatter_max_input_buffers")  # planner.artifacts.knobs: PlanArrays.knobs[here]
+SEPARATE_GROUP = position("separate_reduce_scatter_group")  # PlanArrays.knobs[here]
 
 # [Note: Gloo's all-gather buffer]
 # On a CPU device (gloo) an all-gather allocates, besides FSDP2's output,
@@ -240,7 +244,7 @@ def reduce_scatter(i, prof, cfg, clock, counters, queue_end, queue_bytes, events
     """
     # reduce_scatter_max_input_buffers: before foreach_reduce, the oldest input buffers are dropped (GPU: the
     # compute stream waits on their reduce-scatters first; FSDPParamGroup.post_backward).
-    while counters[RS_TAIL] - counters[RS_HEAD] >= cfg.reduce_scatter_max_input_buffers:
+    while counters[RS_TAIL] - counters[RS_HEAD] >= cfg.knobs[MAX_INPUT_BUFFERS]:
         head = counters[RS_HEAD]
         if cfg.gpu and queue_end[head] > clock[COMPUTE_STREAM]:
             clock[COMPUTE_STREAM] = queue_end[head]
@@ -254,14 +258,15 @@ def reduce_scatter(i, prof, cfg, clock, counters, queue_end, queue_bytes, events
     # for a moment both are alive.
     allocate(clock, counters, samples, prof.grad_bytes[i])
     allocate(clock, counters, samples, -prof.grad_bytes[i])
-    group = REDUCE_SCATTER_GROUP if cfg.separate_reduce_scatter_group else PROCESS_GROUP
+    separate = cfg.knobs[SEPARATE_GROUP] != 0
+    group = REDUCE_SCATTER_GROUP if separate else PROCESS_GROUP
     if cfg.gpu:
         start = issue if issue > clock[group] else clock[group]
         end = start + prof.reduce_scatter_ms[i] * cfg.comm_scale + cfg.collective_latency_ms
         clock[group] = end
     else:  # [Note: Gloo's two worker threads]
         start = issue
-        if not cfg.separate_reduce_scatter_group:  # both workers busy: wait for the first all-gather to end
+        if not separate:  # both workers busy: wait for the first all-gather to end
             running, first_end = 0, 0.0
             for q in range(counters[IN_FLIGHT]):
                 e = all_gather_end[in_flight[q]]

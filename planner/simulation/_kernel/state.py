@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner.artifacts.knobs import position
+
 try:  # compiled where numba is installed (a dependency); plain Python otherwise, same results
     from numba import njit, types
     from numba.extending import overload
@@ -36,6 +38,8 @@ except ImportError:  # pragma: no cover
         if args and callable(args[0]):
             return args[0]
         return lambda f: f
+
+UNSHARD_ASYNC_OP = position("unshard_async_op")  # planner.artifacts.knobs: PlanArrays.knobs[UNSHARD_ASYNC_OP]
 
 # StepState.clock slots, ms.
 CPU = 0  # the thread that runs the hooks (and, on a CPU device, the compute)
@@ -116,11 +120,9 @@ class PlanArrays(NamedTuple):
     backward_prefetch_offsets: np.ndarray
     backward_prefetch_targets: np.ndarray
     reshard_after_forward: np.ndarray  # bool[n]
-    unshard_in_backward: np.ndarray  # bool[n]: False skips the module's all-gathers in backward
-    unshard_async_op: bool
-    reduce_scatter_max_input_buffers: int
-    reshard_after_backward: bool
-    separate_reduce_scatter_group: bool
+    knobs: tuple  # int, one per PLAN_KNOBS: the plan knobs, read by position (planner.artifacts.knobs.position); a
+    # tuple, not an array, so StepConfig can hold it as scalars
+    module_knobs: np.ndarray  # int64[n, len(MODULE_KNOBS)]: each module's knobs, alike
 
 
 class KernelParams(NamedTuple):
@@ -141,8 +143,7 @@ class StepConfig(NamedTuple):
     unshard_async_op: bool
     # Keep the all-gathers in flight in issue order: only where they run beside other work (CPU, async).
     track_in_flight: bool
-    reduce_scatter_max_input_buffers: int
-    separate_reduce_scatter_group: bool
+    knobs: tuple  # PlanArrays.knobs
     issue_overhead_ms: float
     overlap_excess: float
     comm_scale: float
@@ -173,9 +174,8 @@ class Trace(NamedTuple):
 def new_step(prof, plan, params):
     """The :class:`StepConfig` and a fresh :class:`StepState` for one step of ``prof`` under ``plan``."""
     n = prof.all_gather_ms.shape[0]
-    cfg = StepConfig(prof.gpu, prof.single_rank, plan.unshard_async_op,
-                     (not prof.gpu) and plan.unshard_async_op,
-                     plan.reduce_scatter_max_input_buffers, plan.separate_reduce_scatter_group,
+    unshard_async_op = plan.knobs[UNSHARD_ASYNC_OP] != 0
+    cfg = StepConfig(prof.gpu, prof.single_rank, unshard_async_op, (not prof.gpu) and unshard_async_op, plan.knobs,
                      params.issue_overhead_ms, params.overlap_excess,
                      params.comm_scale, params.collective_latency_ms)
     clock = np.zeros(CLOCKS)

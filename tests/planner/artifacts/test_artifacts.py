@@ -45,7 +45,7 @@ def test_behaviour_key_ignores_provenance(make_profile):
 
 def test_separate_reduce_scatter_group_round_trips_and_is_written_only_when_set(make_profile):
     p = make_profile()
-    plan = dataclasses.replace(Plan.default(p), separate_reduce_scatter_group=True)
+    plan = Plan.default(p).with_knobs(separate_reduce_scatter_group=True)
     assert Plan.from_json(plan.to_json()) == plan
     assert plan.behaviour_key() != Plan.default(p).behaviour_key()
     assert "separate_reduce_scatter_group" not in Plan.default(p).to_dict()  # earlier plans keep their keys

@@ -83,10 +83,9 @@ def test_describe_names_depths_and_async():
 
 
 def test_describe_names_the_other_knobs_when_set():
-    import dataclasses
 
     p = synthetic_profile(n_blocks=4)
-    plan = dataclasses.replace(uniform.build(p, 1, 1, True), separate_reduce_scatter_group=True,
+    plan = uniform.build(p, 1, 1, True).with_knobs(separate_reduce_scatter_group=True,
                                reshard_after_backward=False)
-    assert describe(plan) == ("forward prefetch 1, backward prefetch 1, async unshard True, reduce-scatter on its own "
-                              "process group, no reshard after backward between microbatches")
+    assert describe(plan) == ("forward prefetch 1, backward prefetch 1, async unshard True, no reshard after backward "
+                              "between microbatches, reduce-scatter on its own process group")

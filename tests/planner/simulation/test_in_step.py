@@ -67,7 +67,7 @@ def test_the_async_defaults_step_sets_the_slowdown_after_comm_scale():
     2."""
     base = synthetic_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=6.0)
     truth = SimParams(comm_scale=0.8, overlap_slowdown=1.3)
-    async_default = dataclasses.replace(Plan.default(base), unshard_async_op=True)
+    async_default = Plan.default(base).with_knobs(unshard_async_op=True)
     measured = simulate(base, Plan.default(base), truth).step_ms
     measured_async = simulate(base, async_default, truth).step_ms
     bench = OverlapTimings("b0", all_gather_ms=8.0, compute_ms=10.0, overlapped_ms=14.0)  # 1.5

@@ -65,7 +65,7 @@ def test_cpu_async_default_overlaps_only_backward(make_profile):
     backward: AG b1 30-35, B b1 35-55 beside AG b0 35-40, RS b1 55-58,
     B b0 58-78, RS b0 78-81."""
     p = make_profile()
-    plan = dataclasses.replace(Plan.default(p), unshard_async_op=True)
+    plan = Plan.default(p).with_knobs(unshard_async_op=True)
     r = simulate(p, plan, trace=True)
     assert _slices(r, "compute")["forward b1"] == pytest.approx((20.0, 30.0))
     assert r.step_ms == pytest.approx(81.0)
@@ -136,7 +136,7 @@ def test_reduce_scatter_runs_beside_the_all_gather_in_flight(make_profile):
     RS b0 64.5-67.5. (Queued behind AG b0, as modelled before, RS b1 would
     have run 60-63 and the step ended at 68.)"""
     p = make_profile(fwd=10.0, bwd=2.0, ag=10.0, rs=3.0)
-    plan = dataclasses.replace(Plan.default(p), unshard_async_op=True)
+    plan = Plan.default(p).with_knobs(unshard_async_op=True)
     r = simulate(p, plan, SimParams(), trace=True)
     assert _slices(r, "reduce-scatter")["reduce-scatter b1"] == pytest.approx((52.0, 55.0))
     assert _slices(r, "compute")["backward b0"] == pytest.approx((60.0, 62.0))
@@ -163,7 +163,7 @@ def test_reduce_scatter_waits_when_both_gloo_workers_are_busy(make_profile):
     assert _slices(r, "reduce-scatter")["reduce-scatter b2"] == pytest.approx((ag["all-gather b1"][1],
                                                                               ag["all-gather b1"][1] + 3.0))
     assert ag["all-gather b1"][1] > start
-    apart = simulate(p, dataclasses.replace(plan, separate_reduce_scatter_group=True), SimParams(), trace=True)
+    apart = simulate(p, plan.with_knobs(separate_reduce_scatter_group=True), SimParams(), trace=True)
     assert _slices(apart, "reduce-scatter")["reduce-scatter b2"] == pytest.approx((start, start + 3.0))
 
 
@@ -278,7 +278,7 @@ def test_reshard_after_backward_false_keeps_parameters_between_microbatches(make
     F b1 90-100; backward as before from 100: AG b1 100-105, AG b0 105-110,
     B b1 110-130, RS 130-133, B b0 133-153, RS 153-156."""
     p = dataclasses.replace(make_profile(), microbatches=2)
-    plan = dataclasses.replace(Plan.default(p), reshard_after_backward=False)
+    plan = Plan.default(p).with_knobs(reshard_after_backward=False)
     r = simulate(p, plan, trace=True)
     assert r.step_ms == pytest.approx(156.0)
     assert r.comm_ms == pytest.approx(simulate(p, Plan.default(p)).comm_ms - 10.0)
@@ -327,7 +327,7 @@ def test_gpu_reduce_scatter_input_buffer_cap(make_profile):
     gradient buffer; the step is RS-bound (25 ms) either way."""
     p = _gpu_rs_profile(make_profile)
     one = simulate(p, Plan.default(p), trace=True)
-    two = simulate(p, dataclasses.replace(Plan.default(p), reduce_scatter_max_input_buffers=2), trace=True)
+    two = simulate(p, Plan.default(p).with_knobs(reduce_scatter_max_input_buffers=2), trace=True)
     assert _slices(one, "compute")["backward <root>"] == pytest.approx((15.0, 25.0))
     assert _slices(two, "compute")["backward <root>"] == pytest.approx((7.0, 17.0))
     assert one.step_ms == pytest.approx(25.0) and two.step_ms == pytest.approx(25.0)
@@ -385,7 +385,7 @@ def test_separate_reduce_scatter_group_does_not_queue_behind_all_gathers(make_pr
     issued at 52 while AG b0 runs 50-60 on the all-gather's group, runs at once, 52-55 (synchronous on CPU);
     b0's pre-backward waits for its all-gather until 60, B b0 60-62, RS b0 62-65: 65 ms instead of 68."""
     p = make_profile(fwd=10.0, bwd=2.0, ag=10.0, rs=3.0)
-    plan = dataclasses.replace(Plan.default(p), unshard_async_op=True, separate_reduce_scatter_group=True)
+    plan = Plan.default(p).with_knobs(unshard_async_op=True, separate_reduce_scatter_group=True)
     r = simulate(p, plan, trace=True)
     assert _slices(r, "reduce-scatter")["reduce-scatter b1"] == pytest.approx((52.0, 55.0))
     assert _slices(r, "reduce-scatter")["reduce-scatter b0"] == pytest.approx((62.0, 65.0))
@@ -398,8 +398,8 @@ def test_unshard_in_backward_false_skips_the_backward_all_gather(make_profile):
     B b1 35-55, RS b1 55-58, b0 not all-gathered, B b0 58-78, RS b0 78-81: 81 ms, one all-gather (5 ms) less."""
     p = make_profile()
     base = Plan.default(p)
-    plan = dataclasses.replace(base, modules={**base.modules, "b0": dataclasses.replace(base.modules["b0"],
-                                                                                         unshard_in_backward=False)})
+    plan = dataclasses.replace(base, modules={**base.modules,
+                                              "b0": base.modules["b0"].with_knobs(unshard_in_backward=False)})
     r = simulate(p, plan, trace=True)
     assert r.step_ms == pytest.approx(81.0)
     assert [e.start_ms for e in r.events if e.name == "all-gather b0"] == pytest.approx([0.0])  # forward only

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from planner.artifacts.rank_figures import RankFigures, StepFigures
 from runtime.apply import model_fingerprint
 from runtime.consolidation import merge_isolated
 from runtime.loop_recorder import PeakMeter
@@ -78,8 +79,9 @@ with watching_unshard_and_reshard(slow_all_gather, resharded):
         parts.append(part)
         peaks.append(peak)
 grouped = merge_isolated(parts)
-for p in (full, grouped):
-    p.pop("overlap")
+# as a Profile file writes them (planner.artifacts.rank_figures.RankFigures.to_json), the overlap left out
+full, grouped = ({k: v for k, v in RankFigures(0, StepFigures(0.0, 0.0, ()), p).to_json().items() if k != "overlap"}
+                 for p in (full, grouped))
 kept = all(torch.equal(g, p.grad.to_local()) for g, p in zip(grads, model.parameters(), strict=True))
 peaks_everywhere = [None] * dist.get_world_size()
 dist.all_gather_object(peaks_everywhere, [default_peak, full_peak, peaks])

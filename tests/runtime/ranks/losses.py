@@ -28,7 +28,7 @@ plans = {
     "tuned": uniform.build(profile, 1, 2, True),
     "deep": per_module.build(profile, {f: 3 for f in fqns}, {f: 3 for f in fqns}, True),
     "sync_explicit": uniform.build(profile, 2, 3, False),
-    "no_reshard": default.__class__(default.fingerprint, keep, unshard_async_op=True),
+    "no_reshard": default.__class__(default.fingerprint, keep).with_knobs(unshard_async_op=True),
 }
 result = {}
 for name, plan in plans.items():

@@ -2,9 +2,9 @@
 
 Rank 0 runs a Hypothesis test that draws plans from every search space (each
 space's own ``suggest``, fed by Hypothesis instead of an Optuna sampler) plus
-the knobs a space may not search (``reshard_after_forward`` per module, the
-reduce-scatter buffer cap, ``reshard_after_backward`` with gradient
-accumulation), and broadcasts each example, shrinking included,
+the knobs a space does not search here (``reshard_after_forward`` per module,
+and every plan knob of ``planner.artifacts.knobs`` the space did not draw,
+those for GPUs included), and broadcasts each example, shrinking included,
 to the other ranks. Every rank trains ``steps`` steps on a fresh model with
 the plan; the property: each rank's losses are bitwise those of FSDP2's
 default.
@@ -23,6 +23,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from planner.artifacts import knobs
+from planner.artifacts.knobs import PLAN_KNOBS
 from planner.artifacts.plan import Plan
 from runtime import apply_plan
 from runtime.rank import init_rank, shutdown_rank
@@ -78,12 +80,12 @@ if dist.get_rank() == 0:
         plan = SPACES[space].suggest(DrawingTrial(data.draw), profile)
         modules = {fqn: dataclasses.replace(m, reshard_after_forward=data.draw(st.booleans(), label=f"raf:{fqn}"))
                    for fqn, m in plan.modules.items()}
-        plan = dataclasses.replace(plan, modules=modules,
-                                   reduce_scatter_max_input_buffers=data.draw(st.integers(1, 3), label="rs_bufs"))
-        if microbatches > 1 and space != "assign":  # assign draws it itself
-            plan = dataclasses.replace(plan, reshard_after_backward=data.draw(st.booleans(), label="rab"))
+        drawn = {k.name: data.draw(st.sampled_from(k.choices), label=k.name) for k in PLAN_KNOBS
+                 if k.name != "unshard_async_op"  # every space draws it
+                 and not (space == "assign" and knobs.sampled(k, profile.fingerprint.device_type, microbatches))}
+        plan = dataclasses.replace(plan, modules=modules).with_knobs(**drawn)
         seen["reshard_after_backward=False"] += not plan.reshard_after_backward
-        seen["unshard_in_backward=False"] += not all(m.unshard_in_backward for m in plan.modules.values())
+        seen["unshard_in_backward=False"] += not all(m.knobs.unshard_in_backward for m in plan.modules.values())
         plan.validate()
         seen[space] += 1
         got = losses(Plan.from_dict(share(plan.to_dict())))

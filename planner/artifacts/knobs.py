@@ -1,0 +1,288 @@
+"""The FSDP2 knobs a plan sets besides its prefetch lists and ``reshard_after_forward``, each declared once.
+
+A :class:`Knob` says everything the tool needs to know about one FSDP2
+setting: its name and values, FSDP2's default, the ``FSDPModule`` method that
+applies it and on which modules, when a search space samples it, and how it
+prints. From :data:`KNOBS` derive:
+
+- the plan's values (:class:`KnobValues`, ``Plan.knobs`` and ``ModulePlan.knobs``)
+  and their JSON fields (``planner.artifacts.schema``);
+- ``runtime.apply_plan``, which calls each knob's setter;
+- the search spaces' parameters (:func:`sample`, :func:`default_params`);
+- the candidates' kinds and the CLI's tables.
+
+Only the simulator's rule for a knob is written by hand, in
+``planner.simulation._kernel``, next to its FSDP2 source. The kernel reads a
+knob's value by its position (:func:`position`) in ``PlanArrays.knobs`` or
+``PlanArrays.module_knobs``; the kernel's numba cache digests this file too,
+so a reordering recompiles it.
+
+The prefetch lists and ``reshard_after_forward`` are not knobs here: they are
+the plan's structure, which each search space builds its own way
+(``search_spaces``), and ``reshard_after_forward``'s default is per module, as
+the model was wrapped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from planner.errors import PlanFormatError
+
+KnobValue = bool | int
+
+
+class Scope(enum.StrEnum):
+    """Where a knob's value lives and which modules its setter is called on.
+
+    ``ROOT``: one value per plan; the setter is called once, on the root, and
+    FSDP2 applies it to every module under it. ``EVERY_MODULE``: one value per
+    plan; the setter is called on every FSDP module (it sets only that
+    module's parameter groups). ``MODULE``: a value per module
+    (``ModulePlan.knobs``), its setter called on that module.
+    """
+
+    ROOT = "root"
+    EVERY_MODULE = "every_module"
+    MODULE = "module"
+
+
+class SampledWhen(enum.StrEnum):
+    """When a search space samples a knob; otherwise it keeps FSDP2's default.
+
+    ``ALWAYS``. ``GPU``: the profile's device is not a CPU (the knob changes
+    nothing where collectives are synchronous). ``MICROBATCHES``: the profile
+    has gradient accumulation. ``SKIPPABLE``: (``MODULE`` knobs) backward reads
+    none of the parameter group's parameters
+    (``ModuleProfile.needs_parameters_in_backward``).
+    """
+
+    ALWAYS = "always"
+    GPU = "gpu"
+    MICROBATCHES = "microbatches"
+    SKIPPABLE = "skippable"
+
+
+class Written(enum.StrEnum):
+    """How a knob appears in Plan JSON.
+
+    ``REQUIRED``: always written, and a file without it is refused.
+    ``ALWAYS``: always written; a file without it (written before the knob
+    existed) reads as FSDP2's default. ``CHANGED``: written only when it differs
+    from FSDP2's default, so plans from before the knob keep their bytes and
+    their ``Plan.behaviour_key``.
+    """
+
+    REQUIRED = "required"
+    ALWAYS = "always"
+    CHANGED = "changed"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One FSDP2 setting of a plan.
+
+    Attributes:
+        name: the plan's field, the Plan JSON key and the search spaces'
+            parameter (``MODULE`` knobs: ``f"{param}:{group}"``).
+        default: FSDP2's default; its type (bool or int) is the knob's.
+        setter: the ``FSDPModule`` method that applies it (``runtime.apply_plan``
+            calls it with the value; a few go through ``runtime``'s own
+            wrappers, named there by this setter).
+        scope: see :class:`Scope`.
+        choices: the values a search space samples, FSDP2's default first (int
+            knobs: the bounds of ``suggest_int``).
+        sampled_when: see :class:`SampledWhen`.
+        text: how ``describe`` prints the value (``{value}`` is replaced).
+        shown: print ``text`` also when the value is FSDP2's default.
+        written: see :class:`Written`.
+        minimum: the smallest value a plan may hold (int knobs).
+        param: the search spaces' parameter prefix of a ``MODULE`` knob.
+    """
+
+    name: str
+    default: KnobValue
+    setter: str
+    scope: Scope
+    choices: tuple[KnobValue, ...]
+    sampled_when: SampledWhen
+    text: str
+    shown: bool = False
+    written: Written = Written.CHANGED
+    minimum: int | None = None
+    param: str | None = None
+
+    @property
+    def kind(self) -> type:
+        """``bool`` or ``int``."""
+        return type(self.default)
+
+    def check(self, value: Any) -> KnobValue:
+        """``value`` if it is a value of this knob.
+
+        Raises:
+            PlanFormatError: of another type, or below :attr:`minimum`.
+        """
+        if type(value) is not self.kind:
+            raise PlanFormatError(f"{self.name} must be {'true or false' if self.kind is bool else 'an integer'}, "
+                                  f"found {value!r}")
+        if self.minimum is not None and value < self.minimum:
+            raise PlanFormatError(f"{self.name} must be >= {self.minimum}, found {value!r}")
+        return value
+
+    def describe(self, value: KnobValue) -> str | None:
+        """The text ``describe`` prints for ``value``; ``None`` when it says nothing."""
+        return self.text.format(value=value) if self.shown or value != self.default else None
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("unshard_async_op", False, "_set_unshard_async_op", Scope.ROOT, (False, True), SampledWhen.ALWAYS,
+         "async unshard {value}", shown=True, written=Written.REQUIRED),
+    Knob("reduce_scatter_max_input_buffers", 1, "set_reduce_scatter_max_input_buffers", Scope.ROOT, (1, 2),
+         SampledWhen.GPU, "{value} reduce-scatter input buffers", written=Written.ALWAYS, minimum=1),
+    Knob("reshard_after_backward", True, "set_reshard_after_backward", Scope.ROOT, (True, False),
+         SampledWhen.MICROBATCHES, "no reshard after backward between microbatches", written=Written.ALWAYS),
+    Knob("separate_reduce_scatter_group", False, "set_separate_reduce_scatter_group", Scope.ROOT, (False, True),
+         SampledWhen.ALWAYS, "reduce-scatter on its own process group"),
+    Knob("unshard_in_backward", True, "set_unshard_in_backward", Scope.MODULE, (True, False),
+         SampledWhen.SKIPPABLE, "no all-gather in backward", param="uib"),
+)
+"""Every knob, in the order the kernel reads them (append only: :func:`position`)."""
+
+PLAN_KNOBS = tuple(k for k in KNOBS if k.scope is not Scope.MODULE)
+"""The knobs with one value per plan (``Plan.knobs``)."""
+
+MODULE_KNOBS = tuple(k for k in KNOBS if k.scope is Scope.MODULE)
+"""The knobs with a value per module (``ModulePlan.knobs``)."""
+
+_BY_NAME = {k.name: k for k in KNOBS}
+
+
+def knob(name: str) -> Knob:
+    """The declaration of ``name``.
+
+    Raises:
+        PlanFormatError: no knob has that name.
+    """
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise PlanFormatError(f"{name!r} is not an FSDP2 knob of this planner (knobs: "
+                              f"{', '.join(_BY_NAME)})") from None
+
+
+def position(name: str) -> int:
+    """Where the kernel finds knob ``name``: its index in ``PLAN_KNOBS`` or ``MODULE_KNOBS``."""
+    k = knob(name)
+    return (MODULE_KNOBS if k.scope is Scope.MODULE else PLAN_KNOBS).index(k)
+
+
+class KnobValues(Mapping[str, KnobValue]):
+    """Knob values, immutable: every knob of one scope, FSDP2's default where not set.
+
+    ``values["separate_reduce_scatter_group"]`` or ``values.separate_reduce_scatter_group``.
+    Two are equal when they behave the same (only values other than FSDP2's
+    default are kept).
+
+    Raises:
+        PlanFormatError: (constructor) an unknown knob, a knob of the other
+            scope, or a value of the wrong type.
+    """
+
+    __slots__ = ("_changed", "_knobs")
+
+    def __init__(self, values: Mapping[str, Any] | None = None, *, module: bool = False, **kwargs: Any) -> None:
+        knobs = MODULE_KNOBS if module else PLAN_KNOBS
+        changed = {}
+        for name, value in {**(values or {}), **kwargs}.items():
+            k = knob(name)
+            if k not in knobs:
+                raise PlanFormatError(f"{name} is a {'plan' if module else 'module'} knob, not a "
+                                      f"{'module' if module else 'plan'} one")
+            if k.check(value) != k.default:
+                changed[name] = value
+        self._knobs = knobs  # __slots__ and no setter: immutable from outside
+        self._changed = changed
+
+    def __getitem__(self, name: str) -> KnobValue:
+        if name in self._changed:
+            return self._changed[name]
+        k = _BY_NAME.get(name)
+        if k is None or k not in self._knobs:
+            raise KeyError(name)
+        return k.default
+
+    def __getattr__(self, name: str) -> KnobValue:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return (k.name for k in self._knobs)
+
+    def __len__(self) -> int:
+        return len(self._knobs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KnobValues) and (self._knobs, self._changed) == (other._knobs, other._changed)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._changed.items())))
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (self._changed, self._knobs is MODULE_KNOBS)
+
+    def __repr__(self) -> str:
+        return f"KnobValues({', '.join(f'{k}={v!r}' for k, v in self._changed.items())})"
+
+    @property
+    def changed(self) -> dict[str, KnobValue]:
+        """The values other than FSDP2's default."""
+        return dict(self._changed)
+
+    def replace(self, **values: KnobValue) -> KnobValues:
+        """A copy with ``values`` set."""
+        return KnobValues({**self._changed, **values}, module=self._knobs is MODULE_KNOBS)
+
+    def to_json(self) -> dict[str, KnobValue]:
+        """The JSON fields, in declaration order: each knob as its :class:`Written` says."""
+        return {k.name: self[k.name] for k in self._knobs
+                if k.written is not Written.CHANGED or k.name in self._changed}
+
+    def as_array(self) -> list[int]:
+        """The values as the kernel reads them: ints in declaration order (:func:`position`)."""
+        return [int(self[k.name]) for k in self._knobs]
+
+
+def _rebuild(changed: dict[str, KnobValue], module: bool) -> KnobValues:
+    return KnobValues(changed, module=module)
+
+
+def sampled(k: Knob, device_type: str, microbatches: int, skippable: bool = False) -> bool:
+    """Whether a search space samples ``k`` for a profile (see :class:`SampledWhen`)."""
+    return {SampledWhen.ALWAYS: True, SampledWhen.GPU: device_type != "cpu",
+            SampledWhen.MICROBATCHES: microbatches > 1, SampledWhen.SKIPPABLE: skippable}[k.sampled_when]
+
+
+def suggest(trial: Any, k: Knob, param: str | None = None) -> KnobValue:
+    """Draw ``k`` from an ``optuna.Trial`` as parameter ``param`` (default: its name): categorical for a bool, an
+    integer range for an int."""
+    if k.kind is bool:
+        return trial.suggest_categorical(param or k.name, list(k.choices))
+    return trial.suggest_int(param or k.name, min(k.choices), max(k.choices))
+
+
+def sample(trial: Any, device_type: str, microbatches: int) -> KnobValues:
+    """The plan knobs a search space samples for a profile (``trial``: an ``optuna.Trial``)."""
+    return KnobValues({k.name: suggest(trial, k) for k in PLAN_KNOBS if sampled(k, device_type, microbatches)})
+
+
+def default_params(device_type: str, microbatches: int) -> dict[str, KnobValue]:
+    """FSDP2's default plan knobs as the parameters :func:`sample` would draw for a profile."""
+    return {k.name: k.default for k in PLAN_KNOBS if sampled(k, device_type, microbatches)}
