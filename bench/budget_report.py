@@ -25,7 +25,7 @@ def report(run: dict) -> dict:
     def sim(d: dict):
         return simulate(profile, Plan.from_dict(d), params)
 
-    if "budget_bytes" in run:
+    if "memory_budget_bytes" in run:
         _report_budget(run, sim, summary)
     else:
         print(f"\n== {run['study']}")
@@ -37,7 +37,7 @@ def report(run: dict) -> dict:
 def _report_budget(run: dict, sim: Callable[[dict], SimResult], summary: dict) -> None:
     from planner.statistics.verdict import confirm, step_noise_pct
 
-    budget = run["budget_bytes"]
+    budget = run["memory_budget_bytes"]
     summary["budget_mib"] = budget / 2**20
     print(f"\n== {run['study']}: budget {mib(budget)} per rank = FSDP2 default's measured "
           f"{mib(run['default_peak_bytes'], unit=False)} + {run['share']:.0%} of the unconstrained best plan's extra "

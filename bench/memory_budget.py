@@ -84,7 +84,7 @@ class BudgetSettings:
         return out + (["--skip-blocks"] if self.skip_blocks else []) + (["--blocks-only"] if self.blocks_only else [])
 
 
-def _sim_study(profile: Profile, study: str, sim_trials: int, budget_bytes: int | None,
+def _sim_study(profile: Profile, study: str, sim_trials: int, memory_budget_bytes: int | None,
                params: SimParams | None) -> optuna.Study:
     """An in-memory simulated ``assign`` study (with Optuna constraints under a budget)."""
     import optuna
@@ -96,7 +96,7 @@ def _sim_study(profile: Profile, study: str, sim_trials: int, budget_bytes: int 
 
     config = load_study_config(study, space="assign", sim_trials=sim_trials)
     return simulated_stage(simulator_for(profile, params), config, optuna.storages.InMemoryStorage(),
-                           get_space("assign"), show_progress_bar=False, budget_bytes=budget_bytes)
+                           get_space("assign"), show_progress_bar=False, memory_budget_bytes=memory_budget_bytes)
 
 
 def unconstrained_best(profile: Profile, study: str, sim_trials: int, params: SimParams | None) -> Plan:
@@ -107,7 +107,7 @@ def unconstrained_best(profile: Profile, study: str, sim_trials: int, params: Si
     return distinct_plans(_sim_study(profile, study, sim_trials, None, params), profile, get_space("assign"))[0][1]
 
 
-def candidates(profile: Profile, study: str, sim_trials: int, budget_bytes: int,
+def candidates(profile: Profile, study: str, sim_trials: int, memory_budget_bytes: int,
                params: SimParams | None) -> dict[str, Plan]:
     """Named candidates predicted within the budget: up to 3 per-module ``assign`` plans, the 2 best uniform."""
     import optuna
@@ -116,16 +116,17 @@ def candidates(profile: Profile, study: str, sim_trials: int, budget_bytes: int,
     from planner.study import select_candidates
     from search_spaces import get_space
 
-    sim = _sim_study(profile, study, sim_trials, budget_bytes, params)
+    sim = _sim_study(profile, study, sim_trials, memory_budget_bytes, params)
     space = get_space("uniform")
     grid = [(g, space.suggest(optuna.trial.FixedTrial(g), profile)) for g in space.grid(profile)]
     uniform_keys = {plan.behaviour_key() for _, plan in grid}
-    per_module = [c for c in select_candidates(sim, profile, get_space("assign"), 6, budget_bytes=budget_bytes)
+    per_module = [c for c in select_candidates(sim, profile, get_space("assign"), 6,
+                                               memory_budget_bytes=memory_budget_bytes)
                   if c.plan.behaviour_key() not in uniform_keys][:3]
     fitting = []
     for g, plan in grid[1:]:  # FSDP2's default first: not a candidate
         r = simulate(profile, plan, params)
-        if r.peak_bytes <= budget_bytes and not plan.is_default_for(profile):
+        if r.peak_bytes <= memory_budget_bytes and not plan.is_default_for(profile):
             fitting.append((r.step_ms, g, plan))
     fitting.sort(key=lambda x: x[0])
     out = {f"assign #{i + 1}": c.plan for i, c in enumerate(per_module)}
@@ -191,7 +192,7 @@ class BudgetBench:
         default_peak = profile.measured_peak_bytes
         best_peak = self.peaks(best)["unconstrained best"]
         budget = int(default_peak + s.share * max(0, best_peak - default_peak))
-        self.run.update(budget_bytes=budget, default_peak_bytes=default_peak,
+        self.run.update(memory_budget_bytes=budget, default_peak_bytes=default_peak,
                         unconstrained=best["unconstrained best"].to_dict(), unconstrained_peak_bytes=best_peak)
         if self.rank0:
             print(f"\n== {self.run['study']}: FSDP2 default peak {mib(default_peak)}, unconstrained best "

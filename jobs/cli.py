@@ -12,9 +12,14 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -54,8 +59,9 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 @click.option("--job", hidden=True, help="The job's name (set by the launching process).")
 @click.option("--confirm-launches", type=int, default=0, hidden=True,
               help="Fresh launches the launching process runs the confirmation in (0: in this job).")
+@click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
 def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_out, profile_out, profile_in,
-         no_progress, job, confirm_launches) -> None:
+         no_progress, job, confirm_launches, validated_config) -> None:
     """Run a tuning study: record a profile, simulate, race the best plans, confirm the survivor in fresh
     launches, write the study's recommendation.
 
@@ -67,8 +73,8 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
     from planner.study.measured import job_name
     from runtime.launch import in_torchrun, launch_ranks
 
-    config = load_study_config(study_toml, storage=storage, sim_trials=sim_trials, measured_trials=measured_trials,
-                               memory_budget=memory_budget)
+    config = _study_config(study_toml, validated_config, storage=storage, sim_trials=sim_trials,
+                           measured_trials=measured_trials, memory_budget=memory_budget)
     plan_out = plan_out or config.default_output(".plan.json")
     profile_out = profile_out or config.default_output(".profile.json")
     if in_torchrun():
@@ -85,22 +91,20 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
                 click.echo(line)
         return
     TuneJob.check_before_launch(config, plan_out, profile_out, profile_in=profile_in)
-    args = ["tune", study_toml, "--storage", config.storage_url, "--sim-trials", str(config.search.sim_trials),
-            "--measured-trials", str(config.search.measured_trials), "--plan-out", plan_out,
-            "--profile-out", profile_out]
-    if config.search.memory_budget is not None:
-        args += ["--memory-budget", config.search.memory_budget]
-    if profile_in is not None:
-        args += ["--from-profile", profile_in]
     job = job_name()
-    args += ["--job", job, "--confirm-launches", str(config.measure.confirm_launches)]
-    _exit_with_ranks(launch_ranks(args + (["--no-progress"] if no_progress else []), config.launch), "tuning",
-                     _EXPECTED_RANK_EXITS)
-    _confirm_in_fresh_launches(study_toml, config, job, plan_out)
+    args = ["--plan-out", plan_out, "--profile-out", profile_out, "--job", job,
+            "--confirm-launches", str(config.measure.confirm_launches)]
+    args += (["--from-profile", profile_in] if profile_in is not None else []) + (["--no-progress"] * no_progress)
+    with _handed_over(config) as handover:
+        _exit_with_ranks(launch_ranks(["tune", study_toml, *handover, *args], config.launch), "tuning",
+                         _EXPECTED_RANK_EXITS)
+        _confirm_in_fresh_launches(study_toml, config, job, plan_out, handover)
 
 
-def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, plan_out: str) -> None:
-    """The confirmation launches of ``job``'s race survivor, then its verdict and the study's recommendation."""
+def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, plan_out: str,
+                               handover: list[str]) -> None:
+    """The confirmation launches of ``job``'s race survivor, then its verdict and the study's recommendation.
+    ``handover``: the arguments that hand the ranks the validated config (:func:`_handed_over`)."""
     from planner.presentation.report import conclusion_report
     from planner.study.confirmation import conclude, pending
     from runtime.launch import launch_ranks
@@ -114,7 +118,7 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
                else "one model switching plans")
         click.echo(f"[confirm {i + 1}/{launches}] fresh ranks: trial {waiting.survivor.provenance.trial} against "
                    f"FSDP2's default, {waiting.rounds} rounds, {how}")
-        code = launch_ranks(["confirm", study_toml, "--storage", config.storage_url, "--job", job], config.launch)
+        code = launch_ranks(["confirm", study_toml, *handover, "--job", job], config.launch)
         if code:
             click.echo(f"confirmation launch {i + 1} failed (exit code {code}); concluding on the launches measured",
                        err=True)
@@ -128,12 +132,13 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
 @click.argument("study_toml")
 @click.option("--storage", help="SQLAlchemy URL (default: [study] storage).")
 @click.option("--job", required=True, help="The tuning job whose race survivor to confirm.")
-def confirm(study_toml, storage, job) -> None:
+@click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
+def confirm(study_toml, storage, job, validated_config) -> None:
     """One fresh confirmation launch of a tuning job's race survivor (``tune`` runs it; under torchrun, one rank)."""
     from jobs.confirm import ConfirmJob
     from runtime.launch import in_torchrun, launch_ranks
 
-    config = load_study_config(study_toml, storage=storage)
+    config = _study_config(study_toml, validated_config, storage=storage)
     if in_torchrun():
         _log_rank0_progress()
         try:
@@ -144,8 +149,9 @@ def confirm(study_toml, storage, job) -> None:
             click.echo(f"      launch measured; the survivor now has {launches} launch(es)")
         return
     ConfirmJob.check_before_launch(config)
-    _exit_with_ranks(launch_ranks(["confirm", study_toml, "--storage", config.storage_url, "--job", job],
-                                  config.launch), "confirmation", _EXPECTED_RANK_EXITS)
+    with _handed_over(config) as handover:
+        _exit_with_ranks(launch_ranks(["confirm", study_toml, *handover, "--job", job], config.launch),
+                         "confirmation", _EXPECTED_RANK_EXITS)
 
 
 @main.command()
@@ -158,7 +164,8 @@ def confirm(study_toml, storage, job) -> None:
 @click.option("--model", help="With --from-trace: the traced job's workload factory (package.module:function), "
                               "for the model's own parameter counts (else estimated).")
 @click.option("--model-kwargs", help="With --model: the factory's keyword arguments, a JSON object.")
-def profile(inputs, output, torch_trace, from_trace, model, model_kwargs) -> None:
+@click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
+def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, validated_config) -> None:
     """Record a profile on the study's ranks (the recorder `tune` uses), or build one from traces (--from-trace)."""
     if from_trace:
         _profile_from_trace(list(inputs), output, model, model_kwargs)
@@ -169,7 +176,7 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs) -> Non
     from runtime.launch import in_torchrun, launch_ranks
 
     study_toml = inputs[0]
-    config: StudyConfig = load_study_config(study_toml)
+    config: StudyConfig = _study_config(study_toml, validated_config)
     output = output or config.default_output(".profile.json")
     if in_torchrun():
         _log_rank0_progress()
@@ -183,9 +190,28 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs) -> Non
                        f"{recorded.measured_step_ms:.1f} ms (FSDP2 default), predicted {predicted_ms:.1f} ms")
         return
     ProfileJob.check_before_launch(config, output, torch_trace)
-    code = launch_ranks(["profile", study_toml, "-o", output] + (["--torch-trace", torch_trace] if torch_trace else []),
-                        config.launch)
+    with _handed_over(config) as handover:
+        code = launch_ranks(["profile", study_toml, *handover, "-o", output]
+                            + (["--torch-trace", torch_trace] if torch_trace else []), config.launch)
     _exit_with_ranks(code, "profiling", (2,))
+
+
+def _study_config(study_toml: str, validated_config: str | None, **overrides: Any) -> StudyConfig:
+    """The study: the validated config the launching process handed over (:func:`_handed_over`), else the TOML
+    with the command line's ``overrides``, validated here (a rank started by the user's own torchrun)."""
+    if validated_config is not None:
+        return StudyConfig.from_validated_json(Path(validated_config).read_text())
+    return load_study_config(study_toml, **overrides)
+
+
+@contextlib.contextmanager
+def _handed_over(config: StudyConfig) -> Iterator[list[str]]:
+    """The validated ``config`` written once for the ranks this process launches; yields the arguments that hand
+    it over (``--validated-config FILE``), so every rank reads the one object, not the TOML and rebuilt options."""
+    with tempfile.TemporaryDirectory(prefix="prefetch-planner-") as folder:
+        path = Path(folder) / "study.json"
+        path.write_text(config.to_validated_json())
+        yield ["--validated-config", str(path)]
 
 
 def _profile_from_trace(paths: list[str], output: str | None, model: str | None, model_kwargs: str | None) -> None:

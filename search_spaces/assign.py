@@ -38,7 +38,7 @@ import dataclasses
 from typing import Any
 
 from planner.artifacts import knobs
-from planner.artifacts.knobs import Knob, KnobValues
+from planner.artifacts.knobs import DEFAULT_MODULE_KNOBS, Knob, KnobValues
 from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
@@ -80,7 +80,7 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
             forward_prefetch=tuple(fwd_lists[fqn]),
             backward_prefetch=tuple(bwd_lists[fqn]),
             reshard_after_forward=o.reshard_after_forward[fqn] and reshard_after_forward[fqn],
-            knobs=(module_knobs or {}).get(fqn, KnobValues(module=True)),
+            knobs=(module_knobs or {}).get(fqn, DEFAULT_MODULE_KNOBS),
         )
         for fqn in profile.fingerprint.module_fqns
     }

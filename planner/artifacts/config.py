@@ -87,6 +87,24 @@ class StudyConfig(Table):
         """``<toml folder>/<name><suffix>``, e.g. ``studies/llama-cpu.plan.json``."""
         return str(Path(self.directory) / f"{self.name}{suffix}")
 
+    def to_validated_json(self) -> str:
+        """This config as JSON, for processes that take it validated (:meth:`from_validated_json`)."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_validated_json(cls, text: str) -> StudyConfig:
+        """The config :meth:`to_validated_json` wrote (the ranks of a launch read this, not the TOML).
+
+        Raises:
+            StudyConfigError: the text is not such a config (written by another prefetch-planner).
+        """
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            problem = e.errors()[0]["msg"]
+            raise StudyConfigError(f"the validated study config handed to this rank does not load ({problem}); "
+                                   "launch the job again with this prefetch-planner") from None
+
     @classmethod
     def build(cls, directory: str | Path = ".", source: str = "study config", **fields: Any) -> StudyConfig:
         """A config from flat keys (``name=..., factory=..., sim_trials=...``), each put in its table.

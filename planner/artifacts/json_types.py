@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-JsonValue: TypeAlias = "None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]"
-"""Any JSON value, as ``json.loads`` returns it."""
+from pydantic import JsonValue
 
-JsonObject: TypeAlias = "dict[str, JsonValue]"
-"""A JSON object: a Plan or Profile document, a trial's user attributes, a factory's keyword arguments."""
+__all__ = ["JsonObject", "JsonValue"]
+
+JsonObject: TypeAlias = dict[str, JsonValue]
+"""A JSON object: a Plan or Profile document, a trial's user attributes, a factory's keyword arguments
+(``JsonValue``: pydantic's recursive JSON type, which also validates them)."""

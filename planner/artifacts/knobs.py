@@ -243,8 +243,8 @@ class KnobValues(Mapping[str, KnobValue]):
 
     @property
     def changed(self) -> dict[str, KnobValue]:
-        """The values other than FSDP2's default."""
-        return dict(self._changed)
+        """The values other than FSDP2's default (a copy; empty: all FSDP2's defaults)."""
+        return dict(self._changed) if self._changed else {}
 
     def replace(self, **values: KnobValue) -> KnobValues:
         """A copy with ``values`` set."""
@@ -257,7 +257,17 @@ class KnobValues(Mapping[str, KnobValue]):
 
     def as_array(self) -> list[int]:
         """The values as the kernel reads them: ints in declaration order (:func:`position`)."""
-        return [int(self[k.name]) for k in self._knobs]
+        values = [int(k.default) for k in self._knobs]
+        for name, value in self._changed.items():
+            values[position(name)] = int(value)
+        return values
+
+
+DEFAULT_PLAN_KNOBS = KnobValues()
+"""Every plan knob at FSDP2's default (immutable: shared)."""
+
+DEFAULT_MODULE_KNOBS = KnobValues(module=True)
+"""Every module knob at FSDP2's default (immutable: shared)."""
 
 
 def _rebuild(changed: dict[str, KnobValue], module: bool) -> KnobValues:

@@ -80,14 +80,14 @@ class MemoryBudget:
         return int(default_peak_bytes + self.value)
 
 
-def check_feasible(budget_bytes: int, smallest_predicted_bytes: int, text: str) -> None:
+def check_feasible(memory_budget_bytes: int, smallest_predicted_bytes: int, text: str) -> None:
     """Raise when no plan can fit.
 
     Raises:
-        MemoryBudgetError: ``budget_bytes < smallest_predicted_bytes``; names both, in MiB.
+        MemoryBudgetError: ``memory_budget_bytes < smallest_predicted_bytes``; names both, in MiB.
     """
-    if budget_bytes < smallest_predicted_bytes:
+    if memory_budget_bytes < smallest_predicted_bytes:
         raise MemoryBudgetError(
-            f"memory budget {text} ({mib(budget_bytes)}) is below the smallest predicted peak of any plan "
+            f"memory budget {text} ({mib(memory_budget_bytes)}) is below the smallest predicted peak of any plan "
             f"({mib(smallest_predicted_bytes)}, FSDP2's default with no prefetch); raise the budget")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.json_types import JsonObject
-from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS, KnobValues
+from planner.artifacts.knobs import DEFAULT_MODULE_KNOBS, DEFAULT_PLAN_KNOBS, MODULE_KNOBS, PLAN_KNOBS, KnobValues
 from planner.artifacts.profile import Profile
 from planner.artifacts.schema import SCHEMA_VERSION, PlanDocument, dump_checked, load_checked
 from planner.errors import PlanFormatError, PlanMismatchError
@@ -46,7 +46,7 @@ class ModulePlan:
     forward_prefetch: tuple[str, ...] = ()
     backward_prefetch: tuple[str, ...] = ()
     reshard_after_forward: bool = True
-    knobs: KnobValues = field(default_factory=lambda: KnobValues(module=True))
+    knobs: KnobValues = DEFAULT_MODULE_KNOBS
 
     def with_knobs(self, **values: Any) -> ModulePlan:
         """A copy with module knobs set: ``module_plan.with_knobs(unshard_in_backward=False)``."""
@@ -118,7 +118,7 @@ class Plan:
 
     fingerprint: Fingerprint
     modules: dict[str, ModulePlan]
-    knobs: KnobValues = field(default_factory=KnobValues)
+    knobs: KnobValues = DEFAULT_PLAN_KNOBS
     provenance: Provenance = field(default_factory=Provenance)
     schema_version: int = PLAN_SCHEMA_VERSION
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.artifacts.knobs import KnobValues
+from planner.artifacts.knobs import DEFAULT_MODULE_KNOBS
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile, root_activation_pre_bytes
 from planner.simulation._kernel import PlanArrays, ProfileArrays, step_function
@@ -258,6 +258,8 @@ class Simulator:
             optimizer_ms=float(profile.optimizer_ms),
             optimizer_temp_bytes=int(profile.optimizer_temp_bytes),
         ))
+        self._default_module_knobs = np.tile(np.array(DEFAULT_MODULE_KNOBS.as_array(), np.int64),
+                                             (len(self._names), 1))
         self._baseline_bytes = sum(m.sharded_bytes for m in mods) + profile.optimizer_state_bytes  # alive at start
         self._outside_ms = float(profile.outside_ms)  # [Note: Work outside the modules]
         compute = (sum(m.fwd_ms + m.bwd_ms for m in mods) * profile.microbatches + profile.optimizer_ms
@@ -273,12 +275,15 @@ class Simulator:
                 (plans are validated against their fingerprint when loaded).
         """
         idx, n = self._index, len(self._names)
-        own = KnobValues(module=True).as_array()
-        fwd_lists, bwd_lists, raf, module_knobs = [()] * n, [()] * n, [True] * n, [own] * n  # left out: defaults
+        fwd_lists, bwd_lists, raf = [()] * n, [()] * n, [True] * n  # left out: FSDP2's defaults
+        module_knobs = self._default_module_knobs  # read-only in the kernel: shared until a module sets its own
         for fqn, m in plan.modules.items():
             i = idx[fqn]
             fwd_lists[i], bwd_lists[i], raf[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
-            module_knobs[i] = m.knobs.as_array()
+            if m.knobs is not DEFAULT_MODULE_KNOBS and m.knobs.changed:
+                if module_knobs is self._default_module_knobs:
+                    module_knobs = module_knobs.copy()
+                module_knobs[i] = m.knobs.as_array()
         i64 = np.int64
         fields = tuple(PlanArrays(
             forward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),
@@ -287,7 +292,7 @@ class Simulator:
             backward_prefetch_targets=np.array([idx[t] for ts in bwd_lists for t in ts], i64),
             reshard_after_forward=np.array(raf, np.bool_),
             knobs=tuple(plan.knobs.as_array()),
-            module_knobs=np.array(module_knobs, i64).reshape(n, len(own)),
+            module_knobs=module_knobs,
         ))
         return CompiledPlan(plan, fields, self)
 

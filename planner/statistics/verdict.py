@@ -211,8 +211,12 @@ def _log_ratios(plan_ms: list[float], default_ms: list[float]) -> np.ndarray:
 
 
 def _interval(logs: np.ndarray) -> tuple[float, float]:
-    d, k = np.sort(logs), order_statistic(len(logs))
-    return math.exp(float(d[k - 1])), math.exp(float(d[len(d) - k]))
+    """The sign-test 95% interval of the median of ``logs``, as ratios: ``scipy.stats.quantile_test``'s, which is
+    ``[x_(k), x_(n+1-k)]`` with :func:`order_statistic`'s ``k`` ([Note: The sign-test interval])."""
+    from scipy.stats import quantile_test
+
+    ci = quantile_test(logs, q=0.0, p=0.5).confidence_interval(LEVEL)
+    return math.exp(float(ci.low)), math.exp(float(ci.high))
 
 
 def confirm(plan_ms: list[float], default_ms: list[float], noise_pct: float) -> Confirmation:

@@ -70,7 +70,7 @@ def select_candidates(
     k: int,
     exclude: frozenset[str] | set[str] = frozenset(),
     band_pct: float = 5.0,
-    budget_bytes: int | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> list[Candidate]:
     """FSDP2's default followed by up to ``k`` simulated plans worth racing ([Note: Candidates worth racing]).
 
@@ -82,14 +82,14 @@ def select_candidates(
         band_pct: plans predicted within this many % of the best are "as good
             as the model can tell"; among them the selection prefers plans
             that differ in what they do.
-        budget_bytes: only plans predicted within this peak (bytes per rank)
+        memory_budget_bytes: only plans predicted within this peak (bytes per rank)
             are candidates; ``None``: no budget.
     """
     grid = space.uniform_grid(profile)  # the hand-set baseline: uniform knobs only
     ranked = distinct_plans(sim_study, profile, space)
     default = next(((t, p) for t, p in ranked if p.is_default_for(profile)), None)
     rest = [(t, p) for t, p in ranked if not p.is_default_for(profile) and plan_key(p) not in exclude
-            and (budget_bytes is None or _peak(t) <= budget_bytes)]
+            and (memory_budget_bytes is None or _peak(t) <= memory_budget_bytes)]
     chosen: list[tuple[optuna.trial.FrozenTrial, Plan]] = []
     uniform = [(t, p) for t, p in rest if t.params in grid]
     if uniform and k > 0:

@@ -46,7 +46,7 @@ def measured_plans(
     step_ms: Sequence[list[float]],
     per_rank: Sequence[list[list[float]]],
     peak_bytes: Sequence[int] | None = None,
-    budget_bytes: int | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> list[MeasuredPlan]:
     """The round's plans with their figures, in the order the schedule ran them (FSDP2's default first).
 
@@ -57,7 +57,7 @@ def measured_plans(
         step_ms: per plan, every step's max across ranks (race, then confirmation), ms.
         per_rank: per plan, per rank, that rank's step times, ms.
         peak_bytes: per plan, the measured peak per rank, bytes; ``None``: not measured.
-        budget_bytes: the memory budget the plans were chosen under, bytes per rank.
+        memory_budget_bytes: the memory budget the plans were chosen under, bytes per rank.
     """
     race, survivor, confirmation = schedule.race, schedule.survivor, schedule.confirmation
     default_ms = statistics.median(race.step_ms(race.default))
@@ -82,7 +82,7 @@ def measured_plans(
         told = plan.with_provenance(
             source=Source.MEASURED, study=study, trial=number, predicted_ms=predicted_ms,
             measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms,
-            predicted_peak_bytes=predicted_peak, measured_peak_bytes=peak, memory_budget_bytes=budget_bytes,
+            predicted_peak_bytes=predicted_peak, measured_peak_bytes=peak, memory_budget_bytes=memory_budget_bytes,
             **verdict)
         out.append(MeasuredPlan(told, record))
     return out

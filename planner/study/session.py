@@ -107,7 +107,7 @@ class TuningSession:
     Attributes:
         profile: the profile as it stands (with a stored calibration once :meth:`prepare` found one).
         simulator: the profile's simulator (set by :meth:`prepare`).
-        budget_bytes: the memory budget, bytes per rank (set by :meth:`prepare`; ``None``: none).
+        memory_budget_bytes: the memory budget, bytes per rank (set by :meth:`prepare`; ``None``: none).
         schedule: the round's schedule (set by :meth:`start`).
     """
 
@@ -121,7 +121,7 @@ class TuningSession:
         self.plan_out, self.profile_out, self.progress, self.on_drop = plan_out, profile_out, progress, on_drop
         self.critical = critical
         self.simulator: Simulator | None = None
-        self.budget_bytes: int | None = None
+        self.memory_budget_bytes: int | None = None
         self.stage: MeasuredStage | None = None
         self.schedule: Schedule | None = None
         self._started: list[MeasuredTrial] = []
@@ -138,7 +138,8 @@ class TuningSession:
         config = self.config
         self.simulator = simulator_for(self.profile)
         self._log_model()
-        self.budget_bytes = self._memory_budget()  # before the storage is opened: a refused budget writes nothing
+        # before the storage is opened: a refused budget writes nothing
+        self.memory_budget_bytes = self._memory_budget()
         storage = open_storage(config.storage_url, config)
         with storage_errors(config.storage_url):  # Optuna's writes here raise its StorageInternalError
             stored = latest_calibration(storage.engine, config.name, self.profile)
@@ -149,7 +150,7 @@ class TuningSession:
                             + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
             logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
             sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
-                                  budget_bytes=self.budget_bytes)
+                                  memory_budget_bytes=self.memory_budget_bytes)
         self.stage = MeasuredStage(config, storage, self.simulator, self.job, self.space, self.source)
         with self.critical():  # trials created RUNNING are held by the stage (fail_held)
             retries = self.stage.claim_retries()
@@ -158,9 +159,11 @@ class TuningSession:
                         f"(trials {', '.join(str(r.retry_of) for r in retries)})")
         candidates = select_candidates(sim, self.profile, self.space, config.search.measured_trials,
                                        exclude=self.stage.settled_keys(), band_pct=config.search.candidate_band_pct,
-                                       budget_bytes=self.budget_bytes)
+                                       memory_budget_bytes=self.memory_budget_bytes)
         holder = self.stage.recommended()
-        if holder is not None and not (self.budget_bytes and holder.predicted_peak_bytes > self.budget_bytes):
+        over = bool(self.memory_budget_bytes) and holder is not None and (
+            holder.predicted_peak_bytes > self.memory_budget_bytes)
+        if holder is not None and not over:
             logger.info(f"      the study's recommendation, trial {holder.reconfirms}, races again: it keeps the "
                         "recommendation only if this job confirms it (or a plan that beats it) faster")
             candidates.insert(1, holder)
@@ -192,12 +195,12 @@ class TuningSession:
         budget = self.config.search.budget()
         if budget is None:
             return None
-        budget_bytes = budget.resolve(self.profile.measured_peak_bytes)
-        check_feasible(budget_bytes, smallest_peak(self.simulator, self.space), budget.text)
-        logger.info(f"      memory budget {budget.text}: {mib(budget_bytes)} per rank (FSDP2's default measured "
+        memory_budget_bytes = budget.resolve(self.profile.measured_peak_bytes)
+        check_feasible(memory_budget_bytes, smallest_peak(self.simulator, self.space), budget.text)
+        logger.info(f"      memory budget {budget.text}: {mib(memory_budget_bytes)} per rank (FSDP2's default measured "
                     f"{mib(self.profile.measured_peak_bytes)}, predicted "
                     f"{mib(self.simulator.run(Plan.default(self.profile)).peak_bytes)})")
-        return budget_bytes
+        return memory_budget_bytes
 
     def over_budget(self, kept: list[MeasuredTrial], peak_bytes: list[int]) -> dict[int, str]:
         """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
@@ -211,12 +214,12 @@ class TuningSession:
             failed (a budget below every predicted peak is refused earlier: ``check_feasible``).
         """
         out: dict[int, str] = {}
-        if self.budget_bytes is None:
+        if self.memory_budget_bytes is None:
             return out
         for j, (a, peak) in enumerate(zip(kept, peak_bytes, strict=True)):
-            if j == 0 or peak <= self.budget_bytes:
+            if j == 0 or peak <= self.memory_budget_bytes:
                 continue
-            out[j] = (f"measured peak {mib(peak)} exceeds the memory budget {mib(self.budget_bytes)} "
+            out[j] = (f"measured peak {mib(peak)} exceeds the memory budget {mib(self.memory_budget_bytes)} "
                       f"(predicted {mib(a.predicted_peak_bytes)})")
             self.stage.fail([a], Failure(out[j], FailKind.ERROR), measured_peak_bytes=peak)
         return out
@@ -264,7 +267,7 @@ class TuningSession:
             raise PlannerError("tell the trials the round was started with (TuningSession.start)")
         trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
         measured = measured_plans(self.config.name, trials, self.schedule, step_ms, per_rank, self._peaks,
-                                  self.budget_bytes)
+                                  self.memory_budget_bytes)
         self.stage.tell(asked, measured, step_ms, per_rank)
         return [m.plan for m in measured]
 

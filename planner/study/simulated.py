@@ -32,7 +32,7 @@ def simulated_stage(
     storage: optuna.storages.BaseStorage,
     space: SearchSpace,
     show_progress_bar: bool = True,
-    budget_bytes: int | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> optuna.Study:
     """Run ``[search] sim_trials`` simulated trials (fewer if ``sim_timeout_s`` runs out) and store them in study
     ``NAME.sim``.
@@ -59,7 +59,7 @@ def simulated_stage(
         storage: where ``NAME.sim`` lives.
         space: the search space (``search_spaces.get_space(config.search.space)``).
         show_progress_bar: Optuna's progress bar.
-        budget_bytes: the memory budget, bytes per rank; ``None``: none.
+        memory_budget_bytes: the memory budget, bytes per rank; ``None``: none.
 
     Returns:
         The in-memory study (stored and new trials).
@@ -83,8 +83,8 @@ def simulated_stage(
         record = SimulatedTrialRecord(predicted_peak_bytes=result.peak_bytes, exposed_comm_ms=result.exposed_comm_ms)
         for key, value in record.to_user_attrs().items():
             trial.set_user_attr(key, value)
-        if budget_bytes is not None:  # Optuna's constraint: <= 0 is feasible; TPE and NSGA-II favour feasible trials
-            trial.set_constraint(PEAK_OVER_BUDGET, float(result.peak_bytes - budget_bytes))
+        if memory_budget_bytes is not None:  # Optuna's constraint: <= 0 is feasible; TPE and NSGA-II favour them
+            trial.set_constraint(PEAK_OVER_BUDGET, float(result.peak_bytes - memory_budget_bytes))
         return result.step_ms, float(result.peak_bytes)
 
     with warnings.catch_warnings():  # TPE's multi-objective mode warns on each start

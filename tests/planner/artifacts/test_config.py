@@ -116,3 +116,16 @@ def test_build_puts_flat_keys_in_their_tables_with_the_same_defaults(tmp_path):
     assert (tuned.search.sim_trials, tuned.launch.backend, tuned.measure.steps) == (9, Backend.NCCL, 2)
     with pytest.raises(pydantic.ValidationError):
         tuned.search.sim_trials = 3  # frozen: validated once, then plain typed objects
+
+
+def test_the_ranks_read_back_the_validated_config_the_launcher_wrote():
+    """``tune`` validates the TOML and its command-line overrides once and hands the ranks that object
+    (``jobs.cli._handed_over``): what they read back is the same config, overrides included."""
+    from pathlib import Path
+
+    for toml in sorted(Path("studies").glob("*.toml")):
+        config = load_study_config(toml, storage="sqlite:////tmp/x.db", memory_budget="+10%", sim_trials=7)
+        again = StudyConfig.from_validated_json(config.to_validated_json())
+        assert again == config and again.search.memory_budget == "+10%" and again.storage_url == "sqlite:////tmp/x.db"
+    with pytest.raises(StudyConfigError, match="does not load .* launch the job again"):
+        StudyConfig.from_validated_json('{"study": {}}')

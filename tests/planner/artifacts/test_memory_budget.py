@@ -62,7 +62,7 @@ def test_candidates_fit_the_budget_and_over_budget_trials_fail(make_profile, tmp
     session = TuningSession(config, profile, get_space("assign"), job="test", plan_out=str(tmp_path / "plan.json"),
                             profile_out=str(tmp_path / "profile.json"))
     asked, outcome = drive_round(session, [100.0, 90.0, 95.0], peak_bytes=[budget + 1, budget + 1, budget])
-    assert session.budget_bytes == budget
+    assert session.memory_budget_bytes == budget
     trials = study_trials(config.storage_url, "b")
     assert any(t.predicted_peak_bytes > budget for t in trials.simulated)  # the search saw plans over it ...
     assert all(a.predicted_peak_bytes <= budget for a in asked[1:])  # ... none is raced
