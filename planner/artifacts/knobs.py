@@ -149,6 +149,8 @@ KNOBS: tuple[Knob, ...] = (
          SampledWhen.ALWAYS, "reduce-scatter on its own process group"),
     Knob("unshard_in_backward", True, "set_unshard_in_backward", Scope.MODULE, (True, False),
          SampledWhen.SKIPPABLE, "no all-gather in backward", param="uib"),
+    Knob("allocate_memory_from_process_group_for_comm", False, "set_allocate_memory_from_process_group_for_comm",
+         Scope.EVERY_MODULE, (False, True), SampledWhen.GPU, "collective buffers from the process group's allocator"),
 )
 """Every knob, in the order the kernel reads them (append only: :func:`position`)."""
 

@@ -49,6 +49,7 @@ from planner.simulation._kernel.timeline import allocate, compute
 
 UNSHARD_IN_BACKWARD = position("unshard_in_backward")  # planner.artifacts.knobs: PlanArrays.module_knobs[:, here]
 RESHARD_AFTER_BACKWARD = position("reshard_after_backward")  # PlanArrays.knobs[here]
+COMM_POOL = position("allocate_memory_from_process_group_for_comm")  # PlanArrays.knobs[here]
 
 
 @njit(cache=True)
@@ -245,5 +246,20 @@ def step(profile_fields, plan_fields, param_fields, events, samples):
         compute(prof.root, OPTIMIZER, prof.optimizer_ms * params.compute_scale, cfg, clock, counters, st.in_flight,
                 st.all_gather_end, st.module_state, events)
     allocate(clock, counters, samples, -prof.optimizer_temp_bytes)
+    reserved = counters[RESERVED_PEAK]
+    if prof.gpu and not prof.single_rank and plan.knobs[COMM_POOL] != 0:
+        reserved += 2 * prof.unsharded_bytes.max()  # [Note: The process group's allocator]
     return (clock[CPU], clock[COMPUTE_STREAM], clock[COMPUTE_TOTAL], clock[COMM_TOTAL], counters[PEAK],
-            counters[UNSHARDED_PEAK], counters[RESERVED_PEAK], counters[EVENTS], counters[SAMPLES])
+            counters[UNSHARDED_PEAK], reserved, counters[EVENTS], counters[SAMPLES])
+
+
+# [Note: The process group's allocator]
+# ``set_allocate_memory_from_process_group_for_comm(True)`` (``FSDPParamGroup.set_allocate_memory_from_process_group``)
+# swaps FSDP2's all-gather and reduce-scatter for ``ProcessGroupAllocAllGather`` and ``ProcessGroupAllocReduceScatter``
+# (``_fsdp_collectives.py``): their staging buffers come from ``backend.allocate_tensor`` where the backend supports
+# it (NCCL: ``ncclMemAlloc`` memory registered for zero-copy over NVLink SHARP and IB SHARP), else ``torch.empty``
+# (gloo: the same step, so no CPU rule). On GPU those buffers live in the process group's own memory pool, which
+# the caching allocator's compute blocks do not share (pytorch #146589): the pool keeps at least the largest
+# all-gather output and the largest reduce-scatter input reserved beside everything else, so the reserved peak grows
+# by both (a lower bound: more buffers in flight at once reserve more). The zero-copy gain needs SHARP hardware a
+# profile does not show, so the rule predicts no time change: the race measures it.
