@@ -36,9 +36,9 @@ def rank_main(study: str, plan_path: str | None, rounds: int, json_out: str | No
     from planner.simulation.calibrate import spearman
     from planner.simulation.parameters import simulate
     from runtime.apply import load_plan
-    from runtime.measure import measure_plans
-    from runtime.rank import init_rank, shutdown_rank
-    from runtime.recorder import record_profile
+    from runtime.measuring.measure import measure_plans
+    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload
     from search_spaces import uniform
 

@@ -104,14 +104,14 @@ def without_reshard(profile: Profile, plan: Plan) -> Plan:
 def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profile:
     """``profile`` with its collectives and overlap timings timed again just after the isolated compute passes, the
     recorder's earlier order ([Note: The collectives are timed before the isolated passes] in
-    ``runtime/recorder.py``); all ranks call it. Max across ranks, as the recorder consolidates (the overlap
+    ``runtime/recording/recorder.py``); all ranks call it. Max across ranks, as the recorder consolidates (the overlap
     timings: mean)."""
     from planner.artifacts.profile import OverlapTimings
-    from runtime.collective_timer import module_collectives
-    from runtime.collectives import gather_objects
-    from runtime.measure import device_type_of
-    from runtime.recorder import isolated_figures
-    from runtime.torch_private import reshard_after_forward
+    from runtime.measuring.measure import device_type_of
+    from runtime.ranks.collectives import gather_objects
+    from runtime.ranks.torch_private import reshard_after_forward
+    from runtime.recording.collective_timer import module_collectives
+    from runtime.recording.recorder import isolated_figures
     from runtime.workload import fsdp_modules
 
     modules = fsdp_modules(workload.model)
@@ -138,11 +138,11 @@ def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = Fal
 
     from planner.artifacts.config import load_study_config
     from runtime.apply import apply_plan
-    from runtime.collectives import gather_max
-    from runtime.measure import measure_plans
-    from runtime.memory import UnshardedBytesTracker
-    from runtime.rank import init_rank, shutdown_rank
-    from runtime.recorder import record_profile
+    from runtime.measuring.measure import measure_plans
+    from runtime.ranks.collectives import gather_max
+    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.recording.memory import UnshardedBytesTracker
+    from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload, train_step
 
     as_tune_ranks()

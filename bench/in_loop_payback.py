@@ -40,7 +40,7 @@ def rank_main(study: str, arm: str, steps: int, overhead_rounds: int, out: str) 
 
     from planner.artifacts.config import load_study_config
     from runtime import AutoTuner
-    from runtime.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import init_rank, shutdown_rank
     from runtime.workload import build_study_workload
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
     from planner.simulation.simulator import SimParams
-    from runtime.measure import StepCounter
+    from runtime.measuring.measure import StepCounter
     from runtime.workload import Workload
 
 MODULE = "bench.memory_budget"
@@ -158,15 +158,16 @@ class BudgetBench:
     def shared(self, make: Callable[[], dict[str, Plan]]) -> dict[str, Plan]:
         """Rank 0's named plans (``make()``, called on rank 0 alone) on every rank."""
         from planner.artifacts.plan import Plan
-        from runtime.collectives import broadcast_from_rank0
+        from runtime.ranks.collectives import broadcast_from_rank0
 
         payload = {n: p.to_dict() for n, p in make().items()} if self.rank0 else None
         return {n: Plan.from_dict(d) for n, d in broadcast_from_rank0(payload, self.group).items()}
 
     def peaks(self, plans: dict[str, Plan]) -> dict[str, int]:
-        """Each plan's peak bytes per rank (``runtime.peak_memory``: median over steps of the max across ranks)."""
-        from runtime.collectives import gather_objects
-        from runtime.peak_memory import PEAK_STEPS, peak_of_steps, warm_up_measuring_peaks
+        """Each plan's peak bytes per rank (``runtime.recording.peak_memory``: median over steps of the max across
+        ranks)."""
+        from runtime.ranks.collectives import gather_objects
+        from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps, warm_up_measuring_peaks
 
         local = warm_up_measuring_peaks(self.workload, list(plans.values()), PEAK_STEPS + 1, self.steps)
         reports = gather_objects(local, self.group)
@@ -175,7 +176,7 @@ class BudgetBench:
     def interleaved(self, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:
         """``rounds`` rounds of the plans, Williams orders; on rank 0 each plan's step times (max across ranks)."""
         from planner.statistics.race import balanced_orders
-        from runtime.measure import measure_rounds
+        from runtime.measuring.measure import measure_rounds
 
         orders = balanced_orders(len(plans))
         block = [orders[r % len(orders)] for r in range(rounds)]
@@ -215,7 +216,7 @@ class BudgetBench:
         self.run["confirmation"] = self.interleaved(finalists, s.rounds)
 
     def _from_rank0(self, value: Any) -> Any:
-        from runtime.collectives import broadcast_from_rank0
+        from runtime.ranks.collectives import broadcast_from_rank0
 
         return broadcast_from_rank0(value if self.rank0 else None, self.group)
 
@@ -241,9 +242,9 @@ def rank_main(study: str, settings: BudgetSettings, json_out: str | None) -> Non
 
     from planner.artifacts.config import load_study_config
     from planner.simulation.in_step import in_step_params
-    from runtime.measure import StepCounter
-    from runtime.rank import init_rank, shutdown_rank
-    from runtime.recorder import record_profile
+    from runtime.measuring.measure import StepCounter
+    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -8,9 +8,9 @@ default's peak and the optimizer step's temporaries); build the fidelity
 bench's plans (``bench.fidelity``) and, from uniform depth 1 with async
 unshard, the plans that keep the last 1, 3 and all blocks unsharded after
 forward; run each plan for one warm-up step and
-:data:`runtime.peak_memory.PEAK_STEPS` measured steps
-(:func:`runtime.peak_memory.measure_peak`): the median over steps of the
-max across ranks (:func:`runtime.peak_memory.peak_of_steps`).
+:data:`runtime.recording.peak_memory.PEAK_STEPS` measured steps
+(:func:`runtime.recording.peak_memory.measure_peak`): the median over steps of the
+max across ranks (:func:`runtime.recording.peak_memory.peak_of_steps`).
 Prints, per plan, the measured and the predicted peak and the error, and
 the median |error|; the same against each plan's lowest rank-step (a
 diagnostic, not the target: on CPU the steps with none of gloo's copies of the
@@ -58,10 +58,10 @@ def rank_main(study: str, out: str | None) -> None:
 
     from planner.artifacts.config import load_study_config
     from runtime.apply import apply_plan
-    from runtime.collectives import gather_objects
-    from runtime.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
-    from runtime.rank import init_rank, shutdown_rank
-    from runtime.recorder import record_profile
+    from runtime.ranks.collectives import gather_objects
+    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.recording.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
+    from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload, train_step
 
     config = load_study_config(study)
@@ -90,7 +90,7 @@ def rank_main(study: str, out: str | None) -> None:
 def lowest_step_errors(rows: list[tuple[int, list[list[int]]]]) -> list[float]:
     """Per plan, its predicted peak (bytes) against the lowest of its measured rank-steps (bytes, per rank per step),
     signed %. On CPU a step's peak moves by whole blocks with the copies of the reduce-scatter input that gloo keeps
-    alive ([Note] at ``PEAK_STEPS`` in ``runtime/peak_memory.py``); the lowest step is the one with none."""
+    alive ([Note] at ``PEAK_STEPS`` in ``runtime/recording/peak_memory.py``); the lowest step is the one with none."""
     errors = []
     for predicted, per_rank in rows:
         lowest = min(min(steps) for steps in per_rank)

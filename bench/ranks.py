@@ -41,7 +41,7 @@ def run_studies(module: str, studies: Sequence[str], forward: Callable[[str], li
     """
     from planner.artifacts.config import load_study_config
     from planner.errors import PlannerError
-    from runtime.launch import in_torchrun, launch_ranks
+    from runtime.ranks.launch import in_torchrun, launch_ranks
 
     studies = list(studies) or list(DEFAULT_STUDIES)
     try:

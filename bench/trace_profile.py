@@ -4,7 +4,8 @@
     python -m bench.trace_profile --refit run.json ...   # saved runs (both profiles), today's simulator, no ranks
     python -m bench.trace_profile --decompose DIR        # traces: per step, the step against the sum of its calls
 
-For each study, on its ranks: the recorder's profile (``runtime.recorder.record_profile``, what ``tune`` uses); then a
+For each study, on its ranks: the recorder's profile (``runtime.recording.recorder.record_profile``, what ``tune``
+uses); then a
 fresh model in a user's plain loop (``train_step``) under ``torch.profiler`` with the CPU activity (and CUDA's on
 GPU), ``profile_memory=True`` and ``record_shapes=True``, ``--steps`` active steps in cycles of one untraced step,
 one warm-up and ``--active`` active steps (torchtitan's default traces one step a cycle), each rank's trace of each
@@ -44,9 +45,9 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
-    from runtime.collectives import gather_objects
-    from runtime.rank import init_rank, shutdown_rank
-    from runtime.recorder import record_profile
+    from runtime.ranks.collectives import gather_objects
+    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload, train_step
 
     config = load_study_config(study)

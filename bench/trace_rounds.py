@@ -7,7 +7,8 @@
 moves between two recordings of one process by as much as the agreement sought (docs/decisions/cpu-step-level.md).
 So this bench compares them as two plans are compared: interleaved, the order rotated. Every
 rank builds one model, runs two plain steps, then ``--rounds`` rounds; a round records the profile
-(``runtime.recorder.record_profile``, what ``tune`` uses) and traces ``--steps`` active steps of the plain loop under
+(``runtime.recording.recorder.record_profile``, what ``tune`` uses) and traces ``--steps`` active steps of the plain
+loop under
 ``torch.profiler`` (as ``bench.trace_profile`` does: CPU activity, memory, shapes; cycles of one untraced step, one
 warm-up and ``--active`` traced), the recorder first in even rounds and the trace first in odd ones. Rank 0 builds a
 trace profile per round and one from every round's traces, and prints:
@@ -54,9 +55,9 @@ def rank_main(study: str, rounds: int, steps: int, active: int, out: str | None,
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
-    from runtime.collectives import gather_objects
-    from runtime.rank import init_rank, shutdown_rank
-    from runtime.recorder import record_profile
+    from runtime.ranks.collectives import gather_objects
+    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload, train_step
 
     config = load_study_config(study)

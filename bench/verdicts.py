@@ -50,9 +50,9 @@ def aa_main(study: str, races: int, out: str) -> None:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.schedule import Schedule
-    from runtime.measure import StepCounter, run_schedule, warm_up
-    from runtime.rank import init_rank, shutdown_rank
-    from runtime.recorder import record_profile
+    from runtime.measuring.measure import StepCounter, run_schedule, warm_up
+    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
@@ -94,9 +94,9 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from runtime.apply import apply_plan, load_plan
-    from runtime.collectives import gather_max
-    from runtime.measure import StepCounter, timed_step
-    from runtime.rank import init_rank, shutdown_rank
+    from runtime.measuring.measure import StepCounter, timed_step
+    from runtime.ranks.collectives import gather_max
+    from runtime.ranks.rank import init_rank, shutdown_rank
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
@@ -123,7 +123,7 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
 
 def _launch(args: list[str], launch: LaunchTable) -> None:
     """Start ``python -m bench.verdicts ARGS`` on the study's ranks, under its ``[launch]`` (ranks, allocator)."""
-    from runtime.launch import launch_ranks
+    from runtime.ranks.launch import launch_ranks
 
     code = launch_ranks(args, launch, module=MODULE)
     if code:
@@ -254,7 +254,7 @@ def main(study: str, aa_races: int, rounds: int, remeasures: int, skip_synthetic
          skip_coverage: bool, json_out: str | None, part: str | None, plan_path: str | None, out: str | None) -> None:
     from planner.artifacts.config import load_study_config
     from planner.errors import PlannerError
-    from runtime.launch import in_torchrun
+    from runtime.ranks.launch import in_torchrun
 
     try:
         if in_torchrun():

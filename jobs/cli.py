@@ -3,7 +3,7 @@
 
 Outside torchrun, ``tune`` and ``profile`` check what they can in this
 process, then start ``[launch] nproc_per_node`` ranks running the same
-command (``runtime.launch``); under torchrun each process is one rank. Rank 0
+command (``runtime.ranks.launch``); under torchrun each process is one rank. Rank 0
 prints the progress (the jobs' ``logging`` records) and the report; every bad
 input prints one line ``error: ...`` to stderr and exits 2. Importing this
 module does not import torch: the jobs are imported by the commands that run
@@ -71,7 +71,7 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
     """
     from jobs.tune import TuneJob
     from planner.study.measured import job_name
-    from runtime.launch import in_torchrun, launch_ranks
+    from runtime.ranks.launch import in_torchrun, launch_ranks
 
     config = _study_config(study_toml, validated_config, storage=storage, sim_trials=sim_trials,
                            measured_trials=measured_trials, memory_budget=memory_budget)
@@ -107,7 +107,7 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
     ``handover``: the arguments that hand the ranks the validated config (:func:`_handed_over`)."""
     from planner.presentation.report import conclusion_report
     from planner.study.confirmation import conclude, pending
-    from runtime.launch import launch_ranks
+    from runtime.ranks.launch import launch_ranks
 
     launches = config.measure.confirm_launches
     for i in range(launches):
@@ -136,7 +136,7 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
 def confirm(study_toml, storage, job, validated_config) -> None:
     """One fresh confirmation launch of a tuning job's race survivor (``tune`` runs it; under torchrun, one rank)."""
     from jobs.confirm import ConfirmJob
-    from runtime.launch import in_torchrun, launch_ranks
+    from runtime.ranks.launch import in_torchrun, launch_ranks
 
     config = _study_config(study_toml, validated_config, storage=storage)
     if in_torchrun():
@@ -173,7 +173,7 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, valida
     if len(inputs) != 1 or model or model_kwargs:
         raise click.UsageError("give one study TOML (or --from-trace and the traces); --model needs --from-trace")
     from jobs.profile import ProfileJob
-    from runtime.launch import in_torchrun, launch_ranks
+    from runtime.ranks.launch import in_torchrun, launch_ranks
 
     study_toml = inputs[0]
     config: StudyConfig = _study_config(study_toml, validated_config)

@@ -24,9 +24,9 @@ from planner.storages import check_writable
 from planner.study.confirmation import pending, record_launch
 from planner.study.records import ConfirmLaunch
 from runtime.apply import apply_plan
-from runtime.collectives import broadcast_from_rank0, control_group, gather_max
-from runtime.measure import StepCounter, measure_rounds, timed_step, warm_up
-from runtime.rank import check_runnable, init_rank, shutdown_rank
+from runtime.measuring.measure import StepCounter, measure_rounds, timed_step, warm_up
+from runtime.ranks.collectives import broadcast_from_rank0, control_group, gather_max
+from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
 from runtime.workload import Workload, build_study_workload, load_factory
 
 

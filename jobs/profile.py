@@ -10,8 +10,8 @@ from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.simulation.parameters import simulate
-from runtime.rank import check_runnable, init_rank, shutdown_rank
-from runtime.recorder import record_profile
+from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
+from runtime.recording.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory, train_step
 
 

@@ -3,7 +3,7 @@
 Every rank records a profile; rank 0 holds the
 :class:`~planner.study.session.TuningSession`, which decides everything
 (simulated stage, candidates, schedule, verdict, what is written); the rank
-protocol (``runtime.protocol``, [Note: Rank protocol of a measured round])
+protocol (``runtime.measuring.protocol``, [Note: Rank protocol of a measured round])
 drives it with the ranks' measurements.
 """
 
@@ -27,11 +27,11 @@ from planner.storages import check_writable
 from planner.study.measured import MeasuredTrial, job_name
 from planner.study.session import TuneOutcome, TuningSession
 from runtime.apply import model_fingerprint
-from runtime.collectives import control_group
-from runtime.interrupts import interrupts_deferred, interrupts_raise
-from runtime.protocol import measured_round
-from runtime.rank import check_runnable, init_rank, shutdown_rank
-from runtime.recorder import record_profile
+from runtime.measuring.protocol import measured_round
+from runtime.ranks.collectives import control_group
+from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
+from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
+from runtime.recording.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory
 from search_spaces import get_space
 
@@ -90,7 +90,7 @@ class TuneJob:
 
         Raises:
             PlannerError: bad workload or storage, or a failure broadcast by rank 0.
-            TrialFailedError: a rank raised while measuring (``runtime.protocol``).
+            TrialFailedError: a rank raised while measuring (``runtime.measuring.protocol``).
             KeyboardInterrupt: SIGINT or SIGTERM; the round's trials are FAIL.
         """
         optuna.logging.set_verbosity(optuna.logging.WARNING)

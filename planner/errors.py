@@ -84,7 +84,7 @@ class StorageError(PlannerError):
 class TrialFailedError(PlannerError):
     """A rank raised while measuring a trial: the trial is recorded FAIL and the job stops (CLI exit 3).
 
-    Raised on every rank, with the same message, by ``runtime.protocol``.
+    Raised on every rank, with the same message, by ``runtime.measuring.protocol``.
 
     Attributes:
         local: the message is this rank's own view (a peer did not report),

@@ -21,7 +21,7 @@ from planner.artifacts.knobs import KNOBS, Knob, Scope
 from planner.artifacts.plan import Plan
 from planner.errors import PlanMismatchError, UnsupportedPlanError
 from runtime.accumulation import set_accumulation
-from runtime.torch_private import TESTED_ADVICE, separate_reduce_scatter_group_setter, unshard_async_op_setter
+from runtime.ranks.torch_private import TESTED_ADVICE, separate_reduce_scatter_group_setter, unshard_async_op_setter
 from runtime.workload import fsdp_modules, own_parameters
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@
 Every rank constructs the tuner and enters ``tuner.step()`` for the same
 steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
 
-1. recording: FSDP2's default; the profile is recorded on the user's steps (:mod:`runtime.loop_recorder`),
+1. recording: FSDP2's default; the profile is recorded on the user's steps (:mod:`runtime.recording.loop_recorder`),
    the isolated passes between steps (under a memory budget, a few modules at a time, one pass per step);
 2. searching: rank 0's tuning session (``planner.study.session``, the one
    ``prefetch-planner tune`` runs) runs the simulated stage under
@@ -29,8 +29,8 @@ steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
    ``tuner.step()`` does nothing.
 
 Rank 0 alone decides; the ranks exchange only at the ends of phases and
-blocks, on a gloo group of their own (``runtime.collectives.control_group``),
-as in ``runtime.protocol``. The trials, the profile and the verdict go to the
+blocks, on a gloo group of their own (``runtime.ranks.collectives.control_group``),
+as in ``runtime.measuring.protocol``. The trials, the profile and the verdict go to the
 study with ``source = "in-loop"``, so ``studies show``, ``load_best_plan`` and
 optuna-dashboard see them, and a later ``AutoTuner`` on the same study and
 model applies the recommendation at construction and spends no step
@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
-import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,20 +50,18 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, one_line
 from planner.statistics.verdict import Confirmation
 from planner.study.in_loop import TunerPhase, in_loop_config
-from runtime.accumulation import reshard_after_backward
 from runtime.apply import apply_plan, model_fingerprint
-from runtime.collectives import control_group, gather_objects
-from runtime.in_loop_round import PEAK, RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, WARMUP, InLoopRound, LoopStep
-from runtime.loop_recorder import LoopRecorder, PeakMeter
-from runtime.measure import synchronize
-from runtime.peak_memory import PEAK_STEPS
+from runtime.measuring.in_loop_round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep
+from runtime.measuring.loop_steps import StepSide
+from runtime.ranks.collectives import control_group, gather_objects
+from runtime.recording.loop_recorder import LoopRecorder
+from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.workload import fsdp_modules
 
 logger = logging.getLogger(__name__)
@@ -132,19 +129,10 @@ class AutoTuner:
         self.plan = Plan(self.fingerprint, {})
         self.confirmation: Confirmation | None = None
         self.steps_tuning = 0
-        self._plans: list[Plan] = [self.plan]
-        self._applied = 0
         self._queue: deque[LoopStep] = deque()
-        self._times: list[float] = []
         self._phase_started = 0
-        self._recorder: LoopRecorder | None = None
-        self._meter: PeakMeter | None = None
-        self._microbatch_hook: Any = None  # hook handles, removed when done
-        self._optimizer_hook: Any = None
-        self._optimizers: list[Any] = []
-        self._microbatch = 0  # this step's root forwards so far
-        self._microbatches = 1  # root forwards per step, as recorded
         self.device = next(model.parameters()).device.type
+        self._steps = StepSide(model, self.device, self._group, self.plan)
         files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
         self._round = InLoopRound(model, self.config, self._group, files)
         self._start(recheck)
@@ -152,19 +140,19 @@ class AutoTuner:
     # -- construction -----------------------------------------------------------------------------------------
 
     def _start(self, recheck: bool) -> None:
-        payload = self._round.start(self.fingerprint, recheck)
-        self._log(f"AutoTuner: {payload['why']}")
-        if not payload["tune"]:
-            plan = Plan.from_dict(payload["plan"]) if payload["plan"] else Plan(self.fingerprint, {})
+        start = self._round.start(self.fingerprint, recheck)
+        self._log(f"AutoTuner: {start.why}")
+        if not start.tune:
+            plan = Plan.from_json(start.plan_json) if start.plan_json else Plan(self.fingerprint, {})
             apply_plan(self.model, plan, check=True)
             self._finish_with(plan)
             return
-        self._microbatch_hook = self.model.register_forward_pre_hook(self._before_microbatch)
-        if payload["recheck"] is not None:
-            self._start_recheck(payload["recheck"])
+        self._steps.hook_microbatches()
+        if start.recheck is not None:
+            self._start_recheck(start.recheck)
             return
         m = self.config.measure
-        self._recorder = LoopRecorder(self.model, m.profile_repeats)
+        self._steps.recorder = LoopRecorder(self.model, m.profile_repeats)
         self._queue.extend([LoopStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps) + [LoopStep(RECORD, 0)] * m.steps
                            + [LoopStep(RECORD_PEAK, 0)] * PEAK_STEPS)
 
@@ -172,22 +160,17 @@ class AutoTuner:
         """``recheck=True`` on a study that recommends a plan: race it against FSDP2's default on the study's stored
         profile (rank 0's), no recording and no search; one untimed step of FSDP2's default first, in which the
         optimizers are seen (the peak steps count their state)."""
-        self._microbatches = microbatches
-        self._meter = PeakMeter(self.model, self._optimizers)
-        self._optimizer_hook = register_optimizer_step_pre_hook(self._seen_optimizer)
+        self._steps.microbatches = microbatches
+        self._steps.watch_optimizers()
         try:
             steps = self._round.search(self._round.stored_profile, recheck=True)
         except PlannerError as e:
             self._round.fail(None, one_line(e))
             self._abandon(str(e))
             return
-        self._plans = self._round.plans
+        self._steps.race(self._round.plans)
         self.phase = TunerPhase.RACING
         self._queue.extend([LoopStep(WARMUP, 0)] + steps)
-
-    def _seen_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not any(o is optimizer for o in self._optimizers):
-            self._optimizers.append(optimizer)
 
     # -- the user's step ---------------------------------------------------------------------------------------
 
@@ -202,55 +185,16 @@ class AutoTuner:
             yield
             return
         order = self._queue.popleft()
-        t0 = self._before(order)
+        t0 = self._steps.before(order)
         try:
             yield
         except BaseException as e:
             self._step_failed(order, e)
             raise
-        self._after(order, t0)
+        self._steps.after(order, t0, self._round.peaks)
         self.steps_tuning += 1
         if not self._queue:
             self._decide()
-
-    def _before_microbatch(self, module: nn.Module, args: Any) -> None:
-        """Root pre-forward: a plan's ``reshard_after_backward`` for every microbatch but the step's last
-        (``runtime.accumulation``; the recorded microbatch count tells which is last)."""
-        n = self._microbatches
-        if n > 1:
-            last = self._microbatch >= n - 1
-            self.model.set_reshard_after_backward(last or reshard_after_backward(self.model))
-        self._microbatch += 1
-
-    def _before(self, order: LoopStep) -> float | None:
-        self._microbatch = 0
-        if order.plan != self._applied:
-            apply_plan(self.model, self._plans[order.plan], check=False)
-            self._applied = order.plan
-        if order.kind in (RECORD_WARMUP, RECORD, RECORD_PEAK):
-            self._recorder.begin_step(peak=order.kind == RECORD_PEAK)
-        elif order.kind == PEAK:
-            self._meter.begin()
-        if order.kind not in (RECORD, TIMED):
-            return None
-        dist.barrier(group=self._group)
-        synchronize(self.device)
-        return time.perf_counter()
-
-    def _after(self, order: LoopStep, t0: float | None) -> None:
-        ms = None
-        if t0 is not None:
-            synchronize(self.device)
-            ms = (time.perf_counter() - t0) * 1e3
-        if self._microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
-            for _, m in fsdp_modules(self.model):
-                m.reshard()
-        if order.kind in (RECORD_WARMUP, RECORD, RECORD_PEAK):
-            self._recorder.end_step(ms)
-        elif order.kind == PEAK:
-            self._round.peaks[order.plan].append(self._meter.end()[0])
-        elif order.kind == TIMED:
-            self._times.append(ms)
 
     def _step_failed(self, order: LoopStep, e: BaseException) -> None:
         reason = f"a training step raised on rank {dist.get_rank()}: {one_line(e)}"
@@ -267,13 +211,12 @@ class AutoTuner:
                 if (profile := self._recorded()) is None:
                     return  # an isolated pass remains (one more step first)
                 steps = round_.search(profile)
-                self._plans = round_.plans
-                self._applied = 0
+                self._steps.race(round_.plans)
                 self.phase, self._phase_started = TunerPhase.RACING, self.steps_tuning
             elif round_.block is None:
                 steps = round_.start_race()
             else:
-                steps = round_.record_block(self._times)
+                steps = round_.record_block(self._steps.times)
             if steps is None:
                 self._conclude()
                 return
@@ -285,23 +228,20 @@ class AutoTuner:
             self._log(f"AutoTuner: raced {len(round_.kept)} plans on {self.steps_tuning - self._phase_started} "
                       "steps; confirming the survivor against FSDP2's default on fresh rounds")
             self.phase, self._phase_started = TunerPhase.CONFIRMING, self.steps_tuning
-        self._times = []
+        self._steps.take_times()
         self._queue.extend(steps)
 
     def _recorded(self) -> Profile | None:
         """The profile of the recording steps, after the isolated passes (every rank); ``None`` while passes of a
         few modules each remain (``LoopRecorder.isolate_next``): one more step of FSDP2's default is queued."""
-        recorder = self._recorder
+        recorder = self._steps.recorder
         isolated = recorder.isolate_next(self.config, lambda local: gather_objects(local, self._group))
         if isolated is None:
             self._queue.append(LoopStep(RECORD_WARMUP, 0))
             return None
         self.phase = TunerPhase.SEARCHING
         profile = recorder.profile(isolated, lambda local: gather_objects(local, self._group))
-        recorder.remove()
-        self._recorder = None
-        self._meter = PeakMeter(self.model, recorder.optimizers)
-        self._microbatches = profile.microbatches
+        self._steps.recorded(profile.microbatches)
         self._log(f"AutoTuner: recorded FSDP2's default on {self.steps_tuning} steps (step "
                   f"{profile.measured_step_ms:.1f} ms, {profile.microbatches} microbatch(es)); {recorder.isolation}")
         return profile
@@ -327,13 +267,7 @@ class AutoTuner:
         self.plan = plan
         self.phase = TunerPhase.DONE
         self._queue.clear()
-        if self._recorder is not None:
-            self._recorder.remove()
-            self._recorder = None
-        for name in ("_microbatch_hook", "_optimizer_hook"):
-            if getattr(self, name) is not None:
-                getattr(self, name).remove()
-                setattr(self, name, None)
+        self._steps.remove()
         if plan.reshard_after_backward is False:  # runtime.accumulation's own hook-free way from now on
             logger.info("AutoTuner: the plan keeps parameters unsharded between microbatches; call "
                         "runtime.accumulation.prepare_microbatch(model, i, n) before each microbatch to use it")

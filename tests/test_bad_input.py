@@ -38,7 +38,7 @@ from planner.errors import (
 from planner.storages import check_writable, open_storage
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
 from planner.traces.trace_profile import profile_from_traces
-from runtime.rank import check_runnable
+from runtime.ranks.rank import check_runnable
 from search_spaces import get_space
 from tests.multirank import RANK_SCRIPTS, rank_env
 from tests.planner.traces.synthetic_trace import write_traces

@@ -2,7 +2,7 @@
 
 Written ``[search] memory_budget = "1.5GiB"`` (absolute) or ``"+150MiB"`` /
 ``"+10%"`` (above FSDP2's default's measured peak), or ``tune --memory-budget``.
-The peak is per rank, max across ranks, as ``runtime.peak_memory`` measures
+The peak is per rank, max across ranks, as ``runtime.recording.peak_memory`` measures
 it and ``planner.simulation.simulator`` predicts it (``SimResult.peak_bytes``).
 """
 

@@ -18,10 +18,10 @@ class Backend(enum.StrEnum):
 
 
 class Allocator(enum.StrEnum):
-    """``[launch] allocator``: the ranks' CPU memory allocator (``runtime.allocator``).
+    """``[launch] allocator``: the ranks' CPU memory allocator (``runtime.ranks.allocator``).
 
     ``system``: the C library's ``malloc`` (glibc's on Linux), as a plain ``torchrun`` runs. ``jemalloc``: jemalloc
-    preloaded and told to keep every page it has (``runtime.allocator.JEMALLOC_CONF``), as PyTorch's CPU launcher
+    preloaded and told to keep every page it has (``runtime.ranks.allocator.JEMALLOC_CONF``), as PyTorch's CPU launcher
     offers (``torch.backends.xeon.run_cpu --enable-jemalloc``): a CPU step then takes no page faults, as a GPU step
     takes no ``cudaMalloc`` under the caching allocator.
     """

@@ -80,7 +80,7 @@ class Provenance:
         noise_pct: step interquartile range / median in the confirmation, %.
         predicted_peak_bytes: the simulated peak per rank, bytes.
         measured_peak_bytes: the measured peak per rank, max across ranks,
-            median over steps, bytes (``runtime.peak_memory``).
+            median over steps, bytes (``runtime.recording.peak_memory``).
         memory_budget_bytes: the budget the plan was chosen under, bytes per
             rank; ``None``: no budget.
     """

@@ -1,7 +1,7 @@
 """The Profile artifact: what the recorder measured on the real ranks.
 
 A profile is the simulator's only input besides the plan. It is written by
-``runtime.recorder.record_profile`` and read everywhere else; the JSON is
+``runtime.recording.recorder.record_profile`` and read everywhere else; the JSON is
 versioned (:data:`PROFILE_SCHEMA_VERSION`).
 """
 
@@ -69,7 +69,7 @@ class ModuleProfile:
             ``backward_post_grad_bytes``) and ``recompute_activation_bytes``, which the simulator allocates apart; at
             least 0. E.g. a root's gradient of the logits, batch x
             sequence x vocabulary. 0 where not measured ([Note: Backward temporaries] in
-            :mod:`runtime.compute_timer`).
+            :mod:`runtime.recording.compute_timer`).
         backward_post_grad_bytes: of ``grad_bytes``, what autograd allocates only after its nested modules'
             backward (a root's embedding, whose gradient comes last); the rest (the LM head's) comes before them.
             0: all before (not measured, as from a trace).
@@ -181,7 +181,7 @@ class Profile:
         measured_step_ms: median step time of the recording run (default plan),
             max across ranks.
         measured_peak_bytes: FSDP2's default plan's peak in the recording run,
-            max across ranks, bytes (``runtime.peak_memory``: the allocator's
+            max across ranks, bytes (``runtime.recording.peak_memory``: the allocator's
             peak on GPU, profiled tensor bytes on CPU); ``None`` in profiles
             recorded before it was measured on CPU.
         per_rank: each rank's figures before consolidation (:class:`planner.artifacts.rank_figures.RankFigures`).

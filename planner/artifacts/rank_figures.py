@@ -1,7 +1,7 @@
 """One rank's recorded figures, typed: what the recorder measures on each rank and the Profile keeps
-(``Profile.per_rank``), before they are consolidated across ranks (``runtime.consolidation``).
+(``Profile.per_rank``), before they are consolidated across ranks (``runtime.recording.consolidation``).
 
-The path: the timers (``runtime.collective_timer``, ``runtime.compute_timer``) give
+The path: the timers (``runtime.recording.collective_timer``, ``runtime.recording.compute_timer``) give
 :class:`CollectiveFigures` and :class:`ComputeFigures` per module; an isolated
 pass joins them into :class:`IsolatedFigures`; a rank adds its step figures
 (:class:`RankFigures`). Times in ms, sizes in bytes.
@@ -24,7 +24,7 @@ from planner.artifacts.schema import ModuleFiguresDocument, RankFiguresDocument
 
 @dataclass(frozen=True)
 class OverlapTimings:
-    """An all-gather and compute, alone and at once, on a CPU device (``runtime.overlap_timer``).
+    """An all-gather and compute, alone and at once, on a CPU device (``runtime.recording.overlap_timer``).
 
     Each figure is a median over rounds on each rank, then the mean across
     ranks, ms; :func:`planner.simulation.in_step.measured_slowdown` solves the
@@ -51,7 +51,8 @@ COMPUTE_FIELDS = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms"
 @dataclass(frozen=True)
 class ComputeFigures:
     """One module's compute with every module it waits on unsharded and no communication
-    (``runtime.recorder.compute_unsharded``): exclusive ms per phase (``*_pre_ms``: before its first child), and
+    (``runtime.recording.recorder.compute_unsharded``): exclusive ms per phase (``*_pre_ms``: before its first child),
+    and
     what it keeps alive, bytes.
 
     Attributes:
@@ -74,7 +75,7 @@ class ComputeFigures:
 
 @dataclass(frozen=True)
 class CollectiveFigures:
-    """One module's collectives in isolation (``runtime.collective_timer.module_collectives``): medians over
+    """One module's collectives in isolation (``runtime.recording.collective_timer.module_collectives``): medians over
     rounds, ms; ``sharded_bytes``, this rank's shards of the module's own parameters."""
 
     all_gather_ms: float
@@ -97,7 +98,7 @@ class ModuleFigures:
 
 @dataclass(frozen=True)
 class IsolatedFigures:
-    """One rank's figures measured outside a training step (``runtime.recorder.isolated_figures``).
+    """One rank's figures measured outside a training step (``runtime.recording.recorder.isolated_figures``).
 
     Attributes:
         overlap: the CPU overlap microbenchmark; ``None`` on CUDA, or not run in this pass.
@@ -130,7 +131,7 @@ class IsolatedFigures:
 
 @dataclass(frozen=True)
 class StepFigures:
-    """One rank's steps of FSDP2's default plan (``runtime.recorder``, ``runtime.loop_recorder``).
+    """One rank's steps of FSDP2's default plan (``runtime.recording.recorder``, ``runtime.recording.loop_recorder``).
 
     Attributes:
         step_ms, optimizer_ms: medians over the timed steps.

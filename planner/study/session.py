@@ -9,7 +9,7 @@ provenance and trial record say, the plan written (the confirmed survivor if
 it is faster, else FSDP2's default), and whether the new calibration is kept.
 
 Whoever runs the ranks drives it through the rank protocol
-(``runtime.protocol``, [Note: Rank protocol of a measured round]):
+(``runtime.measuring.protocol``, [Note: Rank protocol of a measured round]):
 :meth:`TuningSession.prepare`, :meth:`~TuningSession.over_budget`,
 :meth:`~TuningSession.start`, the schedule's blocks,
 :meth:`~TuningSession.tell` (or :meth:`~TuningSession.fail`), then

@@ -78,7 +78,7 @@ class Collective:
         call_copy_ms: the part of ``host_ms`` inside the ``c10d::`` call before the transfer (gloo's own input copy),
             ms; 0 on GPU. ``call_copy_ms`` plus the transfer is what a bare call of the collective on preallocated
             buffers times, without FSDP2's copies around it (the recorder's reduce-scatter,
-            ``runtime.collective_timer.collective_rounds``).
+            ``runtime.recording.collective_timer.collective_rounds``).
     """
 
     module: str
@@ -114,7 +114,7 @@ class RankStep:
         recompute_bytes: per checkpointed module, the most bytes allocated during its recompute above its start.
         backward_peak_bytes: per module, the most bytes allocated in its backward stretches before its first nested
             module's, above those allocated when the stretch began (after its ``pre_backward`` label); the
-            recorder's figure of the same name ([Note: Backward temporaries] in ``runtime/compute_timer.py``).
+            recorder's figure of the same name ([Note: Backward temporaries] in ``runtime/recording/compute_timer.py``).
         root_forward_post_bytes: the bytes the root's forward stretches after its children's leave allocated (its
             final norm's, LM head's and loss's), with what the loop freed or allocated between the root's forward
             and its backward: ``ModuleProfile.activation_post_bytes``; ``None`` without memory events.

@@ -51,7 +51,7 @@ def step_memory(trace: KinetoTrace, window: TraceEvent, labels: list, optimizer:
     out["backward_peak_bytes"] = _backward_peaks(events, total_at, segments)
     # the root's forward stretches after its children's (the final norm, the LM head, the loss), and the loop's up to
     # the root's backward, in the first microbatch: the part of its activations its backward frees before its
-    # children's ([Note: The root's saved tensors in two parts] in runtime/compute_timer.py)
+    # children's ([Note: The root's saved tensors in two parts] in runtime/recording/compute_timer.py)
     first_forward = itertools.takewhile(lambda seg: seg[2] == "fwd", segments)
     out["root_forward_post_bytes"] = max(0, sum(total_at(end) - total_at(start) for start, end, phase, module, pre
                                                 in first_forward if module == "" and not pre))

@@ -1,7 +1,7 @@
 """The compute stream's time across host spans of a GPU trace: what CUDA events at a span's two ends would read.
 
 The recorder times a module's compute with CUDA events recorded at its hooks
-(``runtime.compute_timer.ComputeTimer``). An event recorded at host time t
+(``runtime.recording.compute_timer.ComputeTimer``). An event recorded at host time t
 completes at the later of t and the end of the work launched on its stream
 before t (``cudaEventRecord``). So across a host span the stream's time is its
 kernels' time when the host runs ahead of the GPU, and the host's time when

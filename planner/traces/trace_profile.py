@@ -1,6 +1,6 @@
 """A :class:`~planner.artifacts.profile.Profile` from every rank's ``torch.profiler`` trace.
 
-The same profile the recorder writes (``runtime.recorder``), from what a training job's own traces hold
+The same profile the recorder writes (``runtime.recording.recorder``), from what a training job's own traces hold
 (:mod:`planner.traces.fsdp_steps`), consolidated as the recorder consolidates: per rank the median over steps,
 then the max across ranks. Two figures differ in kind from the recorder's and say so:
 

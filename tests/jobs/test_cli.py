@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from jobs.cli import main
 from planner.errors import StudyConfigError
 from planner.testing import assert_one_line_error
-from runtime.rank import check_runnable
+from runtime.ranks.rank import check_runnable
 
 GOOD = '[study]\nname = "s"\n[workload]\nfactory = "{factory}"\n'
 STUDIES = Path(__file__).parents[2] / "studies"

@@ -32,7 +32,7 @@ def test_checkpointing_leaves_the_loss_bitwise(mesh, mode):
 
 
 def test_the_recorder_notes_the_modules_that_recompute(mesh):
-    from runtime.recorder import record_profile
+    from runtime.recording.recorder import record_profile
 
     profile = record_profile(mlp(mesh, dim=64, layers=4, activation_checkpointing="selective"),
                              warmup_steps=1, steps=1, repeats=2)

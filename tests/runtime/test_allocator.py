@@ -12,15 +12,15 @@ import pytest
 
 from planner.artifacts.names import Allocator
 from planner.errors import StudyConfigError
-from runtime import allocator
-from runtime.allocator import (
+from runtime.ranks import allocator
+from runtime.ranks.allocator import (
     JEMALLOC_CONF,
     check_rank_allocator,
     loaded_allocator,
     rank_environment,
     rank_environment_set,
 )
-from runtime.rank import check_runnable
+from runtime.ranks.rank import check_runnable
 
 ROOT = Path(__file__).parents[2]
 
@@ -99,7 +99,7 @@ def test_a_rank_under_another_allocator_is_refused(jemalloc_installed, monkeypat
 
 _FAULTS_OF_A_FREED_BLOCK = textwrap.dedent("""
     import resource, torch
-    from runtime.allocator import loaded_allocator
+    from runtime.ranks.allocator import loaded_allocator
     faults = []
     for _ in range(6):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

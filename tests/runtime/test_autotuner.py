@@ -270,7 +270,7 @@ def test_merged_passes_take_each_module_from_its_own_pass():
         ModuleFigures,
         OverlapTimings,
     )
-    from runtime.recorder import merge_isolated
+    from runtime.recording.recorder import merge_isolated
 
     def part(held: dict, overlap=None, order=("a", "b")) -> IsolatedFigures:
         return IsolatedFigures(overlap, order, order, dict.fromkeys(order, 1), held)

@@ -1,4 +1,4 @@
-"""The compute timer's backward temporaries ([Note: Backward temporaries] in ``runtime/compute_timer.py``).
+"""The compute timer's backward temporaries ([Note: Backward temporaries] in ``runtime/recording/compute_timer.py``).
 
 A small FSDP2 model on a one-rank gloo group whose loss projects onto a wide, fixed vocabulary: the loss's
 backward then allocates the gradient of the logits (batch x vocabulary x 4 bytes) in the root's backward before its
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from runtime.compute_timer import ComputeTimer
-from runtime.mark_memory import memory_at_marks
-from runtime.recorder import fsdp_modules
+from runtime.recording.compute_timer import ComputeTimer
+from runtime.recording.mark_memory import memory_at_marks
+from runtime.recording.recorder import fsdp_modules
 from runtime.reference_workloads import MLPStack
 from runtime.workload import Workload
 
@@ -97,7 +97,7 @@ def test_the_recorder_takes_the_gradient_and_the_recompute_off_the_backward_peak
         RankFigures,
         StepFigures,
     )
-    from runtime.consolidation import consolidate
+    from runtime.recording.consolidation import consolidate
 
     compute = ComputeFigures(fwd_ms=1.0, bwd_ms=2.0, fwd_pre_ms=1.0, bwd_pre_ms=2.0, activation_bytes=10,
                              recompute_activation_bytes=50, backward_peak_bytes=peak, grad_pre_bytes=grad_pre)

@@ -1,4 +1,4 @@
-"""Ctrl-C on a rank: raised once, held back while rank 0 writes the study (``runtime.interrupts``)."""
+"""Ctrl-C on a rank: raised once, held back while rank 0 writes the study (``runtime.ranks.interrupts``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from runtime.interrupts import interrupts_deferred, interrupts_raise
+from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
 
 
 def test_signal_raises_once_then_is_ignored():

@@ -11,8 +11,8 @@ from torch.distributed.fsdp import fully_shard
 
 from planner.testing import make_study_db, synthetic_profile
 from runtime import apply_plan, load_best_plan, model_fingerprint
+from runtime.ranks.torch_private import prefetch_counts, unshard_async_op
 from runtime.reference_workloads import MLPStack
-from runtime.torch_private import prefetch_counts, unshard_async_op
 from search_spaces import get_space
 
 

@@ -29,7 +29,7 @@ def test_predicted_unsharded_peak_matches_tracked(ranks, tmp_path):
 def test_stderr_silenced_hides_file_descriptor_2_only_inside_the_block(capfd):
     import os
 
-    from runtime.peak_memory import stderr_silenced
+    from runtime.recording.peak_memory import stderr_silenced
 
     with stderr_silenced():
         os.write(2, b"kineto's profiler_start line\n")

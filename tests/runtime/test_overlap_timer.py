@@ -1,10 +1,11 @@
-"""runtime.overlap_timer on a real one-rank FSDP2 model: times the largest all-gather, leaves the model resharded."""
+"""runtime.recording.overlap_timer on a real one-rank FSDP2 model: times the largest all-gather, leaves the model
+resharded."""
 
 from __future__ import annotations
 
 import torch
 
-from runtime.overlap_timer import overlap_timings
+from runtime.recording.overlap_timer import overlap_timings
 from runtime.reference_workloads import mlp
 from runtime.workload import fsdp_modules
 

@@ -1,10 +1,10 @@
-"""runtime.process_usage: the page faults and the kernel's share of what a process ran."""
+"""runtime.recording.process_usage: the page faults and the kernel's share of what a process ran."""
 
 import mmap
 
 import pytest
 
-from runtime.process_usage import process_usage
+from runtime.recording.process_usage import process_usage
 
 
 def test_process_usage_counts_the_page_faults_of_fresh_memory_and_splits_user_from_kernel():

@@ -1,12 +1,13 @@
-"""runtime.recorder on a real one-rank FSDP2 model: what its isolated figures hold, and in which order it times them."""
+"""runtime.recording.recorder on a real one-rank FSDP2 model: what its isolated figures hold, and in which order it
+times them."""
 
 from __future__ import annotations
 
-import runtime.collective_timer as collective_timer
-import runtime.recorder as recorder
+import runtime.recording.collective_timer as collective_timer
+import runtime.recording.recorder as recorder
 from runtime.apply import model_fingerprint
+from runtime.ranks.torch_private import reshard_after_forward
 from runtime.reference_workloads import mlp
-from runtime.torch_private import reshard_after_forward
 from runtime.workload import fsdp_modules, train_step
 
 
@@ -71,7 +72,7 @@ def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in
     real_unshard = {fqn: m.unshard for fqn, m in modules}
     for fqn, m in modules:
         monkeypatch.setattr(m, "unshard", lambda fqn=fqn, real=real_unshard[fqn]: (current.__setitem__(0, fqn), real()))
-    monkeypatch.setattr(collective_timer, "_timed_ms", timed)
+    monkeypatch.setattr(collective_timer, "timed_ms", timed)
     figures = collective_timer.collective_rounds(modules, numels, 3, "cpu")
 
     fqns = list(numels)

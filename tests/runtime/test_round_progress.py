@@ -1,4 +1,5 @@
-"""runtime.protocol.measured_round's progress on a real one-rank FSDP2 model: the warm-up's step count it announces is
+"""runtime.measuring.protocol.measured_round's progress on a real one-rank FSDP2 model: the warm-up's step count it
+announces is
 the number of steps it then runs before the schedule's first block (``jobs.tune`` draws the bar's total from it)."""
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import pytest
 
 from planner.artifacts.plan import ModulePlan, Plan
 from runtime.apply import model_fingerprint
-from runtime.peak_memory import PEAK_STEPS, warm_up_steps
-from runtime.protocol import measured_round
+from runtime.measuring.protocol import measured_round
+from runtime.ranks.torch_private import reshard_after_forward
+from runtime.recording.peak_memory import PEAK_STEPS, warm_up_steps
 from runtime.reference_workloads import mlp
-from runtime.torch_private import reshard_after_forward
 from runtime.workload import fsdp_modules
 
 

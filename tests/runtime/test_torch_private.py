@@ -1,4 +1,4 @@
-"""Every private torch attribute the project uses still exists and means what runtime/torch_private.py says.
+"""Every private torch attribute the project uses still exists and means what runtime/ranks/torch_private.py says.
 
 A one-rank gloo process group in this process and a real FSDP2 model: if a
 torch upgrade renames or changes one of them, the test of that function
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from runtime import torch_private
-from runtime.memory import UnshardedBytesTracker
+from runtime.ranks import torch_private
+from runtime.recording.memory import UnshardedBytesTracker
 from runtime.reference_workloads import MLPStack
 
 
@@ -33,8 +33,8 @@ def _step(model):
 def test_tested_torch_is_the_running_torch():
     line = ".".join(torch.__version__.split(".")[:2])
     assert line in torch_private.TESTED_TORCH, (
-        f"torch {torch.__version__} is not a tested line {torch_private.TESTED_TORCH}: check runtime/torch_private.py "
-        "against it, then add it to TESTED_TORCH and pyproject.toml's range"
+        f"torch {torch.__version__} is not a tested line {torch_private.TESTED_TORCH}: check "
+        "runtime/ranks/torch_private.py against it, then add it to TESTED_TORCH and pyproject.toml's range"
     )
 
 

@@ -136,7 +136,7 @@ def _backward(i, ms, temp, reduce, reshard_after, prof, cfg, st, trace):
 
     ``temp``: the compute's temporaries (``ModuleProfile.backward_temp_bytes``), allocated for the compute and freed
     after it, on top of its gradient and recomputed activations ([Note: Backward temporaries] in
-    :mod:`runtime.compute_timer`).
+    :mod:`runtime.recording.compute_timer`).
 
     A checkpointed module (``recompute_bytes`` > 0) recomputes its forward inside this compute, its parameters
     already unsharded by ``_pre_backward``: non-reentrant ``torch.utils.checkpoint`` re-runs the block when

@@ -3,7 +3,7 @@
 The rule (``planner.simulation._kernel.hooks``): ``ModuleProfile.backward_temp_bytes`` is allocated when the
 module's backward compute starts (for the root, its part before its children's: the loss's and the LM head's)
 and freed when it ends, on top of what the plan keeps alive there ([Note: Backward temporaries] in
-``runtime.compute_timer``).
+``runtime.recording.compute_timer``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from transformers import TrainerControl, TrainerState
 
 from runtime.adapters.hf import PrefetchTuningCallback
 from runtime.adapters.lightning import PrefetchTuning
-from runtime.rank import init_rank, shutdown_rank
+from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.workload import build_workload
 
 out, keys = sys.argv[1], json.loads(sys.argv[2])

@@ -10,8 +10,8 @@ import sys
 import torch.distributed as dist
 
 from runtime import PlanMismatchError, apply_plan, load_plan
-from runtime.rank import init_rank, shutdown_rank
-from runtime.torch_private import prefetch_counts, unshard_async_op
+from runtime.ranks.rank import init_rank, shutdown_rank
+from runtime.ranks.torch_private import prefetch_counts, unshard_async_op
 from runtime.workload import build_workload, fsdp_modules, train_step
 
 plan_path, factory, kwargs, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]

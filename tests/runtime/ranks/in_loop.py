@@ -26,7 +26,7 @@ import sys
 import torch.distributed as dist
 
 from runtime import AutoTuner
-from runtime.rank import init_rank, shutdown_rank
+from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.workload import build_workload
 
 factory, kwargs, steps, microbatches = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

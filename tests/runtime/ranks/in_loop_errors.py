@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from runtime import AutoTuner
-from runtime.rank import init_rank, shutdown_rank
+from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.workload import build_workload
 
 storage, out = sys.argv[1], sys.argv[2]

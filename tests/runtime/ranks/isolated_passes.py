@@ -7,7 +7,8 @@ window that held another module's all-gather would show it. After two training s
 second leaves its gradients in place: no ``zero_grad`` after it), rank 0 writes {"fqns": [...], "full":
 figures, "grouped": figures merged from one pass per module, "full_peak"/"grouped_peaks"/"default_peak": bytes,
 "module_bytes": {fqn: unsharded bytes}, "grads_kept": whether the sharded gradients are bitwise what they were}.
-Figures are ``runtime.recorder.isolated_figures``'s, the overlap microbenchmark left out; the collectives are timed
+Figures are ``runtime.recording.recorder.isolated_figures``'s, the overlap microbenchmark left out; the collectives
+are timed
 in one grouped pass (``LoopRecorder.isolate_next`` times them in the first; here the last, so that the other passes'
 peaks are the compute's alone).
 """
@@ -21,11 +22,11 @@ import torch.distributed as dist
 
 from planner.artifacts.rank_figures import RankFigures, StepFigures
 from runtime.apply import model_fingerprint
-from runtime.consolidation import merge_isolated
-from runtime.loop_recorder import PeakMeter
-from runtime.rank import init_rank, shutdown_rank
-from runtime.recorder import isolated_figures
-from runtime.torch_private import is_sharded, reshard_after_forward, watching_unshard_and_reshard
+from runtime.ranks.rank import init_rank, shutdown_rank
+from runtime.ranks.torch_private import is_sharded, reshard_after_forward, watching_unshard_and_reshard
+from runtime.recording.consolidation import merge_isolated
+from runtime.recording.loop_recorder import PeakMeter
+from runtime.recording.recorder import isolated_figures
 from runtime.workload import build_workload, fsdp_modules
 
 SLOW_MS = 60.0

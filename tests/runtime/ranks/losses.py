@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from planner.artifacts.plan import Plan
 from runtime import apply_plan
-from runtime.rank import init_rank, shutdown_rank
-from runtime.recorder import record_profile
+from runtime.ranks.rank import init_rank, shutdown_rank
+from runtime.recording.recorder import record_profile
 from runtime.workload import build_workload, train_step
 from search_spaces import per_module, uniform
 

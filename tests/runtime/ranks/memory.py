@@ -13,9 +13,9 @@ import torch.distributed as dist
 from planner.artifacts.plan import Plan
 from planner.simulation.parameters import simulate
 from runtime.apply import apply_plan
-from runtime.memory import UnshardedBytesTracker
-from runtime.rank import init_rank, shutdown_rank
-from runtime.recorder import record_profile
+from runtime.ranks.rank import init_rank, shutdown_rank
+from runtime.recording.memory import UnshardedBytesTracker
+from runtime.recording.recorder import record_profile
 from runtime.workload import build_workload, train_step
 from search_spaces import uniform
 

@@ -3,8 +3,9 @@
 Rank 0 runs a Hypothesis test that draws plans from every search space (each
 space's own ``suggest``, fed by Hypothesis instead of an Optuna sampler) plus
 the knobs a space does not search here (``reshard_after_forward`` per module,
-and every plan knob of ``planner.artifacts.knobs`` the space did not draw,
-those for GPUs included), and broadcasts each example, shrinking included,
+every plan knob of ``planner.artifacts.knobs`` the space did not draw, those
+for GPUs included, and the module knobs where a module admits them), and
+broadcasts each example, shrinking included,
 to the other ranks. Every rank trains ``steps`` steps on a fresh model with
 the plan; the property: each rank's losses are bitwise those of FSDP2's
 default.
@@ -24,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.artifacts import knobs
-from planner.artifacts.knobs import PLAN_KNOBS
+from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS
 from planner.artifacts.plan import Plan
 from runtime import apply_plan
-from runtime.rank import init_rank, shutdown_rank
-from runtime.recorder import record_profile
+from runtime.ranks.rank import init_rank, shutdown_rank
+from runtime.recording.recorder import record_profile
 from runtime.workload import build_workload, train_step
 from search_spaces import SPACES
 
@@ -84,6 +85,12 @@ if dist.get_rank() == 0:
                  if k.name != "unshard_async_op"  # every space draws it
                  and not (space == "assign" and knobs.sampled(k, profile.fingerprint.device_type, microbatches))}
         plan = dataclasses.replace(plan, modules=modules).with_knobs(**drawn)
+        if space != "assign":  # the module knobs where a space may set them (assign draws its own)
+            plan = dataclasses.replace(plan, modules={fqn: m.with_knobs(**{
+                k.name: data.draw(st.sampled_from(k.choices), label=f"{k.param}:{fqn}") for k in MODULE_KNOBS
+                if knobs.sampled(k, profile.fingerprint.device_type, microbatches,
+                                 not profile.modules[fqn].needs_parameters_in_backward)}) for fqn, m in
+                plan.modules.items()})
         seen["reshard_after_backward=False"] += not plan.reshard_after_backward
         seen["unshard_in_backward=False"] += not all(m.knobs.unshard_in_backward for m in plan.modules.values())
         plan.validate()

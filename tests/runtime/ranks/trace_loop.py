@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.apply import model_fingerprint
-from runtime.rank import init_rank, shutdown_rank
+from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.workload import build_workload, train_step
 
 factory, kwargs, microbatches, active, folder = (sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]),

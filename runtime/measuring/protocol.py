@@ -13,12 +13,12 @@ holds the study (a :class:`RoundStage`: ``planner.study.session.TuningSession``)
    is FAIL on every rank (the reason names the rank and the exception); the
    round goes on without it (without FSDP2's default there is no round).
 3. Measure. Every rank warms each plan up, measuring its peak memory on
-   the way (``runtime.peak_memory.warm_up_measuring_peaks``; per plan the
+   the way (``runtime.recording.peak_memory.warm_up_measuring_peaks``; per plan the
    median over steps of the max across ranks). Rank 0 records FAIL the
    candidates whose measured peak exceeds the memory budget
    (``FailKind.ERROR``), and every rank leaves them out. Then it runs blocks of rounds:
    rank 0's schedule (the race, then the confirmation: ``planner.statistics.schedule``)
-   hands out each block, every rank runs it (``runtime.measure.run_schedule``)
+   hands out each block, every rank runs it (``runtime.measuring.measure.run_schedule``)
    and catches its own exception, and the outcomes (times, or the failing
    plan and exception) are all-gathered after each block.
    - Every rank succeeded: rank 0 feeds the per-step max across ranks to the
@@ -37,7 +37,7 @@ holds the study (a :class:`RoundStage`: ``planner.study.session.TuningSession``)
      resumes the study.
 
 Every collective of the protocol runs on a separate gloo group (the control
-group, ``runtime.collectives.control_group``) whose timeout is
+group, ``runtime.ranks.collectives.control_group``) whose timeout is
 ``2 * timeout_s + 60`` s: long enough for a rank that failed early to wait
 while its peers time out in a training collective, short enough that no rank
 waits for ever. If a rank died (no report at all),
@@ -45,7 +45,7 @@ the gather fails on the others. On that, on Ctrl-C, SIGTERM or a storage
 error, the job (``jobs.tune.TuneJob``) records every trial its session
 still holds FAIL ``FailKind.INTERRUPTED`` with the reason
 (``TuningSession.fail_held``: trials created before the round was handed out
-too; ``runtime.interrupts`` holds a signal back while rank 0 writes the
+too; ``runtime.ranks.interrupts`` holds a signal back while rank 0 writes the
 study). SIGKILL leaves them RUNNING until their heartbeat goes stale and the
 next job re-queues them (``MeasuredStage.claim_retries``).
 """
@@ -61,10 +61,10 @@ import torch.distributed as dist
 from planner.artifacts.plan import Plan
 from planner.errors import FailKind, PlannerError, TrialFailedError, one_line
 from runtime.apply import apply_plan
-from runtime.collectives import broadcast_from_rank0, broadcast_plans, gather_objects
-from runtime.interrupts import interrupts_deferred
-from runtime.measure import Scheduler, StepCounter, StepFailed, run_schedule
-from runtime.peak_memory import peak_of_steps, warm_up_measuring_peaks, warm_up_steps
+from runtime.measuring.measure import Scheduler, StepCounter, StepFailed, run_schedule
+from runtime.ranks.collectives import broadcast_from_rank0, broadcast_plans, gather_objects
+from runtime.ranks.interrupts import interrupts_deferred
+from runtime.recording.peak_memory import peak_of_steps, warm_up_measuring_peaks, warm_up_steps
 from runtime.workload import Workload
 
 
@@ -144,10 +144,10 @@ def measured_round(
         stage: rank 0: the study's side of the round (its :meth:`RoundStage.prepare` is step 1);
             ``None`` on other ranks.
         warmup_steps: untimed steps per plan before the first block.
-        group: the control group (``runtime.collectives.control_group``).
+        group: the control group (``runtime.ranks.collectives.control_group``).
         on_step: progress callback per step.
         on_warm_up: progress callback, called once before the warm-up with its steps (every plan that applied
-            everywhere, ``runtime.peak_memory.warm_up_steps(warmup_steps)`` steps each).
+            everywhere, ``runtime.recording.peak_memory.warm_up_steps(warmup_steps)`` steps each).
 
     Returns:
         :class:`RoundResult` (``told`` empty on ranks other than 0).

@@ -5,14 +5,14 @@ What it records and how (docs/architecture.md, "Measurement"):
 - Gradient accumulation: the workload's microbatches per step (``Profile.microbatches``); the module figures below are
   per microbatch, the step figures per step (every microbatch and the optimizer).
 - Peak memory, step ms and optimizer ms of FSDP2's default plan, after everything else: the peak of
-  :data:`runtime.peak_memory.PEAK_STEPS` untimed steps, and what the optimizer step allocates on top
-  (:func:`runtime.peak_memory.measure_peak`); then the median over timed steps, last of all, when the run has
+  :data:`runtime.recording.peak_memory.PEAK_STEPS` untimed steps, and what the optimizer step allocates on top
+  (:func:`runtime.recording.peak_memory.measure_peak`); then the median over timed steps, last of all, when the run has
   settled (the first steps after the model is built run far slower: [Note: Why the isolated figures are not
   enough] in :mod:`planner.simulation.in_step`; the steps just after the isolated passes and the profiled peak
   steps too: [Note: The default's step is timed last]).
 - Pre- and post-forward order of the FSDP modules, with multiplicity, from forward hooks; compute ms per module,
-  forward and backward, exclusive of nested FSDP modules (:class:`runtime.compute_timer.ComputeTimer`): every FSDP
-  module is unsharded first, with ``reshard_after_forward`` off, gradient sync off
+  forward and backward, exclusive of nested FSDP modules (:class:`runtime.recording.compute_timer.ComputeTimer`):
+  every FSDP module is unsharded first, with ``reshard_after_forward`` off, gradient sync off
   (``set_requires_gradient_sync(False)``) and ``set_reshard_after_backward(False)``, so no collective runs inside the
   window; each module's unsharded gradients are freed when its backward ends, as in a step ([Note: The isolated
   backward frees each module's gradients]).
@@ -20,13 +20,14 @@ What it records and how (docs/architecture.md, "Measurement"):
   embedding, its parameters need no all-gather in backward: ``set_unshard_in_backward(False)``).
 - Backward temporaries per module: the most bytes alive in its backward above its start, less its gradient and
   recomputed activations, read in the isolated passes' first, untimed repeat ([Note: Backward temporaries] in
-  :mod:`runtime.compute_timer`).
-- All-gather ms and reduce-scatter ms in isolation, all ranks together (:mod:`runtime.collective_timer`), medians of
-  rounds over every module ([Note: Collectives timed in rounds]).
+  :mod:`runtime.recording.compute_timer`).
+- All-gather ms and reduce-scatter ms in isolation, all ranks together (:mod:`runtime.recording.collective_timer`),
+  medians of rounds over every module ([Note: Collectives timed in rounds]).
 - On a CPU device, the all-gather of the module with the most unsharded parameters and compute, alone and at once
-  (:mod:`runtime.overlap_timer`). These and the collectives are timed first, after the warm-up steps, before the
-  isolated compute passes ([Note: The collectives are timed before the isolated passes]).
-- Per-rank figures are gathered (:func:`runtime.collectives.gather_objects`) and consolidated: max across ranks (the
+  (:mod:`runtime.recording.overlap_timer`). These and the collectives are timed first, after the warm-up steps, before
+  the isolated compute passes ([Note: The collectives are timed before the isolated passes]).
+- Per-rank figures are gathered (:func:`runtime.ranks.collectives.gather_objects`) and consolidated: max across ranks
+  (the
   overlap timings: mean across ranks), per-rank kept.
 """
 
@@ -51,16 +52,16 @@ from planner.artifacts.rank_figures import (
     RankFigures,
     StepFigures,
 )
-from runtime.allocator import loaded_allocator
 from runtime.apply import model_fingerprint
-from runtime.collective_timer import module_collectives
-from runtime.collectives import gather_objects
-from runtime.compute_timer import ComputeTimer
-from runtime.consolidation import consolidate, merge_isolated
-from runtime.measure import device_type_of, synchronize
-from runtime.peak_memory import PEAK_STEPS, measure_peak
-from runtime.process_usage import process_usage
-from runtime.torch_private import clear_unsharded_grads, reshard_after_forward, unshard_async_op_setter
+from runtime.measuring.measure import device_type_of, synchronize
+from runtime.ranks.allocator import loaded_allocator
+from runtime.ranks.collectives import gather_objects
+from runtime.ranks.torch_private import clear_unsharded_grads, reshard_after_forward, unshard_async_op_setter
+from runtime.recording.collective_timer import module_collectives
+from runtime.recording.compute_timer import ComputeTimer
+from runtime.recording.consolidation import consolidate, merge_isolated
+from runtime.recording.peak_memory import PEAK_STEPS, measure_peak
+from runtime.recording.process_usage import process_usage
 from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, train_step
 
 
@@ -184,7 +185,8 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
     (``times``, ``activation_bytes``, ``needs_parameters_in_backward``, ``recompute_bytes``, ``backward_peak``
     hold only theirs). The warm-up repeat, dropped from the times, reads the memory alive at each mark:
     ``backward_peak``, and ``root_grad_pre_bytes`` (``None``: the root not held) ([Note: Backward temporaries] in
-    :mod:`runtime.compute_timer`); every run reads ``root_activation_post_bytes`` (``None``: the root not held;
+    :mod:`runtime.recording.compute_timer`); every run reads ``root_activation_post_bytes`` (``None``: the root not
+    held;
     [Note: The root's saved tensors in two parts] there).
     """
     model = workload.model
@@ -297,8 +299,8 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
                      collectives: bool = True) -> IsolatedFigures:
     """This rank's figures measured outside a training step (collective: all ranks call it, after a step).
 
-    Per FSDP module: all-gather and reduce-scatter ms in isolation (:mod:`runtime.collective_timer`), sharded
-    bytes and, on a CPU device, the overlap microbenchmark (:mod:`runtime.overlap_timer`), timed first ([Note:
+    Per FSDP module: all-gather and reduce-scatter ms in isolation (:mod:`runtime.recording.collective_timer`), sharded
+    bytes and, on a CPU device, the overlap microbenchmark (:mod:`runtime.recording.overlap_timer`), timed first ([Note:
     The collectives are timed before the isolated passes]); then forward and backward compute with every module
     unsharded and no communication (:func:`compute_unsharded`), activation bytes, whether backward needs its
     parameters. Times in ms, sizes in bytes.

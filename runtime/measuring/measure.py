@@ -18,7 +18,7 @@ import torch.distributed as dist
 from planner.artifacts.plan import Plan
 from planner.errors import PlannerError, one_line
 from runtime.apply import apply_plan
-from runtime.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
+from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
 from runtime.workload import Workload, train_step
 
 
@@ -47,15 +47,22 @@ def device_type_of(workload: Workload) -> str:
     return next(workload.model.parameters()).device.type
 
 
-def timed_step(workload: Workload, step: int) -> float:
-    """Run one training step after a barrier; return this rank's wall time in ms."""
-    device = device_type_of(workload)
+def timed_ms(run: Callable[[], object], device_type: str) -> float:
+    """This rank's wall time of ``run()``, ms: every rank starts together (a barrier), and the device is
+    synchronized on both ends, so on GPU the kernels ``run`` queued are in the time. The project's one timer of a
+    callable; the recorder's two-part step and the in-loop tuner's step around the user's code take the same
+    barrier, synchronize and ``perf_counter`` at their ends."""
     dist.barrier()
-    synchronize(device)
+    synchronize(device_type)
     t0 = time.perf_counter()
-    train_step(workload, step)
-    synchronize(device)
+    run()
+    synchronize(device_type)
     return (time.perf_counter() - t0) * 1e3
+
+
+def timed_step(workload: Workload, step: int) -> float:
+    """Run one training step after a barrier; return this rank's wall time in ms (:func:`timed_ms`)."""
+    return timed_ms(lambda: train_step(workload, step), device_type_of(workload))
 
 
 class StepFailed(Exception):
@@ -210,7 +217,7 @@ def run_schedule(
 
     Args:
         scheduler: rank 0's (``planner.statistics.schedule.Schedule``); ``None`` on the other ranks.
-        group: the group of the protocol's collectives (``runtime.collectives.control_group``).
+        group: the group of the protocol's collectives (``runtime.ranks.collectives.control_group``).
         report: how a block's step times reach every rank, given this rank's run of it (default: run it and
             gather the times); the rank protocol's also turns a failed step on any rank into a failed trial.
 

@@ -15,16 +15,20 @@ compute (:func:`overlap_timings`).
 from __future__ import annotations
 
 import statistics
-import time
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.rank_figures import OverlapTimings
+from runtime.measuring.measure import timed_ms
 
 # The compute beside the all-gather: (rows x inner) @ (inner x inner) float32 matrix multiplies.
 _ROWS, _INNER = 64, 1024
+
+
+def _cpu_ms(run: Callable[[], object]) -> float:
+    return timed_ms(run, "cpu")
 
 
 def _matmuls(count: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -32,11 +36,6 @@ def _matmuls(count: int, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.mm(a, b)
 
 
-def _timed_ms(run) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    run()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def overlap_timings(modules: list[tuple[str, FSDPModule]], unsharded_numels: dict[str, int],
@@ -44,7 +43,7 @@ def overlap_timings(modules: list[tuple[str, FSDPModule]], unsharded_numels: dic
     """Compute alone, all-gather alone, and both at once, interleaved over ``repeats`` rounds (CPU device).
 
     Every rank calls this together. The all-gather is ``module.unshard()``
-    (all-gather and copy-out, as :func:`runtime.collective_timer.all_gather_ms`
+    (all-gather and copy-out, as :func:`runtime.recording.collective_timer.all_gather_ms`
     times it) of the module with the most unsharded parameters; the compute is
     as many matrix multiplies as this rank's ``all_gather_ms`` of it. "Both" issues
     ``module.unshard(async_op=True)``, runs the compute, then waits on the
@@ -64,7 +63,7 @@ def overlap_timings(modules: list[tuple[str, FSDPModule]], unsharded_numels: dic
     fqn = max(unsharded_numels, key=lambda f: unsharded_numels[f])  # the first of equals: the same on every rank
     module = dict(modules)[fqn]
     a, b = torch.randn(_ROWS, _INNER), torch.randn(_INNER, _INNER)
-    one = statistics.median(_timed_ms(lambda: _matmuls(4, a, b)) / 4 for _ in range(5))
+    one = statistics.median(_cpu_ms(lambda: _matmuls(4, a, b)) / 4 for _ in range(5))
     count = max(1, round(all_gather_ms[fqn] / max(one, 1e-3)))
 
     def gather() -> None:
@@ -81,7 +80,7 @@ def overlap_timings(modules: list[tuple[str, FSDPModule]], unsharded_numels: dic
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats + 1):  # the first round warms up and is dropped
         for name in names[r % 3:] + names[:r % 3]:
-            ms = _timed_ms(runs[name])
+            ms = _cpu_ms(runs[name])
             module.reshard()
             if r:
                 samples[name].append(ms)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -13,8 +12,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.rank_figures import CollectiveFigures, OverlapTimings
-from runtime.measure import synchronize
-from runtime.overlap_timer import overlap_timings
+from runtime.measuring.measure import timed_ms
+from runtime.recording.overlap_timer import overlap_timings
 from runtime.workload import own_parameters
 
 # [Note: Collectives timed in rounds]
@@ -29,14 +28,6 @@ from runtime.workload import own_parameters
 COLLECTIVE_ROUNDS = 5
 
 
-def _timed_ms(run, device: str) -> float:
-    """Wall time of ``run()`` in ms, after a barrier, the device synchronized on both ends."""
-    dist.barrier()
-    synchronize(device)
-    t0 = time.perf_counter()
-    run()
-    synchronize(device)
-    return (time.perf_counter() - t0) * 1e3
 
 
 def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: dict[str, int], repeats: int,
@@ -78,14 +69,14 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
         for k in range(len(fqns)):
             fqn = fqns[(r + k) % len(fqns)]
             module = by_fqn[fqn]
-            all_gather = _timed_ms(module.unshard, device)
+            all_gather = timed_ms(module.unshard, device)
             module.reshard()
             if sizes[fqn] not in buffers:
                 padded, dtype = sizes[fqn]
                 buffers[sizes[fqn]] = (torch.zeros(padded, dtype=dtype, device=device),
                                        torch.empty(padded // world, dtype=dtype, device=device))
             inp, out = buffers[sizes[fqn]]
-            reduce_scatter_time = _timed_ms(functools.partial(reduce_scatter, out, inp), device)
+            reduce_scatter_time = timed_ms(functools.partial(reduce_scatter, out, inp), device)
             if r:
                 all_gathers[fqn].append(all_gather)
                 reduce_scatters[fqn].append(reduce_scatter_time)
@@ -98,7 +89,8 @@ def module_collectives(modules: list[tuple[str, FSDPModule]], fingerprint: Finge
     """Every FSDP module's collectives in isolation, and on a CPU device the overlap microbenchmark (all ranks).
 
     In order: every module's all-gather and reduce-scatter in ``max(repeats, COLLECTIVE_ROUNDS)`` rounds
-    (:func:`collective_rounds`), then the overlap microbenchmark (:func:`runtime.overlap_timer.overlap_timings`,
+    (:func:`collective_rounds`), then the overlap microbenchmark
+    (:func:`runtime.recording.overlap_timer.overlap_timings`,
     sized by those all-gathers; ``None`` on CUDA).
 
     Returns:

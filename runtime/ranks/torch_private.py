@@ -270,7 +270,8 @@ def profiler_marks(prof: Any, prefix: str) -> list[tuple[int, str]]:
     """``(time ns, name)`` of the ``record_function`` blocks whose name starts with ``prefix``, in time order, on
     the clock of :func:`profiler_allocations`.
 
-    Why: the bytes alive at chosen points of a profiled run on a CPU device (:mod:`runtime.compute_timer` marks
+    Why: the bytes alive at chosen points of a profiled run on a CPU device (:mod:`runtime.recording.compute_timer`
+    marks
     each module's window with an empty block). Read from the same event tree as :func:`profiler_allocations`
     (``experimental_event_tree()``, ``name``, ``start_time_ns``).
     """

@@ -8,7 +8,7 @@ tensors alive at once during a step, on this rank.
 - CPU: there is no allocator peak to read, so the step runs under
   ``torch.profiler.profile(profile_memory=True)``. Its allocation events carry
   the running total of bytes allocated while profiling
-  (:func:`runtime.torch_private.profiler_allocations`); their peak above the
+  (:func:`runtime.ranks.torch_private.profiler_allocations`); their peak above the
   total at step start is the step's own peak. Added to it: the bytes alive at
   step start, counted from their storages (the sharded parameters, their
   gradients if any and the optimizer state; each storage once), counted after
@@ -32,8 +32,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from planner.artifacts.plan import Plan
 from runtime.apply import apply_plan
-from runtime.measure import StepCounter, StepFailed, device_type_of, synchronize
-from runtime.torch_private import profiler_allocations
+from runtime.measuring.measure import StepCounter, StepFailed, device_type_of, synchronize
+from runtime.ranks.torch_private import profiler_allocations
 from runtime.workload import Workload, forward_backward, train_step
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
@@ -89,7 +89,8 @@ def bytes_alive(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimiz
 
 
 def step_peak(allocations: list[tuple[int, int, int]]) -> int:
-    """The step's own peak from :func:`runtime.torch_private.profiler_allocations`, bytes above the total at its start.
+    """The step's own peak from :func:`runtime.ranks.torch_private.profiler_allocations`, bytes above the total at its
+    start.
 
     The total before the first event is its total minus its size; frees of
     tensors allocated before profiling are not counted by the profiler, so

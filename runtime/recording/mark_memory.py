@@ -1,6 +1,6 @@
 """The bytes alive at each mark of the compute timer's run, and each module's backward peak from them.
 
-[Note: Backward temporaries] in :mod:`runtime.compute_timer` says why. On GPU a mark reads the caching
+[Note: Backward temporaries] in :mod:`runtime.recording.compute_timer` says why. On GPU a mark reads the caching
 allocator's counters (``memory_allocated``, ``max_memory_allocated``, then ``reset_peak_memory_stats``), host-side
 and in program order, as the allocator accounts them. On CPU there are no counters: the run goes under
 ``torch.profiler.profile(profile_memory=True)``, each mark is an empty ``record_function`` block, and the marks
@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from runtime.peak_memory import stderr_silenced
-from runtime.torch_private import profiler_allocations, profiler_marks, profiler_running
+from runtime.ranks.torch_private import profiler_allocations, profiler_marks, profiler_running
+from runtime.recording.peak_memory import stderr_silenced
 
 MARK = "prefetch-planner: mark "  # the record_function name of a mark in a profiled run on CPU
 
@@ -49,7 +49,7 @@ class MarkMemory:
             yield
             return
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.peak_memory
+        with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.recording.peak_memory
             prof.__enter__()
         self._profiling = True
         try:
@@ -75,7 +75,7 @@ def memory_at_marks(allocations: list[tuple[int, int, int]], marks: list[int]) -
     """Per mark: ``(bytes alive at it, most bytes alive since the mark before)``, from a CPU memory profile.
 
     Args:
-        allocations: :func:`runtime.torch_private.profiler_allocations`, ``(time ns, bytes, total after)``.
+        allocations: :func:`runtime.ranks.torch_private.profiler_allocations`, ``(time ns, bytes, total after)``.
         marks: the marks' times, ns, on the same clock, in order.
 
     The totals count what was allocated while profiling and is still alive, so only differences between marks
@@ -118,7 +118,7 @@ class MarkStep(NamedTuple):
 
 def walk_marks(marks: Sequence[tuple[str, str]], root: str) -> Iterator[MarkStep]:
     """The compute timer's windows over its ``(kind, fqn)`` marks, in order: the one walk its time attribution
-    (:meth:`runtime.compute_timer.ComputeTimer.attribute`) and :func:`backward_peaks` share.
+    (:meth:`runtime.recording.compute_timer.ComputeTimer.attribute`) and :func:`backward_peaks` share.
 
     ``enter``/``exit`` open and close a module's forward window, ``benter``/``bexit`` its backward window; the
     root's second ``enter`` opens the backward; other kinds (the recompute's ``rstart``/``rtick``/``rend``) open

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.json_types import JsonObject
 from runtime.apply import model_fingerprint
-from runtime.torch_private import fake_process_group
+from runtime.ranks.torch_private import fake_process_group
 from runtime.workload import build_workload
 
 

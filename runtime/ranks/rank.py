@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planner.artifacts.names import Allocator, Backend
 from planner.errors import StudyConfigError
-from runtime.allocator import check_rank_allocator, jemalloc_library
+from runtime.ranks.allocator import check_rank_allocator, jemalloc_library
 
 
 def check_runnable(backend: Backend | str, ranks_per_node: int,
@@ -60,7 +60,7 @@ def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Alloc
     Raises:
         StudyConfigError: the machine cannot run ``backend`` with this many
             ranks per node (:func:`check_runnable`), or the rank runs under
-            another allocator (:func:`runtime.allocator.check_rank_allocator`).
+            another allocator (:func:`runtime.ranks.allocator.check_rank_allocator`).
     """
     backend = Backend(backend)
     check_runnable(backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

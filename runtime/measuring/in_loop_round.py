@@ -1,6 +1,6 @@
 """The measured round of the in-loop tuner: what happens between the user's steps, on every rank together.
 
-The rank protocol of ``runtime.protocol`` ([Note: Rank protocol of a measured
+The rank protocol of ``runtime.measuring.protocol`` ([Note: Rank protocol of a measured
 round]) turned inside out: there, the protocol runs the steps; here, the
 user's loop runs them (``runtime.autotuner``) and this round is called between
 two of them. It answers each call with the steps to run next, as
@@ -31,8 +31,8 @@ from planner.statistics.verdict import Confirmation, Verdict
 from planner.storages import check_writable
 from planner.study.in_loop import SOURCE, block_times, plan_at_start, recheck_config, step_orders
 from runtime.apply import apply_plan
-from runtime.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
-from runtime.peak_memory import PEAK_STEPS, peak_of_steps
+from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
+from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
 
 logger = logging.getLogger("runtime.autotuner")
 
@@ -59,6 +59,23 @@ class RoundEnd:
     plan: Plan
     confirmation: Confirmation | None
     line: str
+
+
+@dataclass(frozen=True)
+class TunerStart:
+    """What the tuner does at construction, decided on rank 0 and broadcast.
+
+    Attributes:
+        tune: spend steps tuning; else apply :attr:`plan_json` (or FSDP2's default) and stop.
+        why: the log line that says why.
+        plan_json: the study's plan for this model (Plan JSON); ``None``: none.
+        recheck: a recheck's stored profile's microbatches; ``None``: no recheck.
+    """
+
+    tune: bool
+    why: str
+    plan_json: str | None
+    recheck: int | None
 
 
 class InLoopRound:
@@ -102,10 +119,9 @@ class InLoopRound:
                 payload = {"error": one_line(e)}
         return broadcast_from_rank0(payload, self.group)
 
-    def start(self, fingerprint: Fingerprint, recheck: bool) -> dict[str, Any]:
+    def start(self, fingerprint: Fingerprint, recheck: bool) -> TunerStart:
         """What the tuner does at construction (``planner.study.in_loop.plan_at_start``, read on rank 0), on every
-        rank: ``{"tune", "why", "plan" (a Plan dict or None), "recheck" (the stored profile's microbatches, or None
-        when this is no recheck)}``; rank 0 keeps the stored profile a recheck runs on (:attr:`stored_profile`).
+        rank; rank 0 keeps the stored profile a recheck runs on (:attr:`stored_profile`).
 
         Raises:
             PlannerError: the planner error rank 0 met (its class: ``StudyModelMismatchError``, ``StorageError``).
@@ -116,14 +132,14 @@ class InLoopRound:
                 begin = plan_at_start(self.config, fingerprint, recheck)
                 if begin.decision.tune:
                     check_writable(self.config.storage_url)
-                payload = {"tune": begin.decision.tune, "why": begin.decision.why,
-                           "plan": begin.plan.to_dict() if begin.plan else None,
-                           "recheck": begin.profile.microbatches if begin.profile else None}
+                payload = TunerStart(begin.decision.tune, begin.decision.why,
+                                     begin.plan.to_json() if begin.plan else None,
+                                     begin.profile.microbatches if begin.profile else None)
                 self.stored_profile = begin.profile
             except PlannerError as e:
                 payload = {"raise": type(e).__name__, "message": str(e)}
         payload = broadcast_from_rank0(payload, self.group)
-        if "raise" in payload:
+        if isinstance(payload, dict):
             raise getattr(errors, payload["raise"], PlannerError)(payload["message"])
         return payload
 
@@ -160,20 +176,8 @@ class InLoopRound:
             self.plans = [Plan.from_dict(d) for d in self.everywhere(ask)]
         finally:
             optuna.logging.set_verbosity(verbosity)
-        here = []
-        for plan in self.plans:
-            try:
-                apply_plan(self.model, plan, check=True)
-                here.append(None)
-            except PlannerError as e:
-                here.append(one_line(e))
-        apply_plan(self.model, self.plans[0], check=False)
-        outcomes = gather_objects(here, self.group)
-        self.kept = [i for i in range(len(self.plans)) if all(o[i] is None for o in outcomes)]
-        for i in range(len(self.plans)):
-            if i not in self.kept:
-                self.failed[i] = "applying the plan failed on " + "; ".join(
-                    f"rank {r}: {o[i]}" for r, o in enumerate(outcomes) if o[i] is not None)
+        self.kept, failed = applied_everywhere(self.model, self.plans, self.group)
+        self.failed.update(failed)
         if 0 not in self.kept:
             raise PlannerError(f"FSDP2's default plan failed to apply ({self.failed[0]})")
         if self.rank0:
@@ -275,3 +279,25 @@ class InLoopRound:
     def _log(self, line: str) -> None:
         if self.rank0:
             logger.info(line)
+
+
+def applied_everywhere(model: nn.Module, plans: list[Plan], group: Any) -> tuple[list[int], dict[int, str]]:
+    """Apply each plan on every rank (checked against the model), then the first (FSDP2's default) again.
+
+    Returns:
+        The indices of the plans every rank applied, and for each other plan why, rank by rank.
+    """
+    here = []
+    for plan in plans:
+        try:
+            apply_plan(model, plan, check=True)
+            here.append(None)
+        except PlannerError as e:
+            here.append(one_line(e))
+    apply_plan(model, plans[0], check=False)
+    outcomes = gather_objects(here, group)
+    kept = [i for i in range(len(plans)) if all(o[i] is None for o in outcomes)]
+    failed = {i: "applying the plan failed on " + "; ".join(f"rank {r}: {o[i]}" for r, o in enumerate(outcomes)
+                                                              if o[i] is not None)
+              for i in range(len(plans)) if i not in kept}
+    return kept, failed

@@ -1,7 +1,7 @@
 """Compute time per FSDP module, forward and backward, exclusive of nested FSDP modules.
 
 The recorder runs this with every module already unsharded and no
-communication in the window (``runtime.recorder``).
+communication in the window (``runtime.recording.recorder``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from planner.artifacts.rank_figures import COMPUTE_FIELDS
-from runtime.mark_memory import MarkMemory, backward_peaks, walk_marks
+from runtime.recording.mark_memory import MarkMemory, backward_peaks, walk_marks
 from runtime.workload import Workload, own_parameters
 
 # [Note: Backward temporaries]
@@ -27,7 +27,7 @@ from runtime.workload import Workload, own_parameters
 # block's, and a simulator without them puts FSDP2's default under its measured peak and prices a last block kept
 # unsharded at nothing where it costs one block's unsharded bytes. So the timer reads the bytes alive at each mark and
 # the most alive since
-# the one before (:mod:`runtime.mark_memory`: on GPU the caching allocator's counters; on CPU a profiled run).
+# the one before (:mod:`runtime.recording.mark_memory`: on GPU the caching allocator's counters; on CPU a profiled run).
 # A module's :attr:`ComputeTimer.backward_peak` is the most bytes alive in its backward before its first nested
 # module's, above those alive when its backward started; the recorder takes its gradient there and its recomputed
 # activations off it (``ModuleProfile.backward_temp_bytes``), as the simulator allocates those apart. A root's
@@ -311,40 +311,49 @@ class ComputeTimer:
         self._marks_to_seconds()
 
     def attribute(self) -> tuple[dict[str, dict[str, float]], list[str], list[str], dict[str, int]]:
-        """Exclusive ms per module and phase, pre-/post-forward order, forward calls (the windows of
-        :func:`runtime.mark_memory.walk_marks`)."""
-        out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPUTE_FIELDS, 0.0))
-        pre_order, post_order = [], []
-        calls: dict[str, int] = defaultdict(int)
-        recompute_start: dict[str, float] = {}
-        recompute_last: dict[str, float] = {}  # its last rtick ([Note: The recompute stops early])
-        for step in walk_marks([(kind, fqn) for _, kind, fqn in self.marks], self.root):
-            i, kind, fqn, t = step.index, step.kind, step.fqn, self.marks[step.index][0]
-            if recompute_start and kind not in ("rtick", "rend"):  # one stopped early: it ended at its last rtick
-                for f, start in recompute_start.items():
-                    out[f]["recompute_ms"] += (recompute_last.pop(f) - start) * 1e3
-                recompute_start.clear()
-            if kind == "rstart":
-                recompute_start[fqn] = recompute_last[fqn] = t
-            elif kind == "rtick":
-                if fqn in recompute_start:
-                    recompute_last[fqn] = t
-            elif kind == "rend":
-                recompute_last.pop(fqn, None)
-                out[fqn]["recompute_ms"] += (t - recompute_start.pop(fqn, t)) * 1e3
-            elif kind == "enter" and not step.backward and fqn != self.root:
-                pre_order.append(fqn)
-                calls[fqn] += 1
-            elif kind == "exit" and not step.backward and fqn != self.root:
-                post_order.append(fqn)
-            if step.top is not None and i + 1 < len(self.marks):
-                dt = (self.marks[i + 1][0] - t) * 1e3
-                phase = "bwd" if step.backward else "fwd"
-                out[step.top][f"{phase}_ms"] += dt
-                if step.pre:
-                    out[step.top][f"{phase}_pre_ms"] += dt
-        return dict(out), pre_order, post_order, dict(calls)
+        """Exclusive ms per module and phase, pre-/post-forward order, forward calls of the last run
+        (:func:`attribute_marks`)."""
+        return attribute_marks(self.marks, self.root)
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def attribute_marks(marks: list[tuple[float, str, str]], root: str
+                    ) -> tuple[dict[str, dict[str, float]], list[str], list[str], dict[str, int]]:
+    """A run's marks, ``(seconds, kind, fqn)`` in order, as exclusive ms per module and phase
+    (:data:`planner.artifacts.rank_figures.COMPUTE_FIELDS`), the pre- and post-forward orders (``root`` left out)
+    and each module's forward calls: the windows of :func:`runtime.recording.mark_memory.walk_marks`, a recompute
+    from its start to its end or, stopped early, to its last tick ([Note: The recompute stops early])."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPUTE_FIELDS, 0.0))
+    pre_order, post_order = [], []
+    calls: dict[str, int] = defaultdict(int)
+    recompute_start: dict[str, float] = {}
+    recompute_last: dict[str, float] = {}  # its last rtick ([Note: The recompute stops early])
+    for step in walk_marks([(kind, fqn) for _, kind, fqn in marks], root):
+        i, kind, fqn, t = step.index, step.kind, step.fqn, marks[step.index][0]
+        if recompute_start and kind not in ("rtick", "rend"):  # one stopped early: it ended at its last rtick
+            for f, start in recompute_start.items():
+                out[f]["recompute_ms"] += (recompute_last.pop(f) - start) * 1e3
+            recompute_start.clear()
+        if kind == "rstart":
+            recompute_start[fqn] = recompute_last[fqn] = t
+        elif kind == "rtick":
+            if fqn in recompute_start:
+                recompute_last[fqn] = t
+        elif kind == "rend":
+            recompute_last.pop(fqn, None)
+            out[fqn]["recompute_ms"] += (t - recompute_start.pop(fqn, t)) * 1e3
+        elif kind == "enter" and not step.backward and fqn != root:
+            pre_order.append(fqn)
+            calls[fqn] += 1
+        elif kind == "exit" and not step.backward and fqn != root:
+            post_order.append(fqn)
+        if step.top is not None and i + 1 < len(marks):
+            dt = (marks[i + 1][0] - t) * 1e3
+            phase = "bwd" if step.backward else "fwd"
+            out[step.top][f"{phase}_ms"] += dt
+            if step.pre:
+                out[step.top][f"{phase}_pre_ms"] += dt
+    return dict(out), pre_order, post_order, dict(calls)

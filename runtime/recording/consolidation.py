@@ -17,11 +17,11 @@ from planner.artifacts.rank_figures import (
     OverlapTimings,
     RankFigures,
 )
-from runtime.peak_memory import peak_of_steps
+from runtime.recording.peak_memory import peak_of_steps
 
 
 def merge_isolated(parts: list[IsolatedFigures]) -> IsolatedFigures:
-    """One rank's :func:`runtime.recorder.isolated_figures` from passes of a few modules each: each module's
+    """One rank's :func:`runtime.recording.recorder.isolated_figures` from passes of a few modules each: each module's
     figures from the parts that hold them; orders and forward calls from the first part (the same in every pass);
     the overlap microbenchmark from the part that ran it.
 

@@ -3,7 +3,7 @@
 On a CPU device there is no allocator peak to read; what a prefetch plan
 changes is how many all-gather outputs are alive at once. This tracker
 watches ``FSDPParamGroup.unshard`` and ``FSDPParamGroup.reshard`` while it is
-active (:func:`runtime.torch_private.watching_unshard_and_reshard`) and
+active (:func:`runtime.ranks.torch_private.watching_unshard_and_reshard`) and
 counts, per parameter group, the unsharded bytes from the moment its
 all-gather is issued until it is resharded: the quantity the simulator
 predicts as ``SimResult.peak_unsharded_bytes``.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from runtime.torch_private import (
+from runtime.ranks.torch_private import (
     all_gather_issued,
     is_sharded,
     param_group_unsharded_bytes,

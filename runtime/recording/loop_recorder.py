@@ -1,4 +1,5 @@
-"""The recorder on a user's own training steps: the same Profile as ``runtime.recorder``, without a workload factory.
+"""The recorder on a user's own training steps: the same Profile as ``runtime.recording.recorder``, without a workload
+factory.
 
 ``runtime.AutoTuner`` runs FSDP2's default for its first steps and records
 them here ([Note: Tuning on the user's steps] in :mod:`planner.study.in_loop`):
@@ -9,11 +10,11 @@ them here ([Note: Tuning on the user's steps] in :mod:`planner.study.in_loop`):
   hooks, ``register_optimizer_step_pre_hook``);
 - microbatches: root forwards per step (gradient accumulation in the user's
   loop);
-- peak bytes: steps run under :mod:`runtime.peak_memory`'s measurement
+- peak bytes: steps run under :mod:`runtime.recording.peak_memory`'s measurement
   (CPU: the profiler's allocation events plus the bytes alive at the step's
   start; GPU: ``max_memory_allocated``); those steps are not timed;
 - between steps: the recorder's isolated figures
-  (:func:`runtime.recorder.isolated_figures`: per-module compute with every
+  (:func:`runtime.recording.recorder.isolated_figures`: per-module compute with every
   module unsharded and no communication, all-gather and reduce-scatter in
   isolation, the overlap microbenchmark) on the first step's inputs with a
   surrogate loss, leaving the user's gradients, random-number generators
@@ -41,12 +42,12 @@ from planner.artifacts.rank_figures import IsolatedFigures, RankFigures, StepFig
 from planner.errors import PlannerError
 from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
-from runtime.compute_timer import tensors_in
-from runtime.consolidation import consolidate, merge_isolated
-from runtime.measure import synchronize
-from runtime.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
-from runtime.recorder import isolated_figures, optimizer_state_bytes
-from runtime.torch_private import profiler_allocations, reshard_after_forward
+from runtime.measuring.measure import synchronize
+from runtime.ranks.torch_private import profiler_allocations, reshard_after_forward
+from runtime.recording.compute_timer import tensors_in
+from runtime.recording.consolidation import consolidate, merge_isolated
+from runtime.recording.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
+from runtime.recording.recorder import isolated_figures, optimizer_state_bytes
 from runtime.workload import Workload, fsdp_modules
 
 
@@ -76,7 +77,7 @@ def surrogate_loss(output: Any) -> torch.Tensor:
 
 
 class PeakMeter:
-    """One rank's peak memory in a user's step, as :func:`runtime.peak_memory.measure_peak` measures it.
+    """One rank's peak memory in a user's step, as :func:`runtime.recording.peak_memory.measure_peak` measures it.
 
     CPU: the step runs under ``torch.profiler.profile(profile_memory=True)``; the peak is the bytes alive at its
     start (parameters, gradients, the state of ``optimizers``) plus the profiler's peak above that. GPU:
@@ -108,7 +109,7 @@ class PeakMeter:
             return
         self._start_bytes = bytes_alive(self.model, self.optimizers)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.peak_memory
+        with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.recording.peak_memory
             self._prof.__enter__()
 
     def end(self) -> tuple[int, int]:
@@ -208,14 +209,14 @@ class LoopRecorder:
 
     def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> IsolatedFigures | None:
         """The next isolated pass (collective: every rank calls it, between two steps): this rank's isolated
-        figures of every module once the last pass has run (:func:`runtime.recorder.merge_isolated`), else
+        figures of every module once the last pass has run (:func:`runtime.recording.recorder.merge_isolated`), else
         ``None``. The first call decides the passes from the recorded peaks and the memory budget
         (:func:`planner.study.in_loop.isolation_groups`: all modules at once, or a few at a time, one pass between
         two steps) and also times the collectives.
 
         Args:
             config: the in-loop study (its memory budget).
-            gather: every rank's object, by rank (``runtime.collectives.gather_objects`` on the control group).
+            gather: every rank's object, by rank (``runtime.ranks.collectives.gather_objects`` on the control group).
 
         Raises:
             PlannerError: a single module does not fit under the budget; as :meth:`isolated`; the passes disagree
@@ -249,7 +250,7 @@ class LoopRecorder:
         """This rank's isolated figures (collective: every rank calls it, between two steps).
 
         The user's gradients, random-number generators and buffers are as they were after it. ``only`` and
-        ``collectives``: as :func:`runtime.recorder.isolated_figures` takes them.
+        ``collectives``: as :func:`runtime.recording.recorder.isolated_figures` takes them.
 
         Raises:
             PlannerError: no forward was seen yet, or the forward returns nothing to backpropagate.
@@ -281,7 +282,7 @@ class LoopRecorder:
         """The profile from this rank's steps and ``isolated`` figures and every other rank's (collective).
 
         Args:
-            gather: every rank's object, by rank (``runtime.collectives.gather_objects`` on the control group).
+            gather: every rank's object, by rank (``runtime.ranks.collectives.gather_objects`` on the control group).
 
         Raises:
             PlannerError: no timed step or no peak was recorded, or the ranks disagree on the post-forward order.

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from runtime.allocator import rank_environment_set
+from runtime.ranks.allocator import rank_environment_set
 
 if TYPE_CHECKING:
     from planner.artifacts.tables import LaunchTable
@@ -29,7 +29,7 @@ def launch_ranks(cli_args: list[str], launch: LaunchTable, module: str = "jobs.c
     Uses ``torch.distributed.run`` with a standalone rendezvous on a free
     local port, the study's ``[launch]`` ``nproc_per_node`` ranks, one compute
     thread per rank (``OMP_NUM_THREADS=1``), under its ``allocator``
-    (:mod:`runtime.allocator`).
+    (:mod:`runtime.ranks.allocator`).
 
     Returns:
         0 if every rank succeeded, 130 if the launcher was interrupted (the
