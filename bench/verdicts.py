@@ -3,11 +3,12 @@
     python -m bench.verdicts studies/llama-cpu.toml [--aa-races 20] [--rounds 24] [--remeasures 3]
                              [--skip-synthetic] [--skip-aa] [--skip-coverage]
 
-(a) Synthetic A/A sweep, torch-free: 4000 confirmations at each of 6..30
-    rounds through the project's own ``planner.statistics.verdict.confirm``,
-    plan and default drawn from one lognormal step distribution with stalls.
-    Prints the false "faster" rate with its exact binomial 95% interval, next
-    to the exact rate the sign test promises.
+(a) Synthetic confirmations, torch-free, through the project's own
+    ``planner.statistics.verdict.confirm_launches``: false "faster" at
+    between-launch spreads of 2% and 4% over 1-3 launches, a plan faster on
+    most steps that stalls, coverage of the total-time ratio with stalls,
+    the looks restarts make, and the power at 10% and 7% gains. Each rate
+    with its exact binomial 95% interval.
 (b) A/A on real ranks. Races in which the one candidate *is* FSDP2's default
     (the same plan under another index), each followed by its confirmation on
     fresh rounds in the same processes, as ``tune`` runs them under torchrun
@@ -17,7 +18,7 @@
     storage; the survivor confirmed in ``[measure] confirm_launches`` fresh
     launches), then ``--remeasures`` independent re-measurements, each in a
     separate process: one model instance per plan, ``--rounds`` interleaved
-    rounds (order alternating). Reports each ratio, their median, and
+    rounds (each pair of rounds in both orders). Reports each ratio, their median, and
     whether it falls inside the interval ``tune`` reported.
 
 Starts the study's ranks itself (they run ``python -m bench.verdicts --part
@@ -93,9 +94,10 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
 
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
+    from planner.statistics.schedule import confirmation_orders
     from runtime.apply import apply_plan, load_plan
     from runtime.measuring.measure import StepCounter, timed_step
-    from runtime.ranks.collectives import gather_max
+    from runtime.ranks.collectives import broadcast_from_rank0, gather_max
     from runtime.ranks.rank import init_rank, shutdown_rank
     from runtime.workload import build_study_workload
 
@@ -110,9 +112,9 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     for w in (tuned, default, tuned, default):  # warm-up
         timed_step(w, steps.next())
     local: dict[str, list[float]] = {"tuned": [], "default": []}
-    for r in range(rounds):
-        order = [("tuned", tuned), ("default", default)] if r % 2 == 0 else [("default", default), ("tuned", tuned)]
-        for name, w in order:
+    runs = {0: ("tuned", tuned), 1: ("default", default)}
+    for order in broadcast_from_rank0(confirmation_orders((0, 1), rounds) if dist.get_rank() == 0 else None, None):
+        for name, w in (runs[i] for i in order):
             local[name].append(timed_step(w, steps.next()))
     maxed, _ = gather_max(local["tuned"] + local["default"])
     if dist.get_rank() == 0:
@@ -219,22 +221,52 @@ def aa(study: str, races: int, work: Path, launch: LaunchTable) -> list[dict]:
 
 
 def synthetic_sweep(runs: int = 4000) -> list[dict]:
-    """A/A confirmations through ``verdict.confirm`` at 6..30 rounds (lognormal steps, 7% sigma, 5% stalls of
-    1.5x); prints each n's false 'faster' rate with its interval and the sign test's exact promise."""
-    import numpy as np
+    """Synthetic confirmations through ``verdict.confirm_launches`` (``planner.testing.LaunchModel``: 24 rounds a
+    launch, 4% step noise per plan, a shared slowness per round): the false "faster" rate at spreads tau 0.02 and
+    0.04 over 1-3 launches, the stall case, the coverage of the total-time ratio with stalls, the looks restarts
+    make, and the power at 10% / 7% gains; each rate with its exact interval."""
+    from planner.statistics.verdict import MAX_LAUNCHES, Verdict, confirm_launches
+    from planner.testing import LaunchModel, as_launches
 
-    from planner.statistics.verdict import Verdict, confirm, false_faster_rate
+    def rate(model: LaunchModel, launches: int, seed: int, what: str = "faster") -> int:
+        events = 0
+        for c in model.draw(runs, launches, seed):
+            confirmation = confirm_launches(as_launches(c), 0.0)
+            if what == "missed":
+                events += not confirmation.ci95[0] <= model.total_ratio <= confirmation.ci95[1]
+            else:
+                events += confirmation.verdict == Verdict.FASTER
+        return events
 
-    rng = np.random.default_rng(0)
+    def sequential(model: LaunchModel, seed: int) -> int:
+        events = 0
+        for c in model.draw(runs, MAX_LAUNCHES, seed):
+            launches = as_launches(c)
+            events += any(confirm_launches(launches[:k], 0.0).verdict == Verdict.FASTER
+                          for k in range(1, MAX_LAUNCHES + 1))
+        return events
+
+    cases = [(f"A/A, tau {tau}, {n} launch(es): false 'faster' (<= 2.5%)", LaunchModel(tau=tau), n, "faster")
+             for tau in (0.02, 0.04) for n in (1, 2, 3)]
+    stall = LaunchModel(gain=0.02, tau=0.02, noise=0.01, stall_p=0.1)
+    cases += [(f"2% faster, 1.5x stalls on 10% of steps (total {stall.total_ratio:.3f}), {n} launch(es): 'faster' "
+               "(<= 2.5%)", stall, n, "faster") for n in (1, 2, 3)]
+    equal = LaunchModel(gain=1 - 1 / 1.05, tau=0.04, stall_p=0.1)
+    cases += [(f"equal total time with stalls, tau 0.04, {n} launch(es): interval misses the ratio (<= 5%)", equal, n,
+               "missed") for n in (1, 2, 3)]
+    cases += [(f"{100 * g:.0f}% gain, tau 0.02, {n} launches: power (>= 80%)", LaunchModel(gain=g, tau=0.02), n,
+               "faster") for g, n in ((0.10, 2), (0.07, 3))]
     out = []
-    print("synthetic A/A sweep through planner.statistics.verdict.confirm")
-    for n in (6, 8, 10, 12, 13, 16, 20, 23, 24, 30):
-        false = 0
-        for _ in range(runs):
-            t = 100.0 * np.exp(rng.normal(0.0, 0.07, size=(2, n))) * np.where(rng.random((2, n)) < 0.05, 1.5, 1.0)
-            false += confirm(list(t[0]), list(t[1]), 0.0).verdict == Verdict.FASTER
-        print(f"  {n:>2} rounds: false 'faster' {rate_text(false, runs)}; exact {100 * false_faster_rate(n):.2f}%")
-        out.append({"rounds": n, "false_faster": false, "runs": runs, "exact": false_faster_rate(n)})
+    print(f"synthetic confirmations through planner.statistics.verdict.confirm_launches ({runs} each, 24 rounds a "
+          "launch, 4% step noise)")
+    for seed, (label, model, launches, what) in enumerate(cases):
+        events = rate(model, launches, seed, what)
+        print(f"  {label}: {rate_text(events, runs)}")
+        out.append({"case": label, "events": events, "runs": runs})
+    events = sequential(LaunchModel(tau=0.04), len(cases))
+    label = f"A/A, tau 0.04, a verdict at each of 1..{MAX_LAUNCHES} launches (restarts): ever 'faster' (<= 2.5%)"
+    print(f"  {label}: {rate_text(events, runs)}")
+    out.append({"case": label, "events": events, "runs": runs})
     return out
 
 

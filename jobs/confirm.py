@@ -75,7 +75,8 @@ class ConfirmJob:
             if rank0:
                 try:
                     p = pending(self.config, self.job)
-                    payload = None if p is None else (p.survivor, p.default, p.rounds)
+                    # the order of each pair of rounds is drawn here, once, and every rank runs it
+                    payload = None if p is None else (p.survivor, p.default, confirmation_orders((0, 1), p.rounds))
                 except PlannerError as e:
                     payload = {"error": str(e)}
             payload = broadcast_from_rank0(payload, group)
@@ -84,11 +85,11 @@ class ConfirmJob:
             if payload is None:
                 ended = True
                 return 0 if rank0 else None
-            survivor, default, rounds = payload
+            survivor, default, orders = payload
             plans = [survivor, default]
             for plan in plans:
                 apply_plan(workload.model, plan, check=True)
-            steps, orders = StepCounter(), confirmation_orders((0, 1), rounds)
+            steps = StepCounter()
             warmup = max(2, self.config.measure.warmup_steps)
             if self.config.measure.confirm_model_per_plan:
                 models = [workload, build_study_workload(self.config.workload, mesh)]

@@ -7,6 +7,7 @@ database with measured and simulated trials.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -181,3 +182,67 @@ def synthetic_schedule(effects: list[float], noise_iqr_pct: float, rng: np.rando
                          for order in block])
     return schedule
 
+# Synthetic confirmations ([Note: Between-launch spread] in planner.statistics.verdict): round i of launch l runs
+# FSDP2's default at base * s_i * e_d and the plan at base * (1 - gain) * s_i * exp(delta_l) * e_p, where s_i is a
+# slowness both plans share in a round, e_d and e_p each plan's own step noise (lognormal), delta_l ~ N(0, tau^2)
+# the plan's offset in that process; with chance stall_p a plan step takes stall_x times as long.
+
+
+@dataclass(frozen=True)
+class LaunchModel:
+    """How synthetic confirmation launches are drawn (the model in the comment above).
+
+    Attributes:
+        gain: the plan's speed-up on its steps that do not stall (0.07 = 7%).
+        tau: between-launch spread of its log ratio.
+        noise: each plan's own step noise (lognormal sigma; 0.04 = about 4%).
+        shared: the slowness a round's two steps share (lognormal sigma).
+        stall_p: the chance a plan step stalls.
+        stall_x: how much longer a stalled step takes (1.5 = 50%).
+        rounds: paired rounds per launch.
+        base_ms: FSDP2's default's typical step, ms.
+    """
+
+    gain: float = 0.0
+    tau: float = 0.0
+    noise: float = 0.04
+    shared: float = 0.05
+    stall_p: float = 0.0
+    stall_x: float = 1.5
+    rounds: int = 24
+    base_ms: float = 100.0
+
+    @property
+    def total_ratio(self) -> float:
+        """The plan's true total-time ratio to the default in a typical launch (``delta = 0``): what the
+        confirmation estimates."""
+        return (1 - self.gain) * (1 + self.stall_p * (self.stall_x - 1))
+
+    def draw(self, confirmations: int, launches: int, seed: int = 0) -> np.ndarray:
+        """``confirmations`` synthetic confirmations of ``launches`` launches: an array of shape
+        ``(confirmations, launches, 2, rounds)``, ``[..., 0, :]`` the plan's step times and ``[..., 1, :]`` the
+        default's, ms."""
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        shape = (confirmations, launches, self.rounds)
+        s = self.base_ms * np.exp(rng.normal(0.0, self.shared, shape))
+        default = s * np.exp(rng.normal(0.0, self.noise, shape))
+        offset = np.exp(rng.normal(0.0, self.tau, (confirmations, launches, 1)))
+        plan = (1 - self.gain) * s * offset * np.exp(rng.normal(0.0, self.noise, shape))
+        if self.stall_p:
+            plan = plan * np.where(rng.random(shape) < self.stall_p, self.stall_x, 1.0)
+        return np.stack([plan, default], axis=2)
+
+
+def as_launches(confirmation: np.ndarray) -> list[tuple[list[float], list[float]]]:
+    """One drawn confirmation (``(launches, 2, rounds)``) as ``confirm_launches``' ``(plan_ms, default_ms)`` pairs."""
+    return [(list(launch[0]), list(launch[1])) for launch in confirmation]
+
+
+def at_most(rate: float, runs: int) -> int:
+    """The most events of nominal probability ``rate`` that ``runs`` simulated trials may show: the rate plus 3
+    standard errors (the tests' tolerance for a simulated error rate)."""
+    import math
+
+    return math.floor(runs * (rate + 3 * math.sqrt(rate * (1 - rate) / runs)))

@@ -72,12 +72,14 @@ class Provenance:
         default_measured_ms: FSDP2's default's, in the same race.
         verdict: the confirmation's verdict against FSDP2's default
             (``planner.statistics.verdict.Verdict`` values), for the plan it confirmed.
-        measured_ratio: the confirmation's median per-round ratio, plan / default.
-        ratio_ci95: ``[low, high]``, its sign-test 95% interval (over several launches, the hull of theirs:
-            ``planner.statistics.verdict``).
+        measured_ratio: the confirmation's ratio, plan / default: of total step time (``ratio_of = "total
+            time"``), or on plans confirmed before that estimand, the median per-round ratio.
+        ratio_ci95: ``[low, high]``, its 95% interval (``planner.statistics.verdict``): for total time, the
+            spread between launches included.
         rounds: the confirmation's rounds, every launch together.
         launches: the fresh launches (processes) they come from.
         noise_pct: step interquartile range / median in the confirmation, %.
+        ratio_of: ``"total time"`` where ``measured_ratio`` is the total-time ratio; ``None`` on older plans.
         predicted_peak_bytes: the simulated peak per rank, bytes.
         measured_peak_bytes: the measured peak per rank, max across ranks,
             median over steps, bytes (``runtime.recording.peak_memory``).
@@ -100,6 +102,11 @@ class Provenance:
     predicted_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
     memory_budget_bytes: int | None = None
+    ratio_of: str | None = None
+
+
+# Provenance fields added after release 0.1.0: written only when set.
+_WRITTEN_WHEN_SET = ("launches", "ratio_of")
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,7 @@ class Plan:
                 for fqn, m in self.modules.items()
             },
             "provenance": {k: v for k, v in dataclasses.asdict(self.provenance).items()
-                           if k != "launches" or v is not None},  # written once known: older files keep their bytes
+                           if k not in _WRITTEN_WHEN_SET or v is not None},  # older files keep their bytes
         }
 
     def to_json(self, path: str | Path | None = None) -> str:

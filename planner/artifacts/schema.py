@@ -76,6 +76,7 @@ class ProvenanceDocument(Document):
     predicted_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
     memory_budget_bytes: int | None = None
+    ratio_of: Literal["total time"] | None = None
 
 
 class _PlanStructure(Document):

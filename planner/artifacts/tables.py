@@ -25,6 +25,7 @@ from planner.artifacts.memory_budget import MemoryBudget
 from planner.artifacts.names import Allocator, Backend, SamplerName, SpaceName
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings
+from planner.statistics.verdict import DEFAULT_SPREAD, Spread
 
 
 class Table(BaseModel):
@@ -158,10 +159,12 @@ class MeasureTable(Table):
         max_rounds: the race starts no block that would end after this many rounds (its first block always runs).
         time_budget_s: the race stops once it has run this long, s (at the end
             of a block); unset: no limit.
-        resolve_pct: the speed-up the confirmation should find "faster" with 80% power, %
-            (its rounds follow from the noise the race measured).
-        confirm_min_rounds, confirm_max_rounds: bounds on the confirmation's rounds per launch (even, >= 6: the
-            sign-test interval needs 6 rounds to reach 95%).
+        resolve_pct: the total-time speed-up the confirmation should find "faster" with 80% power, % (its rounds
+            per launch follow from the noise the race measured and the study's spread between launches; where the
+            spread dominates, more launches resolve it, not more rounds, and the report says what the launches run
+            can find).
+        confirm_min_rounds, confirm_max_rounds: bounds on the confirmation's rounds per launch (even, >= 6: each
+            pair of rounds runs both orders).
         confirm_launches: fresh launches the confirmation runs in (new ranks, models built afresh, the plan
             applied from the first step); ``0``: in the tuning job's own processes, after the race (always so
             under torchrun, where the job cannot start processes).
@@ -201,11 +204,11 @@ class MeasureTable(Table):
         """The race these keys describe."""
         return RaceSettings(self.alpha, self.min_rounds, self.block_rounds, self.max_rounds, self.time_budget_s)
 
-    def confirm_settings(self, launches: int | None = None) -> ConfirmSettings:
+    def confirm_settings(self, launches: int | None = None, spread: Spread = DEFAULT_SPREAD) -> ConfirmSettings:
         """The confirmation these keys describe; ``launches`` overrides ``confirm_launches`` (``0`` under
-        torchrun)."""
+        torchrun); ``spread``: the study's between-launch spread (``planner.study.evidence``)."""
         return ConfirmSettings(self.resolve_pct / 100.0, self.confirm_min_rounds, self.confirm_max_rounds,
-                               self.confirm_launches if launches is None else launches)
+                               self.confirm_launches if launches is None else launches, spread)
 
 
 TABLES: dict[str, type[Table]] = {"study": StudyTable, "workload": WorkloadTable, "launch": LaunchTable,

@@ -16,7 +16,6 @@ import click
 
 from planner.artifacts.config import default_storage
 from planner.errors import PlannerError
-from planner.statistics.verdict import confirmation_text
 from planner.units import mib, ms
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
@@ -92,15 +91,16 @@ def studies_list(storage) -> None:
     if not urls:
         raise PlannerError("no databases under studies/; pass --storage URL")
     click.echo(f"{'study':<24} {'measured':>8} {'simulated':>9} {'recommended':>11} {'confirmed ratio [95% CI]':>26}  "
-               f"{'default ms (race)':>17}  storage")
+               f"{'verdict (launches)':<20}  {'default ms (race)':>17}  storage")
     for url in urls:
         for s in list_studies(url):
             c = s.confirmation
             confirmed = f"{c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}]" if c is not None else "-"
             recommended = "-" if s.recommended_trial is None else (
                 f"trial {s.recommended_trial}" if c is not None else "default")
+            verdict = f"{c.verdict} ({c.launches})" if c is not None else "-"
             click.echo(f"{s.name:<24} {s.measured_trial_count:>8} {s.simulated_trial_count:>9} {recommended:>11} "
-                       f"{confirmed:>26}  {ms(s.default_ms):>17}  {url}")
+                       f"{confirmed:>26}  {verdict:<20}  {ms(s.default_ms):>17}  {url}")
 
 
 @studies.command("show")
@@ -132,9 +132,7 @@ def studies_show(name, storage, top) -> None:
         click.echo(f"  {r.number:>5} {r.state.name:<8} {ms(r.predicted_ms):>12} {ms(r.measured_ms):>11} "
                    f"{err:>8}  {tag}{json.dumps(_short(r.params))}")
         if r.confirmation is not None:
-            c = r.confirmation
-            click.echo(f"  {'':>5} {'':<8} confirmed {c.verdict}: "
-                       f"{confirmation_text(c.ratio, c.ci95, c.rounds, c.launches)}")
+            click.echo(f"  {'':>5} {'':<8} confirmed: {r.confirmation.line()}")
         elif r.confirm_rounds is not None:
             click.echo(f"  {'':>5} {'':<8} survived the race; its confirmation did not conclude "
                        f"({len(r.confirm_launches or [])} launch(es) measured)")

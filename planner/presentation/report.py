@@ -7,7 +7,7 @@ import statistics
 
 from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS
 from planner.artifacts.plan import Plan
-from planner.statistics.verdict import Confirmation, Verdict, confirmation_rounds, confirmation_text
+from planner.statistics.verdict import Confirmation
 from planner.study.queries import BestPlan
 from planner.study.session import TuneOutcome
 from planner.units import mib
@@ -54,8 +54,9 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
     detectable = race.detectable_slowdown()
     lines.append(f"race: {len(race.rounds)} rounds, noise {race.noise_pct():.1f}% (step IQR / median); race ratio = "
                  "median paired per-round ratio to FSDP2's default, not confirmed"
-                 + (f"; its last look drops a plan {100 * detectable:.1f}% slower than the leader with 80% power"
-                    if detectable == detectable else ""))
+                 + (f"; its last look's sign test drops a plan {100 * detectable:.1f}% slower than the leader with "
+                    "80% power" if math.isfinite(detectable) else
+                    "; too few rounds for its sign test to drop a plan" if detectable == math.inf else ""))
     lines += _verdict_lines(outcome, study)
     budget = outcome.told[0].provenance.memory_budget_bytes
     if budget is not None and outcome.written is not None:
@@ -72,16 +73,11 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
 def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
     candidate, best = outcome.candidate, outcome.best
     lines = []
-    if candidate is not None and candidate.provenance.verdict is not None:
-        pv = candidate.provenance
-        interval = confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds, pv.launches or 1)
-        lines.append(f"confirmation: trial {pv.trial} vs FSDP2's default: {interval}: {pv.verdict} "
-                     f"(noise {pv.noise_pct:.1f}%)")
-        if pv.verdict != Verdict.FASTER:
-            needed = confirmation_rounds(outcome.race.ratio_sigma(), max(abs(1.0 - pv.measured_ratio), 0.005),
-                                         (6, 10**4))
-            lines.append(f"      about {needed} confirmation rounds per launch would find a speed-up of "
-                         f"{100 * abs(1.0 - pv.measured_ratio):.1f}% with 80% power ([measure] confirm_max_rounds)")
+    confirmation = outcome.confirmation
+    if candidate is not None and confirmation is not None:
+        lines.append(f"confirmation: trial {candidate.provenance.trial} vs FSDP2's default: {confirmation.line()} "
+                     f"(noise {confirmation.noise_pct:.1f}%)")
+        lines.append(power_line(confirmation))
     elif candidate is not None:
         return [f"race survivor: trial {candidate.provenance.trial}; its confirmation runs next, in fresh launches"]
     if best is not None:
@@ -90,15 +86,24 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
     return lines
 
 
+def power_line(c: Confirmation) -> str:
+    """What the confirmation could find: the total-time gain its launches and rounds call faster with 80% power
+    (no nudge to re-run it: a verdict is not re-tried until it says "faster")."""
+    gain = c.detectable()
+    if not gain == gain:
+        return "      (power unknown: a confirmation from before the total-time estimand)"
+    return (f"      power: {c.launches} launch(es) of {c.rounds // max(1, c.launches)} rounds call a total-time gain "
+            f"of {100 * gain:.1f}% faster with 80% power (between-launch spread {100 * c.tau:.1f}%)")
+
+
 def conclusion_report(confirmation: Confirmation | None, best: BestPlan, study: str, plan_out: str) -> list[str]:
     """The lines ``prefetch-planner tune`` prints after the confirmation launches."""
     lines = []
     if confirmation is None:
         lines.append("confirmation: no launch measured the survivor; the study's recommendation is unchanged")
     else:
-        c = confirmation
-        lines.append(f"confirmation: {confirmation_text(c.ratio, c.ci95, c.rounds, c.launches)}: {c.verdict} "
-                     f"(noise {c.noise_pct:.1f}%; each launch a fresh process, the interval the hull of the "
-                     "launches' sign-test intervals)")
+        lines.append(f"confirmation: {confirmation.line()} (noise {confirmation.noise_pct:.1f}%; each launch a "
+                     "fresh process; the interval includes the spread between launches)")
+        lines.append(power_line(confirmation))
     lines.append(f"best plan: {best.line(study)}; written to {plan_out} (`prefetch-planner studies best {study}`)")
     return lines

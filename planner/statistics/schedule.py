@@ -10,12 +10,23 @@ schedule is pure Python: the same object drives the real ranks
 from __future__ import annotations
 
 import enum
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.statistics.race import Race, RaceSettings
-from planner.statistics.verdict import Confirmation, confirm, confirmation_rounds, step_noise_pct
+from planner.statistics.verdict import (
+    DEFAULT_SPREAD,
+    Confirmation,
+    Spread,
+    confirm_launches,
+    confirmation_rounds,
+    step_noise_pct,
+)
+
+# Earlier launches of a plan against the default: per launch, (plan_ms, default_ms).
+Launches = list[tuple[list[float], list[float]]]
 
 
 class Phase(enum.StrEnum):
@@ -41,15 +52,24 @@ class ConfirmSettings:
     min_rounds: int = 8
     max_rounds: int = 30
     launches: int = 0
+    spread: Spread = DEFAULT_SPREAD
 
     def rounds(self, sigma: float) -> int:
-        """Rounds per launch for per-round log-ratio noise ``sigma`` (``verdict.confirmation_rounds``)."""
-        return confirmation_rounds(sigma, self.resolve, (self.min_rounds, self.max_rounds))
+        """Rounds per launch for per-round log-ratio noise ``sigma``: the combined test's sizing over the launches
+        it runs in (``verdict.confirmation_rounds``)."""
+        return confirmation_rounds(sigma, self.resolve, (self.min_rounds, self.max_rounds), max(1, self.launches),
+                                   self.spread)
 
 
-def confirmation_orders(pair: tuple[int, int], rounds: int) -> list[list[int]]:
-    """``rounds`` rounds of the two plans ``pair``, the order alternating (a whole cycle per 2 rounds)."""
-    return [list(pair) if r % 2 == 0 else list(pair[::-1]) for r in range(rounds)]
+def confirmation_orders(pair: tuple[int, int], rounds: int, rng: random.Random | None = None) -> list[list[int]]:
+    """``rounds`` rounds of the two plans ``pair``: each pair of rounds runs both orders, which one first drawn at
+    random, so no loop event every few steps lines up with one plan (an odd last round: its order drawn too)."""
+    rng = rng or random.Random()
+    out: list[list[int]] = []
+    for _ in range(0, rounds, 2):
+        first = list(pair) if rng.random() < 0.5 else list(pair[::-1])
+        out += [first, first[::-1]]
+    return out[:rounds]
 
 
 @dataclass
@@ -61,6 +81,8 @@ class Schedule:
         confirmation: set once the confirmation ran (``None`` if every candidate was dropped).
         confirm_ms: ``{plan: step times}`` of the confirmation rounds, ms.
         on_drop: called with each dropped plan and the rounds run (progress reports).
+        earlier: per plan, its earlier launches against the default (a re-confirmation across restarts): the
+            in-process confirmation pools them with its own rounds.
         clock: seconds, for the race's time budget.
         blocks: blocks handed out so far (progress bars: :meth:`planned_steps` changes only with a new block).
     """
@@ -70,6 +92,7 @@ class Schedule:
     confirm_settings: ConfirmSettings = field(default_factory=ConfirmSettings)
     default: int = 0
     on_drop: Callable[[int, int], None] | None = None
+    earlier: dict[int, Launches] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     race: Race = field(init=False)
     phase: Phase = field(init=False, default=Phase.RACE)
@@ -118,7 +141,8 @@ class Schedule:
                 for plan, ms in step_ms.items():
                     self.confirm_ms.setdefault(plan, []).append(ms)
             noise = step_noise_pct([self.confirm_ms[survivor], self.confirm_ms[self.default]])
-            self.confirmation = confirm(self.confirm_ms[survivor], self.confirm_ms[self.default], noise)
+            launches = [*self.earlier.get(survivor, []), (self.confirm_ms[survivor], self.confirm_ms[self.default])]
+            self.confirmation = confirm_launches(launches, noise, self.confirm_settings.spread)
             self.phase = Phase.DONE
 
     def planned_steps(self) -> int:

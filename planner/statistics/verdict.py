@@ -3,52 +3,51 @@
 The race selects; selecting on noisy medians favours the luckiest plan (the
 winner's curse), so the figure the tool reports comes from rounds the
 selection never saw. The survivor and the default run again, interleaved
-(order alternating, an even number of rounds), in one or more launches;
-the reported figure is the median of the per-round ratios survivor/default
-with a distribution-free interval ([Note: The sign-test interval]), and the
-verdict follows from the interval alone.
+(in each pair of rounds one order and then the other, which comes first
+drawn at random), in one or more launches (processes). The figure is the
+total-time ratio: what the plan's steps cost in all, over what FSDP2's
+default's cost ([Note: The estimand is total time]); its interval includes
+the spread between processes ([Note: Between-launch spread]); the verdict
+follows from the interval.
 
-[Note: The sign-test interval]
-Per round ``d = log(plan / default)``. The interval for the median of ``d``
-is the pair of order statistics ``[d_(k), d_(n+1-k)]``, ``k`` the largest with
-``P(Binomial(n, 1/2) <= k - 1) <= 0.025`` (the sign test inverted; Hollander,
-Wolfe & Chicken, *Nonparametric Statistical Methods*, 3.6). Why this one:
-- it needs no model of the step-time distribution. Our per-round ratios are
-  skewed and heavy-tailed (a stall in one step of a pair), where a
-  t-interval's coverage depends on the tails, and the percentile bootstrap
-  of the median, which this replaces, undercovers at small n (4.6% false
-  "faster" at 13 rounds, 6.6% at 4, against 2.5% claimed);
-- its error is exact: if the plan is no faster (``P(d < 0) <= 1/2``), the
-  chance of the verdict "faster" is ``P(Binomial(n, 1/2) >= n + 1 - k)``, at
-  most 2.5% at every n; :func:`false_faster_rate` computes it and the tests
-  check it for n = 6..40;
-- the order each round runs the two plans in alternates over an even number
-  of rounds. An order effect makes ``P(d < 0)`` ``1/2 + e`` in one half of the
-  rounds and ``1/2 - e`` in the other: the count of negative rounds is then
-  a Poisson-binomial of mean ``n/2``, whose upper tail beyond ``n/2 + 1`` is at
-  most the binomial's (Hoeffding 1956, Theorem 4), so the error stays <= 2.5%.
-The price is discreteness: at fewer than 6 rounds no pair of order
-statistics reaches 95%, so a confirmation needs 6 rounds or more, and at 8
-rounds "faster" needs all 8 ratios below 1.
+[Note: The estimand is total time]
+A user pays for the sum of the steps, not for the median one. A plan 2%
+faster on most steps that stalls at 1.5x on one step in ten costs 2.9% more
+in all, and a median-based test calls it faster. So per launch ``l`` with
+rounds ``(p_i, d_i)`` the estimate is ``y_l = log(sum p / sum d)``, the log of
+the ratio of the two plans' total times, with the within-launch variance of
+the linearised estimator (delta method; Cochran, *Sampling Techniques*,
+6.9): ``v_l = var(p_i / mean(p) - d_i / mean(d)) / n``. Paired rounds share
+the machine's slow moments, which cancel in the difference. The median
+per-round ratio is kept as a descriptive figure, labelled so.
 
-[Note: Confirming across launches]
+[Note: Between-launch spread]
 A process's rounds share its state (allocator, caches, where the OS put its
-threads), so an interval from one process describes that process; the
-user's next job is another, and a plan's gain moves from process to
-process by more than one process's interval admits. The
-confirmation therefore runs in ``L`` fresh launches (new processes, models
-built afresh, each plan on its own model instance from its first step, as
-a user's job runs it: ``jobs/confirm.py``), each with its own sign-test
-interval. (One model switching plans every step, as the race does, pays for
-the switching itself, so it reads a plan's gain smaller than a job that
-runs the plan from its first step.) The verdict is "faster" only if every launch's interval
-lies below 1: an intersection-union test, whose false-"faster" rate is at
-most 2.5% for any launch whose own median is not below 1 (Berger 1982), so
-variation between launches cannot manufacture a verdict. The interval
-reported is the hull of the launches' intervals: it contains every launch's
-median with probability >= 1 - 0.05 L (Bonferroni) and is at least as
-wide as the spread between launches, which is how that spread enters the
-figure. The ratio reported is the median over all rounds.
+threads), so a plan's gain moves from process to process by more than one
+process's rounds can see: ``y_l = mu + delta_l + e_l`` with ``delta_l ~ N(0,
+tau^2)`` between launches and ``e_l ~ N(0, v_l)`` within. The combined
+estimate weighs the launches by ``1 / (v_l + tau^2)`` (the random-effects
+mean; DerSimonian & Laird 1986), its standard error is
+``1 / sqrt(sum w_l)``, and the 95% interval is ``mu +- t * se`` with Student's
+``t`` on the degrees of freedom ``tau`` rests on. ``tau`` comes from
+:class:`Spread`: a conservative prior (``tau = 0.045`` on the log scale,
+worth 8 degrees of freedom: above the 0.02-0.035 measured between fresh
+processes on GPT-2 and Llama) pooled with the study's own multi-launch
+evidence, each launch group adding ``L - 1`` degrees of freedom and its
+moment estimate ``s^2 - mean(v)`` (a scaled-inverse-chi-square update). A
+single launch can still be called faster, when its gain clears the spread.
+
+[Note: Provisional verdicts]
+When the launches' own rounds say faster (the interval with ``tau = 0``
+lies below 1) but the spread is not cleared, the verdict is
+``PROVISIONAL``: never "faster". The plan is applied (every plan leaves the
+loss bitwise identical, so it costs nothing in correctness) and the in-loop
+tuner's next start re-confirms it on a few steps, adding a launch, until
+it is faster across processes or, at :data:`MAX_LAUNCHES` launches, the
+default returns. The looks this makes (one per launch count, at most
+:data:`MAX_LAUNCHES`) are checked together by simulation: with the prior
+above and ``tau = 0.04`` their joint false-"faster" rate stays under 2.5%
+(``tests/planner/statistics/test_verdict.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +55,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,17 +63,85 @@ import numpy as np
 # The confirmation's two-sided level: each side's error is at most half of it.
 LEVEL = 0.95
 # 80% power, the usual target when sizing a test.
-_POWER = 0.8
-# Rounds beyond which confirmation_rounds skips ahead instead of trying every even count.
-_SCAN = 200
+POWER = 0.8
+# Rounds a launch needs for its within-launch variance (the sizing keeps confirmations at 6 or more).
+MIN_ROUNDS = 4
+# Launches a provisional verdict gathers before the default returns ([Note: Provisional verdicts]).
+MAX_LAUNCHES = 3
 
 
 class Verdict(enum.StrEnum):
     """What the confirmation says of a plan against FSDP2's default."""
 
-    FASTER = "faster"  # the interval's upper end is below 1
+    FASTER = "faster"  # the interval's upper end is below 1, the spread between processes included
+    PROVISIONAL = "provisional"  # faster in the launches measured, not across processes yet
     SLOWER = "slower"  # its lower end is above 1
     NO_SIGNIFICANT_DIFFERENCE = "no significant difference"
+
+
+@dataclass(frozen=True)
+class LaunchEstimate:
+    """One launch's total-time ratio ([Note: The estimand is total time]).
+
+    Attributes:
+        log_ratio: ``log(sum plan_ms / sum default_ms)``.
+        variance: its within-launch variance (delta method).
+        rounds: the paired rounds.
+    """
+
+    log_ratio: float
+    variance: float
+    rounds: int
+
+
+def launch_estimate(plan_ms: Sequence[float], default_ms: Sequence[float]) -> LaunchEstimate:
+    """The launch's log total-time ratio and its within-launch variance.
+
+    Args:
+        plan_ms, default_ms: step times of the same rounds, ms.
+
+    Raises:
+        ValueError: fewer than :data:`MIN_ROUNDS` rounds, lists of different lengths, or a time not positive.
+    """
+    p, d = np.asarray(plan_ms, float), np.asarray(default_ms, float)
+    if len(p) != len(d) or len(p) < MIN_ROUNDS:
+        raise ValueError(f"a confirmation launch needs {MIN_ROUNDS} or more paired rounds, found {len(p)} and "
+                         f"{len(d)}")
+    if not (np.all(p > 0) and np.all(d > 0)):
+        raise ValueError("a confirmation's step times must be positive")
+    u = p / p.mean() - d / d.mean()
+    return LaunchEstimate(math.log(p.sum() / d.sum()), float(u.var(ddof=1)) / len(p), len(p))
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The spread of a plan's log total-time ratio between launches, ``tau``, and the degrees of freedom it rests
+    on ([Note: Between-launch spread]).
+
+    Attributes:
+        tau: standard deviation between launches, log scale (0.03: about 3%).
+        df: degrees of freedom: the prior's plus one less than each evidence group's launches.
+    """
+
+    tau: float
+    df: float
+
+    def updated(self, groups: Sequence[Sequence[LaunchEstimate]]) -> Spread:
+        """This spread pooled with the launches of ``groups`` (each: one plan's launches against the default; groups
+        of one launch carry no evidence): ``tau^2 = (df tau^2 + sum (L - 1)(s^2 - mean v)) / (df + sum (L - 1))``,
+        floored at 0."""
+        df, total = self.df, self.df * self.tau ** 2
+        for group in groups:
+            if len(group) < 2:
+                continue
+            y = np.array([g.log_ratio for g in group])
+            total += (len(group) - 1) * (float(y.var(ddof=1)) - float(np.mean([g.variance for g in group])))
+            df += len(group) - 1
+        return Spread(math.sqrt(max(total, 0.0) / df), df)
+
+
+# The conservative prior every study starts from ([Note: Between-launch spread]).
+DEFAULT_SPREAD = Spread(0.045, 8.0)
 
 
 @dataclass(frozen=True)
@@ -81,13 +149,18 @@ class Confirmation:
     """A confirmed comparison of a plan with FSDP2's default.
 
     Attributes:
-        ratio: median per-round ratio, plan / default, over every launch's rounds.
-        ci95: ``(low, high)``: the sign-test 95% interval of that median; over several launches, the hull of
-            theirs ([Note: Confirming across launches]).
+        ratio: the total-time ratio plan / default: the launches' random-effects mean, as a ratio
+            ([Note: The estimand is total time]).
+        ci95: ``(low, high)``: the 95% interval of ``ratio``, the spread between launches included.
         rounds: fresh rounds measured, all launches together.
         noise_pct: step-to-step interquartile range / median of the two plans' steps, %.
-        verdict: :class:`Verdict` from ``ci95``.
+        verdict: :class:`Verdict` from ``ci95`` (and ``within_ci95`` for ``PROVISIONAL``).
         launches: the launches (processes) the rounds come from.
+        median_ratio: the median per-round ratio over every launch's rounds (descriptive); ``None`` on
+            confirmations stored before the total-time estimand.
+        tau: the between-launch spread the interval used (log scale); ``None`` on older confirmations, whose
+            ``ratio`` is the median per-round ratio with a sign-test interval.
+        within_ci95: the 95% interval without the spread between launches: what the launches' own rounds say.
     """
 
     ratio: float
@@ -96,6 +169,38 @@ class Confirmation:
     noise_pct: float
     verdict: Verdict
     launches: int = 1
+    median_ratio: float | None = None
+    tau: float | None = None
+    within_ci95: tuple[float, float] | None = None
+
+    @property
+    def total_time(self) -> bool:
+        """Whether ``ratio`` is the total-time ratio (else an older confirmation's median per-round ratio)."""
+        return self.tau is not None
+
+    def line(self) -> str:
+        """``total-time ratio 0.893, 95% CI [0.861, 0.925] over 48 fresh rounds in 2 launches: faster (median
+        round 0.887)``; a provisional verdict adds what the launches' own rounds say."""
+        text = f"{confirmation_text(self.ratio, self.ci95, self.rounds, self.launches, self.total_time)}: " \
+               f"{self.verdict}"
+        if self.verdict == Verdict.PROVISIONAL and self.within_ci95 is not None:
+            text += (f" (within these launches 95% CI [{self.within_ci95[0]:.3f}, {self.within_ci95[1]:.3f}]; "
+                     f"not yet across processes: the in-loop tuner's next start adds a launch, up to "
+                     f"{MAX_LAUNCHES})")
+        if self.median_ratio is not None:
+            text += f" (median round {self.median_ratio:.3f}, descriptive)"
+        return text
+
+    def detectable(self) -> float:
+        """The total-time gain (0.07 = 7%) a confirmation of as many launches and rounds calls faster with 80% power,
+        at the within-launch noise and the spread this one measured (:func:`detectable_gain`); ``nan`` for an older
+        confirmation, which has neither."""
+        if self.tau is None or self.within_ci95 is None:
+            return float("nan")
+        launches, per_launch = max(1, self.launches), max(MIN_ROUNDS, self.rounds // max(1, self.launches))
+        se0 = math.log(self.within_ci95[1] / self.within_ci95[0]) / (2 * _quantile(self.rounds - launches))
+        sigma = se0 * math.sqrt(launches * per_launch)  # the per-round noise the within-launch interval implies
+        return detectable_gain(launches, per_launch, sigma, Spread(self.tau, DEFAULT_SPREAD.df + launches - 1))
 
 
 def step_noise_pct(series: list[list[float]]) -> float:
@@ -114,146 +219,129 @@ def step_noise_pct(series: list[list[float]]) -> float:
 
 
 @functools.cache
-def order_statistic(n: int, level: float = LEVEL) -> int:
-    """``k``: the sign-test interval of ``n`` sorted values is ``[x_(k), x_(n+1-k)]`` (1-based), ``0`` if none reaches
-    ``level`` (fewer than 6 values at 95%). [Note: The sign-test interval]."""
-    from scipy.stats import binom
+def _quantile(df: float) -> float:
+    from scipy.stats import t
 
-    # k = 1 + the largest j with P(Binomial(n, 1/2) <= j) <= alpha/2, at most n // 2: start at the quantile and
-    # step to the exact edge (a few cdf calls at any n, where counting up from 0 costs n / 2 of them).
-    alpha = (1.0 - level) / 2
-    j = int(binom.ppf(alpha, n, 0.5))
-    while j >= 0 and binom.cdf(j, n, 0.5) > alpha:
-        j -= 1
-    while j + 1 < n and binom.cdf(j + 1, n, 0.5) <= alpha:
-        j += 1
-    return max(0, min(n // 2, j + 1))
+    return float(t.ppf(0.5 + LEVEL / 2, df))
 
 
-def false_faster_rate(n: int, level: float = LEVEL) -> float:
-    """The exact chance of the verdict "faster" over ``n`` rounds for a plan exactly as fast as the default
-    (``P(d < 0) = 1/2``, continuous ``d``): ``P(Binomial(n, 1/2) <= k - 1)``; ``0`` where no interval exists."""
-    from scipy.stats import binom
-
-    k = order_statistic(n, level)
-    return float(binom.cdf(k - 1, n, 0.5)) if k else 0.0
-
-
-def power(n: int, shift: float, sigma: float, level: float = LEVEL) -> float:
-    """The chance that ``n`` rounds confirm a plan faster by ``shift`` (0.03 = 3%) with per-round log-ratio noise
-    ``sigma`` (normal): ``P(Binomial(n, p) >= n + 1 - k)``, ``p = Phi(log1p(shift) / sigma)``."""
-    from scipy.stats import binom, norm
-
-    k = order_statistic(n, level)
-    if not k:
-        return 0.0
-    p = float(norm.cdf(math.log1p(shift) / sigma)) if sigma > 0 else 1.0
-    return float(binom.sf(n - k, n, p))
-
-
-def detectable_effect(sigma: float, rounds: int) -> float:
-    """The smallest speed-up (as a fraction, 0.03 = 3%) that a confirmation of ``rounds`` rounds finds "faster" with
-    80% power, for per-round log ratios of standard deviation ``sigma``; ``nan`` when ``sigma`` is unknown, ``inf``
-    when no interval exists at that many rounds."""
-    from scipy.stats import binom, norm
-
-    if not sigma == sigma:
-        return float("nan")
-    k = order_statistic(rounds)
-    if not k:
-        return float("inf")
-    # The p = P(d < 0) at which P(Binomial(n, p) >= n + 1 - k) = 0.8, by bisection (monotone in p).
-    lo, hi = 0.5, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if binom.sf(rounds - k, rounds, mid) >= _POWER else (mid, hi)
-    return math.expm1(sigma * float(norm.ppf(hi)))
-
-
-def confirmation_rounds(sigma: float, resolve: float = 0.03, bounds: tuple[int, int] = (8, 30)) -> int:
-    """The fewest even rounds within ``bounds`` at which a confirmation finds a plan faster by ``resolve`` (0.03 =
-    3%) with 80% power (:func:`power`); the largest even count within ``bounds`` if none does.
-
-    Args:
-        sigma: standard deviation of the per-round log ratios, as the race measured it (``nan``: the upper bound).
-        resolve: the speed-up to resolve.
-        bounds: ``(fewest, most)`` rounds; rounded to even counts inside them, at least 6.
-    """
-    low, high = max(6, bounds[0] + bounds[0] % 2), max(6, bounds[1] - bounds[1] % 2)
-    if not sigma == sigma:
-        return high
-    if high - low > _SCAN:  # a wide range (the report's "about N rounds"): skip ahead by doubling, then scan
-        step = 2
-        while low + step <= high and power(low + step, resolve, sigma) < _POWER:
-            low, step = low + step, 2 * step
-        high = min(high, low + step)
-    for n in range(low, high + 1, 2):
-        if power(n, resolve, sigma) >= _POWER:
-            return n
-    return high
-
-
-def verdict_of(ci95: tuple[float, float]) -> Verdict:
-    """``FASTER`` when the interval's upper end is below 1, ``SLOWER`` when its lower end is above 1."""
+def verdict_of(ci95: tuple[float, float], within_ci95: tuple[float, float] | None = None,
+               launches: int = 1) -> Verdict:
+    """``FASTER`` when the interval's upper end is below 1, ``SLOWER`` when its lower end is above 1; else
+    ``PROVISIONAL`` when ``within_ci95`` lies below 1 and fewer than :data:`MAX_LAUNCHES` launches were measured
+    ([Note: Provisional verdicts])."""
     low, high = ci95
     if high < 1.0:
         return Verdict.FASTER
     if low > 1.0:
         return Verdict.SLOWER
+    if within_ci95 is not None and within_ci95[1] < 1.0 and launches < MAX_LAUNCHES:
+        return Verdict.PROVISIONAL
     return Verdict.NO_SIGNIFICANT_DIFFERENCE
 
 
-def _log_ratios(plan_ms: list[float], default_ms: list[float]) -> np.ndarray:
-    k = order_statistic(len(plan_ms))
-    if len(plan_ms) != len(default_ms) or not k:
-        raise ValueError(f"a confirmation needs 6 or more paired rounds, found {len(plan_ms)} and {len(default_ms)}")
-    return np.log(np.asarray(plan_ms, float) / np.asarray(default_ms, float))
+def _pooled(estimates: Sequence[LaunchEstimate], tau: float) -> tuple[float, float]:
+    w = np.array([1.0 / (e.variance + tau ** 2) if e.variance + tau ** 2 > 0 else 1e12 for e in estimates])
+    y = np.array([e.log_ratio for e in estimates])
+    return float((w * y).sum() / w.sum()), float(1.0 / math.sqrt(w.sum()))
 
 
-def _interval(logs: np.ndarray) -> tuple[float, float]:
-    """The sign-test 95% interval of the median of ``logs``, as ratios: ``scipy.stats.quantile_test``'s, which is
-    ``[x_(k), x_(n+1-k)]`` with :func:`order_statistic`'s ``k`` ([Note: The sign-test interval])."""
-    from scipy.stats import quantile_test
-
-    ci = quantile_test(logs, q=0.0, p=0.5).confidence_interval(LEVEL)
-    return math.exp(float(ci.low)), math.exp(float(ci.high))
-
-
-def confirm(plan_ms: list[float], default_ms: list[float], noise_pct: float) -> Confirmation:
-    """The median paired ratio ``plan_ms[r] / default_ms[r]`` with its sign-test 95% interval, and the verdict.
-
-    Args:
-        plan_ms, default_ms: step times of the same rounds of one launch, ms.
-        noise_pct: the step noise to report with it, %.
+def confirm(plan_ms: list[float], default_ms: list[float], noise_pct: float,
+            spread: Spread = DEFAULT_SPREAD) -> Confirmation:
+    """One launch's confirmation (:func:`confirm_launches` of one launch).
 
     Raises:
-        ValueError: fewer than 6 rounds, or lists of different lengths.
+        ValueError: fewer than :data:`MIN_ROUNDS` rounds, or lists of different lengths.
     """
-    return confirm_launches([(plan_ms, default_ms)], noise_pct)
+    return confirm_launches([(plan_ms, default_ms)], noise_pct, spread)
 
 
-def confirm_launches(launches: list[tuple[list[float], list[float]]], noise_pct: float) -> Confirmation:
-    """One confirmation from the rounds of several launches ([Note: Confirming across launches]).
+def confirm_launches(launches: Sequence[tuple[Sequence[float], Sequence[float]]], noise_pct: float,
+                     spread: Spread = DEFAULT_SPREAD) -> Confirmation:
+    """One confirmation from the rounds of one or more launches ([Note: Between-launch spread]).
 
     Args:
         launches: per launch, ``(plan_ms, default_ms)``: step times of its rounds, ms.
         noise_pct: the step noise to report with it, %.
+        spread: the study's between-launch spread before these launches (their own spread is added to it).
 
     Raises:
-        ValueError: no launch, or a launch with fewer than 6 rounds or lists of different lengths.
+        ValueError: no launch, or a launch with fewer than :data:`MIN_ROUNDS` rounds or lists of different lengths.
     """
     if not launches:
         raise ValueError("a confirmation needs at least one launch")
-    logs = [_log_ratios(p, d) for p, d in launches]
-    intervals = [_interval(x) for x in logs]
-    ci95 = (min(low for low, _ in intervals), max(high for _, high in intervals))
-    every = np.concatenate(logs)
-    return Confirmation(math.exp(float(np.median(every))), ci95, len(every), noise_pct, verdict_of(ci95),
-                        len(launches))
+    estimates = [launch_estimate(p, d) for p, d in launches]
+    used = spread.updated([estimates])
+    mu, se = _pooled(estimates, used.tau)
+    q = _quantile(used.df)
+    ci95 = (math.exp(mu - q * se), math.exp(mu + q * se))
+    mu0, se0 = _pooled(estimates, 0.0)
+    q0 = _quantile(sum(e.rounds - 1 for e in estimates))  # Student's t on the rounds' own degrees of freedom
+    within = (math.exp(mu0 - q0 * se0), math.exp(mu0 + q0 * se0))
+    logs = np.concatenate([np.log(np.asarray(p, float) / np.asarray(d, float)) for p, d in launches])
+    return Confirmation(math.exp(mu), ci95, len(logs), noise_pct, verdict_of(ci95, within, len(estimates)),
+                        len(estimates), math.exp(float(np.median(logs))), used.tau, within)
 
 
-def confirmation_text(ratio: float, ci95: tuple[float, float] | list[float], rounds: int, launches: int = 1) -> str:
-    """``ratio 0.893, 95% CI [0.861, 0.925] over 12 fresh rounds in 2 launches``."""
+def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread = DEFAULT_SPREAD) -> float:
+    """The chance that ``launches`` launches of ``rounds`` rounds call a plan faster whose total time is ``gain``
+    lower (0.07 = 7%), for per-round log-ratio noise ``sigma``, between-launch spread ``spread``: the combined
+    test's ``P(T_df > t - delta / se)``, ``se^2 = (sigma^2 / rounds + tau^2) / launches`` (the normal model of
+    [Note: Between-launch spread], ``tau`` as the study knows it now)."""
+    from scipy.stats import t
+
+    if launches < 1 or rounds < MIN_ROUNDS or gain <= 0:
+        return 0.0
+    sigma = 0.0 if not sigma == sigma else sigma
+    se = math.sqrt((sigma ** 2 / rounds + spread.tau ** 2) / launches)
+    delta = -math.log1p(-gain)
+    df = spread.df + launches - 1
+    return float(t.sf(_quantile(df) - delta / se, df)) if se > 0 else 1.0
+
+
+def detectable_gain(launches: int, rounds: int, sigma: float, spread: Spread = DEFAULT_SPREAD) -> float:
+    """The smallest total-time gain (0.07 = 7%) that ``launches`` launches of ``rounds`` rounds call faster with 80%
+    power (:func:`power`); ``nan`` when ``sigma`` is unknown."""
+    if not sigma == sigma:
+        return float("nan")
+    lo, hi = 0.0, 0.99
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if power(launches, rounds, mid, sigma, spread) >= POWER else (mid, hi)
+    return hi
+
+
+def confirmation_rounds(sigma: float, resolve: float = 0.03, bounds: tuple[int, int] = (8, 30), launches: int = 1,
+                        spread: Spread = DEFAULT_SPREAD) -> int:
+    """The fewest even rounds per launch within ``bounds`` at which ``launches`` launches find a plan faster by
+    ``resolve`` (0.03 = 3%) with 80% power (:func:`power`); else the even count within ``bounds`` past which more
+    rounds add less than a point of power (the spread between launches then dominates: more launches, not more
+    rounds, would resolve it).
+
+    Args:
+        sigma: standard deviation of the per-round log ratios, as the race measured it (``nan``: the upper bound).
+        resolve: the speed-up to resolve.
+        bounds: ``(fewest, most)`` rounds; rounded to even counts inside them, at least 6.
+        launches: the launches the confirmation runs in (at least 1).
+        spread: the study's between-launch spread.
+    """
+    low, high = max(6, bounds[0] + bounds[0] % 2), max(6, bounds[1] - bounds[1] % 2)
+    if not sigma == sigma:
+        return high
+    launches = max(1, launches)
+    ceiling = power(launches, 10 ** 6, resolve, sigma, spread)
+    for n in range(low, high + 1, 2):
+        p = power(launches, n, resolve, sigma, spread)
+        if p >= POWER or ceiling - p < 0.01:
+            return n
+    return high
+
+
+def confirmation_text(ratio: float, ci95: tuple[float, float] | Sequence[float], rounds: int, launches: int = 1,
+                      total_time: bool = True) -> str:
+    """``total-time ratio 0.893, 95% CI [0.861, 0.925] over 12 fresh rounds in 2 launches`` (older confirmations:
+    ``median ratio ...``)."""
     low, high = ci95
-    where = f" in {launches} launches" if launches > 1 else " in 1 launch"
-    return f"ratio {ratio:.3f}, 95% CI [{low:.3f}, {high:.3f}] over {rounds} fresh rounds{where}"
+    where = f" in {launches} launches" if launches != 1 else " in 1 launch"
+    figure = "total-time ratio" if total_time else "median ratio"
+    return f"{figure} {ratio:.3f}, 95% CI [{low:.3f}, {high:.3f}] over {rounds} fresh rounds{where}"

@@ -5,7 +5,8 @@ confirmation launch runs (``confirm_rounds``). Each launch (``prefetch-planner
 confirm``, started by ``tune`` after its ranks exit) builds the model afresh,
 applies the two plans from the first step, and appends its rounds to the
 trial (:func:`record_launch`). Once the launches ran, :func:`conclude` turns
-them into one confirmation ([Note: Confirming across launches]), stores it
+them into one confirmation with any earlier launches of the same
+recommendation ([Note: Between-launch spread]), stores it
 on the trial and its plan, and writes the study's recommendation
 (:func:`planner.study.queries.best_plan`) to the plan file. Torch-free: the
 tests drive it with synthetic launches.
@@ -23,6 +24,7 @@ from planner.errors import PlannerError, StudyNotFoundError
 from planner.statistics.verdict import Confirmation, confirm_launches, step_noise_pct
 from planner.storages import open_storage, storage_errors
 from planner.storages.archive import confirmation_rows, save_confirmation_row, stored_plan, update_plan
+from planner.study.evidence import earlier_launches, own_launches, study_spread
 from planner.study.provenance import provenance_of
 from planner.study.queries import BestPlan, best_plan, measured_records
 from planner.study.recommendation import JobVerdict, job_verdicts
@@ -111,7 +113,9 @@ def conclude(config: StudyConfig, job: str, plan_out: str) -> tuple[Confirmation
         if s is not None and s.confirmation is None and s.confirm_launches:
             launches = s.confirm_launches
             noise = step_noise_pct([x.plan_ms for x in launches] + [x.default_ms for x in launches])
-            confirmation = confirm_launches([(x.plan_ms, x.default_ms) for x in launches], noise)
+            records = measured_records(storage, study)
+            earlier = earlier_launches({r.number: r for r in records}, s.reconfirms)
+            confirmation = confirm_launches(earlier + own_launches(s), noise, study_spread(records, s.plan_key))
             save_confirmation_row(storage.engine, config.name, s.number,
                                   confirmation=MeasuredTrialRecord(confirmation=confirmation).to_user_attrs())
             plan = stored_plan(storage.engine, config.name, s.number)

@@ -33,7 +33,7 @@ from planner.storages.archive import save_measured_plans, save_profile, update_p
 from planner.storages.bulk import running_without_heartbeat
 from planner.study.candidates import Candidate, plan_key
 from planner.study.heartbeat import Heartbeat
-from planner.study.provenance import MeasuredPlan
+from planner.study.provenance import OBJECTIVE, MeasuredPlan
 from planner.study.records import Failure, MeasuredTrialRecord, StudyRecord
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import name_objective
@@ -62,6 +62,7 @@ class MeasuredTrial:
         predicted_peak_bytes: the simulated peak memory, bytes.
         retry_of: for a re-queued stale trial, the number of the trial first
             failed (Optuna's ``failed_trial`` system attribute), else ``None``.
+        reconfirms: for the study's recommendation raced again, the trial that recommended it.
     """
 
     number: int
@@ -70,6 +71,7 @@ class MeasuredTrial:
     predicted_ms: float
     predicted_peak_bytes: int
     retry_of: int | None = None
+    reconfirms: int | None = None
 
 
 class MeasuredStage:
@@ -109,6 +111,10 @@ class MeasuredStage:
             )
             for key, value in StudyRecord(space.name).to_user_attrs().items():
                 self.study.set_user_attr(key, value)
+            if self.study.metric_names != [OBJECTIVE]:
+                with warnings.catch_warnings():  # experimental since Optuna 3.2, stable in use by optuna-dashboard
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    self.study.set_metric_names([OBJECTIVE])  # optuna-dashboard's label for the trials' value
             name_objective(self.study, METRIC)
             self.study_id = storage.get_study_id_from_name(config.name)
             self.profile_id = save_profile(storage.engine, config.name, self.profile)
@@ -211,6 +217,13 @@ class MeasuredStage:
         return Candidate(dict(trial.params), dict(trial.distributions), plan, result.step_ms, result.peak_bytes,
                          reconfirms=trial.number)
 
+    def records(self) -> list[MeasuredTrialRecord]:
+        """Every trial of the study as a record, late confirmations included (``queries.measured_records``)."""
+        from planner.study.queries import measured_records
+
+        with self._storage_errors():
+            return measured_records(self.storage, self.study)
+
     def ask(self, candidates: list[Candidate]) -> list[MeasuredTrial]:
         """Create one RUNNING trial per candidate, with its parameters and prediction."""
         out = []
@@ -224,7 +237,8 @@ class MeasuredStage:
                 trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)
                 self.heartbeat.add(trial_id)
                 number = self.storage.get_trial_number_from_id(trial_id)
-                out.append(MeasuredTrial(number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes))
+                out.append(MeasuredTrial(number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes,
+                                         reconfirms=c.reconfirms))
         return out
 
     def tell(self, asked: list[MeasuredTrial], measured: list[MeasuredPlan], step_ms: list[list[float]],
@@ -245,7 +259,7 @@ class MeasuredStage:
                                 [p.is_default_for(self.profile) for p in plans], step_ms, per_rank)
             for a, m in zip(asked, measured, strict=True):
                 self._record(a.trial_id, m.record)
-                self.study.tell(a.number, m.plan.provenance.measured_ms, skip_if_finished=True)  # a stale FAIL stays
+                self.study.tell(a.number, m.objective_ms, skip_if_finished=True)  # a stale FAIL stays
                 self.heartbeat.discard(a.trial_id)
 
     def fail(self, asked: list[MeasuredTrial], failure: Failure, measured_peak_bytes: int | None = None) -> None:

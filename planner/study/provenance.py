@@ -15,14 +15,18 @@ from dataclasses import dataclass
 from planner.artifacts.plan import Plan, Source
 from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Confirmation
-from planner.study.records import MeasuredTrialRecord, RaceFigures
+from planner.study.records import ConfirmLaunch, MeasuredTrialRecord, RaceFigures
+
+# The measured study's objective name (optuna-dashboard's label) and the two figures a trial's value can be.
+OBJECTIVE = "step_ms: confirmed (default's race median x total-time ratio) where confirmed in-process, else race median"
+CONFIRMED, RACE_MEDIAN = "confirmed", "race median"
 
 
 def provenance_of(confirmation: Confirmation) -> dict:
     """The :class:`~planner.artifacts.plan.Provenance` fields a confirmation fills in."""
     c = confirmation
     return dict(verdict=str(c.verdict), measured_ratio=c.ratio, ratio_ci95=tuple(c.ci95), rounds=c.rounds,
-                launches=c.launches, noise_pct=c.noise_pct)
+                launches=c.launches, noise_pct=c.noise_pct, ratio_of="total time" if c.total_time else None)
 
 
 @dataclass(frozen=True)
@@ -33,10 +37,13 @@ class MeasuredPlan:
         plan: the plan, provenance filled in (trial, predicted and measured ms, the default's ms in the same
             race, peaks and budget, and the confirmation on the plan it confirmed).
         record: what its trial carries (:class:`MeasuredTrialRecord`).
+        objective_ms: the trial's Optuna objective (:data:`OBJECTIVE`): for the plan confirmed here, FSDP2's
+            default's race median times the confirmed total-time ratio; for the others, the plan's race median.
     """
 
     plan: Plan
     record: MeasuredTrialRecord
+    objective_ms: float
 
 
 def measured_plans(
@@ -74,15 +81,18 @@ def measured_plans(
         confirmed = confirmation if j == survivor else None
         peak = peak_bytes[j] if peak_bytes is not None and j < len(peak_bytes) else None
         pending = j == survivor and confirmed is None
+        launch = [ConfirmLaunch(schedule.confirm_ms[j], schedule.confirm_ms[race.default])] if confirmed else None
+        objective = CONFIRMED if confirmed is not None and confirmed.total_time else RACE_MEDIAN
         record = MeasuredTrialRecord(step_ms=list(step_ms[j]), per_rank_step_ms=[list(r) for r in per_rank[j]],
                                      race=figures, confirmation=confirmed, measured_peak_bytes=peak,
                                      confirm_rounds=schedule.confirm_settings.rounds(race.ratio_sigma()) if pending
-                                     else None)
+                                     else None, confirm_launches=launch, objective=objective)
         verdict = provenance_of(confirmed) if confirmed is not None else {}
         told = plan.with_provenance(
             source=Source.MEASURED, study=study, trial=number, predicted_ms=predicted_ms,
             measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms,
             predicted_peak_bytes=predicted_peak, measured_peak_bytes=peak, memory_budget_bytes=memory_budget_bytes,
             **verdict)
-        out.append(MeasuredPlan(told, record))
+        median_ms = statistics.median(race.step_ms(j))
+        out.append(MeasuredPlan(told, record, default_ms * confirmed.ratio if objective == CONFIRMED else median_ms))
     return out

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import optuna
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.plan import Plan
+from planner.artifacts.plan import Plan, Provenance
 from planner.errors import StudyNotFoundError
-from planner.statistics.verdict import Confirmation, confirmation_text
+from planner.statistics.verdict import Confirmation, Verdict, confirmation_text
 from planner.storages import check_exists, open_storage, open_storage_read_only
 from planner.storages.archive import confirmation_rows, stored_plan
 from planner.study.recommendation import JobVerdict, Recommendation, recommend
@@ -150,13 +150,23 @@ class BestPlan:
         job = f"job {r.job.job}" if r.job.job else "the latest job"
         if not self.is_default:
             pv = self.plan.provenance
-            return (f"trial {r.trial.number} of study {study!r}, confirmed faster than FSDP2's default by {job}: "
-                    f"{confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds, pv.launches or 1)}")
+            if pv.verdict == Verdict.PROVISIONAL:
+                return (f"trial {r.trial.number} of study {study!r}, PROVISIONAL (faster in its launches, not yet "
+                        f"across processes; the in-loop tuner's next start adds a launch) by {job}: "
+                        f"{provenance_text(pv)}")
+            return f"trial {r.trial.number} of study {study!r}, confirmed faster than FSDP2's default by {job}: " + (
+                provenance_text(pv))
         if self.survivor is None:
             return f"FSDP2's default: every candidate of {job} was significantly slower in its race"
         pv = self.survivor.provenance
         return (f"FSDP2's default: {job} confirmed no plan faster (its survivor, trial {pv.trial}: {pv.verdict}, "
-                f"{confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds, pv.launches or 1)})")
+                f"{provenance_text(pv)})")
+
+
+def provenance_text(pv: Provenance) -> str:
+    """A plan's confirmed figures: :func:`~planner.statistics.verdict.confirmation_text` of its provenance."""
+    return confirmation_text(pv.measured_ratio, pv.ratio_ci95, pv.rounds, pv.launches or 1,
+                             total_time=pv.ratio_of == "total time")
 
 
 def _stored_plan(storage: optuna.storages.RDBStorage, name: str, number: int) -> Plan:

@@ -11,7 +11,10 @@ lowest of several noisy ratios is biased low. So:
   (a fresh trial of the same plan, ``reconfirms`` = the trial that
   recommended it), so it has to win a fresh race and a fresh confirmation;
 - the study recommends what its latest decided job concluded: the plan that
-  job confirmed faster, else FSDP2's default. A job is decided once its
+  job confirmed faster, or found faster in its launches but not yet across
+  processes (``PROVISIONAL``, labelled so wherever it shows, and re-confirmed
+  at the in-loop tuner's next start: [Note: Provisional verdicts] in
+  ``planner.statistics.verdict``), else FSDP2's default. A job is decided once its
   survivor is confirmed, or when its race dropped every candidate; a job
   whose confirmation never ran (its launches died) leaves the recommendation
   as it was.
@@ -59,13 +62,20 @@ class JobVerdict:
         s = self.survivor
         return s if s is not None and s.verdict == Verdict.FASTER else None
 
+    @property
+    def recommended(self) -> MeasuredTrialRecord | None:
+        """The survivor when it is confirmed faster or provisionally faster, else ``None``."""
+        s = self.survivor
+        return s if s is not None and s.verdict in (Verdict.FASTER, Verdict.PROVISIONAL) else None
+
 
 @dataclass(frozen=True)
 class Recommendation:
     """The plan a study recommends ([Note: One recommendation, re-confirmed by every job]).
 
     Attributes:
-        trial: the recommended plan's trial: the job's survivor confirmed faster, else the job's FSDP2 default.
+        trial: the recommended plan's trial: the job's survivor confirmed (or provisionally) faster, else the job's
+            FSDP2 default.
         job: the job that decided it.
     """
 
@@ -74,8 +84,17 @@ class Recommendation:
 
     @property
     def is_default(self) -> bool:
-        """Whether it is FSDP2's default (nothing confirmed faster by the deciding job)."""
-        return self.job.faster is None
+        """Whether it is FSDP2's default (nothing confirmed faster, even provisionally, by the deciding job)."""
+        return self.job.recommended is None
+
+    @property
+    def needs_launches(self) -> bool:
+        """Whether the recommendation waits on more launches: provisional, or confirmed faster before the
+        total-time estimand (a median-based verdict from one process), so the next in-loop start re-confirms it."""
+        c = self.confirmation
+        if self.is_default or c is None:
+            return False
+        return c.verdict == Verdict.PROVISIONAL or not c.total_time
 
     @property
     def confirmation(self) -> Confirmation | None:
@@ -115,7 +134,7 @@ def recommend(records: Iterable[MeasuredTrialRecord],
     model and world size) concluded; ``None`` when no job is decided."""
     for verdict in reversed(job_verdicts(records)):
         if verdict.decided and matches(verdict):
-            return Recommendation(verdict.faster or verdict.default, verdict)
+            return Recommendation(verdict.recommended or verdict.default, verdict)
     return None
 
 

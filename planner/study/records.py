@@ -11,9 +11,11 @@ studies written before these records read the same.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import optuna
+from pydantic import JsonValue
 
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.names import SpaceName
@@ -86,6 +88,27 @@ class Failure:
 _CONFIRMATION_KEYS = ("measured_ratio", "ratio_ci95", "rounds")
 
 
+def confirmation_attrs(c: Confirmation) -> JsonObject:
+    """A confirmation as trial attributes, the verdict last (Optuna writes them in order; a reader takes a
+    confirmation as whole once its verdict is there). Confirmations before the total-time estimand have no
+    ``tau``: their ``measured_ratio`` is a median per-round ratio."""
+    attrs: JsonObject = dict(measured_ratio=c.ratio, ratio_ci95=list(c.ci95), rounds=c.rounds, noise_pct=c.noise_pct,
+                             launches=c.launches)
+    if c.tau is not None:
+        attrs.update(median_ratio=c.median_ratio, tau=c.tau,
+                     within_ci95=list(c.within_ci95) if c.within_ci95 is not None else None)
+    attrs["verdict"] = str(c.verdict)
+    return {key: value for key, value in attrs.items() if value is not None}
+
+
+def confirmation_from(a: Mapping[str, JsonValue]) -> Confirmation:
+    """The confirmation :func:`confirmation_attrs` wrote (or an older one)."""
+    within = a.get("within_ci95")
+    return Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"], a.get("noise_pct", float("nan")),
+                        Verdict(a["verdict"]), a.get("launches", 1), a.get("median_ratio"), a.get("tau"),
+                        tuple(within) if within is not None else None)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MeasuredTrialRecord:
     """A trial of the measured study ``NAME``: one plan measured on the real ranks.
@@ -110,6 +133,8 @@ class MeasuredTrialRecord:
         confirm_rounds: rounds each confirmation launch runs (on the race's survivor, set when the race ends).
         confirm_launches: the launches measured so far (on the race's survivor).
         reconfirms: for the study's recommendation raced again by a later job, the trial it was recommended by.
+        objective: which figure the trial's value is (``planner.study.provenance.OBJECTIVE``): ``"confirmed"`` or
+            ``"race median"``.
         measured_peak_bytes: the measured peak per rank (max across ranks).
         failure: why it failed.
     """
@@ -132,6 +157,7 @@ class MeasuredTrialRecord:
     confirm_rounds: int | None = None
     confirm_launches: list[ConfirmLaunch] | None = None
     reconfirms: int | None = None
+    objective: str | None = None
     measured_peak_bytes: int | None = None
     failure: Failure | None = None
 
@@ -140,16 +166,15 @@ class MeasuredTrialRecord:
         Optuna's own and not among them."""
         attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "plan_key",
                                                      "job", "source", "step_ms", "per_rank_step_ms",
-                                                     "measured_peak_bytes", "confirm_rounds", "reconfirms")}
+                                                     "measured_peak_bytes", "confirm_rounds", "reconfirms",
+                                                     "objective")}
         if self.race is not None:
             attrs.update(race_rounds=self.race.rounds, race_noise_pct=self.race.noise_pct, race_ratio=self.race.ratio,
                          dropped_after_round=self.race.dropped_after_round, race_survivor=self.race.survivor or None)
         if self.confirm_launches is not None:
             attrs.update(confirm_launches=[launch.to_json() for launch in self.confirm_launches])
         if self.confirmation is not None:
-            c = self.confirmation
-            attrs.update(measured_ratio=c.ratio, ratio_ci95=list(c.ci95), rounds=c.rounds, noise_pct=c.noise_pct,
-                         launches=c.launches, verdict=str(c.verdict))  # the verdict last: a reader takes it as whole
+            attrs.update(confirmation_attrs(self.confirmation))
         if self.failure is not None:
             attrs.update(fail_reason=self.failure.reason, fail_kind=str(self.failure.kind))
         return {key: value for key, value in attrs.items() if value is not None}
@@ -168,8 +193,7 @@ class MeasuredTrialRecord:
         # Optuna stores a trial's attributes one at a time, in to_user_attrs' order: a reader may see a running
         # trial of another job half-written, so a confirmation is read only once its verdict, written last, is there.
         if a.get("verdict") and all(k in a for k in _CONFIRMATION_KEYS):
-            confirmation = Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"],
-                                        a.get("noise_pct", float("nan")), Verdict(a["verdict"]), a.get("launches", 1))
+            confirmation = confirmation_from(a)
         launches = a.get("confirm_launches")
         failure = (
             Failure(a["fail_reason"], FailKind(a.get("fail_kind", FailKind.ERROR))) if "fail_reason" in a else None
@@ -179,7 +203,7 @@ class MeasuredTrialRecord:
                    predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
                    plan_key=a.get("plan_key"), job=a.get("job"), source=a.get("source"), step_ms=a.get("step_ms"),
                    per_rank_step_ms=a.get("per_rank_step_ms"), race=race, confirmation=confirmation,
-                   confirm_rounds=a.get("confirm_rounds"), reconfirms=a.get("reconfirms"),
+                   confirm_rounds=a.get("confirm_rounds"), reconfirms=a.get("reconfirms"), objective=a.get("objective"),
                    confirm_launches=[ConfirmLaunch.from_json(x) for x in launches] if launches is not None else None,
                    measured_peak_bytes=a.get("measured_peak_bytes"), failure=failure)
 
@@ -190,10 +214,7 @@ class MeasuredTrialRecord:
         if launches:
             record = dataclasses.replace(record, confirm_launches=[ConfirmLaunch.from_json(x) for x in launches])
         if confirmation is not None:
-            c = confirmation
-            record = dataclasses.replace(record, confirmation=Confirmation(
-                c["measured_ratio"], tuple(c["ratio_ci95"]), c["rounds"], c.get("noise_pct", float("nan")),
-                Verdict(c["verdict"]), c.get("launches", 1)))
+            record = dataclasses.replace(record, confirmation=confirmation_from(confirmation))
         return record
 
     @property

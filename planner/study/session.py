@@ -36,10 +36,12 @@ from planner.simulation.parameters import simulator_for
 from planner.simulation.simulator import Simulator
 from planner.statistics.race import Race
 from planner.statistics.schedule import Schedule
+from planner.statistics.verdict import Confirmation
 from planner.storages import open_storage, storage_errors
 from planner.storages.archive import latest_calibration
-from planner.study.candidates import select_candidates
+from planner.study.candidates import plan_key, select_candidates
 from planner.study.confirmation import write_plan
+from planner.study.evidence import earlier_launches, study_spread
 from planner.study.measured import MeasuredStage, MeasuredTrial
 from planner.study.provenance import measured_plans
 from planner.study.queries import BestPlan, best_plan
@@ -71,6 +73,7 @@ class TuneOutcome:
         calibration: what calibration concluded on ``told``; ``None`` when nothing was measured.
         best: the study's recommendation once this job is decided; ``None`` while its survivor awaits its
             confirmation launches, or when nothing was measured.
+        confirmation: the survivor's confirmation when it ran here (in this process); ``None`` otherwise.
     """
 
     told: list[Plan]
@@ -83,6 +86,7 @@ class TuneOutcome:
     plan_out: str
     calibration: CalibrationResult | None = None
     best: BestPlan | None = None
+    confirmation: Confirmation | None = None
 
 
 class TuningSession:
@@ -241,8 +245,15 @@ class TuningSession:
         if self.on_drop is not None:
             on_drop = self._dropped
         measure = self.config.measure
-        self.schedule = Schedule(len(kept), measure.race_settings(), measure.confirm_settings(self.confirm_launches),
-                                 on_drop=on_drop)
+        records = self.stage.records()
+        by_number = {r.number: r for r in records if r.number is not None}
+        earlier = {j: earlier_launches(by_number, a.reconfirms) for j, a in enumerate(kept)}
+        # The plan re-confirmed here adds its own launches to its confirmation: the study's spread leaves them out.
+        again = next((a.plan for a in kept if a.reconfirms is not None), None)
+        spread = study_spread(records, exclude=plan_key(again) if again is not None else None)
+        self.schedule = Schedule(len(kept), measure.race_settings(),
+                                 measure.confirm_settings(self.confirm_launches, spread), on_drop=on_drop,
+                                 earlier={j: launches for j, launches in earlier.items() if launches})
         return self.schedule
 
     def _dropped(self, plan: int, rounds: int) -> None:
@@ -309,7 +320,7 @@ class TuningSession:
             self.stage.save_calibration(self.profile)
         return TuneOutcome(told=told, failed=failed, profile=self.profile, profile_out=self.profile_out,
                            race=schedule.race, candidate=candidate, written=written, plan_out=self.plan_out,
-                           calibration=calibration, best=best)
+                           calibration=calibration, best=best, confirmation=schedule.confirmation)
 
     def save_profile(self) -> None:
         """Write the profile as it stands (calibrated once :meth:`finish` accepted a calibration) to ``profile_out``.

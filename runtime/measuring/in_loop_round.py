@@ -27,9 +27,10 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError, one_line
 from planner.statistics.schedule import Phase
-from planner.statistics.verdict import Confirmation, Verdict
+from planner.statistics.verdict import Confirmation
 from planner.storages import check_writable
 from planner.study.in_loop import SOURCE, block_times, plan_at_start, recheck_config, step_orders
+from planner.study.records import confirmation_attrs, confirmation_from
 from runtime.apply import apply_plan
 from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
 from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
@@ -252,15 +253,11 @@ class InLoopRound:
             c = self._schedule.confirmation
             written = outcome.written or default
             return {"plan": written.to_dict(), "line": outcome.best.line(self.config.name) if outcome.best else "",
-                    "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, c.noise_pct,
-                                                              str(c.verdict), c.launches]}
+                    "confirmation": None if c is None else confirmation_attrs(c)}
 
         payload = self.everywhere(finish)
-        confirmation = None
-        if payload["confirmation"] is not None:
-            r, ci, n, noise, verdict, launches = payload["confirmation"]
-            confirmation = Confirmation(r, tuple(ci), n, noise, Verdict(verdict), launches)
-        return RoundEnd(Plan.from_dict(payload["plan"]), confirmation, payload["line"])
+        c = payload["confirmation"]
+        return RoundEnd(Plan.from_dict(payload["plan"]), None if c is None else confirmation_from(c), payload["line"])
 
     def fail(self, plan: int | None, reason: str) -> None:
         """Rank 0: record FAIL the trial of ``plan`` (``FailKind.ERROR``: its step raised; ``None``: none) and

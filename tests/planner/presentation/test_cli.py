@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import scipy.stats
 from click.testing import CliRunner
 
 from planner.artifacts.plan import Plan
 from planner.presentation.cli import main
+from planner.statistics.verdict import DEFAULT_SPREAD
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
 from search_spaces import get_space
 
@@ -43,7 +46,10 @@ def study_db(tmp_path_factory):
 
 def test_studies_queries(study_db, tmp_path):
     code, out, _ = _invoke(["studies", "list", "--storage", study_db])
-    assert code == 0 and "s " in out and "0.800 [0.800, 0.800]" in out and "100.0" in out  # confirmed, same job
+    # confirmed, same job: steps exactly 0.8 of the default's, so the interval is the prior spread's alone
+    q = scipy.stats.t.ppf(0.975, DEFAULT_SPREAD.df)
+    interval = f"0.800 [{0.8 * math.exp(-q * DEFAULT_SPREAD.tau):.3f}, {0.8 * math.exp(q * DEFAULT_SPREAD.tau):.3f}]"
+    assert code == 0 and "s " in out and interval in out and "faster (1)" in out and "100.0" in out
     code, out, _ = _invoke(["studies", "show", "s", "--storage", study_db])
     assert code == 0 and "3 measured trials, 30 simulated trials" in out and "default" in out
     code, out, _ = _invoke(["studies", "best", "s", "--storage", study_db])

@@ -29,21 +29,23 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
     default = Plan.default(p).with_provenance(trial=0, predicted_ms=90.0, measured_ms=100.0, **base)
     tuned = uniform.build(p, 1, 2, True).with_provenance(
         trial=1, predicted_ms=70.0, measured_ms=80.0, verdict=verdict, measured_ratio=ratio, ratio_ci95=ci, rounds=12,
-        noise_pct=6.5, **base)
+        noise_pct=6.5, launches=1, ratio_of="total time", **base)
     slow = uniform.build(p, 3, 3, False).with_provenance(trial=2, predicted_ms=95.0, measured_ms=130.0, **base)
     race = _race({0: [100.0, 104.0, 98.0, 101.0, 99.0, 100.0], 1: [80.0, 82.0, 79.0, 81.0, 80.0, 78.0],
                   2: [130.0, 128.0, 131.0, 129.0]}, {2: 4})
-    written = tuned if verdict == "faster" else default
+    written = tuned if verdict in ("faster", "provisional") else default
     calibration = CalibrationResult(
         None, None, None, 12.0, "not fitted: 3 measured plans, a calibration needs at least 6"
     )
-    confirmation = Confirmation(ratio, ci, 12, 6.5, Verdict(verdict))
+    within = (ratio * 0.98, ratio * 1.02) if verdict != "provisional" else (ratio - 0.02, 0.99)
+    confirmation = Confirmation(ratio, ci, 12, 6.5, Verdict(verdict), 1, ratio, 0.045, within)
     job = JobVerdict("j", MeasuredTrialRecord(number=0, measured_ms=100.0),
                      MeasuredTrialRecord(number=1, confirmation=confirmation), last_trial=2)
-    best = BestPlan(written, Recommendation(job.faster or job.default, job), None if verdict == "faster" else tuned)
+    best = BestPlan(written, Recommendation(job.recommended or job.default, job),
+                    None if written is tuned else tuned)
     return TuneOutcome(told=[default, tuned, slow], failed={3: "applying the plan failed on rank 1: boom"}, profile=p,
                        profile_out="s.profile.json", race=race, candidate=tuned, written=written,
-                       plan_out="s.plan.json", calibration=calibration, best=best)
+                       plan_out="s.plan.json", calibration=calibration, best=best, confirmation=confirmation)
 
 
 def test_report_of_a_faster_plan():
@@ -54,10 +56,11 @@ def test_report_of_a_faster_plan():
     assert "dropped after 4 rounds" in text
     assert "race: 6 rounds, noise" in text and "race ratio = median paired per-round ratio" in text
     assert "  race ms  race ratio" in text  # race figures are labelled as such
-    assert ("confirmation: trial 1 vs FSDP2's default: ratio 0.800, 95% CI [0.780, 0.820] over 12 fresh rounds in 1 "
-            "launch: faster (noise 6.5%)") in lines
-    assert ("best plan: trial 1 of study 's', confirmed faster than FSDP2's default by job j: ratio 0.800, 95% CI "
-            "[0.780, 0.820] over 12 fresh rounds in 1 launch; written to s.plan.json") in text
+    assert ("confirmation: trial 1 vs FSDP2's default: total-time ratio 0.800, 95% CI [0.780, 0.820] over 12 fresh "
+            "rounds in 1 launch: faster (median round 0.800, descriptive) (noise 6.5%)") in lines
+    assert ("best plan: trial 1 of study 's', confirmed faster than FSDP2's default by job j: total-time ratio 0.800, "
+            "95% CI [0.780, 0.820] over 12 fresh rounds in 1 launch; written to s.plan.json") in text
+    assert any(line.startswith("      power: 1 launch(es) of 12 rounds call a total-time gain of") for line in lines)
     assert ("calibration on these 3 measured plans: not fitted: 3 measured plans, a calibration needs at least 6; "
             "not saved") in lines
     assert lines[-1] == "profile written to s.profile.json"
@@ -66,8 +69,16 @@ def test_report_of_a_faster_plan():
 def test_report_when_the_confirmation_cannot_tell():
     text = "\n".join(tune_report(_outcome("no significant difference", 0.98, (0.95, 1.01)), "s"))
     assert ("best plan: FSDP2's default: job j confirmed no plan faster (its survivor, trial 1: no significant "
-            "difference, ratio 0.980") in text
-    assert "confirmation rounds per launch would find a speed-up of 2.0% with 80% power" in text
+            "difference, total-time ratio 0.980") in text
+    # what the confirmation could have found, never a nudge to re-run it until it says "faster"
+    assert "would find" not in text and "with 80% power (between-launch spread 4.5%)" in text
+
+
+def test_report_of_a_provisional_plan():
+    text = "\n".join(tune_report(_outcome("provisional", 0.95, (0.86, 1.05)), "s"))
+    assert "in 1 launch: provisional (within these launches 95% CI [0.930, 0.990]; not yet across processes" in text
+    assert "best plan: trial 1 of study 's', PROVISIONAL (faster in its launches, not yet across processes" in text
+    assert "confirmed faster" not in text
 
 
 def test_nothing_measured_writes_nothing():

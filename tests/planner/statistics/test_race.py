@@ -1,4 +1,4 @@
-"""The race and the confirmation on synthetic paired measurements (seeded, no ranks).
+"""The race and its schedule on synthetic paired measurements (seeded, no ranks).
 
 "10% noise" is what the tool reports as noise: step interquartile range /
 median 10%, independent lognormal per step (no shared round effect).
@@ -15,24 +15,8 @@ import pytest
 
 from planner.statistics.race import Race, RaceSettings, balanced_orders, cycle_rounds, holm
 from planner.statistics.schedule import ConfirmSettings, Phase, Schedule
-from planner.statistics.verdict import (
-    Verdict,
-    confirm,
-    confirm_launches,
-    confirmation_rounds,
-    detectable_effect,
-    false_faster_rate,
-    order_statistic,
-    power,
-    verdict_of,
-)
-from planner.testing import synthetic_schedule
-
-
-def at_most(rate: float, runs: int) -> int:
-    """The most events of nominal probability ``rate`` that ``runs`` trials may show: the rate plus 3 standard
-    errors (the tests' tolerance for a simulated error rate)."""
-    return math.floor(runs * (rate + 3 * math.sqrt(rate * (1 - rate) / runs)))
+from planner.statistics.verdict import Verdict
+from planner.testing import at_most, synthetic_schedule
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
@@ -58,65 +42,6 @@ def test_over_1000_aa_races_at_most_2_5_percent_end_faster():
     faster = sum(s.confirmation is not None and s.confirmation.verdict == Verdict.FASTER for s in runs)
     assert faster <= at_most(0.025, 1000)
     assert sum(s.confirmation is not None for s in runs) >= 950  # almost always something was confirmed
-
-
-@pytest.mark.parametrize("n", range(4, 41))
-def test_the_sign_test_interval_covers_as_it_says_exactly(n):
-    """Exact binomial: the interval [d_(k), d_(n+1-k)] misses the median with chance 2 P(B <= k-1), B ~ Bin(n, 1/2);
-    each side (the false "faster" side included) at most 2.5%. Under 6 rounds no interval reaches 95%."""
-    from scipy.stats import binom
-
-    k = order_statistic(n)
-    if n < 6:
-        assert k == 0 and false_faster_rate(n) == 0.0
-        with pytest.raises(ValueError, match="6 or more paired rounds"):
-            confirm([1.0] * n, [1.0] * n, 0.0)
-        return
-    one_side = binom.cdf(k - 1, n, 0.5)
-    assert false_faster_rate(n) == pytest.approx(one_side) and one_side <= 0.025
-    assert 1 - 2 * one_side >= 0.95
-    assert binom.cdf(k, n, 0.5) > 0.025  # the narrowest such interval: one order statistic further is too few
-
-
-@pytest.mark.parametrize("n", [8, 13, 23])
-@pytest.mark.parametrize("tail", ["normal", "heavy"])
-def test_aa_sweep_through_confirm_stays_within_its_nominal_rate(n, tail):
-    """4000 A/A confirmations of n rounds: plan and default drawn from one distribution (lognormal, or with a 5%
-    chance of a 1.5x stall per step); "faster" at most 2.5% + 3 standard errors."""
-    rng = np.random.default_rng(n)
-    runs, faster = 4000, 0
-    for _ in range(runs):
-        times = 100.0 * np.exp(rng.normal(0.0, 0.07, size=(2, n)))
-        if tail == "heavy":
-            times *= np.where(rng.random((2, n)) < 0.05, 1.5, 1.0)
-        faster += confirm(list(times[0]), list(times[1]), 0.0).verdict == Verdict.FASTER
-    assert faster <= at_most(0.025, runs)
-
-
-def test_an_order_effect_does_not_make_a_verdict_over_an_even_confirmation():
-    """The step that runs second is 5% slower; alternating order over an even number of rounds keeps the false
-    "faster" rate within its nominal 2.5% (Hoeffding's bound on the Poisson-binomial count)."""
-    rng = np.random.default_rng(11)
-    runs, faster = 4000, 0
-    for _ in range(runs):
-        plan, default = [], []
-        for r in range(12):
-            a, b = 100.0 * np.exp(rng.normal(0.0, 0.05, size=2))
-            first_is_plan = r % 2 == 0
-            plan.append(a * (1.0 if first_is_plan else 1.05))
-            default.append(b * (1.05 if first_is_plan else 1.0))
-        faster += confirm(plan, default, 0.0).verdict == Verdict.FASTER
-    assert faster <= at_most(0.025, runs)
-
-
-def test_launches_conclude_faster_only_when_every_launch_does():
-    fast = ([90.0, 91.0, 89.0, 90.0, 92.0, 90.0], [100.0] * 6)
-    mixed = ([90.0, 101.0, 89.0, 90.0, 92.0, 90.0], [100.0] * 6)
-    both = confirm_launches([fast, fast], 3.0)
-    assert both.verdict == Verdict.FASTER and both.launches == 2 and both.rounds == 12
-    hull = confirm_launches([fast, mixed], 3.0)
-    assert hull.verdict == Verdict.NO_SIGNIFICANT_DIFFERENCE
-    assert hull.ci95 == (pytest.approx(0.89), pytest.approx(1.01))  # the hull of [0.89, 0.92] and [0.89, 1.01]
 
 
 def test_a_true_5_percent_gain_is_found_by_the_race_at_10_percent_noise():
@@ -170,7 +95,7 @@ def test_a_candidate_slower_than_the_default_is_dropped_and_the_rest_confirmed()
     rng = np.random.default_rng(4)
     s = synthetic_schedule([1.0, 0.85, 1.4], 5.0, rng)
     assert 2 in s.race.dropped and s.survivor == 1
-    assert s.confirmation.verdict == Verdict.FASTER and s.confirmation.ci95[1] < 0.95
+    assert s.confirmation.verdict == Verdict.FASTER and s.confirmation.ci95[0] < 0.85 < s.confirmation.ci95[1] < 1.0
     assert s.phase == Phase.DONE
 
 
@@ -202,7 +127,23 @@ def test_drops_are_reported_as_they_happen():
     while (block := s.next_block()) is not None:
         s.record([{p: 100.0 * (2.0 if p == 2 else 1.0) * math.exp(rng.normal(0, 0.03)) for p in order}
                   for order in block])
-    assert seen == [(2, s.race.dropped[2])] and seen[0][1] == cycle_rounds(3)  # min_rounds 4 is one whole cycle
+    # reported once, at the look that dropped it: a whole cycle of the design (6 rounds for 3 plans); the sign test
+    # needs more than the first cycle's 6 rounds at this look's alpha, so it drops at the second look
+    assert seen == [(2, s.race.dropped[2])] and seen[0][1] % cycle_rounds(3) == 0 and seen[0][1] == s.race.looks[1]
+
+
+def test_skewed_rounds_do_not_drop_an_equal_plan():
+    """3 equal plans whose steps stall at 2x one time in ten (skewed, heavy-tailed per-round ratios): the sign test's
+    drops stay within alpha + 3 standard errors (a t-test on the first 6 rounds rejects on one stall)."""
+    rng = np.random.default_rng(13)
+    drops = 0
+    for _ in range(1000):
+        schedule = Schedule(3, RaceSettings(), ConfirmSettings(launches=1), clock=lambda: 0.0)
+        while (block := schedule.next_block()) is not None:
+            schedule.record([{p: 100.0 * math.exp(rng.normal(0.0, 0.03)) * (2.0 if rng.random() < 0.1 else 1.0)
+                              for p in order} for order in block])
+        drops += bool(schedule.race.dropped)
+    assert drops <= at_most(0.05, 1000)
 
 
 def test_race_rounds_interleave_the_alive_plans_in_balanced_order():
@@ -210,54 +151,6 @@ def test_race_rounds_interleave_the_alive_plans_in_balanced_order():
     orders = race.orders(6)
     assert all(sorted(o) == [0, 1, 2] for o in orders)
     assert len({tuple(o) for o in orders}) == 6  # odd n: every row and its reverse
-
-
-def test_confirmation_rounds_follow_the_noise_within_bounds():
-    assert (
-        confirmation_rounds(0.001) == 8 and confirmation_rounds(1.0) == 30 and confirmation_rounds(float("nan")) == 30
-    )
-    middle = confirmation_rounds(0.03, bounds=(6, 1000))
-    assert middle % 2 == 0 and 10 < middle < 40
-    assert power(middle, 0.03, 0.03) >= 0.8 > power(middle - 2, 0.03, 0.03)  # the fewest even rounds with 80% power
-    assert 2.5 * middle < confirmation_rounds(0.06, bounds=(6, 1000)) < 5 * middle  # about 4x for twice the noise
-    # what that many rounds find with 80% power is what was asked for
-    assert detectable_effect(0.03, middle) == pytest.approx(0.03, rel=0.15) and detectable_effect(0.03, middle) <= 0.03
-    assert confirmation_rounds(0.03, bounds=(7, 9)) == 8  # even counts only
-
-
-def test_order_statistic_and_wide_confirmation_rounds_match_their_definitions():
-    """The sign-test order statistic counted up from 0 (its definition), and the fewest even rounds tried one by
-    one; the quick paths must give the same answers (a `tune` report once spent minutes counting to n / 2 at every
-    n up to 10^4 for a 0.5% effect)."""
-    from scipy.stats import binom
-
-    for level in (0.8, 0.95, 0.99):
-        for n in range(1, 161):
-            k = 0
-            while k + 1 <= n // 2 and binom.cdf(k, n, 0.5) <= (1.0 - level) / 2:
-                k += 1
-            assert order_statistic(n, level) == k, (n, level)
-    for sigma, resolve in [(0.05, 0.03), (0.1, 0.02), (0.12, 0.01), (0.03, 0.005)]:
-        one_by_one = next(n for n in range(6, 10**4 + 1, 2) if power(n, resolve, sigma) >= 0.8)
-        assert confirmation_rounds(sigma, resolve, (6, 10**4)) == one_by_one
-    assert confirmation_rounds(0.15, 0.005, (6, 10**4)) == 10**4  # none reaches 80% power: the upper bound
-
-
-def test_verdict_follows_the_interval():
-    assert verdict_of((0.85, 0.93)) == Verdict.FASTER
-    assert verdict_of((1.01, 1.2)) == Verdict.SLOWER
-    assert verdict_of((0.9, 1.02)) == Verdict.NO_SIGNIFICANT_DIFFERENCE
-
-
-def test_confirm_is_a_paired_median_with_a_reproducible_interval():
-    default = [100.0, 110.0, 95.0, 105.0, 102.0, 98.0, 120.0, 101.0]
-    plan = [d * r for d, r in zip(default, [0.9, 0.91, 0.88, 0.9, 0.92, 0.89, 0.9, 0.91], strict=True)]
-    c = confirm(plan, default, noise_pct=7.0)
-    assert c.ratio == pytest.approx(0.9, abs=1e-9)
-    assert c.ci95 == (pytest.approx(0.88), pytest.approx(0.92))  # 8 rounds: k = 1, the extremes
-    assert c.verdict == Verdict.FASTER and c.rounds == 8 and c.launches == 1
-    with pytest.raises(ValueError, match="6 or more paired rounds"):
-        confirm([1.0] * 7, [1.0] * 6, 0.0)
 
 
 @pytest.mark.parametrize("plans, settings", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from planner.artifacts.fingerprint import Fingerprint
@@ -136,3 +137,52 @@ def test_a_recheck_races_the_recommendation_alone_on_the_stored_profile(tmp_path
     assert len(study_trials(url, "t").simulated) == simulated  # no simulated trial
     assert second.candidate.provenance.trial == asked[1].number
     assert best_plan(url, "t").plan.provenance.trial == asked[1].number
+
+
+def _in_loop_session(tmp_path, config, profile, job):
+    from planner.study.session import TuningSession
+    from search_spaces import get_space
+
+    return TuningSession(config, profile, get_space("uniform"), job=job, plan_out=str(tmp_path / "p.json"),
+                         profile_out=str(tmp_path / "profile.json"))
+
+
+@pytest.mark.parametrize("gain, verdicts", [(0.08, ["provisional", "faster"]),
+                                            (0.04, ["provisional", "provisional", "no significant difference"])])
+def test_a_provisional_recommendation_gathers_a_launch_at_every_start(tmp_path, make_profile, gain, verdicts):
+    """The in-loop tuner's path across restarts, torch-free: each start is one launch (one process). A plan faster
+    on its steps but not by enough to clear the spread between processes is provisional and applied; every later
+    start re-confirms it on a few steps (no recheck asked), pooling its rounds with the earlier launches, until it is
+    faster across processes (an 8% gain, at 2 launches) or, at 3 launches, FSDP2's default returns (4%)."""
+    from planner.study import study_trials
+    from planner.study.queries import best_plan
+    from planner.testing import drive_round, study_config
+
+    profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
+    url = f"sqlite:///{tmp_path}/t.db"
+    config = study_config(tmp_path, name="t", space="uniform", sim_trials=24, measured_trials=1, max_rounds=4,
+                          confirm_min_rounds=12, confirm_max_rounds=12)
+    rng = np.random.default_rng(3)
+    steps = lambda i, trial: 100.0 * (1.0 if i == 0 else 1.0 - gain) * float(np.exp(rng.normal(0, 0.005)))  # noqa: E731
+    _, outcome = drive_round(_in_loop_session(tmp_path, config, profile, "start-1"), steps)
+    seen = [outcome.confirmation]
+    for start in range(2, len(verdicts) + 1):
+        decision = plan_at_start(config, profile.fingerprint)  # recheck=False: the start decides to re-confirm
+        assert decision.decision.tune and decision.decision.recheck
+        assert f"launch {start} of up to 3" in decision.decision.why
+        _, outcome = drive_round(_in_loop_session(tmp_path, recheck_config(config), decision.profile,
+                                                  f"start-{start}"), steps)
+        seen.append(outcome.confirmation)
+    assert [str(c.verdict) for c in seen] == verdicts
+    assert [c.launches for c in seen] == list(range(1, len(verdicts) + 1))
+    assert [c.rounds for c in seen] == [12 * k for k in range(1, len(verdicts) + 1)]
+    best = best_plan(url, "t")
+    line = best.line("t")
+    assert f"in {len(verdicts)} launches" in line or best.is_default
+    if verdicts[-1] == "faster":
+        assert not best.is_default and "confirmed faster" in line
+        assert not plan_at_start(config, profile.fingerprint).decision.tune  # settled: the next start spends no step
+    else:
+        assert best.is_default and "confirmed no plan faster" in line  # the default returns
+    confirmed = [r for r in study_trials(url, "t").measured if r.confirmation is not None]
+    assert [len(r.confirm_launches) for r in confirmed] == [1] * len(verdicts)  # each trial keeps its own launch

@@ -12,7 +12,7 @@ microbatch (loss / n), optimizer step. Modes:
   stops rank 0 and restarts both (``--max-restarts``); the restarted attempt runs the whole loop.
 
 Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phase at each step],
-"steps_tuning", "final_phase", "confirmation": [ratio, ci, rounds, verdict] or null, "plan": Plan dict,
+"steps_tuning", "final_phase", "confirmation": [ratio, ci, rounds, verdict, launches] or null, "plan": Plan dict,
 "raised": [type, message] (raise mode), "second": the same figures of the second tuner (raise mode)}.
 """
 
@@ -67,7 +67,7 @@ def figures(tuner: AutoTuner, phases: list[str]) -> dict:
     c = tuner.confirmation
     return {"phases": phases, "steps_tuning": tuner.steps_tuning, "final_phase": str(tuner.phase),
             "plan": tuner.plan.to_dict(),
-            "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, str(c.verdict)]}
+            "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, str(c.verdict), c.launches]}
 
 
 result = {}

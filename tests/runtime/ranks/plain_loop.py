@@ -7,7 +7,8 @@ linear head, ``fully_shard`` on each layer and then the root, AdamW, a cross-ent
 the way a user writes it, with nothing from ``runtime`` but the tuner. The loop runs three times, each on a freshly
 built model: without the tuner, with it (a cold study), and with it again on the same study (the next start). Rank 0
 writes {"without", "with", "again": [loss hex per step], "phases"/"phases_again": [phase per step],
-"steps_tuning"/"steps_tuning_again", "confirmation": [ratio, verdict] or null, "log": the tuner's log lines}.
+"steps_tuning"/"steps_tuning_again", "confirmation"/"confirmation_again": [ratio, verdict, launches] or null,
+"log": the tuner's log lines}.
 """
 
 import importlib.util
@@ -80,9 +81,11 @@ result = {"without": train(False)[0]}
 result["with"], result["phases"], tuner = train(True)
 c = tuner.confirmation
 result["steps_tuning"] = tuner.steps_tuning
-result["confirmation"] = None if c is None else [c.ratio, str(c.verdict)]
+result["confirmation"] = None if c is None else [c.ratio, str(c.verdict), c.launches]
 result["again"], result["phases_again"], again = train(True)
 result["steps_tuning_again"] = again.steps_tuning
+c = again.confirmation
+result["confirmation_again"] = None if c is None else [c.ratio, str(c.verdict), c.launches]
 result["log"] = lines
 if dist.get_rank() == 0:
     with open(out, "w") as f:
