@@ -25,8 +25,8 @@ steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
    the same step on every rank;
 4. confirming: the race's survivor against FSDP2's default on fresh rounds;
 5. done: the study's recommendation stays applied (FSDP2's default if
-   nothing was confirmed faster); the tuner's hooks are gone and
-   ``tuner.step()`` does nothing.
+   nothing was confirmed faster, even provisionally); the tuner's hooks are
+   gone and ``tuner.step()`` does nothing.
 
 Rank 0 alone decides; the ranks exchange only at the ends of phases and
 blocks, on a gloo group of their own (``runtime.ranks.collectives.control_group``),
@@ -34,7 +34,9 @@ as in ``runtime.measuring.protocol``. The trials, the profile and the verdict go
 study with ``source = "in-loop"``, so ``studies show``, ``load_best_plan`` and
 optuna-dashboard see them, and a later ``AutoTuner`` on the same study and
 model applies the recommendation at construction and spends no step
-([Note: Tuning on the user's steps] in :mod:`planner.study.in_loop`).
+([Note: Tuning on the user's steps] in :mod:`planner.study.in_loop`), or,
+for a provisional one, re-confirms it on a few steps: each start is one more
+launch ([Note: Provisional verdicts] in :mod:`planner.statistics.verdict`).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class AutoTuner:
     Attributes:
         phase: :class:`~planner.study.in_loop.TunerPhase`.
         plan: the plan applied now.
-        confirmation: the confirmation of the race's survivor against FSDP2's default once there is one;
+        confirmation: the confirmation of the race's survivor against FSDP2's default once there is one (with
+            the launches it rests on: a provisional plan's re-confirmation pools the earlier starts' launches);
             ``None`` before, when the race dropped every candidate, or when the tuner reused a plan.
         steps_tuning: steps spent recording, racing and confirming.
 

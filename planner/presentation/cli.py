@@ -120,8 +120,8 @@ def studies_show(name, storage, top) -> None:
     )
     for r in trials.measured:
         err = ""
-        if r.predicted_ms and r.measured_ms:
-            err = f"{100 * (r.predicted_ms - r.measured_ms) / r.measured_ms:+.1f}"
+        if r.predicted_ms and r.race_ms:
+            err = f"{100 * (r.predicted_ms - r.race_ms) / r.race_ms:+.1f}"
         tag = "default " if r.is_default else ""
         if r.retry_of is not None:
             tag += f"retry of {r.retry_of} "
@@ -129,7 +129,7 @@ def studies_show(name, storage, top) -> None:
             tag += f"recommended by trial {r.reconfirms}, raced again "
         if r.race is not None and r.race.dropped_after_round is not None:
             tag += f"dropped after {r.race.dropped_after_round} rounds "
-        click.echo(f"  {r.number:>5} {r.state.name:<8} {ms(r.predicted_ms):>12} {ms(r.measured_ms):>11} "
+        click.echo(f"  {r.number:>5} {r.state.name:<8} {ms(r.predicted_ms):>12} {ms(r.race_ms):>11} "
                    f"{err:>8}  {tag}{json.dumps(_short(r.params))}")
         if r.confirmation is not None:
             click.echo(f"  {'':>5} {'':<8} confirmed: {r.confirmation.line()}")
@@ -208,7 +208,7 @@ def studies_pareto(name, storage, png) -> None:
         if t.failure is not None:
             outcome = f"FAIL: {t.failure.reason}"
         click.echo(f"  {mib(t.measured_peak_bytes, unit=False):>9} {mib(t.predicted_peak_bytes, unit=False):>9} "
-                   f"{ms(t.measured_ms):>11} {t.number:>6}  {outcome}")
+                   f"{ms(t.race_ms):>11} {t.number:>6}  {outcome}")
     if png:
         from planner.presentation.pareto_plot import plot_pareto
 

@@ -29,11 +29,11 @@ def plot_pareto(name: str, simulated: list[SimulatedTrialRecord], front: list[Si
             c="tab:blue", marker="o", ms=4, label="predicted Pareto front")
     ok = [t for t in measured if t.failure is None]
     over = [t for t in measured if t.failure is not None]
-    ax.scatter([t.measured_peak_bytes / MIB for t in ok], [t.measured_ms for t in ok], marker="x", s=60,
+    ax.scatter([t.measured_peak_bytes / MIB for t in ok], [t.race_ms for t in ok], marker="x", s=60,
                c="tab:red", label="measured (race median)")
     for t in ok:
         ax.annotate(f"trial {t.number}" + (" (default)" if t.is_default else ""),
-                    (t.measured_peak_bytes / MIB, t.measured_ms), fontsize=7, xytext=(4, 4),
+                    (t.measured_peak_bytes / MIB, t.race_ms), fontsize=7, xytext=(4, 4),
                     textcoords="offset points")
     if over:
         ax.scatter([t.measured_peak_bytes / MIB for t in over], [t.predicted_ms for t in over], marker="x",

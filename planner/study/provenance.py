@@ -77,6 +77,7 @@ def measured_plans(
             ratio=math.exp(statistics.median(race.log_ratios(j, race.default))) if j != race.default else None,
             dropped_after_round=race.dropped.get(j),
             survivor=j == survivor,
+            median_ms=statistics.median(race.step_ms(j)),
         )
         confirmed = confirmation if j == survivor else None
         peak = peak_bytes[j] if peak_bytes is not None and j < len(peak_bytes) else None

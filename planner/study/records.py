@@ -50,6 +50,8 @@ class RaceFigures:
         ratio: median per-round ratio to FSDP2's default; ``None`` for the default itself.
         dropped_after_round: rounds run when it was dropped; ``None``: it was not.
         survivor: the race kept it for the confirmation.
+        median_ms: its median step in the race, ms (max across ranks); ``None`` on trials written before it was
+            stored apart from the trial's value.
     """
 
     rounds: int
@@ -57,6 +59,7 @@ class RaceFigures:
     ratio: float | None = None
     dropped_after_round: int | None = None
     survivor: bool = False
+    median_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,9 @@ class MeasuredTrialRecord:
 
     Attributes:
         number, state, params: the trial's (set by :meth:`from_trial`).
-        measured_ms: the objective, the plan's median step in the race (max across ranks).
+        measured_ms: the trial's value (Optuna's objective): the plan's median step in the race (max across
+            ranks), or for the plan confirmed in its job's process the confirmed figure (:attr:`objective`; the race
+            median is then :attr:`race_ms`).
         retry_of: for a re-queued stale trial, the trial first failed.
         predicted_ms, predicted_peak_bytes: the simulator's, when asked.
         is_default: the plan is FSDP2's default.
@@ -170,7 +175,8 @@ class MeasuredTrialRecord:
                                                      "objective")}
         if self.race is not None:
             attrs.update(race_rounds=self.race.rounds, race_noise_pct=self.race.noise_pct, race_ratio=self.race.ratio,
-                         dropped_after_round=self.race.dropped_after_round, race_survivor=self.race.survivor or None)
+                         dropped_after_round=self.race.dropped_after_round, race_survivor=self.race.survivor or None,
+                         race_median_ms=self.race.median_ms)
         if self.confirm_launches is not None:
             attrs.update(confirm_launches=[launch.to_json() for launch in self.confirm_launches])
         if self.confirmation is not None:
@@ -186,7 +192,7 @@ class MeasuredTrialRecord:
         race = None
         if "race_rounds" in a:
             race = RaceFigures(a["race_rounds"], a.get("race_noise_pct"), a.get("race_ratio"),
-                               a.get("dropped_after_round"), bool(a.get("race_survivor")))
+                               a.get("dropped_after_round"), bool(a.get("race_survivor")), a.get("race_median_ms"))
         elif "dropped_after_round" in a:  # written before the race's rounds were
             race = RaceFigures(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
         confirmation = None
@@ -216,6 +222,14 @@ class MeasuredTrialRecord:
         if confirmation is not None:
             record = dataclasses.replace(record, confirmation=confirmation_from(confirmation))
         return record
+
+    @property
+    def race_ms(self) -> float | None:
+        """The plan's median step in the race, ms: the trial's value unless it is the confirmed figure
+        (:attr:`objective`)."""
+        if self.race is not None and self.race.median_ms is not None:
+            return self.race.median_ms
+        return self.measured_ms
 
     @property
     def verdict(self) -> Verdict | None:

@@ -8,6 +8,7 @@ import sqlite3
 import time
 
 import numpy as np
+import optuna
 import pytest
 
 from planner.artifacts.plan import Plan
@@ -15,6 +16,7 @@ from planner.errors import MemoryBudgetError, PlannerError, StorageError
 from planner.simulation.simulator import SimParams
 from planner.statistics.verdict import Verdict
 from planner.study import study_trials
+from planner.study.provenance import OBJECTIVE
 from planner.study.session import TuningSession
 from planner.testing import drive_round, study_config
 from search_spaces import get_space
@@ -75,6 +77,15 @@ def test_a_candidate_confirmed_faster_is_written(tmp_path, profile):
     assert written.behaviour_key() == asked[1].plan.behaviour_key() and written.provenance.verdict == "faster"
     assert [p.provenance.measured_ms for p in outcome.told] == [100.0, 80.0, 90.0]
     assert all(p.provenance.default_measured_ms == 100.0 for p in outcome.told)
+    # Optuna's objective: the confirmed figure on the plan confirmed in this process, the race median elsewhere;
+    # the trial says which, and the study's metric name (optuna-dashboard's label) names both
+    records = {r.number: r for r in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
+    confirmed = records[pv.trial]
+    assert confirmed.objective == "confirmed" and confirmed.measured_ms == pytest.approx(100.0 * pv.measured_ratio)
+    assert confirmed.race_ms == 80.0 and confirmed.confirm_launches[0].plan_ms == [80.0] * 8
+    assert [records[a.number].objective for a in asked if a.number != pv.trial] == ["race median"] * 2
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/t.db")
+    assert study.metric_names == [OBJECTIVE] and "confirmed" in OBJECTIVE and "race median" in OBJECTIVE
 
 
 @pytest.mark.parametrize(("step_ms", "verdict"), [
