@@ -38,8 +38,6 @@ from planner.study.records import Failure, MeasuredTrialRecord, StudyRecord
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import name_objective
 
-METRIC = "step_ms"  # the measured study's objective: median step time in the race, ms (max across ranks)
-
 
 def job_name() -> str:
     """A new tuning job's name: host, process id and a random suffix (trial attribute ``job``)."""
@@ -111,11 +109,7 @@ class MeasuredStage:
             )
             for key, value in StudyRecord(space.name).to_user_attrs().items():
                 self.study.set_user_attr(key, value)
-            if self.study.metric_names != [OBJECTIVE]:
-                with warnings.catch_warnings():  # experimental since Optuna 3.2, stable in use by optuna-dashboard
-                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                    self.study.set_metric_names([OBJECTIVE])  # optuna-dashboard's label for the trials' value
-            name_objective(self.study, METRIC)
+            name_objective(self.study, OBJECTIVE)  # optuna-dashboard's label for the trials' value
             self.study_id = storage.get_study_id_from_name(config.name)
             self.profile_id = save_profile(storage.engine, config.name, self.profile)
         self.heartbeat = Heartbeat(storage, config.study.heartbeat_interval_s)

@@ -27,7 +27,8 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
     if "race survivor: trial" in out:  # else every candidate was dropped in the race: a valid end too
         # the survivor confirmed in 2 fresh launches (new ranks, the plans applied from the first step)
         assert "[confirm 1/2] fresh ranks" in out and "[confirm 2/2] fresh ranks" in out, out
-        assert "in 2 launches:" in out and "confirmation: ratio" in out, out
+        assert "in 2 launches:" in out and "confirmation: total-time ratio" in out, out
+        assert "power: 2 launch(es) of" in out, out  # what the confirmation could find, stated
 
     # Profile: orders, figures, consolidation = max across the 2 ranks.
     profile = Profile.load(tmp_path / "studies" / "e2e.profile.json")
@@ -55,7 +56,7 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
     assert best.returncode == 0 and "FSDP2's default" in best.stdout
     last = [line for line in out.splitlines() if line.startswith("best plan: ")][-1]
     assert best.stdout.splitlines()[0].removeprefix("study e2e: ") in last  # tune and studies best agree
-    assert (plan.provenance.launches == 2) == (plan.provenance.verdict == "faster")
+    assert (plan.provenance.launches == 2) == (plan.provenance.verdict in ("faster", "provisional"))
 
     # Fresh process group: load and apply the plan at training start.
     out = tmp_path / "apply.json"

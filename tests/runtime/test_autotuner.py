@@ -86,13 +86,15 @@ def test_the_next_start_reuses_the_study(tmp_path):
     assert [r.is_default for r in new] == [True, False] and new[1].reconfirms == recommended
     assert all(r.source == SOURCE for r in new)
 
-    # a provisional recommendation (a synthetic job on the profile found a plan 5% faster on its steps, short of
-    # the spread between processes): the next start re-confirms it unasked, and its launch joins the first
-    provisional = _recommend_a_plan(storage, Profile.from_json((tmp_path / "profile.json").read_text()), 95.0)
-    before = len(_measured(storage))
-    fourth = run_loop(tmp_path, MLP, 40, "tune", storage)
+    # a provisional recommendation (on a study of its own, a synthetic job on the profile found a plan 5% faster on
+    # its steps, short of the spread between processes): the next start re-confirms it unasked, and its launch
+    # joins the first
+    other = f"sqlite:///{tmp_path}/provisional.db"
+    provisional = _recommend_a_plan(other, Profile.from_json((tmp_path / "profile.json").read_text()), 95.0)
+    before = len(_measured(other))
+    fourth = run_loop(tmp_path, MLP, 40, "tune", other)
     assert fourth["phases"][0] == "racing" and "recording" not in fourth["phases"]
-    new = _measured(storage)[before:]
+    new = _measured(other)[before:]
     assert [r.is_default for r in new] == [True, False] and new[1].reconfirms == provisional
     if fourth["confirmation"] is not None:  # None: this start's race dropped the plan
         assert fourth["confirmation"][4] == 2 and fourth["confirmation"][2] == 6 + 6  # rounds of both launches
