@@ -8,7 +8,8 @@ confirm_model_per_plan`` (the default) each plan gets its own model
 instance, applied before its first step and never switched, as a user's
 job runs it; else one model switches plans step by step, as in the race.
 Every rank warms each plan up and runs the rounds the survivor's trial asks
-for, the order alternating; rank 0 appends the rounds to the trial. Nothing
+for, in the order rank 0 drew (each pair of rounds in both orders, which
+first at random); rank 0 appends the rounds to the trial. Nothing
 here profiles the model or pre-unshards it.
 """
 

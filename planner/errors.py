@@ -56,6 +56,10 @@ class StudyConfigError(PlannerError):
     """A study TOML is missing, malformed, names an unknown search space, or asks for what this machine lacks."""
 
 
+class TargetError(PlannerError):
+    """A target TOML (the cluster ``simulate --target`` predicts for) is missing, malformed, or lacks a link."""
+
+
 class WorkloadError(PlannerError):
     """A workload factory cannot be imported, raises, or returns a bad workload."""
 

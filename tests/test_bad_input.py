@@ -26,15 +26,18 @@ from jobs.cli import main
 from planner.artifacts.config import load_study_config
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
+from planner.artifacts.target import load_target
 from planner.errors import (
     PlanFormatError,
     PlanMismatchError,
     ProfileFormatError,
     StorageError,
     StudyConfigError,
+    TargetError,
     TraceFormatError,
     WorkloadError,
 )
+from planner.simulation.link import retarget
 from planner.storages import check_writable, open_storage
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
 from planner.traces.trace_profile import profile_from_traces
@@ -159,7 +162,28 @@ def simulate_with_plan(world: Path, plan: str) -> None:
     Plan.load(plan).check_matches(Profile.load(world / "profile.json"))
 
 
+TARGET = 'world_size = 2\nranks_per_node = 1\nbackend = "gloo"\n[link.inter_node]\nbandwidth = "1Gbit/s"\n'
+
+
+def target_case(world: Path, text: str) -> list[str]:
+    return ["simulate", str(world / "profile.json"), "--target", write(world / "target.toml", text)]
+
+
+def retarget_loaded(world: Path) -> None:
+    retarget(Profile.load(world / "profile.json"), load_target(world / "target.toml"))
+
+
 CASES = {
+    "target with a bandwidth without its unit": Case(
+        lambda w: target_case(w, TARGET.replace('"1Gbit/s"', '"1"')),
+        "link.inter_node.bandwidth: bandwidth '1': write a positive number with its unit",
+        lambda w: load_target(w / "target.toml"), TargetError),
+    "target without the link its nodes need": Case(
+        lambda w: target_case(w, TARGET.split("[link")[0]), "2 nodes need [link.inter_node] with its bandwidth",
+        lambda w: load_target(w / "target.toml"), TargetError),
+    "target of another world size": Case(
+        lambda w: target_case(w, TARGET.replace("world_size = 2", "world_size = 4")),
+        "target world_size 4, but the profile was recorded on 2 ranks", retarget_loaded, TargetError),
     "malformed toml": Case(
         lambda w: ["tune", write(w / "bad.toml", "[study\nname = 's'\n")], "is not valid TOML",
         lambda w: load_study_config(w / "bad.toml"), StudyConfigError),

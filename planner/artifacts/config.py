@@ -47,7 +47,7 @@ from pydantic import Field, ValidationError
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.names import Backend, SamplerName, SpaceName
 from planner.artifacts.tables import TABLES, LaunchTable, MeasureTable, SearchTable, StudyTable, Table, WorkloadTable
-from planner.errors import StudyConfigError
+from planner.errors import PlannerError, StudyConfigError
 
 __all__ = [
     "Backend", "LaunchTable", "MeasureTable", "SamplerName", "SearchTable", "SpaceName", "StudyConfig", "StudyTable",
@@ -137,13 +137,21 @@ def load_study_config(path: str | Path, **overrides: Any) -> StudyConfig:
             or a value of the wrong type or range.
     """
     path = Path(path)
+    return _validate(read_toml(path, "study", StudyConfigError), path.parent, str(path), overrides)
+
+
+def read_toml(path: Path, what: str, error: type[PlannerError]) -> dict[str, Any]:
+    """The TOML file at ``path`` as a dict; ``what`` names it in the errors (``"study"``: "study file ...").
+
+    Raises:
+        error: the file cannot be read, or is not valid TOML (one line).
+    """
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except OSError as e:
-        raise StudyConfigError(f"cannot read study file {str(path)!r}: {e.strerror}") from None
+        raise error(f"cannot read {what} file {str(path)!r}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
-        raise StudyConfigError(f"study file {str(path)!r} is not valid TOML: {e}") from None
-    return _validate(raw, path.parent, str(path), overrides)
+        raise error(f"{what} file {str(path)!r} is not valid TOML: {e}") from None
 
 
 def _validate(raw: JsonObject, directory: str | Path, source: str, overrides: JsonObject) -> StudyConfig:

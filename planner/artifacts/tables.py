@@ -193,8 +193,8 @@ class MeasureTable(Table):
             raise ValueError(f"max_rounds ({self.max_rounds}) must be >= min_rounds ({self.min_rounds})")
         for key in ("confirm_min_rounds", "confirm_max_rounds"):
             if getattr(self, key) % 2:
-                raise ValueError(f"{key} ({getattr(self, key)}) must be even: the confirmation alternates which plan "
-                                 f"runs first; use {getattr(self, key) + 1}")
+                raise ValueError(f"{key} ({getattr(self, key)}) must be even: each pair of the confirmation's "
+                                 f"rounds runs both orders; use {getattr(self, key) + 1}")
         if self.confirm_max_rounds < self.confirm_min_rounds:
             raise ValueError(f"confirm_max_rounds ({self.confirm_max_rounds}) must be >= confirm_min_rounds "
                              f"({self.confirm_min_rounds})")

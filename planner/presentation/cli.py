@@ -8,6 +8,7 @@ runs these alone, where torch is absent. Every bad input prints one line
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -43,16 +44,26 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", "trace_out", help="Write the predicted timeline as a Chrome trace (open in Perfetto).")
 @click.option("--png", "png_out", help="Draw the predicted timeline with matplotlib.")
-def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
+@click.option("--target", "target_toml", help="Predict for this cluster (a target TOML: world size, ranks per node, "
+                                              "backend, links) instead of the link the profile was recorded on.")
+def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml) -> None:
     """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default)."""
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
-    from planner.simulation.parameters import simulate as run
+    from planner.simulation.parameters import profile_params, simulator_for
 
     profile = Profile.load(profile_json)
     plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
     plan.check_matches(profile)
-    r = run(profile, plan, trace=bool(trace_out or png_out))
+    target = fit = None
+    simulated = profile
+    if target_toml:
+        from planner.artifacts.target import load_target
+        from planner.simulation.link import retarget
+
+        target = load_target(target_toml)
+        simulated, fit = retarget(profile, target)
+    r = simulator_for(simulated, profile_params(profile)).run(plan, trace=bool(trace_out or png_out))
     title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
     if trace_out:
         from planner.simulation.trace import write_chrome_trace
@@ -63,9 +74,18 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out) -> None:
 
         write_png(r, png_out, title)
     if as_json:
-        click.echo(json.dumps({"step_ms": r.step_ms, "exposed_comm_ms": r.exposed_comm_ms,
-                               "peak_bytes": r.peak_bytes, "lower_bound_ms": r.lower_bound_ms}))
+        figures = {"step_ms": r.step_ms, "exposed_comm_ms": r.exposed_comm_ms, "peak_bytes": r.peak_bytes,
+                   "lower_bound_ms": r.lower_bound_ms}
+        if target is not None:
+            figures.update(target=target.model_dump(), link_fit=dataclasses.asdict(fit))
+        click.echo(json.dumps(figures))
         return
+    if target is not None:
+        basis = ("fitted on" if fit.identifiable else "one collective size: no overhead told apart from") + (
+            f" {fit.points} recorded calls")
+        click.echo(f"target        {target.describe()}; collectives from bytes on the wire: per-call overhead "
+                   f"{fit.overhead_ms:.2f} ms, recorded link {fit.bytes_per_s * 8 / 1e9:.2f} Gbit/s effective "
+                   f"({basis})")
     click.echo(f"step          {r.step_ms:10.1f} ms")
     click.echo(f"exposed comm  {r.exposed_comm_ms:10.1f} ms")
     click.echo(f"peak memory   {mib(r.peak_bytes, unit=False):>10} MiB")

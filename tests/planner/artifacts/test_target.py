@@ -1,0 +1,57 @@
+"""The target model: units, links, and one-line errors for what a target TOML gets wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.artifacts.target import Target, bytes_per_s, load_target, seconds
+from planner.errors import TargetError
+
+GOOD = """world_size = 2
+ranks_per_node = 1
+backend = "gloo"
+[link.inter_node]
+bandwidth = "1Gbit/s"
+latency = "50us"
+"""
+
+
+def test_units_are_explicit_and_si():
+    assert bytes_per_s("1Gbit/s") == 1.25e8 and bytes_per_s("400Mbit/s") == 5e7
+    assert bytes_per_s("25GB/s") == 25e9 and bytes_per_s("2.5 GB/s") == 2.5e9
+    assert seconds("50us") == pytest.approx(5e-5) and seconds("2ms") == pytest.approx(2e-3)
+    for bad in ("1 Gbps", "1G", "fast", "-1Gbit/s", "0Gbit/s", "1Gib/s"):
+        with pytest.raises(ValueError, match="write a positive number with its unit"):
+            bytes_per_s(bad)
+    with pytest.raises(ValueError, match="'50 usec'"):
+        seconds("50 usec")
+
+
+def test_a_target_reads_and_describes_itself(tmp_path):
+    (tmp_path / "t.toml").write_text(GOOD)
+    t = load_target(tmp_path / "t.toml")
+    assert (t.world_size, t.nodes, t.backend) == (2, 2, "gloo")
+    assert t.ring_link.bytes_per_s == 1.25e8 and t.ring_link.latency_s == pytest.approx(5e-5)
+    assert t.describe() == "2 ranks (1 per node), gloo, inter-node 1Gbit/s, latency 50us"
+    one_node = Target(world_size=8, ranks_per_node=8, backend="nccl",
+                      link={"intra_node": {"bandwidth": "200GB/s"}})
+    assert one_node.nodes == 1 and one_node.ring_link.bandwidth == "200GB/s" and one_node.ring_link.latency_s == 0
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    (GOOD.replace('"1Gbit/s"', '"1 Gbps"'), "link.inter_node.bandwidth: bandwidth '1 Gbps': write a positive number"),
+    (GOOD.split("[link")[0], "2 nodes need [link.inter_node] with its bandwidth"),
+    (GOOD.replace("ranks_per_node = 1", "ranks_per_node = 2"), "one node of several ranks needs [link.intra_node]"),
+    (GOOD.replace("ranks_per_node = 1", "ranks_per_node = 3"), "not a whole number of nodes of 3 ranks"),
+    (GOOD.replace('"gloo"', '"mpi"'), "backend: Input should be 'gloo' or 'nccl'"),
+    (GOOD + "speed = 3\n", "speed: Extra inputs are not permitted"),
+    (GOOD.replace("latency", "latncy"), "link.inter_node.latncy: Extra inputs are not permitted"),
+    ("world_size = [", "is not valid TOML"),
+])
+def test_a_bad_target_is_one_line_naming_the_key(tmp_path, text, needle):
+    (tmp_path / "t.toml").write_text(text)
+    with pytest.raises(TargetError) as e:
+        load_target(tmp_path / "t.toml")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TargetError, match="cannot read target file"):
+        load_target(tmp_path / "missing.toml")

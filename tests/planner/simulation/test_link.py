@@ -1,0 +1,103 @@
+"""Collective times from the bytes on the wire: the fit on the profile's own timings, and a profile re-timed for a
+target link ([Note: Bytes on the wire], [Note: The per-call overhead, fitted])."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from planner.artifacts.plan import Plan
+from planner.artifacts.target import Target
+from planner.errors import TargetError
+from planner.presentation.cli import main
+from planner.simulation.link import fit_link, retarget, ring_steps, wire_fraction
+from planner.simulation.parameters import profile_params, simulator_for
+from planner.testing import synthetic_profile
+
+OVERHEAD_MS, MS_PER_BYTE = 0.4, 2e-6  # the recorded link: 0.5 GB/s after a 0.4 ms per-call overhead
+
+
+def law_profile(world_size: int = 2):
+    """A gloo (CPU) profile whose collectives follow ``t = overhead + ms_per_byte * wire bytes`` exactly, over
+    modules of different sizes."""
+    p = synthetic_profile(n_blocks=4)
+    p = dataclasses.replace(p, fingerprint=dataclasses.replace(p.fingerprint, world_size=world_size))
+    modules = {}
+    for k, (fqn, m) in enumerate(p.modules.items()):
+        nbytes = (k + 1) * 1_000_000
+        ag = OVERHEAD_MS + MS_PER_BYTE * wire_fraction("all_gather", world_size, "gloo") * nbytes
+        rs = OVERHEAD_MS + MS_PER_BYTE * wire_fraction("reduce_scatter", world_size, "gloo") * nbytes
+        modules[fqn] = dataclasses.replace(m, unsharded_bytes=nbytes, grad_bytes=nbytes * m.calls,
+                                           sharded_bytes=nbytes // world_size, all_gather_ms=ag, reduce_scatter_ms=rs)
+    return dataclasses.replace(p, modules=modules)
+
+
+def target(bandwidth: str, backend: str = "gloo", latency: str = "0us", world_size: int = 2) -> Target:
+    return Target(world_size=world_size, ranks_per_node=1, backend=backend,
+                  link={"inter_node": {"bandwidth": bandwidth, "latency": latency}})
+
+
+def test_what_each_collective_puts_on_the_wire():
+    """A ring sends (W-1)/W of the bytes in W-1 steps; gloo's reduce-scatter is an all-reduce: twice both."""
+    assert wire_fraction("all_gather", 4, "nccl") == wire_fraction("all_gather", 4, "gloo") == 0.75
+    assert wire_fraction("reduce_scatter", 4, "nccl") == 0.75 and wire_fraction("reduce_scatter", 4, "gloo") == 1.5
+    assert ring_steps("all_gather", 4, "gloo") == 3 and ring_steps("reduce_scatter", 4, "gloo") == 6
+    assert wire_fraction("all_gather", 1, "nccl") == 0.0 and ring_steps("reduce_scatter", 1, "nccl") == 0
+
+
+def test_the_fit_recovers_the_overhead_and_the_recorded_link():
+    fit = fit_link(law_profile())
+    assert fit.identifiable and fit.points == 2 * 5
+    assert fit.overhead_ms == pytest.approx(OVERHEAD_MS) and fit.ms_per_byte == pytest.approx(MS_PER_BYTE)
+    assert fit.bytes_per_s == pytest.approx(5e8)
+    same_size = synthetic_profile(n_blocks=4)  # every block the same size: overhead and bytes not told apart
+    one = fit_link(same_size)
+    assert one.overhead_ms == 0.0 and one.ms_per_byte > 0
+
+
+def test_a_slower_link_retimes_each_collective_from_its_bytes():
+    p = law_profile()
+    same, _ = retarget(p, target("4Gbit/s"))  # 0.5 GB/s: the recorded link itself
+    assert all(same.modules[f].all_gather_ms == pytest.approx(m.all_gather_ms) for f, m in p.modules.items())
+    slow, fit = retarget(p, target("1Gbit/s", latency="50us"))  # 0.125 GB/s, 4x slower than recorded
+    for fqn, m in p.modules.items():
+        w = 0.5 * m.unsharded_bytes
+        assert slow.modules[fqn].all_gather_ms == pytest.approx(OVERHEAD_MS + w * 8e-6 + 0.05)
+        assert slow.modules[fqn].reduce_scatter_ms == pytest.approx(OVERHEAD_MS + 2 * w * 8e-6 + 2 * 0.05)
+        assert slow.modules[fqn].fwd_ms == m.fwd_ms  # compute stays as recorded
+    nccl, _ = retarget(p, target("1Gbit/s", backend="nccl"))  # a ring reduce-scatter: half of gloo's bytes
+    fqn = "b0"
+    assert nccl.modules[fqn].reduce_scatter_ms == pytest.approx(OVERHEAD_MS + 0.5 * p.modules[fqn].unsharded_bytes
+                                                                * 8e-6)
+    fast, _ = retarget(p, target("400GB/s"))  # faster than the hosts recorded: the recorded per-byte cost stays
+    assert fast.modules[fqn].all_gather_ms == pytest.approx(p.modules[fqn].all_gather_ms)
+    params = profile_params(p)
+    steps = [simulator_for(q, params).run(Plan.default(p)).step_ms for q in (same, slow)]
+    assert steps[1] > steps[0]
+
+
+def test_a_target_of_another_world_size_or_a_profile_without_collectives_is_refused():
+    with pytest.raises(TargetError, match="target world_size 4, but the profile was recorded on 2 ranks"):
+        retarget(law_profile(), target("1Gbit/s", world_size=4))
+    alone = law_profile(world_size=1)
+    with pytest.raises(TargetError, match="no collective with bytes on the wire"):
+        retarget(alone, Target(world_size=1, ranks_per_node=1, backend="gloo"))
+
+
+def test_simulate_predicts_for_a_target(tmp_path):
+    p = law_profile()
+    p.to_json(tmp_path / "p.json")
+    (tmp_path / "t.toml").write_text('world_size = 2\nranks_per_node = 1\nbackend = "gloo"\n'
+                                     '[link.inter_node]\nbandwidth = "1Gbit/s"\n')
+    runner = CliRunner()
+    here = json.loads(runner.invoke(main, ["simulate", str(tmp_path / "p.json"), "--json"]).output)
+    there = runner.invoke(main, ["simulate", str(tmp_path / "p.json"), "--target", str(tmp_path / "t.toml"), "--json"])
+    figures = json.loads(there.output)
+    assert figures["step_ms"] > here["step_ms"] and figures["target"]["backend"] == "gloo"
+    assert figures["link_fit"]["overhead_ms"] == pytest.approx(OVERHEAD_MS)
+    text = runner.invoke(main, ["simulate", str(tmp_path / "p.json"), "--target", str(tmp_path / "t.toml")]).output
+    assert text.startswith("target        2 ranks (1 per node), gloo, inter-node 1Gbit/s, latency 0us; collectives")
+    assert "per-call overhead 0.40 ms, recorded link 4.00 Gbit/s effective (fitted on 10 recorded calls)" in text
