@@ -15,6 +15,7 @@ import jobs.tune as tune_module
 from jobs import PROGRESS_LOGGERS
 from jobs.cli import _log_rank0_progress
 from jobs.tune import TuneJob
+from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import Schedule
 
 
@@ -79,12 +80,13 @@ def test_no_bar_without_progress_or_off_rank0(monkeypatch, capsys, rank0_logging
 
 
 def _round_on_a_schedule(job: TuneJob, seen: list, descriptions: set):
-    """A measured round of 4 plans on a real schedule (plan 3 far slower, so the race drops it; then the confirmation
-    in-process): 2 warm-up steps a plan before the schedule exists, announced, then its blocks. ``seen``: (n, total)
-    after each step; ``descriptions``: the bar's descriptions in the warm-up."""
+    """A measured round of 4 plans on a real schedule (plan 3 far slower, so the race drops it, at 12 of its 24
+    rounds: the sign test's first chance at this alpha; then the confirmation in-process): 2 warm-up steps a plan
+    before the schedule exists, announced, then its blocks. ``seen``: (n, total) after each step; ``descriptions``:
+    the bar's descriptions in the warm-up."""
 
     def measured_round(workload, session, warmup_steps, group, on_step, on_warm_up):
-        schedule = Schedule(4, clock=lambda: 0.0)
+        schedule = Schedule(4, RaceSettings(max_rounds=24), clock=lambda: 0.0)
         rng = random.Random(0)
         on_warm_up(2 * 4)
         for _ in range(2 * 4):
