@@ -37,7 +37,7 @@ def test_the_best_faster_plan_for_this_model_then_the_default_for_another(mesh, 
     with caplog.at_level(logging.INFO, logger="runtime.apply"):
         plan = load_best_plan(url, "s", model)
     assert plan.provenance.verdict == "faster" and plan.provenance.measured_ratio == 0.8
-    assert "confirmed faster than FSDP2's default by job test: ratio 0.800" in caplog.text
+    assert "confirmed faster than FSDP2's default by job test: total-time ratio 0.800" in caplog.text
     apply_plan(model, plan)
     assert unshard_async_op(model) == plan.unshard_async_op
     assert prefetch_counts(model.blocks[0])[0] == len(plan.modules["blocks.0"].forward_prefetch)
