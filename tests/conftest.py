@@ -49,3 +49,24 @@ def postgres():
     counter = iter(range(1_000_000))
     yield lambda: server.create_database(f"planner_{next(counter)}")
     server.stop()
+
+
+@pytest.fixture
+def two_nodes(request):
+    """An emulated two-node cluster (:class:`bench.cluster.Cluster`) at the link rate ``request.param`` (default
+    unshaped), torn down after the test.
+
+    Skipped, with the one-line reason, where the machine cannot build one (no root, no iproute2), except under CI
+    (``CI`` set), where ``.ci/run`` installs iproute2 and a skip would hide a gap.
+    """
+    import os
+
+    from bench.cluster import Cluster, unavailable
+
+    reason = unavailable()
+    if reason:
+        if os.environ.get("CI"):
+            raise AssertionError(reason)
+        pytest.skip(reason)
+    with Cluster(getattr(request, "param", "none")) as cluster:
+        yield cluster

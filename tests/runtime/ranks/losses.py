@@ -1,6 +1,6 @@
 """Rank script: losses over N steps for several plans, each on a fresh model.
 
-argv: factory, kwargs JSON, steps, output JSON. Rank 0 writes
+argv: factory, kwargs JSON, steps, output JSON[, plan JSON: a study's plan, run as "study"]. Rank 0 writes
 {plan name: [[loss hex per step] per rank]}.
 """
 
@@ -30,6 +30,8 @@ plans = {
     "sync_explicit": uniform.build(profile, 2, 3, False),
     "no_reshard": default.__class__(default.fingerprint, keep).with_knobs(unshard_async_op=True),
 }
+if len(sys.argv) > 5:
+    plans["study"] = Plan.load(sys.argv[5])
 result = {}
 for name, plan in plans.items():
     workload = build_workload(factory, mesh, kwargs)
