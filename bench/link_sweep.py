@@ -1,0 +1,255 @@
+"""Benchmark: the tool on the emulated two-node cluster (``bench/cluster.py``) at each link rate.
+
+    python -m bench.link_sweep [bench/llama-link.toml] [--rates none,4gbit,1gbit] [--rounds 24] [--json OUT]
+    python -m bench.link_sweep --refit OUT.json      # report a saved run again, measuring nothing
+    python -m bench.link_sweep --check-link          # the shaped link's TCP throughput at each rate
+
+At each rate, on a fresh cluster (one gloo rank per node, ``torchrun --nnodes 2``):
+
+1. ``prefetch-planner tune STUDY`` as two nodes, into a fresh SQLite study of that rate: the recorder's profile
+   over the link, the simulated search, the race (FSDP2's default interleaved with the candidates) and the
+   confirmation of the survivor in the job's processes;
+2. an independent re-measurement of the confirmed plan against FSDP2's default in fresh processes on both nodes
+   (``bench.verdicts``' re-measurement: two model instances, ``--rounds`` rounds, each pair's order drawn at random).
+
+Then, per rate: communication over compute (the profile's all-gathers and reduce-scatters over its forward and
+backward compute); each collective's recorded time over what its bytes on the wire take at the rate
+([Note: Bytes on the wire]); FSDP2's default step predicted from the unshaped link's profile
+(``simulate --target``, held out: that profile never saw the rate) against the default's median step in the
+rate's race; the confirmed ratio with its interval; the re-measurement, and whether it lies inside that interval.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from bench.cluster import RATES, Cluster, rate_bits
+
+MODULE = "bench.link_sweep"
+TARGET_TOML = """world_size = 2
+ranks_per_node = 1
+backend = "gloo"
+[link.inter_node]
+bandwidth = "{gbit}Gbit/s"
+"""
+
+
+def target_toml(rate: str) -> str | None:
+    """The target TOML of a shaped rate (``simulate --target``); ``None`` for the unshaped link."""
+    bits = rate_bits(rate)
+    return None if bits is None else TARGET_TOML.format(gbit=f"{bits / 1e9:g}")
+
+
+def _tune(cluster: Cluster, study: str, work: Path) -> str:
+    """``prefetch-planner tune`` as the cluster's two nodes into ``work``; returns what node 0 printed."""
+    launch = cluster.torchrun(
+        ["-m", "jobs.cli", "tune", study, "--storage", f"sqlite:///{work}/study.db", "--plan-out",
+         str(work / "plan.json"), "--profile-out", str(work / "profile.json"), "--no-progress"],
+        logs=work, rdzv_id="tune")
+    codes = launch.wait(3600)
+    if any(codes):
+        sys.exit(f"tune failed on the cluster ({codes}):\n{launch.output()[-6000:]}")
+    return launch.output(0)
+
+
+def _remeasure(cluster: Cluster, study: str, plan: Path, rounds: int, work: Path) -> dict:
+    """The plan against FSDP2's default in fresh processes on both nodes: each one's step times, ms."""
+    out = work / "remeasure.json"
+    launch = cluster.torchrun(["-m", "bench.verdicts", study, "--part", "remeasure", "--plan", str(plan),
+                               "--rounds", str(rounds), "--out", str(out)], logs=work, rdzv_id="remeasure")
+    codes = launch.wait(3600)
+    if any(codes):
+        sys.exit(f"the re-measurement failed on the cluster ({codes}):\n{launch.output()[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def run_rate(study: str, rate: str, rounds: int, work: Path) -> dict:
+    """Tune and re-measure at ``rate`` on a fresh cluster; the run's figures (JSON-ready)."""
+    from planner.artifacts.config import load_study_config
+    from planner.artifacts.profile import Profile
+    from planner.study import best_plan
+    from planner.study.queries import study_trials
+
+    work.mkdir(parents=True, exist_ok=True)
+    name = load_study_config(study).name
+    t0 = time.monotonic()
+    with Cluster(rate) as cluster:
+        printed = _tune(cluster, study, work)
+        storage = f"sqlite:///{work}/study.db"
+        best = best_plan(storage, name)
+        [default] = [t for t in study_trials(storage, name).measured if t.is_default and t.race_ms]
+        reported = best.plan if not best.is_default else best.survivor  # the confirmed candidate, if any
+        figures: dict = {"rate": rate, "printed": printed, "profile": Profile.load(work / "profile.json").to_dict(),
+                         "default_race_ms": default.race_ms, "confirmed": None, "remeasure": None}
+        if reported is not None and reported.provenance.ratio_ci95 is not None:
+            pv = reported.provenance
+            figures["confirmed"] = {"trial": pv.trial, "verdict": pv.verdict, "ratio": pv.measured_ratio,
+                                    "ci95": list(pv.ratio_ci95), "rounds": pv.rounds, "launches": pv.launches or 1,
+                                    "plan": reported.to_dict()}
+            reported.to_json(work / "reported.json")
+            figures["remeasure"] = _remeasure(cluster, study, work / "reported.json", rounds, work)
+    figures["seconds"] = time.monotonic() - t0
+    return figures
+
+
+def collective_over_wire(profile, bits_per_s: float) -> dict[str, list[float]]:
+    """Each module's recorded all-gather and reduce-scatter ms over its bytes on the wire at ``bits_per_s``."""
+    from planner.simulation.link import recorded_backend, wire_fraction
+
+    out: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": []}
+    world, backend = profile.fingerprint.world_size, recorded_backend(profile)
+    for m in profile.modules.values():
+        for kind, nbytes, ms in (("all_gather", m.unsharded_bytes, m.all_gather_ms),
+                                 ("reduce_scatter", m.grad_bytes // max(1, m.calls), m.reduce_scatter_ms)):
+            wire_ms = wire_fraction(kind, world, backend) * nbytes * 8 / bits_per_s * 1e3
+            if wire_ms > 0 and ms > 0:
+                out[kind].append(ms / wire_ms)
+    return out
+
+
+def report(runs: dict[str, dict]) -> list[dict]:
+    """Print the sweep's table from the runs (rate -> :func:`run_rate`'s figures); the table's rows."""
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.artifacts.target import Target
+    from planner.simulation.link import retarget
+    from planner.simulation.parameters import profile_params, simulator_for
+    from planner.statistics.verdict import confirm
+
+    base = Profile.from_dict(runs["none"]["profile"]) if "none" in runs else None
+    rows = []
+    for rate, run in runs.items():
+        profile = Profile.from_dict(run["profile"])
+        compute = sum(m.fwd_ms + m.bwd_ms for m in profile.modules.values())
+        comm = sum(m.all_gather_ms + m.reduce_scatter_ms for m in profile.modules.values())
+        row = {"rate": rate, "comm_over_compute": comm / compute, "measured_default_ms": run["default_race_ms"],
+               "predicted_default_ms": None, "error": None, "wire": None}
+        bits = rate_bits(rate)
+        if bits is not None:
+            wire = collective_over_wire(profile, bits)
+            row["wire"] = {k: [min(v), statistics.median(v), max(v)] for k, v in wire.items() if v}
+        if base is not None:
+            source = base
+            if bits is not None:
+                import tomllib
+
+                source, _ = retarget(base, Target.model_validate(tomllib.loads(target_toml(rate))))
+            predicted = simulator_for(source, profile_params(base)).run(Plan.default(base)).step_ms
+            row["predicted_default_ms"] = predicted
+            row["error"] = predicted / run["default_race_ms"] - 1
+        c, r = run["confirmed"], run["remeasure"]
+        row["confirmed"] = c
+        if r is not None:
+            again = confirm(r["tuned"], r["default"], noise_pct=float("nan"))
+            row["remeasure"] = {"ratio": again.ratio, "ci95": list(again.ci95), "rounds": len(r["tuned"]),
+                                "inside": c["ci95"][0] <= again.ratio <= c["ci95"][1]}
+        else:
+            row["remeasure"] = None
+        rows.append(row)
+
+    print("\n| link | comm / compute | all-gather, reduce-scatter: recorded / bytes-on-wire time (median) "
+          "| default step predicted (from `none`) | measured (race median) | error | confirmed ratio [95% CI] "
+          "| re-measured in fresh processes | inside |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        w = row["wire"]
+        wire = "-" if w is None else ", ".join(f"{w[k][1]:.2f} [{w[k][0]:.2f}-{w[k][2]:.2f}]" for k in w)
+        pred = "-" if row["predicted_default_ms"] is None else f"{row['predicted_default_ms']:.0f} ms"
+        err = "-" if row["error"] is None else f"{row['error']:+.1%}"
+        if row["rate"] == "none" and row["error"] is not None:
+            err += " (its own link)"
+        c, r = row["confirmed"], row["remeasure"]
+        conf = "no candidate confirmed" if c is None else (
+            f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] {c['verdict']}, trial {c['trial']}, "
+            f"{c['rounds']} rounds")
+        again = "-" if r is None else f"{r['ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}], {r['rounds']} rounds"
+        inside = "-" if r is None else ("yes" if r["inside"] else "NO")
+        print(f"| {row['rate']} | {row['comm_over_compute']:.2f} | {wire} | {pred} | "
+              f"{row['measured_default_ms']:.0f} ms | {err} | {conf} | {again} | {inside} |")
+    return rows
+
+
+def check_link(rates: list[str]) -> None:
+    """Each rate's TCP throughput from node 0 to node 1 (100 MiB), against the rate."""
+    for rate in rates:
+        with Cluster(rate) as cluster:
+            node0, node1 = cluster.nodes
+            part = [sys.executable, "-m", MODULE, "--address", node1.address, "--part"]
+            recv = subprocess.Popen(node1.command([*part, "recv"]), stdout=subprocess.PIPE, text=True)
+            time.sleep(1.0)
+            subprocess.run(node0.command([*part, "send"]), check=True)
+            gbit = float(recv.communicate(timeout=120)[0])
+            bits = rate_bits(rate)
+            of = "" if bits is None else f" ({gbit * 1e9 / bits:.1%} of the rate)"
+            print(f"{rate}: TCP {gbit:.2f} Gbit/s{of}", flush=True)
+
+
+_BULK = 100 * 2**20
+
+
+def _receive(address: str) -> None:
+    """Receive :data:`_BULK` bytes; print the rate in Gbit/s from the first byte to the last."""
+    with socket.create_server((address, 5201)) as server:
+        conn, _ = server.accept()
+        got, t0 = 0, None
+        while got < _BULK:
+            chunk = conn.recv(1 << 20)
+            if not chunk:
+                break
+            t0 = t0 or time.perf_counter()
+            got += len(chunk)
+        print(got * 8 / (time.perf_counter() - t0) / 1e9)
+
+
+def _send(address: str) -> None:
+    with socket.create_connection((address, 5201)) as conn:
+        buf = b"\0" * (1 << 20)
+        for _ in range(_BULK // len(buf)):
+            conn.sendall(buf)
+
+
+@click.command(help=__doc__)
+@click.argument("study", default="bench/llama-link.toml", type=click.Path(dir_okay=False))
+@click.option("--rates", default=",".join(RATES), show_default=True, help="comma-separated link rates")
+@click.option("--rounds", default=24, show_default=True, help="rounds of the independent re-measurement")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="write the runs here")
+@click.option("--refit", type=click.Path(exists=True, dir_okay=False), help="report a saved --json run again")
+@click.option("--check-link", "link_only", is_flag=True, help="measure each rate's TCP throughput and stop")
+@click.option("--part", type=click.Choice(["send", "recv"]), hidden=True)
+@click.option("--address", hidden=True)
+def main(study: str, rates: str, rounds: int, json_out: str | None, refit: str | None, link_only: bool,
+         part: str | None, address: str | None) -> None:
+    chosen = [r.strip() for r in rates.split(",") if r.strip()]
+    for r in chosen:
+        rate_bits(r)
+    if part:
+        (_send if part == "send" else _receive)(address)
+        return
+    if link_only:
+        check_link(chosen)
+        return
+    if refit:
+        report(json.loads(Path(refit).read_text()))
+        return
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as d:
+        for rate in chosen:
+            print(f"=== {rate}: tune as two nodes, then a re-measurement in fresh processes", flush=True)
+            runs[rate] = run_rate(study, rate, rounds, Path(d) / rate)
+            print(runs[rate]["printed"], flush=True)
+            if json_out:
+                Path(json_out).write_text(json.dumps(runs, indent=1))
+    report(runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The two-ranks-on-one-GPU script's GPU-free parts: NCCL's route by version, the memory cap, the stages' order and
+time limits, and the files they run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.shared_gpu import memory_fraction, shared_gpu_env
+from planner.artifacts.config import load_study_config
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ["env", "profile", "tune", "in-loop", "trace", "peak", "hf", "torchtitan"]
+
+
+def test_nccl_2_28_gets_a_host_id_per_rank_over_loopback():
+    env = shared_gpu_env({"RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (2, 28, 9))
+    assert env["NCCL_HOSTID"] == "shared-gpu-rank-1" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    assert "NCCL_MULTI_RANK_GPU_ENABLE" not in env
+    assert env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1"  # each rank a one-GPU node: cuda:0
+    other = shared_gpu_env({"RANK": "0", "LOCAL_RANK": "0"}, (2, 28, 9))
+    assert other["NCCL_HOSTID"] != env["NCCL_HOSTID"]
+
+
+def test_nccl_2_30_uses_its_own_multi_rank_switch():
+    env = shared_gpu_env({"RANK": "1", "LOCAL_RANK": "1"}, (2, 30, 7))
+    assert env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1" and "NCCL_HOSTID" not in env
+
+
+def test_outside_torchrun_and_a_bad_memory_fraction_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="runs as a torchrun rank"):
+        shared_gpu_env({}, (2, 28, 9))
+    assert memory_fraction({}) == 0.45
+    for bad in ("0.6", "0", "half"):
+        with pytest.raises(ValueError, match=r"SHARED_GPU_MEMORY_FRACTION=.*\(0, 0.5\]"):
+            memory_fraction({"SHARED_GPU_MEMORY_FRACTION": bad})
+
+
+def _dry_run(tmp_path, budget: str = "360") -> list[tuple[str, int, str]]:
+    out = subprocess.run(["bash", "bench/gpu_two_ranks.sh", "--dry-run", str(tmp_path)], cwd=ROOT, text=True,
+                         capture_output=True, check=True, env={"PATH": "/usr/bin:/bin", "GPU_TWO_RANKS_BUDGET": budget})
+    return [(m[1], int(m[2]), m[3]) for m in re.finditer(r"^stage (\S+) (-?\d+) (.*)$", out.stdout, re.M)]
+
+
+def test_the_stages_run_in_a_fixed_order_within_six_minutes(tmp_path):
+    stages = _dry_run(tmp_path)
+    assert [s[0] for s in stages] == STAGES
+    assert sum(s[1] for s in stages) <= 360
+    assert all("bench.shared_gpu" in cmd for name, _, cmd in stages if name != "env")  # two ranks on the one GPU
+    for _, _, cmd in stages:  # every file a stage runs is in the repository
+        for path in re.findall(r"\b((?:bench|docs/examples)/[\w./-]+\.(?:py|toml))", cmd):
+            assert (ROOT / path).is_file(), path
+    # a smaller budget shortens the stages (the limits leave 5 s for the log)
+    assert all(limit <= 55 for _, limit, _ in _dry_run(tmp_path, "60"))
+
+
+def test_the_study_is_world_size_2_on_nccl():
+    config = load_study_config(ROOT / "bench" / "llama-gpu-two-ranks.toml")
+    assert config.launch.backend == "nccl" and config.launch.nproc_per_node == 2
