@@ -116,8 +116,25 @@ def collective_over_wire(profile, bits_per_s: float) -> dict[str, list[float]]:
     return out
 
 
+def collective_over_predicted(profile, predicted) -> dict[str, list[float]]:
+    """Each module's recorded all-gather and reduce-scatter ms over the link model's prediction for it."""
+    out: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": []}
+    for fqn, m in profile.modules.items():
+        for kind in out:
+            ms, want = getattr(m, f"{kind}_ms"), getattr(predicted.modules[fqn], f"{kind}_ms")
+            if ms > 0 and want > 0:
+                out[kind].append(ms / want)
+    return out
+
+
+def _spread(values: list[float]) -> list[float]:
+    return [min(values), statistics.median(values), max(values)]
+
+
 def report(runs: dict[str, dict]) -> list[dict]:
     """Print the sweep's table from the runs (rate -> :func:`run_rate`'s figures); the table's rows."""
+    import tomllib
+
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
     from planner.artifacts.target import Target
@@ -132,54 +149,56 @@ def report(runs: dict[str, dict]) -> list[dict]:
         compute = sum(m.fwd_ms + m.bwd_ms for m in profile.modules.values())
         comm = sum(m.all_gather_ms + m.reduce_scatter_ms for m in profile.modules.values())
         row = {"rate": rate, "comm_over_compute": comm / compute, "measured_default_ms": run["default_race_ms"],
-               "predicted_default_ms": None, "error": None, "wire": None}
+               "predicted_default_ms": None, "error": None, "wire": None, "model": None}
         bits = rate_bits(rate)
         if bits is not None:
-            wire = collective_over_wire(profile, bits)
-            row["wire"] = {k: [min(v), statistics.median(v), max(v)] for k, v in wire.items() if v}
+            row["wire"] = {k: _spread(v) for k, v in collective_over_wire(profile, bits).items() if v}
         if base is not None:
             source = base
             if bits is not None:
-                import tomllib
-
                 source, _ = retarget(base, Target.model_validate(tomllib.loads(target_toml(rate))))
-            predicted = simulator_for(source, profile_params(base)).run(Plan.default(base)).step_ms
-            row["predicted_default_ms"] = predicted
-            row["error"] = predicted / run["default_race_ms"] - 1
+                row["model"] = {k: _spread(v) for k, v in collective_over_predicted(profile, source).items() if v}
+            row["predicted_default_ms"] = simulator_for(source, profile_params(base)).run(Plan.default(base)).step_ms
+            row["error"] = row["predicted_default_ms"] / run["default_race_ms"] - 1
         c, r = run["confirmed"], run["remeasure"]
-        row["confirmed"] = c
+        row["confirmed"], row["remeasure"] = c, None
         if r is not None:
             again = confirm(r["tuned"], r["default"], noise_pct=float("nan"))
             row["remeasure"] = {"ratio": again.ratio, "ci95": list(again.ci95), "rounds": len(r["tuned"]),
                                 "inside": c["ci95"][0] <= again.ratio <= c["ci95"][1]}
-        else:
-            row["remeasure"] = None
         rows.append(row)
 
-    print("\n| link | comm / compute | all-gather, reduce-scatter: recorded / bytes-on-wire time (median) "
-          "| default step predicted (from `none`) | measured (race median) | error | confirmed ratio [95% CI] "
-          "| re-measured in fresh processes | inside |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    def spread(figures: dict | None, kind: str) -> str:
+        if not figures or kind not in figures:
+            return "-"
+        lo, mid, hi = figures[kind]
+        return f"{mid:.2f} ({lo:.2f}-{hi:.2f})"
+
+    print("\n| link | comm / compute | all-gather: recorded / model, median (range) | recorded / wire time "
+          "| reduce-scatter: recorded / model | recorded / wire time | default step: predicted from `none` "
+          "| measured (race median) | error | confirmed ratio [95% CI] | re-measured, fresh processes | inside |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        w = row["wire"]
-        wire = "-" if w is None else ", ".join(f"{w[k][1]:.2f} [{w[k][0]:.2f}-{w[k][2]:.2f}]" for k in w)
         pred = "-" if row["predicted_default_ms"] is None else f"{row['predicted_default_ms']:.0f} ms"
         err = "-" if row["error"] is None else f"{row['error']:+.1%}"
         if row["rate"] == "none" and row["error"] is not None:
             err += " (its own link)"
         c, r = row["confirmed"], row["remeasure"]
         conf = "no candidate confirmed" if c is None else (
-            f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] {c['verdict']}, trial {c['trial']}, "
-            f"{c['rounds']} rounds")
-        again = "-" if r is None else f"{r['ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}], {r['rounds']} rounds"
+            f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] {c['verdict']} ({c['rounds']} rounds)")
+        again = "-" if r is None else (
+            f"{r['ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] ({r['rounds']} rounds)")
         inside = "-" if r is None else ("yes" if r["inside"] else "NO")
-        print(f"| {row['rate']} | {row['comm_over_compute']:.2f} | {wire} | {pred} | "
-              f"{row['measured_default_ms']:.0f} ms | {err} | {conf} | {again} | {inside} |")
+        print(f"| {row['rate']} | {row['comm_over_compute']:.2f} | {spread(row['model'], 'all_gather')} "
+              f"| {spread(row['wire'], 'all_gather')} | {spread(row['model'], 'reduce_scatter')} "
+              f"| {spread(row['wire'], 'reduce_scatter')} | {pred} | {row['measured_default_ms']:.0f} ms | {err} "
+              f"| {conf} | {again} | {inside} |")
     return rows
 
 
 def check_link(rates: list[str]) -> None:
-    """Each rate's TCP throughput from node 0 to node 1 (100 MiB), against the rate."""
+    """Each rate's TCP throughput from node 0 to node 1 (100 MiB), and gloo's all-gather and all-reduce on it: the
+    share of the rate each reaches ([Note: Host work and the wire] in ``planner/simulation/link.py``)."""
     for rate in rates:
         with Cluster(rate) as cluster:
             node0, node1 = cluster.nodes
@@ -188,9 +207,48 @@ def check_link(rates: list[str]) -> None:
             time.sleep(1.0)
             subprocess.run(node0.command([*part, "send"]), check=True)
             gbit = float(recv.communicate(timeout=120)[0])
-            bits = rate_bits(rate)
-            of = "" if bits is None else f" ({gbit * 1e9 / bits:.1%} of the rate)"
-            print(f"{rate}: TCP {gbit:.2f} Gbit/s{of}", flush=True)
+            with tempfile.TemporaryDirectory() as d:
+                out = Path(d) / "collectives.json"
+                launch = cluster.torchrun(["-m", MODULE, "--part", "collectives", "--address", str(out)],
+                                          logs=Path(d), rdzv_id="collectives")
+                if any(launch.wait(300)):
+                    sys.exit(f"the collectives failed on the cluster:\n{launch.output()[-4000:]}")
+                ms = json.loads(out.read_text())
+            bits = rate_bits(rate) or gbit * 1e9
+            shaped = "" if rate_bits(rate) is None else f" ({gbit * 1e9 / bits:.0%})"
+            line = [f"{rate}: TCP {gbit:.2f} Gbit/s{shaped}"]
+            for kind, wire_bytes in (("all_gather", _SHARD), ("all_reduce", 2 * _SHARD)):
+                wire_ms = wire_bytes * 8 / bits * 1e3
+                line.append(f"{kind.replace('_', '-')} {ms[kind]:.1f} ms, {wire_ms / ms[kind]:.0%} of "
+                            f"{'the rate' if rate_bits(rate) else 'TCP'}")
+            print("; ".join(line), flush=True)
+
+
+_SHARD = 6_400_000  # bytes: a block of bench/llama-link.toml's, sharded over 2 ranks
+
+
+def _collectives(out: str) -> None:
+    """Every rank: the median of 7 gloo ``all_gather_into_tensor`` of a :data:`_SHARD`-byte shard and 7
+    ``all_reduce`` of twice that, each after a barrier; rank 0 writes them (ms)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    shard = torch.ones(_SHARD // 4)
+    gathered, reduced = torch.empty(2 * _SHARD // 4), torch.ones(2 * _SHARD // 4)
+    ms = {}
+    for kind, fn in (("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard)),
+                     ("all_reduce", lambda: dist.all_reduce(reduced))):
+        times = []
+        for _ in range(7):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms[kind] = statistics.median(times)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(ms))
+    dist.destroy_process_group()
 
 
 _BULK = 100 * 2**20
@@ -224,7 +282,7 @@ def _send(address: str) -> None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="write the runs here")
 @click.option("--refit", type=click.Path(exists=True, dir_okay=False), help="report a saved --json run again")
 @click.option("--check-link", "link_only", is_flag=True, help="measure each rate's TCP throughput and stop")
-@click.option("--part", type=click.Choice(["send", "recv"]), hidden=True)
+@click.option("--part", type=click.Choice(["send", "recv", "collectives"]), hidden=True)
 @click.option("--address", hidden=True)
 def main(study: str, rates: str, rounds: int, json_out: str | None, refit: str | None, link_only: bool,
          part: str | None, address: str | None) -> None:
@@ -232,7 +290,7 @@ def main(study: str, rates: str, rounds: int, json_out: str | None, refit: str |
     for r in chosen:
         rate_bits(r)
     if part:
-        (_send if part == "send" else _receive)(address)
+        {"send": _send, "recv": _receive, "collectives": _collectives}[part](address)
         return
     if link_only:
         check_link(chosen)

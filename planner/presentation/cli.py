@@ -59,7 +59,7 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml) 
     simulated = profile
     if target_toml:
         from planner.artifacts.target import load_target
-        from planner.simulation.link import retarget
+        from planner.simulation.link import link_efficiency, retarget
 
         target = load_target(target_toml)
         simulated, fit = retarget(profile, target)
@@ -77,15 +77,17 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml) 
         figures = {"step_ms": r.step_ms, "exposed_comm_ms": r.exposed_comm_ms, "peak_bytes": r.peak_bytes,
                    "lower_bound_ms": r.lower_bound_ms}
         if target is not None:
-            figures.update(target=target.model_dump(), link_fit=dataclasses.asdict(fit))
+            figures.update(target=target.model_dump(), link_fit={k: dataclasses.asdict(f) for k, f in fit.items()})
         click.echo(json.dumps(figures))
         return
     if target is not None:
-        basis = ("fitted on" if fit.identifiable else "one collective size: no overhead told apart from") + (
-            f" {fit.points} recorded calls")
-        click.echo(f"target        {target.describe()}; collectives from bytes on the wire: per-call overhead "
-                   f"{fit.overhead_ms:.2f} ms, recorded link {fit.bytes_per_s * 8 / 1e9:.2f} Gbit/s effective "
-                   f"({basis})")
+        click.echo(f"target        {target.describe()}; collectives from bytes on the wire:")
+        for f in fit.values():
+            basis = ("fitted on" if f.identifiable else "one size: no overhead told apart, from") + (
+                f" {f.points} recorded calls")
+            click.echo(f"  {f.kind.replace('_', '-'):15s} per-call overhead {f.overhead_ms:.2f} ms, recorded "
+                       f"{f.bytes_per_s * 8 / 1e9:.2f} Gbit/s effective ({basis}); on the target at "
+                       f"{link_efficiency(f.kind, target.backend):.0%} of the link's rate")
     click.echo(f"step          {r.step_ms:10.1f} ms")
     click.echo(f"exposed comm  {r.exposed_comm_ms:10.1f} ms")
     click.echo(f"peak memory   {mib(r.peak_bytes, unit=False):>10} MiB")

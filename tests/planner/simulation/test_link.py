@@ -13,7 +13,15 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.target import Target
 from planner.errors import TargetError
 from planner.presentation.cli import main
-from planner.simulation.link import fit_link, retarget, ring_steps, wire_fraction
+from planner.simulation.link import (
+    GLOO_ALL_GATHER_EFFICIENCY,
+    LinkFit,
+    fit_link,
+    link_efficiency,
+    retarget,
+    ring_steps,
+    wire_fraction,
+)
 from planner.simulation.parameters import profile_params, simulator_for
 from planner.testing import synthetic_profile
 
@@ -48,24 +56,44 @@ def test_what_each_collective_puts_on_the_wire():
     assert wire_fraction("all_gather", 1, "nccl") == 0.0 and ring_steps("reduce_scatter", 1, "nccl") == 0
 
 
-def test_the_fit_recovers_the_overhead_and_the_recorded_link():
-    fit = fit_link(law_profile())
-    assert fit.identifiable and fit.points == 2 * 5
-    assert fit.overhead_ms == pytest.approx(OVERHEAD_MS) and fit.ms_per_byte == pytest.approx(MS_PER_BYTE)
-    assert fit.bytes_per_s == pytest.approx(5e8)
+def test_the_fit_recovers_each_kinds_overhead_and_recorded_cost_per_byte():
+    fits = fit_link(law_profile())
+    assert set(fits) == {"all_gather", "reduce_scatter"}
+    for kind, fit in fits.items():
+        assert fit.kind == kind and fit.identifiable and fit.points == 5
+        assert fit.overhead_ms == pytest.approx(OVERHEAD_MS) and fit.ms_per_byte == pytest.approx(MS_PER_BYTE)
+        assert fit.bytes_per_s == pytest.approx(5e8)
     same_size = synthetic_profile(n_blocks=4)  # every block the same size: overhead and bytes not told apart
-    one = fit_link(same_size)
-    assert one.overhead_ms == 0.0 and one.ms_per_byte > 0
+    for one in fit_link(same_size).values():
+        assert one.overhead_ms == 0.0 and one.ms_per_byte > 0
+
+
+def test_the_slower_of_host_and_wire_sets_the_pace_at_the_algorithms_share_of_the_rate():
+    """[Note: Host work and the wire]: gloo's all-gather reaches part of the link's rate; its all-reduce and NCCL's
+    collectives (whose bus bandwidth includes it) reach all of it."""
+    assert link_efficiency("all_gather", "gloo") == GLOO_ALL_GATHER_EFFICIENCY < 1
+    assert link_efficiency("reduce_scatter", "gloo") == link_efficiency("all_gather", "nccl") == 1.0
+    fit = LinkFit("reduce_scatter", overhead_ms=1.0, ms_per_byte=1e-6, points=4, identifiable=True)
+    assert fit.ms(1e6, 1e9, "gloo") == pytest.approx(1.0 + 1.0)  # host 1 ms, wire 1 ms: together
+    assert fit.ms(1e6, 0.5e9, "gloo") == pytest.approx(1.0 + 2.0)  # the wire is the slower
+    assert fit.ms(1e6, 1e12, "gloo") == pytest.approx(2.0)  # a faster link than the hosts changes nothing
+    assert fit.ms(1e6, None, "gloo") == pytest.approx(2.0)  # the recorded link
+    gather = dataclasses.replace(fit, kind="all_gather")
+    assert gather.ms(1e6, 1e9, "gloo") == pytest.approx(1.0 + 1.0 / GLOO_ALL_GATHER_EFFICIENCY)
+    assert gather.ms(1e6, 1e9, "nccl") == pytest.approx(2.0)
 
 
 def test_a_slower_link_retimes_each_collective_from_its_bytes():
     p = law_profile()
-    same, _ = retarget(p, target("4Gbit/s"))  # 0.5 GB/s: the recorded link itself
-    assert all(same.modules[f].all_gather_ms == pytest.approx(m.all_gather_ms) for f, m in p.modules.items())
-    slow, fit = retarget(p, target("1Gbit/s", latency="50us"))  # 0.125 GB/s, 4x slower than recorded
+    same, _ = retarget(p, target("4Gbit/s"))  # 0.5 GB/s: the recorded cost per byte
+    e = GLOO_ALL_GATHER_EFFICIENCY
+    for fqn, m in p.modules.items():  # the reduce-scatter as recorded; the all-gather at its share of the rate
+        assert same.modules[fqn].reduce_scatter_ms == pytest.approx(m.reduce_scatter_ms)
+        assert same.modules[fqn].all_gather_ms == pytest.approx(OVERHEAD_MS + 0.5 * m.unsharded_bytes * 2e-6 / e)
+    slow, _ = retarget(p, target("1Gbit/s", latency="50us"))  # 0.125 GB/s, 4x slower than recorded
     for fqn, m in p.modules.items():
         w = 0.5 * m.unsharded_bytes
-        assert slow.modules[fqn].all_gather_ms == pytest.approx(OVERHEAD_MS + w * 8e-6 + 0.05)
+        assert slow.modules[fqn].all_gather_ms == pytest.approx(OVERHEAD_MS + w * 8e-6 / e + 0.05)
         assert slow.modules[fqn].reduce_scatter_ms == pytest.approx(OVERHEAD_MS + 2 * w * 8e-6 + 2 * 0.05)
         assert slow.modules[fqn].fwd_ms == m.fwd_ms  # compute stays as recorded
     nccl, _ = retarget(p, target("1Gbit/s", backend="nccl"))  # a ring reduce-scatter: half of gloo's bytes
@@ -73,7 +101,9 @@ def test_a_slower_link_retimes_each_collective_from_its_bytes():
     assert nccl.modules[fqn].reduce_scatter_ms == pytest.approx(OVERHEAD_MS + 0.5 * p.modules[fqn].unsharded_bytes
                                                                 * 8e-6)
     fast, _ = retarget(p, target("400GB/s"))  # faster than the hosts recorded: the recorded per-byte cost stays
+    assert fast.modules[fqn].reduce_scatter_ms == pytest.approx(p.modules[fqn].reduce_scatter_ms)
     assert fast.modules[fqn].all_gather_ms == pytest.approx(p.modules[fqn].all_gather_ms)
+    assert nccl.modules[fqn].all_gather_ms == pytest.approx(OVERHEAD_MS + 0.5 * p.modules[fqn].unsharded_bytes * 8e-6)
     params = profile_params(p)
     steps = [simulator_for(q, params).run(Plan.default(p)).step_ms for q in (same, slow)]
     assert steps[1] > steps[0]
@@ -97,7 +127,10 @@ def test_simulate_predicts_for_a_target(tmp_path):
     there = runner.invoke(main, ["simulate", str(tmp_path / "p.json"), "--target", str(tmp_path / "t.toml"), "--json"])
     figures = json.loads(there.output)
     assert figures["step_ms"] > here["step_ms"] and figures["target"]["backend"] == "gloo"
-    assert figures["link_fit"]["overhead_ms"] == pytest.approx(OVERHEAD_MS)
+    assert figures["link_fit"]["all_gather"]["overhead_ms"] == pytest.approx(OVERHEAD_MS)
+    assert figures["link_fit"]["reduce_scatter"]["ms_per_byte"] == pytest.approx(MS_PER_BYTE)
     text = runner.invoke(main, ["simulate", str(tmp_path / "p.json"), "--target", str(tmp_path / "t.toml")]).output
     assert text.startswith("target        2 ranks (1 per node), gloo, inter-node 1Gbit/s, latency 0us; collectives")
-    assert "per-call overhead 0.40 ms, recorded link 4.00 Gbit/s effective (fitted on 10 recorded calls)" in text
+    assert ("all-gather      per-call overhead 0.40 ms, recorded 4.00 Gbit/s effective (fitted on 5 recorded "
+            "calls); on the target at 63% of the link's rate") in text
+    assert "reduce-scatter  per-call overhead 0.40 ms" in text and "at 100% of the link's rate" in text
