@@ -49,12 +49,17 @@ def target_toml(rate: str) -> str | None:
     return None if bits is None else TARGET_TOML.format(gbit=f"{bits / 1e9:g}")
 
 
+def _folder(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _tune(cluster: Cluster, study: str, work: Path) -> str:
     """``prefetch-planner tune`` as the cluster's two nodes into ``work``; returns what node 0 printed."""
     launch = cluster.torchrun(
         ["-m", "jobs.cli", "tune", study, "--storage", f"sqlite:///{work}/study.db", "--plan-out",
          str(work / "plan.json"), "--profile-out", str(work / "profile.json"), "--no-progress"],
-        logs=work, rdzv_id="tune")
+        logs=_folder(work / "tune"), rdzv_id="tune")
     codes = launch.wait(3600)
     if any(codes):
         sys.exit(f"tune failed on the cluster ({codes}):\n{launch.output()[-6000:]}")
@@ -65,7 +70,8 @@ def _remeasure(cluster: Cluster, study: str, plan: Path, rounds: int, work: Path
     """The plan against FSDP2's default in fresh processes on both nodes: each one's step times, ms."""
     out = work / "remeasure.json"
     launch = cluster.torchrun(["-m", "bench.verdicts", study, "--part", "remeasure", "--plan", str(plan),
-                               "--rounds", str(rounds), "--out", str(out)], logs=work, rdzv_id="remeasure")
+                               "--rounds", str(rounds), "--out", str(out)], logs=_folder(work / "remeasure"),
+                              rdzv_id="remeasure")
     codes = launch.wait(3600)
     if any(codes):
         sys.exit(f"the re-measurement failed on the cluster ({codes}):\n{launch.output()[-6000:]}")

@@ -65,8 +65,11 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: torchrun --nproc-per-node 2 -m bench.shared_gpu MODULE|SCRIPT.py [ARGS...]")
     import torch
 
-    os.environ.update(shared_gpu_env(os.environ, torch.cuda.nccl.version()))
-    torch.cuda.set_per_process_memory_fraction(memory_fraction(os.environ), 0)
+    if torch.cuda.is_available():
+        os.environ.update(shared_gpu_env(os.environ, torch.cuda.nccl.version()))
+        torch.cuda.set_per_process_memory_fraction(memory_fraction(os.environ), 0)
+    else:  # no GPU (the project's CPU tests): each rank a node of its own all the same, on gloo
+        os.environ.update(shared_gpu_env(os.environ, ()))
     sys.argv = list(argv)
     if argv[0].endswith(".py"):
         runpy.run_path(argv[0], run_name="__main__")

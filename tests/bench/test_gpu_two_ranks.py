@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,21 @@ def test_the_stages_run_in_a_fixed_order_within_six_minutes(tmp_path):
 def test_the_study_is_world_size_2_on_nccl():
     config = load_study_config(ROOT / "bench" / "llama-gpu-two-ranks.toml")
     assert config.launch.backend == "nccl" and config.launch.nproc_per_node == 2
+
+
+@pytest.mark.slow
+def test_the_wrapper_runs_a_job_as_two_one_rank_nodes(tmp_path):
+    """``-m bench.shared_gpu jobs.cli profile`` on 2 ranks without a GPU (gloo): each rank a node of its own, the
+    job run through the wrapper with its arguments, the profile of both ranks written."""
+    from planner import Profile
+    from tests.jobs.study import STUDY
+    from tests.multirank import rank_env
+
+    toml = tmp_path / "e2e.toml"
+    toml.write_text(STUDY.format(space="per_module"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "bench.shared_gpu", "jobs.cli", "profile", str(toml), "-o", str(tmp_path / "p.json")],
+                          cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    profile = Profile.load(tmp_path / "p.json")
+    assert profile.fingerprint.world_size == 2 and len(profile.per_rank) == 2
