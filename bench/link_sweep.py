@@ -109,16 +109,11 @@ def run_rate(study: str, rate: str, rounds: int, work: Path) -> dict:
 
 def collective_over_wire(profile, bits_per_s: float) -> dict[str, list[float]]:
     """Each module's recorded all-gather and reduce-scatter ms over its bytes on the wire at ``bits_per_s``."""
-    from planner.simulation.link import recorded_backend, wire_fraction
+    from planner.simulation.link import recorded_backend, wire_calls
 
     out: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": []}
-    world, backend = profile.fingerprint.world_size, recorded_backend(profile)
-    for m in profile.modules.values():
-        for kind, nbytes, ms in (("all_gather", m.unsharded_bytes, m.all_gather_ms),
-                                 ("reduce_scatter", m.grad_bytes // max(1, m.calls), m.reduce_scatter_ms)):
-            wire_ms = wire_fraction(kind, world, backend) * nbytes * 8 / bits_per_s * 1e3
-            if wire_ms > 0 and ms > 0:
-                out[kind].append(ms / wire_ms)
+    for _, kind, wire_bytes, ms in wire_calls(profile, profile.fingerprint.world_size, recorded_backend(profile)):
+        out[kind].append(ms / (wire_bytes * 8 / bits_per_s * 1e3))
     return out
 
 

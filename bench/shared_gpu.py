@@ -34,7 +34,7 @@ def shared_gpu_env(environ: Mapping[str, str], nccl_version: tuple[int, ...]) ->
     """
     if "RANK" not in environ:
         raise ValueError("bench.shared_gpu runs as a torchrun rank: torchrun --nproc-per-node 2 -m bench.shared_gpu")
-    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "SHARED_GPU_LOCAL_RANK": environ.get("LOCAL_RANK", "0")}
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     if tuple(nccl_version) >= MULTI_RANK_GPU_NCCL:
         env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     else:

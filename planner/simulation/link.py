@@ -116,8 +116,9 @@ class LinkFit:
         return self.overhead_ms + max(host, 1e3 * wire_bytes / (link_efficiency(self.kind, backend) * link_bytes_per_s))
 
 
-def _calls(profile: Profile, world_size: int, backend: str) -> list[tuple[str, Kind, float, float]]:
-    """``(fqn, kind, wire bytes, recorded ms)`` per module and collective with bytes on the wire."""
+def wire_calls(profile: Profile, world_size: int, backend: str) -> list[tuple[str, Kind, float, float]]:
+    """``(fqn, kind, wire bytes, recorded ms)`` per module and collective with bytes on the wire at ``world_size``
+    on ``backend`` ([Note: Bytes on the wire])."""
     out = []
     for fqn, m in profile.modules.items():
         for kind, nbytes, t in (("all_gather", m.unsharded_bytes, m.all_gather_ms),
@@ -147,7 +148,7 @@ def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
     Raises:
         TargetError: the profile has no collective with bytes on the wire (world size 1): nothing to re-time from.
     """
-    calls = _calls(profile, profile.fingerprint.world_size, recorded_backend(profile))
+    calls = wire_calls(profile, profile.fingerprint.world_size, recorded_backend(profile))
     if not calls:
         raise TargetError("the profile has no collective with bytes on the wire (recorded at world size "
                           f"{profile.fingerprint.world_size}); record it on 2 ranks or more to predict a link")
