@@ -107,11 +107,11 @@ def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profil
     ``runtime/recording/recorder.py``); all ranks call it. Max across ranks, as the recorder consolidates (the overlap
     timings: mean)."""
     from planner.artifacts.profile import OverlapTimings
-    from runtime.measuring.measure import device_type_of
     from runtime.ranks.collectives import gather_objects
     from runtime.ranks.torch_private import reshard_after_forward
     from runtime.recording.collective_timer import module_collectives
     from runtime.recording.recorder import isolated_figures
+    from runtime.timing import device_type_of
     from runtime.workload import fsdp_modules
 
     modules = fsdp_modules(workload.model)

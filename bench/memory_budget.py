@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
     from planner.simulation.simulator import SimParams
-    from runtime.measuring.measure import StepCounter
+    from runtime.timing import StepCounter
     from runtime.workload import Workload
 
 MODULE = "bench.memory_budget"
@@ -242,9 +242,9 @@ def rank_main(study: str, settings: BudgetSettings, json_out: str | None) -> Non
 
     from planner.artifacts.config import load_study_config
     from planner.simulation.in_step import in_step_params
-    from runtime.measuring.measure import StepCounter
     from runtime.ranks.rank import init_rank, shutdown_rank
     from runtime.recording.recorder import record_profile
+    from runtime.timing import StepCounter
     from runtime.workload import build_study_workload
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

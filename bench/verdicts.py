@@ -51,9 +51,10 @@ def aa_main(study: str, races: int, out: str) -> None:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.schedule import Schedule
-    from runtime.measuring.measure import StepCounter, run_schedule, warm_up
+    from runtime.measuring.measure import run_schedule, warm_up
     from runtime.ranks.rank import init_rank, shutdown_rank
     from runtime.recording.recorder import record_profile
+    from runtime.timing import StepCounter
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
@@ -96,9 +97,10 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     from planner.artifacts.plan import Plan
     from planner.statistics.schedule import confirmation_orders
     from runtime.apply import apply_plan, load_plan
-    from runtime.measuring.measure import StepCounter, timed_step
+    from runtime.measuring.measure import timed_step
     from runtime.ranks.collectives import broadcast_from_rank0, gather_max
     from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.timing import StepCounter
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)

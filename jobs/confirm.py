@@ -25,9 +25,10 @@ from planner.storages import check_writable
 from planner.study.confirmation import pending, record_launch
 from planner.study.records import ConfirmLaunch
 from runtime.apply import apply_plan
-from runtime.measuring.measure import StepCounter, measure_rounds, timed_step, warm_up
+from runtime.measuring.measure import measure_rounds, timed_step, warm_up
 from runtime.ranks.collectives import broadcast_from_rank0, control_group, gather_max
 from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
+from runtime.timing import StepCounter
 from runtime.workload import Workload, build_study_workload, load_factory
 
 

@@ -19,7 +19,7 @@ def profile_from_trace(paths: list[str], output: str, model: str | None = None, 
 
     Args:
         model: ``package.module:function``, the traced job's workload factory: its model, built on a fake
-            world of the traces' size (``runtime.ranks.fake_world``), gives the parameter counts; ``None``: estimated.
+            world of the traces' size (``runtime.fake_world``), gives the parameter counts; ``None``: estimated.
         model_kwargs: the factory's keyword arguments, a JSON object.
 
     Returns:
@@ -42,7 +42,7 @@ def profile_from_trace(paths: list[str], output: str, model: str | None = None, 
             raise WorkloadError(f"--model-kwargs must be a JSON object, found {model_kwargs!r}")
         files = trace_files(paths)
         world = next((t.world_size for t in map(read_trace, files[:1]) if t.world_size), len(files))
-        from runtime.ranks.fake_world import workload_fingerprint
+        from runtime.fake_world import workload_fingerprint
 
         fingerprint = workload_fingerprint(model, kwargs, world)
     traced = profile_from_traces(paths, fingerprint)

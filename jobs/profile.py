@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from jobs.outputs import check_output_folders
+from jobs.process_state import load_tune_modules
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
@@ -54,11 +55,7 @@ class ProfileJob:
         Raises:
             PlannerError: a bad workload (the same on every rank).
         """
-        # [Note: Record in tune's process state] ``tune``'s ranks have imported ``jobs.tune`` (Optuna, SQLAlchemy,
-        # the simulator, the search spaces) before they record; these ranks import it too, so that a profile
-        # recorded here reads what ``tune`` would: on CPU those imports move how much an async all-gather hides in
-        # a step (``bench.ranks.as_tune_ranks``).
-        import jobs.tune  # noqa: F401
+        load_tune_modules()  # [Note: Record in tune's process state]
 
         mesh = init_rank(self.config.launch.backend, allocator=self.config.launch.allocator)
         workload: Workload | None = None

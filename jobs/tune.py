@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 
-import optuna
 import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -22,9 +21,9 @@ from jobs.outputs import check_output_folders
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlanMismatchError, one_line
-from planner.presentation.model_summary import allocator_mismatch
 from planner.storages import check_writable
-from planner.study.measured import MeasuredTrial, job_name
+from planner.study.measured import MeasuredTrial
+from planner.study.model_summary import allocator_mismatch
 from planner.study.session import TuneOutcome, TuningSession
 from runtime.apply import model_fingerprint
 from runtime.measuring.protocol import measured_round
@@ -33,7 +32,7 @@ from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
 from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
 from runtime.recording.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory
-from search_spaces import get_space
+from search_spaces.session import open_session, optuna_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class TuneJob:
         plan_out: where rank 0 writes the round's best plan.
         profile_out: where rank 0 writes the profile.
         progress: show progress bars (rank 0).
-        job: the job's name (default: a new one, :func:`job_name`; every rank must get the same).
+        job: the job's name (default: a new one, ``planner.study.measured.job_name``; every rank must get the same).
         confirm_launches: fresh launches the launching process confirms the survivor in; ``0``: confirmed in
             this job's processes after the race.
         profile_in: a profile to tune from instead of recording one (``profile --from-trace``'s, or an earlier
@@ -59,7 +58,7 @@ class TuneJob:
         self.plan_out = plan_out
         self.profile_out = profile_out
         self.progress = progress
-        self.job = job or job_name()
+        self.job = job
         self.confirm_launches = confirm_launches
         self.profile_in = profile_in
         self.session: TuningSession | None = None
@@ -93,7 +92,10 @@ class TuneJob:
             TrialFailedError: a rank raised while measuring (``runtime.measuring.protocol``).
             KeyboardInterrupt: SIGINT or SIGTERM; the round's trials are FAIL.
         """
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        with optuna_quiet():
+            return self._run()
+
+    def _run(self) -> TuneOutcome | None:
         launch = self.config.launch
         mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator)
         group = control_group(launch.timeout_s)
@@ -153,10 +155,9 @@ class TuneJob:
         return profile
 
     def _session(self, profile: Profile) -> TuningSession:
-        return TuningSession(self.config, profile, get_space(self.config.search.space), job=self.job,
-                             plan_out=self.plan_out, profile_out=self.profile_out, progress=self.progress,
-                             on_drop=self._dropped, critical=interrupts_deferred,
-                             confirm_launches=self.confirm_launches)
+        return open_session(self.config, profile, job=self.job, plan_out=self.plan_out,
+                            profile_out=self.profile_out, progress=self.progress, on_drop=self._dropped,
+                            critical=interrupts_deferred, confirm_launches=self.confirm_launches)
 
     def _measure(self, workload: Workload, group: dist.ProcessGroup, rank0: bool):
         """The measured round, its progress bar drawn from the first measured step.

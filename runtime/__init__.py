@@ -26,14 +26,14 @@ from planner.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from planner.errors import PlanFormatError, PlanMismatchError, UnsupportedPlanError, WorkloadError
     from runtime.apply import apply_plan, load_best_plan, load_plan, model_fingerprint
-    from runtime.autotuner import AutoTuner
+    from runtime.in_loop.autotuner import AutoTuner
     from runtime.workload import Workload, build_workload, fsdp_modules, load_factory, train_step
 
 _EXPORTS = {
     **dict.fromkeys(["PlanFormatError", "PlanMismatchError", "UnsupportedPlanError", "WorkloadError"],
                     "planner.errors"),
     **dict.fromkeys(["apply_plan", "load_best_plan", "load_plan", "model_fingerprint"], "runtime.apply"),
-    "AutoTuner": "runtime.autotuner",
+    "AutoTuner": "runtime.in_loop.autotuner",
     **dict.fromkeys(["Workload", "build_workload", "fsdp_modules", "load_factory", "train_step"], "runtime.workload"),
 }
 __all__ = sorted(_EXPORTS)

@@ -2,6 +2,7 @@
 
 - No import cycle in ``planner/``, ``runtime/``, ``search_spaces/``, ``jobs/`` or ``bench/``, counting
   imports inside functions (not those under ``if TYPE_CHECKING:``, which never run).
+- Inside ``runtime/`` and ``planner/`` the rooms (sub-packages) import one way: ``ROOMS`` orders them.
 - Data flows one way: ``planner`` and ``search_spaces`` never import ``runtime``, ``jobs`` or ``bench``,
   and ``planner`` never imports ``search_spaces`` (it is handed the spaces), not even inside a function.
 - No source file over 500 lines (split by concept, never squeezed); no function with more than 12 parameters.
@@ -129,6 +130,67 @@ def test_no_import_cycle():
 
 def test_cycle_detection_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Inside a package, its rooms (sub-packages; "" the modules at its top) in order, lowest first: a module imports
+# only its own room's modules and those of rooms below it (rooms in one tuple are side by side). The rank
+# processes' plumbing is at the bottom of runtime/, then the model-facing core (apply, workload, timing), the
+# recorder, the measured rounds, the in-loop tuner, and the adapters over it. In planner/, what a user reads
+# (presentation) is at the top, the study under it, and the artifacts under everything but the statistics' defaults.
+ROOMS = {
+    "runtime": (("ranks",), ("",), ("recording",), ("measuring",), ("in_loop",), ("adapters",)),
+    "planner": (("",), ("statistics",), ("artifacts",), ("simulation", "traces", "storages"), ("study",),
+                ("presentation",), ("testing",)),
+}
+
+
+def room_of(module: str) -> str:
+    """A module's room: its sub-package under the top package, or ``""`` for a module at the top (``testing`` is
+    planner's test support, a room of its own)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return ""
+    if parts[1] == "testing":
+        return "testing"
+    return parts[1] if f"{parts[0]}.{parts[1]}" in PACKAGE_NAMES else ""
+
+
+PACKAGE_NAMES = {_module_name(p.parent / "__init__.py") for p in _sources(*PACKAGES) if p.name == "__init__.py"}
+
+
+def back_arrows(graph: dict[str, set[str]], package: str, rooms: tuple[tuple[str, ...], ...]) -> list[str]:
+    """``a -> b`` for every import in ``package`` from a room to a room above it (the package's own
+    ``__init__``, a facade of lazy exports, is not counted)."""
+    level = {room: i for i, side_by_side in enumerate(rooms) for room in side_by_side}
+    found = []
+    for a, targets in sorted(graph.items()):
+        if a.split(".")[0] != package or a == package:
+            continue
+        for b in sorted(targets):
+            if b.split(".")[0] == package and b != package and level[room_of(b)] > level[room_of(a)]:
+                found.append(f"{a} -> {b}")
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_rooms_import_one_way(package):
+    graph = _import_graph()
+    unplaced = {room_of(m) for m in graph if m.split(".")[0] == package and m != package} - {
+        room for side_by_side in ROOMS[package] for room in side_by_side}
+    assert unplaced == set(), f"rooms of {package}/ missing from ROOMS: {unplaced}"
+    assert back_arrows(graph, package, ROOMS[package]) == []
+
+
+def test_a_back_arrow_is_found():
+    """The check catches the arrows it exists for: the recorder importing the measured rounds, a rank module
+    importing apply, and the study importing what a user reads."""
+    graph = {"runtime.recording.recorder": {"runtime.measuring.measure", "runtime.workload"},
+             "runtime.ranks.launch": {"runtime.apply"}, "runtime.in_loop.round": {"runtime.recording.recorder"},
+             "planner.study.session": {"planner.presentation.report"}}
+    assert back_arrows(graph, "runtime", ROOMS["runtime"]) == [
+        "runtime.ranks.launch -> runtime.apply", "runtime.recording.recorder -> runtime.measuring.measure"]
+    assert back_arrows(graph, "planner", ROOMS["planner"]) == [
+        "planner.study.session -> planner.presentation.report"]
 
 
 # What a package never imports, not even inside a function or under TYPE_CHECKING.

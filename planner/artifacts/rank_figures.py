@@ -131,7 +131,7 @@ class IsolatedFigures:
 
 @dataclass(frozen=True)
 class StepFigures:
-    """One rank's steps of FSDP2's default plan (``runtime.recording.recorder``, ``runtime.recording.loop_recorder``).
+    """One rank's steps of FSDP2's default plan (``runtime.recording.recorder``, ``runtime.in_loop.recorder``).
 
     Attributes:
         step_ms, optimizer_ms: medians over the timed steps.

@@ -47,7 +47,7 @@ as the default did in the recording process. Nothing here corrects for it,
 since a plan's faults are not known before it runs. The recorder keeps the
 step's faults and kernel ms (``InStepTimings.default_step_faults``,
 ``default_step_kernel_ms``) and ``tune`` logs the share
-(:mod:`planner.presentation.model_summary`). Under ``[launch] allocator =
+(:mod:`planner.study.model_summary`). Under ``[launch] allocator =
 "jemalloc"`` a warm step takes no faults. What is left on a CPU is the
 machine's own level, which moves from one half-minute to the next, so an
 absolute CPU step prediction is not held to a few percent

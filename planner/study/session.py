@@ -30,7 +30,6 @@ from planner.artifacts.memory_budget import check_feasible
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError
-from planner.presentation.model_summary import model_summary
 from planner.simulation.calibrate import CalibrationResult, Observation, calibrate
 from planner.simulation.parameters import simulator_for
 from planner.simulation.simulator import Simulator
@@ -43,6 +42,7 @@ from planner.study.candidates import plan_key, select_candidates
 from planner.study.confirmation import write_plan
 from planner.study.evidence import earlier_launches, study_spread
 from planner.study.measured import MeasuredStage, MeasuredTrial
+from planner.study.model_summary import model_summary
 from planner.study.provenance import measured_plans
 from planner.study.queries import BestPlan, best_plan
 from planner.study.records import Failure

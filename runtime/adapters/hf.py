@@ -25,7 +25,7 @@ except ImportError as e:  # the framework is an extra, not a core dependency
     raise ImportError("runtime.adapters.hf needs transformers: pip install 'prefetch-planner[hf]'") from e
 
 from runtime.adapters import root_fsdp_module
-from runtime.autotuner import AutoTuner
+from runtime.in_loop.autotuner import AutoTuner
 
 
 class PrefetchTuningCallback(TrainerCallback):

@@ -24,7 +24,7 @@ except ImportError as e:  # the framework is an extra, not a core dependency
 from torch import nn
 
 from runtime.adapters import root_fsdp_module
-from runtime.autotuner import AutoTuner
+from runtime.in_loop.autotuner import AutoTuner
 
 
 class PrefetchTuning(Callback):

@@ -8,17 +8,16 @@ decides the order, on rank 0 (:func:`run_schedule`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
 from planner.artifacts.plan import Plan
 from planner.errors import PlannerError, one_line
 from runtime.apply import apply_plan
 from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
+from runtime.timing import StepCounter, StepFailed, device_type_of, timed_ms
 from runtime.workload import Workload, train_step
 
 
@@ -36,54 +35,9 @@ class Scheduler(Protocol):
 Report = Callable[[Callable[[], list[list[float]]]], list[list[list[float]]]]
 
 
-def synchronize(device_type: str) -> None:
-    """Wait for the device (no-op on CPU, where compute is synchronous)."""
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-
-
-def device_type_of(workload: Workload) -> str:
-    """``"cpu"`` or ``"cuda"``: where the model's parameters live."""
-    return next(workload.model.parameters()).device.type
-
-
-def timed_ms(run: Callable[[], object], device_type: str) -> float:
-    """This rank's wall time of ``run()``, ms: every rank starts together (a barrier), and the device is
-    synchronized on both ends, so on GPU the kernels ``run`` queued are in the time. The project's one timer of a
-    callable; the recorder's two-part step and the in-loop tuner's step around the user's code take the same
-    barrier, synchronize and ``perf_counter`` at their ends."""
-    dist.barrier()
-    synchronize(device_type)
-    t0 = time.perf_counter()
-    run()
-    synchronize(device_type)
-    return (time.perf_counter() - t0) * 1e3
-
-
 def timed_step(workload: Workload, step: int) -> float:
     """Run one training step after a barrier; return this rank's wall time in ms (:func:`timed_ms`)."""
     return timed_ms(lambda: train_step(workload, step), device_type_of(workload))
-
-
-class StepFailed(Exception):
-    """A training step raised while measuring plan ``index`` (``__cause__`` is the exception)."""
-
-    def __init__(self, index: int, error: BaseException):
-        super().__init__(f"plan {index}: {type(error).__name__}: {error}")
-        self.index = index
-        self.error = error
-
-
-class StepCounter:
-    """The global step index: each training step draws ``make_batch(index)``; every rank counts alike."""
-
-    def __init__(self) -> None:
-        self.index = 0
-
-    def next(self) -> int:
-        """The index of the step about to run."""
-        self.index += 1
-        return self.index - 1
 
 
 def warm_up(

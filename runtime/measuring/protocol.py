@@ -61,10 +61,11 @@ import torch.distributed as dist
 from planner.artifacts.plan import Plan
 from planner.errors import FailKind, PlannerError, TrialFailedError, one_line
 from runtime.apply import apply_plan
-from runtime.measuring.measure import Scheduler, StepCounter, StepFailed, run_schedule
+from runtime.measuring.measure import Scheduler, run_schedule
 from runtime.ranks.collectives import broadcast_from_rank0, broadcast_plans, gather_objects
 from runtime.ranks.interrupts import interrupts_deferred
 from runtime.recording.peak_memory import peak_of_steps, warm_up_measuring_peaks, warm_up_steps
+from runtime.timing import StepCounter, StepFailed
 from runtime.workload import Workload
 
 

@@ -12,8 +12,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.rank_figures import CollectiveFigures, OverlapTimings
-from runtime.measuring.measure import timed_ms
 from runtime.recording.overlap_timer import overlap_timings
+from runtime.timing import timed_ms
 from runtime.workload import own_parameters
 
 # [Note: Collectives timed in rounds]

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.rank_figures import OverlapTimings
-from runtime.measuring.measure import timed_ms
+from runtime.timing import timed_ms
 
 # The compute beside the all-gather: (rows x inner) @ (inner x inner) float32 matrix multiplies.
 _ROWS, _INNER = 64, 1024

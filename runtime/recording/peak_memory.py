@@ -32,8 +32,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from planner.artifacts.plan import Plan
 from runtime.apply import apply_plan
-from runtime.measuring.measure import StepCounter, StepFailed, device_type_of, synchronize
 from runtime.ranks.torch_private import profiler_allocations
+from runtime.timing import StepCounter, StepFailed, device_type_of, synchronize
 from runtime.workload import Workload, forward_backward, train_step
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU

@@ -53,7 +53,6 @@ from planner.artifacts.rank_figures import (
     StepFigures,
 )
 from runtime.apply import model_fingerprint
-from runtime.measuring.measure import device_type_of, synchronize
 from runtime.ranks.allocator import loaded_allocator
 from runtime.ranks.collectives import gather_objects
 from runtime.ranks.torch_private import clear_unsharded_grads, reshard_after_forward, unshard_async_op_setter
@@ -62,6 +61,7 @@ from runtime.recording.compute_timer import ComputeTimer
 from runtime.recording.consolidation import consolidate, merge_isolated
 from runtime.recording.peak_memory import PEAK_STEPS, measure_peak
 from runtime.recording.process_usage import process_usage
+from runtime.timing import device_type_of, synchronize
 from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, train_step
 
 

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from planner.artifacts.rank_figures import RankFigures, StepFigures
 from runtime.apply import model_fingerprint
+from runtime.in_loop.recorder import PeakMeter
 from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.ranks.torch_private import is_sharded, reshard_after_forward, watching_unshard_and_reshard
 from runtime.recording.consolidation import merge_isolated
-from runtime.recording.loop_recorder import PeakMeter
 from runtime.recording.recorder import isolated_figures
 from runtime.workload import build_workload, fsdp_modules
 

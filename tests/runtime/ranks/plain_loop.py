@@ -35,8 +35,8 @@ class Remember(logging.Handler):
         lines.append(record.getMessage())
 
 
-logging.getLogger("runtime.autotuner").addHandler(Remember())
-logging.getLogger("runtime.autotuner").setLevel(logging.INFO)
+logging.getLogger("runtime.in_loop.autotuner").addHandler(Remember())
+logging.getLogger("runtime.in_loop.autotuner").setLevel(logging.INFO)
 
 
 def _example_classifier() -> type[nn.Module]:

@@ -1,6 +1,6 @@
 """What the in-loop tuner does around each of the user's steps: the plan switched, the recorder or the peak meter
-begun and ended, the step timed, the microbatches counted. ``runtime.autotuner.AutoTuner`` decides what each step
-is (a :class:`~runtime.measuring.in_loop_round.LoopStep`); :class:`StepSide` runs it, on every rank."""
+begun and ended, the step timed, the microbatches counted. ``runtime.in_loop.autotuner.AutoTuner`` decides what
+each step is (a :class:`~runtime.in_loop.round.LoopStep`); :class:`StepSide` runs it, on every rank."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from planner.artifacts.plan import Plan
 from runtime.accumulation import reshard_after_backward
 from runtime.apply import apply_plan
-from runtime.measuring.in_loop_round import PEAK, RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, LoopStep
-from runtime.measuring.measure import synchronize
-from runtime.recording.loop_recorder import LoopRecorder, PeakMeter
+from runtime.in_loop.recorder import LoopRecorder, PeakMeter
+from runtime.in_loop.round import PEAK, RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, LoopStep
+from runtime.timing import synchronize
 from runtime.workload import fsdp_modules
 
 RECORDING = (RECORD_WARMUP, RECORD, RECORD_PEAK)

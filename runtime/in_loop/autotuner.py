@@ -13,7 +13,7 @@
 Every rank constructs the tuner and enters ``tuner.step()`` for the same
 steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
 
-1. recording: FSDP2's default; the profile is recorded on the user's steps (:mod:`runtime.recording.loop_recorder`),
+1. recording: FSDP2's default; the profile is recorded on the user's steps (:mod:`runtime.in_loop.recorder`),
    the isolated passes between steps (under a memory budget, a few modules at a time, one pass per step);
 2. searching: rank 0's tuning session (``planner.study.session``, the one
    ``prefetch-planner tune`` runs) runs the simulated stage under
@@ -59,10 +59,10 @@ from planner.errors import NotShardedError, PlannerError, one_line
 from planner.statistics.verdict import Confirmation
 from planner.study.in_loop import TunerPhase, in_loop_config
 from runtime.apply import apply_plan, model_fingerprint
-from runtime.measuring.in_loop_round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep
-from runtime.measuring.loop_steps import StepSide
+from runtime.in_loop.recorder import LoopRecorder
+from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep
+from runtime.in_loop.steps import StepSide
 from runtime.ranks.collectives import control_group, gather_objects
-from runtime.recording.loop_recorder import LoopRecorder
 from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.workload import fsdp_modules
 

@@ -42,12 +42,12 @@ from planner.artifacts.rank_figures import IsolatedFigures, RankFigures, StepFig
 from planner.errors import PlannerError
 from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
-from runtime.measuring.measure import synchronize
 from runtime.ranks.torch_private import profiler_allocations, reshard_after_forward
 from runtime.recording.compute_timer import tensors_in
 from runtime.recording.consolidation import consolidate, merge_isolated
 from runtime.recording.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
 from runtime.recording.recorder import isolated_figures, optimizer_state_bytes
+from runtime.timing import synchronize
 from runtime.workload import Workload, fsdp_modules
 
 

@@ -2,7 +2,7 @@
 
 The rank protocol of ``runtime.measuring.protocol`` ([Note: Rank protocol of a measured
 round]) turned inside out: there, the protocol runs the steps; here, the
-user's loop runs them (``runtime.autotuner``) and this round is called between
+user's loop runs them (``runtime.in_loop.autotuner``) and this round is called between
 two of them. It answers each call with the steps to run next, as
 :class:`LoopStep` s, until the schedule is done. Rank 0 alone holds the tuning
 session (``planner.study.session.TuningSession``) and decides; every exchange
@@ -34,8 +34,9 @@ from planner.study.records import confirmation_attrs, confirmation_from
 from runtime.apply import apply_plan
 from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
 from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
+from search_spaces.session import open_session, optuna_quiet
 
-logger = logging.getLogger("runtime.autotuner")
+logger = logging.getLogger("runtime.in_loop.autotuner")
 
 # What a tuner step does: RECORD_WARMUP and WARMUP are untimed, RECORD and TIMED timed, the PEAK kinds measure
 # peak memory (untimed).
@@ -155,28 +156,17 @@ class InLoopRound:
         Raises:
             PlannerError: the session could not ask (storage, budget), or FSDP2's default failed to apply.
         """
-        import optuna
-
         def ask() -> list[dict]:
-            from planner.study.measured import job_name
-            from planner.study.session import TuningSession
-            from search_spaces import get_space
-
             plan_out, profile_out = self.files
             config = recheck_config(self.config) if recheck else self.config
-            self.session = TuningSession(config, profile, get_space(self.config.search.space), job=job_name(),
-                                         plan_out=plan_out, profile_out=profile_out or "", confirm_launches=0,
-                                         source=SOURCE)
+            self.session = open_session(config, profile, plan_out=plan_out, profile_out=profile_out or "",
+                                        confirm_launches=0, source=SOURCE)
             self.asked = self.session.prepare()
             return [a.plan.to_dict() for a in self.asked]
 
         t0 = time.perf_counter()
-        verbosity = optuna.logging.get_verbosity()
-        optuna.logging.set_verbosity(optuna.logging.WARNING)  # not a line per simulated trial in the user's log
-        try:
+        with optuna_quiet():  # not a line per simulated trial in the user's log
             self.plans = [Plan.from_dict(d) for d in self.everywhere(ask)]
-        finally:
-            optuna.logging.set_verbosity(verbosity)
         self.kept, failed = applied_everywhere(self.model, self.plans, self.group)
         self.failed.update(failed)
         if 0 not in self.kept:

@@ -9,8 +9,8 @@ import pytest
 
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import InStepTimings
-from planner.presentation.model_summary import FAULTS_PER_STEP_MS_NOTED, allocator_mismatch, model_summary
 from planner.simulation.parameters import simulator_for
+from planner.study.model_summary import FAULTS_PER_STEP_MS_NOTED, allocator_mismatch, model_summary
 from planner.testing import synthetic_profile
 
 
