@@ -251,7 +251,7 @@ def _exit_with_ranks(code: int, what: str, expected: tuple[int, ...]) -> None:
     Interrupted (130): the ranks are gone and rank 0 said what it recorded, so the launcher leaves at once
     (``os._exit``), without the interpreter's teardown. Once in about ten CI runs the launcher aborted after
     everything was done ("terminate called without an active exception", exit -6, in
-    ``tests/runtime/test_cluster.py::test_ctrl_c_fails_the_running_trials_cleanly``). The suspect is that
+    ``tests/runtime/ranks/test_cluster.py::test_ctrl_c_fails_the_running_trials_cleanly``). The suspect is that
     teardown: after a signal torchrun leaves its rendezvous and store open (``launch_agent``), for the
     interpreter to destroy. Not reproduced in 60 interrupted launches here, so not proven.
     """

@@ -15,7 +15,7 @@ def make_profile():
 
 @pytest.fixture
 def ranks():
-    """:func:`tests.multirank.run_ranks`: a script of ``tests/runtime/ranks`` on gloo ranks."""
+    """:func:`tests.multirank.run_ranks`: a script of ``tests/runtime/rank_scripts`` on gloo ranks."""
     return run_ranks
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RANK_SCRIPTS = ROOT / "tests" / "runtime" / "ranks"
+RANK_SCRIPTS = ROOT / "tests" / "runtime" / "rank_scripts"
 
 
 def rank_env() -> dict[str, str]:
@@ -21,7 +21,7 @@ def rank_env() -> dict[str, str]:
 
 
 def run_ranks(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``tests/runtime/ranks/<script>`` on ``nproc`` gloo ranks; raise on failure."""
+    """Run ``tests/runtime/rank_scripts/<script>`` on ``nproc`` gloo ranks; raise on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(RANK_SCRIPTS / script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=rank_env(), timeout=timeout, cwd=ROOT)

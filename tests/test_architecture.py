@@ -24,7 +24,7 @@ MAX_LINES = 500
 MAX_PARAMETERS = 12
 # The module, and its test (which checks the attributes themselves still exist).
 PRIVATE_API_FILES = {ROOT / "runtime" / "ranks" / "torch_private.py",
-                     ROOT / "tests" / "runtime" / "test_torch_private.py"}
+                     ROOT / "tests" / "runtime" / "ranks" / "test_torch_private.py"}
 
 
 def _sources(*packages: str) -> list[Path]:
@@ -376,3 +376,15 @@ def test_few_string_keyed_dicts_of_anything_in_the_product():
     found = [f"{p.relative_to(ROOT)}:{n}" for p in _sources(*PRODUCT)
              for n, line in enumerate(p.read_text().splitlines(), 1) if "dict[str, Any]" in line]
     assert len(found) <= MAX_UNTYPED_DICTS, found
+
+
+MAX_FLAT_RUNTIME_TESTS = 4  # the core's tests (apply, the loss property, the workloads) beside the rooms' folders
+
+
+def test_runtime_tests_mirror_its_rooms():
+    """Each room of runtime/ has its folder of tests in tests/runtime/, and few test files sit flat beside them."""
+    rooms = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()}
+    tested = {p.name for p in (ROOT / "tests" / "runtime").iterdir()
+              if (p / "__init__.py").exists() and any(p.glob("test_*.py"))}
+    assert rooms - tested == set()
+    assert len(list((ROOT / "tests" / "runtime").glob("test_*.py"))) <= MAX_FLAT_RUNTIME_TESTS

@@ -7,7 +7,7 @@ What the recorder, the memory tracker and the tests must read lives in
 ``torch.distributed.fsdp._fully_shard`` (``FSDPState``, ``FSDPParamGroup``,
 ``FSDPParam``). Everything else in the project uses public torch.
 
-``tests/runtime/test_torch_private.py`` builds a real FSDP2 model and
+``tests/runtime/ranks/test_torch_private.py`` builds a real FSDP2 model and
 exercises every function here, so a torch upgrade that renames or removes
 one fails that test by name instead of corrupting a profile.
 :data:`TESTED_TORCH` are the torch release lines the suite has passed on

@@ -86,7 +86,7 @@ def _write_batches(url: str, barrier, batches: int) -> None:
 
 
 def test_concurrent_bulk_writes_number_every_trial_once(url):
-    """Jobs writing one study at once (``tests/runtime/test_cluster.py``): no two trials share a number.
+    """Jobs writing one study at once (``tests/runtime/ranks/test_cluster.py``): no two trials share a number.
 
     Optuna's cached storage keys trials by number, so a shared number hides a trial from every reader.
     """

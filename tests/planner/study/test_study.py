@@ -168,7 +168,7 @@ def _short_grace(make_profile, config):
 def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_retried(make_profile, config, monkeypatch):
     """A job killed between creating its trials RUNNING and recording their first heartbeat (two transactions)
     leaves trials that Optuna's stale check skips, as it looks only at trials with a heartbeat: they stayed
-    RUNNING for good (the likely cause of a CI failure of tests/runtime/test_cluster.py's SIGKILL test). The next
+    RUNNING for good (the likely cause of a CI failure of tests/runtime/ranks/test_cluster.py's SIGKILL test). The next
     job leaves them alone within grace_period_s (their job may be about to beat), then fails them and measures
     their plans again."""
     config, profile, storage, sim = _short_grace(make_profile, config)
@@ -273,7 +273,7 @@ def test_candidates_worth_racing(make_profile, tmp_path):
 
 def test_a_half_written_trial_reads_without_its_confirmation():
     """Optuna stores a trial's attributes one at a time, and another job reads the study meanwhile
-    (``tests/runtime/test_cluster.py``): every prefix of a record's attributes reads, and a confirmation appears
+    (``tests/runtime/ranks/test_cluster.py``): every prefix of a record's attributes reads, and a confirmation appears
     only whole."""
     import optuna
 

@@ -1,5 +1,5 @@
 """Rank script: what AutoTuner refuses before any step. argv: storage URL of a study tuned for the MLP of
-tests/runtime/test_autotuner.py, output JSON. Rank 0 writes {case: [exception type, message]}."""
+tests/runtime/in_loop/test_autotuner.py, output JSON. Rank 0 writes {case: [exception type, message]}."""
 
 import json
 import sys

@@ -1,5 +1,6 @@
 """``prefetch-planner profile --from-trace`` on real traces: a user's plain loop on 2 gloo CPU ranks, traced with
-torch.profiler (``tests/runtime/ranks/trace_loop.py``), read back into a profile the simulator and a plan accept."""
+torch.profiler (``tests/runtime/rank_scripts/trace_loop.py``), read back into a profile the simulator and a plan
+accept."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_a_checkpointed_models_trace_shows_its_recompute(tmp_path):
 def test_a_study_tunes_from_a_trace_profile(tmp_path):
     """``tune --from-profile`` skips recording: the trace profile (built with --model) drives the search, the
     race runs on the real ranks; a profile of another model is refused, one line, exit 2, before any step."""
-    from tests.runtime.test_cluster import finish, start_tune, write_study
+    from tests.runtime.ranks.test_cluster import finish, start_tune, write_study
 
     run_ranks("trace_loop.py", MLP, json.dumps(KWARGS), "1", "2", str(tmp_path))
     traced = tmp_path / "trace.profile.json"

@@ -15,8 +15,8 @@ from bench.cluster import RATES
 from planner import Plan, Profile
 from tests.jobs.study import STUDY
 from tests.multirank import RANK_SCRIPTS, rank_env
-from tests.runtime.test_autotuner import KEYS
-from tests.runtime.test_cluster import trials, wait_for_running, write_study
+from tests.runtime.in_loop.test_autotuner import KEYS
+from tests.runtime.ranks.test_cluster import trials, wait_for_running, write_study
 
 pytestmark = pytest.mark.slow
 MLP = ("runtime.reference_workloads:mlp", {"dim": 128, "layers": 4})
