@@ -52,7 +52,7 @@ def rank_main(study: str, plan_path: str | None, rounds: int, json_out: str | No
     if os.path.exists(plan_path):
         plans["tuned (" + os.path.basename(plan_path) + ")"] = load_plan(plan_path)
     for f, b, a in UNIFORM:
-        plans[f"uniform fwd {f} bwd {b} async {a}"] = uniform.build(profile, f, b, a)
+        plans[f"uniform fwd {f} bwd {b} async {a}"] = uniform.build(profile, f, b).with_knobs(unshard_async_op=a)
     names = list(plans)
     step_ms = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1)
     if dist.get_rank() == 0:

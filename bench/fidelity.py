@@ -64,7 +64,8 @@ def fidelity_plans(profile: Profile) -> dict[str, Plan]:
     for d in range(4):
         for a in (False, True):
             if (d, a) != (0, False):
-                plans[f"uniform depth {d}{' async' if a else ''}"] = uniform.build(profile, d, max(1, d), a)
+                plan = uniform.build(profile, d, max(1, d)).with_knobs(unshard_async_op=a)
+                plans[f"uniform depth {d}{' async' if a else ''}"] = plan
     config = StudyConfig.build(name="fidelity", storage="sqlite://", factory="-", space="per_module",
                                sampler="nsga2", sim_trials=300, seed=1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -90,7 +91,8 @@ def fidelity_plans(profile: Profile) -> dict[str, Plan]:
     plans["bad: re-gather a finished module"] = dataclasses.replace(default, modules=backward_bad)
 
     plans["no reshard after forward"] = without_reshard(profile, default)
-    plans["no reshard after forward, prefetch 1 async"] = without_reshard(profile, uniform.build(profile, 1, 1, True))
+    async_1 = uniform.build(profile, 1, 1).with_knobs(unshard_async_op=True)
+    plans["no reshard after forward, prefetch 1 async"] = without_reshard(profile, async_1)
     return plans
 
 

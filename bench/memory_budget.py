@@ -225,7 +225,7 @@ class BudgetBench:
         from search_spaces import uniform
         from search_spaces.assign import keep_unsharded
 
-        base = uniform.build(self.profile, 1, 1, True)
+        base = uniform.build(self.profile, 1, 1).with_knobs(unshard_async_op=True)
         blocks = len(self.profile.modules) - 1
         kept = {"prefetch 1 async": base}
         for k in sorted({1, min(3, blocks), blocks}):

@@ -45,7 +45,7 @@ def plans_for(profile: Profile) -> dict[str, Plan]:
     from search_spaces.assign import keep_unsharded
 
     plans = fidelity_plans(profile)
-    base = uniform.build(profile, 1, 1, True)
+    base = uniform.build(profile, 1, 1).with_knobs(unshard_async_op=True)
     blocks = len(profile.modules) - 1
     for k in sorted({1, min(3, blocks), blocks}):
         plans[f"prefetch 1 async, last {k} kept unsharded"] = keep_unsharded(base, profile, k)

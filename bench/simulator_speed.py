@@ -29,7 +29,8 @@ def evals_per_second(n_modules: int, fresh: bool, seconds: float = 1.0) -> float
 
     p = synthetic_profile(n_blocks=n_modules - 1, fwd=10.0, bwd=20.0, ag=8.0, rs=4.0)
     simulator = simulator_for(p)
-    plans = [uniform.build(p, f, b, a) for f in range(4) for b in (1, 2, 3) for a in (False, True)]
+    plans = [uniform.build(p, f, b).with_knobs(unshard_async_op=a)
+             for f in range(4) for b in (1, 2, 3) for a in (False, True)]
     compiled = [simulator.compile(plan) for plan in plans]
     simulator.run(compiled[0])  # compile the kernel / load its cache
     k, t0 = 0, time.perf_counter()

@@ -21,6 +21,8 @@ import weakref
 
 from torch import nn
 
+from planner.artifacts.plan import Plan
+
 _RESHARD_AFTER_BACKWARD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
@@ -52,4 +54,14 @@ def prepare_microbatch(model: nn.Module, index: int, microbatches: int) -> None:
         return
     last = index == microbatches - 1
     model.set_requires_gradient_sync(last)
+    set_microbatch_resharding(model, last)
+
+
+def set_microbatch_resharding(model: nn.Module, last: bool) -> None:
+    """Reshard after this microbatch's backward as the plan says, and always after the step's last one."""
     model.set_reshard_after_backward(last or reshard_after_backward(model))
+
+
+def holds_between_microbatches(plan: Plan) -> bool:
+    """Whether ``plan`` keeps parameters unsharded between microbatches (``prepare_microbatch`` then applies it)."""
+    return plan.reshard_after_backward is False

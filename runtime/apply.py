@@ -21,6 +21,7 @@ from planner.artifacts.knobs import KNOBS, Knob, Scope
 from planner.artifacts.plan import Plan
 from planner.errors import PlanMismatchError, UnsupportedPlanError
 from runtime.accumulation import set_accumulation
+from runtime.post_optim import post_optim_event_setter
 from runtime.ranks.torch_private import TESTED_ADVICE, separate_reduce_scatter_group_setter, unshard_async_op_setter
 from runtime.workload import fsdp_modules, own_parameters
 
@@ -104,7 +105,7 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     ``set_modules_to_backward_prefetch`` and ``set_reshard_after_forward``
     (not recursive); then each knob's setter (``planner.artifacts.knobs.KNOBS``:
     on the root, on every FSDP module, or per module with its own value),
-    through :data:`ROOT_SETTERS` where FSDP2's setter needs a wrapper. Every
+    through :data:`ROOT_SETTERS` where FSDP2's setter needs a wrapper (keyed by knob). Every
     setter the running torch has is called, with FSDP2's default where the
     plan leaves a knob, so applying a plan replaces the previous one entirely.
 
@@ -150,14 +151,16 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
                     set_value(module, plan.modules[fqn].knobs[k.name])
 
 
-ROOT_SETTERS: dict[str, Callable[[nn.Module], Callable[[bool], None]]] = {
-    "_set_unshard_async_op": unshard_async_op_setter,
-    "set_separate_reduce_scatter_group": separate_reduce_scatter_group_setter,
-    "set_reshard_after_backward": lambda model: functools.partial(set_accumulation, model),
+ROOT_SETTERS: dict[str, Callable[[nn.Module], Callable[[Any], None]]] = {
+    "unshard_async_op": unshard_async_op_setter,
+    "separate_reduce_scatter_group": separate_reduce_scatter_group_setter,
+    "reshard_after_backward": lambda model: functools.partial(set_accumulation, model),
+    "post_optim_event": post_optim_event_setter,
 }
-"""FSDP2 setters (``Knob.setter``) applied through ``runtime``'s own wrappers: the private async-op setter, a
-reduce-scatter group made once per model, and the per-microbatch resharding of gradient accumulation
-(:func:`runtime.accumulation.prepare_microbatch` sets it before each microbatch but the last)."""
+"""The knobs (by ``Knob.name``) applied on the root through ``runtime``'s own wrappers instead of the bare
+``Knob.setter``: the private async-op setter, a reduce-scatter group made once per model, the per-microbatch
+resharding of gradient accumulation (:func:`runtime.accumulation.prepare_microbatch` sets it before each microbatch
+but the last), and the post-optimizer event handed to FSDP2 after every optimizer step (:mod:`runtime.post_optim`)."""
 
 
 def _values(plan: Plan, k: Knob) -> list[Any]:
@@ -172,7 +175,7 @@ def _setter(model: nn.Module, k: Knob, values: list[Any]) -> Callable[[nn.Module
     Raises:
         UnsupportedPlanError: torch lacks the setter and the plan sets another value.
     """
-    wrapper = ROOT_SETTERS.get(k.setter)
+    wrapper = ROOT_SETTERS.get(k.name)
     if wrapper is not None and (hasattr(model, k.setter) or any(v != k.default for v in values)):
         wrapped = wrapper(model)  # raises UnsupportedPlanError naming the setter where torch lacks it
         return lambda _module, value: wrapped(value)

@@ -3,7 +3,7 @@
 Random weights, no download. Each factory is ``factory(mesh, **kwargs)`` and
 applies ``fully_shard`` per block, then to the root, as torchtitan's
 ``parallelize.py`` does. Sizes default to what makes FSDP2's all-gathers show
-in the step time on the CPU testbed (2 ranks, gloo, one compute thread each).
+in the step time of 2 gloo CPU ranks with one compute thread each (docs/decisions/rule-evidence.md).
 ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` (every other block), inside the block
 ``fully_shard`` wraps, with torchtitan's meaning (:mod:`runtime.activation_checkpointing`).
 """

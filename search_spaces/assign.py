@@ -38,7 +38,7 @@ import dataclasses
 from typing import Any
 
 from planner.artifacts import knobs
-from planner.artifacts.knobs import DEFAULT_MODULE_KNOBS, Knob, KnobValues
+from planner.artifacts.knobs import DEFAULT_MODULE_KNOBS, DEFAULT_PLAN_KNOBS, Knob, KnobValues
 from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
@@ -48,6 +48,9 @@ from search_spaces.per_module import groups
 from search_spaces.uniform import UniformSpace
 
 WINDOW = 3
+ASYNC = KnobValues(unshard_async_op=True)
+"""The plan knobs of the "keep the last k" grid's async plans: async unshard lets a prefetched all-gather run beside
+compute where the CPU issues it (a CPU device)."""
 
 
 def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], reshard_after_forward: dict[str, bool],
@@ -117,28 +120,29 @@ class AssignSpace:
         """
         names = [name for name, _ in groups(profile)]
         out = self.uniform_grid(profile)
-        for fwd, bwd, async_op in ((1, 1, True), (1, 1, False), (2, 2, True)):
+        for fwd, bwd, plan_knobs in ((1, 1, ASYNC), (1, 1, DEFAULT_PLAN_KNOBS), (2, 2, ASYNC)):
             for k in range(1, len(names) - 1):
-                out.append(_params(profile, names, fwd, bwd, async_op, [True] * (len(names) - k) + [False] * k))
+                out.append(_params(profile, names, fwd, bwd, plan_knobs, [True] * (len(names) - k) + [False] * k))
         return out
 
     def uniform_grid(self, profile: Profile) -> list[TrialParams]:
         """The uniform grid (``UniformSpace.grid``) in this space's parameters, FSDP2's default first."""
         names = [name for name, _ in groups(profile)]
-        return [_params(profile, names, g["forward_depth"], g["backward_depth"], g["unshard_async_op"],
+        device_type, microbatches = profile.fingerprint.device_type, profile.microbatches
+        return [_params(profile, names, g["forward_depth"], g["backward_depth"],
+                        knobs.from_params(g, device_type, microbatches, SpaceName.UNIFORM),
                         [g["reshard_after_forward"]] * len(names)) for g in UniformSpace().grid(profile)]
 
 
-def _params(profile: Profile, names: list[str], fwd: int, bwd: int, async_op: bool, raf: list[bool]
+def _params(profile: Profile, names: list[str], fwd: int, bwd: int, plan_knobs: KnobValues, raf: list[bool]
             ) -> TrialParams:
     params: TrialParams = {f"fwd:{n}": fwd for n in names}
     params.update({f"bwd:{n}": bwd for n in names})
     params.update({f"raf:{n}": r for n, r in zip(names, raf, strict=True)})
     params.update({f"{k.param}:{n}": k.default for n, members in groups(profile)
                    for k in _module_knobs(profile, members)})
-    params["unshard_async_op"] = async_op
-    for name, value in knobs.default_params(profile.fingerprint.device_type, profile.microbatches).items():
-        params.setdefault(name, value)
+    params.update({name: plan_knobs[name]
+                   for name in knobs.default_params(profile.fingerprint.device_type, profile.microbatches)})
     return params
 
 

@@ -9,7 +9,8 @@ parameters a sampler can handle):
         forward prefetch).
     ``bwd:m`` (1..window): ``m`` prefetches its next k modules in backward
         order (1: FSDP2's default).
-    ``unshard_async_op`` (bool).
+    the plan knobs declared for this space (``planner.artifacts.knobs``, ``Knob.spaces``: async unshard), each
+        under its name.
 The uniform grid is expressible here too and is enqueued first.
 """
 
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.artifacts.knobs import KnobValues
+from planner.artifacts import knobs as knob_registry
+from planner.artifacts.knobs import DEFAULT_PLAN_KNOBS, KnobValues
 from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
@@ -43,7 +45,8 @@ def groups(profile: Profile) -> list[tuple[str, list[str]]]:
     return out
 
 
-def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], unshard_async_op: bool) -> Plan:
+def build(profile: Profile, forward: dict[str, int], backward: dict[str, int],
+          knobs: KnobValues = DEFAULT_PLAN_KNOBS) -> Plan:
     """The plan with per-module forward/backward counts (see module docstring)."""
     o = orders(profile)
     modules = {
@@ -54,7 +57,7 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], u
         )
         for fqn in profile.fingerprint.module_fqns
     }
-    return Plan(profile.fingerprint, modules, knobs=KnobValues(unshard_async_op=unshard_async_op))
+    return Plan(profile.fingerprint, modules, knobs=knobs)
 
 
 class PerModuleSpace:
@@ -70,7 +73,8 @@ class PerModuleSpace:
             bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
             for f in members:
                 forward[f], backward[f] = fwd, bwd
-        return build(profile, forward, backward, trial.suggest_categorical("unshard_async_op", [False, True]))
+        return build(profile, forward, backward,
+                     knob_registry.sample(trial, profile.fingerprint.device_type, profile.microbatches, self.name))
 
     def grid(self, profile: Profile) -> list[TrialParams]:
         """The uniform grid written in this space's parameters, FSDP2's default first."""
@@ -81,7 +85,8 @@ class PerModuleSpace:
                 continue
             params: TrialParams = {f"fwd:{n}": g["forward_depth"] for n in names}
             params.update({f"bwd:{n}": g["backward_depth"] for n in names})
-            params["unshard_async_op"] = g["unshard_async_op"]
+            params.update({name: g[name] for name in knob_registry.default_params(
+                profile.fingerprint.device_type, profile.microbatches, self.name)})
             out.append(params)
         return out
 

@@ -388,3 +388,16 @@ def test_runtime_tests_mirror_its_rooms():
               if (p / "__init__.py").exists() and any(p.glob("test_*.py"))}
     assert rooms - tested == set()
     assert len(list((ROOT / "tests" / "runtime").glob("test_*.py"))) <= MAX_FLAT_RUNTIME_TESTS
+
+
+# One machine's results (a named accelerator, "the testbed", "our CPU") belong in bench/results/ and
+# docs/decisions/, never in product code or what it prints.
+MACHINE_WORDS = r"\b(H100|H200|A100|testbed)\b|\bour (CPU|GPU|machine)\b"
+
+
+def test_no_product_file_quotes_a_machine():
+    import re
+
+    quoted = [f"{p.relative_to(ROOT)}:{n}" for p in _sources(*PRODUCT)
+              for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(MACHINE_WORDS, line)]
+    assert quoted == []

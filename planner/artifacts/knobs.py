@@ -8,7 +8,8 @@ prints. From :data:`KNOBS` derive:
 - the plan's values (:class:`KnobValues`, ``Plan.knobs`` and ``ModulePlan.knobs``)
   and their JSON fields (``planner.artifacts.schema``);
 - ``runtime.apply_plan``, which calls each knob's setter;
-- the search spaces' parameters (:func:`sample`, :func:`default_params`);
+- the search spaces' parameters (:func:`sample`, :func:`default_params`, :func:`grid_params`): every space
+  samples its knobs through these, named by :attr:`Knob.spaces`;
 - the candidates' kinds and the CLI's tables.
 
 Only the simulator's rule for a knob is written by hand, in
@@ -26,10 +27,12 @@ the model was wrapped.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from planner.artifacts.names import SpaceName
 from planner.errors import PlanFormatError
 
 KnobValue = bool | int
@@ -81,7 +84,7 @@ class Written(enum.StrEnum):
     CHANGED = "changed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Knob:
     """One FSDP2 setting of a plan.
 
@@ -101,6 +104,8 @@ class Knob:
         written: see :class:`Written`.
         minimum: the smallest value a plan may hold (int knobs).
         param: the search spaces' parameter prefix of a ``MODULE`` knob.
+        spaces: the search spaces that sample it (``assign``, which searches every knob, by default); the others
+            keep FSDP2's default.
     """
 
     name: str
@@ -114,6 +119,7 @@ class Knob:
     written: Written = Written.CHANGED
     minimum: int | None = None
     param: str | None = None
+    spaces: frozenset[SpaceName] = frozenset({SpaceName.ASSIGN})
 
     @property
     def kind(self) -> type:
@@ -139,18 +145,28 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("unshard_async_op", False, "_set_unshard_async_op", Scope.ROOT, (False, True), SampledWhen.ALWAYS,
-         "async unshard {value}", shown=True, written=Written.REQUIRED),
-    Knob("reduce_scatter_max_input_buffers", 1, "set_reduce_scatter_max_input_buffers", Scope.ROOT, (1, 2),
-         SampledWhen.GPU, "{value} reduce-scatter input buffers", written=Written.ALWAYS, minimum=1),
-    Knob("reshard_after_backward", True, "set_reshard_after_backward", Scope.ROOT, (True, False),
-         SampledWhen.MICROBATCHES, "no reshard after backward between microbatches", written=Written.ALWAYS),
-    Knob("separate_reduce_scatter_group", False, "set_separate_reduce_scatter_group", Scope.ROOT, (False, True),
-         SampledWhen.ALWAYS, "reduce-scatter on its own process group"),
-    Knob("unshard_in_backward", True, "set_unshard_in_backward", Scope.MODULE, (True, False),
-         SampledWhen.SKIPPABLE, "no all-gather in backward", param="uib"),
-    Knob("allocate_memory_from_process_group_for_comm", False, "set_allocate_memory_from_process_group_for_comm",
-         Scope.EVERY_MODULE, (False, True), SampledWhen.GPU, "collective buffers from the process group's allocator"),
+    Knob(name="unshard_async_op", default=False, setter="_set_unshard_async_op", scope=Scope.ROOT,
+         choices=(False, True), sampled_when=SampledWhen.ALWAYS, text="async unshard {value}", shown=True,
+         written=Written.REQUIRED, spaces=frozenset(SpaceName)),
+    Knob(name="reduce_scatter_max_input_buffers", default=1, setter="set_reduce_scatter_max_input_buffers",
+         scope=Scope.ROOT, choices=(1, 2), sampled_when=SampledWhen.GPU, text="{value} reduce-scatter input buffers",
+         written=Written.ALWAYS, minimum=1),
+    Knob(name="reshard_after_backward", default=True, setter="set_reshard_after_backward", scope=Scope.ROOT,
+         choices=(True, False), sampled_when=SampledWhen.MICROBATCHES,
+         text="no reshard after backward between microbatches", written=Written.ALWAYS),
+    Knob(name="separate_reduce_scatter_group", default=False, setter="set_separate_reduce_scatter_group",
+         scope=Scope.ROOT, choices=(False, True), sampled_when=SampledWhen.ALWAYS,
+         text="reduce-scatter on its own process group"),
+    Knob(name="unshard_in_backward", default=True, setter="set_unshard_in_backward", scope=Scope.MODULE,
+         choices=(True, False), sampled_when=SampledWhen.SKIPPABLE, text="no all-gather in backward", param="uib"),
+    Knob(name="allocate_memory_from_process_group_for_comm", default=False,
+         setter="set_allocate_memory_from_process_group_for_comm", scope=Scope.EVERY_MODULE, choices=(False, True),
+         sampled_when=SampledWhen.GPU, text="collective buffers from the process group's allocator"),
+    # An event recorded after each optimizer step, handed to FSDP2 for the next step's first all-gather to wait on
+    # (``runtime.post_optim``); the simulator's rule is [Note: Post-optimizer event].
+    Knob(name="post_optim_event", default=False, setter="set_post_optim_event", scope=Scope.ROOT,
+         choices=(False, True), sampled_when=SampledWhen.GPU,
+         text="the first all-gather waits for the optimizer step only (post-optimizer event)"),
 )
 """Every knob, in the order the kernel reads them (append only: :func:`position`)."""
 
@@ -276,10 +292,12 @@ def _rebuild(changed: dict[str, KnobValue], module: bool) -> KnobValues:
     return KnobValues(changed, module=module)
 
 
-def sampled(k: Knob, device_type: str, microbatches: int, skippable: bool = False) -> bool:
-    """Whether a search space samples ``k`` for a profile (see :class:`SampledWhen`)."""
-    return {SampledWhen.ALWAYS: True, SampledWhen.GPU: device_type != "cpu",
-            SampledWhen.MICROBATCHES: microbatches > 1, SampledWhen.SKIPPABLE: skippable}[k.sampled_when]
+def sampled(k: Knob, device_type: str, microbatches: int, skippable: bool = False,
+            space: SpaceName = SpaceName.ASSIGN) -> bool:
+    """Whether search space ``space`` samples ``k`` for a profile (:attr:`Knob.spaces`, :class:`SampledWhen`)."""
+    return space in k.spaces and {SampledWhen.ALWAYS: True, SampledWhen.GPU: device_type != "cpu",
+                                  SampledWhen.MICROBATCHES: microbatches > 1,
+                                  SampledWhen.SKIPPABLE: skippable}[k.sampled_when]
 
 
 def suggest(trial: Any, k: Knob, param: str | None = None) -> KnobValue:
@@ -290,11 +308,30 @@ def suggest(trial: Any, k: Knob, param: str | None = None) -> KnobValue:
     return trial.suggest_int(param or k.name, min(k.choices), max(k.choices))
 
 
-def sample(trial: Any, device_type: str, microbatches: int) -> KnobValues:
-    """The plan knobs a search space samples for a profile (``trial``: an ``optuna.Trial``)."""
-    return KnobValues({k.name: suggest(trial, k) for k in PLAN_KNOBS if sampled(k, device_type, microbatches)})
+def _sampled_plan_knobs(device_type: str, microbatches: int, space: SpaceName) -> list[Knob]:
+    return [k for k in PLAN_KNOBS if sampled(k, device_type, microbatches, space=space)]
 
 
-def default_params(device_type: str, microbatches: int) -> dict[str, KnobValue]:
+def sample(trial: Any, device_type: str, microbatches: int, space: SpaceName = SpaceName.ASSIGN) -> KnobValues:
+    """The plan knobs ``space`` samples for a profile (``trial``: an ``optuna.Trial``)."""
+    return KnobValues({k.name: suggest(trial, k) for k in _sampled_plan_knobs(device_type, microbatches, space)})
+
+
+def default_params(device_type: str, microbatches: int, space: SpaceName = SpaceName.ASSIGN
+                   ) -> dict[str, KnobValue]:
     """FSDP2's default plan knobs as the parameters :func:`sample` would draw for a profile."""
-    return {k.name: k.default for k in PLAN_KNOBS if sampled(k, device_type, microbatches)}
+    return {k.name: k.default for k in _sampled_plan_knobs(device_type, microbatches, space)}
+
+
+def grid_params(device_type: str, microbatches: int, space: SpaceName) -> list[dict[str, KnobValue]]:
+    """Every combination of the plan knobs ``space`` samples for a profile, as parameters; FSDP2's default first,
+    the first declared knob varying slowest (int knobs: every value between their bounds)."""
+    knobs = _sampled_plan_knobs(device_type, microbatches, space)
+    values = [k.choices if k.kind is bool else tuple(range(min(k.choices), max(k.choices) + 1)) for k in knobs]
+    return [dict(zip((k.name for k in knobs), combo, strict=True)) for combo in itertools.product(*values)]
+
+
+def from_params(params: Mapping[str, Any], device_type: str, microbatches: int, space: SpaceName) -> KnobValues:
+    """The plan knobs ``space`` samples, read from a trial's parameters (FSDP2's default where absent)."""
+    return KnobValues({k.name: params[k.name] for k in _sampled_plan_knobs(device_type, microbatches, space)
+                       if k.name in params})

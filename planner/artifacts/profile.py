@@ -202,6 +202,12 @@ class Profile:
             it to the step as serial compute ([Note: Work outside the modules] in
             :mod:`planner.simulation.simulator`). Measured from a CPU trace (:mod:`planner.traces.trace_profile`);
             0 where not measured (the recorder's profile: the in-step ``comm_scale`` absorbs it).
+        post_optimizer_ms: GPU: compute-stream work the training loop queues after ``optimizer.step()`` and before
+            the next step's first forward (the next batch's copy to the device, metrics, an EMA update), ms per
+            step. The step's stream runs it before the first forward, and FSDP2's first all-gather waits for it
+            unless the plan sets ``post_optim_event`` ([Note: Post-optimizer event] in
+            :mod:`planner.simulation.simulator`). Neither the recorder nor a trace measures it: 0 unless the
+            profile's author sets it.
         schema_version: :data:`PROFILE_SCHEMA_VERSION`.
     """
 
@@ -222,6 +228,7 @@ class Profile:
     source: str = "recorder"
     estimated: tuple[str, ...] = ()
     outside_ms: float = 0.0
+    post_optimizer_ms: float = 0.0
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property
@@ -231,7 +238,8 @@ class Profile:
 
     def to_dict(self) -> JsonObject:
         """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list.
-        ``source``, ``estimated`` and ``outside_ms`` are written only for a trace profile, and the
+        ``source``, ``estimated`` and ``outside_ms`` are written only for a trace profile, ``post_optimizer_ms``
+        only where set, and the
         :data:`OPTIONAL_FIELDS` only where not 0, so a profile without them is the file release 0.1.0 wrote, byte
         for byte."""
         d = dataclasses.asdict(self)
@@ -242,6 +250,8 @@ class Profile:
             del d["source"], d["estimated"]
         if not self.outside_ms:
             del d["outside_ms"]
+        if not self.post_optimizer_ms:
+            del d["post_optimizer_ms"]
         if d["in_step"] is not None:
             d["in_step"] = {k: v for k, v in d["in_step"].items() if v is not None or k == "overlap"}
         return d

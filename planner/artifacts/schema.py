@@ -199,6 +199,7 @@ class ProfileDocument(Document):
     source: Literal["recorder", "trace"] = "recorder"
     estimated: tuple[str, ...] = ()
     outside_ms: float = Field(0.0, ge=0)
+    post_optimizer_ms: float = Field(0.0, ge=0)
 
 
 _PROBLEMS = {

@@ -20,7 +20,7 @@ overlap, both progress at ``1 / overlap_slowdown`` of their speed, so an overlap
 all-gather shares them the same way. Slowing the compute alone would let a communication-bound step hide all of its
 compute for free, which the CPU reference workloads do not show. Simplification: all-gathers issued together (a
 prefetch list of two or more) run one after another, where gloo's two workers run two of them at once, sharing the
-cores (two 51 MB all-gathers: both done after 213-217 ms, against 124 ms for one and 248 for two in turn).
+cores: both end near when the two in turn would (docs/decisions/rule-evidence.md).
 
 [Note: Model structure]
 The torchtitan pattern: ``fully_shard`` per block, then the root. The root's own compute is split into the part
@@ -33,9 +33,14 @@ allocator accounts (stream-ordered reuse follows the issuing order). Baseline: s
 optimizer state.
 
 [Note: Post-optimizer event]
-``FSDPState._root_pre_forward`` makes the all-gather streams wait for the current stream (or the
-``set_post_optim_event`` event): the first all-gather of a step never overlaps the previous optimizer step.
-Simulating one step that starts at 0, this is the initial state of every resource.
+``FSDPState._root_pre_forward`` makes the all-gather streams wait for the current stream, or, once, for the event
+handed to ``set_post_optim_event`` (a plan's ``post_optim_event``: recorded right after ``optimizer.step()``,
+``runtime.post_optim``). A simulated step starts at 0 with every resource free, except on GPU where the loop queues
+stream work after the optimizer step and before the next forward (``Profile.post_optimizer_ms``: the next batch's
+copy, metrics, an EMA update): the CPU has run ahead, so the step's compute stream starts that late. With FSDP2's
+default the first all-gather waits for that work too (the all-gather streams start with the compute stream); with
+the event it waits for the optimizer's end only (the start of the step), so it overlaps that work. On a CPU device
+there are no streams and no events: the knob changes nothing, and no search samples it there.
 
 [Note: Work outside the modules]
 A step also runs work that is no module's forward or backward, no collective and not the optimizer: the loss,
@@ -257,13 +262,15 @@ class Simulator:
             microbatches=int(profile.microbatches),
             optimizer_ms=float(profile.optimizer_ms),
             optimizer_temp_bytes=int(profile.optimizer_temp_bytes),
+            post_optimizer_ms=float(profile.post_optimizer_ms),
         ))
         self._default_module_knobs = np.tile(np.array(DEFAULT_MODULE_KNOBS.as_array(), np.int64),
                                              (len(self._names), 1))
         self._baseline_bytes = sum(m.sharded_bytes for m in mods) + profile.optimizer_state_bytes  # alive at start
         self._outside_ms = float(profile.outside_ms)  # [Note: Work outside the modules]
+        post_optimizer = profile.post_optimizer_ms if profile.fingerprint.device_type != "cpu" else 0.0
         compute = (sum(m.fwd_ms + m.bwd_ms for m in mods) * profile.microbatches + profile.optimizer_ms
-                   + self._outside_ms)
+                   + self._outside_ms + post_optimizer)
         self.lower_bound_ms = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
         self._trace_rows = 8 * (len(post) + len(self._names)) * profile.microbatches + 16
 

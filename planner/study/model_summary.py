@@ -9,9 +9,9 @@ from planner.simulation.simulator import SimParams, SimResult
 FAULTS_PER_STEP_MS_NOTED = 30
 """On a CPU device under the system allocator, a default step with at least this many page faults per ms of its
 step gets the line that names ``[launch] allocator = "jemalloc"`` ([Note: The allocator's share of the anchor] in
-:mod:`planner.simulation.in_step`): at the CPU testbed's 1.7 us a fault, its page's zeroing included, that is 5% of
-the step. The kernel's CPU ms alone are not the test: under jemalloc, with no faults, the checkpointed Llama's step
-still spent 18% of its time in the kernel (gloo's socket copies, the scheduler)."""
+:mod:`planner.simulation.in_step`): from here the faults' work, each zeroing its page, is a few percent of the step
+(docs/decisions/rule-evidence.md). The kernel's CPU ms alone are not the test: with no faults a step still spends
+kernel time on gloo's socket copies and the scheduler."""
 
 
 def model_summary(profile: Profile, default: SimResult, params: SimParams) -> list[str]:
@@ -53,8 +53,9 @@ def step_usage_lines(in_step: InStepTimings) -> list[str]:
              f"{in_step.allocator or 'unknown'} allocator"]
     if in_step.allocator == "system" and faults >= FAULTS_PER_STEP_MS_NOTED * in_step.default_step_ms:
         lines.append("the simulator does not model the faults: their work is priced into comm_scale, and under "
-                     "glibc it moved the step by up to 20% between processes on our CPU testbed; [launch] allocator "
-                     "= \"jemalloc\" keeps the pages (docs/decisions/cpu-allocator.md)")
+                     "glibc it depends on what the process freed before, so the same step can take another time in "
+                     "another process; [launch] allocator = \"jemalloc\" keeps the pages "
+                     "(docs/decisions/cpu-allocator.md)")
     return lines
 
 

@@ -58,6 +58,7 @@ from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, one_line
 from planner.statistics.verdict import Confirmation
 from planner.study.in_loop import TunerPhase, in_loop_config
+from runtime.accumulation import holds_between_microbatches
 from runtime.apply import apply_plan, model_fingerprint
 from runtime.in_loop.recorder import LoopRecorder
 from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep
@@ -271,7 +272,7 @@ class AutoTuner:
         self.phase = TunerPhase.DONE
         self._queue.clear()
         self._steps.remove()
-        if plan.reshard_after_backward is False:  # runtime.accumulation's own hook-free way from now on
+        if holds_between_microbatches(plan):  # runtime.accumulation's own hook-free way from now on
             logger.info("AutoTuner: the plan keeps parameters unsharded between microbatches; call "
                         "runtime.accumulation.prepare_microbatch(model, i, n) before each microbatch to use it")
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from planner.artifacts.plan import Plan
-from runtime.accumulation import reshard_after_backward
+from runtime.accumulation import set_microbatch_resharding
 from runtime.apply import apply_plan
 from runtime.in_loop.recorder import LoopRecorder, PeakMeter
 from runtime.in_loop.round import PEAK, RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, LoopStep
@@ -120,7 +120,7 @@ class StepSide:
         n = self.microbatches
         if n > 1:
             last = self._microbatch >= n - 1
-            self.model.set_reshard_after_backward(last or reshard_after_backward(self.model))
+            set_microbatch_resharding(self.model, last)
         self._microbatch += 1
 
     def _seen_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:

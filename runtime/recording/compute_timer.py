@@ -46,10 +46,9 @@ from runtime.workload import Workload, own_parameters
 # The root's own forward saves tensors before its blocks (the embedding: its indices) and after them (the final
 # norm, the LM head, the loss: HF's cross-entropy keeps the log-softmax, batch x sequence x vocabulary). Autograd
 # runs the latter's nodes first in backward and frees what each saved as it runs, so they are gone before the last
-# block's backward. The simulator held all of the root's activations to the end of its backward: on one H200 the
-# Llama with every other block checkpointed (bench/llama-gpu-ac-selective.toml) was predicted 1.6% over its
-# measured peak, at a checkpointed block's backward, 596 MiB held there that were not, and a last block kept
-# unsharded at +0 where it measured +196 MiB. The timer counts the root's saved bytes after its first nested
+# block's backward. A simulator that held all of the root's activations to the end of its backward over-predicts
+# the peak at a checkpointed block's backward, and under-predicts a last block kept unsharded (the measurements:
+# docs/decisions/rule-evidence.md). The timer counts the root's saved bytes after its first nested
 # module's forward (:attr:`ComputeTimer.root_activation_post_bytes`, ``ModuleProfile.activation_post_bytes``); the
 # simulator frees them at the end of the root's backward part before its children's.
 

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 class ProcessUsage(NamedTuple):
     """This process's CPU ms in user space and in the kernel (every thread), and its minor page faults, so far
-    (``getrusage(RUSAGE_SELF)``); ``after - before`` is what ran between. On the CPU testbed the kernel's ms are
-    mostly page faults: a fault costs about 1.7 us there, zeroing its page included."""
+    (``getrusage(RUSAGE_SELF)``); ``after - before`` is what ran between. On a CPU device under glibc the kernel's
+    ms are mostly page faults, each zeroing its page (docs/decisions/rule-evidence.md)."""
 
     user_ms: float
     system_ms: float

@@ -84,8 +84,9 @@ def _timed_step(workload: Workload, step: int, device: str) -> tuple[float, floa
 # [Note: The async default, timed in turn with the default]
 # On a CPU device the simulator's overlap slowdown is solved from FSDP2's default plan with unshard_async_op
 # ([Note: The overlap slowdown from an async step] in planner/simulation/in_step.py). Its step is timed in pairs with
-# the default's, the order rotated from pair to pair, and kept as the median ratio of the two (this machine's steps
-# drift by as much as the gain: a ratio of neighbours cancels the drift). At least ASYNC_PAIRS pairs.
+# the default's, the order rotated from pair to pair, and kept as the median ratio of the two (a CPU step drifts by
+# as much as the gain, docs/decisions/cpu-step-level.md: a ratio of neighbours cancels the drift). At least
+# ASYNC_PAIRS pairs.
 ASYNC_PAIRS = 5
 
 # [Note: The default's step is timed last]

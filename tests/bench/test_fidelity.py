@@ -17,7 +17,7 @@ def test_the_ratio_to_the_default_is_paired_round_by_round():
     """A plan at exactly its predicted ratio to the default in two rounds of three, with the rounds' levels apart
     (100, 300, 310 ms), reads 0% relative error; one median against the other would read 48% off."""
     profile = synthetic_profile(n_blocks=3)
-    plans = [Plan.default(profile), uniform.build(profile, 1, 1, True)]
+    plans = [Plan.default(profile), uniform.build(profile, 1, 1).with_knobs(unshard_async_op=True)]
     ratio = simulate(profile, plans[1]).step_ms / simulate(profile, plans[0]).step_ms
     default = [100.0, 300.0, 310.0]
     plan = [ratio * d * k for d, k in zip(default, (1.0, 1.0, 0.5), strict=True)]
@@ -27,7 +27,7 @@ def test_the_ratio_to_the_default_is_paired_round_by_round():
 
 def test_a_plan_off_its_predicted_ratio_in_every_round_reads_that_far_off():
     profile = synthetic_profile(n_blocks=3)
-    plans = [Plan.default(profile), uniform.build(profile, 1, 1, True)]
+    plans = [Plan.default(profile), uniform.build(profile, 1, 1).with_knobs(unshard_async_op=True)]
     ratio = simulate(profile, plans[1]).step_ms / simulate(profile, plans[0]).step_ms
     default = [100.0, 300.0, 310.0]
     plan = [1.25 * ratio * d for d in default]
@@ -37,7 +37,7 @@ def test_a_plan_off_its_predicted_ratio_in_every_round_reads_that_far_off():
 def test_the_defaults_level_is_the_prediction_over_its_measured_median():
     """The default measured at 0.8 of its prediction in every round reads +25.0%: the level every plan carries."""
     profile = synthetic_profile(n_blocks=3)
-    plans = [Plan.default(profile), uniform.build(profile, 1, 1, True)]
+    plans = [Plan.default(profile), uniform.build(profile, 1, 1).with_knobs(unshard_async_op=True)]
     predicted = [simulate(profile, p).step_ms for p in plans]
     line = _errors(profile, plans, [[0.8 * predicted[0]] * 3, [0.8 * predicted[1]] * 3])
     assert re.search(r"the default's level ([+-][0-9.]+)%", line).group(1) == "+25.0"

@@ -28,7 +28,7 @@ def _other(k):
 
 @pytest.mark.parametrize("k", KNOBS, ids=lambda k: k.name)
 def test_the_running_torch_has_every_knobs_setter(k):
-    assert k.setter in ROOT_SETTERS or hasattr(FSDPModule, k.setter), k.setter
+    assert k.name in ROOT_SETTERS or hasattr(FSDPModule, k.setter), k.setter
 
 
 def test_apply_plan_calls_each_knobs_setter_with_the_plans_value(mesh, monkeypatch):
@@ -40,8 +40,8 @@ def test_apply_plan_calls_each_knobs_setter_with_the_plans_value(mesh, monkeypat
     calls: list[tuple[str, str, object]] = []
     names = {id(m): fqn for fqn, m in fsdp_modules(model)}
     for k in KNOBS:
-        if k.setter in ROOT_SETTERS:
-            monkeypatch.setitem(ROOT_SETTERS, k.setter, lambda m, k=k: lambda v: calls.append((k.name, "root", v)))
+        if k.name in ROOT_SETTERS:
+            monkeypatch.setitem(ROOT_SETTERS, k.name, lambda m, k=k: lambda v: calls.append((k.name, "root", v)))
         else:
             monkeypatch.setattr(FSDPModule, k.setter, lambda self, v, k=k: calls.append((k.name, names[id(self)], v)),
                                 raising=True)
@@ -53,7 +53,7 @@ def test_apply_plan_calls_each_knobs_setter_with_the_plans_value(mesh, monkeypat
     apply_plan(model, plan)
     for k in KNOBS:
         where = {w for name, w, v in calls if name == k.name and v == _other(k)}
-        expected = {"root"} if k.setter in ROOT_SETTERS else {fqns[0]} if k.scope is Scope.ROOT else set(fqns)
+        expected = {"root"} if k.name in ROOT_SETTERS else {fqns[0]} if k.scope is Scope.ROOT else set(fqns)
         assert where == expected, (k.name, where)
 
 
@@ -61,7 +61,7 @@ def test_a_knob_the_running_torch_lacks_is_refused_before_anything_is_applied(me
     from planner.artifacts.plan import Plan
 
     workload = mlp(mesh, dim=16, layers=2)
-    k = next(k for k in KNOBS if k.setter not in ROOT_SETTERS and k.scope is not Scope.MODULE)
+    k = next(k for k in KNOBS if k.name not in ROOT_SETTERS and k.scope is not Scope.MODULE)
     monkeypatch.delattr(FSDPModule, k.setter)
     plan = Plan(model_fingerprint(workload.model), {}).with_knobs(**{k.name: _other(k)})
     with pytest.raises(UnsupportedPlanError, match=f"the plan sets {k.name} = .* has no FSDPModule.{k.setter}"):
@@ -104,3 +104,73 @@ def test_the_best_faster_plan_for_this_model_then_the_default_for_another(mesh, 
     assert "FSDP2's default: study 's' has no concluded tuning job for this model and world size" in caplog.text
     apply_plan(other, default)
     assert unshard_async_op(other) is False
+
+
+def test_root_setters_are_keyed_by_declared_root_knobs():
+    from planner.artifacts.knobs import knob
+
+    assert all(knob(name).scope is Scope.ROOT for name in ROOT_SETTERS)
+
+
+def test_post_optim_event_hands_fsdp2_an_event_after_every_optimizer_step(mesh, monkeypatch):
+    """A plan with ``post_optim_event`` registers the optimizer step post-hook: each ``optimizer.step()`` hands
+    FSDP2 the event recorded after it; FSDP2's default plan removes the hook. (A CPU device records no event: the
+    event is stood in for here.)"""
+    import runtime.post_optim as post_optim
+    from planner.artifacts.plan import Plan
+
+    workload = mlp(mesh, dim=16, layers=2)
+    model = workload.model
+    events = iter(range(1000))
+    monkeypatch.setattr(post_optim, "event_after_step", lambda m: next(events))
+    handed: list[object] = []
+    monkeypatch.setattr(type(model), "set_post_optim_event", lambda self, event: handed.append(event), raising=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = Plan(model_fingerprint(model), {})
+    apply_plan(model, plan.with_knobs(post_optim_event=True))
+    for _ in range(2):
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    assert handed == [0, 1] and post_optim.hands_events(model)
+    apply_plan(model, plan)
+    optimizer.step()
+    assert handed == [0, 1] and not post_optim.hands_events(model)
+
+
+def test_without_an_event_fsdp2_keeps_its_own_wait(mesh):
+    """On a CPU device the hook records nothing and hands nothing: FSDP2's root waits on the current stream, and
+    the step runs."""
+    import runtime.post_optim as post_optim
+    from planner.artifacts.plan import Plan
+
+    workload = mlp(mesh, dim=16, layers=2)
+    model = workload.model
+    assert post_optim.event_after_step(model) is None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    apply_plan(model, Plan(model_fingerprint(model), {}).with_knobs(post_optim_event=True))
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    model(torch.randn(4, 16)).sum().backward()
+    apply_plan(model, Plan(model_fingerprint(model), {}))
+
+
+def test_the_post_optim_hook_leaves_with_its_model(mesh, monkeypatch):
+    """A model dropped while its plan sets ``post_optim_event``: the next optimizer step removes its hook."""
+    import gc
+
+    import runtime.post_optim as post_optim
+    from planner.artifacts.plan import Plan
+
+    handles = []
+    register = post_optim.register_optimizer_step_post_hook
+    monkeypatch.setattr(post_optim, "register_optimizer_step_post_hook", lambda hook: handles.append(register(hook))
+                        or handles[-1])
+    model = mlp(mesh, dim=16, layers=2).model
+    apply_plan(model, Plan(model_fingerprint(model), {}).with_knobs(post_optim_event=True))
+    (handle,) = handles
+    assert handle.id in handle.hooks_dict_ref() and post_optim.hands_events(model)
+    del model
+    gc.collect()
+    other = torch.nn.Linear(2, 2)
+    torch.optim.SGD(other.parameters(), lr=0.1).step()
+    assert handle.id not in handle.hooks_dict_ref()

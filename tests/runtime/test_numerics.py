@@ -61,6 +61,7 @@ def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples,
     assert result["failure"] is None, result["failure"]
     assert result["examples"] >= examples
     assert set(result["spaces"]) == set(SPACES)  # every search space, assign included
+    assert result["post_optim_event"] > 0  # the post-optimizer event's hook, drawn (a CPU device hands no event)
     if microbatches > 1:
         assert result["no_reshard_after_backward"] > 0  # parameters kept unsharded between microbatches, drawn
     if workload == "llama-embedding":

@@ -32,7 +32,7 @@ def test_search_spaces_build_valid_distinct_plans(make_profile):
     assert plan.modules["b0"].forward_prefetch == ()
     assert plan.modules[""].forward_prefetch == ()
     # the root prefetches forward the first blocks, backward the last blocks
-    root = uniform.build(p, 2, 2, False).modules[""]
+    root = uniform.build(p, 2, 2).modules[""]
     assert root.forward_prefetch == ("b0", "b1") and root.backward_prefetch == ("b4", "b3")
 
 

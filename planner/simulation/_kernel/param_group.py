@@ -58,12 +58,12 @@ SEPARATE_GROUP = position("separate_reduce_scatter_group")  # PlanArrays.knobs[h
 # from one queue in issue order: a collective starts as soon as a worker is free, beside the one still running. On
 # a CPU device a synchronous reduce-scatter issued while a prefetch all-gather is in flight (async unshard, in
 # backward) therefore starts at once, unless two all-gathers are running, and then when the first ends. The two
-# share the cores as compute and a collective do (``overlap_slowdown``): on the reference testbed, a 51 MB
-# all-gather (124 ms alone) and a reduce-scatter of the same gradient (175 ms alone) issued together both ended
-# after 264-268 ms, against 299 ms one after the other, which is a slowdown of 1.73; compute beside an all-gather
-# measured 1.76-1.95. A reduce-scatter group of its own (``set_separate_reduce_scatter_group``) is another pool:
-# it never waits for the all-gathers, and shares the cores with them the same way. Before this rule the model
-# queued the reduce-scatter behind the all-gather; every async plan's backward then paid for both in turn.
+# share the cores as compute and a collective do (``overlap_slowdown``): an all-gather and a reduce-scatter issued
+# together both end later than either alone and sooner than the two in turn, slowed about as much as compute
+# beside an all-gather (the measurements: docs/decisions/rule-evidence.md). A reduce-scatter group of its own
+# (``set_separate_reduce_scatter_group``) is another pool: it never waits for the all-gathers, and shares the cores
+# with them the same way. A model that queued the reduce-scatter behind the all-gather would make every async
+# plan's backward pay for both in turn.
 
 # [Note: record_stream holds all-gather outputs]
 # On GPU with ``unshard_async_op=True``, c10d's all-gather calls
@@ -88,9 +88,9 @@ SEPARATE_GROUP = position("separate_reduce_scatter_group")  # PlanArrays.knobs[h
 # then allocates the unsharded parameters and copies the sharded ones in, on the compute stream (CPU: the
 # thread), with no all-gather output beside them; the recorder's all-gather time at world size 1 is that copy
 # (``FSDPModule.unshard`` waits). ``unshard`` notes the copy's duration (ms) in ``all_gather_end``, which at world
-# size 1 holds no all-gather's end, and the wait adds it. Seen on one H100 (python -m bench.peak_memory
-# studies/llama-gpu.toml): deeper prefetch measured no extra memory, and keeping the last block unsharded measured
-# one block more, where the model of larger worlds has a prefetch already holding it.
+# size 1 holds no all-gather's end, and the wait adds it. So a deeper prefetch holds no extra memory there, and
+# keeping the last block unsharded holds one block more, where the model of larger worlds has a prefetch already
+# holding it (checked on a GPU: docs/decisions/rule-evidence.md).
 
 
 @njit(cache=True)

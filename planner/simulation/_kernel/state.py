@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover
         return lambda f: f
 
 UNSHARD_ASYNC_OP = position("unshard_async_op")  # planner.artifacts.knobs: PlanArrays.knobs[UNSHARD_ASYNC_OP]
+POST_OPTIM_EVENT = position("post_optim_event")  # PlanArrays.knobs[here]
 
 # StepState.clock slots, ms.
 CPU = 0  # the thread that runs the hooks (and, on a CPU device, the compute)
@@ -110,6 +111,8 @@ class ProfileArrays(NamedTuple):
     microbatches: int
     optimizer_ms: float
     optimizer_temp_bytes: int  # what optimizer.step() allocates above its start, at its peak
+    post_optimizer_ms: float  # GPU: the loop's stream work after the previous optimizer step ([Note: Post-optimizer
+    # event] in planner.simulation.simulator)
 
 
 class PlanArrays(NamedTuple):
@@ -180,6 +183,12 @@ def new_step(prof, plan, params):
                      params.comm_scale, params.collective_latency_ms)
     clock = np.zeros(CLOCKS)
     clock[LAST_COPY_OUT] = -1.0
+    if prof.gpu and prof.post_optimizer_ms > 0:  # [Note: Post-optimizer event]
+        post_optimizer = prof.post_optimizer_ms * params.compute_scale
+        clock[COMPUTE_STREAM] = post_optimizer  # the previous step's tail, queued by a CPU that ran ahead
+        clock[COMPUTE_TOTAL] = post_optimizer
+        if plan.knobs[POST_OPTIM_EVENT] == 0:  # FSDPState._root_pre_forward: wait_stream(current_stream)
+            clock[ALL_GATHER_STREAM] = post_optimizer
     module_state = np.zeros((n, MODULE_FIELDS), np.int64)
     module_state[:, ALL_GATHER_ROW] = -1
     slots = prof.post_forward.shape[0] * prof.microbatches + 1  # one reduce-scatter per module call, at most

@@ -18,7 +18,8 @@ def test_profile_round_trip(make_profile, tmp_path):
 
 def test_plan_round_trip_keeps_lists_and_provenance(make_profile, tmp_path):
     p = make_profile(n_blocks=3)
-    plan = uniform.build(p, 2, 3, True).with_provenance(study="s", trial=4, predicted_ms=1.5, measured_ms=2.5)
+    plan = uniform.build(p, 2, 3).with_knobs(unshard_async_op=True)
+    plan = plan.with_provenance(study="s", trial=4, predicted_ms=1.5, measured_ms=2.5)
     plan.to_json(tmp_path / "plan.json")
     back = Plan.load(tmp_path / "plan.json")
     assert back == plan
@@ -33,8 +34,8 @@ def test_default_plan_is_fsdp2_default(make_profile):
     assert d.modules[""].reshard_after_forward is False and d.modules["b0"].reshard_after_forward is True
     assert d.unshard_async_op is False
     assert d.is_default_for(p)
-    assert not uniform.build(p, 1, 1, False).is_default_for(p)
-    assert uniform.build(p, 0, 1, False).is_default_for(p)  # the grid's first point
+    assert not uniform.build(p, 1, 1).is_default_for(p)
+    assert uniform.build(p, 0, 1).is_default_for(p)  # the grid's first point
 
 
 def test_behaviour_key_ignores_provenance(make_profile):

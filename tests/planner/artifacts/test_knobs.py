@@ -30,12 +30,12 @@ def _with(plan: Plan, k: Knob, value) -> Plan:
 
 def _profiles():
     """Profiles that put each kind of knob to work: CPU and GPU, with and without gradient accumulation, with
-    modules whose parameters backward does not read."""
+    modules whose parameters backward does not read, with stream work after the optimizer step."""
     for device, microbatches in itertools.product(("cpu", "cuda"), (1, 2)):
         p = synthetic_profile(n_blocks=3, ag=[5.0, 15.0, 10.0], rs=30.0, device=device, grad_bytes=500,
                               activation_bytes=200, unsharded_bytes=2000)
         modules = {f: dataclasses.replace(m, needs_parameters_in_backward=False) for f, m in p.modules.items()}
-        yield dataclasses.replace(p, microbatches=microbatches, modules=modules)
+        yield dataclasses.replace(p, microbatches=microbatches, modules=modules, post_optimizer_ms=8.0)
 
 
 @pytest.mark.parametrize("k", KNOBS, ids=lambda k: k.name)
@@ -55,7 +55,7 @@ def test_every_knob_is_simulated(k):
     does not read fails here."""
     moved = []
     for p in _profiles():
-        for base in (Plan.default(p), uniform.build(p, 1, 2, True)):
+        for base in (Plan.default(p), uniform.build(p, 1, 2).with_knobs(unshard_async_op=True)):
             a, b = simulate(p, base), simulate(p, _with(base, k, _other(k)))
             moved.append((a.step_ms, a.peak_bytes, a.reserved_peak_bytes) != (b.step_ms, b.peak_bytes,
                                                                                  b.reserved_peak_bytes))

@@ -27,10 +27,10 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
     p = synthetic_profile(n_blocks=3)
     base = {"source": Source.MEASURED, "study": "s", "default_measured_ms": 100.0}
     default = Plan.default(p).with_provenance(trial=0, predicted_ms=90.0, measured_ms=100.0, **base)
-    tuned = uniform.build(p, 1, 2, True).with_provenance(
+    tuned = uniform.build(p, 1, 2).with_knobs(unshard_async_op=True).with_provenance(
         trial=1, predicted_ms=70.0, measured_ms=80.0, verdict=verdict, measured_ratio=ratio, ratio_ci95=ci, rounds=12,
         noise_pct=6.5, launches=1, ratio_of="total time", **base)
-    slow = uniform.build(p, 3, 3, False).with_provenance(trial=2, predicted_ms=95.0, measured_ms=130.0, **base)
+    slow = uniform.build(p, 3, 3).with_provenance(trial=2, predicted_ms=95.0, measured_ms=130.0, **base)
     race = _race({0: [100.0, 104.0, 98.0, 101.0, 99.0, 100.0], 1: [80.0, 82.0, 79.0, 81.0, 80.0, 78.0],
                   2: [130.0, 128.0, 131.0, 129.0]}, {2: 4})
     written = tuned if verdict in ("faster", "provisional") else default
@@ -90,13 +90,13 @@ def test_nothing_measured_writes_nothing():
 def test_describe_names_depths_and_async():
     p = synthetic_profile(n_blocks=4)
     assert describe(Plan.default(p)) == "forward prefetch implicit, backward prefetch 1, async unshard False"
-    assert describe(uniform.build(p, 3, 3, False)) == "forward prefetch 3, backward prefetch 3, async unshard False"
+    assert describe(uniform.build(p, 3, 3)) == "forward prefetch 3, backward prefetch 3, async unshard False"
 
 
 def test_describe_names_the_other_knobs_when_set():
 
     p = synthetic_profile(n_blocks=4)
-    plan = uniform.build(p, 1, 1, True).with_knobs(separate_reduce_scatter_group=True,
+    plan = uniform.build(p, 1, 1).with_knobs(unshard_async_op=True).with_knobs(separate_reduce_scatter_group=True,
                                reshard_after_backward=False)
     assert describe(plan) == ("forward prefetch 1, backward prefetch 1, async unshard True, no reshard after backward "
                               "between microbatches, reduce-scatter on its own process group")

@@ -27,7 +27,8 @@ from search_spaces import uniform
 
 
 def _plans(p):
-    return [uniform.build(p, f, b, a) for f in range(4) for b in (1, 3) for a in (False, True)]
+    return [uniform.build(p, f, b).with_knobs(unshard_async_op=a)
+            for f in range(4) for b in (1, 3) for a in (False, True)]
 
 
 def test_fit_recovers_ground_truth_and_predicts_held_back_plans(make_profile):
@@ -71,7 +72,7 @@ def test_cross_validation_keeps_the_simple_family_when_it_explains_the_data(make
     truth = SimParams(compute_scale=1.3, comm_scale=1.1)
     # sync and async plans, with and without resharding after forward: the first 8 of _plans predict only 3
     # distinct steps, which the overlap family fits as well
-    plans = [uniform.build(p, f, b, a, reshard_after_forward=r) for f, b, a, r in (
+    plans = [uniform.build(p, f, b, reshard_after_forward=r).with_knobs(unshard_async_op=a) for f, b, a, r in (
         (0, 1, False, True), (1, 1, True, True), (1, 3, True, True), (2, 1, True, True), (0, 1, False, False),
         (1, 1, True, False), (3, 3, True, False), (2, 2, True, True))]
     obs = [Observation(plan, simulate(p, plan, truth).step_ms) for plan in plans]
@@ -94,7 +95,7 @@ def _cpu_profile(make_profile):
 def test_holdout_like_case_saves_no_calibration(make_profile):
     """The issue's holdout: FSDP2's default and 4 candidates the model ties, measured ~20% above the prediction."""
     p = _cpu_profile(make_profile)
-    tied = [uniform.build(p, f, 1, True) for f in (1, 2, 3)] + [uniform.build(p, 1, 2, True)]
+    tied = [uniform.build(p, f, b).with_knobs(unshard_async_op=True) for f, b in ((1, 1), (2, 1), (3, 1), (1, 2))]
     predicted = {simulate(p, plan).step_ms for plan in tied}
     assert len({round(x, 6) for x in predicted}) <= 2  # the model (nearly) ties them
     obs = _noisy(p, [Plan.default(p), *tied], SimParams(compute_scale=1.25), 0.03, seed=1)

@@ -54,7 +54,7 @@ def test_in_step_params_use_measured_overlap_and_solved_comm_scale_on_cpu():
     assert params.comm_scale == pytest.approx(0.8, abs=1e-6)
     assert params.overlap_slowdown == pytest.approx(1.5)  # 14 ms = 10 + 8 * (s - 1)
     # simulate() without params uses them; an async plan then costs the overlap
-    async_plan = uniform.build(profile, 1, 1, True)
+    async_plan = uniform.build(profile, 1, 1).with_knobs(unshard_async_op=True)
     assert simulate(profile, async_plan).step_ms == pytest.approx(simulate(profile, async_plan, params).step_ms)
     assert simulate(profile, async_plan).step_ms > simulate(profile, async_plan, dataclasses.replace(
         params, overlap_slowdown=1.0)).step_ms
@@ -111,7 +111,8 @@ def test_calibration_starts_from_and_is_pulled_toward_the_in_step_values():
     measured = simulate(base, Plan.default(base), truth).step_ms
     profile = _with_in_step(base, measured, OverlapTimings("b0", all_gather_ms=10.0, compute_ms=10.0,
                                                             overlapped_ms=15.0))
-    plans = [uniform.build(profile, d, max(1, d), a) for d in range(3) for a in (False, True)]
+    plans = [uniform.build(profile, d, max(1, d)).with_knobs(unshard_async_op=a)
+             for d in range(3) for a in (False, True)]
     observations = [Observation(p, simulate(profile, p, truth).step_ms) for p in plans]
     # The in-step values are the truth: no fit can beat them, so none is kept.
     result = calibrate(profile, observations)

@@ -55,7 +55,7 @@ def test_the_work_outside_the_modules_ends_the_step_and_scales_with_the_compute(
     assert r.compute_ms == pytest.approx(71.0) and r.lower_bound_ms == pytest.approx(71.0)
     slow = Simulator(p, SimParams(compute_scale=2.0)).run(Plan.default(p))
     assert slow.step_ms == pytest.approx(168.0)
-    async_1 = uniform.build(p, forward_depth=1, backward_depth=1, unshard_async_op=True)
+    async_1 = uniform.build(p, forward_depth=1, backward_depth=1).with_knobs(unshard_async_op=True)
     assert simulate(p, async_1).step_ms == pytest.approx(87.0)
 
 
@@ -77,8 +77,8 @@ def test_cpu_explicit_prefetch_needs_async(make_profile):
     AG b1 25-30, B b1 30-50 beside AG b0 30-35, RS b1 50-53, B b0 53-73,
     RS b0 73-76."""
     p = make_profile()
-    sync = uniform.build(p, forward_depth=1, backward_depth=1, unshard_async_op=False)
-    asyn = uniform.build(p, forward_depth=1, backward_depth=1, unshard_async_op=True)
+    sync = uniform.build(p, forward_depth=1, backward_depth=1)
+    asyn = uniform.build(p, forward_depth=1, backward_depth=1).with_knobs(unshard_async_op=True)
     assert simulate(p, sync).step_ms == pytest.approx(86.0)
     assert simulate(p, asyn).step_ms == pytest.approx(76.0)
 
@@ -91,6 +91,41 @@ def test_gpu_default_implicit_prefetch(make_profile):
     p = make_profile(device="cuda")
     r = simulate(p, Plan.default(p), trace=True)
     assert _slices(r, "compute")["forward b1"] == pytest.approx((15.0, 25.0))
+
+
+def _starts(result):
+    """Each event's first start (forward before backward)."""
+    starts = {}
+    for e in result.events:
+        starts.setdefault(e.name, e.start_ms)
+    return starts
+
+
+def test_post_optim_event_lets_the_first_all_gather_overlap_the_loops_stream_work(make_profile):
+    """GPU, 4 ms of the loop's stream work after the optimizer step ([Note: Post-optimizer event]): with FSDP2's
+    default the root's pre-forward waits the all-gather streams on the compute stream, so AG b0 runs 4-9 and the
+    forward ends 4 ms later; with the event it waits for the optimizer's end only: AG b0 0-5, F b0 5-15 as with
+    no such work, and the step is 4 ms shorter (AG b0, 5 ms, covers all 4)."""
+    p = dataclasses.replace(make_profile(device="cuda"), post_optimizer_ms=4.0)
+    default = simulate(p, Plan.default(p), trace=True)
+    event = simulate(p, Plan.default(p).with_knobs(post_optim_event=True), trace=True)
+    assert _starts(default)["all-gather b0"] == pytest.approx(4.0)
+    assert _starts(event)["all-gather b0"] == pytest.approx(0.0)
+    assert _slices(event, "compute")["forward b0"] == pytest.approx((5.0, 15.0))
+    assert default.step_ms - event.step_ms == pytest.approx(4.0)
+    assert default.peak_bytes == event.peak_bytes
+    assert default.compute_ms == pytest.approx(simulate(make_profile(device="cuda"), Plan.default(p)).compute_ms + 4)
+
+
+def test_post_optim_event_changes_nothing_without_stream_work_or_streams(make_profile):
+    """No stream work after the optimizer, or a CPU device (no streams, no events): the knob moves nothing."""
+    gpu = make_profile(device="cuda")
+    cpu = dataclasses.replace(make_profile(), post_optimizer_ms=4.0)
+    for p in (gpu, cpu):
+        a = simulate(p, Plan.default(p))
+        b = simulate(p, Plan.default(p).with_knobs(post_optim_event=True))
+        assert (a.step_ms, a.peak_bytes) == (b.step_ms, b.peak_bytes)
+    assert simulate(cpu, Plan.default(cpu)).step_ms == simulate(make_profile(), Plan.default(cpu)).step_ms
 
 
 def test_gpu_two_all_gather_outputs_limit(make_profile):
@@ -118,8 +153,8 @@ def test_forward_depth_2_hides_large_all_gather(make_profile):
     Depth 2: it is issued in b0's pre-forward (4), runs 4-29 beside F b0 2-32:
     F b1 32-33, F b2 33-34."""
     p = make_profile(n_blocks=3, fwd=[30.0, 1.0, 1.0], ag=[2.0, 2.0, 25.0])
-    d1 = simulate(p, uniform.build(p, 1, 1, True), trace=True)
-    d2 = simulate(p, uniform.build(p, 2, 1, True), trace=True)
+    d1 = simulate(p, uniform.build(p, 1, 1).with_knobs(unshard_async_op=True), trace=True)
+    d2 = simulate(p, uniform.build(p, 2, 1).with_knobs(unshard_async_op=True), trace=True)
     assert _slices(d1, "compute")["forward b2"] == pytest.approx((57.0, 58.0))
     assert _slices(d2, "compute")["forward b2"] == pytest.approx((33.0, 34.0))
     assert d2.step_ms < d1.step_ms
@@ -155,7 +190,7 @@ def test_reduce_scatter_waits_when_both_gloo_workers_are_busy(make_profile):
     in flight; B b2 70-72; RS b2, issued at 72, finds two all-gathers running on the group and starts when the
     first (b1's) ends: 80-83. With its own group (``set_separate_reduce_scatter_group``) it starts at 72."""
     p = make_profile(n_blocks=3, fwd=10.0, bwd=2.0, ag=10.0, rs=3.0)
-    plan = uniform.build(p, 0, 2, True)
+    plan = uniform.build(p, 0, 2).with_knobs(unshard_async_op=True)
     r = simulate(p, plan, SimParams(), trace=True)
     ag = _slices(r, "all-gather")
     assert ag["all-gather b1"][1] == pytest.approx(ag["all-gather b0"][0])  # queued one after another
@@ -176,8 +211,8 @@ def test_peak_memory_depth_2_vs_depth_1(make_profile):
     are in flight: 5U."""
     u = 1000
     p = make_profile(n_blocks=4, unsharded_bytes=u)
-    d1 = simulate(p, uniform.build(p, 1, 1, True))
-    d2 = simulate(p, uniform.build(p, 2, 1, True))
+    d1 = simulate(p, uniform.build(p, 1, 1).with_knobs(unshard_async_op=True))
+    d2 = simulate(p, uniform.build(p, 2, 1).with_knobs(unshard_async_op=True))
     assert (d1.peak_unsharded_bytes, d2.peak_unsharded_bytes) == (2 * u, 3 * u)
     assert (d1.peak_bytes, d2.peak_bytes) == (3 * u, 5 * u)
 
@@ -239,7 +274,8 @@ def test_overlap_slowdown_shares_the_cores_between_compute_and_collectives(make_
     F b2 80-90. Compute-only slowdown would give F b1 40-50 (the all-gathers
     would not wait for the cores)."""
     p = make_profile(n_blocks=3, fwd=10.0, ag=20.0)
-    r = simulate(p, uniform.build(p, 2, 1, True), SimParams(overlap_slowdown=2.0), trace=True)
+    r = simulate(p, uniform.build(p, 2, 1).with_knobs(unshard_async_op=True), SimParams(overlap_slowdown=2.0),
+                 trace=True)
     compute = _slices(r, "compute")
     assert [compute[f"forward b{i}"] for i in range(3)] == [
         pytest.approx((20.0, 40.0)), pytest.approx((50.0, 70.0)), pytest.approx((80.0, 90.0))]
@@ -368,15 +404,15 @@ def test_record_stream_holds_async_all_gather_outputs_on_gpu(make_profile):
     """
     u = 1000
     p = make_profile(n_blocks=2, device="cuda", unsharded_bytes=u)
-    asyn = simulate(p, uniform.build(p, 1, 1, True), trace=True)
+    asyn = simulate(p, uniform.build(p, 1, 1).with_knobs(unshard_async_op=True), trace=True)
     assert (asyn.step_ms, asyn.peak_bytes, asyn.reserved_peak_bytes) == (pytest.approx(68.0), 2 * u, 5 * u)
     assert _slices(asyn, "reduce-scatter")["reduce-scatter b0"] == pytest.approx((65.0, 68.0))
-    sync = simulate(p, uniform.build(p, 1, 1, False))
+    sync = simulate(p, uniform.build(p, 1, 1))
     assert (sync.peak_bytes, sync.reserved_peak_bytes) == (2 * u, 2 * u)
-    behind = simulate(p, uniform.build(p, 1, 1, True), SimParams(issue_overhead_ms=100.0))
+    behind = simulate(p, uniform.build(p, 1, 1).with_knobs(unshard_async_op=True), SimParams(issue_overhead_ms=100.0))
     assert behind.reserved_peak_bytes == behind.peak_bytes == 2 * u
     cpu = make_profile(n_blocks=2, unsharded_bytes=u)  # gloo: no record_stream
-    r = simulate(cpu, uniform.build(cpu, 1, 1, True))
+    r = simulate(cpu, uniform.build(cpu, 1, 1).with_knobs(unshard_async_op=True))
     assert r.reserved_peak_bytes == r.peak_bytes
 
 
@@ -449,7 +485,7 @@ def test_a_traced_run_keeps_every_row_however_many_the_plan_makes(make_profile, 
     else:
         p = make_profile(n_blocks=16, grad_bytes=100, activation_bytes=10)
     sim = simulator_for(p)
-    for plan in (Plan.default(p), uniform.build(p, 3, 3, True)):
+    for plan in (Plan.default(p), uniform.build(p, 3, 3).with_knobs(unshard_async_op=True)):
         traced, untraced = sim.run(plan, trace=True), sim.run(plan)
         first_estimate = 8 * (len(p.post_forward_order) + len(p.modules)) * p.microbatches + 16
         assert len(traced.memory) > first_estimate  # the case the estimate did not hold
@@ -469,7 +505,7 @@ def test_a_plan_compiled_for_one_simulator_is_refused_by_another(make_profile):
 
 def test_simulating_attaches_nothing_to_the_profile_or_the_plan(make_profile):
     p = make_profile(n_blocks=2)
-    plan = uniform.build(p, 1, 1, True)
+    plan = uniform.build(p, 1, 1).with_knobs(unshard_async_op=True)
     before = (dict(vars(p)), dict(vars(plan)))
     simulate(p, plan)
     simulator_for(p).run(plan, trace=True)
@@ -490,4 +526,5 @@ def test_world_size_1_copies_at_wait_and_a_prefetch_holds_nothing(make_profile):
     assert _slices(r, "compute")["forward b1"] == pytest.approx((20.0, 30.0))
     four = make_profile(n_blocks=4, unsharded_bytes=u, device="cuda")
     four = dataclasses.replace(four, fingerprint=dataclasses.replace(four.fingerprint, world_size=1))
-    assert [simulate(four, uniform.build(four, d, 1, True)).peak_bytes for d in (1, 2)] == [u, u]
+    plans = [uniform.build(four, d, 1).with_knobs(unshard_async_op=True) for d in (1, 2)]
+    assert [simulate(four, plan).peak_bytes for plan in plans] == [u, u]

@@ -17,7 +17,7 @@ from search_spaces import uniform
 
 def test_chrome_trace_has_one_slice_per_event_and_tracks(make_profile):
     p = make_profile(n_blocks=3, optimizer_ms=5.0)
-    r = simulate(p, uniform.build(p, 1, 2, True), trace=True)
+    r = simulate(p, uniform.build(p, 1, 2).with_knobs(unshard_async_op=True), trace=True)
     doc = json.loads(json.dumps(chrome_trace(r)))  # valid JSON
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(slices) == len(r.events)

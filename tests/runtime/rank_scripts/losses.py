@@ -25,9 +25,9 @@ default = Plan.default(profile)
 keep = {f: m.__class__(m.forward_prefetch, m.backward_prefetch, False) for f, m in default.modules.items()}
 plans = {
     "default": default,
-    "tuned": uniform.build(profile, 1, 2, True),
+    "tuned": uniform.build(profile, 1, 2).with_knobs(unshard_async_op=True),
     "deep": per_module.build(profile, {f: 3 for f in fqns}, {f: 3 for f in fqns}, True),
-    "sync_explicit": uniform.build(profile, 2, 3, False),
+    "sync_explicit": uniform.build(profile, 2, 3),
     "no_reshard": default.__class__(default.fingerprint, keep).with_knobs(unshard_async_op=True),
 }
 if len(sys.argv) > 5:

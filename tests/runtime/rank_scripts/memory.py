@@ -24,9 +24,9 @@ workload = build_workload("runtime.reference_workloads:mlp", mesh, {"dim": 64, "
 profile = record_profile(workload, warmup_steps=1, steps=1, repeats=1)
 plans = {
     "default": Plan.default(profile),
-    "depth 1 async": uniform.build(profile, 1, 1, True),
-    "depth 2 async": uniform.build(profile, 2, 2, True),
-    "depth 3 sync": uniform.build(profile, 3, 3, False),
+    "depth 1 async": uniform.build(profile, 1, 1).with_knobs(unshard_async_op=True),
+    "depth 2 async": uniform.build(profile, 2, 2).with_knobs(unshard_async_op=True),
+    "depth 3 sync": uniform.build(profile, 3, 3),
 }
 result = {}
 for name, plan in plans.items():

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from planner.artifacts import knobs
 from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS
+from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import Plan
 from runtime import apply_plan
 from runtime.ranks.rank import init_rank, shutdown_rank
@@ -82,8 +83,7 @@ if dist.get_rank() == 0:
         modules = {fqn: dataclasses.replace(m, reshard_after_forward=data.draw(st.booleans(), label=f"raf:{fqn}"))
                    for fqn, m in plan.modules.items()}
         drawn = {k.name: data.draw(st.sampled_from(k.choices), label=k.name) for k in PLAN_KNOBS
-                 if k.name != "unshard_async_op"  # every space draws it
-                 and not (space == "assign" and knobs.sampled(k, profile.fingerprint.device_type, microbatches))}
+                 if not knobs.sampled(k, profile.fingerprint.device_type, microbatches, space=SpaceName(space))}
         plan = dataclasses.replace(plan, modules=modules).with_knobs(**drawn)
         if space != "assign":  # the module knobs where a space may set them (assign draws its own)
             plan = dataclasses.replace(plan, modules={fqn: m.with_knobs(**{
@@ -92,6 +92,7 @@ if dist.get_rank() == 0:
                                  not profile.modules[fqn].needs_parameters_in_backward)}) for fqn, m in
                 plan.modules.items()})
         seen["reshard_after_backward=False"] += not plan.reshard_after_backward
+        seen["post_optim_event"] += plan.knobs.post_optim_event
         seen["unshard_in_backward=False"] += not all(m.knobs.unshard_in_backward for m in plan.modules.values())
         plan.validate()
         seen[space] += 1
@@ -108,7 +109,8 @@ if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump({"examples": sum(seen[s] for s in SPACES), "spaces": {s: seen[s] for s in SPACES if seen[s]},
                    "no_reshard_after_backward": seen["reshard_after_backward=False"],
-                   "no_unshard_in_backward": seen["unshard_in_backward=False"], "failure": failure}, f)
+                   "no_unshard_in_backward": seen["unshard_in_backward=False"],
+                   "post_optim_event": seen["post_optim_event"], "failure": failure}, f)
 else:
     while (d := share(None)) is not None:
         losses(Plan.from_dict(d))

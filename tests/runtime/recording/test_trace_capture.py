@@ -44,7 +44,7 @@ def test_profile_from_a_users_cpu_traces(tmp_path, microbatches):
     assert profile.measured_step_ms > profile.optimizer_ms > 0 and profile.measured_peak_bytes > sum(own.param_bytes)
     # a CPU step is one thread: what no module, collective or optimizer holds is measured and simulated
     assert 0 < profile.outside_ms < profile.measured_step_ms
-    plan = uniform.build(profile, 1, 1, True)
+    plan = uniform.build(profile, 1, 1).with_knobs(unshard_async_op=True)
     plan.check_matches(profile)  # a plan made on it names the model's modules and counts
     assert simulate(profile, plan).step_ms > 0
 
