@@ -196,6 +196,81 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, valida
     _exit_with_ranks(code, "profiling", (2,))
 
 
+@main.command()
+@click.argument("plan_json")
+@click.argument("study_toml")
+@click.option("--launches", type=click.IntRange(1, 20), default=3, show_default=True,
+              help="Fresh launches of the study's ranks (each a new process per rank).")
+@click.option("--rounds", type=click.IntRange(4, 500), default=24, show_default=True,
+              help="Interleaved rounds per launch: one step of the plan's model and one of FSDP2's default's.")
+@click.option("--json", "json_out", help="Also write the launches' rounds and the result to this JSON file.")
+@click.option("--out", hidden=True, help="Where rank 0 writes its launch's rounds (set by the launching process).")
+@click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
+def verify(plan_json, study_toml, launches, rounds, json_out, out, validated_config) -> None:
+    """Re-measure a plan against FSDP2's default as a user's job runs it, and check its claim.
+
+    Each launch starts the study's ranks afresh; every rank builds the study's model twice, applies the plan from
+    PLAN_JSON to one (load_plan, apply_plan) and leaves the other as fully_shard wrapped it, and times interleaved
+    rounds; nothing of the tuner is loaded. Prints the total-time ratio over the launches with its 95% interval and
+    whether it agrees with the plan's recorded claim. Under torchrun it runs as that rank, one launch.
+    """
+    from jobs.verify import LaunchTimes, check_before_launch, verify_rank
+    from runtime.ranks.launch import in_torchrun, launch_ranks
+
+    config = _study_config(study_toml, validated_config)
+    if in_torchrun():
+        _log_rank0_progress()
+        try:
+            times = verify_rank(config, plan_json, rounds)
+        except PlannerError as e:
+            _exit_on_rank_error(e)
+        if times is not None and out:
+            times.to_json(out)
+        elif times is not None:  # the user's own torchrun: this one launch is the re-measurement
+            from planner.presentation.verify_report import claim_line
+            from runtime.apply import load_plan
+
+            plan = load_plan(plan_json)
+            click.echo(claim_line(plan, plan_json))
+            _verify_report(plan, plan_json, [times], json_out)
+        return
+    plan = check_before_launch(config, plan_json)
+    from planner.presentation.verify_report import claim_line, launch_line
+
+    click.echo(claim_line(plan, plan_json))
+    measured: list[LaunchTimes] = []
+    with _handed_over(config) as handover, tempfile.TemporaryDirectory(prefix="prefetch-planner-") as folder:
+        for i in range(launches):
+            click.echo(f"[verify {i + 1}/{launches}] fresh ranks: the plan from its file and FSDP2's default, one "
+                       f"model each, {rounds} interleaved rounds")
+            path = str(Path(folder) / f"launch{i}.json")
+            code = launch_ranks(["verify", plan_json, study_toml, *handover, "--rounds", str(rounds), "--out", path],
+                                config.launch)
+            _exit_with_ranks(code, "verify", _EXPECTED_RANK_EXITS)
+            measured.append(LaunchTimes.load(path))
+            click.echo(launch_line(i + 1, launches, measured[-1].plan_ms, measured[-1].default_ms))
+    _verify_report(plan, plan_json, measured, json_out)
+
+
+def _verify_report(plan: Any, plan_json: str, measured: list[Any], json_out: str | None) -> None:
+    """Print the combined re-measurement and the check against the claim; write ``json_out`` when given."""
+    import json
+
+    from planner.presentation.verify_report import verification, verify_report
+
+    result = verification(plan, [(t.plan_ms, t.default_ms) for t in measured])
+    loaded = sorted({m for t in measured for m in t.tuner_modules})
+    for line in verify_report(result, loaded):
+        click.echo(line)
+    if json_out:
+        c, check = result.confirmation, result.check
+        Path(json_out).write_text(json.dumps({
+            "plan": plan_json, "claimed": check.claimed, "claimed_ci95": check.claimed_ci95,
+            "verified": c.ratio, "verified_ci95": c.ci95, "verdict": str(c.verdict), "agreement": check.agreement.name,
+            "ratio_of_ratios": check.ratio_of_ratios, "launch_ratios": result.launch_ratios,
+            "launches": [t.__dict__ for t in measured]}, indent=1))
+
+
 def _study_config(study_toml: str, validated_config: str | None, **overrides: Any) -> StudyConfig:
     """The study: the validated config the launching process handed over (:func:`_handed_over`), else the TOML
     with the command line's ``overrides``, validated here (a rank started by the user's own torchrun)."""

@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 
 from jobs.cli import main
+from jobs.verify import check_before_launch
 from planner.artifacts.config import load_study_config
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
@@ -212,6 +213,12 @@ CASES = {
     "plan for another model": Case(
         lambda w: ["simulate", str(w / "profile.json"), other_model_plan(w)], "FSDP module count",
         lambda w: simulate_with_plan(w, str(w / "bad_plan.json")), PlanMismatchError),
+    "verify a plan for another model": Case(
+        lambda w: ["verify", other_model_plan(w), str(w / "good.toml")], "is not for this study's model",
+        lambda w: check_before_launch(load_study_config(w / "good.toml"), other_model_plan(w)), PlanMismatchError),
+    "verify a missing plan file": Case(
+        lambda w: ["verify", str(w / "missing.json"), str(w / "good.toml")], "cannot read plan",
+        lambda w: check_before_launch(load_study_config(w / "good.toml"), str(w / "missing.json")), PlanFormatError),
     "plan for another world size": Case(
         lambda w: ["simulate", str(w / "profile.json"), plan_json(w, set_world_size)],
         "world size: plan was made for 4 ranks, this run has 2",

@@ -26,22 +26,23 @@ class _Stop(Exception):
 
 
 def test_the_profile_job_records_after_importing_what_tune_imports(monkeypatch):
-    """[Note: Record in tune's process state]: the ranks have ``jobs.tune`` imported before they start recording."""
-    import sys
+    """[Note: Record in tune's process state]: the ranks load what ``tune``'s have loaded
+    (``jobs.process_state.load_tune_modules``, whose list ``tests/jobs/test_process_state.py`` checks) before they
+    start recording."""
     from types import SimpleNamespace
 
     import jobs.profile
 
-    seen = []
+    order = []
 
     def init_rank(backend, allocator=None):
-        seen.append("jobs.tune" in sys.modules)
+        order.append("init_rank")
         raise _Stop
 
-    monkeypatch.delitem(sys.modules, "jobs.tune", raising=False)
+    monkeypatch.setattr(jobs.profile, "load_tune_modules", lambda: order.append("load_tune_modules"))
     monkeypatch.setattr(jobs.profile, "init_rank", init_rank)
     launch = SimpleNamespace(backend="gloo", allocator="system")
     job = jobs.profile.ProfileJob(SimpleNamespace(launch=launch), "unused.json")
     with pytest.raises(_Stop):
         job.run()
-    assert seen == [True]
+    assert order == ["load_tune_modules", "init_rank"]

@@ -174,3 +174,74 @@ def test_the_post_optim_hook_leaves_with_its_model(mesh, monkeypatch):
     other = torch.nn.Linear(2, 2)
     torch.optim.SGD(other.parameters(), lr=0.1).step()
     assert handle.id not in handle.hooks_dict_ref()
+
+
+def _random_plan(model, seed: int):
+    """A plan for ``model`` with every knob away from FSDP2's default where it can be, random prefetch lists and
+    resharding: what a confirmed plan may hold."""
+    import random
+
+    from planner.artifacts.plan import ModulePlan, Plan
+
+    rng = random.Random(seed)
+    fqns = [fqn for fqn, _ in fsdp_modules(model)]
+    modules = {f: ModulePlan(forward_prefetch=tuple(rng.sample([g for g in fqns if g != f], rng.randint(0, 2))),
+                             backward_prefetch=tuple(rng.sample([g for g in fqns if g != f], rng.randint(0, 2))),
+                             reshard_after_forward=rng.random() < 0.5).with_knobs(
+        **{k.name: rng.choice(k.choices) for k in KNOBS if k.scope is Scope.MODULE}) for f in fqns}
+    plan = Plan(model_fingerprint(model), modules)
+    return plan.with_knobs(**{k.name: _other(k) for k in KNOBS if k.scope is not Scope.MODULE})
+
+
+def _configuration(model, plan, monkeypatch) -> list[tuple]:
+    """Every setter ``apply_plan(model, plan)`` calls, in order: ``(module, setter, arguments)``, modules by FQN
+    (FSDP2's own setters), or ``("<root>", knob, value)`` for the knobs applied through ``ROOT_SETTERS``."""
+    names = {id(m): fqn for fqn, m in fsdp_modules(model)}
+    calls: list[tuple] = []
+
+    def plain(value):
+        if isinstance(value, (list, tuple)):
+            return tuple(names.get(id(v), v) for v in value)
+        return names.get(id(value), value)
+
+    setters = {"set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "set_reshard_after_forward"}
+    setters |= {k.setter for k in KNOBS if k.name not in ROOT_SETTERS}
+    with monkeypatch.context() as patch:
+        for setter in sorted(setters):
+            original = getattr(FSDPModule, setter)
+
+            def spy(self, *args, _setter=setter, _original=original, **kwargs):
+                calls.append((names[id(self)], _setter, tuple(plain(a) for a in args), tuple(sorted(kwargs.items()))))
+                return _original(self, *args, **kwargs)
+            patch.setattr(FSDPModule, setter, spy)
+        for name, wrapper in list(ROOT_SETTERS.items()):
+            def wrapped(root, _name=name, _wrapper=wrapper):
+                inner = _wrapper(root)
+                return lambda value: (calls.append(("<root>", _name, value)), inner(value))
+            patch.setitem(ROOT_SETTERS, name, wrapped)
+        apply_plan(model, plan)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_plan_read_back_from_its_json_configures_fsdp_as_the_plan_object(mesh, monkeypatch, tmp_path, seed):
+    """The confirmed plan object and the same plan through its JSON file (``to_json``, ``load_plan``): every FSDP
+    module gets the same setter calls with the same values, every knob included, and reads back the same."""
+    from planner.artifacts.plan import Plan
+    from runtime.apply import load_plan
+    from runtime.post_optim import hands_events
+    from runtime.ranks.torch_private import reshard_after_forward
+
+    confirmed = _random_plan(mlp(mesh, dim=16, layers=3).model, seed)
+    confirmed.to_json(tmp_path / "plan.json")
+    read_back = load_plan(tmp_path / "plan.json")
+    a, b = mlp(mesh, dim=16, layers=3).model, mlp(mesh, dim=16, layers=3).model
+    calls = _configuration(a, confirmed, monkeypatch)
+    assert calls == _configuration(b, read_back, monkeypatch)
+    assert {c[1] for c in calls} >= {k.name for k in KNOBS if k.name in ROOT_SETTERS} | {
+        k.setter for k in KNOBS if k.name not in ROOT_SETTERS}
+    state = [(prefetch_counts(m), unshard_async_op(m), reshard_after_forward(m)) for _, m in fsdp_modules(a)]
+    assert state == [(prefetch_counts(m), unshard_async_op(m), reshard_after_forward(m)) for _, m in fsdp_modules(b)]
+    assert hands_events(a) and hands_events(b)
+    for model in (a, b):  # FSDP2's default again: no optimizer hook left behind
+        apply_plan(model, Plan(model_fingerprint(model), {}))

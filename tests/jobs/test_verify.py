@@ -1,0 +1,86 @@
+"""``prefetch-planner verify`` end to end on 2 gloo ranks: fresh launches as a user's job runs, the rounds combined,
+the claim checked, nothing of the tuner loaded; and under the user's own torchrun, one launch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.artifacts.plan import ModulePlan, Plan
+from runtime.fake_world import workload_fingerprint
+from tests.multirank import rank_env, run_cli
+
+FACTORY, KWARGS = "runtime.reference_workloads:mlp", {"dim": 128, "layers": 4}
+STUDY = f"""
+[study]
+name = "verify"
+[workload]
+factory = "{FACTORY}"
+kwargs = {{ dim = 128, layers = 4 }}
+[launch]
+nproc_per_node = 2
+"""
+
+
+def _claimed_plan(tmp_path) -> str:
+    """Prefetch 1 with async unshard, with a confirmation's claim in its provenance."""
+    fingerprint = workload_fingerprint(FACTORY, KWARGS, 2)
+    order = fingerprint.module_fqns
+    modules = {f: ModulePlan(forward_prefetch=(order[i + 1],) if 0 < i < len(order) - 1 else ()) for i, f in
+               enumerate(order)}
+    plan = Plan(fingerprint, modules).with_knobs(unshard_async_op=True)
+    plan = plan.with_provenance(study="verify", trial=1, verdict="faster", measured_ratio=0.9,
+                                ratio_ci95=(0.8, 1.0), rounds=24, launches=2, ratio_of="total time")
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_verify_measures_fresh_launches_as_a_users_job(tmp_path):
+    (tmp_path / "study.toml").write_text(STUDY)
+    plan = _claimed_plan(tmp_path)
+    proc = run_cli("verify", plan, "study.toml", "--launches", "2", "--rounds", "6", "--json", "out.json",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert len(out["launches"]) == 2
+    assert all(len(t["plan_ms"]) == len(t["default_ms"]) == 6 for t in out["launches"])
+    assert all(t["tuner_modules"] == [] and t["world_size"] == 2 for t in out["launches"])
+    assert out["claimed"] == 0.9 and out["agreement"] in ("AGREES", "ABOVE", "BELOW")
+    low, high = out["verified_ci95"]
+    assert low <= out["verified"] <= high
+    assert "claimed total-time ratio 0.900" in proc.stdout
+    assert proc.stdout.count("[verify ") == 2 and "verified: total-time ratio" in proc.stdout
+    assert "loaded nothing of the tuner" in proc.stdout
+
+
+@pytest.mark.slow
+def test_verify_under_torchrun_is_one_launch(tmp_path):
+    (tmp_path / "study.toml").write_text(STUDY)
+    plan = _claimed_plan(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "jobs.cli", "verify", plan, "study.toml", "--rounds", "6"],
+        capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("verified: total-time ratio") == 1  # rank 0 alone reports
+    assert "over 6 fresh rounds in 1 launch" in proc.stdout
+
+
+def test_a_plan_without_a_total_time_claim_is_reported_not_checked():
+    from planner.presentation.verify_report import claim_line, verification
+
+    fingerprint = workload_fingerprint(FACTORY, KWARGS, 2)
+    plan = Plan(fingerprint, {})
+    rounds = ([100.0, 101.0, 99.0, 100.0], [110.0, 111.0, 109.0, 110.0])
+    assert verification(plan, [rounds]).check.agreement.name == "NO_CLAIM"
+    assert "records no confirmed ratio" in claim_line(plan, "p.json")
+    older = plan.with_provenance(measured_ratio=0.8, ratio_ci95=(0.7, 0.9))  # a median ratio, before total time
+    assert verification(older, [rounds]).check.agreement.name == "NO_CLAIM"
+    assert "not a total-time ratio" in claim_line(older, "p.json")
+    claimed = older.with_provenance(ratio_of="total time")
+    assert verification(claimed, [rounds]).check.agreement.name != "NO_CLAIM"
