@@ -11,18 +11,10 @@ import pytest
 
 from planner.artifacts.plan import ModulePlan, Plan
 from runtime.fake_world import workload_fingerprint
+from tests.jobs.study import STUDY
 from tests.multirank import rank_env, run_cli
 
-FACTORY, KWARGS = "runtime.reference_workloads:mlp", {"dim": 128, "layers": 4}
-STUDY = f"""
-[study]
-name = "verify"
-[workload]
-factory = "{FACTORY}"
-kwargs = {{ dim = 128, layers = 4 }}
-[launch]
-nproc_per_node = 2
-"""
+FACTORY, KWARGS = "runtime.reference_workloads:mlp", {"dim": 128, "layers": 4}  # the model of tests.jobs.study
 
 
 def _claimed_plan(tmp_path) -> str:
@@ -32,7 +24,7 @@ def _claimed_plan(tmp_path) -> str:
     modules = {f: ModulePlan(forward_prefetch=(order[i + 1],) if 0 < i < len(order) - 1 else ()) for i, f in
                enumerate(order)}
     plan = Plan(fingerprint, modules).with_knobs(unshard_async_op=True)
-    plan = plan.with_provenance(study="verify", trial=1, verdict="faster", measured_ratio=0.9,
+    plan = plan.with_provenance(study="e2e", trial=1, verdict="faster", measured_ratio=0.9,
                                 ratio_ci95=(0.8, 1.0), rounds=24, launches=2, ratio_of="total time")
     path = tmp_path / "plan.json"
     plan.to_json(path)
@@ -41,7 +33,7 @@ def _claimed_plan(tmp_path) -> str:
 
 @pytest.mark.slow
 def test_verify_measures_fresh_launches_as_a_users_job(tmp_path):
-    (tmp_path / "study.toml").write_text(STUDY)
+    (tmp_path / "study.toml").write_text(STUDY.format(space="uniform"))
     plan = _claimed_plan(tmp_path)
     proc = run_cli("verify", plan, "study.toml", "--launches", "2", "--rounds", "6", "--json", "out.json",
                    cwd=tmp_path)
@@ -60,7 +52,7 @@ def test_verify_measures_fresh_launches_as_a_users_job(tmp_path):
 
 @pytest.mark.slow
 def test_verify_under_torchrun_is_one_launch(tmp_path):
-    (tmp_path / "study.toml").write_text(STUDY)
+    (tmp_path / "study.toml").write_text(STUDY.format(space="uniform"))
     plan = _claimed_plan(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
