@@ -26,7 +26,7 @@ keep = {f: m.__class__(m.forward_prefetch, m.backward_prefetch, False) for f, m 
 plans = {
     "default": default,
     "tuned": uniform.build(profile, 1, 2).with_knobs(unshard_async_op=True),
-    "deep": per_module.build(profile, {f: 3 for f in fqns}, {f: 3 for f in fqns}, True),
+    "deep": per_module.build(profile, {f: 3 for f in fqns}, {f: 3 for f in fqns}).with_knobs(unshard_async_op=True),
     "sync_explicit": uniform.build(profile, 2, 3),
     "no_reshard": default.__class__(default.fingerprint, keep).with_knobs(unshard_async_op=True),
 }

@@ -22,7 +22,7 @@ from runtime.ranks.allocator import (
 )
 from runtime.ranks.rank import check_runnable
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 
 
 @pytest.fixture
