@@ -28,6 +28,9 @@ from runtime.ranks.torch_private import TESTED_ADVICE
 
 # model -> its optimizer step post-hook, while its plan sets post_optim_event.
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
+# Every hook registered, with its model: a hook whose model is gone is removed at the next setter call, never from
+# inside a hook (the optimizer iterates over the hooks while it runs them).
+_REGISTERED: list[tuple[weakref.ref, RemovableHandle]] = []
 
 
 def post_optim_event_setter(model: nn.Module) -> Callable[[bool], None]:
@@ -42,13 +45,14 @@ def post_optim_event_setter(model: nn.Module) -> Callable[[bool], None]:
                                    f"FSDPModule.set_post_optim_event ({TESTED_ADVICE} or use a plan without it)")
 
     def set_post_optim_event(enable: bool) -> None:
+        _remove_orphans()
         handle = _HOOKS.pop(model, None)
         if handle is not None:
             handle.remove()
         if enable:
-            own: list[RemovableHandle] = []
-            own.append(register_optimizer_step_post_hook(_hand_event(weakref.ref(model), own)))
-            _HOOKS[model] = own[0]
+            ref = weakref.ref(model)
+            _HOOKS[model] = register_optimizer_step_post_hook(_hand_event(ref))
+            _REGISTERED.append((ref, _HOOKS[model]))
 
     return set_post_optim_event
 
@@ -58,14 +62,21 @@ def hands_events(model: nn.Module) -> bool:
     return model in _HOOKS
 
 
-def _hand_event(model_ref: weakref.ref, own: list[RemovableHandle]) -> Callable[[Any, Any, Any], None]:
-    """The hook: after an optimizer step, an event on the model's current stream, handed to FSDP2; once the model
-    is gone, the hook removes itself (``own``: its handle)."""
+def _remove_orphans() -> None:
+    """Remove the hooks whose model is gone (outside any optimizer step)."""
+    for ref, handle in list(_REGISTERED):
+        if ref() is None:
+            handle.remove()
+            _REGISTERED.remove((ref, handle))
+
+
+def _hand_event(model_ref: weakref.ref) -> Callable[[Any, Any, Any], None]:
+    """The hook: after an optimizer step, an event on the model's current stream, handed to FSDP2; nothing once the
+    model is gone (the next setter call removes the hook)."""
 
     def hand_event(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
         model = model_ref()
         if model is None:
-            own[0].remove()
             return
         event = event_after_step(model)
         if event is not None:
