@@ -74,34 +74,37 @@ reference = losses(Plan.default(profile))
 if dist.get_rank() == 0:
     seen: Counter = Counter()
 
-    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(st.data())
-    def property_bitwise_loss(data):
-        space = data.draw(st.sampled_from(sorted(SPACES)), label="space")
-        plan = SPACES[space].suggest(DrawingTrial(data.draw), profile)
-        modules = {fqn: dataclasses.replace(m, reshard_after_forward=data.draw(st.booleans(), label=f"raf:{fqn}"))
-                   for fqn, m in plan.modules.items()}
-        drawn = {k.name: data.draw(st.sampled_from(k.choices), label=k.name) for k in PLAN_KNOBS
-                 if not knobs.sampled(k, profile.fingerprint.device_type, microbatches, space=SpaceName(space))}
-        plan = dataclasses.replace(plan, modules=modules).with_knobs(**drawn)
-        if space != "assign":  # the module knobs where a space may set them (assign draws its own)
-            plan = dataclasses.replace(plan, modules={fqn: m.with_knobs(**{
-                k.name: data.draw(st.sampled_from(k.choices), label=f"{k.param}:{fqn}") for k in MODULE_KNOBS
-                if knobs.sampled(k, profile.fingerprint.device_type, microbatches,
-                                 not profile.modules[fqn].needs_parameters_in_backward)}) for fqn, m in
-                plan.modules.items()})
-        seen["reshard_after_backward=False"] += not plan.reshard_after_backward
-        seen["post_optim_event"] += plan.knobs.post_optim_event
-        seen["unshard_in_backward=False"] += not all(m.knobs.unshard_in_backward for m in plan.modules.values())
-        plan.validate()
-        seen[space] += 1
-        got = losses(Plan.from_dict(share(plan.to_dict())))
-        assert got == reference, f"losses {got} differ from the default's {reference}"
+    def for_space(space):
+        """The property, every plan drawn from ``space``."""
+        @settings(max_examples=-(-max_examples // len(SPACES)), deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.data())
+        def property_bitwise_loss(data):
+            plan = SPACES[space].suggest(DrawingTrial(data.draw), profile)
+            modules = {fqn: dataclasses.replace(m, reshard_after_forward=data.draw(st.booleans(), label=f"raf:{fqn}"))
+                       for fqn, m in plan.modules.items()}
+            drawn = {k.name: data.draw(st.sampled_from(k.choices), label=k.name) for k in PLAN_KNOBS
+                     if not knobs.sampled(k, profile.fingerprint.device_type, microbatches, space=SpaceName(space))}
+            plan = dataclasses.replace(plan, modules=modules).with_knobs(**drawn)
+            if space != "assign":  # the module knobs where a space may set them (assign draws its own)
+                plan = dataclasses.replace(plan, modules={fqn: m.with_knobs(**{
+                    k.name: data.draw(st.sampled_from(k.choices), label=f"{k.param}:{fqn}") for k in MODULE_KNOBS
+                    if knobs.sampled(k, profile.fingerprint.device_type, microbatches,
+                                     not profile.modules[fqn].needs_parameters_in_backward)}) for fqn, m in
+                    plan.modules.items()})
+            seen["reshard_after_backward=False"] += not plan.reshard_after_backward
+            seen["post_optim_event"] += plan.knobs.post_optim_event
+            seen["unshard_in_backward=False"] += not all(m.knobs.unshard_in_backward for m in plan.modules.values())
+            plan.validate()
+            seen[space] += 1
+            got = losses(Plan.from_dict(share(plan.to_dict())))
+            assert got == reference, f"losses {got} differ from the default's {reference}"
+        return property_bitwise_loss
 
     failure = None
     try:
-        property_bitwise_loss()
+        for space in sorted(SPACES):  # every space, each its share of the examples
+            for_space(space)()
     except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
         failure = f"{type(e).__name__}: {e}"
     finally:
