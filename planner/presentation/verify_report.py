@@ -3,7 +3,6 @@ agrees with the claim."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,8 +74,8 @@ def verify_report(result: Verification, tuner_modules: Sequence[str]) -> list[st
     else:
         lines.append("the verify ranks loaded nothing of the tuner (no study, simulator, Optuna or recorder), as a "
                      "user's job")
-    spread = max(result.launch_ratios) / min(result.launch_ratios) - 1 if result.launch_ratios else math.nan
     if len(result.launch_ratios) > 1:
+        spread = max(result.launch_ratios) / min(result.launch_ratios) - 1
         lines.append(f"the launches' ratios differ by {100 * spread:.1f}% (between-launch spread used: "
                      f"{100 * (c.tau or 0):.1f}% on the log scale)")
     return lines
