@@ -20,10 +20,10 @@ import torch.distributed as dist
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.errors import PlannerError
+from planner.statistics.launches import ConfirmLaunch
 from planner.statistics.schedule import confirmation_orders
 from planner.storages import check_writable
 from planner.study.confirmation import pending, record_launch
-from planner.study.records import ConfirmLaunch
 from runtime.apply import apply_plan
 from runtime.measuring.measure import measure_rounds, timed_step, warm_up
 from runtime.ranks.collectives import broadcast_from_rank0, control_group, gather_max

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import ModuleProfile, Profile
+from planner.statistics.launches import ConfirmLaunch
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings, Schedule
 
@@ -235,9 +236,10 @@ class LaunchModel:
         return np.stack([plan, default], axis=2)
 
 
-def as_launches(confirmation: np.ndarray) -> list[tuple[list[float], list[float]]]:
-    """One drawn confirmation (``(launches, 2, rounds)``) as ``confirm_launches``' ``(plan_ms, default_ms)`` pairs."""
-    return [(list(launch[0]), list(launch[1])) for launch in confirmation]
+def as_launches(confirmation: np.ndarray, picked: int = 0) -> list[ConfirmLaunch]:
+    """One drawn confirmation (``(launches, 2, rounds)``) as ``confirm_launches``' launches, the first ``picked`` of
+    them marked as their race's own process."""
+    return [ConfirmLaunch(list(launch[0]), list(launch[1]), picked=i < picked) for i, launch in enumerate(confirmation)]
 
 
 def at_most(rate: float, runs: int) -> int:

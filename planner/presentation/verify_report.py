@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from planner.artifacts.plan import Plan
 from planner.statistics.agreement import ClaimCheck, compare_with_claim
+from planner.statistics.launches import ConfirmLaunch
 from planner.statistics.verdict import Confirmation, confirm_launches, confirmation_text, step_noise_pct
 
 
@@ -34,7 +35,7 @@ def verification(plan: Plan, launches: Sequence[tuple[Sequence[float], Sequence[
         ValueError: no launch, or one with fewer rounds than a confirmation needs.
     """
     noise = step_noise_pct([list(t) for launch in launches for t in launch])
-    confirmation = confirm_launches(launches, noise)
+    confirmation = confirm_launches([ConfirmLaunch(list(p), list(d)) for p, d in launches], noise)
     p = plan.provenance
     claimed = p.measured_ratio if p.ratio_of == "total time" else None
     check = compare_with_claim(confirmation, claimed, p.ratio_ci95 if claimed is not None else None)

@@ -15,18 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from planner.errors import PlannerError
+from planner.statistics.launches import DEFAULT_SPREAD, ConfirmLaunch, Spread
 from planner.statistics.race import Race, RaceSettings
-from planner.statistics.verdict import (
-    DEFAULT_SPREAD,
-    Confirmation,
-    Spread,
-    confirm_launches,
-    confirmation_rounds,
-    step_noise_pct,
-)
-
-# Earlier launches of a plan against the default: per launch, (plan_ms, default_ms).
-Launches = list[tuple[list[float], list[float]]]
+from planner.statistics.verdict import Chain, Confirmation, confirm_launches, confirmation_rounds, step_noise_pct
 
 
 class Phase(enum.StrEnum):
@@ -81,8 +73,8 @@ class Schedule:
         confirmation: set once the confirmation ran (``None`` if every candidate was dropped).
         confirm_ms: ``{plan: step times}`` of the confirmation rounds, ms.
         on_drop: called with each dropped plan and the rounds run (progress reports).
-        earlier: per plan, its earlier launches against the default (a re-confirmation across restarts): the
-            in-process confirmation pools them with its own rounds.
+        earlier: per plan, its chain: earlier launches against the default and earlier looks (a re-confirmation
+            across restarts); the in-process confirmation pools the launches with its own rounds.
         clock: seconds, for the race's time budget.
         blocks: blocks handed out so far (progress bars: :meth:`planned_steps` changes only with a new block).
     """
@@ -92,7 +84,7 @@ class Schedule:
     confirm_settings: ConfirmSettings = field(default_factory=ConfirmSettings)
     default: int = 0
     on_drop: Callable[[int, int], None] | None = None
-    earlier: dict[int, Launches] = field(default_factory=dict)
+    earlier: dict[int, Chain] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     race: Race = field(init=False)
     phase: Phase = field(init=False, default=Phase.RACE)
@@ -141,9 +133,22 @@ class Schedule:
                 for plan, ms in step_ms.items():
                     self.confirm_ms.setdefault(plan, []).append(ms)
             noise = step_noise_pct([self.confirm_ms[survivor], self.confirm_ms[self.default]])
-            launches = [*self.earlier.get(survivor, []), (self.confirm_ms[survivor], self.confirm_ms[self.default])]
-            self.confirmation = confirm_launches(launches, noise, self.confirm_settings.spread)
+            chain = self.earlier.get(survivor, Chain())
+            self.confirmation = confirm_launches([*chain.launches, self.confirm_launch()], noise,
+                                                 self.confirm_settings.spread, chain.looks)
             self.phase = Phase.DONE
+
+    def confirm_launch(self) -> ConfirmLaunch:
+        """This process's confirmation rounds as a launch, ``picked`` when its race chose the survivor among two
+        candidates or more ([Note: The race's own process] in :mod:`planner.statistics.verdict`).
+
+        Raises:
+            PlannerError: the confirmation has not run.
+        """
+        survivor = self.survivor
+        if survivor is None or survivor not in self.confirm_ms:
+            raise PlannerError("no confirmation rounds ran in this process")
+        return ConfirmLaunch(self.confirm_ms[survivor], self.confirm_ms[self.default], picked=self.n_plans > 2)
 
     def planned_steps(self) -> int:
         """Steps still to run at most, as known at the last block handed out (progress bars): the race's rest and the

@@ -5,143 +5,72 @@ winner's curse), so the figure the tool reports comes from rounds the
 selection never saw. The survivor and the default run again, interleaved
 (in each pair of rounds one order and then the other, which comes first
 drawn at random), in one or more launches (processes). The figure is the
-total-time ratio: what the plan's steps cost in all, over what FSDP2's
-default's cost ([Note: The estimand is total time]); its interval includes
-the spread between processes ([Note: Between-launch spread]); the verdict
+total-time ratio ([Note: The estimand is total time] in
+:mod:`planner.statistics.launches`); its interval includes the spread between
+processes, never below the prior's ([Note: The spread is floored at the
+prior]), at the level the plan's chain of looks leaves it ([Note: Looks spent
+over the restart chain] in :mod:`planner.statistics.looks`); the verdict
 follows from the interval.
 
-[Note: The estimand is total time]
-A user pays for the sum of the steps, not for the median one. A plan 2%
-faster on most steps that stalls at 1.5x on one step in ten costs 2.9% more
-in all, and a median-based test calls it faster. So per launch ``l`` with
-rounds ``(p_i, d_i)`` the estimate is ``y_l = log(sum p / sum d)``, the log of
-the ratio of the two plans' total times, with the within-launch variance of
-the linearised estimator (delta method; Cochran, *Sampling Techniques*,
-6.9): ``v_l = var(p_i / mean(p) - d_i / mean(d)) / n``. Paired rounds share
-the machine's slow moments, which cancel in the difference. The median
-per-round ratio is kept as a descriptive figure, labelled so.
-
-[Note: Between-launch spread]
-A process's rounds share its state (allocator, caches, where the OS put its
-threads), so a plan's gain moves from process to process by more than one
-process's rounds can see: ``y_l = mu + delta_l + e_l`` with ``delta_l ~ N(0,
-tau^2)`` between launches and ``e_l ~ N(0, v_l)`` within. The combined
-estimate weighs the launches by ``1 / (v_l + tau^2)`` (the random-effects
-mean; DerSimonian & Laird 1986), its standard error is
-``1 / sqrt(sum w_l)``, and the 95% interval is ``mu +- t * se`` with Student's
-``t`` on the degrees of freedom ``tau`` rests on. ``tau`` comes from
-:class:`Spread`: a conservative prior (``tau = 0.045`` on the log scale,
-worth 8 degrees of freedom: above the 0.02-0.035 measured between fresh
-processes on GPT-2 and Llama) pooled with the study's own multi-launch
-evidence, each launch group adding ``L - 1`` degrees of freedom and its
-moment estimate ``s^2 - mean(v)`` (a scaled-inverse-chi-square update). A
-single launch can still be called faster, when its gain clears the spread.
+[Note: The race's own process]
+The in-loop tuner races and confirms in one process, and so does ``tune``
+without fresh launches. The survivor won its race partly on that process's
+offset ``delta_l``, which its confirmation rounds share: with 3 or 5
+candidates that have nothing to gain the survivor's offset averaged -3.1%
+or -4.1%. So a launch whose race picked the survivor among two candidates or
+more (:attr:`ConfirmLaunch.picked`) never shows a plan faster, and adds
+nothing to the spread: "faster" rests on the fresh launches, those the race
+did not pick from. A race of one candidate (a recheck of the study's
+recommendation) picks nothing; it only drops a plan significantly slower.
 
 [Note: Provisional verdicts]
-When the launches' own rounds say faster (the interval with ``tau = 0``
-lies below 1) but the spread is not cleared, the verdict is
-``PROVISIONAL``: never "faster". The plan is applied (every plan leaves the
-loss bitwise identical, so it costs nothing in correctness) and the in-loop
-tuner's next start re-confirms it on a few steps, adding a launch, until
-it is faster across processes or, at :data:`MAX_LAUNCHES` launches, the
-default returns. The looks this makes (one per launch count, at most
-:data:`MAX_LAUNCHES`) are checked together by simulation: with the prior
-above and ``tau = 0.04`` their joint false-"faster" rate stays under 2.5%
-(``tests/planner/statistics/test_verdict.py``).
+When the launches' own rounds say faster (the interval without the spread,
+over every launch, lies below 1) but the fresh launches do not clear the
+spread, the verdict is ``PROVISIONAL``: measured, not applied. The study
+keeps recommending FSDP2's default, and the plan races again at the in-loop
+tuner's next start and in a later ``tune`` job, each adding a fresh launch,
+until it is faster across processes or, at :data:`MAX_LAUNCHES` fresh
+launches, the chain ends. Applying it would have had no bound: a plan 2.9%
+slower in total came out provisional 28-48% of the time at 8 rounds, and
+16-28% of plans with nothing to gain did. Only "faster" is applied, so
+what runs is wrong at most 2.5% of the time, over every look.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-# The confirmation's two-sided level: each side's error is at most half of it.
-LEVEL = 0.95
+from planner.statistics.launches import (
+    DEFAULT_SPREAD,
+    MIN_ROUNDS,
+    ConfirmLaunch,
+    LaunchEstimate,
+    Spread,
+    UsedSpread,
+    launch_estimate,
+    plan_spread,
+    pooled,
+)
+from planner.statistics.looks import ALPHA, MAX_LAUNCHES, Looks
+
+# The confirmation's two-sided level: each side's error is at most half of it, over every look.
+LEVEL = 1 - 2 * ALPHA
 # 80% power, the usual target when sizing a test.
 POWER = 0.8
-# Rounds a launch needs for its within-launch variance (the sizing keeps confirmations at 6 or more).
-MIN_ROUNDS = 4
-# Launches a provisional verdict gathers before the default returns ([Note: Provisional verdicts]).
-MAX_LAUNCHES = 3
 
 
 class Verdict(enum.StrEnum):
     """What the confirmation says of a plan against FSDP2's default."""
 
-    FASTER = "faster"  # the interval's upper end is below 1, the spread between processes included
-    PROVISIONAL = "provisional"  # faster in the launches measured, not across processes yet
+    FASTER = "faster"  # the interval's upper end is below 1, the spread between processes included: applied
+    PROVISIONAL = "provisional"  # faster in the launches measured, not across processes yet: not applied
     SLOWER = "slower"  # its lower end is above 1
     NO_SIGNIFICANT_DIFFERENCE = "no significant difference"
-
-
-@dataclass(frozen=True)
-class LaunchEstimate:
-    """One launch's total-time ratio ([Note: The estimand is total time]).
-
-    Attributes:
-        log_ratio: ``log(sum plan_ms / sum default_ms)``.
-        variance: its within-launch variance (delta method).
-        rounds: the paired rounds.
-    """
-
-    log_ratio: float
-    variance: float
-    rounds: int
-
-
-def launch_estimate(plan_ms: Sequence[float], default_ms: Sequence[float]) -> LaunchEstimate:
-    """The launch's log total-time ratio and its within-launch variance.
-
-    Args:
-        plan_ms, default_ms: step times of the same rounds, ms.
-
-    Raises:
-        ValueError: fewer than :data:`MIN_ROUNDS` rounds, lists of different lengths, or a time not positive.
-    """
-    p, d = np.asarray(plan_ms, float), np.asarray(default_ms, float)
-    if len(p) != len(d) or len(p) < MIN_ROUNDS:
-        raise ValueError(f"a confirmation launch needs {MIN_ROUNDS} or more paired rounds, found {len(p)} and "
-                         f"{len(d)}")
-    if not (np.all(p > 0) and np.all(d > 0)):
-        raise ValueError("a confirmation's step times must be positive")
-    u = p / p.mean() - d / d.mean()
-    return LaunchEstimate(math.log(p.sum() / d.sum()), float(u.var(ddof=1)) / len(p), len(p))
-
-
-@dataclass(frozen=True)
-class Spread:
-    """The spread of a plan's log total-time ratio between launches, ``tau``, and the degrees of freedom it rests
-    on ([Note: Between-launch spread]).
-
-    Attributes:
-        tau: standard deviation between launches, log scale (0.03: about 3%).
-        df: degrees of freedom: the prior's plus one less than each evidence group's launches.
-    """
-
-    tau: float
-    df: float
-
-    def updated(self, groups: Sequence[Sequence[LaunchEstimate]]) -> Spread:
-        """This spread pooled with the launches of ``groups`` (each: one plan's launches against the default; groups
-        of one launch carry no evidence): ``tau^2 = (df tau^2 + sum (L - 1)(s^2 - mean v)) / (df + sum (L - 1))``,
-        floored at 0."""
-        df, total = self.df, self.df * self.tau ** 2
-        for group in groups:
-            if len(group) < 2:
-                continue
-            y = np.array([g.log_ratio for g in group])
-            total += (len(group) - 1) * (float(y.var(ddof=1)) - float(np.mean([g.variance for g in group])))
-            df += len(group) - 1
-        return Spread(math.sqrt(max(total, 0.0) / df), df)
-
-
-# The conservative prior every study starts from ([Note: Between-launch spread]).
-DEFAULT_SPREAD = Spread(0.045, 8.0)
 
 
 @dataclass(frozen=True)
@@ -149,9 +78,10 @@ class Confirmation:
     """A confirmed comparison of a plan with FSDP2's default.
 
     Attributes:
-        ratio: the total-time ratio plan / default: the launches' random-effects mean, as a ratio
-            ([Note: The estimand is total time]).
-        ci95: ``(low, high)``: the 95% interval of ``ratio``, the spread between launches included.
+        ratio: the total-time ratio plan / default over the fresh launches (every launch when none is fresh), as a
+            ratio ([Note: The estimand is total time]).
+        ci95: ``(low, high)``: its interval, the spread between launches included, at the level the plan's chain
+            of looks leaves ([Note: Looks spent over the restart chain]): 95% over every look together.
         rounds: fresh rounds measured, all launches together.
         noise_pct: step-to-step interquartile range / median of the two plans' steps, %.
         verdict: :class:`Verdict` from ``ci95`` (and ``within_ci95`` for ``PROVISIONAL``).
@@ -160,7 +90,14 @@ class Confirmation:
             confirmations stored before the total-time estimand.
         tau: the between-launch spread the interval used (log scale); ``None`` on older confirmations, whose
             ``ratio`` is the median per-round ratio with a sign-test interval.
-        within_ci95: the 95% interval without the spread between launches: what the launches' own rounds say.
+        within_ci95: the 95% interval over every launch without the spread between launches: what the launches' own
+            rounds say.
+        fresh: the launches the verdict rests on, those no race picked the plan in ([Note: The race's own
+            process]); ``None`` on confirmations stored before it was kept (every launch counted).
+        df: the degrees of freedom of the spread's estimate; ``None`` when the spread is the floor (a stated
+            bound) or on older confirmations.
+        level: the one-sided level this look tested "faster" at (0: it could not); ``None`` on older
+            confirmations.
     """
 
     ratio: float
@@ -172,35 +109,48 @@ class Confirmation:
     median_ratio: float | None = None
     tau: float | None = None
     within_ci95: tuple[float, float] | None = None
+    fresh: int | None = None
+    df: float | None = None
+    level: float | None = None
 
     @property
     def total_time(self) -> bool:
         """Whether ``ratio`` is the total-time ratio (else an older confirmation's median per-round ratio)."""
         return self.tau is not None
 
+    @property
+    def fresh_launches(self) -> int:
+        """The launches the verdict rests on (every launch on confirmations that predate ``fresh``)."""
+        return self.launches if self.fresh is None else self.fresh
+
     def line(self) -> str:
         """``total-time ratio 0.893, 95% CI [0.861, 0.925] over 48 fresh rounds in 2 launches: faster (median
         round 0.887)``; a provisional verdict adds what the launches' own rounds say."""
-        text = f"{confirmation_text(self.ratio, self.ci95, self.rounds, self.launches, self.total_time)}: " \
-               f"{self.verdict}"
+        text = f"{confirmation_text(self.ratio, self.ci95, self.rounds, self.launches, self.total_time)}"
+        if self.fresh is not None and self.fresh < self.launches:
+            text += f" ({self.launches - self.fresh} of them the race's own, which cannot show it faster)"
+        text += f": {self.verdict}"
         if self.verdict == Verdict.PROVISIONAL and self.within_ci95 is not None:
             text += (f" (within these launches 95% CI [{self.within_ci95[0]:.3f}, {self.within_ci95[1]:.3f}]; "
-                     f"not yet across processes: the in-loop tuner's next start adds a launch, up to "
-                     f"{MAX_LAUNCHES})")
+                     f"not applied until it is faster across processes: each in-loop start or tune job adds a "
+                     f"fresh launch, up to {MAX_LAUNCHES})")
         if self.median_ratio is not None:
             text += f" (median round {self.median_ratio:.3f}, descriptive)"
         return text
 
     def detectable(self) -> float:
-        """The total-time gain (0.07 = 7%) a confirmation of as many launches and rounds calls faster with 80% power,
-        at the within-launch noise and the spread this one measured (:func:`detectable_gain`); ``nan`` for an older
-        confirmation, which has neither."""
+        """The total-time gain (0.07 = 7%) a confirmation of as many fresh launches and rounds calls faster with 80%
+        power, at the within-launch noise and the spread this one used (:func:`detectable_gain`); ``nan`` for an
+        older confirmation, which has neither."""
         if self.tau is None or self.within_ci95 is None:
             return float("nan")
-        launches, per_launch = max(1, self.launches), max(MIN_ROUNDS, self.rounds // max(1, self.launches))
-        se0 = math.log(self.within_ci95[1] / self.within_ci95[0]) / (2 * _quantile(self.rounds - launches))
+        launches, fresh = max(1, self.launches), max(1, self.fresh_launches)
+        per_launch = max(MIN_ROUNDS, self.rounds // launches)
+        se0 = math.log(self.within_ci95[1] / self.within_ci95[0]) / (2 * _t_quantile(self.rounds - launches))
         sigma = se0 * math.sqrt(launches * per_launch)  # the per-round noise the within-launch interval implies
-        return detectable_gain(launches, per_launch, sigma, Spread(self.tau, DEFAULT_SPREAD.df + launches - 1))
+        # the study's spread before this confirmation's own launches, which power() adds back
+        spread = Spread(self.tau, max(0.0, self.df - (fresh - 1))) if self.df is not None else DEFAULT_SPREAD
+        return detectable_gain(fresh, per_launch, sigma, spread)
 
 
 def step_noise_pct(series: list[list[float]]) -> float:
@@ -218,90 +168,146 @@ def step_noise_pct(series: list[list[float]]) -> float:
     return statistics.median(spreads) if spreads else float("nan")
 
 
-@functools.cache
-def _quantile(df: float) -> float:
+def _t_quantile(df: float) -> float:
+    """Student's ``t`` at the two-sided 95% level."""
     from scipy.stats import t
 
-    return float(t.ppf(0.5 + LEVEL / 2, df))
+    return float(t.isf(ALPHA, df))
+
+
+def quantile(level: float, used: UsedSpread) -> float:
+    """The one-sided quantile at ``level`` for a spread ``used``: normal at the floor, Student's ``t`` on the
+    estimate's degrees of freedom above it ([Note: The spread is floored at the prior]); ``inf`` at level 0."""
+    from scipy.stats import norm, t
+
+    if level <= 0:
+        return math.inf
+    return float(norm.isf(level) if used.df is None else t.isf(level, used.df))
 
 
 def verdict_of(ci95: tuple[float, float], within_ci95: tuple[float, float] | None = None,
-               launches: int = 1) -> Verdict:
+               fresh: int = 1) -> Verdict:
     """``FASTER`` when the interval's upper end is below 1, ``SLOWER`` when its lower end is above 1; else
-    ``PROVISIONAL`` when ``within_ci95`` lies below 1 and fewer than :data:`MAX_LAUNCHES` launches were measured
-    ([Note: Provisional verdicts])."""
+    ``PROVISIONAL`` when ``within_ci95`` lies below 1 and fewer than :data:`MAX_LAUNCHES` fresh launches were
+    measured ([Note: Provisional verdicts])."""
     low, high = ci95
     if high < 1.0:
         return Verdict.FASTER
     if low > 1.0:
         return Verdict.SLOWER
-    if within_ci95 is not None and within_ci95[1] < 1.0 and launches < MAX_LAUNCHES:
+    if within_ci95 is not None and within_ci95[1] < 1.0 and fresh < MAX_LAUNCHES:
         return Verdict.PROVISIONAL
     return Verdict.NO_SIGNIFICANT_DIFFERENCE
 
 
-def _pooled(estimates: Sequence[LaunchEstimate], tau: float) -> tuple[float, float]:
-    w = np.array([1.0 / (e.variance + tau ** 2) if e.variance + tau ** 2 > 0 else 1e12 for e in estimates])
-    y = np.array([e.log_ratio for e in estimates])
-    return float((w * y).sum() / w.sum()), float(1.0 / math.sqrt(w.sum()))
+@dataclass(frozen=True)
+class Chain:
+    """What a plan brings to its confirmation from earlier processes: the launches of the trials it re-confirms
+    (oldest first) and the looks they were given.
+
+    Attributes:
+        launches: the earlier launches' rounds.
+        looks: the earlier looks ([Note: Looks spent over the restart chain]).
+    """
+
+    launches: tuple[ConfirmLaunch, ...] = ()
+    looks: Looks = field(default_factory=Looks)
 
 
 def confirm(plan_ms: list[float], default_ms: list[float], noise_pct: float,
             spread: Spread = DEFAULT_SPREAD) -> Confirmation:
-    """One launch's confirmation (:func:`confirm_launches` of one launch).
+    """One fresh launch's confirmation, the first look of its chain (:func:`confirm_launches`).
 
     Raises:
         ValueError: fewer than :data:`MIN_ROUNDS` rounds, or lists of different lengths.
     """
-    return confirm_launches([(plan_ms, default_ms)], noise_pct, spread)
+    return confirm_launches([ConfirmLaunch(list(plan_ms), list(default_ms))], noise_pct, spread)
 
 
-def confirm_launches(launches: Sequence[tuple[Sequence[float], Sequence[float]]], noise_pct: float,
-                     spread: Spread = DEFAULT_SPREAD) -> Confirmation:
-    """One confirmation from the rounds of one or more launches ([Note: Between-launch spread]).
+def confirm_launches(launches: Sequence[ConfirmLaunch], noise_pct: float, spread: Spread = DEFAULT_SPREAD,
+                     looks: Looks | None = None) -> Confirmation:
+    """One confirmation from the rounds of one or more launches.
+
+    The figure and the verdict rest on the fresh launches ([Note: The race's own process]), weighed by their
+    rounds ([Note: Launches weigh by their rounds]), at the spread :func:`plan_spread` allows and the level
+    ``looks`` leaves ([Note: Looks spent over the restart chain]). Without a fresh launch the figure is every
+    launch's and the verdict is at most ``PROVISIONAL``.
 
     Args:
-        launches: per launch, ``(plan_ms, default_ms)``: step times of its rounds, ms.
+        launches: the launches' rounds, oldest first.
         noise_pct: the step noise to report with it, %.
-        spread: the study's between-launch spread before these launches (their own spread is added to it).
+        spread: the study's between-launch spread before these launches (the prior pooled with other plans'
+            launches): it can only raise the spread used.
+        looks: the plan's earlier looks.
 
     Raises:
         ValueError: no launch, or a launch with fewer than :data:`MIN_ROUNDS` rounds or lists of different lengths.
     """
     if not launches:
         raise ValueError("a confirmation needs at least one launch")
-    estimates = [launch_estimate(p, d) for p, d in launches]
-    used = spread.updated([estimates])
-    mu, se = _pooled(estimates, used.tau)
-    q = _quantile(used.df)
+    every = [launch_estimate(x.plan_ms, x.default_ms) for x in launches]
+    fresh = [e for e, x in zip(every, launches, strict=True) if not x.picked]
+    used = plan_spread(spread, fresh)
+    mu, se = pooled(fresh or every, used.tau)
+    level = (looks or Looks()).level(len(fresh))
+    q = quantile(level if fresh else ALPHA, used)
     ci95 = (math.exp(mu - q * se), math.exp(mu + q * se))
-    mu0, se0 = _pooled(estimates, 0.0)
-    q0 = _quantile(sum(e.rounds - 1 for e in estimates))  # Student's t on the rounds' own degrees of freedom
+    mu0, se0 = pooled(every, 0.0)
+    q0 = _t_quantile(sum(e.rounds - 1 for e in every))  # Student's t on the rounds' own degrees of freedom
     within = (math.exp(mu0 - q0 * se0), math.exp(mu0 + q0 * se0))
-    logs = np.concatenate([np.log(np.asarray(p, float) / np.asarray(d, float)) for p, d in launches])
-    return Confirmation(math.exp(mu), ci95, len(logs), noise_pct, verdict_of(ci95, within, len(estimates)),
-                        len(estimates), math.exp(float(np.median(logs))), used.tau, within)
+    verdict = verdict_of(ci95 if fresh and level > 0 else (ci95[0], max(ci95[1], 1.0)), within, len(fresh))
+    logs = np.concatenate([np.log(np.asarray(x.plan_ms, float) / np.asarray(x.default_ms, float)) for x in launches])
+    return Confirmation(math.exp(mu), ci95, len(logs), noise_pct, verdict, len(every),
+                        math.exp(float(np.median(logs))), used.tau, within, len(fresh), used.df, level)
 
 
-def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread = DEFAULT_SPREAD) -> float:
-    """The chance that ``launches`` launches of ``rounds`` rounds call a plan faster whose total time is ``gain``
-    lower (0.07 = 7%), for per-round log-ratio noise ``sigma``, between-launch spread ``spread``: the combined
-    test's ``P(T_df > t - delta / se)``, ``se^2 = (sigma^2 / rounds + tau^2) / launches`` (the normal model of
-    [Note: Between-launch spread], ``tau`` as the study knows it now)."""
-    from scipy.stats import t
+def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread = DEFAULT_SPREAD,
+          looks: Looks | None = None, tau: float | None = None, floor: float = DEFAULT_SPREAD.tau) -> float:
+    """The chance that a look at ``launches`` fresh launches of ``rounds`` rounds calls faster a plan whose total
+    time is ``gain`` lower (0.07 = 7%), for per-round log-ratio noise ``sigma``, the study's spread ``spread``
+    before these launches and a true between-launch spread ``tau`` (default: ``spread.tau``).
+
+    Exact under the normal model of [Note: Between-launch spread], computed as the verdict decides: the
+    launches' mean ``mu ~ N(-delta, se^2)``, ``se^2 = (sigma^2 / rounds + tau^2) / launches``, is independent of
+    their sample variance ``s^2 ~ (sigma^2 / rounds + tau^2) chi2(launches - 1) / (launches - 1)``, which sets
+    the spread the verdict uses (the study's pooled with it, never below ``floor``: [Note: The spread is floored at
+    the prior]) and so its quantile (normal at the floor, Student's ``t`` above it) at the level ``looks`` leaves.
+    So ``power = E[Phi((delta - q(s^2) se_used(s^2)) / se)]`` over ``s^2``, by quadrature on its quantiles. Where
+    the spread is estimated from the launches alone (``spread.df = 0``, no floor, no within noise) this is the
+    noncentral ``t``'s ``nct.sf(t_q, launches - 1, delta / se)`` (the tests check it against ``scipy.stats.nct``).
+    """
+    from scipy.stats import chi2, norm
 
     if launches < 1 or rounds < MIN_ROUNDS or gain <= 0:
         return 0.0
+    level = (looks or Looks()).level(launches)
+    if level <= 0:
+        return 0.0
     sigma = 0.0 if not sigma == sigma else sigma
-    se = math.sqrt((sigma ** 2 / rounds + spread.tau ** 2) / launches)
-    delta = -math.log1p(-gain)
-    df = spread.df + launches - 1
-    return float(t.sf(_quantile(df) - delta / se, df)) if se > 0 else 1.0
+    true_tau = spread.tau if tau is None else tau
+    delta, v = -math.log1p(-gain), sigma ** 2 / rounds
+    se = math.sqrt((v + true_tau ** 2) / launches)
+    own = launches - 1
+    if own > 0:  # the sample variance of the launches' log ratios, at quantile midpoints
+        s2 = (v + true_tau ** 2) * chi2.ppf((np.arange(400) + 0.5) / 400, own) / own
+        df = spread.df + own
+        tau2 = (spread.df * spread.tau ** 2 + own * (s2 - v)) / df
+    else:
+        df, tau2 = spread.df, np.array([spread.tau ** 2])
+    estimate = np.sqrt(np.maximum(tau2, 0.0))
+    at_floor = estimate <= floor
+    tau_used = np.where(at_floor, floor, estimate)
+    q = np.where(at_floor, quantile(level, UsedSpread(floor, None)),
+                 quantile(level, UsedSpread(1.0, df)) if df > 0 else math.inf)
+    se_used = np.sqrt((v + tau_used ** 2) / launches)
+    if se == 0:
+        return float(np.mean(delta > q * se_used))
+    return float(np.mean(norm.cdf((delta - q * se_used) / se)))
 
 
 def detectable_gain(launches: int, rounds: int, sigma: float, spread: Spread = DEFAULT_SPREAD) -> float:
-    """The smallest total-time gain (0.07 = 7%) that ``launches`` launches of ``rounds`` rounds call faster with 80%
-    power (:func:`power`); ``nan`` when ``sigma`` is unknown."""
+    """The smallest total-time gain (0.07 = 7%) that a first look at ``launches`` fresh launches of ``rounds`` rounds
+    calls faster with 80% power (:func:`power`); ``nan`` when ``sigma`` is unknown."""
     if not sigma == sigma:
         return float("nan")
     lo, hi = 0.0, 0.99
@@ -313,17 +319,17 @@ def detectable_gain(launches: int, rounds: int, sigma: float, spread: Spread = D
 
 def confirmation_rounds(sigma: float, resolve: float = 0.03, bounds: tuple[int, int] = (8, 30), launches: int = 1,
                         spread: Spread = DEFAULT_SPREAD) -> int:
-    """The fewest even rounds per launch within ``bounds`` at which ``launches`` launches find a plan faster by
-    ``resolve`` (0.03 = 3%) with 80% power (:func:`power`); else the even count within ``bounds`` past which more
-    rounds add less than a point of power (the spread between launches then dominates: more launches, not more
-    rounds, would resolve it).
+    """The fewest even rounds per launch within ``bounds`` at which a first look at ``launches`` fresh launches
+    finds a plan faster by ``resolve`` (0.03 = 3%) with 80% power (:func:`power`); else the even count within
+    ``bounds`` past which more rounds add less than a point of power (the spread between launches then dominates:
+    more launches, not more rounds, would resolve it).
 
     Args:
         sigma: standard deviation of the per-round log ratios, as the race measured it (``nan``: the upper bound).
         resolve: the speed-up to resolve.
         bounds: ``(fewest, most)`` rounds; rounded to even counts inside them, at least 6.
         launches: the launches the confirmation runs in (at least 1).
-        spread: the study's between-launch spread.
+        spread: the study's between-launch spread before the confirmation.
     """
     low, high = max(6, bounds[0] + bounds[0] % 2), max(6, bounds[1] - bounds[1] % 2)
     if not sigma == sigma:
@@ -345,3 +351,10 @@ def confirmation_text(ratio: float, ci95: tuple[float, float] | Sequence[float],
     where = f" in {launches} launches" if launches != 1 else " in 1 launch"
     figure = "total-time ratio" if total_time else "median ratio"
     return f"{figure} {ratio:.3f}, 95% CI [{low:.3f}, {high:.3f}] over {rounds} fresh rounds{where}"
+
+
+__all__ = [
+    "DEFAULT_SPREAD", "LEVEL", "MAX_LAUNCHES", "MIN_ROUNDS", "POWER", "Chain", "Confirmation", "ConfirmLaunch",
+    "LaunchEstimate", "Looks", "Spread", "Verdict", "confirm", "confirm_launches", "confirmation_rounds",
+    "confirmation_text", "detectable_gain", "launch_estimate", "power", "quantile", "step_noise_pct", "verdict_of",
+]

@@ -24,7 +24,7 @@ from planner.errors import PlannerError, StudyNotFoundError
 from planner.statistics.verdict import Confirmation, confirm_launches, step_noise_pct
 from planner.storages import open_storage, storage_errors
 from planner.storages.archive import confirmation_rows, save_confirmation_row, stored_plan, update_plan
-from planner.study.evidence import earlier_launches, own_launches, study_spread
+from planner.study.evidence import chain_of, own_launches, study_spread
 from planner.study.provenance import provenance_of
 from planner.study.queries import BestPlan, best_plan, measured_records
 from planner.study.recommendation import JobVerdict, job_verdicts
@@ -114,8 +114,9 @@ def conclude(config: StudyConfig, job: str, plan_out: str) -> tuple[Confirmation
             launches = s.confirm_launches
             noise = step_noise_pct([x.plan_ms for x in launches] + [x.default_ms for x in launches])
             records = measured_records(storage, study)
-            earlier = earlier_launches({r.number: r for r in records}, s.reconfirms)
-            confirmation = confirm_launches(earlier + own_launches(s), noise, study_spread(records, s.plan_key))
+            chain = chain_of({r.number: r for r in records}, s.reconfirms)
+            confirmation = confirm_launches([*chain.launches, *own_launches(s)], noise,
+                                            study_spread(records, s.plan_key), chain.looks)
             save_confirmation_row(storage.engine, config.name, s.number,
                                   confirmation=MeasuredTrialRecord(confirmation=confirmation).to_user_attrs())
             plan = stored_plan(storage.engine, config.name, s.number)

@@ -2,17 +2,19 @@
 
 Every confirmation stores its launches' rounds on its trial
 (``confirm_launches``: the fresh launches of ``tune``, or the one in-process
-launch of the in-loop tuner and of ``tune`` under torchrun). From them:
+launch of the in-loop tuner and of ``tune`` under torchrun, marked ``picked``
+when that process's race chose the plan among several). From them:
 - the spread between launches the study has seen
   (:func:`study_spread`, [Note: Between-launch spread] in
-  ``planner.statistics.verdict``): the conservative prior pooled with every
-  plan measured in two launches or more;
-- the launches behind a re-confirmed recommendation (:func:`earlier_launches`):
-  a later job races the study's recommendation again as a fresh trial that
-  ``reconfirms`` the trial it was recommended by, and that trial may itself
+  ``planner.statistics.launches``): the prior pooled with every plan measured
+  in two fresh launches or more;
+- the chain behind a re-confirmed plan (:func:`chain_of`): a later job races
+  the study's recommendation, or its provisional plan, again as a fresh trial
+  that ``reconfirms`` the trial it came from, and that trial may itself
   re-confirm an older one; the chain's launches are the same plan against
   the same job's default, each in its own process, and the new launch is
-  confirmed together with them ([Note: Provisional verdicts]).
+  confirmed together with them, at the level the chain's earlier looks leave
+  ([Note: Looks spent over the restart chain] in ``planner.statistics.looks``).
 Torch-free: built from trial records.
 """
 
@@ -20,35 +22,51 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from planner.statistics.schedule import Launches
-from planner.statistics.verdict import DEFAULT_SPREAD, Spread, launch_estimate
+from planner.statistics.launches import DEFAULT_SPREAD, ConfirmLaunch, Spread, launch_estimate
+from planner.statistics.looks import Looks
+from planner.statistics.verdict import Chain, Verdict
 from planner.study.records import MeasuredTrialRecord
 
 
-def own_launches(record: MeasuredTrialRecord) -> Launches:
-    """The trial's own confirmation launches as ``(plan_ms, default_ms)`` pairs (none if it was not confirmed)."""
-    return [(list(x.plan_ms), list(x.default_ms)) for x in record.confirm_launches or []]
+def own_launches(record: MeasuredTrialRecord) -> list[ConfirmLaunch]:
+    """The trial's own confirmation launches (none if it was not confirmed)."""
+    return list(record.confirm_launches or [])
 
 
 def study_spread(records: Iterable[MeasuredTrialRecord], exclude: str | None = None) -> Spread:
-    """The study's between-launch spread: :data:`~planner.statistics.verdict.DEFAULT_SPREAD` pooled with each plan's
-    launches (grouped by ``plan_key``, every trial of it), leaving out plan ``exclude`` (the plan being confirmed,
-    whose own launches its confirmation adds)."""
-    groups: dict[str, Launches] = {}
+    """The study's between-launch spread: :data:`~planner.statistics.launches.DEFAULT_SPREAD` pooled with each
+    plan's fresh launches (grouped by ``plan_key``, every trial of it; a race's own process is biased, [Note: The
+    race's own process]), leaving out plan ``exclude`` (the plan being confirmed, whose own launches its
+    confirmation adds). A verdict never uses less than the prior's spread ([Note: The spread is floored at the
+    prior])."""
+    groups: dict[str, list[ConfirmLaunch]] = {}
     for r in records:
         if r.plan_key and r.plan_key != exclude and r.confirm_launches:
-            groups.setdefault(r.plan_key, []).extend(own_launches(r))
-    return DEFAULT_SPREAD.updated([[launch_estimate(p, d) for p, d in g] for g in groups.values()])
+            groups.setdefault(r.plan_key, []).extend(x for x in own_launches(r) if not x.picked)
+    return DEFAULT_SPREAD.updated([[launch_estimate(x.plan_ms, x.default_ms) for x in g] for g in groups.values()])
 
 
-def earlier_launches(by_number: Mapping[int, MeasuredTrialRecord], reconfirms: int | None) -> Launches:
-    """The launches of the chain of trials that ``reconfirms`` starts (oldest first); a trial in the chain that
-    is missing ends it."""
-    out: Launches = []
+def chain_of(by_number: Mapping[int, MeasuredTrialRecord], reconfirms: int | None) -> Chain:
+    """The chain of trials that ``reconfirms`` starts: their launches (oldest first) and the looks their
+    confirmations were ([Note: Looks spent over the restart chain]); a trial in the chain that is missing ends
+    it. A look counts by its fresh launches; one that called the plan faster (total time) makes every later look
+    a re-confirmation."""
+    trials: list[MeasuredTrialRecord] = []
     seen: set[int] = set()
     while reconfirms is not None and reconfirms in by_number and reconfirms not in seen:
         seen.add(reconfirms)
-        record = by_number[reconfirms]
-        out = own_launches(record) + out
-        reconfirms = record.reconfirms
-    return out
+        trials.insert(0, by_number[reconfirms])
+        reconfirms = by_number[reconfirms].reconfirms
+    launches: list[ConfirmLaunch] = []
+    earlier: list[int] = []
+    reconfirming = False
+    for r in trials:
+        launches += own_launches(r)
+        c = r.confirmation
+        if c is None:
+            continue
+        if c.verdict == Verdict.FASTER and c.total_time:
+            reconfirming = True
+        elif c.fresh_launches > (earlier[-1] if earlier else 0):
+            earlier.append(c.fresh_launches)
+    return Chain(tuple(launches), Looks(tuple(earlier), reconfirming))

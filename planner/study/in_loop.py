@@ -36,7 +36,7 @@ from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError, StudyConfigError, StudyModelMismatchError
-from planner.statistics.verdict import MAX_LAUNCHES
+from planner.statistics.looks import MAX_LAUNCHES
 from planner.units import mib
 
 SOURCE = "in-loop"  # trial attribute ``source`` of the trials the in-loop tuner measures
@@ -123,9 +123,9 @@ def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Finger
     """Tune, or reuse the study's recommendation ([Note: Tuning on the user's steps]).
 
     A recheck of a recommended plan re-confirms it on a few steps (:attr:`StartDecision.recheck`); a recheck of a
-    study that recommends FSDP2's default has nothing to re-confirm, so it tunes afresh. A recommendation that
-    waits on more launches (provisional, [Note: Provisional verdicts] in ``planner.statistics.verdict``) is
-    re-confirmed at every start, recheck or not: each start is a fresh process, one more launch.
+    study that recommends FSDP2's default has nothing to re-confirm, so it tunes afresh. A pending plan
+    (provisional, [Note: Provisional verdicts] in ``planner.statistics.verdict``) is re-confirmed at every start,
+    recheck or not, FSDP2's default applied meanwhile: each start is a fresh process, one more fresh launch.
 
     Args:
         study: the study's name (for the messages).
@@ -134,7 +134,7 @@ def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Finger
         has_recommendation: the study has a concluded job for ``fingerprint`` (``planner.study.best_plan_for``).
         recheck: the user asked to re-confirm the recommendation on the coming steps.
         recommends_default: the recommendation is FSDP2's default.
-        launches_behind: when the recommendation waits on more launches, the launches it rests on; else ``None``.
+        launches_behind: when the study has a pending plan, the fresh launches it rests on; else ``None``.
 
     Raises:
         StudyModelMismatchError: every stored profile is of another model (other FSDP modules or parameter
@@ -148,11 +148,11 @@ def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Finger
         raise StudyModelMismatchError(
             f"study {study!r} was tuned for another model ({difference}); give this model its own study name")
     if has_recommendation and any(same_job(s, fingerprint) for s in stored):
-        if launches_behind is not None and not recommends_default:
-            return StartDecision(True, f"study {study!r} recommends a plan provisionally (faster in {launches_behind} "
-                                       "launch(es), not yet across processes): re-confirming it against FSDP2's "
-                                       f"default on the coming steps, launch {launches_behind + 1} of up to "
-                                       f"{MAX_LAUNCHES}", recheck=True)
+        if launches_behind is not None:
+            return StartDecision(True, f"study {study!r} has a provisional plan (faster in its launches, not yet "
+                                       f"across processes; {launches_behind} fresh launch(es) so far): FSDP2's "
+                                       "default stays applied while the coming steps re-confirm it, fresh launch "
+                                       f"{launches_behind + 1} of up to {MAX_LAUNCHES}", recheck=True)
         if recheck and recommends_default:
             return StartDecision(True, f"study {study!r} recommends FSDP2's default for this model; recheck=True: "
                                        "tuning afresh on the coming steps")
@@ -253,8 +253,8 @@ def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool =
     except StudyNotFoundError:
         best = None
     behind = None
-    if best is not None and best.recommendation.needs_launches:
-        behind = best.recommendation.confirmation.launches
+    if best is not None and best.recommendation.pending is not None:
+        behind = best.recommendation.pending.confirmation.fresh_launches
     decision = start_decision(config.name, fingerprint, [p.fingerprint for p in profiles], best is not None,
                               recheck, recommends_default=best is not None and best.is_default, launches_behind=behind)
     if decision.recheck:

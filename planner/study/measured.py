@@ -11,7 +11,9 @@ Several jobs may share one study (one SQLite file or a PostgreSQL server):
 each creates its own RUNNING trials, keeps them alive with a
 :class:`~planner.study.heartbeat.Heartbeat`, and skips plans other jobs
 measured or are measuring; a job that dies leaves stale trials that the next
-job fails and re-queues (:meth:`MeasuredStage.claim_retries`).
+job fails and re-queues (:meth:`MeasuredStage.claim_retries`), and a job that
+stops leaves interrupted trials whose plans the next job races first
+(:meth:`MeasuredStage.interrupted`).
 """
 
 from __future__ import annotations
@@ -77,11 +79,12 @@ class MeasuredStage:
 
     One job's round: :meth:`claim_retries` (fail stale trials of dead jobs,
     take over their re-queued plans), :meth:`settled_keys` (plans not to
-    measure again), :meth:`ask` (one RUNNING trial per candidate, heartbeat
-    on), then :meth:`tell` or :meth:`fail` (:meth:`fail_held` when the job
-    stops early), and :meth:`close`. Trials are created RUNNING directly in
-    the storage, so concurrent jobs on one study never take each other's
-    trials; Optuna numbers them.
+    measure again), :meth:`interrupted` (plans a stopped job left unmeasured),
+    :meth:`ask` (one RUNNING trial per candidate, heartbeat on), then
+    :meth:`tell` or :meth:`fail` (:meth:`fail_held` when the job stops
+    early), and :meth:`close`. Trials are created RUNNING directly in the
+    storage, so concurrent jobs on one study never take each other's trials;
+    Optuna numbers them.
 
     Args:
         config: the study.
@@ -192,17 +195,57 @@ class MeasuredStage:
                 keys.add(r.plan_key)
         return keys
 
+    def interrupted(self, exclude: set[str]) -> list[Candidate]:
+        """The plans of trials a stopping job failed as interrupted, to measure again, best predicted first.
+
+        A job that stops for any reason but SIGKILL records the trials it held
+        FAIL :attr:`FailKind.INTERRUPTED` (:meth:`fail_held`, the rank
+        protocol's failed round); unlike a stale trial, Optuna does not re-queue
+        them. A plan comes back while no trial settled it since (its
+        :func:`~planner.study.candidates.plan_key` not in ``exclude``: see
+        :meth:`settled_keys`) and it was interrupted at most ``[study]
+        max_retry + 1`` times, the bound Optuna's retry callback puts on a stale
+        plan. FSDP2's default never comes back this way: every round measures
+        it. A trial whose parameters no longer build a plan for this profile is
+        left out.
+        """
+        with self._storage_errors():
+            trials = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+        times: dict[str, int] = {}
+        first: dict[str, optuna.trial.FrozenTrial] = {}
+        for t in trials:
+            r = MeasuredTrialRecord.from_trial(t)
+            if r.plan_key and r.failure is not None and r.failure.kind == FailKind.INTERRUPTED and not r.is_default:
+                times[r.plan_key] = times.get(r.plan_key, 0) + 1
+                first.setdefault(r.plan_key, t)
+        out = []
+        for key, t in first.items():
+            if key in exclude or times[key] > self.config.study.max_retry + 1:
+                continue
+            try:
+                plan = self.space.suggest(optuna.trial.FixedTrial(t.params), self.profile)
+            except (PlannerError, KeyError, ValueError):
+                continue
+            if plan_key(plan) != key or plan.is_default_for(self.profile):
+                continue  # the parameters build another plan for this profile: not the one interrupted
+            result = self.simulator.run(plan)
+            out.append(Candidate(dict(t.params), dict(t.distributions), plan, result.step_ms, result.peak_bytes))
+        return sorted(out, key=lambda c: c.predicted_ms)
+
     def recommended(self) -> Candidate | None:
-        """The study's recommendation for this profile's model and world size as a candidate to race again
-        ([Note: One recommendation, re-confirmed by every job]); ``None`` when it is FSDP2's default, there is
-        none yet, or its plan no longer builds for this profile."""
+        """The study's recommendation for this profile's model and world size, or its pending plan, as a candidate
+        to race again ([Note: One recommendation, re-confirmed by every job]); ``None`` when it is FSDP2's default
+        with nothing pending, there is none yet, or its plan no longer builds for this profile."""
         from planner.study.queries import best_in
 
         with self._storage_errors():
             best = best_in(self.storage, self.study, self.config.name, self.profile.fingerprint)
-            if best is None or best.is_default:
+            if best is None:
                 return None
-            trial = self.study.trials[best.recommendation.trial.number]
+            held = best.recommendation.pending if best.is_default else best.recommendation.trial
+            if held is None:
+                return None
+            trial = self.study.trials[held.number]
         try:
             plan = self.space.suggest(optuna.trial.FixedTrial(trial.params), self.profile)
         except (PlannerError, KeyError, ValueError):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from planner.artifacts.plan import Plan, Source
 from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Confirmation
-from planner.study.records import ConfirmLaunch, MeasuredTrialRecord, RaceFigures
+from planner.study.records import MeasuredTrialRecord, RaceFigures
 
 # The measured study's objective name (optuna-dashboard's label) and the two figures a trial's value can be.
 OBJECTIVE = "step_ms: confirmed (default's race median x total-time ratio) where confirmed in-process, else race median"
@@ -82,7 +82,7 @@ def measured_plans(
         confirmed = confirmation if j == survivor else None
         peak = peak_bytes[j] if peak_bytes is not None and j < len(peak_bytes) else None
         pending = j == survivor and confirmed is None
-        launch = [ConfirmLaunch(schedule.confirm_ms[j], schedule.confirm_ms[race.default])] if confirmed else None
+        launch = [schedule.confirm_launch()] if confirmed else None
         objective = CONFIRMED if confirmed is not None and confirmed.total_time else RACE_MEDIAN
         record = MeasuredTrialRecord(step_ms=list(step_ms[j]), per_rank_step_ms=[list(r) for r in per_rank[j]],
                                      race=figures, confirmation=confirmed, measured_peak_bytes=peak,

@@ -13,6 +13,7 @@ import optuna
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan, Provenance
 from planner.errors import StudyNotFoundError
+from planner.statistics.looks import MAX_LAUNCHES
 from planner.statistics.verdict import Confirmation, Verdict, confirmation_text
 from planner.storages import check_exists, open_storage, open_storage_read_only
 from planner.storages.archive import confirmation_rows, stored_plan
@@ -127,11 +128,11 @@ class BestPlan:
     """A study's answer to "which plan should I train with?" ([Note: One recommendation, re-confirmed by every job]).
 
     Attributes:
-        plan: the recommended plan: the deciding job's survivor confirmed faster than its FSDP2 default, else that
-            default's own stored plan.
+        plan: the recommended plan: the deciding job's survivor confirmed faster than its FSDP2 default across
+            processes, else that default's own stored plan.
         recommendation: which trial, which job, and that job's figures.
-        survivor: the deciding job's survivor when it was not confirmed faster (its provenance has the verdict),
-            else ``None``.
+        survivor: the deciding job's survivor when it was not confirmed faster (its provenance has the verdict;
+            a provisional one is the study's pending plan), else ``None``.
     """
 
     plan: Plan
@@ -149,16 +150,17 @@ class BestPlan:
         r = self.recommendation
         job = f"job {r.job.job}" if r.job.job else "the latest job"
         if not self.is_default:
-            pv = self.plan.provenance
-            if pv.verdict == Verdict.PROVISIONAL:
-                return (f"trial {r.trial.number} of study {study!r}, PROVISIONAL (faster in its launches, not yet "
-                        f"across processes; the in-loop tuner's next start adds a launch) by {job}: "
-                        f"{provenance_text(pv)}")
             return f"trial {r.trial.number} of study {study!r}, confirmed faster than FSDP2's default by {job}: " + (
-                provenance_text(pv))
+                provenance_text(self.plan.provenance))
         if self.survivor is None:
             return f"FSDP2's default: every candidate of {job} was significantly slower in its race"
         pv = self.survivor.provenance
+        if r.pending is not None:
+            why = ("PROVISIONAL: faster in its launches, not yet across processes" if pv.verdict == Verdict.PROVISIONAL
+                   else "confirmed faster before the total-time estimand, from one process")
+            return (f"FSDP2's default, while {job}'s survivor, trial {pv.trial}, is {why} ({provenance_text(pv)}); "
+                    f"it is applied once the in-loop tuner's next start or a later job confirms it faster "
+                    f"(fresh launch {r.pending.confirmation.fresh_launches + 1} of up to {MAX_LAUNCHES})")
         return (f"FSDP2's default: {job} confirmed no plan faster (its survivor, trial {pv.trial}: {pv.verdict}, "
                 f"{provenance_text(pv)})")
 

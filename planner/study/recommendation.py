@@ -11,16 +11,19 @@ lowest of several noisy ratios is biased low. So:
   (a fresh trial of the same plan, ``reconfirms`` = the trial that
   recommended it), so it has to win a fresh race and a fresh confirmation;
 - the study recommends what its latest decided job concluded: the plan that
-  job confirmed faster, or found faster in its launches but not yet across
-  processes (``PROVISIONAL``, labelled so wherever it shows, and re-confirmed
-  at the in-loop tuner's next start: [Note: Provisional verdicts] in
-  ``planner.statistics.verdict``), else FSDP2's default. A job is decided once its
-  survivor is confirmed, or when its race dropped every candidate; a job
-  whose confirmation never ran (its launches died) leaves the recommendation
-  as it was.
-The recommendation is then false with the chance of one confirmation's
-error (at most 2.5%), however many jobs ran, and the ratio it shows is the
-one measured on fresh rounds by the job that recommends it. Every
+  job confirmed faster in total time across processes, else FSDP2's
+  default. A plan found faster only in its launches (``PROVISIONAL``), or
+  confirmed faster before the total-time estimand (a median-based verdict
+  from one process), is the job's *pending* plan: not applied, raced again
+  by the in-loop tuner's next start and by later jobs, each adding a fresh
+  launch ([Note: Provisional verdicts] in ``planner.statistics.verdict``).
+  A job is decided once its survivor is confirmed, or when its race dropped
+  every candidate; a job whose confirmation never ran (its launches died)
+  leaves the recommendation as it was.
+The plan applied is then false at most 2.5% of the time over every look its
+chain had ([Note: Looks spent over the restart chain] in
+``planner.statistics.looks``), however many jobs ran, and the ratio it shows
+is the one measured on fresh launches by the job that recommends it. Every
 confirmation stays in the study (``studies show`` lists them per plan).
 """
 
@@ -64,9 +67,21 @@ class JobVerdict:
 
     @property
     def recommended(self) -> MeasuredTrialRecord | None:
-        """The survivor when it is confirmed faster or provisionally faster, else ``None``."""
+        """The survivor when it is confirmed faster in total time across processes (applied), else ``None``."""
         s = self.survivor
-        return s if s is not None and s.verdict in (Verdict.FASTER, Verdict.PROVISIONAL) else None
+        if s is None or s.confirmation is None or not s.confirmation.total_time:
+            return None
+        return s if s.verdict == Verdict.FASTER else None
+
+    @property
+    def pending(self) -> MeasuredTrialRecord | None:
+        """The survivor when it waits on more launches, not applied: provisional, or confirmed faster before the
+        total-time estimand (a median-based verdict from one process); else ``None``."""
+        s = self.survivor
+        if s is None or s.confirmation is None:
+            return None
+        c = s.confirmation
+        return s if c.verdict == Verdict.PROVISIONAL or (c.verdict == Verdict.FASTER and not c.total_time) else None
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,7 @@ class Recommendation:
     """The plan a study recommends ([Note: One recommendation, re-confirmed by every job]).
 
     Attributes:
-        trial: the recommended plan's trial: the job's survivor confirmed (or provisionally) faster, else the job's
+        trial: the recommended plan's trial: the job's survivor confirmed faster across processes, else the job's
             FSDP2 default.
         job: the job that decided it.
     """
@@ -84,17 +99,19 @@ class Recommendation:
 
     @property
     def is_default(self) -> bool:
-        """Whether it is FSDP2's default (nothing confirmed faster, even provisionally, by the deciding job)."""
+        """Whether it is FSDP2's default (nothing confirmed faster across processes by the deciding job)."""
         return self.job.recommended is None
 
     @property
+    def pending(self) -> MeasuredTrialRecord | None:
+        """The deciding job's survivor that waits on more launches (:attr:`JobVerdict.pending`): not applied, raced
+        again at the in-loop tuner's next start and by later jobs."""
+        return self.job.pending
+
+    @property
     def needs_launches(self) -> bool:
-        """Whether the recommendation waits on more launches: provisional, or confirmed faster before the
-        total-time estimand (a median-based verdict from one process), so the next in-loop start re-confirms it."""
-        c = self.confirmation
-        if self.is_default or c is None:
-            return False
-        return c.verdict == Verdict.PROVISIONAL or not c.total_time
+        """Whether the study has a pending plan, so the next in-loop start re-confirms it."""
+        return self.pending is not None
 
     @property
     def confirmation(self) -> Confirmation | None:

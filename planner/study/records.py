@@ -20,6 +20,7 @@ from pydantic import JsonValue
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.names import SpaceName
 from planner.errors import FailKind
+from planner.statistics.launches import ConfirmLaunch
 from planner.statistics.verdict import Confirmation, Verdict
 from planner.study.search_space import TrialParams
 
@@ -63,24 +64,6 @@ class RaceFigures:
 
 
 @dataclass(frozen=True)
-class ConfirmLaunch:
-    """One launch's confirmation rounds (fresh ranks): the survivor's and FSDP2's default's step times, ms (max
-    across ranks), in the same rounds."""
-
-    plan_ms: list[float]
-    default_ms: list[float]
-
-    def to_json(self) -> dict[str, list[float]]:
-        """The launch as a JSON value."""
-        return {"plan_ms": list(self.plan_ms), "default_ms": list(self.default_ms)}
-
-    @classmethod
-    def from_json(cls, value: dict[str, list[float]]) -> ConfirmLaunch:
-        """The launch :meth:`to_json` wrote."""
-        return cls(list(value["plan_ms"]), list(value["default_ms"]))
-
-
-@dataclass(frozen=True)
 class Failure:
     """Why a measured trial is FAIL, and whether its plan is measured again (:class:`FailKind`)."""
 
@@ -99,7 +82,8 @@ def confirmation_attrs(c: Confirmation) -> JsonObject:
                              launches=c.launches)
     if c.tau is not None:
         attrs.update(median_ratio=c.median_ratio, tau=c.tau,
-                     within_ci95=list(c.within_ci95) if c.within_ci95 is not None else None)
+                     within_ci95=list(c.within_ci95) if c.within_ci95 is not None else None,
+                     fresh_launches=c.fresh, spread_df=c.df, look_level=c.level)
     attrs["verdict"] = str(c.verdict)
     return {key: value for key, value in attrs.items() if value is not None}
 
@@ -109,7 +93,8 @@ def confirmation_from(a: Mapping[str, JsonValue]) -> Confirmation:
     within = a.get("within_ci95")
     return Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"], a.get("noise_pct", float("nan")),
                         Verdict(a["verdict"]), a.get("launches", 1), a.get("median_ratio"), a.get("tau"),
-                        tuple(within) if within is not None else None)
+                        tuple(within) if within is not None else None, a.get("fresh_launches"), a.get("spread_df"),
+                        a.get("look_level"))
 
 
 @dataclass(frozen=True, kw_only=True)

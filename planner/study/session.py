@@ -40,7 +40,7 @@ from planner.storages import open_storage, storage_errors
 from planner.storages.archive import latest_calibration
 from planner.study.candidates import plan_key, select_candidates
 from planner.study.confirmation import write_plan
-from planner.study.evidence import earlier_launches, study_spread
+from planner.study.evidence import chain_of, study_spread
 from planner.study.measured import MeasuredStage, MeasuredTrial
 from planner.study.model_summary import model_summary
 from planner.study.provenance import measured_plans
@@ -132,7 +132,8 @@ class TuningSession:
         self._peaks: list[int] = []
 
     def prepare(self) -> list[MeasuredTrial]:
-        """The round's trials, FSDP2's default first: re-queued plans of dead jobs, then the candidates.
+        """The round's trials, FSDP2's default first: re-queued plans of dead jobs, plans a stopped job left
+        unmeasured (:meth:`MeasuredStage.interrupted`, within ``[search] measured_trials``), then the candidates.
 
         Raises:
             MemoryBudgetError: the budget is relative without a measured default peak, or below every plan's
@@ -161,15 +162,23 @@ class TuningSession:
         if retries:
             logger.info(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
                         f"(trials {', '.join(str(r.retry_of) for r in retries)})")
-        candidates = select_candidates(sim, self.profile, self.space, config.search.measured_trials,
-                                       exclude=self.stage.settled_keys(), band_pct=config.search.candidate_band_pct,
-                                       memory_budget_bytes=self.memory_budget_bytes)
+        settled = self.stage.settled_keys()
+        budget = self.memory_budget_bytes
+        resumed = [c for c in self.stage.interrupted(settled) if not budget or c.predicted_peak_bytes <= budget]
+        resumed = resumed[:config.search.measured_trials]  # they take the round's slots first
+        if resumed:
+            logger.info(f"      resuming: {len(resumed)} plan(s) of interrupted trials race again")
+        candidates = select_candidates(sim, self.profile, self.space, config.search.measured_trials - len(resumed),
+                                       exclude=settled | {plan_key(c.plan) for c in resumed},
+                                       band_pct=config.search.candidate_band_pct, memory_budget_bytes=budget)
+        candidates = candidates[:1] + resumed + candidates[1:]
         holder = self.stage.recommended()
         over = bool(self.memory_budget_bytes) and holder is not None and (
             holder.predicted_peak_bytes > self.memory_budget_bytes)
         if holder is not None and not over:
-            logger.info(f"      the study's recommendation, trial {holder.reconfirms}, races again: it keeps the "
-                        "recommendation only if this job confirms it (or a plan that beats it) faster")
+            logger.info(f"      trial {holder.reconfirms}'s plan (the study's recommendation, or its provisional plan) "
+                        "races again: it is applied only if this job confirms it (or a plan that beats it) faster "
+                        "across processes")
             candidates.insert(1, holder)
         if any(r.plan.is_default_for(self.profile) for r in retries):
             candidates = candidates[1:]  # the default is re-measured as a retry
@@ -247,13 +256,13 @@ class TuningSession:
         measure = self.config.measure
         records = self.stage.records()
         by_number = {r.number: r for r in records if r.number is not None}
-        earlier = {j: earlier_launches(by_number, a.reconfirms) for j, a in enumerate(kept)}
+        chains = {j: chain_of(by_number, a.reconfirms) for j, a in enumerate(kept)}
         # The plan re-confirmed here adds its own launches to its confirmation: the study's spread leaves them out.
         again = next((a.plan for a in kept if a.reconfirms is not None), None)
         spread = study_spread(records, exclude=plan_key(again) if again is not None else None)
         self.schedule = Schedule(len(kept), measure.race_settings(),
                                  measure.confirm_settings(self.confirm_launches, spread), on_drop=on_drop,
-                                 earlier={j: launches for j, launches in earlier.items() if launches})
+                                 earlier={j: chain for j, chain in chains.items() if chain.launches})
         return self.schedule
 
     def _dropped(self, plan: int, rounds: int) -> None:

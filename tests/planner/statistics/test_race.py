@@ -13,7 +13,7 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from planner.statistics.race import Race, RaceSettings, balanced_orders, cycle_rounds, holm
+from planner.statistics.race import Race, RaceSettings, balanced_orders, cycle_rounds
 from planner.statistics.schedule import ConfirmSettings, Phase, Schedule
 from planner.statistics.verdict import Verdict
 from planner.testing import at_most, synthetic_schedule
@@ -26,13 +26,6 @@ def test_balanced_orders_let_every_plan_follow_every_other_equally_often(n):
     follows = Counter((a, b) for row in rows for a, b in pairwise(row))
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) == 1
-
-
-def test_holm_steps_down():
-    assert holm({1: 0.001, 2: 0.02, 3: 0.04}, 0.05) == {1, 2, 3}  # .001 <= .05/3, .02 <= .05/2, .04 <= .05/1
-    assert holm({1: 0.001, 2: 0.03, 3: 0.04}, 0.05) == {1}  # .03 > .05/2: stop, .04 is not tested
-    assert holm({1: 0.03, 2: 0.04}, 0.05) == set()  # .03 > .05/2
-    assert holm({}, 0.05) == set()
 
 
 def test_over_1000_aa_races_at_most_2_5_percent_end_faster():

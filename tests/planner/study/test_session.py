@@ -206,6 +206,50 @@ def test_the_next_session_measures_again_what_a_dead_job_left_running(tmp_path, 
     assert states.count("RUNNING") == 0 and states.count("FAIL") == len(left)
 
 
+def test_the_next_session_races_first_what_a_stopped_job_left_unmeasured(tmp_path, profile, make_profile):
+    """A job that stopped (Ctrl-C, a lost node) failed its trials as interrupted; the next job races those plans in
+    its round's first slots, though its own profile may rank others first, until a trial settles them; a plan
+    interrupted more than ``max_retry + 1`` times is left to the search."""
+    stopped = _session(tmp_path, profile, max_retry=1)
+    left = stopped.prepare()[1:]
+    stopped.fail_held("interrupted: RuntimeError: Connection reset by peer")
+    stopped.close()
+    keys = [a.plan.behaviour_key() for a in left]
+    # the next job sees another profile: the model ranks other plans first
+    faster_ag = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=1.0, rs=3.0)
+    again = _session(tmp_path, faster_ag, max_retry=1, job="again")
+    asked = again.prepare()
+    assert asked[0].plan.is_default_for(faster_ag)
+    assert sorted(a.plan.behaviour_key() for a in asked[1:]) == sorted(keys)  # the round's two slots
+    again.fail_held("interrupted: KeyboardInterrupt: SIGINT")
+    again.close()
+    third = _session(tmp_path, faster_ag, max_retry=1, job="third")
+    assert {a.plan.behaviour_key() for a in third.prepare()[1:]} == set(keys)  # interrupted twice: max_retry + 1
+    third.fail_held("interrupted: KeyboardInterrupt: SIGINT")
+    third.close()
+    fourth = _session(tmp_path, faster_ag, max_retry=1, job="fourth")
+    fourth.prepare()
+    assert not fourth.stage.interrupted(set())  # interrupted three times: left to the search
+    fourth.close()
+    fresh = _session(tmp_path, faster_ag, name="fresh")  # the same profile on a study without that history
+    assert {a.plan.behaviour_key() for a in fresh.prepare()[1:]} != set(keys)
+    fresh.close()
+
+
+def test_a_plan_measured_since_its_interruption_is_not_raced_again(tmp_path, profile):
+    stopped = _session(tmp_path, profile)
+    left = stopped.prepare()[1:]
+    stopped.fail_held("interrupted: KeyboardInterrupt: SIGINT")
+    stopped.close()
+    measured, _ = drive_round(_session(tmp_path, profile, job="measures"), [100.0, 90.0, 95.0])
+    assert {a.plan.behaviour_key() for a in measured[1:]} == {a.plan.behaviour_key() for a in left}
+    session = _session(tmp_path, profile, job="next")
+    asked, _ = drive_round(session, lambda i, trial: 100.0 if i == 0 else 95.0)
+    assert not session.stage.interrupted(session.stage.settled_keys())  # each such plan has a COMPLETE trial
+    again = {a.plan.behaviour_key() for a in asked if a.reconfirms is None} & {a.plan.behaviour_key() for a in left}
+    assert not again  # only the recommendation, raced by every job, may be one of them
+
+
 # --- the study's recommendation across jobs ------------------------------------------------------------------------
 
 def _agree(tmp_path, profile, outcome) -> Plan:
