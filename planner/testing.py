@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import ModuleProfile, Profile
-from planner.statistics.launches import ConfirmLaunch
+from planner.statistics.launches import ConfirmLaunch, Spread
+from planner.statistics.looks import MAX_LAUNCHES
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings, Schedule
 
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     import numpy as np
 
     from planner.artifacts.plan import Plan
+    from planner.statistics.verdict import Verdict
     from planner.study import MeasuredStage, MeasuredTrial, SearchSpace
+    from planner.study.queries import BestPlan
     from planner.study.session import TuneOutcome, TuningSession
 
 
@@ -75,9 +78,10 @@ def study_config(directory: str | Path, name: str = "s", **fields) -> StudyConfi
 
 
 def make_study_db(directory: str | Path, profile: Profile, sim_trials: int, space: SearchSpace) -> str:
-    """A study ``s`` in ``directory/s.db`` with simulated trials and 3 measured plans (100, 80, 90 ms); its URL.
+    """A study ``s`` in ``directory/s.db`` with simulated trials and 3 measured plans (100, 80, 90 ms), the survivor
+    confirmed faster in one fresh launch (ratio exactly 0.8); its URL.
 
-    One :class:`~planner.study.session.TuningSession` through :func:`drive_round`; ``space``: the ``uniform``
+    One :class:`~planner.study.session.TuningSession` through :func:`drive_tune`; ``space``: the ``uniform``
     space (``search_spaces.get_space("uniform")``).
     """
     from planner.study.session import TuningSession
@@ -87,8 +91,37 @@ def make_study_db(directory: str | Path, profile: Profile, sim_trials: int, spac
     outputs.mkdir(exist_ok=True)
     session = TuningSession(config, profile, space, job="test", plan_out=str(outputs / "s.plan.json"),
                             profile_out=str(outputs / "s.profile.json"))
-    drive_round(session, [100.0, 80.0, 90.0])
+    drive_tune(session, [100.0, 80.0, 90.0], ratio=0.8)
     return config.storage_url
+
+
+def drive_tune(session: TuningSession, step_ms: Sequence[float] | StepTime, ratio: float, launches: int = 1,
+               peak_bytes: Sequence[int] | None = None) -> tuple[list[MeasuredTrial], TuneOutcome, BestPlan]:
+    """``tune``'s path: :func:`drive_round` with the survivor left for ``launches`` fresh confirmation launches, each
+    of whose rounds take ``ratio`` times FSDP2's default's 100 ms (``prefetch-planner confirm``), then the
+    conclusion that writes the study's recommendation to the session's plan file
+    (``planner.study.confirmation.conclude``).
+
+    Returns:
+        The trials asked, the round's outcome, and the study's recommendation after the conclusion.
+    """
+    session.confirm_launches = launches
+    asked, outcome = drive_round(session, step_ms, peak_bytes)
+    return asked, outcome, conclude_launches(session.config, session.job, ratio, launches, session.plan_out)
+
+
+def conclude_launches(config: StudyConfig, job: str, ratio: float, launches: int, plan_out: str) -> BestPlan:
+    """Job ``job``'s survivor confirmed in ``launches`` fresh launches whose rounds take ``ratio`` times FSDP2's
+    default's 100 ms (what ``prefetch-planner confirm`` records), then concluded; the study's recommendation,
+    written to ``plan_out``."""
+    from planner.study.confirmation import conclude, pending, record_launch
+
+    waiting = pending(config, job)
+    if waiting is not None:
+        for _ in range(launches):
+            record_launch(config, waiting.survivor.provenance.trial,
+                          ConfirmLaunch([100.0 * ratio] * waiting.rounds, [100.0] * waiting.rounds))
+    return conclude(config, job, plan_out)[1]
 
 
 StepTime = Callable[[int, "MeasuredTrial"], float]
@@ -119,18 +152,21 @@ def _run_schedule(schedule: Schedule, trials: Sequence[MeasuredTrial], step_ms: 
 
 
 def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: Sequence[float] | StepTime,
-              ranks: int = 2, peak_bytes: Sequence[int] | None = None) -> list[Plan]:
+              ranks: int = 2, peak_bytes: Sequence[int] | None = None, launches: int = 0) -> list[Plan]:
     """Tell ``stage`` a whole round of ``asked`` (FSDP2's default first) with synthetic step times.
 
     The round's schedule uses the stage's ``[measure]`` settings. With
-    ``step_ms[i]`` ms every step for trial ``i``, the race drops no one (no
-    spread, no test), runs ``max_rounds``, and the confirmation's ratio is
-    exact. Returns the told plans (:func:`planner.study.provenance.measured_plans`).
+    ``step_ms[i]`` ms every step for trial ``i``, the race drops a plan slower
+    than the leader in every round once its sign test can tell, and the
+    confirmation's ratio is exact: in this process (``launches = 0``), or
+    left for ``launches`` fresh launches (:func:`conclude_launches`). Returns
+    the told plans (:func:`planner.study.provenance.measured_plans`).
     """
     from planner.study.provenance import measured_plans
 
     measure = stage.config.measure
-    schedule = Schedule(len(asked), measure.race_settings(), measure.confirm_settings(launches=0), clock=lambda: 0.0)
+    schedule = Schedule(len(asked), measure.race_settings(), measure.confirm_settings(launches=launches),
+                        clock=lambda: 0.0)
     times, per_rank = _run_schedule(schedule, asked, _step_time(step_ms), ranks)
     trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
     measured = measured_plans(stage.config.name, trials, schedule, times, per_rank, peak_bytes)
@@ -248,3 +284,93 @@ def at_most(rate: float, runs: int) -> int:
     import math
 
     return math.floor(runs * (rate + 3 * math.sqrt(rate * (1 - rate) / runs)))
+
+
+def at_least(rate: float, runs: int) -> int:
+    """The fewest events of target probability ``rate`` that ``runs`` simulated trials must show: the rate less 3
+    standard errors (the tests' tolerance for a simulated power)."""
+    import math
+
+    return math.ceil(runs * (rate - 3 * math.sqrt(rate * (1 - rate) / runs)))
+
+
+def restart_path(model: LaunchModel, spread: Spread, runs: int, seed: int, launches: int = MAX_LAUNCHES) -> int:
+    """How many of ``runs`` chains of ``model``'s fresh launches are ever called faster when looked at after each
+    launch, 1 to ``launches`` ([Note: Looks spent over the restart chain]), the study's spread being ``spread``.
+
+    Every chain is looked at to the end (no provisional gate: an upper bound on the restart path's rate).
+    """
+    from planner.statistics.looks import Looks
+    from planner.statistics.verdict import Verdict, confirm_launches
+
+    ever = 0
+    for drawn in model.draw(runs, launches, seed):
+        chain = as_launches(drawn)
+        earlier: tuple[int, ...] = ()
+        for k in range(1, launches + 1):
+            if confirm_launches(chain[:k], 0.0, spread, Looks(earlier)).verdict == Verdict.FASTER:
+                ever += 1
+                break
+            earlier = (*earlier, k)
+    return ever
+
+
+def restart_chain(rng: np.random.Generator, candidates: int, tau: float = 0.04, noise: float = 0.04,
+                  shared: float = 0.05) -> tuple[list[Verdict], float | None]:
+    """One in-loop restart chain of ``candidates`` plans with nothing to gain, decided as the study decides it.
+
+    Each start is one process, its race and confirmation run through
+    :class:`~planner.statistics.schedule.Schedule` on synthetic steps: every
+    plan's step is FSDP2's default's (100 ms) times its offset in that process
+    (``N(0, tau^2)`` on the log scale, per plan and per process), a slowness
+    the round's steps share (lognormal ``shared``) and the step's own noise
+    (lognormal ``noise``). The first start races the candidates and confirms
+    the survivor in the same process; while the verdict leaves a pending plan
+    (:class:`~planner.study.recommendation.JobVerdict`), the next start races
+    it against the default alone and confirms it there, its chain's earlier
+    launches and looks from :func:`planner.study.evidence.chain_of`.
+
+    Returns:
+        Each start's verdict (empty when the first race dropped every candidate), and the first survivor's offset
+        in its own process (``None`` then).
+    """
+    import math
+
+    from planner.statistics.verdict import Chain
+    from planner.study.evidence import chain_of
+    from planner.study.recommendation import JobVerdict
+    from planner.study.records import MeasuredTrialRecord
+
+    def start(plans: int, earlier: dict[int, Chain]) -> tuple[Schedule, np.ndarray]:
+        import numpy as np
+
+        offsets = np.concatenate([[0.0], rng.normal(0.0, tau, plans - 1)])
+        schedule = Schedule(plans, RaceSettings(), ConfirmSettings(launches=0), earlier=earlier, clock=lambda: 0.0)
+        while (block := schedule.next_block()) is not None:
+            rounds = []
+            for order in block:
+                common = math.exp(rng.normal(0.0, shared))
+                rounds.append({p: 100.0 * common * math.exp(offsets[p] + rng.normal(0.0, noise)) for p in order})
+            schedule.record(rounds)
+        return schedule, offsets
+
+    schedule, offsets = start(candidates + 1, {})
+    if schedule.confirmation is None:
+        return [], None
+    survivor_offset = float(offsets[schedule.survivor])
+    records: dict[int, MeasuredTrialRecord] = {}
+    verdicts: list[Verdict] = []
+    previous: int | None = None
+    while True:
+        c = schedule.confirmation
+        number = len(records)
+        records[number] = MeasuredTrialRecord(number=number, job=f"start-{number}", reconfirms=previous,
+                                              confirmation=c, confirm_launches=[schedule.confirm_launch()])
+        verdicts.append(c.verdict)
+        job = JobVerdict(f"start-{number}", MeasuredTrialRecord(is_default=True), records[number], number)
+        if job.recommended is not None or job.pending is None:  # applied, or the chain ends with the default
+            return verdicts, survivor_offset
+        previous = number
+        schedule, _ = start(2, {1: chain_of(records, previous)})
+        if schedule.confirmation is None:  # the recheck's race dropped it
+            return verdicts, survivor_offset

@@ -113,16 +113,19 @@ def studies_list(storage) -> None:
     if not urls:
         raise PlannerError("no databases under studies/; pass --storage URL")
     click.echo(f"{'study':<24} {'measured':>8} {'simulated':>9} {'recommended':>11} {'confirmed ratio [95% CI]':>26}  "
-               f"{'verdict (launches)':<20}  {'default ms (race)':>17}  storage")
+               f"{'verdict (launches)':<34}  {'default ms (race)':>17}  storage")
     for url in urls:
         for s in list_studies(url):
             c = s.confirmation
             confirmed = f"{c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}]" if c is not None else "-"
             recommended = "-" if s.recommended_trial is None else (
-                f"trial {s.recommended_trial}" if c is not None else "default")
-            verdict = f"{c.verdict} ({c.launches})" if c is not None else "-"
+                f"trial {s.recommended_trial}" if c is not None and s.pending_trial is None else "default")
+            verdict = "-"
+            if c is not None:  # a median-based verdict is not a total-time one: never shown as plain "faster"
+                verdict = f"{c.verdict}{'' if c.total_time else ', median'} ({c.launches})"
+                verdict += f", trial {s.pending_trial} pending" if s.pending_trial is not None else ""
             click.echo(f"{s.name:<24} {s.measured_trial_count:>8} {s.simulated_trial_count:>9} {recommended:>11} "
-                       f"{confirmed:>26}  {verdict:<20}  {ms(s.default_ms):>17}  {url}")
+                       f"{confirmed:>26}  {verdict:<34}  {ms(s.default_ms):>17}  {url}")
 
 
 @studies.command("show")

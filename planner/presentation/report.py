@@ -92,8 +92,13 @@ def power_line(c: Confirmation) -> str:
     gain = c.detectable()
     if not gain == gain:
         return "      (power unknown: a confirmation from before the total-time estimand)"
-    return (f"      power: {c.launches} launch(es) of {c.rounds // max(1, c.launches)} rounds call a total-time gain "
-            f"of {100 * gain:.1f}% faster with 80% power (between-launch spread {100 * c.tau:.1f}%)")
+    fresh = c.fresh_launches
+    if fresh < 1:
+        return ("      power: none in this process: its race picked the survivor, so only a fresh launch can call it "
+                "faster (the next start or `tune` job adds one)")
+    return (f"      power: {fresh} fresh launch(es) of {c.rounds // max(1, c.launches)} rounds call a total-time gain "
+            f"of {100 * gain:.1f}% faster with 80% power (between-launch spread {100 * c.tau:.1f}%"
+            f"{', the floor' if c.df is None and c.fresh is not None else ''})")
 
 
 def conclusion_report(confirmation: Confirmation | None, best: BestPlan, study: str, plan_out: str) -> list[str]:

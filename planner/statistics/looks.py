@@ -57,20 +57,20 @@ class Looks:
             first.
         reconfirming: an earlier look called it faster: this one keeps or revokes that (plain one-sided
             :data:`ALPHA`).
+        seen: the fresh launches at the chain's latest look, whatever it said.
     """
 
     earlier: tuple[int, ...] = ()
     reconfirming: bool = False
+    seen: int = 0
 
     def level(self, fresh: int) -> float:
         """The one-sided level a look at ``fresh`` fresh launches tests "faster" at; 0 when it has nothing to spend
-        (no fresh launch, or none since the last look)."""
-        if fresh < 1:
+        (no fresh launch, or none since the chain's latest look: the same evidence looked at again)."""
+        if fresh < 1 or fresh <= max(self.seen, self.earlier[-1] if self.earlier else 0):
             return 0.0
         if self.reconfirming:
             return ALPHA
-        if self.earlier and fresh <= self.earlier[-1]:
-            return 0.0
         z = boundaries((*self.earlier, fresh))[-1]
         from scipy.stats import norm
 

@@ -59,14 +59,15 @@ def chain_of(by_number: Mapping[int, MeasuredTrialRecord], reconfirms: int | Non
         reconfirms = by_number[reconfirms].reconfirms
     launches: list[ConfirmLaunch] = []
     earlier: list[int] = []
-    reconfirming = False
+    reconfirming, seen = False, 0
     for r in trials:
         launches += own_launches(r)
         c = r.confirmation
         if c is None:
             continue
+        seen = max(seen, c.fresh_launches)
         if c.verdict == Verdict.FASTER and c.total_time:
             reconfirming = True
-        elif c.fresh_launches > (earlier[-1] if earlier else 0):
+        elif not reconfirming and c.fresh_launches > (earlier[-1] if earlier else 0):
             earlier.append(c.fresh_launches)
-    return Chain(tuple(launches), Looks(tuple(earlier), reconfirming))
+    return Chain(tuple(launches), Looks(tuple(earlier), reconfirming, seen))

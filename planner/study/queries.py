@@ -33,7 +33,10 @@ class StudyOverview:
         recommended_trial: the trial of the plan the study recommends (:func:`best_plan`); ``None`` before any
             job concluded.
         default_ms: FSDP2's default's race median in the job that decided it, ms.
-        confirmation: that job's confirmation of the recommended plan (``None`` when it is FSDP2's default).
+        confirmation: that job's confirmation of the recommended plan, or of its pending plan (``None`` when it
+            recommends FSDP2's default with nothing pending).
+        pending_trial: the trial of the plan that waits on more launches, not applied (provisional, or confirmed
+            faster before the total-time estimand); ``None`` if none.
     """
 
     name: str
@@ -42,6 +45,7 @@ class StudyOverview:
     recommended_trial: int | None
     default_ms: float | None
     confirmation: Confirmation | None
+    pending_trial: int | None = None
 
 
 def _open_existing(url: str) -> optuna.storages.RDBStorage:
@@ -90,8 +94,9 @@ def list_studies(url: str) -> list[StudyOverview]:
         if r is None:
             out.append(StudyOverview(name, len(study.trials), sim_count, None, None, None))
         else:
-            out.append(StudyOverview(name, len(study.trials), sim_count, r.trial.number, r.default_ms,
-                                     None if r.is_default else r.confirmation))
+            shown = r.confirmation if not r.is_default or r.pending is not None else None
+            out.append(StudyOverview(name, len(study.trials), sim_count, r.trial.number, r.default_ms, shown,
+                                     r.pending.number if r.pending is not None else None))
     return out
 
 

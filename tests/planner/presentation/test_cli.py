@@ -8,12 +8,12 @@ import subprocess
 import sys
 
 import pytest
-import scipy.stats
 from click.testing import CliRunner
 
 from planner.artifacts.plan import Plan
 from planner.presentation.cli import main
-from planner.statistics.verdict import DEFAULT_SPREAD
+from planner.statistics.launches import DEFAULT_SPREAD
+from planner.statistics.looks import boundaries
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
 from search_spaces import get_space
 
@@ -46,8 +46,9 @@ def study_db(tmp_path_factory):
 
 def test_studies_queries(study_db, tmp_path):
     code, out, _ = _invoke(["studies", "list", "--storage", study_db])
-    # confirmed, same job: steps exactly 0.8 of the default's, so the interval is the prior spread's alone
-    q = scipy.stats.t.ppf(0.975, DEFAULT_SPREAD.df)
+    # confirmed in one fresh launch, steps exactly 0.8 of the default's: the interval is the floor's spread alone, at
+    # the first look's boundary
+    q = boundaries((1,))[0]
     interval = f"0.800 [{0.8 * math.exp(-q * DEFAULT_SPREAD.tau):.3f}, {0.8 * math.exp(q * DEFAULT_SPREAD.tau):.3f}]"
     assert code == 0 and "s " in out and interval in out and "faster (1)" in out and "100.0" in out
     code, out, _ = _invoke(["studies", "show", "s", "--storage", study_db])

@@ -33,7 +33,7 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
     slow = uniform.build(p, 3, 3).with_provenance(trial=2, predicted_ms=95.0, measured_ms=130.0, **base)
     race = _race({0: [100.0, 104.0, 98.0, 101.0, 99.0, 100.0], 1: [80.0, 82.0, 79.0, 81.0, 80.0, 78.0],
                   2: [130.0, 128.0, 131.0, 129.0]}, {2: 4})
-    written = tuned if verdict in ("faster", "provisional") else default
+    written = tuned if verdict == "faster" else default  # only "faster" is applied
     calibration = CalibrationResult(
         None, None, None, 12.0, "not fitted: 3 measured plans, a calibration needs at least 6"
     )
@@ -60,7 +60,8 @@ def test_report_of_a_faster_plan():
             "rounds in 1 launch: faster (median round 0.800, descriptive) (noise 6.5%)") in lines
     assert ("best plan: trial 1 of study 's', confirmed faster than FSDP2's default by job j: total-time ratio 0.800, "
             "95% CI [0.780, 0.820] over 12 fresh rounds in 1 launch; written to s.plan.json") in text
-    assert any(line.startswith("      power: 1 launch(es) of 12 rounds call a total-time gain of") for line in lines)
+    power = "      power: 1 fresh launch(es) of 12 rounds call a total-time gain of"
+    assert any(line.startswith(power) for line in lines)
     assert ("calibration on these 3 measured plans: not fitted: 3 measured plans, a calibration needs at least 6; "
             "not saved") in lines
     assert lines[-1] == "profile written to s.profile.json"
@@ -76,8 +77,10 @@ def test_report_when_the_confirmation_cannot_tell():
 
 def test_report_of_a_provisional_plan():
     text = "\n".join(tune_report(_outcome("provisional", 0.95, (0.86, 1.05)), "s"))
-    assert "in 1 launch: provisional (within these launches 95% CI [0.930, 0.990]; not yet across processes" in text
-    assert "best plan: trial 1 of study 's', PROVISIONAL (faster in its launches, not yet across processes" in text
+    assert ("in 1 launch: provisional (within these launches 95% CI [0.930, 0.990]; not applied until it is faster "
+            "across processes") in text
+    assert ("best plan: FSDP2's default, while job j's survivor, trial 1, is PROVISIONAL: faster in its launches, not "
+            "yet across processes") in text and "written to s.plan.json" in text
     assert "confirmed faster" not in text
 
 

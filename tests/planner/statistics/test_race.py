@@ -16,7 +16,7 @@ import pytest
 from planner.statistics.race import Race, RaceSettings, balanced_orders, cycle_rounds
 from planner.statistics.schedule import ConfirmSettings, Phase, Schedule
 from planner.statistics.verdict import Verdict
-from planner.testing import at_most, synthetic_schedule
+from planner.testing import at_least, at_most, synthetic_schedule
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
@@ -28,31 +28,68 @@ def test_balanced_orders_let_every_plan_follow_every_other_equally_often(n):
     assert len(set(follows.values())) == 1
 
 
-def test_over_1000_aa_races_at_most_2_5_percent_end_faster():
-    """A/A: two candidates that behave exactly as FSDP2's default; selection, then a fresh confirmation."""
+def test_a_race_that_picked_its_survivor_cannot_confirm_it_faster_in_its_own_process():
+    """A/A: two candidates that behave exactly as FSDP2's default, raced and confirmed in one process. The survivor
+    won partly on the process's luck, so this confirmation is never "faster" ([Note: The race's own process]);
+    at most provisional, re-confirmed in fresh launches."""
     rng = np.random.default_rng(1)
     runs = [synthetic_schedule([1.0, 1.0, 1.0], 10.0, rng, confirm=ConfirmSettings(launches=0)) for _ in range(1000)]
-    faster = sum(s.confirmation is not None and s.confirmation.verdict == Verdict.FASTER for s in runs)
-    assert faster <= at_most(0.025, 1000)
-    assert sum(s.confirmation is not None for s in runs) >= 950  # almost always something was confirmed
+    confirmed = [s.confirmation for s in runs if s.confirmation is not None]
+    assert len(confirmed) >= 950  # almost always something was confirmed
+    assert all(c.verdict != Verdict.FASTER and c.fresh == 0 for c in confirmed)
+    assert all(s.confirm_launch().picked for s in runs if s.confirmation is not None)
+    lone = synthetic_schedule([1.0, 0.8], 5.0, rng, confirm=ConfirmSettings(launches=0))  # one candidate: no pick
+    assert not lone.confirm_launch().picked and lone.confirmation.fresh == 1
 
 
 def test_a_true_5_percent_gain_is_found_by_the_race_at_10_percent_noise():
-    """The race (within max_rounds) keeps the candidate 5% faster than the others as its survivor >= 80% of the time."""
+    """The race (within max_rounds) keeps the candidate 5% faster than the others as its survivor >= 80% of the time
+    (less 3 standard errors)."""
     rng = np.random.default_rng(2)
-    runs = [synthetic_schedule([1.0, 0.95, 1.0, 1.0], 10.0, rng) for _ in range(300)]
-    assert sum(s.race.survivor() == 1 for s in runs) >= 240
+    runs = [synthetic_schedule([1.0, 0.95, 1.0, 1.0], 10.0, rng) for _ in range(1000)]
+    assert sum(s.race.survivor() == 1 for s in runs) >= at_least(0.8, 1000)
     assert all(len(s.race.rounds) <= RaceSettings().max_rounds for s in runs)
 
 
 @pytest.mark.parametrize("plans,max_rounds", [(4, 12), (3, 12), (5, 24), (2, 8)])
 def test_elimination_drops_the_true_best_no_more_often_than_alpha(plans, max_rounds):
-    """All plans equal (every one is a true best): any drop is a false one; at most alpha + 3 standard errors."""
+    """All plans equal (every one is a true best): each is dropped at most alpha + 3 standard errors of the time
+    ([Note: Dropping controls the family-wise error])."""
     rng = np.random.default_rng(3 + plans)
     settings = RaceSettings(max_rounds=max_rounds)
     equal = [synthetic_schedule([1.0] * plans, 10.0, rng, race=settings) for _ in range(1000)]
-    assert sum(bool(s.race.dropped) for s in equal) <= at_most(0.05, 1000)
+    assert max(sum(p in s.race.dropped for s in equal) for p in range(1, plans)) <= at_most(0.05, 1000)
     assert all(r % cycle_rounds(plans) == 0 for s in equal for r in s.race.looks[:1])  # looks on whole cycles
+
+
+def test_a_candidate_10_percent_slower_among_three_is_dropped_by_12_rounds():
+    """At 5% noise: at least 90% of the time (less 3 standard errors). Holm's step-down across the candidates held it
+    to 75%; the union bound over leaders alone already keeps each true best."""
+    rng = np.random.default_rng(7)
+    runs = [synthetic_schedule([1.0, 1.0, 1.0, 1.1], 5.0, rng, race=RaceSettings(max_rounds=12)) for _ in range(1000)]
+    assert sum(s.race.dropped.get(3, 99) <= 12 for s in runs) >= at_least(0.9, 1000)
+
+
+def test_the_union_factor_is_bonferroni_over_the_leaders_a_candidate_could_face():
+    """A look's drop rule against statsmodels: the candidate's sign-test p-value, Bonferroni-adjusted over the plans
+    it could have been compared with, at most the look's alpha."""
+    from scipy.stats import binomtest
+    from statsmodels.stats.multitest import multipletests
+
+    rng = np.random.default_rng(11)
+    race = Race(4, RaceSettings(min_rounds=8))
+    for _ in range(8):
+        race.record({p: 100.0 * (1.08 if p == 3 else 1.0) * math.exp(rng.normal(0, 0.03)) for p in range(4)})
+    alpha, leader = race.look_alpha(), race.leader()
+    dropped = race.look()
+    for c in (1, 2, 3):
+        if c == leader:
+            continue
+        d = race.log_ratios(c, leader)
+        p = binomtest(int((d > 0).sum()), len(d), 0.5, alternative="greater").pvalue
+        reject = multipletests([p, 1.0, 1.0], alpha=alpha, method="bonferroni")[0][0]  # 3 leaders it could face
+        assert reject == (c in dropped), c
+    assert 3 in dropped
 
 
 def test_a_true_best_among_slower_plans_is_kept():
@@ -88,7 +125,9 @@ def test_a_candidate_slower_than_the_default_is_dropped_and_the_rest_confirmed()
     rng = np.random.default_rng(4)
     s = synthetic_schedule([1.0, 0.85, 1.4], 5.0, rng)
     assert 2 in s.race.dropped and s.survivor == 1
-    assert s.confirmation.verdict == Verdict.FASTER and s.confirmation.ci95[0] < 0.85 < s.confirmation.ci95[1] < 1.0
+    # confirmed in the process whose race picked it: faster in these rounds, provisional across processes
+    c = s.confirmation
+    assert c.verdict == Verdict.PROVISIONAL and c.within_ci95[0] < 0.85 < c.within_ci95[1] < 1.0
     assert s.phase == Phase.DONE
 
 

@@ -108,7 +108,7 @@ def test_a_recheck_races_the_recommendation_alone_on_the_stored_profile(tmp_path
     from planner.study import study_trials
     from planner.study.queries import best_plan
     from planner.study.session import TuningSession
-    from planner.testing import drive_round, study_config
+    from planner.testing import drive_round, drive_tune, study_config
     from search_spaces import get_space
 
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
@@ -121,7 +121,7 @@ def test_a_recheck_races_the_recommendation_alone_on_the_stored_profile(tmp_path
                              profile_out=str(tmp_path / "profile.json"))
 
     faster = lambda i, trial: 100.0 if i == 0 else 80.0  # noqa: E731
-    _, first = drive_round(session(config, profile, "j1"), faster)
+    _, first, _ = drive_tune(session(config, profile, "j1"), faster, ratio=0.8)  # tune: one fresh launch
     holder = first.candidate.provenance.trial
     assert not plan_at_start(config, profile.fingerprint).decision.tune  # reused, no step spent
     start = plan_at_start(config, profile.fingerprint, recheck=True)

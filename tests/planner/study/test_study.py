@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ from planner.study import (
     study_trials,
 )
 from planner.study.records import Failure, MeasuredTrialRecord, SimulatedTrialRecord
-from planner.testing import run_round, study_config
+from planner.testing import conclude_launches, run_round, study_config
 from search_spaces import get_space
 
 
@@ -34,17 +35,22 @@ def config(tmp_path):
     return study_config(tmp_path, name="t", space="uniform", sim_trials=40, measured_trials=3)
 
 
-def _run(make_profile, config, measured_ms):
+def _run(make_profile, config, measured_ms, job="test"):
+    """One ``tune`` job's round on exact step times, its survivor confirmed in one fresh launch at the ratio it
+    raced at."""
     profile = make_profile(n_blocks=4, fwd=10.0, bwd=20.0, ag=8.0, rs=3.0)
     storage = open_storage(config.storage_url, config)
     sim = simulated_stage(
         simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
     )
     candidates = select_candidates(sim, profile, get_space(config.search.space), config.search.measured_trials)
-    stage = _stage(config, storage, profile, "test")
+    stage = _stage(config, storage, profile, job)
     asked = stage.ask(candidates)
-    told = run_round(stage, asked, measured_ms[: len(asked)])
+    told = run_round(stage, asked, measured_ms[: len(asked)], launches=1)
     stage.close()
+    ratio = min(measured_ms[1:len(asked)]) / measured_ms[0]
+    conclude_launches(config, job, ratio, 1, str(Path(config.storage_url.removeprefix("sqlite:///")).with_suffix(
+        ".plan.json")))
     return profile, sim, candidates, told
 
 
@@ -92,8 +98,8 @@ def test_tell_best_and_queries(make_profile, config):
 
 
 def test_rerun_adds_trials_to_the_same_study(make_profile, config):
-    _run(make_profile, config, [100.0, 90.0, 80.0, 95.0])
-    _run(make_profile, config, [100.0, 70.0, 85.0, 99.0])
+    _run(make_profile, config, [100.0, 90.0, 80.0, 95.0], job="first")
+    _run(make_profile, config, [100.0, 70.0, 85.0, 99.0], job="second")
     [summary] = list_studies(config.storage_url)
     assert summary.measured_trial_count == 8 and summary.simulated_trial_count == 80
     assert best_plan(config.storage_url, "t").plan.provenance.measured_ms == 70.0  # the latest job decides
