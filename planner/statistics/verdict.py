@@ -127,8 +127,10 @@ class Confirmation:
         """``total-time ratio 0.893, 95% CI [0.861, 0.925] over 48 fresh rounds in 2 launches: faster (median
         round 0.887)``; a provisional verdict adds what the launches' own rounds say."""
         text = f"{confirmation_text(self.ratio, self.ci95, self.rounds, self.launches, self.total_time)}"
-        if self.fresh is not None and self.fresh < self.launches:
-            text += f" ({self.launches - self.fresh} of them the race's own, which cannot show it faster)"
+        if self.fresh == 0:
+            text += " (the race's own process, which cannot show it faster)"
+        elif self.fresh is not None and self.fresh < self.launches:
+            text += f" ({self.launches - self.fresh} of them the race's own process, which cannot show it faster)"
         text += f": {self.verdict}"
         if self.verdict == Verdict.PROVISIONAL and self.within_ci95 is not None:
             text += (f" (within these launches 95% CI [{self.within_ci95[0]:.3f}, {self.within_ci95[1]:.3f}]; "
@@ -250,12 +252,12 @@ def confirm_launches(launches: Sequence[ConfirmLaunch], noise_pct: float, spread
     used = plan_spread(spread, fresh)
     mu, se = pooled(fresh or every, used.tau)
     level = (looks or Looks()).level(len(fresh))
-    q = quantile(level if fresh else ALPHA, used)
+    q = quantile(level if level > 0 else ALPHA, used)  # a look with nothing to spend shows the plain 95% interval
     ci95 = (math.exp(mu - q * se), math.exp(mu + q * se))
     mu0, se0 = pooled(every, 0.0)
     q0 = _t_quantile(sum(e.rounds - 1 for e in every))  # Student's t on the rounds' own degrees of freedom
     within = (math.exp(mu0 - q0 * se0), math.exp(mu0 + q0 * se0))
-    verdict = verdict_of(ci95 if fresh and level > 0 else (ci95[0], max(ci95[1], 1.0)), within, len(fresh))
+    verdict = verdict_of(ci95 if level > 0 else (ci95[0], max(ci95[1], 1.0)), within, len(fresh))
     logs = np.concatenate([np.log(np.asarray(x.plan_ms, float) / np.asarray(x.default_ms, float)) for x in launches])
     return Confirmation(math.exp(mu), ci95, len(logs), noise_pct, verdict, len(every),
                         math.exp(float(np.median(logs))), used.tau, within, len(fresh), used.df, level)

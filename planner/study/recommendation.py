@@ -109,11 +109,6 @@ class Recommendation:
         return self.job.pending
 
     @property
-    def needs_launches(self) -> bool:
-        """Whether the study has a pending plan, so the next in-loop start re-confirms it."""
-        return self.pending is not None
-
-    @property
     def confirmation(self) -> Confirmation | None:
         """The deciding job's confirmation of its survivor (faster or not); ``None`` if its race dropped all."""
         return self.job.survivor.confirmation if self.job.survivor is not None else None

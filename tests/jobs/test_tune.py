@@ -28,7 +28,7 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
         # the survivor confirmed in 2 fresh launches (new ranks, the plans applied from the first step)
         assert "[confirm 1/2] fresh ranks" in out and "[confirm 2/2] fresh ranks" in out, out
         assert "in 2 launches:" in out and "confirmation: total-time ratio" in out, out
-        assert "power: 2 launch(es) of" in out, out  # what the confirmation could find, stated
+        assert "power: 2 fresh launch(es) of" in out, out  # what the confirmation could find, stated
 
     # Profile: orders, figures, consolidation = max across the 2 ranks.
     profile = Profile.load(tmp_path / "studies" / "e2e.profile.json")

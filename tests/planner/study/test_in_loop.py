@@ -150,10 +150,11 @@ def _in_loop_session(tmp_path, config, profile, job):
 @pytest.mark.parametrize("gain, verdicts", [(0.08, ["provisional", "faster"]),
                                             (0.04, ["provisional", "provisional", "no significant difference"])])
 def test_a_provisional_recommendation_gathers_a_launch_at_every_start(tmp_path, make_profile, gain, verdicts):
-    """The in-loop tuner's path across restarts, torch-free: each start is one launch (one process). A plan faster
-    on its steps but not by enough to clear the spread between processes is provisional and applied; every later
-    start re-confirms it on a few steps (no recheck asked), pooling its rounds with the earlier launches, until it is
-    faster across processes (an 8% gain, at 2 launches) or, at 3 launches, FSDP2's default returns (4%)."""
+    """The in-loop tuner's path across restarts, torch-free: each start is one launch (one process), a lone
+    candidate so that every launch is fresh. A plan faster on its steps but not by enough to clear the spread
+    between processes is provisional, not applied; every later start re-confirms it on a few steps (no recheck
+    asked), pooling its rounds with the earlier launches at the level its earlier looks leave, until it is faster
+    across processes (an 8% gain, at 2 launches) or, at 3 launches, the chain ends with FSDP2's default (4%)."""
     from planner.study import study_trials
     from planner.study.queries import best_plan
     from planner.testing import drive_round, study_config

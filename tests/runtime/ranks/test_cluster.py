@@ -186,7 +186,7 @@ def test_three_concurrent_jobs_share_one_study(storage_url, tmp_path):
     assert answers[0] and answers.count(answers[0]) == 3
     # ... and it is what the latest job concluded (planner.study.recommendation), the line each job printed last
     latest = max(job_verdicts(measured), key=lambda v: v.last_trial)
-    expected = latest.recommended.number if latest.recommended is not None else None  # faster, or provisional
+    expected = latest.recommended.number if latest.recommended is not None else None  # faster across processes
     best = best_plan(storage_url, "shared")
     assert (None if best.is_default else best.plan.provenance.trial) == expected
     assert answers[0].startswith(f"study shared: {best.line('shared')}")
