@@ -23,9 +23,9 @@ from pydantic import (
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.memory_budget import MemoryBudget
 from planner.artifacts.names import Allocator, Backend, SamplerName, SpaceName
+from planner.statistics.launches import DEFAULT_SPREAD, Spread
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings
-from planner.statistics.verdict import DEFAULT_SPREAD, Spread
 
 
 class Table(BaseModel):

@@ -49,7 +49,6 @@ from planner.statistics.launches import (
     DEFAULT_SPREAD,
     MIN_ROUNDS,
     ConfirmLaunch,
-    LaunchEstimate,
     Spread,
     UsedSpread,
     launch_estimate,
@@ -353,10 +352,3 @@ def confirmation_text(ratio: float, ci95: tuple[float, float] | Sequence[float],
     where = f" in {launches} launches" if launches != 1 else " in 1 launch"
     figure = "total-time ratio" if total_time else "median ratio"
     return f"{figure} {ratio:.3f}, 95% CI [{low:.3f}, {high:.3f}] over {rounds} fresh rounds{where}"
-
-
-__all__ = [
-    "DEFAULT_SPREAD", "LEVEL", "MAX_LAUNCHES", "MIN_ROUNDS", "POWER", "Chain", "Confirmation", "ConfirmLaunch",
-    "LaunchEstimate", "Looks", "Spread", "Verdict", "confirm", "confirm_launches", "confirmation_rounds",
-    "confirmation_text", "detectable_gain", "launch_estimate", "power", "quantile", "step_noise_pct", "verdict_of",
-]
