@@ -15,15 +15,15 @@ from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import ModuleProfile, Profile
 from planner.statistics.launches import ConfirmLaunch, Spread
-from planner.statistics.looks import MAX_LAUNCHES
+from planner.statistics.looks import MAX_LAUNCHES, Looks
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings, Schedule
+from planner.statistics.verdict import Chain, Verdict, confirm_launches
 
 if TYPE_CHECKING:
     import numpy as np
 
     from planner.artifacts.plan import Plan
-    from planner.statistics.verdict import Verdict
     from planner.study import MeasuredStage, MeasuredTrial, SearchSpace
     from planner.study.queries import BestPlan
     from planner.study.session import TuneOutcome, TuningSession
@@ -300,9 +300,6 @@ def restart_path(model: LaunchModel, spread: Spread, runs: int, seed: int, launc
 
     Every chain is looked at to the end (no provisional gate: an upper bound on the restart path's rate).
     """
-    from planner.statistics.looks import Looks
-    from planner.statistics.verdict import Verdict, confirm_launches
-
     ever = 0
     for drawn in model.draw(runs, launches, seed):
         chain = as_launches(drawn)
@@ -336,14 +333,13 @@ def restart_chain(rng: np.random.Generator, candidates: int, tau: float = 0.04, 
     """
     import math
 
-    from planner.statistics.verdict import Chain
+    import numpy as np
+
     from planner.study.evidence import chain_of
     from planner.study.recommendation import JobVerdict
     from planner.study.records import MeasuredTrialRecord
 
     def start(plans: int, earlier: dict[int, Chain]) -> tuple[Schedule, np.ndarray]:
-        import numpy as np
-
         offsets = np.concatenate([[0.0], rng.normal(0.0, tau, plans - 1)])
         schedule = Schedule(plans, RaceSettings(), ConfirmSettings(launches=0), earlier=earlier, clock=lambda: 0.0)
         while (block := schedule.next_block()) is not None:
