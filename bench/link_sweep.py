@@ -157,7 +157,7 @@ def report(runs: dict[str, dict]) -> list[dict]:
         if base is not None:
             source = base
             if bits is not None:
-                source, _ = retarget(base, Target.model_validate(tomllib.loads(target_toml(rate))))
+                source = retarget(base, Target.model_validate(tomllib.loads(target_toml(rate)))).profile
                 row["model"] = {k: _spread(v) for k, v in collective_over_predicted(profile, source).items() if v}
             row["predicted_default_ms"] = simulator_for(source, profile_params(base)).run(Plan.default(base)).step_ms
             row["error"] = row["predicted_default_ms"] / run["default_race_ms"] - 1

@@ -110,6 +110,20 @@ def fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
+def parameter_rows(modules: list[tuple[str, nn.Module]]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per FSDP module, ``(dim-0 size, bytes per dim-0 row)`` of each parameter it manages itself, unsharded (a
+    DTensor's global shape): what FSDP2 shards and pads (``FSDPParam._init_sharded_param``).
+
+    Args:
+        modules: :func:`fsdp_modules` of the root.
+    """
+    def rows(p: nn.Parameter) -> tuple[int, int]:
+        dim0 = p.shape[0] if p.dim() else 1
+        return int(dim0), int(p.numel() // max(1, dim0) * p.element_size())
+
+    return {fqn: tuple(rows(p) for p in own_parameters(modules, fqn)) for fqn, _ in modules}
+
+
 def own_parameters(modules: list[tuple[str, nn.Module]], fqn: str) -> list[nn.Parameter]:
     """Parameters FSDP module ``fqn`` manages itself (not those of nested FSDP modules).
 

@@ -180,11 +180,22 @@ CASES = {
         "link.inter_node.bandwidth: bandwidth '1': write a positive number with its unit",
         lambda w: load_target(w / "target.toml"), TargetError),
     "target without the link its nodes need": Case(
-        lambda w: target_case(w, TARGET.split("[link")[0]), "2 nodes need [link.inter_node] with its bandwidth",
+        lambda w: target_case(w, TARGET.split("[link")[0]),
+        "the shard group of 2 ranks on 2 nodes needs [link.inter_node] with its bandwidth",
         lambda w: load_target(w / "target.toml"), TargetError),
-    "target of another world size": Case(
-        lambda w: target_case(w, TARGET.replace("world_size = 2", "world_size = 4")),
-        "target world_size 4, but the profile was recorded on 2 ranks", retarget_loaded, TargetError),
+    "target mesh that does not multiply to the world size": Case(
+        lambda w: target_case(w, "mesh = [2, 2]\n" + TARGET),
+        "mesh [2, 2] has 4 ranks, world_size 2: write mesh = [replicate, shard] with replicate x shard = world_size",
+        lambda w: load_target(w / "target.toml"), TargetError),
+    "target world size not a whole number of nodes": Case(
+        lambda w: target_case(w, TARGET.replace("world_size = 2", "world_size = 3").replace(
+            "ranks_per_node = 1", "ranks_per_node = 2")),
+        "world_size 3 is not a whole number of nodes of 2 ranks", lambda w: load_target(w / "target.toml"),
+        TargetError),
+    "target on nccl from a cpu profile": Case(
+        lambda w: target_case(w, TARGET.replace('"gloo"', '"nccl"')),
+        "target backend 'nccl', but the profile's collectives ran on gloo (cpu): their costs cannot be re-timed",
+        retarget_loaded, TargetError),
     "malformed toml": Case(
         lambda w: ["tune", write(w / "bad.toml", "[study\nname = 's'\n")], "is not valid TOML",
         lambda w: load_study_config(w / "bad.toml"), StudyConfigError),

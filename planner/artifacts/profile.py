@@ -25,7 +25,7 @@ PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
 # written only where not 0 (a checkpointed module; a backward that allocates temporaries), so a profile without
 # them is the file release 0.1.0 wrote
 OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_bytes", "backward_post_grad_bytes",
-                   "activation_post_bytes")
+                   "activation_post_bytes", "parameter_rows")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,10 @@ class ModuleProfile:
             backward); the rest (a root's embedding) live to the end of its backward. 0: not measured (a trace, an
             older profile): the simulator splits ``activation_bytes`` by the forward's time, ``fwd_pre_ms`` of
             ``fwd_ms`` before.
+        parameter_rows: per parameter the module manages itself, ``(dim-0 size, bytes per dim-0 row)`` of its
+            unsharded tensor: FSDP2 shards dim 0 and pads it to a multiple of the shard group
+            (``FSDPParam._init_sharded_param``), so the shard at another world size follows from them
+            (:mod:`planner.simulation.resharding`). ``()``: not recorded (a trace, an older profile).
     """
 
     fqn: str
@@ -99,6 +103,7 @@ class ModuleProfile:
     backward_temp_bytes: int = 0
     backward_post_grad_bytes: int = 0
     activation_post_bytes: int = 0
+    parameter_rows: tuple[tuple[int, int], ...] = ()
 
 
 def root_activation_pre_bytes(root: ModuleProfile) -> int:

@@ -114,6 +114,7 @@ class ModuleProfileDocument(Document):
     backward_temp_bytes: int = Field(0, ge=0)
     backward_post_grad_bytes: int = Field(0, ge=0)
     activation_post_bytes: int = Field(0, ge=0)
+    parameter_rows: tuple[tuple[int, int], ...] = ()
 
 
 class OverlapDocument(Document):

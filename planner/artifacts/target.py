@@ -2,26 +2,40 @@
 
 A target is a TOML file::
 
-    world_size = 2
-    ranks_per_node = 1
+    world_size = 4
+    ranks_per_node = 2
     backend = "gloo"             # or "nccl"
+    mesh = [2, 2]                # optional: HSDP, [replicate, shard]; default FSDP over every rank
     [link.inter_node]
     bandwidth = "1Gbit/s"        # bus bandwidth per rank; units explicit (Gbit/s, Mbit/s, GB/s, MB/s)
     latency = "50us"             # optional (ns, us, ms, s)
+    [link.intra_node]
+    bandwidth = "recorded"       # the link the profile was recorded on (its ranks shared one node)
 
-It is a typed model (pydantic), so later keys (meshes, intra-node links,
-presets, nccl-tests files) extend it without a second parser. Units are
-SI and explicit: a network's ``1Gbit/s`` is 10^9 bits per second, ``25GB/s``
-is 25 * 10^9 bytes per second.
+It is a typed model (pydantic), so later keys (presets, nccl-tests files)
+extend it without a second parser. Units are SI and explicit: a network's
+``1Gbit/s`` is 10^9 bits per second, ``25GB/s`` is 25 * 10^9 bytes per
+second.
+
+[Note: Where a process group's ranks sit]
+``init_device_mesh(device, (replicate, shard))`` lays the ranks out row-major:
+a shard group is ``shard`` consecutive ranks, a replicate group the ranks
+``shard`` apart, and torchrun numbers a node's ranks consecutively
+(``--nproc-per-node``). A group's ring therefore crosses the inter-node link
+when its ranks sit on more than one node, and runs on the intra-node link
+otherwise. A group whose ranks sit unevenly on its nodes is refused: the
+ring's per-node share would differ from node to node.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from planner.errors import TargetError
 
@@ -56,11 +70,15 @@ def seconds(text: str) -> float:
     return float(m.group(1)) * _SECONDS[m.group(2)]
 
 
+RECORDED = "recorded"
+
+
 class Link(BaseModel):
     """One kind of link between ranks.
 
     Attributes:
-        bandwidth: bus bandwidth per rank, as written (``"1Gbit/s"``); :attr:`bytes_per_s` is it in bytes/s.
+        bandwidth: bus bandwidth per rank, as written (``"1Gbit/s"``), or ``"recorded"``: the link the profile was
+            recorded on; :attr:`bytes_per_s` is it in bytes/s.
         latency: per message, as written (``"50us"``); :attr:`latency_s` in seconds (0 when not given).
     """
 
@@ -72,7 +90,8 @@ class Link(BaseModel):
     @field_validator("bandwidth")
     @classmethod
     def _rate(cls, v: str) -> str:
-        bytes_per_s(v)
+        if v != RECORDED:
+            bytes_per_s(v)
         return v
 
     @field_validator("latency")
@@ -81,10 +100,22 @@ class Link(BaseModel):
         seconds(v)
         return v
 
+    @model_validator(mode="after")
+    def _recorded_has_its_own_latency(self) -> Link:
+        if self.recorded and self.latency_s:
+            raise ValueError(f"latency {self.latency!r} on the recorded link: its latency is in the profile's own "
+                             "timings; leave latency out")
+        return self
+
     @property
-    def bytes_per_s(self) -> float:
-        """The bandwidth in bytes per second."""
-        return bytes_per_s(self.bandwidth)
+    def recorded(self) -> bool:
+        """``bandwidth = "recorded"``: the link the profile was recorded on, timed as the profile timed it."""
+        return self.bandwidth == RECORDED
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        """The bandwidth in bytes per second; ``None`` for the recorded link."""
+        return None if self.recorded else bytes_per_s(self.bandwidth)
 
     @property
     def latency_s(self) -> float:
@@ -101,6 +132,28 @@ class Links(BaseModel):
     intra_node: Link | None = None
 
 
+@dataclass(frozen=True)
+class Group:
+    """One process group of a target's mesh, as its ranks sit on nodes ([Note: Where a process group's ranks sit]).
+
+    Attributes:
+        role: ``"shard"`` (FSDP2's all-gather and reduce-scatter) or ``"replicate"`` (HSDP's all-reduce).
+        size: ranks in the group.
+        nodes: nodes its ranks sit on.
+        link: the link its ring is paced by: the inter-node link across nodes, else the intra-node one (``None``
+            for a group of one rank, which sends nothing).
+        intra_latency_s: the intra-node link's latency, s (its ring's steps within a node pay it).
+        inter_latency_s: the inter-node link's latency, s.
+    """
+
+    role: str
+    size: int
+    nodes: int
+    link: Link | None
+    intra_latency_s: float
+    inter_latency_s: float
+
+
 class Target(BaseModel):
     """The cluster a prediction is for.
 
@@ -110,6 +163,8 @@ class Target(BaseModel):
             than one node.
         backend: ``"gloo"`` or ``"nccl"`` (what the collectives put on the wire differs:
             :mod:`planner.simulation.link`).
+        mesh: ``(replicate, shard)`` for HSDP (``fully_shard(mesh=init_device_mesh(..., (replicate, shard)))``);
+            ``None``: FSDP over every rank, ``(1, world_size)``.
         link: the links.
     """
 
@@ -118,6 +173,7 @@ class Target(BaseModel):
     world_size: int = Field(ge=1)
     ranks_per_node: int = Field(ge=1)
     backend: Literal["gloo", "nccl"]
+    mesh: tuple[PositiveInt, PositiveInt] | None = None
     link: Links = Field(default_factory=Links)
 
     @model_validator(mode="after")
@@ -125,12 +181,16 @@ class Target(BaseModel):
         if self.world_size % self.ranks_per_node:
             raise ValueError(f"world_size {self.world_size} is not a whole number of nodes of {self.ranks_per_node} "
                              "ranks")
-        if self.nodes > 1 and self.link.inter_node is None:
-            raise ValueError(f"{self.nodes} nodes need [link.inter_node] with its bandwidth, e.g. "
-                             "bandwidth = \"1Gbit/s\"")
-        if self.nodes == 1 and self.world_size > 1 and self.link.intra_node is None:
-            raise ValueError("one node of several ranks needs [link.intra_node] with its bandwidth, e.g. "
-                             "bandwidth = \"100GB/s\"")
+        if self.mesh is not None and self.mesh[0] * self.mesh[1] != self.world_size:
+            raise ValueError(f"mesh {list(self.mesh)} has {self.mesh[0] * self.mesh[1]} ranks, world_size "
+                             f"{self.world_size}: write mesh = [replicate, shard] with replicate x shard = world_size")
+        for group in self.groups:
+            if group.link is None and group.size > 1:
+                which = "inter_node" if group.nodes > 1 else "intra_node"
+                example = "1Gbit/s" if group.nodes > 1 else "100GB/s"
+                raise ValueError(f"the {group.role} group of {group.size} ranks on {group.nodes} node"
+                                 f"{'s' if group.nodes > 1 else ''} needs [link.{which}] with its bandwidth, e.g. "
+                                 f"bandwidth = \"{example}\"")
         return self
 
     @property
@@ -139,17 +199,53 @@ class Target(BaseModel):
         return self.world_size // self.ranks_per_node
 
     @property
+    def replicate(self) -> int:
+        """Ranks in a replicate group (1 for FSDP)."""
+        return 1 if self.mesh is None else self.mesh[0]
+
+    @property
+    def shard(self) -> int:
+        """Ranks in a shard group: the parameters are sharded over them (the world size for FSDP)."""
+        return self.world_size if self.mesh is None else self.mesh[1]
+
+    @property
+    def groups(self) -> tuple[Group, Group]:
+        """The shard group and the replicate group, as their ranks sit on nodes.
+
+        Raises:
+            ValueError: a group whose ranks sit unevenly on its nodes ([Note: Where a process group's ranks sit]).
+        """
+        out = []
+        for role, size, stride in (("shard", self.shard, 1), ("replicate", self.replicate, self.shard)):
+            per_node = Counter(k * stride // self.ranks_per_node for k in range(size))
+            if len(set(per_node.values())) > 1:
+                raise ValueError(f"the {role} group's {size} ranks sit unevenly on nodes of {self.ranks_per_node} "
+                                 "ranks; make the shard size a divisor or a multiple of ranks_per_node")
+            nodes = len(per_node)
+            link = None if size == 1 else self.link.inter_node if nodes > 1 else self.link.intra_node
+            intra, inter = self.link.intra_node, self.link.inter_node
+            out.append(Group(role, size, nodes, link, intra.latency_s if intra else 0.0,
+                             inter.latency_s if inter else 0.0))
+        return out[0], out[1]
+
+    @property
     def ring_link(self) -> Link | None:
-        """The slowest link a ring over every rank crosses: the inter-node link across nodes, else the intra-node
-        one (``None`` for a single rank)."""
-        return self.link.inter_node if self.nodes > 1 else self.link.intra_node
+        """The link the shard group's ring is paced by (``None`` for a single rank)."""
+        return self.groups[0].link
 
     def describe(self) -> str:
-        """``2 ranks (1 per node), gloo, inter-node 1Gbit/s, latency 50us``."""
-        link = self.ring_link
-        where = "inter-node" if self.nodes > 1 else "intra-node"
+        """``4 ranks (2 per node), gloo, HSDP [2, 2]; shard group on 1 node (intra-node recorded), replicate
+        group across 2 nodes (inter-node 1Gbit/s, latency 50us)``."""
         text = f"{self.world_size} ranks ({self.ranks_per_node} per node), {self.backend}"
-        return text + (f", {where} {link.bandwidth}, latency {link.latency}" if link is not None else "")
+        text += f", HSDP {list(self.mesh)}" if self.mesh is not None else ""
+        parts = []
+        for group in self.groups:
+            if group.size == 1:
+                continue
+            where = f"across {group.nodes} nodes (inter-node" if group.nodes > 1 else "on 1 node (intra-node"
+            latency = f", latency {group.link.latency}" if not group.link.recorded else ""
+            parts.append(f"{group.role} group of {group.size} {where} {group.link.bandwidth}{latency})")
+        return text + ("; " + ", ".join(parts) if parts else "")
 
 
 def load_target(path: str | Path) -> Target:

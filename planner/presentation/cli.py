@@ -55,14 +55,15 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml) 
     profile = Profile.load(profile_json)
     plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
     plan.check_matches(profile)
-    target = fit = None
+    target = retargeted = None
     simulated = profile
     if target_toml:
         from planner.artifacts.target import load_target
         from planner.simulation.link import link_efficiency, retarget
 
         target = load_target(target_toml)
-        simulated, fit = retarget(profile, target)
+        retargeted = retarget(profile, target)
+        simulated = retargeted.profile
     r = simulator_for(simulated, profile_params(profile)).run(plan, trace=bool(trace_out or png_out))
     title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
     if trace_out:
@@ -76,13 +77,18 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml) 
     if as_json:
         figures = {"step_ms": r.step_ms, "exposed_comm_ms": r.exposed_comm_ms, "peak_bytes": r.peak_bytes,
                    "lower_bound_ms": r.lower_bound_ms}
-        if target is not None:
-            figures.update(target=target.model_dump(), link_fit={k: dataclasses.asdict(f) for k, f in fit.items()})
+        if retargeted is not None:
+            figures.update(target=target.model_dump(),
+                           link_fit={k: dataclasses.asdict(f) for k, f in retargeted.fits.items()},
+                           extrapolation={**dataclasses.asdict(retargeted.extrapolation),
+                                          "within_fit": retargeted.extrapolation.within_fit})
         click.echo(json.dumps(figures))
         return
-    if target is not None:
-        click.echo(f"target        {target.describe()}; collectives from bytes on the wire:")
-        for f in fit.values():
+    if retargeted is not None:
+        click.echo(f"target        {target.describe()}")
+        click.echo(f"distance      {retargeted.extrapolation.describe()}")
+        click.echo("collectives   from bytes on the wire:")
+        for f in retargeted.fits.values():
             basis = ("fitted on" if f.identifiable else "one size: no overhead told apart, from") + (
                 f" {f.points} recorded calls")
             click.echo(f"  {f.kind.replace('_', '-'):15s} per-call overhead {f.overhead_ms:.2f} ms, recorded "

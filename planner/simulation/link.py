@@ -9,14 +9,35 @@ timings.
 [Note: Bytes on the wire]
 FSDP2 all-gathers a module's parameters as one flat buffer
 (``foreach_all_gather`` -> ``all_gather_into_tensor``) and reduce-scatters its
-gradients as one (``foreach_reduce`` -> ``reduce_scatter_tensor``). In a ring
-over ``W`` ranks (NCCL's ring algorithm, gloo's ring all-gather) each rank
-sends ``(W - 1) / W`` of the unsharded bytes in ``W - 1`` steps, for the
-all-gather and for NCCL's reduce-scatter. Gloo has no reduce-scatter of its
-own: ``ProcessGroupGloo`` runs it as an all-reduce and a slice, a
-reduce-scatter and an all-gather in a ring, ``2 (W - 1) / W`` of the bytes in
-``2 (W - 1)`` steps. The ring's speed is its slowest link: across nodes, the
-inter-node link's bus bandwidth per rank.
+gradients as one (``foreach_reduce`` -> ``reduce_scatter_tensor``), both over
+the shard group. In a ring over ``G`` ranks (NCCL's ring algorithm, gloo's ring
+all-gather) each rank sends ``(G - 1) / G`` of the buffer's bytes in ``G - 1``
+steps, for the all-gather and for NCCL's reduce-scatter. An all-reduce (NCCL's
+ring; gloo's ring all-reduce) is a reduce-scatter then an all-gather:
+``2 (G - 1) / G`` of the bytes in ``2 (G - 1)`` steps. Gloo has no
+reduce-scatter of its own: ``ProcessGroupGloo`` runs it as an all-reduce and a
+slice. The ring's speed is its slowest link: across nodes, the inter-node
+link's bus bandwidth per rank.
+
+[Note: HSDP's all-reduce]
+With a 2-D mesh ``(replicate, shard)`` FSDP2's ``foreach_reduce`` reduce-scatters
+over the shard group, then all-reduces the reduce-scatter's output (one rank's
+padded shard) over the replicate group, on the all-reduce stream after the
+reduce-scatter stream (``all_reduce_stream.wait_stream(reduce_scatter_stream)``).
+The simulator's reduce-scatter of a module is both in turn, on one track: on a
+CPU device gloo runs them one after the other on the calling thread; on a GPU
+the next module's reduce-scatter could start beside this all-reduce, but both
+then share the node's links, and the model keeps them in series. The
+all-reduce's per-call overhead and per-byte cost are the reduce-scatter's fit:
+the same reduction over the same host or device.
+
+[Note: Latency per ring step]
+Each of a ring's steps waits for one message. NCCL charges a ring's latency as
+``(nsteps - nInterSteps) * intraLat + nInterSteps * interLat`` with
+``nInterSteps = nNodes - 1`` for an all-gather or reduce-scatter and
+``2 (nNodes - 1)`` for an all-reduce (``tuning.cc``, ring latencies): the ring
+orders a node's ranks together, so only a few of its steps cross nodes. The
+target's latencies are each link's ``latency``; gloo's ring is charged alike.
 
 [Note: The per-call overhead, fitted]
 Per call and per kind of collective, the profile's time is modelled as
@@ -50,10 +71,11 @@ from typing import Literal
 import numpy as np
 
 from planner.artifacts.profile import Profile
-from planner.artifacts.target import Target
+from planner.artifacts.target import Group, Target
 from planner.errors import TargetError
+from planner.simulation.resharding import collective_bytes, reshard, shard_bytes
 
-Kind = Literal["all_gather", "reduce_scatter"]
+Kind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
 
 def recorded_backend(profile: Profile) -> str:
@@ -61,18 +83,37 @@ def recorded_backend(profile: Profile) -> str:
     return "gloo" if profile.fingerprint.device_type == "cpu" else "nccl"
 
 
-def wire_fraction(kind: Kind, world_size: int, backend: str) -> float:
-    """The fraction of a collective's unsharded bytes each rank sends ([Note: Bytes on the wire])."""
-    if world_size <= 1:
+def _all_reduce_like(kind: Kind, backend: str) -> bool:
+    return kind == "all_reduce" or (kind == "reduce_scatter" and backend == "gloo")
+
+
+def wire_fraction(kind: Kind, group_size: int, backend: str) -> float:
+    """The fraction of a collective's buffer each rank of a group of ``group_size`` sends ([Note: Bytes on the
+    wire])."""
+    if group_size <= 1:
         return 0.0
-    ring = (world_size - 1) / world_size
-    return 2 * ring if kind == "reduce_scatter" and backend == "gloo" else ring
+    ring = (group_size - 1) / group_size
+    return 2 * ring if _all_reduce_like(kind, backend) else ring
 
 
-def ring_steps(kind: Kind, world_size: int, backend: str) -> int:
+def ring_steps(kind: Kind, group_size: int, backend: str) -> int:
     """The messages a rank sends in turn in the ring ([Note: Bytes on the wire])."""
-    steps = max(0, world_size - 1)
-    return 2 * steps if kind == "reduce_scatter" and backend == "gloo" else steps
+    steps = max(0, group_size - 1)
+    return 2 * steps if _all_reduce_like(kind, backend) else steps
+
+
+def inter_node_steps(kind: Kind, nodes: int, backend: str) -> int:
+    """Of :func:`ring_steps`, those that cross nodes: ``nNodes - 1``, twice for an all-reduce ([Note: Latency per
+    ring step])."""
+    steps = max(0, nodes - 1)
+    return 2 * steps if _all_reduce_like(kind, backend) else steps
+
+
+def ring_latency_ms(kind: Kind, group: Group, backend: str) -> float:
+    """A ring's latency over ``group``, ms: its steps within a node at the intra-node latency, those across nodes
+    at the inter-node one ([Note: Latency per ring step])."""
+    steps, inter = ring_steps(kind, group.size, backend), inter_node_steps(kind, group.nodes, backend)
+    return 1e3 * ((steps - inter) * group.intra_latency_s + inter * group.inter_latency_s)
 
 
 GLOO_ALL_GATHER_EFFICIENCY = 0.63  # [Note: Host work and the wire]
@@ -94,6 +135,7 @@ class LinkFit:
         ms_per_byte: the recorded time per byte on the wire (host work and the recorded link), ms.
         points: the calls fitted (one per module with bytes on the wire).
         identifiable: more than one distinct size: overhead and per-byte time told apart.
+        wire_bytes: the smallest and largest bytes on the wire of the calls fitted.
     """
 
     kind: Kind
@@ -101,19 +143,22 @@ class LinkFit:
     ms_per_byte: float
     points: int
     identifiable: bool
+    wire_bytes: tuple[float, float] = (0.0, 0.0)
 
     @property
     def bytes_per_s(self) -> float:
         """The recorded effective bandwidth, bytes per second (``inf`` when no time is per byte)."""
         return 1e3 / self.ms_per_byte if self.ms_per_byte > 0 else float("inf")
 
-    def ms(self, wire_bytes: float, link_bytes_per_s: float | None, backend: str) -> float:
+    def ms(self, wire_bytes: float, link_bytes_per_s: float | None, backend: str, kind: Kind | None = None) -> float:
         """One call's time with ``wire_bytes`` on a link of ``link_bytes_per_s`` (``None``: the recorded one), ms,
-        latency aside ([Note: Host work and the wire])."""
+        latency aside ([Note: Host work and the wire]); ``kind``: the collective timed, when not the fit's own
+        (HSDP's all-reduce on the reduce-scatter's fit)."""
         host = self.ms_per_byte * wire_bytes
         if link_bytes_per_s is None:
             return self.overhead_ms + host
-        return self.overhead_ms + max(host, 1e3 * wire_bytes / (link_efficiency(self.kind, backend) * link_bytes_per_s))
+        share = link_efficiency(kind or self.kind, backend)
+        return self.overhead_ms + max(host, 1e3 * wire_bytes / (share * link_bytes_per_s))
 
 
 def wire_calls(profile: Profile, world_size: int, backend: str) -> list[tuple[str, Kind, float, float]]:
@@ -121,8 +166,8 @@ def wire_calls(profile: Profile, world_size: int, backend: str) -> list[tuple[st
     on ``backend`` ([Note: Bytes on the wire])."""
     out = []
     for fqn, m in profile.modules.items():
-        for kind, nbytes, t in (("all_gather", m.unsharded_bytes, m.all_gather_ms),
-                                ("reduce_scatter", m.grad_bytes // max(1, m.calls), m.reduce_scatter_ms)):
+        nbytes = collective_bytes(m, world_size)
+        for kind, t in (("all_gather", m.all_gather_ms), ("reduce_scatter", m.reduce_scatter_ms)):
             w = wire_fraction(kind, world_size, backend) * nbytes
             if w > 0 and t > 0:
                 out.append((fqn, kind, w, t))
@@ -137,7 +182,7 @@ def _fit(kind: Kind, w: np.ndarray, t: np.ndarray) -> LinkFit:
         (a, s), _ = nnls(np.column_stack([np.ones_like(w), w]), t)
     else:
         a, s = 0.0, float(t.sum() / w.sum())
-    return LinkFit(kind, float(a), float(s), len(w), identifiable)
+    return LinkFit(kind, float(a), float(s), len(w), identifiable, (float(w.min()), float(w.max())))
 
 
 def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
@@ -159,31 +204,109 @@ def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
     return fits
 
 
-def retarget(profile: Profile, target: Target) -> tuple[Profile, dict[Kind, LinkFit]]:
-    """The profile with each module's all-gather and reduce-scatter re-timed for ``target``'s link and backend.
+@dataclass(frozen=True)
+class Extrapolation:
+    """How far a target lies from the profile it is predicted from.
 
-    Compute, memory and everything else stay as recorded; simulate the result with the recorded profile's own
-    parameters (``planner.simulation.parameters.profile_params(profile)``), which were solved on its link.
+    Attributes:
+        recorded_world_size: ranks the profile was recorded on (its shard group).
+        world_size, nodes, replicate, shard: the target's.
+        recorded_wire_bytes: median bytes on the wire per all-gather, as recorded.
+        wire_bytes: median bytes on the wire per all-gather on the target's shard group.
+        fitted_wire_bytes: the smallest and largest bytes on the wire per all-gather the fit saw.
+        padded_exactly: every module's parameter rows were recorded: the shards are padded as FSDP2 pads; else
+            each parameter's padding (at most one row) is left out.
+    """
+
+    recorded_world_size: int
+    world_size: int
+    nodes: int
+    replicate: int
+    shard: int
+    recorded_wire_bytes: float
+    wire_bytes: float
+    fitted_wire_bytes: tuple[float, float]
+    padded_exactly: bool
+
+    @property
+    def within_fit(self) -> bool:
+        """The target's median all-gather puts bytes on the wire within the range the fit saw (or none at all)."""
+        low, high = self.fitted_wire_bytes
+        return self.wire_bytes == 0 or low <= self.wire_bytes <= high
+
+    def describe(self) -> str:
+        """One line: the world size against the recorded one, the nodes, the bytes per call against the fit's."""
+        scale = self.world_size / self.recorded_world_size
+        text = (f"from a profile of {self.recorded_world_size} ranks to {self.world_size} on {self.nodes} node"
+                f"{'s' if self.nodes > 1 else ''} (x{scale:g}); shards over {self.shard}"
+                + (f", replicas {self.replicate}" if self.replicate > 1 else "")
+                + f"; all-gather {self.wire_bytes / 1e6:.2f} MB on the wire per call, "
+                f"{self.recorded_wire_bytes / 1e6:.2f} MB recorded (fitted {self.fitted_wire_bytes[0] / 1e6:.2f}-"
+                f"{self.fitted_wire_bytes[1] / 1e6:.2f} MB): ")
+        text += "within the fit" if self.within_fit else "outside the fit, extrapolated"
+        return text + ("" if self.padded_exactly else "; parameter rows not recorded, padding left out")
+
+
+@dataclass(frozen=True)
+class Retargeted:
+    """A profile re-timed and re-sharded for a target (:func:`retarget`).
+
+    Attributes:
+        profile: the profile as one rank of the target: simulate it with the recorded profile's parameters.
+        fits: per kind, the fit the collectives were re-timed from.
+        extrapolation: how far the target lies from the profile.
+    """
+
+    profile: Profile
+    fits: dict[Kind, LinkFit]
+    extrapolation: Extrapolation
+
+
+def _call_ms(fit: LinkFit, kind: Kind, group: Group, nbytes: int, backend: str) -> float:
+    w = wire_fraction(kind, group.size, backend) * nbytes
+    if w <= 0:
+        return 0.0
+    bandwidth = None if group.link is None else group.link.bytes_per_s
+    return fit.ms(w, bandwidth, backend, kind) + ring_latency_ms(kind, group, backend)
+
+
+def retarget(profile: Profile, target: Target) -> Retargeted:
+    """The profile as one rank of ``target``: re-sharded for its shard group ([Note: What re-sharding changes] in
+    :mod:`planner.simulation.resharding`), each module's all-gather and reduce-scatter (and HSDP's all-reduce,
+    [Note: HSDP's all-reduce]) re-timed for its groups' links.
+
+    Compute and activations stay as recorded; simulate the result with the recorded profile's own parameters
+    (``planner.simulation.parameters.profile_params(profile)``), which were solved on its link.
 
     Raises:
-        TargetError: a target of another world size (the shards, and so the memory and bytes, would change:
-            record at that world size), or a profile with no collective to fit.
+        TargetError: a target backend other than the one the profile's collectives ran on (their host cost was
+            fitted on that backend: a CPU profile cannot predict NCCL), or a profile with no collective to fit.
     """
-    if target.world_size != profile.fingerprint.world_size:
-        raise TargetError(f"target world_size {target.world_size}, but the profile was recorded on "
-                          f"{profile.fingerprint.world_size} ranks; predicting another world size is not modelled: "
-                          "record the profile at that world size")
+    backend = recorded_backend(profile)
+    if target.backend != backend:
+        device = profile.fingerprint.device_type
+        raise TargetError(f"target backend {target.backend!r}, but the profile's collectives ran on {backend} "
+                          f"({device}): their costs cannot be re-timed for {target.backend}; record the profile on "
+                          f"{'a GPU' if target.backend == 'nccl' else 'gloo'} to predict {target.backend}")
     fits = fit_link(profile)
-    link = target.ring_link
-    bandwidth = None if link is None else link.bytes_per_s
-    latency_ms = 0.0 if link is None else 1e3 * link.latency_s
-    modules = dict(profile.modules)
-    for fqn, m in profile.modules.items():
-        times = {}
-        for kind, nbytes in (("all_gather", m.unsharded_bytes), ("reduce_scatter", m.grad_bytes // max(1, m.calls))):
-            w = wire_fraction(kind, target.world_size, target.backend) * nbytes
-            if w > 0:
-                times[f"{kind}_ms"] = (fits[kind].ms(w, bandwidth, target.backend)
-                                       + latency_ms * ring_steps(kind, target.world_size, target.backend))
+    shard_group, replicate_group = target.groups
+    resharded = reshard(profile, target.shard, target.world_size)
+    modules = dict(resharded.modules)
+    for fqn, m in resharded.modules.items():
+        nbytes = collective_bytes(m, target.shard)
+        times = {"all_gather_ms": _call_ms(fits["all_gather"], "all_gather", shard_group, nbytes, backend),
+                 "reduce_scatter_ms": _call_ms(fits["reduce_scatter"], "reduce_scatter", shard_group, nbytes, backend)
+                 + _call_ms(fits["reduce_scatter"], "all_reduce", replicate_group, shard_bytes(m, target.shard),
+                            backend)}
         modules[fqn] = dataclasses.replace(m, **times)
-    return dataclasses.replace(profile, modules=modules), fits
+    recorded = profile.fingerprint.world_size
+
+    def median_wire(world: int) -> float:
+        sizes = [wire_fraction("all_gather", world, backend) * collective_bytes(m, world)
+                 for m in profile.modules.values()]
+        return float(np.median(sizes)) if sizes else 0.0
+
+    extrapolation = Extrapolation(recorded, target.world_size, target.nodes, target.replicate, target.shard,
+                                  median_wire(recorded), median_wire(target.shard), fits["all_gather"].wire_bytes,
+                                  all(m.parameter_rows for m in profile.modules.values() if m.unsharded_bytes))
+    return Retargeted(dataclasses.replace(resharded, modules=modules), fits, extrapolation)

@@ -48,7 +48,7 @@ from runtime.recording.consolidation import consolidate, merge_isolated
 from runtime.recording.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
 from runtime.recording.recorder import isolated_figures, optimizer_state_bytes
 from runtime.timing import synchronize
-from runtime.workload import Workload, fsdp_modules
+from runtime.workload import Workload, fsdp_modules, parameter_rows
 
 
 def _detached(obj: Any) -> Any:
@@ -298,6 +298,7 @@ class LoopRecorder:
         raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
         microbatches = max(1, statistics.median_low(self.microbatches))
         try:
-            return consolidate(gather(local), model_fingerprint(self.model), raf, isolated.calls, microbatches)
+            return consolidate(gather(local), model_fingerprint(self.model), raf, isolated.calls, microbatches,
+                               parameter_rows(modules))
         except RuntimeError as e:
             raise PlannerError(str(e)) from None

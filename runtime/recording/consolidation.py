@@ -32,9 +32,11 @@ def merge_isolated(parts: list[IsolatedFigures]) -> IsolatedFigures:
 
 
 def consolidate(per_rank: list[RankFigures], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
-                microbatches: int = 1) -> Profile:
+                microbatches: int = 1, rows: dict[str, tuple[tuple[int, int], ...]] | None = None) -> Profile:
     """The profile from every rank's figures (``record_profile``'s ``local``, gathered): max across ranks of every
     figure (the overlap timings: the mean); orders must agree across ranks.
+
+    ``rows``: per FQN its :attr:`ModuleProfile.parameter_rows` (:func:`runtime.workload.parameter_rows`).
 
     Raises:
         RuntimeError: the ranks disagree on the post-forward order.
@@ -46,7 +48,7 @@ def consolidate(per_rank: list[RankFigures], fingerprint: Fingerprint, raf: dict
                                f"rank {other.rank} {list(other.isolated.post_forward_order)}")
     unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True))
     modules = {fqn: _module_profile(fqn, unsharded[fqn], [r.isolated.modules[fqn] for r in per_rank], raf[fqn],
-                                    calls.get(fqn, 1)) for fqn in fingerprint.module_fqns}
+                                    calls.get(fqn, 1), (rows or {}).get(fqn, ())) for fqn in fingerprint.module_fqns}
     root = fingerprint.module_fqns[0]
     overlap = None
     if first.overlap is not None:
@@ -77,9 +79,11 @@ def consolidate(per_rank: list[RankFigures], fingerprint: Fingerprint, raf: dict
     )
 
 
-def _module_profile(fqn: str, unsharded: int, ranks: list[ModuleFigures], raf: bool, calls: int) -> ModuleProfile:
+def _module_profile(fqn: str, unsharded: int, ranks: list[ModuleFigures], raf: bool, calls: int,
+                    rows: tuple[tuple[int, int], ...] = ()) -> ModuleProfile:
     """One module's profile from every rank's figures of it: the max across ranks of each (needs its parameters in
-    backward on any rank: needs them). ``unsharded``: its unsharded parameter bytes."""
+    backward on any rank: needs them). ``unsharded``: its unsharded parameter bytes; ``rows``: its
+    :attr:`ModuleProfile.parameter_rows`."""
     compute = [m.compute or ComputeFigures() for m in ranks]
     collectives = [m.collectives or CollectiveFigures(0.0, 0.0) for m in ranks]
 
@@ -112,6 +116,7 @@ def _module_profile(fqn: str, unsharded: int, ranks: list[ModuleFigures], raf: b
         backward_temp_bytes=backward_temporaries(max([c.backward_peak_bytes for c in compute]),
                                                  min(unsharded, grad_pre_bytes), recompute_activation),
         calls=max(1, calls),
+        parameter_rows=tuple(rows),
     )
 
 

@@ -62,7 +62,7 @@ from runtime.recording.consolidation import consolidate, merge_isolated
 from runtime.recording.peak_memory import PEAK_STEPS, measure_peak
 from runtime.recording.process_usage import process_usage
 from runtime.timing import device_type_of, synchronize
-from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, train_step
+from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, parameter_rows, train_step
 
 
 def _timed_step(workload: Workload, step: int, device: str) -> tuple[float, float]:
@@ -282,7 +282,8 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     else:
         isolated = isolated_figures(workload, fingerprint, repeats, device, raf)
     local = RankFigures(dist.get_rank(), _default_plan_steps(workload, steps, device), isolated)
-    return consolidate(gather_objects(local), fingerprint, raf, isolated.calls, workload.microbatches)
+    return consolidate(gather_objects(local), fingerprint, raf, isolated.calls, workload.microbatches,
+                       parameter_rows(modules))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -32,7 +32,7 @@ def test_a_target_reads_and_describes_itself(tmp_path):
     t = load_target(tmp_path / "t.toml")
     assert (t.world_size, t.nodes, t.backend) == (2, 2, "gloo")
     assert t.ring_link.bytes_per_s == 1.25e8 and t.ring_link.latency_s == pytest.approx(5e-5)
-    assert t.describe() == "2 ranks (1 per node), gloo, inter-node 1Gbit/s, latency 50us"
+    assert t.describe() == "2 ranks (1 per node), gloo; shard group of 2 across 2 nodes (inter-node 1Gbit/s, latency 50us)"
     one_node = Target(world_size=8, ranks_per_node=8, backend="nccl",
                       link={"intra_node": {"bandwidth": "200GB/s"}})
     assert one_node.nodes == 1 and one_node.ring_link.bandwidth == "200GB/s" and one_node.ring_link.latency_s == 0
@@ -40,8 +40,10 @@ def test_a_target_reads_and_describes_itself(tmp_path):
 
 @pytest.mark.parametrize(("text", "needle"), [
     (GOOD.replace('"1Gbit/s"', '"1 Gbps"'), "link.inter_node.bandwidth: bandwidth '1 Gbps': write a positive number"),
-    (GOOD.split("[link")[0], "2 nodes need [link.inter_node] with its bandwidth"),
-    (GOOD.replace("ranks_per_node = 1", "ranks_per_node = 2"), "one node of several ranks needs [link.intra_node]"),
+    (GOOD.split("[link")[0], "the shard group of 2 ranks on 2 nodes needs [link.inter_node] with its bandwidth"),
+    (GOOD.replace("ranks_per_node = 1", "ranks_per_node = 2"),
+     "the shard group of 2 ranks on 1 node needs [link.intra_node]"),
+    ("mesh = [2, 2]\n" + GOOD, "mesh [2, 2] has 4 ranks, world_size 2: write mesh = [replicate, shard]"),
     (GOOD.replace("ranks_per_node = 1", "ranks_per_node = 3"), "not a whole number of nodes of 3 ranks"),
     (GOOD.replace('"gloo"', '"mpi"'), "backend: Input should be 'gloo' or 'nccl'"),
     (GOOD + "speed = 3\n", "speed: Extra inputs are not permitted"),

@@ -85,33 +85,31 @@ def test_the_slower_of_host_and_wire_sets_the_pace_at_the_algorithms_share_of_th
 
 def test_a_slower_link_retimes_each_collective_from_its_bytes():
     p = law_profile()
-    same, _ = retarget(p, target("4Gbit/s"))  # 0.5 GB/s: the recorded cost per byte
+    same = retarget(p, target("4Gbit/s")).profile  # 0.5 GB/s: the recorded cost per byte
     e = GLOO_ALL_GATHER_EFFICIENCY
     for fqn, m in p.modules.items():  # the reduce-scatter as recorded; the all-gather at its share of the rate
         assert same.modules[fqn].reduce_scatter_ms == pytest.approx(m.reduce_scatter_ms)
         assert same.modules[fqn].all_gather_ms == pytest.approx(OVERHEAD_MS + 0.5 * m.unsharded_bytes * 2e-6 / e)
-    slow, _ = retarget(p, target("1Gbit/s", latency="50us"))  # 0.125 GB/s, 4x slower than recorded
+    slow = retarget(p, target("1Gbit/s", latency="50us")).profile  # 0.125 GB/s, 4x slower than recorded
     for fqn, m in p.modules.items():
         w = 0.5 * m.unsharded_bytes
         assert slow.modules[fqn].all_gather_ms == pytest.approx(OVERHEAD_MS + w * 8e-6 / e + 0.05)
         assert slow.modules[fqn].reduce_scatter_ms == pytest.approx(OVERHEAD_MS + 2 * w * 8e-6 + 2 * 0.05)
         assert slow.modules[fqn].fwd_ms == m.fwd_ms  # compute stays as recorded
-    nccl, _ = retarget(p, target("1Gbit/s", backend="nccl"))  # a ring reduce-scatter: half of gloo's bytes
     fqn = "b0"
-    assert nccl.modules[fqn].reduce_scatter_ms == pytest.approx(OVERHEAD_MS + 0.5 * p.modules[fqn].unsharded_bytes
-                                                                * 8e-6)
-    fast, _ = retarget(p, target("400GB/s"))  # faster than the hosts recorded: the recorded per-byte cost stays
+    fast = retarget(p, target("400GB/s")).profile  # faster than the hosts recorded: the recorded per-byte cost stays
     assert fast.modules[fqn].reduce_scatter_ms == pytest.approx(p.modules[fqn].reduce_scatter_ms)
     assert fast.modules[fqn].all_gather_ms == pytest.approx(p.modules[fqn].all_gather_ms)
-    assert nccl.modules[fqn].all_gather_ms == pytest.approx(OVERHEAD_MS + 0.5 * p.modules[fqn].unsharded_bytes * 8e-6)
     params = profile_params(p)
     steps = [simulator_for(q, params).run(Plan.default(p)).step_ms for q in (same, slow)]
     assert steps[1] > steps[0]
 
 
-def test_a_target_of_another_world_size_or_a_profile_without_collectives_is_refused():
-    with pytest.raises(TargetError, match="target world_size 4, but the profile was recorded on 2 ranks"):
-        retarget(law_profile(), target("1Gbit/s", world_size=4))
+def test_a_target_on_another_backend_or_a_profile_without_collectives_is_refused():
+    """A gloo profile's host costs were fitted on gloo's algorithms: re-timing them for NCCL would only relabel
+    them."""
+    with pytest.raises(TargetError, match="target backend 'nccl', but the profile's collectives ran on gloo"):
+        retarget(law_profile(), target("1Gbit/s", backend="nccl"))
     alone = law_profile(world_size=1)
     with pytest.raises(TargetError, match="no collective with bytes on the wire"):
         retarget(alone, Target(world_size=1, ranks_per_node=1, backend="gloo"))
@@ -130,7 +128,8 @@ def test_simulate_predicts_for_a_target(tmp_path):
     assert figures["link_fit"]["all_gather"]["overhead_ms"] == pytest.approx(OVERHEAD_MS)
     assert figures["link_fit"]["reduce_scatter"]["ms_per_byte"] == pytest.approx(MS_PER_BYTE)
     text = runner.invoke(main, ["simulate", str(tmp_path / "p.json"), "--target", str(tmp_path / "t.toml")]).output
-    assert text.startswith("target        2 ranks (1 per node), gloo, inter-node 1Gbit/s, latency 0us; collectives")
+    assert text.startswith("target        2 ranks (1 per node), gloo; shard group of 2 across 2 nodes (inter-node "
+                           "1Gbit/s, latency 0us)\ndistance      from a profile of 2 ranks to 2 on 2 nodes (x1)")
     assert ("all-gather      per-call overhead 0.40 ms, recorded 4.00 Gbit/s effective (fitted on 5 recorded "
             "calls); on the target at 63% of the link's rate") in text
     assert "reduce-scatter  per-call overhead 0.40 ms" in text and "at 100% of the link's rate" in text
