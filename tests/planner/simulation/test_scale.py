@@ -12,14 +12,7 @@ from click.testing import CliRunner
 from planner.artifacts.plan import Plan
 from planner.artifacts.target import Target
 from planner.presentation.cli import main
-from planner.simulation.link import (
-    fit_link,
-    inter_node_steps,
-    retarget,
-    ring_latency_ms,
-    ring_steps,
-    wire_fraction,
-)
+from planner.simulation.link import fit_link, inter_node_steps, retarget, ring_latency_ms, ring_steps, wire_fraction
 from planner.simulation.parameters import profile_params, simulator_for
 from planner.simulation.resharding import collective_bytes, reshard, shard_bytes
 from tests.planner.simulation.test_link import MS_PER_BYTE, OVERHEAD_MS, law_profile
