@@ -17,6 +17,7 @@ as a confirmation's are (``planner.statistics.verdict.confirm_launches``) and se
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from pathlib import Path
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.errors import PlanMismatchError
+
+logger = logging.getLogger(__name__)
 
 TUNER_MODULES = ("optuna", "sqlalchemy", "search_spaces", "planner.study", "planner.simulation",
                  "planner.storages", "runtime.recording", "runtime.measuring", "runtime.in_loop", "jobs.tune")
@@ -61,14 +64,15 @@ def check_before_launch(config: StudyConfig, plan_path: str) -> Plan:
     """What the launching process checks before it starts any rank; writes nothing. Returns the plan.
 
     The plan's fingerprint is checked against the study's model built in this process on a fake process group of
-    the study's world size (``runtime.fake_world``): a plan for another model or world size is refused here, before
-    any rank starts.
+    the study's world size (``runtime.fake_world``): a plan for another model is refused here, before any rank starts;
+    a plan made at another world size is verified, with the one-line warning that its gain was confirmed there
+    ([Note: Plans travel] in ``planner.artifacts.plan``): verifying it here is how it is re-confirmed.
 
     Raises:
         PlanFormatError: the plan file is missing or malformed.
         WorkloadError: the factory cannot be imported or built.
         StudyConfigError: this machine cannot run the study's ranks.
-        PlanMismatchError: the plan was made for another model or world size.
+        PlanMismatchError: the plan was made for another model.
     """
     from runtime.apply import load_plan
     from runtime.fake_world import workload_fingerprint
@@ -79,10 +83,13 @@ def check_before_launch(config: StudyConfig, plan_path: str) -> Plan:
     load_factory(config.workload.factory)
     check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator)
     model = workload_fingerprint(config.workload.factory, config.workload.kwargs, config.launch.nproc_per_node)
-    difference = plan.fingerprint.first_difference(model)
+    difference = plan.fingerprint.model_difference(model)
     if difference is not None:
         raise PlanMismatchError(f"plan {plan_path!r} is not for this study's model: {difference}; verify it with the "
                                 "study it was tuned on")
+    note = plan.fingerprint.travel_note(model)
+    if note is not None:
+        logger.warning(note)
     return plan
 
 

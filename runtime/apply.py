@@ -115,9 +115,11 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
         check: compare fingerprints first (turn off only when re-applying a
             plan already checked against this model).
 
+    A plan made at another world size applies, with a one-line warning that its gain was confirmed there, not
+    here ([Note: Plans travel] in ``planner.artifacts.plan``).
+
     Raises:
-        PlanMismatchError: the plan was made for another model or world size;
-            the message names the first difference.
+        PlanMismatchError: the plan was made for another model; the message names the first difference.
         UnsupportedPlanError: the plan sets a knob the running torch has no
             setter for (the message names the knob, the setter and the torch
             version); nothing is applied.
@@ -125,11 +127,13 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     modules = dict(fsdp_modules(model))
     setters = {k.name: _setter(model, k, _values(plan, k)) for k in KNOBS}  # before any call: all or nothing
     if check:
-        difference = plan.fingerprint.first_difference(model_fingerprint(model))
+        fingerprint = model_fingerprint(model)
+        difference = plan.fingerprint.model_difference(fingerprint)
         if difference is not None:
-            raise PlanMismatchError(
-                f"plan does not match this model: {difference}; tune a plan for this model and world size"
-            )
+            raise PlanMismatchError(f"plan does not match this model: {difference}; tune a plan for this model")
+        note = plan.fingerprint.travel_note(fingerprint)
+        if note is not None and (not dist.is_initialized() or dist.get_rank() == 0):  # one line, not one per rank
+            logger.warning(note)
     for fqn, module in modules.items():
         mp = plan.modules.get(fqn)
         if mp is None:

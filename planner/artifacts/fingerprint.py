@@ -38,6 +38,15 @@ class Fingerprint:
         """
         if self.world_size != other.world_size:
             return f"world size: plan was made for {self.world_size} ranks, this run has {other.world_size}"
+        return self.model_difference(other)
+
+    def model_difference(self, other: Fingerprint) -> str | None:
+        """Describe the first way ``other``'s model differs from this one's: its FSDP modules' FQNs, their number
+        or their parameter counts, whatever the world size.
+
+        Returns:
+            ``None`` when the models match, else a one-line description.
+        """
         mine, theirs = list(self.module_fqns), list(other.module_fqns)
         for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
             if a != b:
@@ -48,3 +57,12 @@ class Fingerprint:
             if a != b:
                 return f"parameter count of FSDP module {fqn!r}: plan has {a}, model has {b}"
         return None
+
+    def travel_note(self, other: Fingerprint) -> str | None:
+        """One line when a plan made for this fingerprint is applied on ``other``, the same model at another world
+        size ([Note: Plans travel] in :mod:`planner.artifacts.plan`); ``None`` when the world sizes match."""
+        if self.world_size == other.world_size:
+            return None
+        return (f"plan tuned on {self.world_size} ranks, applied on {other.world_size}: its modules are named by FQN "
+                f"and apply as they are, but its gain was confirmed on {self.world_size} ranks, not here; confirm it "
+                "on this job (tune, or the AutoTuner on its study)")

@@ -5,6 +5,16 @@ A plan is what ``runtime.apply_plan`` turns into FSDP2 calls:
 ``set_reshard_after_forward`` and each knob's setter (``planner.artifacts.knobs``). FSDP2's default
 behaviour is itself a plan (:meth:`Plan.default`), so every comparison is plan
 against plan.
+
+[Note: Plans travel]
+A plan names modules by their fully qualified names and says, per module, what
+FSDP2's setters take: which modules to prefetch, whether to reshard, each knob.
+None of it depends on the world size or the mesh, so a plan made on 2 ranks
+applies on 512 as it is. Its gain does not travel with it: the verdict was
+reached on the ranks it was tuned on. Applied at another world size, a plan
+comes with a one-line warning that says so (:meth:`Fingerprint.travel_note`);
+applied to another model (other FSDP modules or parameter counts) it is
+refused, naming the first difference.
 """
 
 from __future__ import annotations
@@ -158,17 +168,19 @@ class Plan:
         d.pop("provenance")
         return json.dumps(d, sort_keys=True)
 
-    def check_matches(self, profile: Profile) -> None:
-        """Check the plan was made for the model and world size ``profile`` was recorded on.
+    def check_matches(self, profile: Profile) -> str | None:
+        """Check the plan was made for the model ``profile`` was recorded on ([Note: Plans travel]).
+
+        Returns:
+            ``None`` when the world sizes match too, else the one-line warning that the plan travelled.
 
         Raises:
-            PlanMismatchError: naming the first difference of the fingerprints.
+            PlanMismatchError: another model, naming the first difference of the fingerprints.
         """
-        difference = self.fingerprint.first_difference(profile.fingerprint)
+        difference = self.fingerprint.model_difference(profile.fingerprint)
         if difference is not None:
-            raise PlanMismatchError(
-                f"plan does not match the profile: {difference}; tune a plan for this model and world size"
-            )
+            raise PlanMismatchError(f"plan does not match the profile: {difference}; tune a plan for this model")
+        return self.fingerprint.travel_note(profile.fingerprint)
 
     def is_default_for(self, profile: Profile) -> bool:
         """Whether this plan behaves like :meth:`default` for ``profile``."""

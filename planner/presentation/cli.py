@@ -54,7 +54,9 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml) 
 
     profile = Profile.load(profile_json)
     plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
-    plan.check_matches(profile)
+    travelled = plan.check_matches(profile)
+    if travelled is not None:
+        click.echo(f"warning: {travelled}", err=True)
     target = retargeted = None
     simulated = profile
     if target_toml:

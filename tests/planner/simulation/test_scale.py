@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from planner.artifacts.plan import Plan
 from planner.artifacts.target import Target
+from planner.errors import PlanMismatchError
 from planner.presentation.cli import main
 from planner.simulation.link import fit_link, inter_node_steps, retarget, ring_latency_ms, ring_steps, wire_fraction
 from planner.simulation.parameters import profile_params, simulator_for
@@ -147,3 +148,21 @@ def test_simulate_predicts_another_world_size_and_says_how_far_it_is(tmp_path):
     text = runner.invoke(main, ["simulate", str(tmp_path / "p.json"), "--target", str(tmp_path / "t.toml")]).output
     assert "HSDP [2, 4]; shard group of 4 on 1 node (intra-node recorded), replicate group of 2 across 2 nodes" in text
     assert "distance      from a profile of 2 ranks to 8 on 2 nodes (x4); shards over 4, replicas 2" in text
+
+
+def test_a_plan_made_at_another_world_size_simulates_with_a_warning_and_another_model_is_refused(tmp_path):
+    """[Note: Plans travel]: the plan names modules by FQN; its gain was confirmed where it was tuned."""
+    p = rows_profile()
+    p.to_json(tmp_path / "p.json")
+    plan = Plan.default(p)
+    travelled = dataclasses.replace(plan, fingerprint=dataclasses.replace(plan.fingerprint, world_size=8))
+    travelled.to_json(tmp_path / "plan.json")
+    assert travelled.check_matches(p).startswith("plan tuned on 8 ranks, applied on 2: its modules are named by FQN")
+    assert plan.check_matches(p) is None
+    out = CliRunner().invoke(main, ["simulate", str(tmp_path / "p.json"), str(tmp_path / "plan.json")])
+    assert out.exit_code == 0 and "step" in out.stdout
+    assert out.stderr.startswith("warning: plan tuned on 8 ranks, applied on 2") and out.stderr.count("\n") == 1
+    other = dataclasses.replace(plan, fingerprint=dataclasses.replace(
+        plan.fingerprint, param_numels=(1, *plan.fingerprint.param_numels[1:])))
+    with pytest.raises(PlanMismatchError, match="parameter count of FSDP module '': plan has 1"):
+        other.check_matches(p)
