@@ -58,7 +58,7 @@ def aa_main(study: str, races: int, out: str) -> None:
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend, allocator=config.launch.allocator)
+    mesh = init_rank(config.launch.backend, allocator=config.launch.allocator, mesh=config.launch.mesh)
     workload = build_study_workload(config.workload, mesh)
     profile = record_profile(workload, warmup_steps=1, steps=2, repeats=1)
     default = Plan.default(profile)
@@ -104,7 +104,7 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend, allocator=config.launch.allocator)
+    mesh = init_rank(config.launch.backend, allocator=config.launch.allocator, mesh=config.launch.mesh)
     plan = load_plan(plan_path)
     tuned = build_study_workload(config.workload, mesh)
     apply_plan(tuned.model, plan)

@@ -54,7 +54,8 @@ class ConfirmJob:
             StorageError: the storage is unreachable.
         """
         load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
+                       config.launch.mesh)
         check_writable(config.storage_url)
 
     def run(self) -> int | None:
@@ -67,7 +68,7 @@ class ConfirmJob:
             StepFailed: a step raised on this rank.
         """
         launch = self.config.launch
-        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator)
+        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
         group = control_group(launch.timeout_s)
         rank0 = dist.get_rank() == 0
         ended = False

@@ -42,7 +42,8 @@ class ProfileJob:
             PlannerError: an output's folder does not exist.
         """
         load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
+                       config.launch.mesh)
         check_output_folders(*outputs)
 
     def run(self) -> tuple[Profile, float] | None:
@@ -57,7 +58,8 @@ class ProfileJob:
         """
         load_tune_modules()  # [Note: Record in tune's process state]
 
-        mesh = init_rank(self.config.launch.backend, allocator=self.config.launch.allocator)
+        launch = self.config.launch
+        mesh = init_rank(launch.backend, allocator=launch.allocator, mesh=launch.mesh)
         workload: Workload | None = None
         ended = False
         try:

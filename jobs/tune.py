@@ -78,7 +78,8 @@ class TuneJob:
             PlannerError: an output's folder does not exist.
         """
         load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
+                       config.launch.mesh)
         check_writable(config.storage_url)
         check_output_folders(*outputs)
         if profile_in is not None:
@@ -97,7 +98,7 @@ class TuneJob:
 
     def _run(self) -> TuneOutcome | None:
         launch = self.config.launch
-        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator)
+        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
         group = control_group(launch.timeout_s)
         rank0 = dist.get_rank() == 0
         workload: Workload | None = None

@@ -81,7 +81,8 @@ def check_before_launch(config: StudyConfig, plan_path: str) -> Plan:
 
     plan = load_plan(plan_path)
     load_factory(config.workload.factory)
-    check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator)
+    check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
+                   config.launch.mesh)
     model = workload_fingerprint(config.workload.factory, config.workload.kwargs, config.launch.nproc_per_node)
     difference = plan.fingerprint.model_difference(model)
     if difference is not None:
@@ -111,7 +112,7 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
     from runtime.workload import build_study_workload, train_step
 
     launch = config.launch
-    mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator)
+    mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
     models = []
     ended = False
     try:

@@ -74,12 +74,12 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
     """The :class:`planner.Fingerprint` of an FSDP-wrapped model.
 
     Per FSDP module: the parameters it manages itself (not those of nested
-    FSDP modules), unsharded numel and bytes.
+    FSDP modules), unsharded numel and bytes; the mesh when the parameters' device mesh is HSDP's 2-D one.
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     modules = fsdp_modules(model)
-    numels, nbytes, dtypes, device = [], [], set(), "cpu"
+    numels, nbytes, dtypes, device, mesh = [], [], set(), "cpu", None
     for fqn, _ in modules:
         own = own_parameters(modules, fqn)
         numels.append(sum(p.numel() for p in own))
@@ -87,6 +87,9 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
         dtypes.update(str(p.dtype) for p in own)
         if own:
             device = own[0].device.type
+            device_mesh = getattr(own[0], "device_mesh", None)  # a DTensor's: (replicate, shard) under HSDP
+            if device_mesh is not None and device_mesh.ndim == 2:
+                mesh = (int(device_mesh.shape[0]), int(device_mesh.shape[1]))
     return Fingerprint(
         module_fqns=tuple(f for f, _ in modules),
         param_numels=tuple(numels),
@@ -95,6 +98,7 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
         device_type=device,
         param_dtypes=tuple(sorted(dtypes)),
         torch_version=torch.__version__,
+        mesh=mesh,
     )
 
 

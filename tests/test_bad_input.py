@@ -255,6 +255,11 @@ CASES = {
                                             from_trace("not kineto")[1], TraceFormatError),
     "trace without fsdp2 labels": Case(from_trace("no fsdp2 labels")[0], "has no FSDP2 labels",
                                        from_trace("no fsdp2 labels")[1], TraceFormatError),
+    "launch mesh that does not hold the job's ranks": Case(
+        lambda w: ["tune", write(w / "bad.toml", GOOD_TOML.format(factory="runtime.reference_workloads:mlp")
+                                 + "[launch]\nnproc_per_node = 2\nmesh = [2, 3]\n")],
+        "[launch] mesh [2, 3] has 6 ranks, this job has 2; write mesh = [replicate, shard]",
+        lambda w: check_runnable("gloo", 2, mesh=(2, 3)), StudyConfigError),
     "traces whose ranks disagree on the order": Case(from_trace("orders disagree")[0],
                                                      "ranks disagree on the post-forward order",
                                                      from_trace("orders disagree")[1], TraceFormatError),

@@ -204,7 +204,7 @@ class Plan:
         :meth:`behaviour_key`."""
         return {
             "schema_version": self.schema_version,
-            "fingerprint": dataclasses.asdict(self.fingerprint),
+            "fingerprint": self.fingerprint.to_dict(),
             **self.knobs.to_json(),
             "modules": {
                 fqn: {

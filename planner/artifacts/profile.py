@@ -248,6 +248,7 @@ class Profile:
         :data:`OPTIONAL_FIELDS` only where not 0, so a profile without them is the file release 0.1.0 wrote, byte
         for byte."""
         d = dataclasses.asdict(self)
+        d["fingerprint"] = self.fingerprint.to_dict()
         d["per_rank"] = [r.to_json() for r in self.per_rank]
         d["modules"] = [{k: v for k, v in dataclasses.asdict(m).items() if k not in OPTIONAL_FIELDS or v}
                         for m in self.modules.values()]

@@ -38,6 +38,7 @@ class FingerprintDocument(Document):
     device_type: str
     param_dtypes: tuple[str, ...]
     torch_version: str
+    mesh: tuple[int, int] | None = None
 
 
 def _knob_fields(knobs: tuple[Knob, ...]) -> dict[str, tuple[type, FieldInfo]]:

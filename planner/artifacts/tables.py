@@ -8,6 +8,8 @@ line.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -93,12 +95,16 @@ class LaunchTable(Table):
         allocator: the ranks' CPU memory allocator (:class:`Allocator`):
             ``system`` or ``jemalloc``. Tune under the one you train with:
             on CPU it sets how much of a step is page faults.
+        mesh: HSDP: ``[replicate, shard]``, the 2-D device mesh the workload is sharded on
+            (``init_device_mesh(device, (replicate, shard))``: parameters sharded within a shard group, replicated
+            across groups); its product is the job's world size. Unset: FSDP over every rank.
     """
 
     nproc_per_node: StrictInt = Field(2, ge=1)
     backend: Backend = Backend.GLOO
     timeout_s: StrictInt = Field(900, ge=1)
     allocator: Allocator = Allocator.SYSTEM
+    mesh: tuple[Annotated[StrictInt, Field(ge=1)], Annotated[StrictInt, Field(ge=1)]] | None = None
 
 
 class SearchTable(Table):

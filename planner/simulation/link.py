@@ -191,8 +191,14 @@ def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
     A kind with no call of its own (a profile without reduce-scatters) takes the fit of both kinds together.
 
     Raises:
-        TargetError: the profile has no collective with bytes on the wire (world size 1): nothing to re-time from.
+        TargetError: the profile has no collective with bytes on the wire (world size 1): nothing to re-time from;
+            or it was recorded under HSDP, whose reduce-scatter figures hold the all-reduce over the replicas too.
     """
+    fingerprint = profile.fingerprint
+    if fingerprint.mesh is not None:
+        raise TargetError(f"the profile was recorded under {fingerprint.mesh_text}: its reduce-scatter times hold the "
+                          "all-reduce over the replicas, which the fit cannot tell apart; record the profile with "
+                          "FSDP over the shard group's ranks (no [launch] mesh) to predict a target")
     calls = wire_calls(profile, profile.fingerprint.world_size, recorded_backend(profile))
     if not calls:
         raise TargetError("the profile has no collective with bytes on the wire (recorded at world size "
@@ -290,7 +296,7 @@ def retarget(profile: Profile, target: Target) -> Retargeted:
                           f"{'a GPU' if target.backend == 'nccl' else 'gloo'} to predict {target.backend}")
     fits = fit_link(profile)
     shard_group, replicate_group = target.groups
-    resharded = reshard(profile, target.shard, target.world_size)
+    resharded = reshard(profile, target.shard, target.world_size, target.mesh)
     modules = dict(resharded.modules)
     for fqn, m in resharded.modules.items():
         nbytes = collective_bytes(m, target.shard)

@@ -46,15 +46,16 @@ def collective_bytes(module: ModuleProfile, shard: int) -> int:
     return module.unsharded_bytes
 
 
-def reshard(profile: Profile, shard: int, world_size: int) -> Profile:
-    """``profile`` as a rank of a job of ``world_size`` ranks whose parameters are sharded over ``shard`` of them.
+def reshard(profile: Profile, shard: int, world_size: int, mesh: tuple[int, int] | None = None) -> Profile:
+    """``profile`` as a rank of a job of ``world_size`` ranks whose parameters are sharded over ``shard`` of them
+    (``mesh``: HSDP's ``(replicate, shard)``, ``None`` for FSDP).
 
     Each module's shard, the optimizer's state, temporaries and time follow the shard ([Note: What re-sharding
     changes]); the fingerprint takes the new world size. The figures measured on the recorded job as a whole (its
     step, its peak, its ranks' own figures) are not the target's: they are left out.
 
     Args:
-        profile: a recorded profile; its shard size is its world size (the recorder shards over every rank).
+        profile: a recorded profile; its shard size is its fingerprint's (``Fingerprint.shard_size``).
         shard: ranks in a shard group (>= 1).
         world_size: ranks in all, a multiple of ``shard``.
 
@@ -63,14 +64,14 @@ def reshard(profile: Profile, shard: int, world_size: int) -> Profile:
     """
     if shard < 1 or world_size % shard:
         raise ValueError(f"shard size {shard} does not divide world size {world_size}")
-    recorded = profile.fingerprint.world_size
+    recorded = profile.fingerprint.shard_size
     modules = {fqn: m if shard == recorded else dataclasses.replace(m, sharded_bytes=shard_bytes(m, shard))
                for fqn, m in profile.modules.items()}
     before = sum(m.sharded_bytes for m in profile.modules.values())
     ratio = sum(m.sharded_bytes for m in modules.values()) / before if before else recorded / shard
     return dataclasses.replace(
         profile, modules=modules,
-        fingerprint=dataclasses.replace(profile.fingerprint, world_size=world_size),
+        fingerprint=dataclasses.replace(profile.fingerprint, world_size=world_size, mesh=mesh),
         optimizer_state_bytes=math.ceil(profile.optimizer_state_bytes * ratio),
         optimizer_temp_bytes=math.ceil(profile.optimizer_temp_bytes * ratio),
         optimizer_ms=profile.optimizer_ms * ratio,

@@ -113,8 +113,8 @@ def same_model(a: Fingerprint, b: Fingerprint) -> bool:
 def same_job(a: Fingerprint, b: Fingerprint) -> bool:
     """What a plan and its measurements are good for: the same model on the same world size, device, dtypes and
     torch version."""
-    return same_model(a, b) and (a.world_size, a.device_type, a.param_dtypes, a.torch_version) == (
-        b.world_size, b.device_type, b.param_dtypes, b.torch_version)
+    return same_model(a, b) and (a.world_size, a.mesh, a.device_type, a.param_dtypes, a.torch_version) == (
+        b.world_size, b.mesh, b.device_type, b.param_dtypes, b.torch_version)
 
 
 def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Fingerprint], has_recommendation: bool,
@@ -169,7 +169,8 @@ def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Finger
                                    "coming steps")
     last = stored[-1]
     changed = [f"{name} {old} -> {new}" for name, old, new in (
-        ("world size", last.world_size, fingerprint.world_size), ("device", last.device_type, fingerprint.device_type),
+        ("world size", last.world_size, fingerprint.world_size), ("mesh", last.mesh_text, fingerprint.mesh_text),
+        ("device", last.device_type, fingerprint.device_type),
         ("dtypes", ",".join(last.param_dtypes), ",".join(fingerprint.param_dtypes)),
         ("torch", last.torch_version, fingerprint.torch_version)) if old != new]
     return StartDecision(True, f"study {study!r} was tuned for this model on another setup ({'; '.join(changed)}): "

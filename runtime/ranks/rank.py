@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import gc
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,23 +18,26 @@ from runtime.ranks.allocator import check_rank_allocator, jemalloc_library
 
 
 def check_runnable(backend: Backend | str, ranks_per_node: int,
-                   allocator: Allocator | str = Allocator.SYSTEM) -> None:
+                   allocator: Allocator | str = Allocator.SYSTEM, mesh: Sequence[int] | None = None) -> None:
     """Refuse a study this machine cannot run, before any rank starts.
 
     ``nccl`` needs one CUDA device per rank on the node; ``gloo`` runs
-    anywhere; ``jemalloc`` must be installed.
+    anywhere; ``jemalloc`` must be installed; an HSDP ``mesh`` must hold the ranks the launcher starts (a rank
+    started by torchrun, whose job may span nodes, checks it in :func:`init_rank` against the job's world size).
 
     Args:
         backend: ``[launch] backend``.
         ranks_per_node: ranks this node will run (``[launch] nproc_per_node``,
             or torchrun's ``LOCAL_WORLD_SIZE``).
         allocator: ``[launch] allocator``.
+        mesh: ``[launch] mesh``.
 
     Raises:
         StudyConfigError: naming the key and what to set instead.
     """
     if Allocator(allocator) == Allocator.JEMALLOC:
         jemalloc_library()  # refuses a machine without it
+    check_mesh(mesh, ranks_per_node)  # from the launcher, whose job is its nproc_per_node ranks
     if Backend(backend) != Backend.NCCL:
         return
     if not torch.cuda.is_available():
@@ -49,8 +53,22 @@ def check_runnable(backend: Backend | str, ranks_per_node: int,
         )
 
 
-def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Allocator | str | None = None) -> DeviceMesh:
-    """Initialize the process group and a 1-D device mesh over every rank.
+def check_mesh(mesh: Sequence[int] | None, world_size: int) -> None:
+    """An HSDP mesh ``[replicate, shard]`` must hold every rank of the job.
+
+    Raises:
+        StudyConfigError: its product is not ``world_size``.
+    """
+    if mesh is not None and mesh[0] * mesh[1] != world_size:
+        raise StudyConfigError(f"[launch] mesh {list(mesh)} has {mesh[0] * mesh[1]} ranks, this job has {world_size}; "
+                               "write mesh = [replicate, shard] with replicate x shard = the job's ranks")
+
+
+def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Allocator | str | None = None,
+              mesh: Sequence[int] | None = None) -> DeviceMesh:
+    """Initialize the process group and the device mesh: 1-D over every rank, or HSDP's 2-D ``mesh``
+    (``[replicate, shard]``, dims named ``"replicate"`` and ``"shard"``: ``fully_shard`` on it shards within a shard
+    group and replicates across them).
 
     ``timeout_s`` bounds every collective of the process group (a rank waits
     at most that long for its peers). On CPU, one compute thread per rank
@@ -59,8 +77,9 @@ def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Alloc
 
     Raises:
         StudyConfigError: the machine cannot run ``backend`` with this many
-            ranks per node (:func:`check_runnable`), or the rank runs under
-            another allocator (:func:`runtime.ranks.allocator.check_rank_allocator`).
+            ranks per node (:func:`check_runnable`), the rank runs under
+            another allocator (:func:`runtime.ranks.allocator.check_rank_allocator`), or ``mesh`` does not hold
+            every rank (:func:`check_mesh`).
     """
     backend = Backend(backend)
     check_runnable(backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -73,7 +92,10 @@ def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Alloc
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(str(backend), timeout=datetime.timedelta(seconds=timeout_s))
-    return init_device_mesh(device, (dist.get_world_size(),))
+    if mesh is None:
+        return init_device_mesh(device, (dist.get_world_size(),))
+    check_mesh(mesh, dist.get_world_size())
+    return init_device_mesh(device, tuple(mesh), mesh_dim_names=("replicate", "shard"))
 
 
 def shutdown_rank(together: bool = True) -> None:

@@ -30,6 +30,19 @@ COLLECTIVE_ROUNDS = 5
 
 
 
+def process_groups(modules: list[tuple[str, FSDPModule]]) -> tuple[dist.ProcessGroup | None,
+                                                                    dist.ProcessGroup | None]:
+    """The shard group FSDP2 all-gathers and reduce-scatters over, and HSDP's replicate group it all-reduces over
+    (``None``: FSDP), from the parameters' device mesh (a DTensor's ``device_mesh``: 1-D for FSDP, ``(replicate,
+    shard)`` for HSDP). ``None`` for the shard group: the default group (no parameter is a DTensor)."""
+    for _, module in modules:
+        for p in module.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                return (mesh.get_group(1), mesh.get_group(0)) if mesh.ndim == 2 else (mesh.get_group(0), None)
+    return None, None
+
+
 def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: dict[str, int], repeats: int,
                       device: str) -> dict[str, dict[str, float]]:
     """Per module of ``unsharded_numels``: the median all-gather and reduce-scatter in ms, timed in rounds.
@@ -40,8 +53,10 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
     - one ``module.unshard()`` (all-gather and copy-out, FSDP2's ``FSDPParamGroup.unshard`` and
       ``wait_for_unshard``), then ``module.reshard()`` untimed;
     - one reduce-scatter of a gradient of the module's unsharded elements in the dtype of its own parameters,
-      padded to a multiple of the world size as FSDP2 pads, into a preallocated output (the buffers of one size
-      are shared by the modules of that size).
+      padded to a multiple of the shard group's size as FSDP2 pads, over the shard group, into a preallocated output
+      (the buffers of one size are shared by the modules of that size); under HSDP then the all-reduce of that
+      output over the replicate group, as ``foreach_reduce`` runs them: the figure is both
+      ([Note: HSDP's all-reduce] in ``planner.simulation.link``).
 
     Args:
         modules: the FSDP modules, ``(fqn, module)``, all resharded.
@@ -53,11 +68,18 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
     Returns:
         Per FQN, its all-gather and reduce-scatter ms, medians over the rounds (``sharded_bytes`` left 0).
     """
-    world = dist.get_world_size()
+    shard_group, replicate_group = process_groups(modules)
+    world = dist.get_world_size(shard_group)
     by_fqn = dict(modules)
     fqns = list(unsharded_numels)
     # reduce_scatter_single replaces the deprecated reduce_scatter_tensor in newer torch
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter_op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def reduce_scatter(out: torch.Tensor, inp: torch.Tensor) -> None:  # foreach_reduce's collectives, in turn
+        reduce_scatter_op(out, inp, group=shard_group)
+        if replicate_group is not None:
+            dist.all_reduce(out, group=replicate_group)
+
     buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
     sizes = {}  # fqn -> (padded elements, dtype) of its gradient
     for fqn in fqns:

@@ -66,3 +66,17 @@ def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples,
         assert result["no_reshard_after_backward"] > 0  # parameters kept unsharded between microbatches, drawn
     if workload == "llama-embedding":
         assert result["no_unshard_in_backward"] > 0  # the embedding's backward all-gather skipped, drawn
+
+
+@pytest.mark.slow
+def test_random_plans_keep_the_loss_bitwise_under_hsdp(tmp_path):
+    """The same property on 4 ranks sharded as HSDP ``[2, 2]`` (``[launch] mesh``): the reduce-scatter within a
+    shard group, then the all-reduce across the replicas; the recorder records the mesh."""
+    from tests.multirank import run_ranks
+
+    factory, kwargs = WORKLOADS["mlp"]
+    out = tmp_path / "property.json"
+    run_ranks("property.py", factory, json.dumps(kwargs), "3", "16", str(out), "2", "[2, 2]", nproc=4, timeout=900)
+    result = json.loads(out.read_text())
+    assert result["failure"] is None, result["failure"]
+    assert result["mesh"] == [2, 2] and result["examples"] >= 16 and set(result["spaces"]) == set(SPACES)

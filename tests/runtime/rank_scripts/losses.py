@@ -1,10 +1,11 @@
 """Rank script: losses over N steps for several plans, each on a fresh model.
 
 argv: factory, kwargs JSON, steps, output JSON[, plan JSON: a study's plan, run as "study"]. Rank 0 writes
-{plan name: [[loss hex per step] per rank]}.
+{plan name: [[loss hex per step] per rank]}. ``TEST_MESH`` (``[replicate, shard]`` as JSON): shard as HSDP.
 """
 
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from runtime.workload import build_workload, train_step
 from search_spaces import per_module, uniform
 
 factory, kwargs, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-mesh = init_rank("gloo")
+mesh = init_rank("gloo", mesh=json.loads(os.environ.get("TEST_MESH", "null")))
 # A profile gives the orders the search spaces need (on a throwaway model).
 profile = record_profile(build_workload(factory, mesh, kwargs), warmup_steps=1, steps=1, repeats=1)
 fqns = list(dict.fromkeys(profile.pre_forward_order))

@@ -8,18 +8,20 @@ the way a user writes it, with nothing from ``runtime`` but the tuner. The loop 
 built model: without the tuner, with it (a cold study), and with it again on the same study (the next start). Rank 0
 writes {"without", "with", "again": [loss hex per step], "phases"/"phases_again": [phase per step],
 "steps_tuning"/"steps_tuning_again", "confirmation"/"confirmation_again": [ratio, verdict, launches] or null,
-"log": the tuner's log lines}.
+"log": the tuner's log lines}. ``TEST_MESH`` (``[replicate, shard]`` as JSON): shard as HSDP on that mesh.
 """
 
 import importlib.util
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from runtime import AutoTuner
@@ -27,6 +29,8 @@ from runtime import AutoTuner
 storage, out, keys, steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
+hsdp = json.loads(os.environ.get("TEST_MESH", "null"))
+mesh = init_device_mesh("cpu", tuple(hsdp), mesh_dim_names=("replicate", "shard")) if hsdp else None
 lines: list[str] = []
 
 
@@ -55,8 +59,8 @@ def build():
     torch.manual_seed(0)
     model = Classifier()
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 

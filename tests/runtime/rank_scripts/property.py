@@ -11,7 +11,8 @@ the plan; the property: each rank's losses are bitwise those of FSDP2's
 default.
 
 argv: factory, kwargs JSON, steps, max_examples, output JSON, microbatches
-per step (gradient accumulation; only the last syncs gradients). Rank 0 writes
+per step (gradient accumulation; only the last syncs gradients), and optionally
+an HSDP mesh as JSON (``[replicate, shard]``). Rank 0 writes
 {"examples": n, "spaces": {space: n}, "failure": null | text}.
 """
 
@@ -36,9 +37,11 @@ from search_spaces import SPACES
 
 factory, kwargs, steps, max_examples, out, microbatches = (
     sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
-mesh = init_rank("gloo")
+hsdp = json.loads(sys.argv[7]) if len(sys.argv) > 7 else None
+mesh = init_rank("gloo", mesh=hsdp)
 profile = record_profile(build_workload(factory, mesh, kwargs, microbatches), warmup_steps=1, steps=1, repeats=1)
 assert profile.microbatches == microbatches  # the recorder records the accumulation
+assert profile.fingerprint.mesh == (None if hsdp is None else tuple(hsdp))  # and the mesh
 
 
 def losses(plan: Plan) -> list[list[str]]:
@@ -111,6 +114,7 @@ if dist.get_rank() == 0:
         share(None)
     with open(out, "w") as f:
         json.dump({"examples": sum(seen[s] for s in SPACES), "spaces": {s: seen[s] for s in SPACES if seen[s]},
+                   "mesh": profile.fingerprint.mesh,
                    "no_reshard_after_backward": seen["reshard_after_backward=False"],
                    "no_unshard_in_backward": seen["unshard_in_backward=False"],
                    "post_optim_event": seen["post_optim_event"], "failure": failure}, f)

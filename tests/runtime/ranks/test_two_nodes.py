@@ -22,9 +22,10 @@ pytestmark = pytest.mark.slow
 MLP = ("runtime.reference_workloads:mlp", {"dim": 128, "layers": 4})
 
 
-def run(cluster, args, tmp_path, timeout=600, rdzv_id="cluster"):
+def run(cluster, args, tmp_path, timeout=600, rdzv_id="cluster", nproc_per_node=1, env=None):
     """``torchrun --nnodes 2 args`` on the cluster; both nodes' exit codes and what they printed."""
-    launch = cluster.torchrun(args, env=rank_env(), logs=tmp_path, cwd=tmp_path, rdzv_id=rdzv_id)
+    launch = cluster.torchrun(args, env={**rank_env(), **(env or {})}, logs=tmp_path, cwd=tmp_path, rdzv_id=rdzv_id,
+                              nproc_per_node=nproc_per_node)
     codes = launch.wait(timeout)
     return codes, launch.output()
 
@@ -95,3 +96,39 @@ def test_a_node_lost_mid_race_leaves_no_trial_running(two_nodes, tmp_path):
     retried = {t.number for t in after if t.state.name == "COMPLETE"} - set(running)
     lost_keys = {t.plan_key for t in after if t.number in running}
     assert retried and lost_keys <= {t.plan_key for t in after if t.state.name == "COMPLETE"}
+
+
+@pytest.mark.parametrize("two_nodes", ["1gbit"], indirect=True)
+def test_an_hsdp_study_on_two_nodes_of_two_ranks(two_nodes, tmp_path):
+    """``[launch] mesh = [2, 2]`` on 2 nodes x 2 ranks: the shard groups within a node, the replicas across the
+    link. ``tune`` records (the profile knows its mesh), races and confirms; the plan it wrote and the AutoTuner on
+    the plain loop sharded as HSDP train with FSDP2's default's losses, bitwise, on every rank."""
+    toml = tmp_path / "e2e.toml"
+    toml.write_text(STUDY.format(space="per_module") + "[launch]\nmesh = [2, 2]\n")
+    codes, out = run(two_nodes, ["-m", "jobs.cli", "tune", str(toml), "--no-progress"], tmp_path, nproc_per_node=2)
+    assert codes == [0, 0], out
+    profile = Profile.load(tmp_path / "e2e.profile.json")
+    assert (profile.fingerprint.world_size, profile.fingerprint.mesh, len(profile.per_rank)) == (4, (2, 2), 4)
+    assert {t.state.name for t in trials(f"sqlite:///{tmp_path}/e2e.db", "e2e")} == {"COMPLETE"}
+
+    factory, kwargs = MLP
+    losses_out = tmp_path / "losses.json"
+    hsdp = {"TEST_MESH": "[2, 2]"}
+    codes, out = run(two_nodes, [str(RANK_SCRIPTS / "losses.py"), factory, json.dumps(kwargs), "3", str(losses_out),
+                                 str(tmp_path / "e2e.plan.json")], tmp_path, rdzv_id="losses", nproc_per_node=2,
+                     env=hsdp)
+    assert codes == [0, 0], out
+    losses = json.loads(losses_out.read_text())
+    default = losses.pop("default")
+    assert len(default) == 4 and len(set(default[0])) == 3 and "study" in losses
+    for name, got in losses.items():
+        assert got == default, f"plan {name!r} changed the loss under HSDP: {got} vs {default}"
+
+    plain = tmp_path / "plain.json"
+    codes, printed = run(two_nodes, [str(RANK_SCRIPTS / "plain_loop.py"), f"sqlite:///{tmp_path}/tuning.db",
+                                     str(plain), json.dumps(KEYS), "60"], tmp_path, rdzv_id="plain",
+                         nproc_per_node=2, env=hsdp)
+    assert codes == [0, 0], printed
+    r = json.loads(plain.read_text())
+    assert r["with"] == r["without"] and r["again"] == r["without"] and len(set(r["without"])) == 60
+    assert r["phases"][-1] == "done" and 0 < r["steps_tuning"] < 60

@@ -1,0 +1,175 @@
+"""Benchmark: another layout predicted from a one-node profile, checked on the emulated cluster.
+
+    python -m bench.layout_sweep [bench/llama-link.toml] [--rates 4gbit,1gbit] [--layouts fsdp,hsdp] [--rounds 16]
+                                 [--profile P.json] [--json OUT]
+    python -m bench.layout_sweep --refit OUT.json      # report a saved run again, measuring nothing
+
+1. A profile of 4 ranks on one node (the study with ``nproc_per_node = 4``, no mesh), unless ``--profile`` gives
+   one.
+2. Per rate and layout, a target of 2 nodes x 2 ranks: FSDP over all 4 (``fsdp``) or HSDP ``[2, 2]`` (``hsdp``:
+   the shard groups within a node, the replicas across the link); the intra-node link is the recorded one. From the
+   profile, ``simulate --target`` predicts FSDP2's default, and the study's simulated search
+   (``planner.study.simulated.simulated_stage``) on the retargeted profile ranks the plans: its first is the
+   *predicted plan*.
+3. On a fresh cluster at the rate (``bench/cluster.py``, 2 ranks per node, the layout's ``[launch] mesh``): the
+   predicted plan against FSDP2's default in fresh processes, ``--rounds`` interleaved rounds, each pair's order
+   drawn at random (``bench.verdicts --part remeasure``).
+
+Reported per rate and layout: the default step predicted against its median measured there (targets: within 10% for
+FSDP, 15% for HSDP), and the predicted plan's ratio to the default, predicted and measured with its interval. The
+machine's 2 cores run the 4 ranks in the profile and in every measurement alike: compute per rank is the same in
+both, and only the layout and the link differ.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from bench.cluster import Cluster, rate_bits
+
+MODULE = "bench.layout_sweep"
+LAYOUTS = {"fsdp": None, "hsdp": (2, 2)}
+WORLD, PER_NODE = 4, 2
+
+
+def with_launch(study: str, work: Path, name: str, nproc_per_node: int, mesh: tuple[int, int] | None) -> str:
+    """A copy of the study TOML with its ``[launch]`` ranks and mesh set; its path."""
+    text = Path(study).read_text()
+    text = re.sub(r"(?m)^nproc_per_node\s*=.*$", f"nproc_per_node = {nproc_per_node}", text)
+    text = re.sub(r"(?m)^mesh\s*=.*$\n?", "", text)
+    if mesh is not None:
+        text = text.replace("[launch]\n", f"[launch]\nmesh = [{mesh[0]}, {mesh[1]}]\n", 1)
+    path = work / f"{name}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def record_one_node(study: str, work: Path) -> Path:
+    """The study's profile on 4 ranks of this machine (one node, no mesh)."""
+    import subprocess
+
+    toml = with_launch(study, work, "one-node", WORLD, None)
+    out = work / "profile.json"
+    subprocess.run([sys.executable, "-m", "jobs.cli", "profile", toml, "-o", str(out)], check=True)
+    return out
+
+
+def target_for(rate: str, mesh: tuple[int, int] | None):
+    """2 nodes x 2 ranks at ``rate``, FSDP (``mesh`` ``None``) or HSDP; the intra-node link as recorded."""
+    from planner.artifacts.target import Target
+
+    bits = rate_bits(rate)
+    if bits is None:
+        raise click.BadParameter(f"rate {rate!r}: the layouts are checked on a shaped link (4gbit, 1gbit)")
+    return Target(world_size=WORLD, ranks_per_node=PER_NODE, backend="gloo", mesh=mesh,
+                  link={"inter_node": {"bandwidth": f"{bits / 1e9:g}Gbit/s"},
+                        "intra_node": {"bandwidth": "recorded"}})
+
+
+def predict(study: str, profile_path: Path, rate: str, layout: str) -> dict:
+    """FSDP2's default and the predicted plan on the target, from the one-node profile."""
+    import optuna
+
+    from planner.artifacts.config import load_study_config
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.simulation.link import retarget
+    from planner.simulation.parameters import profile_params, simulator_for
+    from planner.study.simulated import complete_trials, simulated_stage
+    from search_spaces import get_space
+
+    config = load_study_config(study)
+    profile = Profile.load(profile_path)
+    retargeted = retarget(profile, target_for(rate, LAYOUTS[layout]))
+    simulator = simulator_for(retargeted.profile, profile_params(profile))
+    space = get_space(config.search.space)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study_run = simulated_stage(simulator, config, optuna.storages.InMemoryStorage(), space, show_progress_bar=False)
+    best = min(complete_trials(study_run), key=lambda t: t.values[0])
+    plan = space.suggest(optuna.trial.FixedTrial(best.params), retargeted.profile)
+    default = simulator.run(Plan.default(retargeted.profile))
+    predicted = simulator.run(plan)
+    return {"plan": plan.to_dict(), "default_ms": default.step_ms, "plan_ms": predicted.step_ms,
+            "ratio": predicted.step_ms / default.step_ms, "distance": retargeted.extrapolation.describe()}
+
+
+def measure(study: str, plan: dict, rate: str, layout: str, rounds: int, work: Path) -> dict:
+    """The predicted plan against FSDP2's default on a fresh cluster at ``rate``: each one's step times, ms."""
+    from planner.artifacts.plan import Plan
+
+    toml = with_launch(study, work, "cluster", PER_NODE, LAYOUTS[layout])
+    Plan.from_dict(plan).to_json(work / "predicted.json")
+    out = work / "remeasure.json"
+    with Cluster(rate) as cluster:
+        launch = cluster.torchrun(["-m", "bench.verdicts", toml, "--part", "remeasure", "--plan",
+                                   str(work / "predicted.json"), "--rounds", str(rounds), "--out", str(out)],
+                                  nproc_per_node=PER_NODE, logs=work, rdzv_id="layout")
+        codes = launch.wait(3600)
+        if any(codes):
+            sys.exit(f"the measurement failed on the cluster ({codes}):\n{launch.output()[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def report(runs: list[dict]) -> None:
+    """Print the table from the runs."""
+    from planner.statistics.verdict import confirm
+
+    click.echo("| link | layout | default: predicted | measured (median) | error | target | predicted plan: "
+               "predicted ratio | measured ratio [95% CI] | verdict |")
+    click.echo("|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        m = r["measured"]
+        measured = statistics.median(m["default"])
+        error = r["predicted"]["default_ms"] / measured - 1
+        limit = 0.10 if r["layout"] == "fsdp" else 0.15
+        c = confirm(m["tuned"], m["default"], noise_pct=float("nan"))
+        verdict = "faster" if c.ci95[1] < 1 else "slower" if c.ci95[0] > 1 else "no difference shown"
+        click.echo(f"| {r['rate']} | {r['layout']} | {r['predicted']['default_ms']:.0f} ms | {measured:.0f} ms | "
+                   f"{error:+.1%} | {'within' if abs(error) <= limit else 'outside'} {limit:.0%} | "
+                   f"{r['predicted']['ratio']:.3f} | {c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}] "
+                   f"({len(m['tuned'])} rounds) | {verdict} |")
+    for r in runs:
+        click.echo(f"- {r['rate']} {r['layout']}: {r['predicted']['distance']}; {r['seconds']:.0f} s")
+
+
+@click.command()
+@click.argument("study", default="bench/llama-link.toml")
+@click.option("--rates", default="4gbit,1gbit", show_default=True)
+@click.option("--layouts", default="fsdp,hsdp", show_default=True)
+@click.option("--rounds", default=16, show_default=True)
+@click.option("--profile", "profile_path", help="The one-node profile of 4 ranks (else recorded first).")
+@click.option("--json", "json_out", help="Write every run's figures here.")
+@click.option("--refit", help="Report a saved --json run again, measuring nothing.")
+def main(study, rates, layouts, rounds, profile_path, json_out, refit) -> None:
+    """Predict each layout from a one-node profile, then measure it on the emulated cluster."""
+    if refit:
+        report(json.loads(Path(refit).read_text())["runs"])
+        return
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="layout-sweep-"))
+    profile = Path(profile_path) if profile_path else record_one_node(study, work)
+    runs = []
+    for rate in rates.split(","):
+        for layout in layouts.split(","):
+            t0 = time.monotonic()
+            folder = work / f"{rate}-{layout}"
+            folder.mkdir(parents=True, exist_ok=True)
+            predicted = predict(study, profile, rate, layout)
+            measured = measure(study, predicted["plan"], rate, layout, rounds, folder)
+            runs.append({"rate": rate, "layout": layout, "predicted": predicted, "measured": measured,
+                         "seconds": time.monotonic() - t0})
+            if json_out:
+                Path(json_out).write_text(json.dumps({"profile": str(profile), "runs": runs}, indent=1))
+    report(runs)
+
+
+if __name__ == "__main__":
+    main()
