@@ -2,7 +2,7 @@
 
     python -m bench.link_sweep [bench/llama-link.toml] [--rates none,4gbit,1gbit] [--rounds 24] [--json OUT]
     python -m bench.link_sweep --refit OUT.json      # report a saved run again, measuring nothing
-    python -m bench.link_sweep --check-link          # the shaped link's TCP throughput at each rate
+    python -m bench.link_sweep --check-link [--ranks-per-node 2]   # the shaped link's TCP throughput at each rate
 
 At each rate, on a fresh cluster (one gloo rank per node, ``torchrun --nnodes 2``):
 
@@ -195,9 +195,14 @@ def report(runs: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def check_link(rates: list[str]) -> None:
-    """Each rate's TCP throughput from node 0 to node 1 (100 MiB), and gloo's all-gather and all-reduce on it: the
-    share of the rate each reaches ([Note: Host work and the wire] in ``planner/simulation/link.py``)."""
+def check_link(rates: list[str], ranks_per_node: int = 1) -> None:
+    """Each rate's TCP throughput from node 0 to node 1 (100 MiB), and gloo's all-gather and all-reduce on it over
+    ``2 * ranks_per_node`` ranks: the share of the rate each reaches, its bytes on the wire per rank
+    (:func:`planner.simulation.link.wire_fraction`) over the rate ([Note: Host work and the wire] in
+    ``planner/simulation/link.py``)."""
+    from planner.simulation.link import wire_fraction
+
+    world = 2 * ranks_per_node
     for rate in rates:
         with Cluster(rate) as cluster:
             node0, node1 = cluster.nodes
@@ -209,14 +214,15 @@ def check_link(rates: list[str]) -> None:
             with tempfile.TemporaryDirectory() as d:
                 out = Path(d) / "collectives.json"
                 launch = cluster.torchrun(["-m", MODULE, "--part", "collectives", "--address", str(out)],
-                                          logs=Path(d), rdzv_id="collectives")
+                                          logs=Path(d), rdzv_id="collectives", nproc_per_node=ranks_per_node)
                 if any(launch.wait(300)):
                     sys.exit(f"the collectives failed on the cluster:\n{launch.output()[-4000:]}")
                 ms = json.loads(out.read_text())
             bits = rate_bits(rate) or gbit * 1e9
             shaped = "" if rate_bits(rate) is None else f" ({gbit * 1e9 / bits:.0%})"
-            line = [f"{rate}: TCP {gbit:.2f} Gbit/s{shaped}"]
-            for kind, wire_bytes in (("all_gather", _SHARD), ("all_reduce", 2 * _SHARD)):
+            line = [f"{rate}, {world} ranks: TCP {gbit:.2f} Gbit/s{shaped}"]
+            for kind in ("all_gather", "all_reduce"):
+                wire_bytes = wire_fraction(kind, world, "gloo") * world * _SHARD
                 wire_ms = wire_bytes * 8 / bits * 1e3
                 line.append(f"{kind.replace('_', '-')} {ms[kind]:.1f} ms, {wire_ms / ms[kind]:.0%} of "
                             f"{'the rate' if rate_bits(rate) else 'TCP'}")
@@ -228,13 +234,14 @@ _SHARD = 6_400_000  # bytes: a block of bench/llama-link.toml's, sharded over 2 
 
 def _collectives(out: str) -> None:
     """Every rank: the median of 7 gloo ``all_gather_into_tensor`` of a :data:`_SHARD`-byte shard and 7
-    ``all_reduce`` of twice that, each after a barrier; rank 0 writes them (ms)."""
+    ``all_reduce`` of the gathered size (world size x shard), each after a barrier; rank 0 writes them (ms)."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    world = dist.get_world_size()
     shard = torch.ones(_SHARD // 4)
-    gathered, reduced = torch.empty(2 * _SHARD // 4), torch.ones(2 * _SHARD // 4)
+    gathered, reduced = torch.empty(world * _SHARD // 4), torch.ones(world * _SHARD // 4)
     ms = {}
     for kind, fn in (("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard)),
                      ("all_reduce", lambda: dist.all_reduce(reduced))):
@@ -281,10 +288,11 @@ def _send(address: str) -> None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="write the runs here")
 @click.option("--refit", type=click.Path(exists=True, dir_okay=False), help="report a saved --json run again")
 @click.option("--check-link", "link_only", is_flag=True, help="measure each rate's TCP throughput and stop")
+@click.option("--ranks-per-node", default=1, show_default=True, help="with --check-link: gloo ranks on each node")
 @click.option("--part", type=click.Choice(["send", "recv", "collectives"]), hidden=True)
 @click.option("--address", hidden=True)
 def main(study: str, rates: str, rounds: int, json_out: str | None, refit: str | None, link_only: bool,
-         part: str | None, address: str | None) -> None:
+         ranks_per_node: int, part: str | None, address: str | None) -> None:
     chosen = [r.strip() for r in rates.split(",") if r.strip()]
     for r in chosen:
         rate_bits(r)
@@ -292,7 +300,7 @@ def main(study: str, rates: str, rounds: int, json_out: str | None, refit: str |
         {"send": _send, "recv": _receive, "collectives": _collectives}[part](address)
         return
     if link_only:
-        check_link(chosen)
+        check_link(chosen, ranks_per_node)
         return
     if refit:
         report(json.loads(Path(refit).read_text()))
