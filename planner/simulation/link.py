@@ -58,8 +58,11 @@ collective's algorithm reaches (:func:`link_efficiency`): NCCL's bus bandwidth
 (what ``bandwidth`` means in a target) already includes it, and gloo's chunked
 ring all-reduce reaches the rate; gloo's all-gather reaches 63% of it, as
 ``python -m bench.link_sweep --check-link`` measures (``all_gather_into_tensor``
-of a 6.4 MB shard against the TCP rate of the same link). Each call then adds
-``steps * latency`` (the ring's messages in turn).
+of a 6.4 MB shard against the TCP rate of the same link) with one rank per node.
+With several ranks per node gloo's ring can keep the inter-node link busier
+(``--ranks-per-node 2``: more of the rate on a slow link); the model keeps the
+one-rank figure. Each call then adds its ring's latency ([Note: Latency per
+ring step]).
 """
 
 from __future__ import annotations
