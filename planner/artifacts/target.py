@@ -228,11 +228,6 @@ class Target(BaseModel):
                              inter.latency_s if inter else 0.0))
         return out[0], out[1]
 
-    @property
-    def ring_link(self) -> Link | None:
-        """The link the shard group's ring is paced by (``None`` for a single rank)."""
-        return self.groups[0].link
-
     def describe(self) -> str:
         """``4 ranks (2 per node), gloo, HSDP [2, 2]; shard group on 1 node (intra-node recorded), replicate
         group across 2 nodes (inter-node 1Gbit/s, latency 50us)``."""

@@ -202,10 +202,10 @@ def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
         raise TargetError(f"the profile was recorded under {fingerprint.mesh_text}: its reduce-scatter times hold the "
                           "all-reduce over the replicas, which the fit cannot tell apart; record the profile with "
                           "FSDP over the shard group's ranks (no [launch] mesh) to predict a target")
-    calls = wire_calls(profile, profile.fingerprint.world_size, recorded_backend(profile))
+    calls = wire_calls(profile, fingerprint.world_size, recorded_backend(profile))
     if not calls:
         raise TargetError("the profile has no collective with bytes on the wire (recorded at world size "
-                          f"{profile.fingerprint.world_size}); record it on 2 ranks or more to predict a link")
+                          f"{fingerprint.world_size}); record it on 2 ranks or more to predict a link")
     fits = {}
     for kind in ("all_gather", "reduce_scatter"):
         mine = [c for c in calls if c[1] == kind] or calls

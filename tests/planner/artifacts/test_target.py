@@ -31,12 +31,14 @@ def test_a_target_reads_and_describes_itself(tmp_path):
     (tmp_path / "t.toml").write_text(GOOD)
     t = load_target(tmp_path / "t.toml")
     assert (t.world_size, t.nodes, t.backend) == (2, 2, "gloo")
-    assert t.ring_link.bytes_per_s == 1.25e8 and t.ring_link.latency_s == pytest.approx(5e-5)
+    shard_group = t.groups[0]
+    assert shard_group.link.bytes_per_s == 1.25e8 and shard_group.link.latency_s == pytest.approx(5e-5)
     assert t.describe() == ("2 ranks (1 per node), gloo; shard group of 2 across 2 nodes (inter-node 1Gbit/s, "
                             "latency 50us)")
     one_node = Target(world_size=8, ranks_per_node=8, backend="nccl",
                       link={"intra_node": {"bandwidth": "200GB/s"}})
-    assert one_node.nodes == 1 and one_node.ring_link.bandwidth == "200GB/s" and one_node.ring_link.latency_s == 0
+    one_link = one_node.groups[0].link
+    assert one_node.nodes == 1 and one_link.bandwidth == "200GB/s" and one_link.latency_s == 0
 
 
 @pytest.mark.parametrize(("text", "needle"), [
