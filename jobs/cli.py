@@ -38,6 +38,7 @@ def main() -> None:
 
 main.add_command(planner_cli.simulate)
 main.add_command(planner_cli.studies)
+main.add_command(planner_cli.presets_command)
 
 _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 

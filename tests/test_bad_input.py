@@ -38,6 +38,8 @@ from planner.errors import (
     TraceFormatError,
     WorkloadError,
 )
+from planner.presentation.cli import load_target_or_preset
+from planner.simulation.depth import deepen
 from planner.simulation.link import retarget
 from planner.storages import check_writable, open_storage
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
@@ -188,6 +190,38 @@ CASES = {
             "ranks_per_node = 1", "ranks_per_node = 2")),
         "world_size 3 is not a whole number of nodes of 2 ranks", lambda w: load_target(w / "target.toml"),
         TargetError),
+    "target preset that does not exist": Case(
+        lambda w: ["simulate", str(w / "profile.json"), "--target", "h100-ib999"],
+        "no preset 'h100-ib999'; presets are", lambda w: load_target("h100-ib999"), TargetError),
+    "target file starting from an unknown preset": Case(
+        lambda w: target_case(w, 'preset = "dgx-9000"\n' + TARGET),
+        "no preset 'dgx-9000'; presets are", lambda w: load_target(w / "target.toml"), TargetError),
+    "target mesh not written REPLICATExSHARD": Case(
+        lambda w: ["simulate", str(w / "profile.json"), "--target", "cpu-emulated-1gbit", "--mesh", "4"],
+        "--mesh '4': write REPLICATExSHARD", lambda w: load_target_or_preset("cpu-emulated-1gbit", mesh="4"),
+        TargetError),
+    "link nccl-tests file that does not exist": Case(
+        lambda w: target_case(w, TARGET.replace('bandwidth = "1Gbit/s"', 'nccl_tests = "missing.txt"')),
+        "nccl_tests file", lambda w: load_target(w / "target.toml"), TargetError),
+    "link nccl-tests file with wrong results": Case(
+        lambda w: target_case(w, TARGET.replace('bandwidth = "1Gbit/s"', 'nccl_tests = "{}"'.format(write(
+            w / "wrong.txt", "  1048576  16384  float  none  -1  95.31  11.00  10.31  3  94.87  11.05  10.36  3\n")))),
+        "#wrong is 3: that run gave wrong results", lambda w: load_target(w / "target.toml"), TargetError),
+    "link nccl-tests file that is not nccl-tests output": Case(
+        lambda w: target_case(w, TARGET.replace('bandwidth = "1Gbit/s"', 'nccl_tests = "{}"'.format(write(
+            w / "prose.txt", "all_gather went fine, about 190 GB/s\n")))),
+        "has no result row", lambda w: load_target(w / "target.toml"), TargetError),
+    "link with both a bandwidth and an nccl-tests file": Case(
+        lambda w: target_case(w, TARGET + 'nccl_tests = "x.txt"\n'),
+        "give the link's bandwidth", lambda w: load_target(w / "target.toml"), TargetError),
+    "depth below the profile's blocks": Case(
+        lambda w: ["simulate", str(w / "profile.json"), "--depth", "2", "--blocks", "b*"],
+        "--depth 2 is below the profile's 4 blocks", lambda w: deepen(Profile.load(w / "profile.json"), 2, "b*"),
+        ProfileFormatError),
+    "depth with a blocks pattern that matches no module": Case(
+        lambda w: ["simulate", str(w / "profile.json"), "--depth", "32"],
+        "--blocks 'layers.*' matches no FSDP module of the profile",
+        lambda w: deepen(Profile.load(w / "profile.json"), 32), ProfileFormatError),
     "target on nccl from a cpu profile": Case(
         lambda w: target_case(w, TARGET.replace('"gloo"', '"nccl"')),
         "target backend 'nccl', but the profile's collectives ran on gloo (cpu): their costs cannot be re-timed",

@@ -12,8 +12,10 @@ A target is a TOML file::
     [link.intra_node]
     bandwidth = "recorded"       # the link the profile was recorded on (its ranks shared one node)
 
-It is a typed model (pydantic), so later keys (presets, nccl-tests files)
-extend it without a second parser. Units are SI and explicit: a network's
+Instead of a file, a preset's name (``--target h100-ib400``; :func:`presets`),
+or ``preset = "h100-ib400"`` in a file, its fields overridden by the file's.
+A link's bandwidth may be an nccl-tests output file (``nccl_tests =
+"all_gather.txt"``): the bus bandwidth by message size. Units are SI and explicit: a network's
 ``1Gbit/s`` is 10^9 bits per second, ``25GB/s`` is 25 * 10^9 bytes per
 second.
 
@@ -35,12 +37,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from planner.artifacts.nccl_tests import BusBandwidthCurve, read_nccl_tests
 from planner.errors import TargetError
 
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]?)(bit|B)/s\s*$")
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ns|us|ms|s)\s*$")
+_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 _PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -56,6 +69,18 @@ def bytes_per_s(text: str) -> float:
         raise ValueError(f"bandwidth {text!r}: write a positive number with its unit, e.g. '1Gbit/s', '400Mbit/s' or "
                          "'25GB/s'")
     return float(m.group(1)) * _PREFIX[m.group(2)] / (8.0 if m.group(3) == "bit" else 1.0)
+
+
+def percent(text: str) -> float:
+    """``"10%"`` -> 0.1.
+
+    Raises:
+        ValueError: not a number between 0 and 100 followed by ``%``.
+    """
+    m = _PERCENT.match(text)
+    if not m or not 0 <= float(m.group(1)) < 100:
+        raise ValueError(f"spread {text!r}: write a percentage from 0 to 100, e.g. '10%'")
+    return float(m.group(1)) / 100
 
 
 def seconds(text: str) -> float:
@@ -78,19 +103,27 @@ class Link(BaseModel):
 
     Attributes:
         bandwidth: bus bandwidth per rank, as written (``"1Gbit/s"``), or ``"recorded"``: the link the profile was
-            recorded on; :attr:`bytes_per_s` is it in bytes/s.
+            recorded on; :attr:`bytes_per_s` is it in bytes/s. ``None`` when ``nccl_tests`` gives it.
+        nccl_tests: an nccl-tests output file (``all_gather_perf``): the bus bandwidth by message size in place of
+            one figure ([Note: Reading nccl-tests] in :mod:`planner.artifacts.nccl_tests`); relative paths are
+            relative to the target file.
+        spread: how far the stated bandwidth may be off, as a percentage (``"10%"``: the published range of the
+            figure); the band on a predicted step widens with it (``planner.simulation.band``).
         latency: per message, as written (``"50us"``); :attr:`latency_s` in seconds (0 when not given).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bandwidth: str
+    bandwidth: str | None = None
+    nccl_tests: str | None = None
+    spread: str = "0%"
     latency: str = "0us"
+    _curve: BusBandwidthCurve | None = PrivateAttr(default=None)
 
     @field_validator("bandwidth")
     @classmethod
-    def _rate(cls, v: str) -> str:
-        if v != RECORDED:
+    def _rate(cls, v: str | None) -> str | None:
+        if v is not None and v != RECORDED:
             bytes_per_s(v)
         return v
 
@@ -100,11 +133,22 @@ class Link(BaseModel):
         seconds(v)
         return v
 
+    @field_validator("spread")
+    @classmethod
+    def _spread(cls, v: str) -> str:
+        percent(v)
+        return v
+
     @model_validator(mode="after")
-    def _recorded_has_its_own_latency(self) -> Link:
+    def _one_source_of_bandwidth(self) -> Link:
+        if (self.bandwidth is None) == (self.nccl_tests is None):
+            raise ValueError("give the link's bandwidth (\"400GB/s\", or \"recorded\") or nccl_tests = \"FILE\" "
+                             "(the output of all_gather_perf), one of the two")
         if self.recorded and self.latency_s:
             raise ValueError(f"latency {self.latency!r} on the recorded link: its latency is in the profile's own "
                              "timings; leave latency out")
+        if self.nccl_tests is not None:
+            self._curve = read_nccl_tests(self.nccl_tests)
         return self
 
     @property
@@ -113,14 +157,39 @@ class Link(BaseModel):
         return self.bandwidth == RECORDED
 
     @property
+    def curve(self) -> BusBandwidthCurve | None:
+        """The nccl-tests curve, when ``nccl_tests`` gives the bandwidth."""
+        return self._curve
+
+    @property
     def bytes_per_s(self) -> float | None:
-        """The bandwidth in bytes per second; ``None`` for the recorded link."""
+        """The bandwidth in bytes per second (an nccl-tests curve's peak); ``None`` for the recorded link."""
+        if self._curve is not None:
+            return self._curve.peak
         return None if self.recorded else bytes_per_s(self.bandwidth)
+
+    def bytes_per_s_at(self, message_bytes: float) -> float | None:
+        """The bus bandwidth for one collective's buffer of ``message_bytes``, bytes per second: the nccl-tests
+        curve at that size, else the one figure; ``None`` for the recorded link."""
+        if self._curve is not None:
+            return self._curve.at(message_bytes)
+        return self.bytes_per_s
+
+    @property
+    def spread_fraction(self) -> float:
+        """``spread`` as a fraction (``"10%"`` -> 0.1)."""
+        return percent(self.spread)
 
     @property
     def latency_s(self) -> float:
         """The latency in seconds."""
         return seconds(self.latency)
+
+    def describe(self) -> str:
+        """``400GB/s ±10%, latency 10us``, or the nccl-tests curve."""
+        text = self._curve.describe() if self._curve is not None else str(self.bandwidth)
+        text += f" ±{self.spread}" if self.spread_fraction else ""
+        return text + (f", latency {self.latency}" if not self.recorded and self.latency_s else "")
 
 
 class Links(BaseModel):
@@ -166,10 +235,14 @@ class Target(BaseModel):
         mesh: ``(replicate, shard)`` for HSDP (``fully_shard(mesh=init_device_mesh(..., (replicate, shard)))``);
             ``None``: FSDP over every rank, ``(1, world_size)``.
         link: the links.
+        preset: the preset it starts from (:func:`presets`), its fields overridden by the file's.
+        source: where the preset's figures come from (published nccl-tests results, vendor figures).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    preset: str | None = None
+    source: str | None = None
     world_size: int = Field(ge=1)
     ranks_per_node: int = Field(ge=1)
     backend: Literal["gloo", "nccl"]
@@ -238,26 +311,100 @@ class Target(BaseModel):
             if group.size == 1:
                 continue
             where = f"across {group.nodes} nodes (inter-node" if group.nodes > 1 else "on 1 node (intra-node"
-            latency = f", latency {group.link.latency}" if not group.link.recorded else ""
-            parts.append(f"{group.role} group of {group.size} {where} {group.link.bandwidth}{latency})")
-        return text + ("; " + ", ".join(parts) if parts else "")
+            parts.append(f"{group.role} group of {group.size} {where} {group.link.describe()})")
+        name = f"preset {self.preset}: " if self.preset else ""
+        return name + text + ("; " + ", ".join(parts) if parts else "")
 
 
-def load_target(path: str | Path) -> Target:
-    """Read a target TOML.
+PRESETS_DIR = "presets"  # package data of ``planner``: one TOML per preset
+
+
+def presets() -> dict[str, str]:
+    """The shipped presets: name -> the first line of its ``source`` (``planner/presets/*.toml``)."""
+    from importlib.resources import files
+
+    from planner.artifacts.config import read_toml
+
+    out = {}
+    for entry in sorted(files("planner").joinpath(PRESETS_DIR).iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".toml"):
+            raw = read_toml(Path(str(entry)), "preset", TargetError)
+            out[entry.name.removesuffix(".toml")] = str(raw.get("source", "")).strip().splitlines()[0]
+    return out
+
+
+def _preset(name: str) -> dict:
+    from importlib.resources import files
+
+    from planner.artifacts.config import read_toml
+
+    known = presets()
+    if name not in known:
+        raise TargetError(f"no preset {name!r}; presets are {', '.join(known)} (or give a target TOML file)")
+    raw = read_toml(Path(str(files("planner").joinpath(PRESETS_DIR, f"{name}.toml"))), "preset", TargetError)
+    return {**raw, "preset": name}
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``over``'s keys on ``base``'s; a link table that names its bandwidth (or nccl_tests) replaces both."""
+    out = {k: v for k, v in base.items()}
+    for key, value in over.items():
+        if key == "link" and isinstance(value, dict) and isinstance(base.get("link"), dict):
+            links = dict(base["link"])
+            for which, link in value.items():
+                mine = dict(links.get(which) or {})
+                if isinstance(link, dict) and ({"bandwidth", "nccl_tests"} & link.keys()):
+                    mine.pop("bandwidth", None)
+                    mine.pop("nccl_tests", None)
+                links[which] = {**mine, **link} if isinstance(link, dict) else link
+            out["link"] = links
+        else:
+            out[key] = value
+    return out
+
+
+def _relative_to(raw: dict, directory: Path) -> dict:
+    links = raw.get("link")
+    if not isinstance(links, dict):
+        return raw
+    fixed = {}
+    for which, link in links.items():
+        if isinstance(link, dict) and isinstance(link.get("nccl_tests"), str):
+            link = {**link, "nccl_tests": str(directory / link["nccl_tests"])}
+        fixed[which] = link
+    return {**raw, "link": fixed}
+
+
+def load_target(spec: str | Path, **overrides: object) -> Target:
+    """A target from a TOML file or a preset's name (``"h100-ib400"``), ``overrides`` on top.
+
+    A file may start from a preset (``preset = "h100-ib400"``) and override any of its fields; a link table that
+    gives ``bandwidth`` or ``nccl_tests`` replaces the preset's figure, its other keys kept.
+
+    Args:
+        spec: the target TOML's path, or a preset's name (:func:`presets`).
+        overrides: fields to replace (``world_size=64``, ``mesh=(8, 8)``); ``None`` values are ignored.
 
     Raises:
-        TargetError: the file cannot be read, is not TOML, has an unknown key, a value out of range or without its
-            unit, or lacks the link its nodes need (one line naming the key and the fix).
+        TargetError: no such file or preset; the file cannot be read, is not TOML, has an unknown key, a value out
+            of range or without its unit, an unreadable nccl-tests file, or lacks the link its nodes need (one line
+            naming the key and the fix).
     """
     from planner.artifacts.config import read_toml
 
-    path = Path(path)
-    raw = read_toml(path, "target", TargetError)
+    path = Path(spec)
+    if path.is_file() or path.suffix == ".toml" or "/" in str(spec):
+        raw = _relative_to(read_toml(path, "target", TargetError), path.parent)
+        where = f"target file {str(path)!r}"
+    else:
+        raw, where = {"preset": str(spec)}, f"preset {str(spec)!r}"
+    if isinstance(raw.get("preset"), str):
+        raw = _merged(_preset(raw["preset"]), raw)
+    raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
     try:
         return Target.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
+        where_key = ".".join(str(x) for x in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
-        raise TargetError(f"target file {str(path)!r}: {where + ': ' if where else ''}{message}") from None
+        raise TargetError(f"{where}: {where_key + ': ' if where_key else ''}{message}") from None

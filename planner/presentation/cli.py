@@ -44,29 +44,46 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", "trace_out", help="Write the predicted timeline as a Chrome trace (open in Perfetto).")
 @click.option("--png", "png_out", help="Draw the predicted timeline with matplotlib.")
-@click.option("--target", "target_toml", help="Predict for this cluster (a target TOML: world size, ranks per node, "
-                                              "backend, links) instead of the link the profile was recorded on.")
-def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml) -> None:
-    """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default)."""
+@click.option("--target", "target_toml", help="Predict for this cluster (a preset's name, e.g. h100-ib400, or a target "
+                                              "TOML: world size, ranks per node, backend, links) instead of the link "
+                                              "the profile was recorded on.")
+@click.option("--world-size", type=int, help="With --target: the world size (replaces the target's).")
+@click.option("--mesh", help="With --target: HSDP's mesh, REPLICATExSHARD (e.g. 8x8; replaces the target's).")
+@click.option("--depth", type=int, help="Repeat the profile's blocks to this many (a profile of a slice of the model).")
+@click.option("--blocks", default="layers.*", show_default=True, help="With --depth: the blocks' FQN pattern.")
+def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml, world_size, mesh, depth,
+             blocks) -> None:
+    """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default); with --target,
+    the step's band and what it rests on."""
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
     from planner.simulation.parameters import profile_params, simulator_for
 
-    profile = Profile.load(profile_json)
+    profile = recorded = Profile.load(profile_json)
+    params = profile_params(profile)  # solved on the recorded step, before any extension
+    deepened = None
+    if depth is not None:
+        from planner.simulation.depth import deepen
+
+        deepened = deepen(profile, depth, blocks)
+        profile = deepened.profile
     plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
     travelled = plan.check_matches(profile)
     if travelled is not None:
         click.echo(f"warning: {travelled}", err=True)
-    target = retargeted = None
+    target = retargeted = band = None
     simulated = profile
     if target_toml:
-        from planner.artifacts.target import load_target
+        from planner.simulation.band import step_band
         from planner.simulation.link import link_efficiency, retarget
 
-        target = load_target(target_toml)
-        retargeted = retarget(profile, target)
+        target = load_target_or_preset(target_toml, world_size, mesh)
+        retargeted = retarget(profile, target, recorded_profile=recorded)
         simulated = retargeted.profile
-    r = simulator_for(simulated, profile_params(profile)).run(plan, trace=bool(trace_out or png_out))
+        band = step_band(profile, target, plan, params, recorded)
+    elif world_size is not None or mesh is not None:
+        raise PlannerError("--world-size and --mesh go with --target (a preset or a target TOML)")
+    r = simulator_for(simulated, params).run(plan, trace=bool(trace_out or png_out))
     title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
     if trace_out:
         from planner.simulation.trace import write_chrome_trace
@@ -79,27 +96,72 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml) 
     if as_json:
         figures = {"step_ms": r.step_ms, "exposed_comm_ms": r.exposed_comm_ms, "peak_bytes": r.peak_bytes,
                    "lower_bound_ms": r.lower_bound_ms}
+        if deepened is not None:
+            figures.update(depth=dataclasses.asdict(deepened.report))
         if retargeted is not None:
-            figures.update(target=target.model_dump(),
+            figures.update(target=target.model_dump(), band_ms=[band.low_ms, band.high_ms],
+                           band_parts={p.name: [p.low_ms, p.high_ms] for p in band.parts},
+                           band_dominant=band.dominant.name,
                            link_fit={k: dataclasses.asdict(f) for k, f in retargeted.fits.items()},
                            extrapolation={**dataclasses.asdict(retargeted.extrapolation),
                                           "within_fit": retargeted.extrapolation.within_fit})
         click.echo(json.dumps(figures))
         return
+    if deepened is not None:
+        click.echo(f"depth         {deepened.report.describe()}")
     if retargeted is not None:
         click.echo(f"target        {target.describe()}")
         click.echo(f"distance      {retargeted.extrapolation.describe()}")
         click.echo("collectives   from bytes on the wire:")
         for f in retargeted.fits.values():
+            if not f.points:
+                click.echo(f"  {f.kind.replace('_', '-'):15s} none recorded (one GPU): the target's link and latency "
+                           "alone")
+                continue
             basis = ("fitted on" if f.identifiable else "one size: no overhead told apart, from") + (
                 f" {f.points} recorded calls")
             click.echo(f"  {f.kind.replace('_', '-'):15s} per-call overhead {f.overhead_ms:.2f} ms, recorded "
                        f"{f.bytes_per_s * 8 / 1e9:.2f} Gbit/s effective ({basis}); on the target at "
                        f"{link_efficiency(f.kind, target.backend):.0%} of the link's rate")
-    click.echo(f"step          {r.step_ms:10.1f} ms")
+    if band is not None:
+        click.echo(f"step          {r.step_ms:10.1f} ms  band [{band.low_ms:.1f}, {band.high_ms:.1f}] ms")
+        for p in band.parts:
+            lead = "dominates:" if p is band.dominant else "          "
+            click.echo(f"  {lead} {p.name:<9} -{p.low_ms:.1f}/+{p.high_ms:.1f} ms  {p.detail}")
+    else:
+        click.echo(f"step          {r.step_ms:10.1f} ms")
     click.echo(f"exposed comm  {r.exposed_comm_ms:10.1f} ms")
     click.echo(f"peak memory   {mib(r.peak_bytes, unit=False):>10} MiB")
     click.echo(f"lower bound   {r.lower_bound_ms:10.1f} ms  (step / bound = {r.ratio_to_lower_bound:.3f})")
+
+
+def load_target_or_preset(spec: str, world_size: int | None = None, mesh: str | None = None):
+    """``--target`` with ``--world-size`` and ``--mesh`` (``"8x8"``) over it.
+
+    Raises:
+        TargetError: as :func:`planner.artifacts.target.load_target`; a mesh not written ``REPLICATExSHARD``.
+    """
+    from planner.artifacts.target import load_target
+    from planner.errors import TargetError
+
+    shape = None
+    if mesh is not None:
+        try:
+            replicate, shard = (int(x) for x in mesh.lower().split("x"))
+            shape = (replicate, shard)
+        except ValueError:
+            raise TargetError(f"--mesh {mesh!r}: write REPLICATExSHARD, e.g. 8x8") from None
+    return load_target(spec, world_size=world_size, mesh=shape)
+
+
+@main.command("presets")
+def presets_command() -> None:
+    """List the cluster presets --target takes, with where their figures come from."""
+    from planner.artifacts.target import load_target, presets
+
+    for name, source in presets().items():
+        click.echo(f"{name:<20} {load_target(name).describe().split(': ', 1)[1]}")
+        click.echo(f"{'':<20} {source}")
 
 
 @main.group()

@@ -49,6 +49,23 @@ link). Both are fitted per kind by non-negative least squares
 distinct size they cannot be told apart, and all of the time is put on the
 bytes (``a = 0``).
 
+[Note: The fit's own error]
+How well ``t = a + s * w`` describes the profile's calls is judged on calls
+it did not see: each call is predicted by the fit of the others (leave one
+out), and the root mean square of those relative errors is the fit's error,
+a fraction of a call's time. In-sample residuals would flatter a two-parameter
+fit of a few calls. The band on a predicted step (``planner.simulation.band``)
+moves every call of the kind by that fraction together.
+
+[Note: A profile of one GPU]
+A profile recorded on one GPU has no collective to fit. On a GPU, NCCL's
+kernels copy at the device's memory bandwidth, far above any link's, and
+its per-call launch is a few microseconds: the link's bandwidth and
+latency time the call alone (``a = s = 0``). The copies and the launch are
+left out, and the report says the collectives were not recorded. On a CPU
+gloo's host work per byte is as large as the wire's, so a one-rank CPU
+profile is refused.
+
 [Note: Host work and the wire]
 On the target a call takes ``a + max(s * w', w' / (e * bandwidth))``: the
 host's per-byte work (copies, reductions, faulting in fresh buffers) and the
@@ -139,6 +156,8 @@ class LinkFit:
         points: the calls fitted (one per module with bytes on the wire).
         identifiable: more than one distinct size: overhead and per-byte time told apart.
         wire_bytes: the smallest and largest bytes on the wire of the calls fitted.
+        loo_error: the root mean square of the leave-one-out relative errors (each call predicted by the fit of
+            the others), a fraction; ``None`` with fewer than 3 calls ([Note: The fit's own error]).
     """
 
     kind: Kind
@@ -147,6 +166,7 @@ class LinkFit:
     points: int
     identifiable: bool
     wire_bytes: tuple[float, float] = (0.0, 0.0)
+    loo_error: float | None = None
 
     @property
     def bytes_per_s(self) -> float:
@@ -177,15 +197,30 @@ def wire_calls(profile: Profile, world_size: int, backend: str) -> list[tuple[st
     return out
 
 
-def _fit(kind: Kind, w: np.ndarray, t: np.ndarray) -> LinkFit:
+def _coefficients(w: np.ndarray, t: np.ndarray) -> tuple[float, float]:
     from scipy.optimize import nnls
 
-    identifiable = len(np.unique(w)) > 1
-    if identifiable:
+    if len(np.unique(w)) > 1:
         (a, s), _ = nnls(np.column_stack([np.ones_like(w), w]), t)
-    else:
-        a, s = 0.0, float(t.sum() / w.sum())
-    return LinkFit(kind, float(a), float(s), len(w), identifiable, (float(w.min()), float(w.max())))
+        return float(a), float(s)
+    return 0.0, float(t.sum() / w.sum())
+
+
+def _loo_error(w: np.ndarray, t: np.ndarray) -> float | None:
+    """[Note: The fit's own error]."""
+    if len(w) < 3:
+        return None
+    errors = []
+    for i in range(len(w)):
+        keep = np.arange(len(w)) != i
+        a, s = _coefficients(w[keep], t[keep])
+        errors.append((t[i] - (a + s * w[i])) / t[i])
+    return float(np.sqrt(np.mean(np.square(errors))))
+
+
+def _fit(kind: Kind, w: np.ndarray, t: np.ndarray) -> LinkFit:
+    a, s = _coefficients(w, t)
+    return LinkFit(kind, a, s, len(w), len(np.unique(w)) > 1, (float(w.min()), float(w.max())), _loo_error(w, t))
 
 
 def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
@@ -193,9 +228,13 @@ def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
 
     A kind with no call of its own (a profile without reduce-scatters) takes the fit of both kinds together.
 
+    A GPU profile of one rank has no collective: its fits are empty (no overhead, no time per byte), and the
+    target's links time the collectives alone ([Note: A profile of one GPU]).
+
     Raises:
-        TargetError: the profile has no collective with bytes on the wire (world size 1): nothing to re-time from;
-            or it was recorded under HSDP, whose reduce-scatter figures hold the all-reduce over the replicas too.
+        TargetError: a CPU profile with no collective with bytes on the wire (world size 1): gloo's host cost per
+            byte cannot be told from nothing; or it was recorded under HSDP, whose reduce-scatter figures hold the
+            all-reduce over the replicas too.
     """
     fingerprint = profile.fingerprint
     if fingerprint.mesh is not None:
@@ -203,6 +242,8 @@ def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
                           "all-reduce over the replicas, which the fit cannot tell apart; record the profile with "
                           "FSDP over the shard group's ranks (no [launch] mesh) to predict a target")
     calls = wire_calls(profile, fingerprint.world_size, recorded_backend(profile))
+    if not calls and recorded_backend(profile) == "nccl":  # [Note: A profile of one GPU]
+        return {kind: LinkFit(kind, 0.0, 0.0, 0, False) for kind in ("all_gather", "reduce_scatter")}
     if not calls:
         raise TargetError("the profile has no collective with bytes on the wire (recorded at world size "
                           f"{fingerprint.world_size}); record it on 2 ranks or more to predict a link")
@@ -252,6 +293,10 @@ class Extrapolation:
                 + f"; all-gather {self.wire_bytes / 1e6:.2f} MB on the wire per call, "
                 f"{self.recorded_wire_bytes / 1e6:.2f} MB recorded (fitted {self.fitted_wire_bytes[0] / 1e6:.2f}-"
                 f"{self.fitted_wire_bytes[1] / 1e6:.2f} MB): ")
+        if self.recorded_world_size == 1:
+            text = text.split("; all-gather")[0] + (f"; all-gather {self.wire_bytes / 1e6:.2f} MB on the wire per "
+                                                     "call: no collective recorded (one rank), the link alone ")
+            return text + ("" if self.padded_exactly else "; parameter rows not recorded, padding left out")
         text += "within the fit" if self.within_fit else "outside the fit, extrapolated"
         return text + ("" if self.padded_exactly else "; parameter rows not recorded, padding left out")
 
@@ -271,21 +316,33 @@ class Retargeted:
     extrapolation: Extrapolation
 
 
-def _call_ms(fit: LinkFit, kind: Kind, group: Group, nbytes: int, backend: str) -> float:
+def _call_ms(fit: LinkFit, kind: Kind, group: Group, nbytes: int, backend: str, spread_sign: int = 0) -> float:
     w = wire_fraction(kind, group.size, backend) * nbytes
     if w <= 0:
         return 0.0
-    bandwidth = None if group.link is None else group.link.bytes_per_s
+    bandwidth = None if group.link is None else group.link.bytes_per_s_at(nbytes)
+    if bandwidth is not None:
+        bandwidth *= 1 + spread_sign * group.link.spread_fraction
     return fit.ms(w, bandwidth, backend, kind) + ring_latency_ms(kind, group, backend)
 
 
-def retarget(profile: Profile, target: Target) -> Retargeted:
+def retarget(profile: Profile, target: Target, spread_sign: int = 0, fit_sign: int = 0,
+             recorded_profile: Profile | None = None) -> Retargeted:
     """The profile as one rank of ``target``: re-sharded for its shard group ([Note: What re-sharding changes] in
     :mod:`planner.simulation.resharding`), each module's all-gather and reduce-scatter (and HSDP's all-reduce,
     [Note: HSDP's all-reduce]) re-timed for its groups' links.
 
     Compute and activations stay as recorded; simulate the result with the recorded profile's own parameters
-    (``planner.simulation.parameters.profile_params(profile)``), which were solved on its link.
+    (``planner.simulation.parameters.profile_params(profile)``), which were solved on its link. A link given by
+    an nccl-tests file is read at each call's buffer size ([Note: Reading nccl-tests]).
+
+    Args:
+        spread_sign: ``+1`` or ``-1``: every link's bandwidth at the high or low end of its stated ``spread``
+            (``planner.simulation.band``); ``0``: as stated.
+        fit_sign: ``+1`` or ``-1``: each fit's overhead and time per byte moved up or down by its leave-one-out
+            error ([Note: The fit's own error]); ``0``: as fitted.
+        recorded_profile: the profile as recorded, when ``profile`` was extended from it (``planner.simulation.depth``):
+            the fit is made on its calls, not on their copies.
 
     Raises:
         TargetError: a target backend other than the one the profile's collectives ran on (their host cost was
@@ -297,16 +354,21 @@ def retarget(profile: Profile, target: Target) -> Retargeted:
         raise TargetError(f"target backend {target.backend!r}, but the profile's collectives ran on {backend} "
                           f"({device}): their costs cannot be re-timed for {target.backend}; record the profile on "
                           f"{'a GPU' if target.backend == 'nccl' else 'gloo'} to predict {target.backend}")
-    fits = fit_link(profile)
+    fits = fit_link(recorded_profile or profile)
+    if fit_sign:
+        scale = {k: max(0.0, 1 + fit_sign * (f.loo_error or 0.0)) for k, f in fits.items()}
+        fits = {k: dataclasses.replace(f, overhead_ms=f.overhead_ms * scale[k], ms_per_byte=f.ms_per_byte * scale[k])
+                for k, f in fits.items()}
     shard_group, replicate_group = target.groups
     resharded = reshard(profile, target.shard, target.world_size, target.mesh)
     modules = dict(resharded.modules)
     for fqn, m in resharded.modules.items():
         nbytes = collective_bytes(m, target.shard)
-        times = {"all_gather_ms": _call_ms(fits["all_gather"], "all_gather", shard_group, nbytes, backend),
-                 "reduce_scatter_ms": _call_ms(fits["reduce_scatter"], "reduce_scatter", shard_group, nbytes, backend)
+        times = {"all_gather_ms": _call_ms(fits["all_gather"], "all_gather", shard_group, nbytes, backend, spread_sign),
+                 "reduce_scatter_ms": _call_ms(fits["reduce_scatter"], "reduce_scatter", shard_group, nbytes, backend,
+                                               spread_sign)
                  + _call_ms(fits["reduce_scatter"], "all_reduce", replicate_group, shard_bytes(m, target.shard),
-                            backend)}
+                            backend, spread_sign)}
         modules[fqn] = dataclasses.replace(m, **times)
     recorded = profile.fingerprint.world_size
 

@@ -129,7 +129,7 @@ def test_simulate_predicts_for_a_target(tmp_path):
     assert figures["link_fit"]["reduce_scatter"]["ms_per_byte"] == pytest.approx(MS_PER_BYTE)
     text = runner.invoke(main, ["simulate", str(tmp_path / "p.json"), "--target", str(tmp_path / "t.toml")]).output
     assert text.startswith("target        2 ranks (1 per node), gloo; shard group of 2 across 2 nodes (inter-node "
-                           "1Gbit/s, latency 0us)\ndistance      from a profile of 2 ranks to 2 on 2 nodes (x1)")
+                           "1Gbit/s)\ndistance      from a profile of 2 ranks to 2 on 2 nodes (x1)")
     assert ("all-gather      per-call overhead 0.40 ms, recorded 4.00 Gbit/s effective (fitted on 5 recorded "
             "calls); on the target at 63% of the link's rate") in text
     assert "reduce-scatter  per-call overhead 0.40 ms" in text and "at 100% of the link's rate" in text
