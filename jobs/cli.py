@@ -57,14 +57,21 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 @click.option("--from-profile", "profile_in", help="Tune from this profile instead of recording one (e.g. "
               "`profile --from-trace ... --model FACTORY`'s); it must be of the study's model and world size.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--target", help="Predict for this cluster instead (a preset such as h100-ib400, or a target TOML): "
+                               "the simulated stage only, no ranks; writes a plan of provenance 'predicted'.")
+@click.option("--world-size", type=int, help="With --target: the world size (replaces the target's).")
+@click.option("--mesh", help="With --target: HSDP's mesh, REPLICATExSHARD (e.g. 8x8).")
+@click.option("--depth", type=int, help="With --target: repeat the profile's blocks to this many.")
+@click.option("--blocks", default="layers.*", show_default=True, help="With --depth: the blocks' FQN pattern.")
 @click.option("--job", hidden=True, help="The job's name (set by the launching process).")
 @click.option("--confirm-launches", type=int, default=0, hidden=True,
               help="Fresh launches the launching process runs the confirmation in (0: in this job).")
 @click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
 def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_out, profile_out, profile_in,
-         no_progress, job, confirm_launches, validated_config) -> None:
+         no_progress, target, world_size, mesh, depth, blocks, job, confirm_launches, validated_config) -> None:
     """Run a tuning study: record a profile, simulate, race the best plans, confirm the survivor in fresh
-    launches, write the study's recommendation.
+    launches, write the study's recommendation. With --target: predict the best plan for a cluster from the
+    study's profile, no ranks.
 
     Outside torchrun this starts the study's nproc_per_node ranks itself, then
     [measure] confirm_launches fresh launches for the confirmation; under
@@ -76,6 +83,16 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
 
     config = _study_config(study_toml, validated_config, storage=storage, sim_trials=sim_trials,
                            measured_trials=measured_trials, memory_budget=memory_budget)
+    if target is not None:
+        from jobs.predict import tune_for_target
+
+        for line in tune_for_target(config, target, world_size, mesh, depth, blocks,
+                                    profile_in or config.default_output(".profile.json"),
+                                    plan_out or config.default_output(".predicted.plan.json"), not no_progress):
+            click.echo(line)
+        return
+    if (world_size, mesh, depth) != (None, None, None):
+        raise PlannerError("--world-size, --mesh and --depth go with --target (tune predicts for a cluster then)")
     plan_out = plan_out or config.default_output(".plan.json")
     profile_out = profile_out or config.default_output(".profile.json")
     if in_torchrun():

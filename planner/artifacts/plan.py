@@ -64,10 +64,12 @@ class ModulePlan:
 
 
 class Source(enum.StrEnum):
-    """What made a plan: FSDP2's default behaviour, or a measured trial of a study."""
+    """What made a plan: FSDP2's default behaviour, a measured trial of a study, or a prediction for a cluster
+    not measured (``tune --target``: raced first by the in-loop tuner on the real cluster, never recommended)."""
 
     DEFAULT = "default"
     MEASURED = "measured"
+    PREDICTED = "predicted"
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,11 @@ class Provenance:
             median over steps, bytes (``runtime.recording.peak_memory``).
         memory_budget_bytes: the budget the plan was chosen under, bytes per
             rank; ``None``: no budget.
+        target: for a predicted plan, the cluster it was predicted for (``Target.describe()``).
+        band_ms: for a predicted plan, the band on its predicted step, ``[low, high]`` ms
+            (``planner.simulation.band``).
+        params: for a predicted plan, its search-space parameters (the simulated trial's), so a tuner on the real
+            cluster can race it as a trial of its study.
     """
 
     source: Source = Source.DEFAULT
@@ -113,10 +120,13 @@ class Provenance:
     measured_peak_bytes: int | None = None
     memory_budget_bytes: int | None = None
     ratio_of: str | None = None
+    target: str | None = None
+    band_ms: tuple[float, float] | None = None
+    params: dict[str, Any] | None = None
 
 
 # Provenance fields added after release 0.1.0: written only when set.
-_WRITTEN_WHEN_SET = ("launches", "ratio_of")
+_WRITTEN_WHEN_SET = ("launches", "ratio_of", "target", "band_ms", "params")
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ ModulePlanDocument = create_model("ModulePlanDocument", __base__=_ModulePlanStru
 class ProvenanceDocument(Document):
     """``provenance`` (:class:`planner.artifacts.plan.Provenance`)."""
 
-    source: Literal["default", "measured"] = "default"
+    source: Literal["default", "measured", "predicted"] = "default"
     study: str | None = None
     trial: int | None = None
     predicted_ms: float | None = None
@@ -78,6 +78,9 @@ class ProvenanceDocument(Document):
     measured_peak_bytes: int | None = None
     memory_budget_bytes: int | None = None
     ratio_of: Literal["total time"] | None = None
+    target: str | None = None
+    band_ms: tuple[float, float] | None = None
+    params: dict[str, bool | int | float | str | None] | None = None
 
 
 class _PlanStructure(Document):

@@ -205,9 +205,18 @@ def studies_list(storage) -> None:
 def studies_show(name, storage, top) -> None:
     """Show a study's measured trials (predicted vs race median), every confirmation per plan, and its best
     simulated trials."""
+    from planner.errors import StudyNotFoundError
     from planner.study import confirmation_history, study_trials
+    from planner.study.predicted import predicted_plans
 
-    trials = study_trials(_storage_for(name, storage), name)
+    try:
+        trials = study_trials(_storage_for(name, storage), name)
+    except StudyNotFoundError:
+        if not predicted_plans(_storage_for(name, storage), name):
+            raise
+        click.echo(f"study {name}: nothing measured yet")
+        _show_predicted(_storage_for(name, storage), name)
+        return
     click.echo(f"study {name}: {len(trials.measured)} measured trials, {len(trials.simulated)} simulated trials")
     click.echo(
         f"\nmeasured stage (race medians; the confirmation on the plan it confirmed)\n  {'trial':>5} {'state':<8} "
@@ -222,6 +231,8 @@ def studies_show(name, storage, top) -> None:
             tag += f"retry of {r.retry_of} "
         if r.reconfirms is not None:
             tag += f"recommended by trial {r.reconfirms}, raced again "
+        if r.predicted_for is not None:
+            tag += f"predicted for {r.predicted_for.split(';')[0]}, raced first "
         if r.race is not None and r.race.dropped_after_round is not None:
             tag += f"dropped after {r.race.dropped_after_round} rounds "
         click.echo(f"  {r.number:>5} {r.state.name:<8} {ms(r.predicted_ms):>12} {ms(r.race_ms):>11} "
@@ -239,10 +250,28 @@ def studies_show(name, storage, top) -> None:
         for records in history.values():
             click.echo("  " + "; ".join(f"trial {r.number} (job {r.job}): {r.confirmation.verdict} "
                                         f"{r.confirmation.ratio:.3f}" for r in records))
+    _show_predicted(_storage_for(name, storage), name)
     best = sorted((r for r in trials.simulated if r.predicted_ms is not None), key=lambda r: r.predicted_ms)[:top]
     click.echo(f"\nsimulated stage (best {len(best)})\n  {'trial':>5} {'predicted ms':>12}  params")
     for r in best:
         click.echo(f"  {r.number:>5} {ms(r.predicted_ms):>12}  {json.dumps(_short(r.params))}")
+
+
+def _show_predicted(url: str, name: str) -> None:
+    """The plans ``tune --target`` predicted, apart: never measured, never the recommendation."""
+    from planner.study.predicted import predicted_plans
+
+    records = predicted_plans(url, name)
+    if not records:
+        return
+    click.echo(f"\npredicted plans (tune --target; not measured, never recommended: AutoTuner(..., start_from=...) "
+               f"races one first on the cluster)\n  {'trial':>5} {'predicted ms':>12} {'band ms':>19} {'ratio':>6}  "
+               "target")
+    for r in records:
+        pv = r.plan.provenance
+        band = f"[{pv.band_ms[0]:.1f}, {pv.band_ms[1]:.1f}]" if pv.band_ms else "-"
+        click.echo(f"  {r.number:>5} {ms(pv.predicted_ms):>12} {band:>19} {pv.predicted_ms / r.default_ms:>6.3f}  "
+                   f"{pv.target}")
 
 
 def _short(params: dict) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
 
@@ -35,6 +36,7 @@ class Candidate:
         predicted_ms: the simulated step time, ms.
         predicted_peak_bytes: the simulated peak memory, bytes.
         reconfirms: for the study's recommendation raced again, the trial that recommended it.
+        predicted_for: for a plan predicted for this cluster (``tune --target``), the target it was predicted for.
     """
 
     params: TrialParams
@@ -43,6 +45,36 @@ class Candidate:
     predicted_ms: float
     predicted_peak_bytes: int
     reconfirms: int | None = None
+    predicted_for: str | None = None
+
+
+def predicted_candidate(plan: Plan, profile: Profile, space: SearchSpace, simulator: Any) -> Candidate:
+    """A plan of provenance ``predicted`` (``tune --target``) as a candidate on ``profile``: rebuilt from its
+    search-space parameters for this profile's modules, predicted by ``simulator`` (this cluster's).
+
+    Raises:
+        PlanMismatchError: the plan is of another model, or carries no search-space parameters (a plan not made by
+            ``tune --target``), or parameters ``space`` cannot build.
+    """
+    from planner.errors import PlanMismatchError, PlannerError
+
+    difference = plan.fingerprint.model_difference(profile.fingerprint)
+    if difference is not None:
+        raise PlanMismatchError(f"start_from plan is of another model: {difference}; predict one for this model "
+                                "(tune --target)")
+    params = plan.provenance.params
+    if params is None:
+        raise PlanMismatchError("start_from plan carries no search-space parameters (provenance 'params'): give a "
+                                "plan written by `prefetch-planner tune --target`")
+    trial = optuna.trial.FixedTrial(params)
+    try:
+        built = space.suggest(trial, profile)
+    except (PlannerError, KeyError, ValueError) as e:
+        raise PlanMismatchError(f"start_from plan's parameters do not build a plan in this study's space ({e}); "
+                                "predict it with this study's TOML (tune --target)") from None
+    result = simulator.run(built)
+    return Candidate(dict(params), dict(trial.distributions), built, result.step_ms, result.peak_bytes,
+                     predicted_for=plan.provenance.target or "a predicted plan")
 
 
 def plan_key(plan: Plan) -> str:

@@ -316,3 +316,25 @@ def isolation_groups(config: StudyConfig, default_peak_bytes: int, module_bytes:
         held += nbytes
     groups.append(tuple(group))
     return groups
+
+
+def predicted_start(path: str, fingerprint: Fingerprint) -> Plan:
+    """The ``start_from`` plan of an in-loop tuner: a plan of this model (any world size) with the search-space
+    parameters ``tune --target`` writes ([Note: Predicted plans are raced, never recommended] in
+    ``planner.study.predicted``).
+
+    Raises:
+        PlanFormatError: the file cannot be read as a plan.
+        PlanMismatchError: a plan of another model, or one without search-space parameters.
+    """
+    from planner.errors import PlanMismatchError
+
+    plan = Plan.load(path)
+    difference = plan.fingerprint.model_difference(fingerprint)
+    if difference is not None:
+        raise PlanMismatchError(f"start_from {path!r} is a plan of another model: {difference}; predict one for "
+                                "this model (tune --target)")
+    if plan.provenance.params is None:
+        raise PlanMismatchError(f"start_from {path!r} carries no search-space parameters (provenance 'params'): give "
+                                "a plan written by `prefetch-planner tune --target`")
+    return plan

@@ -268,7 +268,8 @@ class MeasuredStage:
             for c in candidates:
                 record = MeasuredTrialRecord(predicted_ms=c.predicted_ms, predicted_peak_bytes=c.predicted_peak_bytes,
                                              is_default=c.plan.is_default_for(self.profile), plan_key=plan_key(c.plan),
-                                             job=self.job, source=self.source, reconfirms=c.reconfirms)
+                                             job=self.job, source=self.source, reconfirms=c.reconfirms,
+                                             predicted_for=c.predicted_for)
                 template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=c.params,
                                                      distributions=c.distributions, user_attrs=record.to_user_attrs())
                 trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)

@@ -17,6 +17,7 @@ from planner.statistics.looks import MAX_LAUNCHES
 from planner.statistics.verdict import Confirmation, Verdict, confirmation_text
 from planner.storages import check_exists, open_storage, open_storage_read_only
 from planner.storages.archive import confirmation_rows, stored_plan
+from planner.study.predicted import PREDICTED_SUFFIX
 from planner.study.recommendation import JobVerdict, Recommendation, recommend
 from planner.study.records import MeasuredTrialRecord, SimulatedTrialRecord
 from planner.study.simulated import SIM_SUFFIX
@@ -58,7 +59,8 @@ def _load(url: str, name: str, read_only: bool = False) -> tuple[optuna.Study, o
     try:
         return optuna.load_study(study_name=name, storage=storage), storage
     except KeyError:
-        names = sorted(n for n in optuna.get_all_study_names(storage) if not n.endswith(SIM_SUFFIX))
+        names = sorted(n for n in optuna.get_all_study_names(storage)
+                       if not n.endswith((SIM_SUFFIX, PREDICTED_SUFFIX)))
         raise StudyNotFoundError(
             f"no study {name!r} in {url}; studies there: {', '.join(names) or 'none'}"
         ) from None
@@ -85,7 +87,7 @@ def list_studies(url: str) -> list[StudyOverview]:
     storage = _open_existing(url)
     names = optuna.get_all_study_names(storage)
     out = []
-    for name in sorted(n for n in names if not n.endswith(SIM_SUFFIX)):
+    for name in sorted(n for n in names if not n.endswith((SIM_SUFFIX, PREDICTED_SUFFIX))):
         study = optuna.load_study(study_name=name, storage=storage)
         sim_count = 0
         if name + SIM_SUFFIX in names:

@@ -123,6 +123,7 @@ class MeasuredTrialRecord:
         confirm_rounds: rounds each confirmation launch runs (on the race's survivor, set when the race ends).
         confirm_launches: the launches measured so far (on the race's survivor).
         reconfirms: for the study's recommendation raced again by a later job, the trial it was recommended by.
+        predicted_for: for a plan predicted for this cluster (``tune --target``) and raced here, its target.
         objective: which figure the trial's value is (``planner.study.provenance.OBJECTIVE``): ``"confirmed"`` or
             ``"race median"``.
         measured_peak_bytes: the measured peak per rank (max across ranks).
@@ -147,6 +148,7 @@ class MeasuredTrialRecord:
     confirm_rounds: int | None = None
     confirm_launches: list[ConfirmLaunch] | None = None
     reconfirms: int | None = None
+    predicted_for: str | None = None
     objective: str | None = None
     measured_peak_bytes: int | None = None
     failure: Failure | None = None
@@ -157,7 +159,7 @@ class MeasuredTrialRecord:
         attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "plan_key",
                                                      "job", "source", "step_ms", "per_rank_step_ms",
                                                      "measured_peak_bytes", "confirm_rounds", "reconfirms",
-                                                     "objective")}
+                                                     "predicted_for", "objective")}
         if self.race is not None:
             attrs.update(race_rounds=self.race.rounds, race_noise_pct=self.race.noise_pct, race_ratio=self.race.ratio,
                          dropped_after_round=self.race.dropped_after_round, race_survivor=self.race.survivor or None,
@@ -194,7 +196,8 @@ class MeasuredTrialRecord:
                    predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
                    plan_key=a.get("plan_key"), job=a.get("job"), source=a.get("source"), step_ms=a.get("step_ms"),
                    per_rank_step_ms=a.get("per_rank_step_ms"), race=race, confirmation=confirmation,
-                   confirm_rounds=a.get("confirm_rounds"), reconfirms=a.get("reconfirms"), objective=a.get("objective"),
+                   confirm_rounds=a.get("confirm_rounds"), reconfirms=a.get("reconfirms"),
+                   predicted_for=a.get("predicted_for"), objective=a.get("objective"),
                    confirm_launches=[ConfirmLaunch.from_json(x) for x in launches] if launches is not None else None,
                    measured_peak_bytes=a.get("measured_peak_bytes"), failure=failure)
 

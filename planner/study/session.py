@@ -38,7 +38,7 @@ from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Confirmation
 from planner.storages import open_storage, storage_errors
 from planner.storages.archive import latest_calibration
-from planner.study.candidates import plan_key, select_candidates
+from planner.study.candidates import plan_key, predicted_candidate, select_candidates
 from planner.study.confirmation import write_plan
 from planner.study.evidence import chain_of, study_spread
 from planner.study.measured import MeasuredStage, MeasuredTrial
@@ -107,6 +107,8 @@ class TuningSession:
             (``planner.study.confirmation``); ``0``: confirmed here, after the race.
         source: what measures the trials (trial attribute ``source``): ``"tune"``, or ``"in-loop"`` for
             ``runtime.AutoTuner`` in a user's training loop.
+        start_from: a plan predicted for this cluster (``tune --target``): raced first among the candidates
+            ([Note: Predicted plans are raced, never recommended] in ``planner.study.predicted``).
 
     Attributes:
         profile: the profile as it stands (with a stored calibration once :meth:`prepare` found one).
@@ -119,8 +121,9 @@ class TuningSession:
                  profile_out: str, progress: bool = False,
                  on_drop: Callable[[MeasuredTrial, int], None] | None = None,
                  critical: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 confirm_launches: int = 0, source: str = "tune"):
+                 confirm_launches: int = 0, source: str = "tune", start_from: Plan | None = None):
         self.config, self.profile, self.space, self.job, self.source = config, profile, space, job, source
+        self.start_from = start_from
         self.confirm_launches = confirm_launches
         self.plan_out, self.profile_out, self.progress, self.on_drop = plan_out, profile_out, progress, on_drop
         self.critical = critical
@@ -180,6 +183,12 @@ class TuningSession:
                         "races again: it is applied only if this job confirms it (or a plan that beats it) faster "
                         "across processes")
             candidates.insert(1, holder)
+        if self.start_from is not None:
+            predicted = predicted_candidate(self.start_from, self.profile, self.space, self.simulator)
+            candidates = [c for c in candidates if plan_key(c.plan) != plan_key(predicted.plan)]
+            candidates.insert(1, predicted)
+            logger.info(f"      the predicted plan ({predicted.predicted_for}) races first: kept only if it is "
+                        "confirmed faster than FSDP2's default here")
         if any(r.plan.is_default_for(self.profile) for r in retries):
             candidates = candidates[1:]  # the default is re-measured as a retry
         with self.critical():

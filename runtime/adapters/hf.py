@@ -33,7 +33,7 @@ class PrefetchTuningCallback(TrainerCallback):
 
     Args:
         study: the study's name, as :class:`runtime.AutoTuner`'s.
-        storage: the study's SQLAlchemy URL (``None``: a temporary SQLite file), as :class:`runtime.AutoTuner`'s.
+        storage: the study's SQLAlchemy URL (``None``: ``sqlite:///studies/NAME.db``), as :class:`runtime.AutoTuner`'s.
         memory_budget: the per-rank peak a plan may reach (``"+20%"``, ``"1.5GiB"``), as
             :class:`runtime.AutoTuner`'s.
         **keys: :class:`runtime.AutoTuner`'s other keywords (``plan_out=``, ``recheck=``, any study key).

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from planner.artifacts.config import default_storage
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, one_line
@@ -82,14 +83,19 @@ class AutoTuner:
         model: the root module, already wrapped with ``fully_shard`` (per block, then the root), on every rank
             of an initialized process group.
         study: the study's name.
-        storage: its SQLAlchemy URL (SQLite or PostgreSQL); ``None``: a private SQLite file that goes when the
-            process ends (the plan JSON is still written if ``plan_out`` is given).
+        storage: its SQLAlchemy URL (SQLite or PostgreSQL); ``None``: ``sqlite:///studies/NAME.db`` in the working
+            directory, the default ``tune`` and ``studies`` use too (``planner.artifacts.config.default_storage``),
+            so the next start reuses the study.
         memory_budget: the per-rank peak a plan may reach (``"+10%"``, ``"1.5GiB"``); ``None``: none.
         plan_out: where rank 0 writes the plan the tuning ends with (Plan JSON); ``None``: not written.
         profile_out: where rank 0 writes the recorded profile; ``None``: not written.
         recheck: with a study that already recommends a plan for this model: re-confirm it on the coming steps,
             raced against FSDP2's default on the study's stored profile, no recording and no search (else it is
             applied and no step is spent). A study that recommends FSDP2's default is tuned afresh.
+        start_from: a plan predicted for this cluster (``prefetch-planner tune --target``'s JSON): the tuner tunes,
+            and races it first among its candidates against FSDP2's default; it is kept only if confirmed faster.
+            Without it, the study's latest predicted plan for this model (``tune --target`` on the same study) is
+            raced first when the tuner tunes afresh.
         keys: other study keys, flat, as in a study TOML (``space="per_module"``, ``sim_trials=400``,
             ``warmup_steps=2``, ``steps=5``, ``min_rounds=4``, ``confirm_max_rounds=20``, ...).
 
@@ -106,12 +112,14 @@ class AutoTuner:
         StudyModelMismatchError: the study was tuned for another model.
         StudyConfigError: a bad key or value.
         StorageError: the storage cannot be opened or written.
+        PlanFormatError: ``start_from`` cannot be read as a plan.
+        PlanMismatchError: ``start_from`` is a plan of another model, or carries no search-space parameters.
         PlannerError: no process group is initialized.
     """
 
     def __init__(self, model: nn.Module, study: str, storage: str | None = None, memory_budget: str | None = None,
                  *, plan_out: str | None = None, profile_out: str | None = None, recheck: bool = False,
-                 **keys: Any):
+                 start_from: str | None = None, **keys: Any):
         if not isinstance(model, FSDPModule):
             raise NotShardedError(f"AutoTuner: {type(model).__name__} is not wrapped with fully_shard; call "
                                   "fully_shard on each block, then on the root, before building the tuner")
@@ -124,9 +132,11 @@ class AutoTuner:
         self.model = model
         self.rank0 = dist.get_rank() == 0
         self._tmp = tempfile.TemporaryDirectory(prefix="prefetch-planner-") if self.rank0 else None
-        if storage is None and self.rank0:
-            storage = f"sqlite:///{Path(self._tmp.name) / 'study.db'}"
-        self.config = in_loop_config(study, storage or "sqlite://", memory_budget, **keys)
+        if storage is None:  # the one default: sqlite:///studies/NAME.db in the working directory
+            storage = default_storage(study)
+            if self.rank0:
+                Path("studies").mkdir(exist_ok=True)
+        self.config = in_loop_config(study, storage, memory_budget, **keys)
         self._group = control_group(self.config.launch.timeout_s)
         self.fingerprint = model_fingerprint(model)
         self.phase = TunerPhase.RECORDING
@@ -139,12 +149,12 @@ class AutoTuner:
         self._steps = StepSide(model, self.device, self._group, self.plan)
         files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
         self._round = InLoopRound(model, self.config, self._group, files)
-        self._start(recheck)
+        self._start(recheck, start_from)
 
     # -- construction -----------------------------------------------------------------------------------------
 
-    def _start(self, recheck: bool) -> None:
-        start = self._round.start(self.fingerprint, recheck)
+    def _start(self, recheck: bool, start_from: str | None) -> None:
+        start = self._round.start(self.fingerprint, recheck, start_from if self.rank0 else None)
         self._log(f"AutoTuner: {start.why}")
         if not start.tune:
             plan = Plan.from_json(start.plan_json) if start.plan_json else Plan(self.fingerprint, {})

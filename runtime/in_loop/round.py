@@ -11,6 +11,7 @@ between ranks is a collective on the control group.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +30,16 @@ from planner.errors import FailKind, PlannerError, one_line
 from planner.statistics.schedule import Phase
 from planner.statistics.verdict import Confirmation
 from planner.storages import check_writable
-from planner.study.in_loop import SOURCE, block_times, plan_at_start, recheck_config, step_orders
+from planner.study.in_loop import (
+    SOURCE,
+    StartDecision,
+    block_times,
+    plan_at_start,
+    predicted_start,
+    recheck_config,
+    step_orders,
+)
+from planner.study.predicted import predicted_for
 from planner.study.records import confirmation_attrs, confirmation_from
 from runtime.apply import apply_plan
 from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
@@ -103,6 +113,7 @@ class InLoopRound:
         self.block: list[list[int]] | None = None
         self.confirming = False
         self.stored_profile: Profile | None = None
+        self.start_from: Plan | None = None
         self._schedule: Any = None
         self._step_ms: list[list[float]] = []
         self._per_rank: list[list[list[float]]] = []
@@ -121,19 +132,36 @@ class InLoopRound:
                 payload = {"error": one_line(e)}
         return broadcast_from_rank0(payload, self.group)
 
-    def start(self, fingerprint: Fingerprint, recheck: bool) -> TunerStart:
+    def start(self, fingerprint: Fingerprint, recheck: bool, start_from: str | None = None) -> TunerStart:
         """What the tuner does at construction (``planner.study.in_loop.plan_at_start``, read on rank 0), on every
-        rank; rank 0 keeps the stored profile a recheck runs on (:attr:`stored_profile`).
+        rank; rank 0 keeps the stored profile a recheck runs on (:attr:`stored_profile`) and the predicted plan to
+        race first (:attr:`start_from`: the ``start_from`` file's, else the study's latest for this model when it
+        tunes afresh; ``planner.study.predicted``).
 
         Raises:
-            PlannerError: the planner error rank 0 met (its class: ``StudyModelMismatchError``, ``StorageError``).
+            PlannerError: the planner error rank 0 met (its class: ``StudyModelMismatchError``, ``StorageError``,
+                ``PlanFormatError`` or ``PlanMismatchError`` for a ``start_from`` file that is no plan of this
+                model's, or carries no search-space parameters).
         """
         payload: Any = None
         if self.rank0:
             try:
                 begin = plan_at_start(self.config, fingerprint, recheck)
-                if begin.decision.tune:
+                decision = begin.decision
+                if start_from is not None:
+                    self.start_from = predicted_start(start_from, fingerprint)
+                    if not decision.tune:  # the study has a plan: race the predicted one against it and the default
+                        decision = StartDecision(True, f"{decision.why.split(':')[0]}; start_from={start_from!r}: "
+                                                       "racing it against the study's plan and FSDP2's default")
+                elif decision.tune and not decision.recheck:
+                    self.start_from = predicted_for(self.config.storage_url, self.config.name, fingerprint)
+                if self.start_from is not None and not decision.recheck:
+                    decision = StartDecision(True, decision.why + f"; the plan predicted for "
+                                                                  f"{self.start_from.provenance.target or 'a target'} "
+                                                                  "races first")
+                if decision.tune:
                     check_writable(self.config.storage_url)
+                begin = dataclasses.replace(begin, decision=decision)
                 payload = TunerStart(begin.decision.tune, begin.decision.why,
                                      begin.plan.to_json() if begin.plan else None,
                                      begin.profile.microbatches if begin.profile else None)
@@ -160,7 +188,8 @@ class InLoopRound:
             plan_out, profile_out = self.files
             config = recheck_config(self.config) if recheck else self.config
             self.session = open_session(config, profile, plan_out=plan_out, profile_out=profile_out or "",
-                                        confirm_launches=0, source=SOURCE)
+                                        confirm_launches=0, source=SOURCE,
+                                        start_from=None if recheck else self.start_from)
             self.asked = self.session.prepare()
             return [a.plan.to_dict() for a in self.asked]
 

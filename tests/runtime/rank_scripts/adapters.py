@@ -9,6 +9,7 @@ called where Lightning calls them). Rank 0 writes {"bare"/"hf"/"lightning": [[lo
 """
 
 import json
+import os
 import sys
 
 import lightning.pytorch as pl
@@ -21,6 +22,7 @@ from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.workload import build_workload
 
 out, keys = sys.argv[1], json.loads(sys.argv[2])
+os.chdir(os.path.dirname(os.path.abspath(out)))  # the tuners' default storage, studies/NAME.db, in the test's folder
 STEPS, N = 40, 2
 mesh = init_rank("gloo")
 

@@ -32,6 +32,8 @@ from runtime.workload import build_workload
 factory, kwargs, steps, microbatches = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 storage, out, keys, mode = sys.argv[5], sys.argv[6], json.loads(sys.argv[7]), sys.argv[8]
 storage = None if storage == "none" else storage
+if storage is None:  # the AutoTuner's default storage, studies/NAME.db in the working directory: the test's folder
+    os.chdir(os.path.dirname(os.path.abspath(out)))
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 mesh = init_rank("gloo")
 
