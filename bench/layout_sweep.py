@@ -62,12 +62,15 @@ def record_one_node(study: str, work: Path) -> Path:
 
 
 def target_for(rate: str, mesh: tuple[int, int] | None):
-    """2 nodes x 2 ranks at ``rate``, FSDP (``mesh`` ``None``) or HSDP; the intra-node link as recorded."""
-    from planner.artifacts.target import Target
+    """2 nodes x 2 ranks at ``rate``, FSDP (``mesh`` ``None``) or HSDP; the intra-node link as recorded: the
+    emulated cluster's preset (``cpu-emulated-1gbit``, with its stated spread) where there is one."""
+    from planner.artifacts.target import Target, load_target, presets
 
     bits = rate_bits(rate)
     if bits is None:
         raise click.BadParameter(f"rate {rate!r}: the layouts are checked on a shaped link (4gbit, 1gbit)")
+    if f"cpu-emulated-{rate}" in presets():
+        return load_target(f"cpu-emulated-{rate}", world_size=WORLD, ranks_per_node=PER_NODE, mesh=mesh)
     return Target(world_size=WORLD, ranks_per_node=PER_NODE, backend="gloo", mesh=mesh,
                   link={"inter_node": {"bandwidth": f"{bits / 1e9:g}Gbit/s"},
                         "intra_node": {"bandwidth": "recorded"}})
@@ -80,6 +83,7 @@ def predict(study: str, profile_path: Path, rate: str, layout: str) -> dict:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
+    from planner.simulation.band import step_band
     from planner.simulation.link import retarget
     from planner.simulation.parameters import profile_params, simulator_for
     from planner.study.simulated import complete_trials, simulated_stage
@@ -96,8 +100,11 @@ def predict(study: str, profile_path: Path, rate: str, layout: str) -> dict:
     plan = space.suggest(optuna.trial.FixedTrial(best.params), retargeted.profile)
     default = simulator.run(Plan.default(retargeted.profile))
     predicted = simulator.run(plan)
+    target = target_for(rate, LAYOUTS[layout])
+    bands = {name: step_band(profile, target, p) for name, p in (("default", None), ("plan", plan))}
     return {"plan": plan.to_dict(), "default_ms": default.step_ms, "plan_ms": predicted.step_ms,
-            "ratio": predicted.step_ms / default.step_ms, "distance": retargeted.extrapolation.describe()}
+            "ratio": predicted.step_ms / default.step_ms, "distance": retargeted.extrapolation.describe(),
+            **{f"{name}_band": [b.low_ms, b.high_ms, b.dominant.name] for name, b in bands.items()}}
 
 
 def measure(study: str, plan: dict, rate: str, layout: str, rounds: int, work: Path) -> dict:
@@ -115,6 +122,25 @@ def measure(study: str, plan: dict, rate: str, layout: str, rounds: int, work: P
         if any(codes):
             sys.exit(f"the measurement failed on the cluster ({codes}):\n{launch.output()[-6000:]}")
     return json.loads(out.read_text())
+
+
+def predicted_again(study: str, work: Path, rates: str, layouts: str) -> list[dict]:
+    """Each row of a finished run predicted again from its own profile; its measurements as they were saved.
+
+    Raises:
+        SystemExit: the prediction is not the plan that was measured (another study or seed).
+    """
+    runs = []
+    for rate in rates.split(","):
+        for layout in layouts.split(","):
+            folder = work / f"{rate}-{layout}"
+            predicted = predict(study, work / "profile.json", rate, layout)
+            measured_plan = json.loads((folder / "predicted.json").read_text())
+            if measured_plan["modules"] != predicted["plan"]["modules"]:
+                sys.exit(f"{folder}: the plan predicted now is not the one measured; give the run's study")
+            runs.append({"rate": rate, "layout": layout, "predicted": predicted, "seconds": 0.0,
+                         "measured": json.loads((folder / "remeasure.json").read_text())})
+    return runs
 
 
 def report(runs: list[dict]) -> None:
@@ -137,6 +163,24 @@ def report(runs: list[dict]) -> None:
                    f"({len(m['tuned'])} rounds) | {verdict} |")
     for r in runs:
         click.echo(f"- {r['rate']} {r['layout']}: {r['predicted']['distance']}; {r['seconds']:.0f} s")
+    if all("default_band" in r["predicted"] for r in runs):
+        coverage(runs)
+
+
+def coverage(runs: list[dict]) -> None:
+    """Each predicted step's band (``planner.simulation.band``) against the measured median: inside or not."""
+    click.echo("\n| link | layout | plan | predicted | band | largest part | measured (median) | inside |")
+    click.echo("|---|---|---|---|---|---|---|---|")
+    inside = 0
+    for r in runs:
+        for name, key in (("FSDP2 default", "default"), ("predicted plan", "plan")):
+            low, high, dominant = r["predicted"][f"{key}_band"]
+            measured = statistics.median(r["measured"]["default" if key == "default" else "tuned"])
+            hit = low <= measured <= high
+            inside += hit
+            click.echo(f"| {r['rate']} | {r['layout']} | {name} | {r['predicted'][f'{key}_ms']:.0f} ms | "
+                       f"[{low:.0f}, {high:.0f}] | {dominant} | {measured:.0f} ms | {'yes' if hit else '**no**'} |")
+    click.echo(f"\n{inside} of {2 * len(runs)} measured medians inside their bands")
 
 
 @click.command()
@@ -147,10 +191,15 @@ def report(runs: list[dict]) -> None:
 @click.option("--profile", "profile_path", help="The one-node profile of 4 ranks (else recorded first).")
 @click.option("--json", "json_out", help="Write every run's figures here.")
 @click.option("--refit", help="Report a saved --json run again, measuring nothing.")
-def main(study, rates, layouts, rounds, profile_path, json_out, refit) -> None:
+@click.option("--from-work", "from_work", help="Predict again (bands included) against the measurements a run left in "
+                                               "its work folder (layout-sweep-*), measuring nothing.")
+def main(study, rates, layouts, rounds, profile_path, json_out, refit, from_work) -> None:
     """Predict each layout from a one-node profile, then measure it on the emulated cluster."""
     if refit:
         report(json.loads(Path(refit).read_text())["runs"])
+        return
+    if from_work:
+        report(predicted_again(study, Path(from_work), rates, layouts))
         return
     import tempfile
 

@@ -13,6 +13,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -57,21 +58,16 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 @click.option("--from-profile", "profile_in", help="Tune from this profile instead of recording one (e.g. "
               "`profile --from-trace ... --model FACTORY`'s); it must be of the study's model and world size.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-@click.option("--target", help="Predict for this cluster instead (a preset such as h100-ib400, or a target TOML): "
-                               "the simulated stage only, no ranks; writes a plan of provenance 'predicted'.")
-@click.option("--world-size", type=int, help="With --target: the world size (replaces the target's).")
-@click.option("--mesh", help="With --target: HSDP's mesh, REPLICATExSHARD (e.g. 8x8).")
-@click.option("--depth", type=int, help="With --target: repeat the profile's blocks to this many.")
-@click.option("--blocks", default="layers.*", show_default=True, help="With --depth: the blocks' FQN pattern.")
+@planner_cli.what_if_options
 @click.option("--job", hidden=True, help="The job's name (set by the launching process).")
 @click.option("--confirm-launches", type=int, default=0, hidden=True,
               help="Fresh launches the launching process runs the confirmation in (0: in this job).")
 @click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
-def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_out, profile_out, profile_in,
-         no_progress, target, world_size, mesh, depth, blocks, job, confirm_launches, validated_config) -> None:
+def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confirm_launches, validated_config,
+         **options) -> None:
     """Run a tuning study: record a profile, simulate, race the best plans, confirm the survivor in fresh
     launches, write the study's recommendation. With --target: predict the best plan for a cluster from the
-    study's profile, no ranks.
+    study's profile (its blocks repeated to --depth), no ranks; the plan's provenance is 'predicted'.
 
     Outside torchrun this starts the study's nproc_per_node ranks itself, then
     [measure] confirm_launches fresh launches for the confirmation; under
@@ -81,18 +77,18 @@ def tune(study_toml, storage, sim_trials, measured_trials, memory_budget, plan_o
     from planner.study.measured import job_name
     from runtime.ranks.launch import in_torchrun, launch_ranks
 
-    config = _study_config(study_toml, validated_config, storage=storage, sim_trials=sim_trials,
-                           measured_trials=measured_trials, memory_budget=memory_budget)
-    if target is not None:
+    ask = planner_cli.WhatIf(**{f.name: options.pop(f.name) for f in dataclasses.fields(planner_cli.WhatIf)})
+    config = _study_config(study_toml, validated_config, **options)  # --storage, --sim-trials, ...: the study's keys
+    ask.check()
+    if ask.target is not None:
         from jobs.predict import tune_for_target
 
-        for line in tune_for_target(config, target, world_size, mesh, depth, blocks,
-                                    profile_in or config.default_output(".profile.json"),
+        for line in tune_for_target(config, ask, profile_in or config.default_output(".profile.json"),
                                     plan_out or config.default_output(".predicted.plan.json"), not no_progress):
             click.echo(line)
         return
-    if (world_size, mesh, depth) != (None, None, None):
-        raise PlannerError("--world-size, --mesh and --depth go with --target (tune predicts for a cluster then)")
+    if ask.depth is not None:
+        raise PlannerError("--depth goes with --target (tune predicts for a cluster then)")
     plan_out = plan_out or config.default_output(".plan.json")
     profile_out = profile_out or config.default_output(".profile.json")
     if in_torchrun():

@@ -14,12 +14,19 @@ from pathlib import Path
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError
+from planner.presentation.cli import WhatIf
 from planner.units import mib
 
 
-def tune_for_target(config: StudyConfig, target_spec: str, world_size: int | None, mesh: str | None,
-                    depth: int | None, blocks: str, profile_path: str, plan_out: str, progress: bool) -> list[str]:
+def tune_for_target(config: StudyConfig, ask: WhatIf, profile_path: str, plan_out: str, progress: bool) -> list[str]:
     """Predict, store and write the target's plan; the report's lines.
+
+    Args:
+        config: the study.
+        ask: the target and the depth (``--target``, ``--world-size``, ``--mesh``, ``--depth``, ``--blocks``).
+        profile_path: the study's profile.
+        plan_out: where the predicted plan goes.
+        progress: Optuna's progress bar.
 
     Raises:
         ProfileFormatError: no profile at ``profile_path`` (one line: how to record one), or a bad ``--depth``.
@@ -38,11 +45,11 @@ def tune_for_target(config: StudyConfig, target_spec: str, world_size: int | Non
     if not Path(profile_path).is_file():
         raise ProfileFormatError(f"no profile at {profile_path!r}: tune --target predicts from the study's profile; "
                                  "record one (`prefetch-planner profile STUDY_TOML`) or pass --from-profile FILE")
-    target = load_target_or_preset(target_spec, world_size, mesh)
+    target = load_target_or_preset(ask.target, ask.world_size, ask.mesh)
     recorded = Profile.load(profile_path)
     profile, lines = recorded, []
-    if depth is not None:
-        deepened = deepen(recorded, depth, blocks)
+    if ask.depth is not None:
+        deepened = deepen(recorded, ask.depth, ask.blocks)
         profile = deepened.profile
         lines.append(f"depth       {deepened.report.describe()}")
     with optuna_quiet():  # not a line per simulated trial

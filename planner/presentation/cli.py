@@ -38,34 +38,63 @@ def main() -> None:
     """Simulate plans and query studies (the commands that need no ranks; the full CLI is `prefetch-planner`)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class WhatIf:
+    """The cluster a prediction is for, as the command line gives it (``--target``, ``--world-size``, ``--mesh``,
+    ``--depth``, ``--blocks``): ``simulate`` and ``tune --target`` take the same options."""
+
+    target: str | None = None
+    world_size: int | None = None
+    mesh: str | None = None
+    depth: int | None = None
+    blocks: str = "layers.*"
+
+    def check(self) -> None:
+        """Raises PlannerError: ``--world-size`` or ``--mesh`` without ``--target``."""
+        if self.target is None and (self.world_size is not None or self.mesh is not None):
+            raise PlannerError("--world-size and --mesh go with --target (a preset or a target TOML)")
+
+
+def what_if_options(command):
+    """The :class:`WhatIf` options, added to a click command (its function takes them as keyword arguments)."""
+    options = [
+        click.option("--target", help="Predict for this cluster: a preset's name (`presets` lists them, e.g. "
+                                      "h100-ib400) or a target TOML (world size, ranks per node, backend, links)."),
+        click.option("--world-size", type=int, help="With --target: the world size (replaces the target's)."),
+        click.option("--mesh", help="With --target: HSDP's mesh, REPLICATExSHARD (e.g. 8x8; replaces the target's)."),
+        click.option("--depth", type=int, help="Repeat the profile's blocks to this many (a profile of a slice of "
+                                                "the model, extended to its full depth)."),
+        click.option("--blocks", default="layers.*", show_default=True, help="With --depth: the blocks' FQN "
+                                                                             "pattern, * for the block's index."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.argument("profile_json")
 @click.argument("plan_json", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", "trace_out", help="Write the predicted timeline as a Chrome trace (open in Perfetto).")
 @click.option("--png", "png_out", help="Draw the predicted timeline with matplotlib.")
-@click.option("--target", "target_toml", help="Predict for this cluster (a preset's name, e.g. h100-ib400, or a target "
-                                              "TOML: world size, ranks per node, backend, links) instead of the link "
-                                              "the profile was recorded on.")
-@click.option("--world-size", type=int, help="With --target: the world size (replaces the target's).")
-@click.option("--mesh", help="With --target: HSDP's mesh, REPLICATExSHARD (e.g. 8x8; replaces the target's).")
-@click.option("--depth", type=int, help="Repeat the profile's blocks to this many (a profile of a slice of the model).")
-@click.option("--blocks", default="layers.*", show_default=True, help="With --depth: the blocks' FQN pattern.")
-def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml, world_size, mesh, depth,
-             blocks) -> None:
+@what_if_options
+def simulate(profile_json, plan_json, as_json, trace_out, png_out, **what_if) -> None:
     """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default); with --target,
     the step's band and what it rests on."""
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
     from planner.simulation.parameters import profile_params, simulator_for
 
+    ask = WhatIf(**what_if)
+    ask.check()
     profile = recorded = Profile.load(profile_json)
     params = profile_params(profile)  # solved on the recorded step, before any extension
     deepened = None
-    if depth is not None:
+    if ask.depth is not None:
         from planner.simulation.depth import deepen
 
-        deepened = deepen(profile, depth, blocks)
+        deepened = deepen(profile, ask.depth, ask.blocks)
         profile = deepened.profile
     plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
     travelled = plan.check_matches(profile)
@@ -73,16 +102,14 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml, 
         click.echo(f"warning: {travelled}", err=True)
     target = retargeted = band = None
     simulated = profile
-    if target_toml:
+    if ask.target:
         from planner.simulation.band import step_band
-        from planner.simulation.link import link_efficiency, retarget
+        from planner.simulation.link import retarget
 
-        target = load_target_or_preset(target_toml, world_size, mesh)
+        target = load_target_or_preset(ask.target, ask.world_size, ask.mesh)
         retargeted = retarget(profile, target, recorded_profile=recorded)
         simulated = retargeted.profile
         band = step_band(profile, target, plan, params, recorded)
-    elif world_size is not None or mesh is not None:
-        raise PlannerError("--world-size and --mesh go with --target (a preset or a target TOML)")
     r = simulator_for(simulated, params).run(plan, trace=bool(trace_out or png_out))
     title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
     if trace_out:
@@ -110,19 +137,28 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, target_toml, 
     if deepened is not None:
         click.echo(f"depth         {deepened.report.describe()}")
     if retargeted is not None:
-        click.echo(f"target        {target.describe()}")
-        click.echo(f"distance      {retargeted.extrapolation.describe()}")
-        click.echo("collectives   from bytes on the wire:")
-        for f in retargeted.fits.values():
-            if not f.points:
-                click.echo(f"  {f.kind.replace('_', '-'):15s} none recorded (one GPU): the target's link and latency "
-                           "alone")
-                continue
-            basis = ("fitted on" if f.identifiable else "one size: no overhead told apart, from") + (
-                f" {f.points} recorded calls")
-            click.echo(f"  {f.kind.replace('_', '-'):15s} per-call overhead {f.overhead_ms:.2f} ms, recorded "
-                       f"{f.bytes_per_s * 8 / 1e9:.2f} Gbit/s effective ({basis}); on the target at "
-                       f"{link_efficiency(f.kind, target.backend):.0%} of the link's rate")
+        _print_target(target, retargeted)
+    _print_result(r, band)
+
+
+def _print_target(target, retargeted) -> None:
+    from planner.simulation.link import link_efficiency
+
+    click.echo(f"target        {target.describe()}")
+    click.echo(f"distance      {retargeted.extrapolation.describe()}")
+    click.echo("collectives   from bytes on the wire:")
+    for f in retargeted.fits.values():
+        if not f.points:
+            click.echo(f"  {f.kind.replace('_', '-'):15s} none recorded (one GPU): the target's link and latency alone")
+            continue
+        basis = ("fitted on" if f.identifiable else "one size: no overhead told apart, from") + (
+            f" {f.points} recorded calls")
+        click.echo(f"  {f.kind.replace('_', '-'):15s} per-call overhead {f.overhead_ms:.2f} ms, recorded "
+                   f"{f.bytes_per_s * 8 / 1e9:.2f} Gbit/s effective ({basis}); on the target at "
+                   f"{link_efficiency(f.kind, target.backend):.0%} of the link's rate")
+
+
+def _print_result(r, band) -> None:
     if band is not None:
         click.echo(f"step          {r.step_ms:10.1f} ms  band [{band.low_ms:.1f}, {band.high_ms:.1f}] ms")
         for p in band.parts:

@@ -107,23 +107,24 @@ class TuningSession:
             (``planner.study.confirmation``); ``0``: confirmed here, after the race.
         source: what measures the trials (trial attribute ``source``): ``"tune"``, or ``"in-loop"`` for
             ``runtime.AutoTuner`` in a user's training loop.
-        start_from: a plan predicted for this cluster (``tune --target``): raced first among the candidates
-            ([Note: Predicted plans are raced, never recommended] in ``planner.study.predicted``).
 
     Attributes:
         profile: the profile as it stands (with a stored calibration once :meth:`prepare` found one).
         simulator: the profile's simulator (set by :meth:`prepare`).
         memory_budget_bytes: the memory budget, bytes per rank (set by :meth:`prepare`; ``None``: none).
         schedule: the round's schedule (set by :meth:`start`).
+        start_from: a plan predicted for this cluster (``tune --target``), set before :meth:`prepare`: raced first
+            among the candidates ([Note: Predicted plans are raced, never recommended] in
+            ``planner.study.predicted``); ``None``: none.
     """
 
     def __init__(self, config: StudyConfig, profile: Profile, space: SearchSpace, *, job: str, plan_out: str,
                  profile_out: str, progress: bool = False,
                  on_drop: Callable[[MeasuredTrial, int], None] | None = None,
                  critical: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 confirm_launches: int = 0, source: str = "tune", start_from: Plan | None = None):
+                 confirm_launches: int = 0, source: str = "tune"):
         self.config, self.profile, self.space, self.job, self.source = config, profile, space, job, source
-        self.start_from = start_from
+        self.start_from: Plan | None = None
         self.confirm_launches = confirm_launches
         self.plan_out, self.profile_out, self.progress, self.on_drop = plan_out, profile_out, progress, on_drop
         self.critical = critical

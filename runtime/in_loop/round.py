@@ -188,8 +188,8 @@ class InLoopRound:
             plan_out, profile_out = self.files
             config = recheck_config(self.config) if recheck else self.config
             self.session = open_session(config, profile, plan_out=plan_out, profile_out=profile_out or "",
-                                        confirm_launches=0, source=SOURCE,
-                                        start_from=None if recheck else self.start_from)
+                                        confirm_launches=0, source=SOURCE)
+            self.session.start_from = None if recheck else self.start_from
             self.asked = self.session.prepare()
             return [a.plan.to_dict() for a in self.asked]
 

@@ -92,7 +92,8 @@ def _profile_dict() -> dict:
     (lambda d: d["modules"][""].update(reshard_afterforward=True),
      "plan field modules[''].reshard_afterforward is not a field of this schema"),
     (lambda d: d["fingerprint"].pop("world_size"), "plan field fingerprint.world_size is missing"),
-    (lambda d: d["provenance"].update(source="guessed"), "plan field provenance.source input should be 'default', 'measured' or 'predicted'"),
+    (lambda d: d["provenance"].update(source="guessed"),
+     "plan field provenance.source input should be 'default', 'measured' or 'predicted'"),
 ])
 def test_a_plan_field_of_the_wrong_kind_is_named_not_coerced(mutate, message):
     d = _plan_dict()

@@ -54,7 +54,8 @@ def test_a_session_races_the_predicted_plan_first_and_only_a_confirmation_recomm
     p.plan.to_json(path)
     plan = predicted_start(str(path), profile.fingerprint)  # any world size: it was predicted for another
     session = TuningSession(config, profile, get_space("per_module"), job="j", plan_out=str(tmp_path / "out.json"),
-                            profile_out="", start_from=plan)
+                            profile_out="")
+    session.start_from = plan
     steps = lambda i, trial: 100.0 if trial.plan.is_default_for(profile) else (70.0 if i == 1 else 95.0)  # noqa: E731
     asked, outcome, best = drive_tune(session, steps, ratio=0.7)
     assert asked[0].plan.is_default_for(profile)

@@ -11,9 +11,11 @@ import optuna
 import pytest
 
 from planner.artifacts.profile import Profile
-from planner.study.in_loop import SOURCE
+from planner.artifacts.target import load_target
+from planner.study.in_loop import SOURCE, in_loop_config
+from planner.study.predicted import predict_for_target
 from planner.study.records import MeasuredTrialRecord
-from search_spaces import SPACES
+from search_spaces import SPACES, get_space
 from tests.multirank import RANK_SCRIPTS, rank_env, run_ranks
 
 # Small settings: every phase within a 40-step loop on the MLP.
@@ -98,6 +100,18 @@ def test_the_next_start_reuses_the_study(tmp_path):
     assert [r.is_default for r in new] == [True, False] and new[1].reconfirms == provisional
     if fourth["confirmation"] is not None:  # None: this start's race dropped the plan
         assert fourth["confirmation"][4] == 2 and fourth["confirmation"][2] == 6 + 6  # rounds of both launches
+
+    # a plan predicted from this profile for another cluster (tune --target's path), handed to a fresh study's
+    # tuner: it races first, right after FSDP2's default, and is kept only if confirmed faster here
+    predicted = f"sqlite:///{tmp_path}/predicted.db"
+    config = in_loop_config("in-loop", predicted, **KEYS)
+    plan = predict_for_target(config, Profile.from_json((tmp_path / "profile.json").read_text()),
+                              load_target("cpu-emulated-1gbit"), get_space(config.search.space)).plan
+    plan.to_json(tmp_path / "predicted.plan.json")
+    fifth = run_loop(tmp_path, MLP, 70, "tune", predicted, start_from=str(tmp_path / "predicted.plan.json"))
+    new = _measured(predicted)
+    assert new[0].is_default and "cpu-emulated-1gbit" in new[1].predicted_for
+    assert fifth["final_phase"] == "done" and "recording" in fifth["phases"]
 
     out = tmp_path / "errors.json"
     run_ranks("in_loop_errors.py", storage, str(out))
