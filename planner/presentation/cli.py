@@ -77,7 +77,8 @@ def what_if_options(command):
 @click.argument("plan_json", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", "trace_out", help="Write the predicted timeline as a Chrome trace (open in Perfetto).")
-@click.option("--png", "png_out", help="Draw the predicted timeline with matplotlib.")
+@click.option("--png", "png_out", help="Draw the predicted timeline with matplotlib (with a plan: FSDP2's default "
+                                         "above it, on one time axis).")
 @what_if_options
 def simulate(profile_json, plan_json, as_json, trace_out, png_out, **what_if) -> None:
     """Predict step ms, exposed communication and peak memory of a plan (default: FSDP2's default); with --target,
@@ -116,7 +117,12 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, **what_if) ->
         from planner.simulation.trace import write_chrome_trace
 
         write_chrome_trace(r, trace_out, title)
-    if png_out:
+    if png_out and plan_json:
+        from planner.simulation.trace import write_comparison_png
+
+        default = simulator_for(simulated, params).run(Plan.default(simulated), trace=True)
+        write_comparison_png([("FSDP2 default", default), (Path(plan_json).name, r)], png_out)
+    elif png_out:
         from planner.simulation.trace import write_png
 
         write_png(r, png_out, title)

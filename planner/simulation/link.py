@@ -295,7 +295,7 @@ class Extrapolation:
                 f"{self.fitted_wire_bytes[1] / 1e6:.2f} MB): ")
         if self.recorded_world_size == 1:
             text = text.split("; all-gather")[0] + (f"; all-gather {self.wire_bytes / 1e6:.2f} MB on the wire per "
-                                                     "call: no collective recorded (one rank), the link alone ")
+                                                     "call: no collective recorded (one rank), the link alone")
             return text + ("" if self.padded_exactly else "; parameter rows not recorded, padding left out")
         text += "within the fit" if self.within_fit else "outside the fit, extrapolated"
         return text + ("" if self.padded_exactly else "; parameter rows not recorded, padding left out")
