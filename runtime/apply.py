@@ -18,7 +18,7 @@ from torch import nn
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.knobs import KNOBS, Knob, Scope
-from planner.artifacts.plan import Plan
+from planner.artifacts.plan import Plan, Source
 from planner.errors import PlanMismatchError, UnsupportedPlanError
 from runtime.accumulation import set_accumulation
 from runtime.post_optim import post_optim_event_setter
@@ -120,7 +120,8 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
             plan already checked against this model).
 
     A plan made at another world size applies, with a one-line warning that its gain was confirmed there, not
-    here ([Note: Plans travel] in ``planner.artifacts.plan``).
+    here ([Note: Plans travel] in ``planner.artifacts.plan``); a plan of provenance ``predicted`` (``tune
+    --target``) applies with a warning that it was never measured.
 
     Raises:
         PlanMismatchError: the plan was made for another model; the message names the first difference.
@@ -136,8 +137,12 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
         if difference is not None:
             raise PlanMismatchError(f"plan does not match this model: {difference}; tune a plan for this model")
         note = plan.fingerprint.travel_note(fingerprint)
-        if note is not None and (not dist.is_initialized() or dist.get_rank() == 0):  # one line, not one per rank
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0  # one line, not one per rank
+        if note is not None and rank0:
             logger.warning(note)
+        if plan.provenance.source == Source.PREDICTED and rank0:
+            logger.warning(f"plan predicted for {plan.provenance.target or 'another cluster'}, not measured: confirm "
+                           "it here (AutoTuner(..., start_from=PLAN_JSON) races it against FSDP2's default)")
     for fqn, module in modules.items():
         mp = plan.modules.get(fqn)
         if mp is None:

@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 
 from jobs.cli import main
+from jobs.predict import tune_for_target
 from jobs.verify import check_before_launch
 from planner.artifacts.config import load_study_config
 from planner.artifacts.plan import Plan
@@ -38,7 +39,7 @@ from planner.errors import (
     TraceFormatError,
     WorkloadError,
 )
-from planner.presentation.cli import load_target_or_preset
+from planner.presentation.cli import WhatIf, load_target_or_preset
 from planner.simulation.depth import deepen
 from planner.simulation.link import retarget
 from planner.storages import check_writable, open_storage
@@ -214,6 +215,12 @@ CASES = {
     "link with both a bandwidth and an nccl-tests file": Case(
         lambda w: target_case(w, TARGET + 'nccl_tests = "x.txt"\n'),
         "give the link's bandwidth", lambda w: load_target(w / "target.toml"), TargetError),
+    "tune --target without a profile to predict from": Case(
+        lambda w: ["tune", write(w / "np.toml", GOOD_TOML.format(factory="runtime.reference_workloads:mlp")
+                                 .replace('name = "s"', 'name = "np"')), "--target", "cpu-emulated-1gbit"],
+        "no profile at", lambda w: tune_for_target(load_study_config(w / "np.toml"),
+                                                   WhatIf(target="cpu-emulated-1gbit"), str(w / "none.json"),
+                                                   str(w / "p.json"), False), ProfileFormatError),
     "depth below the profile's blocks": Case(
         lambda w: ["simulate", str(w / "profile.json"), "--depth", "2", "--blocks", "b*"],
         "--depth 2 is below the profile's 4 blocks", lambda w: deepen(Profile.load(w / "profile.json"), 2, "b*"),
