@@ -56,11 +56,16 @@ def write_chrome_trace(result: SimResult, path: str | Path, title: str = "predic
         raise PlannerError(f"cannot write trace {str(path)!r}: {e.strerror}") from None
 
 
-def write_png(result: SimResult, path: str | Path, title: str = "predicted step") -> None:
-    """Draw the timeline (one row per track) and memory with matplotlib.
+COLORS = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2", "all-gather": "#dd8452",
+          "reduce-scatter": "#c44e52", "wait": "#bbbbbb", "outside": "#937860"}  # outside: [Note: Work outside the
+# modules]
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend.
 
     Raises:
-        PlannerError: matplotlib is not installed, or ``path`` cannot be written.
+        PlannerError: matplotlib is not installed.
     """
     try:
         import matplotlib
@@ -69,9 +74,17 @@ def write_png(result: SimResult, path: str | Path, title: str = "predicted step"
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlannerError("--png needs matplotlib: pip install matplotlib (or the project's [plot] extra)") from None
-    colors = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2",
-              "all-gather": "#dd8452", "reduce-scatter": "#c44e52", "wait": "#bbbbbb",
-              "outside": "#937860"}  # outside: [Note: Work outside the modules]
+    return plt
+
+
+def write_png(result: SimResult, path: str | Path, title: str = "predicted step") -> None:
+    """Draw the timeline (one row per track) and memory with matplotlib.
+
+    Raises:
+        PlannerError: matplotlib is not installed, or ``path`` cannot be written.
+    """
+    plt = _pyplot()
+    colors = COLORS
     fig, (ax, mem) = plt.subplots(2, 1, figsize=(14, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     for row, track in enumerate(TRACKS):
         for e in (e for e in result.events if e.track == track):
@@ -103,16 +116,10 @@ def write_comparison_png(results: list[tuple[str, SimResult]], path: str | Path)
     Raises:
         PlannerError: matplotlib is not installed, or ``path`` cannot be written.
     """
-    try:
-        import matplotlib
+    plt = _pyplot()
+    from matplotlib.patches import Patch
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise PlannerError("--png needs matplotlib: pip install matplotlib (or the project's [plot] extra)") from None
-    colors = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2",
-              "all-gather": "#dd8452", "reduce-scatter": "#c44e52", "wait": "#bbbbbb", "outside": "#937860"}
+    colors = COLORS
     fig, axes = plt.subplots(len(results), 1, figsize=(14, 2.3 * len(results) + 0.6), sharex=True, squeeze=False)
     for ax, (title, result) in zip(axes[:, 0], results, strict=True):
         for row, track in enumerate(TRACKS):
