@@ -101,9 +101,10 @@ def compute_spread(profile: Profile) -> float | None:
     standard deviation over their mean, a fraction; ``None`` with fewer than 2 ranks recorded."""
     totals = []
     for rank in profile.per_rank:
-        modules = rank.isolated.modules.values() if rank.isolated is not None else ()
+        if rank.isolated is None:
+            continue
         total = sum((m.compute.fwd_ms + m.compute.bwd_ms) * rank.isolated.calls.get(fqn, 1)
-                    for fqn, m in zip(rank.isolated.modules, modules, strict=True) if m.compute is not None)
+                    for fqn, m in rank.isolated.modules.items() if m.compute is not None)
         if total > 0:
             totals.append(total)
     if len(totals) < 2:
@@ -137,9 +138,10 @@ def step_band(profile: Profile, target: Target, plan: Plan | None = None, params
         return simulator_for(retarget(profile, target, recorded_profile=recorded_profile, **signs).profile,
                              params).run(plan).step_ms
 
-    base = step()
+    as_stated = retarget(profile, target, recorded_profile=recorded_profile)
+    base = simulator_for(as_stated.profile, params).run(plan).step_ms
     parts = []
-    fits = retarget(profile, target, recorded_profile=recorded_profile).fits
+    fits = as_stated.fits
     errors = ", ".join(f"{k.replace('_', '-')} {f.loo_error:.0%}" for k, f in fits.items() if f.loo_error is not None)
     lo, hi = step(fit_sign=-1), step(fit_sign=+1)
     parts.append(BandPart("fit", max(0.0, base - min(lo, hi)), max(0.0, max(lo, hi) - base),

@@ -77,6 +77,30 @@ def _pyplot():
     return plt
 
 
+def _draw_tracks(ax, result: SimResult) -> None:
+    """One bar per event, one row per track (:data:`TRACKS`), coloured by kind (:data:`COLORS`)."""
+    for row, track in enumerate(TRACKS):
+        for e in (e for e in result.events if e.track == track):
+            ax.broken_barh([(e.start_ms, e.end_ms - e.start_ms)], (row - 0.4, 0.8),
+                           facecolors=COLORS.get(e.name.split(" ")[0], "#999999"), edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(TRACKS)), TRACKS)
+    ax.invert_yaxis()
+
+
+def _save(plt, fig, path: str | Path, dpi: int) -> None:
+    """``fig`` to ``path``, closed either way.
+
+    Raises:
+        PlannerError: ``path`` cannot be written.
+    """
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as e:
+        raise PlannerError(f"cannot write {str(path)!r}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
 def write_png(result: SimResult, path: str | Path, title: str = "predicted step") -> None:
     """Draw the timeline (one row per track) and memory with matplotlib.
 
@@ -84,15 +108,8 @@ def write_png(result: SimResult, path: str | Path, title: str = "predicted step"
         PlannerError: matplotlib is not installed, or ``path`` cannot be written.
     """
     plt = _pyplot()
-    colors = COLORS
     fig, (ax, mem) = plt.subplots(2, 1, figsize=(14, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
-    for row, track in enumerate(TRACKS):
-        for e in (e for e in result.events if e.track == track):
-            kind = e.name.split(" ")[0]
-            ax.broken_barh([(e.start_ms, e.end_ms - e.start_ms)], (row - 0.4, 0.8),
-                           facecolors=colors.get(kind, "#999999"), edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(TRACKS)), TRACKS)
-    ax.invert_yaxis()
+    _draw_tracks(ax, result)
     ax.set_title(f"{title}: {result.step_ms:.1f} ms, exposed communication {result.exposed_comm_ms:.1f} ms, "
                  f"peak {mib(result.peak_bytes)}")
     if result.memory:
@@ -101,12 +118,7 @@ def write_png(result: SimResult, path: str | Path, title: str = "predicted step"
     mem.set_ylabel("MiB alive")
     mem.set_xlabel("ms")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise PlannerError(f"cannot write {str(path)!r}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
+    _save(plt, fig, path, 110)
 
 
 def write_comparison_png(results: list[tuple[str, SimResult]], path: str | Path) -> None:
@@ -119,26 +131,14 @@ def write_comparison_png(results: list[tuple[str, SimResult]], path: str | Path)
     plt = _pyplot()
     from matplotlib.patches import Patch
 
-    colors = COLORS
     fig, axes = plt.subplots(len(results), 1, figsize=(14, 2.3 * len(results) + 0.6), sharex=True, squeeze=False)
     for ax, (title, result) in zip(axes[:, 0], results, strict=True):
-        for row, track in enumerate(TRACKS):
-            for e in (e for e in result.events if e.track == track):
-                ax.broken_barh([(e.start_ms, e.end_ms - e.start_ms)], (row - 0.4, 0.8),
-                               facecolors=colors.get(e.name.split(" ")[0], "#999999"), edgecolor="white",
-                               linewidth=0.3)
+        _draw_tracks(ax, result)
         ax.axvline(result.step_ms, color="#333333", linewidth=1)
-        ax.set_yticks(range(len(TRACKS)), TRACKS)
-        ax.invert_yaxis()
         ax.set_title(f"{title}: step {result.step_ms:.0f} ms, exposed communication {result.exposed_comm_ms:.0f} ms",
                      loc="left", fontsize=10)
     axes[-1, 0].set_xlabel("ms")
-    fig.legend(handles=[Patch(color=c, label=k) for k, c in colors.items() if k != "outside"],
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items() if k != "outside"],
                loc="lower center", ncol=6, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise PlannerError(f"cannot write {str(path)!r}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
+    _save(plt, fig, path, 100)

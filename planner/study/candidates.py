@@ -18,6 +18,7 @@ from typing import Any
 
 import optuna
 
+from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.study.records import SimulatedTrialRecord
@@ -48,6 +49,24 @@ class Candidate:
     predicted_for: str | None = None
 
 
+def check_start_plan(plan: Plan, fingerprint: Fingerprint, what: str = "start_from plan") -> None:
+    """A plan to race first on a cluster: of this model (any world size: it was predicted for a target), with the
+    search-space parameters ``tune --target`` writes, so a tuner can race it as a trial of its study.
+
+    Raises:
+        PlanMismatchError: a plan of another model, or one without search-space parameters.
+    """
+    from planner.errors import PlanMismatchError
+
+    difference = plan.fingerprint.model_difference(fingerprint)
+    if difference is not None:
+        raise PlanMismatchError(f"{what} is a plan of another model: {difference}; predict one for this model "
+                                "(tune --target)")
+    if plan.provenance.params is None:
+        raise PlanMismatchError(f"{what} carries no search-space parameters (provenance 'params'): give a plan "
+                                "written by `prefetch-planner tune --target`")
+
+
 def predicted_candidate(plan: Plan, profile: Profile, space: SearchSpace, simulator: Any) -> Candidate:
     """A plan of provenance ``predicted`` (``tune --target``) as a candidate on ``profile``: rebuilt from its
     search-space parameters for this profile's modules, predicted by ``simulator`` (this cluster's).
@@ -58,14 +77,8 @@ def predicted_candidate(plan: Plan, profile: Profile, space: SearchSpace, simula
     """
     from planner.errors import PlanMismatchError, PlannerError
 
-    difference = plan.fingerprint.model_difference(profile.fingerprint)
-    if difference is not None:
-        raise PlanMismatchError(f"start_from plan is of another model: {difference}; predict one for this model "
-                                "(tune --target)")
+    check_start_plan(plan, profile.fingerprint)
     params = plan.provenance.params
-    if params is None:
-        raise PlanMismatchError("start_from plan carries no search-space parameters (provenance 'params'): give a "
-                                "plan written by `prefetch-planner tune --target`")
     trial = optuna.trial.FixedTrial(params)
     try:
         built = space.suggest(trial, profile)

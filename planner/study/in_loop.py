@@ -327,14 +327,8 @@ def predicted_start(path: str, fingerprint: Fingerprint) -> Plan:
         PlanFormatError: the file cannot be read as a plan.
         PlanMismatchError: a plan of another model, or one without search-space parameters.
     """
-    from planner.errors import PlanMismatchError
+    from planner.study.candidates import check_start_plan
 
     plan = Plan.load(path)
-    difference = plan.fingerprint.model_difference(fingerprint)
-    if difference is not None:
-        raise PlanMismatchError(f"start_from {path!r} is a plan of another model: {difference}; predict one for "
-                                "this model (tune --target)")
-    if plan.provenance.params is None:
-        raise PlanMismatchError(f"start_from {path!r} carries no search-space parameters (provenance 'params'): give "
-                                "a plan written by `prefetch-planner tune --target`")
+    check_start_plan(plan, fingerprint, f"start_from {path!r}")
     return plan
