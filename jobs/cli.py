@@ -60,8 +60,9 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @planner_cli.what_if_options
 @click.option("--job", hidden=True, help="The job's name (set by the launching process).")
-@click.option("--confirm-launches", type=int, default=0, hidden=True,
-              help="Fresh launches the launching process runs the confirmation in (0: in this job).")
+@click.option("--confirm-launches", default="0", hidden=True,
+              help="Fresh launches the launching process runs the confirmation in (0: in this job; auto: as many "
+                   "as the confirmation's design chooses).")
 @click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
 def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confirm_launches, validated_config,
          **options) -> None:
@@ -94,8 +95,9 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
     if in_torchrun():
         _log_rank0_progress()
         try:
+            launches = None if confirm_launches == "auto" else int(confirm_launches)
             outcome = TuneJob(config, plan_out, profile_out, progress=not no_progress, job=job,
-                              confirm_launches=confirm_launches, profile_in=profile_in).run()
+                              confirm_launches=launches, profile_in=profile_in).run()
         except (PlannerError, KeyboardInterrupt) as e:
             _exit_on_rank_error(e)
         if outcome is not None:
@@ -107,7 +109,8 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
     TuneJob.check_before_launch(config, plan_out, profile_out, profile_in=profile_in)
     job = job_name()
     args = ["--plan-out", plan_out, "--profile-out", profile_out, "--job", job,
-            "--confirm-launches", str(config.measure.confirm_launches)]
+            "--confirm-launches", "auto" if config.measure.confirm_launches is None
+            else str(config.measure.confirm_launches)]
     args += (["--from-profile", profile_in] if profile_in is not None else []) + (["--no-progress"] * no_progress)
     with _handed_over(config) as handover:
         _exit_with_ranks(launch_ranks(["tune", study_toml, *handover, *args], config.launch), "tuning",
@@ -117,37 +120,71 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
 
 def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, plan_out: str,
                                handover: list[str]) -> None:
-    """The confirmation launches of ``job``'s race survivor, then its verdict and the study's recommendation.
-    ``handover``: the arguments that hand the ranks the validated config (:func:`_handed_over`)."""
-    from planner.presentation.report import conclusion_report
-    from planner.study.confirmation import conclude, pending
+    """The confirmation launches of ``job``'s race survivor, then its verdict and the study's recommendation:
+    first the cluster's calibration where it has none (``[measure] calibration_launches``), then as many launches
+    of as many rounds as the confirmation's design asks at the cluster's spread. ``handover``: the arguments that
+    hand the ranks the validated config (:func:`_handed_over`)."""
+    from planner.presentation.report import conclusion_report, design_line
+    from planner.study.confirmation import conclude, design_for, pending
     from runtime.ranks.launch import launch_ranks
 
-    launches = config.measure.confirm_launches
-    for i in range(launches):
-        waiting = pending(config, job)
-        if waiting is None:
-            return  # the race dropped every candidate, or the survivor was confirmed in the job
-        how = ("each plan on its own model from its first step" if config.measure.confirm_model_per_plan
-               else "one model switching plans")
-        click.echo(f"[confirm {i + 1}/{launches}] fresh ranks: trial {waiting.survivor.provenance.trial} against "
-                   f"FSDP2's default, {waiting.rounds} rounds, {how}")
-        code = launch_ranks(["confirm", study_toml, *handover, "--job", job], config.launch)
+    waiting = pending(config, job)
+    if waiting is None:
+        return  # the race dropped every candidate, or the survivor was confirmed in the job
+    design, cluster = design_for(config, waiting)
+    calibrate_launches = config.measure.calibration_launches_for(cluster.key.device_type)
+    if not cluster.calibrated and calibrate_launches > 0:
+        click.echo(f"[calibrate] {cluster.key.text} has no calibration of its spread between launches "
+                   f"(now {cluster.line()})")
+        _calibrate(study_toml, config, calibrate_launches, handover)
+        design, cluster = design_for(config, waiting)
+    click.echo(f"[confirm] {cluster.line()}")
+    click.echo(f"[confirm] trial {waiting.survivor.provenance.trial} against FSDP2's default: {design_line(design)}")
+    how = ("each plan on its own model from its first step" if config.measure.confirm_model_per_plan
+           else "one model switching plans")
+    for i in range(design.launches):
+        click.echo(f"[confirm {i + 1}/{design.launches}] fresh ranks: trial {waiting.survivor.provenance.trial} "
+                   f"against FSDP2's default, {design.rounds} rounds, {how}")
+        code = launch_ranks(["confirm", study_toml, *handover, "--job", job, "--rounds", str(design.rounds)],
+                            config.launch)
         if code:
             click.echo(f"confirmation launch {i + 1} failed (exit code {code}); concluding on the launches measured",
                        err=True)
             break
-    confirmation, best = conclude(config, job, plan_out)
+    confirmation, best = conclude(config, job, plan_out, horizon=design.horizon)
     for line in conclusion_report(confirmation, best, config.name, plan_out):
         click.echo(line)
+
+
+def _calibrate(study_toml: str, config: StudyConfig, launches: int, handover: list[str],
+               profile_in: str | None = None) -> None:
+    """``launches`` fresh calibration launches of the study's cluster ([Note: What a calibration runs] in
+    ``planner.study.cluster_spread``), their cost printed first; a launch that fails ends it (its launches so far
+    are kept)."""
+    from runtime.ranks.launch import launch_ranks
+
+    m = config.measure
+    warmup = max(2, m.warmup_steps)
+    steps = launches * 2 * (m.calibration_rounds + warmup)
+    click.echo(f"[calibrate] {launches} fresh launches x 2 plans x ({warmup} warm-up + {m.calibration_rounds} rounds)"
+               f" = {steps} steps, each launch a new process with two model instances")
+    extra = ["--from-profile", profile_in] if profile_in is not None else []
+    for i in range(launches):
+        code = launch_ranks(["calibrate", study_toml, *handover, "--launch", str(i), "--launches", str(launches),
+                             *extra], config.launch)
+        if code:
+            click.echo(f"calibration launch {i + 1} failed (exit code {code}); keeping the launches measured",
+                       err=True)
+            return
 
 
 @main.command(hidden=True)
 @click.argument("study_toml")
 @click.option("--storage", help="SQLAlchemy URL (default: [study] storage).")
 @click.option("--job", required=True, help="The tuning job whose race survivor to confirm.")
+@click.option("--rounds", type=int, help="Rounds of this launch (default: those the survivor's trial asks for).")
 @click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
-def confirm(study_toml, storage, job, validated_config) -> None:
+def confirm(study_toml, storage, job, rounds, validated_config) -> None:
     """One fresh confirmation launch of a tuning job's race survivor (``tune`` runs it; under torchrun, one rank)."""
     from jobs.confirm import ConfirmJob
     from runtime.ranks.launch import in_torchrun, launch_ranks
@@ -156,7 +193,7 @@ def confirm(study_toml, storage, job, validated_config) -> None:
     if in_torchrun():
         _log_rank0_progress()
         try:
-            launches = ConfirmJob(config, job).run()
+            launches = ConfirmJob(config, job, rounds).run()
         except PlannerError as e:
             _exit_on_rank_error(e)
         if launches:
@@ -164,8 +201,57 @@ def confirm(study_toml, storage, job, validated_config) -> None:
         return
     ConfirmJob.check_before_launch(config)
     with _handed_over(config) as handover:
-        _exit_with_ranks(launch_ranks(["confirm", study_toml, *handover, "--job", job], config.launch),
+        _exit_with_ranks(launch_ranks(["confirm", study_toml, *handover, "--job", job,
+                                       *(["--rounds", str(rounds)] if rounds else [])], config.launch),
                          "confirmation", _EXPECTED_RANK_EXITS)
+
+
+@main.command()
+@click.argument("study_toml")
+@click.option("--storage", help="SQLAlchemy URL (default: [study] storage, else sqlite:///<toml dir>/<name>.db).")
+@click.option("--launches", type=click.IntRange(2, 48), default=12, show_default=True,
+              help="Fresh launches: FSDP2's default against a copy of itself and against unselected plans, in turn.")
+@click.option("--from-profile", "profile_in", help="A profile of the model to draw the unselected plans on (default: "
+              "the study's latest stored profile; none: the default against a copy of itself only).")
+@click.option("--launch", type=int, hidden=True, help="This launch's index (set by the launching process).")
+@click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
+def calibrate(study_toml, storage, launches, profile_in, launch, validated_config) -> None:
+    """Measure this cluster's spread between launches: unselected plans against FSDP2's default in fresh
+    launches. The calibration's upper bound replaces the device's prior as the floor of every verdict on this
+    cluster (device, backend, world size, mesh) in the study's storage, and new studies there start from it.
+    Launches add up: run it again to add more."""
+    from jobs.calibrate import CalibrateJob, describe_pair
+    from runtime.ranks.launch import in_torchrun
+
+    config = _study_config(study_toml, validated_config, storage=storage)
+    if in_torchrun():
+        _log_rank0_progress()
+        try:
+            result = CalibrateJob(config, launch or 0, launches, profile_in).run()
+        except PlannerError as e:
+            _exit_on_rank_error(e)
+        if result is not None:
+            click.echo(f"[calibrate {(launch or 0) + 1}/{launches}] {describe_pair(result.last_pair)} measured; "
+                       f"{result.line()}")
+        return
+    CalibrateJob.check_before_launch(config, profile_in)
+    with _handed_over(config) as handover:
+        _calibrate(study_toml, config, launches, handover, profile_in)
+    _report_cluster(config)
+
+
+def _report_cluster(config: StudyConfig) -> None:
+    """Print the cluster spreads the study's storage holds now."""
+    from planner.storages import open_storage, storage_errors
+    from planner.study.cluster_spread import stored_clusters
+
+    with storage_errors(config.storage_url):
+        storage = open_storage(config.storage_url, config)
+        try:
+            for spread in stored_clusters(storage.engine):
+                click.echo(f"{spread.key.text}: {spread.line()}")
+        finally:
+            storage.engine.dispose()
 
 
 @main.command()

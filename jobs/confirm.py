@@ -38,11 +38,14 @@ class ConfirmJob:
     Args:
         config: the study.
         job: the tuning job whose race survivor is confirmed.
+        rounds: rounds of this launch (the confirmation's design, sized by the launching process); ``None``: the
+            rounds the survivor's trial asks for.
     """
 
-    def __init__(self, config: StudyConfig, job: str):
+    def __init__(self, config: StudyConfig, job: str, rounds: int | None = None):
         self.config = config
         self.job = job
+        self.rounds = rounds
 
     @staticmethod
     def check_before_launch(config: StudyConfig) -> None:
@@ -79,7 +82,8 @@ class ConfirmJob:
                 try:
                     p = pending(self.config, self.job)
                     # the order of each pair of rounds is drawn here, once, and every rank runs it
-                    payload = None if p is None else (p.survivor, p.default, confirmation_orders((0, 1), p.rounds))
+                    rounds = self.rounds or (p.rounds if p is not None else 0)
+                    payload = None if p is None else (p.survivor, p.default, confirmation_orders((0, 1), rounds))
                 except PlannerError as e:
                     payload = {"error": str(e)}
             payload = broadcast_from_rank0(payload, group)
@@ -96,7 +100,7 @@ class ConfirmJob:
             warmup = max(2, self.config.measure.warmup_steps)
             if self.config.measure.confirm_model_per_plan:
                 models = [workload, build_study_workload(self.config.workload, mesh)]
-                times = _rounds_on_own_models(models, plans, orders, warmup, steps, group)
+                times = rounds_on_own_models(models, plans, orders, warmup, steps, group)
                 models = None
             else:
                 warm_up(workload, plans, warmup, steps)
@@ -110,7 +114,7 @@ class ConfirmJob:
             shutdown_rank(together=ended)
 
 
-def _rounds_on_own_models(models: list[Workload], plans: list[Plan], orders: list[list[int]], warmup: int,
+def rounds_on_own_models(models: list[Workload], plans: list[Plan], orders: list[list[int]], warmup: int,
                           steps: StepCounter, group: dist.ProcessGroup) -> list[list[float]]:
     """Plan ``i`` applied once to ``models[i]``; ``warmup`` untimed steps each, then the rounds ``orders``.
 

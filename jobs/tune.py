@@ -47,13 +47,13 @@ class TuneJob:
         progress: show progress bars (rank 0).
         job: the job's name (default: a new one, ``planner.study.measured.job_name``; every rank must get the same).
         confirm_launches: fresh launches the launching process confirms the survivor in; ``0``: confirmed in
-            this job's processes after the race.
+            this job's processes after the race; ``None``: as many as the confirmation's design chooses.
         profile_in: a profile to tune from instead of recording one (``profile --from-trace``'s, or an earlier
             job's); its fingerprint must be the model's.
     """
 
     def __init__(self, config: StudyConfig, plan_out: str, profile_out: str, progress: bool = True,
-                 job: str | None = None, confirm_launches: int = 0, profile_in: str | None = None):
+                 job: str | None = None, confirm_launches: int | None = 0, profile_in: str | None = None):
         self.config = config
         self.plan_out = plan_out
         self.profile_out = profile_out

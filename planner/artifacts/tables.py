@@ -173,7 +173,16 @@ class MeasureTable(Table):
             pair of rounds runs both orders).
         confirm_launches: fresh launches the confirmation runs in (new ranks, models built afresh, the plan
             applied from the first step); ``0``: in the tuning job's own processes, after the race (always so
-            under torchrun, where the job cannot start processes).
+            under torchrun, where the job cannot start processes); unset: as many as the confirmation's design
+            chooses for the cluster's spread, 1 to 6 (more, shorter launches where the spread dominates:
+            ``planner.statistics.design``).
+        launch_cost_steps: what a fresh launch costs beyond its rounds (process start, model build, warm-up), in
+            steps: how the design weighs a launch against rounds.
+        calibration_launches: fresh launches of the cluster's calibration (unselected plans against FSDP2's
+            default: ``prefetch-planner calibrate``), run by ``tune`` where the cluster has none; ``0``: never, the
+            device's prior stays the floor; unset: 12 on CUDA, whose prior is read from published repeats, 0 on
+            CPU, whose prior was measured with gloo on CPU.
+        calibration_rounds: paired rounds per calibration launch (even, >= 6).
         confirm_model_per_plan: in a confirmation launch, each of the two plans runs on its own model
             instance, as a user's job runs it (one plan from the first step, never switched); it costs a second
             copy of the model's state on every rank. False: one model switching plans step by step, as the race.
@@ -190,14 +199,17 @@ class MeasureTable(Table):
     resolve_pct: StrictFloat = Field(3.0, gt=0.0, lt=100.0)
     confirm_min_rounds: StrictInt = Field(8, ge=6)
     confirm_max_rounds: StrictInt = Field(30, ge=6)
-    confirm_launches: StrictInt = Field(2, ge=0, le=16)
+    confirm_launches: StrictInt | None = Field(None, ge=0, le=16)
     confirm_model_per_plan: StrictBool = True
+    launch_cost_steps: StrictInt = Field(20, ge=0)
+    calibration_launches: StrictInt | None = Field(None, ge=0, le=48)
+    calibration_rounds: StrictInt = Field(12, ge=6)
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> MeasureTable:
         if self.max_rounds < self.min_rounds:
             raise ValueError(f"max_rounds ({self.max_rounds}) must be >= min_rounds ({self.min_rounds})")
-        for key in ("confirm_min_rounds", "confirm_max_rounds"):
+        for key in ("confirm_min_rounds", "confirm_max_rounds", "calibration_rounds"):
             if getattr(self, key) % 2:
                 raise ValueError(f"{key} ({getattr(self, key)}) must be even: each pair of the confirmation's "
                                  f"rounds runs both orders; use {getattr(self, key) + 1}")
@@ -210,11 +222,21 @@ class MeasureTable(Table):
         """The race these keys describe."""
         return RaceSettings(self.alpha, self.min_rounds, self.block_rounds, self.max_rounds, self.time_budget_s)
 
-    def confirm_settings(self, launches: int | None = None, spread: Spread = DEFAULT_SPREAD) -> ConfirmSettings:
+    def confirm_settings(self, launches: int | None = None, spread: Spread = DEFAULT_SPREAD,
+                         floor: float = DEFAULT_SPREAD.tau) -> ConfirmSettings:
         """The confirmation these keys describe; ``launches`` overrides ``confirm_launches`` (``0`` under
-        torchrun); ``spread``: the study's between-launch spread (``planner.study.evidence``)."""
+        torchrun); ``spread``: the study's between-launch spread (``planner.study.evidence``); ``floor``: the
+        cluster's floor of the spread (``planner.study.cluster_spread``)."""
         return ConfirmSettings(self.resolve_pct / 100.0, self.confirm_min_rounds, self.confirm_max_rounds,
-                               self.confirm_launches if launches is None else launches, spread)
+                               self.confirm_launches if launches is None else launches, spread, floor,
+                               self.launch_cost_steps)
+
+    def calibration_launches_for(self, device_type: str) -> int:
+        """The calibration launches ``tune`` runs where the cluster has none (:attr:`calibration_launches`,
+        unset: 12 on CUDA, 0 elsewhere)."""
+        if self.calibration_launches is not None:
+            return self.calibration_launches
+        return 12 if device_type == "cuda" else 0
 
 
 TABLES: dict[str, type[Table]] = {"study": StudyTable, "workload": WorkloadTable, "launch": LaunchTable,

@@ -15,26 +15,35 @@ A process's rounds share its state (allocator, caches, where the OS put its
 threads), so a plan's gain moves from process to process by more than one
 process's rounds can see: ``y_l = mu + delta_l + e_l`` with ``delta_l ~ N(0,
 tau^2)`` between launches and ``e_l`` within. :class:`Spread` holds what is
-known of ``tau``: the prior ``tau = 0.045`` (log scale, worth 8 degrees of
-freedom: above the 0.02-0.035 measured between fresh processes on GPT-2 and
-Llama), pooled with launch groups (each group adds ``L - 1`` degrees of
-freedom and its moment estimate ``s^2 - mean(v)``, a scaled-inverse-chi-square
-update).
+known of ``tau``: the cluster's calibration or its device's prior
+(:data:`PRIORS`), pooled with launch groups (each group adds ``L - 1``
+degrees of freedom and its moment estimate ``s^2 - mean(v)``, a
+scaled-inverse-chi-square update).
 
-[Note: The spread is floored at the prior]
-A plan's own spread between launches is not another plan's. A study whose
-plans' launches agreed drives the pooled ``tau`` down (to 0.015 over 60
-plans), and a plan whose own spread is 0.04 was then called "faster" with
-nothing to gain 19% of the time at one launch: one launch carries no
-evidence of its own spread, so nothing in it can catch the mistake. So
-evidence only raises the spread a verdict uses (:func:`plan_spread`): the
-prior's ``tau`` is a floor that no study and no launch group lowers, and
-above it the pooled estimate, with its degrees of freedom, takes over. At the
-floor ``tau`` is a stated bound, not an estimate, and the interval uses
-normal quantiles; above it, Student's ``t`` on the estimate's degrees of
-freedom. A plan whose spread exceeds the floor while nothing in the study
-shows it is the case this cannot cover (``tests/planner/statistics``
-reports its rate at ``tau = 0.06``).
+[Note: The spread is floored at the cluster's bound]
+A plan's own spread between launches is not another plan's: a study whose
+plans' launches agreed drives the pooled ``tau`` down, and one launch of a
+plan whose own spread is larger carries no evidence of it. So evidence only
+raises the spread a verdict uses (:func:`plan_spread`): a floor that no
+study and no launch group lowers, and above it the pooled estimate, with its
+degrees of freedom. The floor belongs to the cluster: its calibration
+(:func:`calibrate`, [Note: A cluster's calibration]) where one was run, else
+the prior of its device kind (:data:`PRIORS`). At the floor ``tau`` is a
+stated bound, not an estimate, and the interval uses normal quantiles; above
+it, Student's ``t`` on the estimate's degrees of freedom. Figures:
+``docs/decisions/cluster-spread.md``.
+
+[Note: A cluster's calibration]
+Unselected plans measured in fresh launches (FSDP2's default against a
+second copy of itself, and plans of the search space that no race picked)
+show the cluster's spread between launches with nothing chosen on it. Each
+pair's launches are a group; ``(L - 1) s^2 / (tau^2 + v) ~ chi2(L - 1)``
+per group (``v`` the launches' within variance), pooled over the groups.
+The calibration is the one-sided upper bound at
+:data:`CALIBRATION_CONFIDENCE`, ``tau_U^2 = sum (L - 1) s^2 /
+chi2_{1-c}(df) - v``: a bound, so a verdict may use it as a known spread.
+It is both the floor of every verdict on that cluster and the evidence a
+new study starts from.
 
 [Note: Launches weigh by their rounds]
 The launches' mean weighs each by its rounds, not by ``1 / (v_l + tau^2)``
@@ -146,7 +155,7 @@ class Spread:
     def updated(self, groups: Sequence[Sequence[LaunchEstimate]]) -> Spread:
         """This spread pooled with the launches of ``groups`` (each: one plan's launches against the default; groups
         of one launch carry no evidence): ``tau^2 = (df tau^2 + sum (L - 1)(s^2 - mean v)) / (df + sum (L - 1))``,
-        floored at 0. An estimate: a verdict uses :func:`plan_spread`, which never goes below the prior."""
+        floored at 0. An estimate: a verdict uses :func:`plan_spread`, which never goes below the cluster's floor."""
         df, total = self.df, self.df * self.tau ** 2
         for group in groups:
             if len(group) < 2:
@@ -157,13 +166,77 @@ class Spread:
         return Spread(math.sqrt(max(total, 0.0) / df), df)
 
 
-# The prior every study starts from, and the floor of every verdict's spread ([Note: The spread is floored ...]).
-DEFAULT_SPREAD = Spread(0.045, 8.0)
+@dataclass(frozen=True)
+class Prior:
+    """A device kind's prior spread between launches, before its cluster is calibrated.
+
+    Attributes:
+        spread: the prior ``tau`` and the degrees of freedom it is worth.
+        source: where the figure comes from.
+        measured: whether it was measured on such a cluster (else it is read from published repeats).
+    """
+
+    spread: Spread
+    source: str
+    measured: bool
+
+
+# The priors per device kind ([Note: The spread is floored at the cluster's bound]): the floor of every verdict on a
+# cluster with no calibration of its own, and the evidence its studies start from.
+PRIORS: dict[str, Prior] = {
+    "cpu": Prior(Spread(0.045, 8.0), "measured with gloo on CPU: 0.02-0.035 between fresh processes on GPT-2 and "
+                 "Llama, floored above them (docs/decisions/cluster-spread.md)", True),
+    "cuda": Prior(Spread(0.02, 4.0), "a prior from published repeats, not a measurement: 0.1-0.7% between repeated "
+                  "launches of one configuration (torchtitan #4620, #4670; pytorch #5799), 1-2% across days and "
+                  "nodes (the Llama 3 report), its upper end taken (docs/decisions/cluster-spread.md)", False),
+}
+# The CPU's prior, the most conservative: every device kind without a prior of its own takes it.
+DEFAULT_SPREAD = PRIORS["cpu"].spread
+# The one-sided confidence of a calibration's upper bound ([Note: A cluster's calibration]).
+CALIBRATION_CONFIDENCE = 0.9
+# Degrees of freedom a calibration needs before it stands: fewer, and the device's prior stays the floor.
+MIN_CALIBRATION_DF = 4
+
+
+def prior_for(device_type: str) -> Prior:
+    """The prior of ``device_type`` (``"cpu"``, ``"cuda"``); any other device takes the CPU's, the largest."""
+    return PRIORS.get(device_type, PRIORS["cpu"])
+
+
+def calibrate(groups: Sequence[Sequence[LaunchEstimate]], confidence: float = CALIBRATION_CONFIDENCE) -> Spread:
+    """The cluster's spread between launches from unselected pairs of plans, each measured in fresh launches
+    ([Note: A cluster's calibration]): the one-sided upper bound on ``tau`` at ``confidence``, with the degrees of
+    freedom it rests on.
+
+    Args:
+        groups: per pair of plans (FSDP2's default against a copy of itself, or against a plan no race picked), its
+            launches' estimates (:func:`launch_estimate`); a group of one launch carries no evidence.
+        confidence: the bound's one-sided confidence (0.9: ``tau`` exceeds it one calibration in ten).
+
+    Returns:
+        ``Spread(tau_U, df)``, ``df = sum (L - 1)`` over the groups.
+
+    Raises:
+        ValueError: fewer than :data:`MIN_CALIBRATION_DF` degrees of freedom, or ``confidence`` outside (0, 1).
+    """
+    from scipy.stats import chi2
+
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"a calibration's confidence must lie in (0, 1), found {confidence}")
+    kept = [g for g in groups if len(g) >= 2]
+    df = sum(len(g) - 1 for g in kept)
+    if df < MIN_CALIBRATION_DF:
+        raise ValueError(f"a calibration needs {MIN_CALIBRATION_DF} or more degrees of freedom (one less than each "
+                         f"pair's launches, summed), found {df}")
+    squares = sum((len(g) - 1) * float(np.var([e.log_ratio for e in g], ddof=1)) for g in kept)
+    within = sum((len(g) - 1) * float(np.mean([e.variance for e in g])) for g in kept) / df
+    bound = squares / float(chi2.ppf(1.0 - confidence, df)) - within
+    return Spread(math.sqrt(max(bound, 0.0)), float(df))
 
 
 @dataclass(frozen=True)
 class UsedSpread:
-    """The spread a verdict uses ([Note: The spread is floored at the prior]).
+    """The spread a verdict uses ([Note: The spread is floored at the cluster's bound]).
 
     Attributes:
         tau: ``max(floor, estimate)``, log scale.
@@ -174,12 +247,13 @@ class UsedSpread:
     df: float | None
 
 
-def plan_spread(study: Spread, own: Sequence[LaunchEstimate]) -> UsedSpread:
-    """The spread a verdict on a plan uses: the study's spread (``study``: the prior pooled with other plans'
-    launches) pooled with the plan's own launches, never below :data:`DEFAULT_SPREAD`'s ``tau``."""
+def plan_spread(study: Spread, own: Sequence[LaunchEstimate], floor: float = DEFAULT_SPREAD.tau) -> UsedSpread:
+    """The spread a verdict on a plan uses: the study's spread (``study``: the cluster's calibration or its
+    device's prior, pooled with other plans' launches) pooled with the plan's own launches, never below ``floor``
+    (the cluster's calibrated bound, else its device's prior ``tau``)."""
     estimate = study.updated([own])
-    if estimate.tau <= DEFAULT_SPREAD.tau:
-        return UsedSpread(DEFAULT_SPREAD.tau, None)
+    if estimate.tau <= floor:
+        return UsedSpread(floor, None)
     return UsedSpread(estimate.tau, estimate.df)
 
 

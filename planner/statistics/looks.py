@@ -3,14 +3,16 @@
 [Note: Looks spent over the restart chain]
 A plan that is not yet faster across processes is looked at again as fresh
 launches accumulate: ``tune``'s confirmation launches, then each start of the
-in-loop tuner, then a later job that races it again, up to
-:data:`MAX_LAUNCHES` fresh launches. Each look at the nominal 2.5% would
+in-loop tuner, then a later job that races it again, up to its chain's
+horizon of fresh launches (:attr:`Looks.horizon`: :data:`MAX_LAUNCHES`
+unless the confirmation's design asks for more to reach its power, at most
+:data:`MOST_LAUNCHES`; fixed at the chain's first look). Each look at the nominal 2.5% would
 make the chain's chance of ever calling a plan with nothing to gain "faster"
 4-5.5% over three looks (8% at ``tau = 0.06``). So the looks share the
 2.5%: a group-sequential design (Jennison & Turnbull, *Group Sequential
 Methods*, 2000, ch. 7) with the error spent as the information grows, the
 information fraction of a look at ``L`` fresh launches being
-``min(L / MAX_LAUNCHES, 1)`` and the spending function Hwang, Shih & DeCani's
+``min(L / horizon, 1)`` and the spending function Hwang, Shih & DeCani's
 (1990) with ``gamma = -2``: little at the first launch, most by the third.
 Looks may come at any launch counts, in any order of ``tune`` and in-loop
 starts (Lan & DeMets 1983): each look's boundary solves
@@ -18,7 +20,7 @@ starts (Lan & DeMets 1983): each look's boundary solves
 for the joint normal of the looks' statistics, whose correlations are
 ``sqrt(L_i / L_j)``; a look with no new fresh launch has nothing to spend.
 The boundaries are z values at the floor of the spread (a stated bound,
-[Note: The spread is floored at the prior] in
+[Note: The spread is floored at the cluster's bound] in
 :mod:`planner.statistics.launches`); above it a verdict takes Student's ``t``
 at the same one-sided level.
 
@@ -33,8 +35,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-# Fresh launches a plan not yet faster gathers before the default returns ([Note: Looks spent ...]).
+# Fresh launches a plan not yet faster gathers before the default returns, unless its design asks for more
+# ([Note: Looks spent ...]).
 MAX_LAUNCHES = 3
+# The most fresh launches a chain may plan for (a confirmation design that needs more resolves less).
+MOST_LAUNCHES = 6
 # One side of the confirmation's two-sided 95% level: the chance of a false "faster" a chain may spend.
 ALPHA = 0.025
 # Hwang-Shih-DeCani's gamma ([Note: Looks spent over the restart chain]).
@@ -58,11 +63,14 @@ class Looks:
         reconfirming: an earlier look called it faster: this one keeps or revokes that (plain one-sided
             :data:`ALPHA`).
         seen: the fresh launches at the chain's latest look, whatever it said.
+        horizon: the fresh launches the chain plans for, fixed at its first look (information fraction
+            ``L / horizon``).
     """
 
     earlier: tuple[int, ...] = ()
     reconfirming: bool = False
     seen: int = 0
+    horizon: int = MAX_LAUNCHES
 
     def level(self, fresh: int) -> float:
         """The one-sided level a look at ``fresh`` fresh launches tests "faster" at; 0 when it has nothing to spend
@@ -71,7 +79,7 @@ class Looks:
             return 0.0
         if self.reconfirming:
             return ALPHA
-        z = boundaries((*self.earlier, fresh))[-1]
+        z = boundaries((*self.earlier, fresh), max_launches=self.horizon)[-1]
         from scipy.stats import norm
 
         return float(norm.sf(z)) if math.isfinite(z) else 0.0

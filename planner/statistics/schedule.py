@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.errors import PlannerError
+from planner.statistics.design import ConfirmDesign, confirmation_design
 from planner.statistics.launches import DEFAULT_SPREAD, ConfirmLaunch, Spread
+from planner.statistics.looks import Looks
 from planner.statistics.race import Race, RaceSettings
-from planner.statistics.verdict import Chain, Confirmation, confirm_launches, confirmation_rounds, step_noise_pct
+from planner.statistics.verdict import Chain, Confirmation, confirm_launches, step_noise_pct
 
 
 class Phase(enum.StrEnum):
@@ -31,26 +33,34 @@ class Phase(enum.StrEnum):
 
 @dataclass(frozen=True)
 class ConfirmSettings:
-    """How the confirmation is sized.
+    """How the confirmation is sized ([Note: Launches against rounds] in :mod:`planner.statistics.design`).
 
     Attributes:
         resolve: the speed-up it should find "faster" (0.03 = 3%) with 80% power.
         min_rounds, max_rounds: bounds on its rounds per launch (even counts, at least 6).
         launches: fresh launches it runs in ([Note: Confirming across launches]); ``0``: in the tuning process
-            itself, after the race.
+            itself, after the race; ``None``: as many as its design chooses (1 to ``MOST_LAUNCHES``).
+        spread: the study's spread between launches before the confirmation.
+        floor: the cluster's floor of the spread (its calibrated bound, else its device's prior), log scale.
+        launch_cost_steps: what a fresh launch costs beyond its rounds, in steps (the design's currency).
     """
 
     resolve: float = 0.03
     min_rounds: int = 8
     max_rounds: int = 30
-    launches: int = 0
+    launches: int | None = 0
     spread: Spread = DEFAULT_SPREAD
+    floor: float = DEFAULT_SPREAD.tau
+    launch_cost_steps: int = 20
+
+    def design(self, sigma: float) -> ConfirmDesign:
+        """The confirmation's size for per-round log-ratio noise ``sigma`` (``planner.statistics.design``)."""
+        return confirmation_design(sigma, self.resolve, (self.min_rounds, self.max_rounds), self.launches,
+                                   self.spread, self.floor, self.launch_cost_steps)
 
     def rounds(self, sigma: float) -> int:
-        """Rounds per launch for per-round log-ratio noise ``sigma``: the combined test's sizing over the launches
-        it runs in (``verdict.confirmation_rounds``)."""
-        return confirmation_rounds(sigma, self.resolve, (self.min_rounds, self.max_rounds), max(1, self.launches),
-                                   self.spread)
+        """Rounds per launch for per-round log-ratio noise ``sigma`` (:meth:`design`)."""
+        return self.design(sigma).rounds
 
 
 def confirmation_orders(pair: tuple[int, int], rounds: int, rng: random.Random | None = None) -> list[list[int]]:
@@ -134,9 +144,16 @@ class Schedule:
                     self.confirm_ms.setdefault(plan, []).append(ms)
             noise = step_noise_pct([self.confirm_ms[survivor], self.confirm_ms[self.default]])
             chain = self.earlier.get(survivor, Chain())
-            self.confirmation = confirm_launches([*chain.launches, self.confirm_launch()], noise,
-                                                 self.confirm_settings.spread, chain.looks)
+            looks = chain.looks if chain.launches else Looks(horizon=self.horizon())
+            settings = self.confirm_settings
+            self.confirmation = confirm_launches([*chain.launches, self.confirm_launch()], noise, settings.spread,
+                                                 looks, Spread(settings.floor, 0.0))
             self.phase = Phase.DONE
+
+    def horizon(self) -> int:
+        """The fresh launches a chain this round starts plans for (its design's horizon, sized at the race's
+        noise)."""
+        return self.confirm_settings.design(self.race.ratio_sigma()).horizon
 
     def confirm_launch(self) -> ConfirmLaunch:
         """This process's confirmation rounds as a launch, ``picked`` when its race chose the survivor among two

@@ -7,8 +7,8 @@ selection never saw. The survivor and the default run again, interleaved
 drawn at random), in one or more launches (processes). The figure is the
 total-time ratio ([Note: The estimand is total time] in
 :mod:`planner.statistics.launches`); its interval includes the spread between
-processes, never below the prior's ([Note: The spread is floored at the
-prior]), at the level the plan's chain of looks leaves it ([Note: Looks spent
+processes, never below the cluster's floor ([Note: The spread is floored at the
+cluster's bound]), at the level the plan's chain of looks leaves it ([Note: Looks spent
 over the restart chain] in :mod:`planner.statistics.looks`); the verdict
 follows from the interval.
 
@@ -29,8 +29,11 @@ over every launch, lies below 1) but the fresh launches do not clear the
 spread, the verdict is ``PROVISIONAL``: measured, not applied. The study
 keeps recommending FSDP2's default, and the plan races again at the in-loop
 tuner's next start and in a later ``tune`` job, each adding a fresh launch,
-until it is faster across processes or, at :data:`MAX_LAUNCHES` fresh
-launches, the chain ends. Applying it would have had no bound: a plan 2.9%
+until it is faster across processes or, at its chain's horizon of fresh
+launches (:attr:`Looks.horizon`), the chain ends. Within the one process
+that measured it, the in-loop tuner may still run it
+([Note: Applied in the process that measured it] in
+:mod:`planner.statistics.watch`): that estimand is this process's. Applying it would have had no bound: a plan 2.9%
 slower in total came out provisional 28-48% of the time at 8 rounds, and
 16-28% of plans with nothing to gain did. Only "faster" is applied, so
 what runs is wrong at most 2.5% of the time, over every look.
@@ -97,6 +100,10 @@ class Confirmation:
             bound) or on older confirmations.
         level: the one-sided level this look tested "faster" at (0: it could not); ``None`` on older
             confirmations.
+        floor: the floor of the spread the verdict used: the cluster's calibrated bound, else its device's prior
+            (log scale); ``None`` on confirmations stored before floors were per cluster (the CPU prior's 0.045).
+        horizon: the fresh launches its chain plans for (:attr:`Looks.horizon`); ``None`` on older
+            confirmations (:data:`MAX_LAUNCHES`).
     """
 
     ratio: float
@@ -111,6 +118,8 @@ class Confirmation:
     fresh: int | None = None
     df: float | None = None
     level: float | None = None
+    floor: float | None = None
+    horizon: int | None = None
 
     @property
     def total_time(self) -> bool:
@@ -134,7 +143,7 @@ class Confirmation:
         if self.verdict == Verdict.PROVISIONAL and self.within_ci95 is not None:
             text += (f" (within these launches 95% CI [{self.within_ci95[0]:.3f}, {self.within_ci95[1]:.3f}]; "
                      f"not applied until it is faster across processes: each in-loop start or tune job adds a "
-                     f"fresh launch, up to {MAX_LAUNCHES})")
+                     f"fresh launch, up to {self.horizon or MAX_LAUNCHES})")
         if self.median_ratio is not None:
             text += f" (median round {self.median_ratio:.3f}, descriptive)"
         return text
@@ -149,9 +158,10 @@ class Confirmation:
         per_launch = max(MIN_ROUNDS, self.rounds // launches)
         se0 = math.log(self.within_ci95[1] / self.within_ci95[0]) / (2 * _t_quantile(self.rounds - launches))
         sigma = se0 * math.sqrt(launches * per_launch)  # the per-round noise the within-launch interval implies
+        floor = DEFAULT_SPREAD.tau if self.floor is None else self.floor
         # the study's spread before this confirmation's own launches, which power() adds back
-        spread = Spread(self.tau, max(0.0, self.df - (fresh - 1))) if self.df is not None else DEFAULT_SPREAD
-        return detectable_gain(fresh, per_launch, sigma, spread)
+        spread = Spread(self.tau, max(0.0, self.df - (fresh - 1))) if self.df is not None else Spread(floor, 0.0)
+        return detectable_gain(fresh, per_launch, sigma, spread, floor, Looks(horizon=self.horizon or MAX_LAUNCHES))
 
 
 def step_noise_pct(series: list[list[float]]) -> float:
@@ -178,7 +188,8 @@ def _t_quantile(df: float) -> float:
 
 def quantile(level: float, used: UsedSpread) -> float:
     """The one-sided quantile at ``level`` for a spread ``used``: normal at the floor, Student's ``t`` on the
-    estimate's degrees of freedom above it ([Note: The spread is floored at the prior]); ``inf`` at level 0."""
+    estimate's degrees of freedom above it ([Note: The spread is floored at the cluster's bound]); ``inf`` at
+    level 0."""
     from scipy.stats import norm, t
 
     if level <= 0:
@@ -187,16 +198,16 @@ def quantile(level: float, used: UsedSpread) -> float:
 
 
 def verdict_of(ci95: tuple[float, float], within_ci95: tuple[float, float] | None = None,
-               fresh: int = 1) -> Verdict:
+               fresh: int = 1, horizon: int = MAX_LAUNCHES) -> Verdict:
     """``FASTER`` when the interval's upper end is below 1, ``SLOWER`` when its lower end is above 1; else
-    ``PROVISIONAL`` when ``within_ci95`` lies below 1 and fewer than :data:`MAX_LAUNCHES` fresh launches were
-    measured ([Note: Provisional verdicts])."""
+    ``PROVISIONAL`` when ``within_ci95`` lies below 1 and fewer than ``horizon`` fresh launches (the chain's,
+    :attr:`Looks.horizon`) were measured ([Note: Provisional verdicts])."""
     low, high = ci95
     if high < 1.0:
         return Verdict.FASTER
     if low > 1.0:
         return Verdict.SLOWER
-    if within_ci95 is not None and within_ci95[1] < 1.0 and fresh < MAX_LAUNCHES:
+    if within_ci95 is not None and within_ci95[1] < 1.0 and fresh < horizon:
         return Verdict.PROVISIONAL
     return Verdict.NO_SIGNIFICANT_DIFFERENCE
 
@@ -216,17 +227,17 @@ class Chain:
 
 
 def confirm(plan_ms: list[float], default_ms: list[float], noise_pct: float,
-            spread: Spread = DEFAULT_SPREAD) -> Confirmation:
+            spread: Spread = DEFAULT_SPREAD, floor: Spread = DEFAULT_SPREAD) -> Confirmation:
     """One fresh launch's confirmation, the first look of its chain (:func:`confirm_launches`).
 
     Raises:
         ValueError: fewer than :data:`MIN_ROUNDS` rounds, or lists of different lengths.
     """
-    return confirm_launches([ConfirmLaunch(list(plan_ms), list(default_ms))], noise_pct, spread)
+    return confirm_launches([ConfirmLaunch(list(plan_ms), list(default_ms))], noise_pct, spread, floor=floor)
 
 
 def confirm_launches(launches: Sequence[ConfirmLaunch], noise_pct: float, spread: Spread = DEFAULT_SPREAD,
-                     looks: Looks | None = None) -> Confirmation:
+                     looks: Looks | None = None, floor: Spread = DEFAULT_SPREAD) -> Confirmation:
     """One confirmation from the rounds of one or more launches.
 
     The figure and the verdict rest on the fresh launches ([Note: The race's own process]), weighed by their
@@ -237,9 +248,11 @@ def confirm_launches(launches: Sequence[ConfirmLaunch], noise_pct: float, spread
     Args:
         launches: the launches' rounds, oldest first.
         noise_pct: the step noise to report with it, %.
-        spread: the study's between-launch spread before these launches (the prior pooled with other plans'
-            launches): it can only raise the spread used.
-        looks: the plan's earlier looks.
+        spread: the study's between-launch spread before these launches (the cluster's calibration or its
+            device's prior, pooled with other plans' launches): it can only raise the spread used.
+        looks: the plan's earlier looks (their horizon included).
+        floor: the least spread the verdict may use: the cluster's calibration (``planner.study.cluster_spread``),
+            else its device's prior (:func:`~planner.statistics.launches.prior_for`); only its ``tau`` is used.
 
     Raises:
         ValueError: no launch, or a launch with fewer than :data:`MIN_ROUNDS` rounds or lists of different lengths.
@@ -248,18 +261,20 @@ def confirm_launches(launches: Sequence[ConfirmLaunch], noise_pct: float, spread
         raise ValueError("a confirmation needs at least one launch")
     every = [launch_estimate(x.plan_ms, x.default_ms) for x in launches]
     fresh = [e for e, x in zip(every, launches, strict=True) if not x.picked]
-    used = plan_spread(spread, fresh)
+    looks = looks or Looks()
+    used = plan_spread(spread, fresh, floor.tau)
     mu, se = pooled(fresh or every, used.tau)
-    level = (looks or Looks()).level(len(fresh))
+    level = looks.level(len(fresh))
     q = quantile(level if level > 0 else ALPHA, used)  # a look with nothing to spend shows the plain 95% interval
     ci95 = (math.exp(mu - q * se), math.exp(mu + q * se))
     mu0, se0 = pooled(every, 0.0)
     q0 = _t_quantile(sum(e.rounds - 1 for e in every))  # Student's t on the rounds' own degrees of freedom
     within = (math.exp(mu0 - q0 * se0), math.exp(mu0 + q0 * se0))
-    verdict = verdict_of(ci95 if level > 0 else (ci95[0], max(ci95[1], 1.0)), within, len(fresh))
+    verdict = verdict_of(ci95 if level > 0 else (ci95[0], max(ci95[1], 1.0)), within, len(fresh), looks.horizon)
     logs = np.concatenate([np.log(np.asarray(x.plan_ms, float) / np.asarray(x.default_ms, float)) for x in launches])
     return Confirmation(math.exp(mu), ci95, len(logs), noise_pct, verdict, len(every),
-                        math.exp(float(np.median(logs))), used.tau, within, len(fresh), used.df, level)
+                        math.exp(float(np.median(logs))), used.tau, within, len(fresh), used.df, level, floor.tau,
+                        looks.horizon)
 
 
 def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread = DEFAULT_SPREAD,
@@ -272,9 +287,9 @@ def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread 
     launches' mean ``mu ~ N(-delta, se^2)``, ``se^2 = (sigma^2 / rounds + tau^2) / launches``, is independent of
     their sample variance ``s^2 ~ (sigma^2 / rounds + tau^2) chi2(launches - 1) / (launches - 1)``, which sets
     the spread the verdict uses (the study's pooled with it, never below ``floor``: [Note: The spread is floored at
-    the prior]) and so its quantile (normal at the floor, Student's ``t`` above it) at the level ``looks`` leaves.
-    So ``power = E[Phi((delta - q(s^2) se_used(s^2)) / se)]`` over ``s^2``, by quadrature on its quantiles. Where
-    the spread is estimated from the launches alone (``spread.df = 0``, no floor, no within noise) this is the
+    the cluster's bound]) and so its quantile (normal at the floor, Student's ``t`` above it) at the level ``looks``
+    leaves. So ``power = E[Phi((delta - q(s^2) se_used(s^2)) / se)]`` over ``s^2``, by quadrature on its quantiles.
+    Where the spread is estimated from the launches alone (``spread.df = 0``, no floor, no within noise) this is the
     noncentral ``t``'s ``nct.sf(t_q, launches - 1, delta / se)`` (the tests check it against ``scipy.stats.nct``).
     """
     from scipy.stats import chi2, norm
@@ -306,20 +321,23 @@ def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread 
     return float(np.mean(norm.cdf((delta - q * se_used) / se)))
 
 
-def detectable_gain(launches: int, rounds: int, sigma: float, spread: Spread = DEFAULT_SPREAD) -> float:
-    """The smallest total-time gain (0.07 = 7%) that a first look at ``launches`` fresh launches of ``rounds`` rounds
-    calls faster with 80% power (:func:`power`); ``nan`` when ``sigma`` is unknown."""
+def detectable_gain(launches: int, rounds: int, sigma: float, spread: Spread = DEFAULT_SPREAD,
+                    floor: float = DEFAULT_SPREAD.tau, looks: Looks | None = None) -> float:
+    """The smallest total-time gain (0.07 = 7%) that a look at ``launches`` fresh launches of ``rounds`` rounds
+    (a first look unless ``looks`` says otherwise) calls faster with 80% power (:func:`power`); ``nan`` when
+    ``sigma`` is unknown."""
     if not sigma == sigma:
         return float("nan")
     lo, hi = 0.0, 0.99
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if power(launches, rounds, mid, sigma, spread) >= POWER else (mid, hi)
+        lo, hi = (lo, mid) if power(launches, rounds, mid, sigma, spread, looks, floor=floor) >= POWER else (mid, hi)
     return hi
 
 
 def confirmation_rounds(sigma: float, resolve: float = 0.03, bounds: tuple[int, int] = (8, 30), launches: int = 1,
-                        spread: Spread = DEFAULT_SPREAD) -> int:
+                        spread: Spread = DEFAULT_SPREAD, floor: float = DEFAULT_SPREAD.tau,
+                        looks: Looks | None = None, tau: float | None = None) -> int:
     """The fewest even rounds per launch within ``bounds`` at which a first look at ``launches`` fresh launches
     finds a plan faster by ``resolve`` (0.03 = 3%) with 80% power (:func:`power`); else the even count within
     ``bounds`` past which more rounds add less than a point of power (the spread between launches then dominates:
@@ -331,14 +349,17 @@ def confirmation_rounds(sigma: float, resolve: float = 0.03, bounds: tuple[int, 
         bounds: ``(fewest, most)`` rounds; rounded to even counts inside them, at least 6.
         launches: the launches the confirmation runs in (at least 1).
         spread: the study's between-launch spread before the confirmation.
+        floor: the cluster's floor of the spread ([Note: The spread is floored at the cluster's bound]).
+        looks: the look the launches end at (default: a first look, its chain's horizon :data:`MAX_LAUNCHES`).
+        tau: the true spread between launches the sizing assumes (default: ``spread.tau``).
     """
     low, high = max(6, bounds[0] + bounds[0] % 2), max(6, bounds[1] - bounds[1] % 2)
     if not sigma == sigma:
         return high
     launches = max(1, launches)
-    ceiling = power(launches, 10 ** 6, resolve, sigma, spread)
+    ceiling = power(launches, 10 ** 6, resolve, sigma, spread, looks, tau, floor)
     for n in range(low, high + 1, 2):
-        p = power(launches, n, resolve, sigma, spread)
+        p = power(launches, n, resolve, sigma, spread, looks, tau, floor)
         if p >= POWER or ceiling - p < 0.01:
             return n
     return high

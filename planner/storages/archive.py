@@ -16,7 +16,7 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError
 from planner.storages.engine import session
-from planner.storages.models import ConfirmationRow, MeasuredRunRow, PlanRow, ProfileRow
+from planner.storages.models import ConfirmationRow, MeasuredRunRow, PlanRow, ProfileRow, WatchRow
 
 
 def save_profile(engine: sa.Engine, study_name: str, profile: Profile) -> int:
@@ -139,3 +139,20 @@ def confirmation_rows(engine: sa.Engine, study_name: str) -> dict[int, tuple[lis
             verdict = json.loads(row.confirmation_json)
         out[row.trial_number] = (launches, verdict)
     return out
+
+
+def save_watch_row(engine: sa.Engine, study_name: str, trial: int, job: str, steps: int, checks: int,
+                   ratio: float | None, statistic: float, reverted: bool) -> None:
+    """Store where the watch of trial ``trial``'s plan stands (``planner_watches``)."""
+    with session(engine) as s:
+        s.add(WatchRow(study_name=study_name, trial_number=trial, job=job, steps=steps, checks=checks,
+                       ratio=ratio, statistic=statistic, reverted=reverted))
+        s.commit()
+
+
+def watch_rows(engine: sa.Engine, study_name: str) -> dict[int, WatchRow]:
+    """Per trial of study ``study_name``, the latest row of its watch (none: an empty dict)."""
+    with session(engine) as s:
+        rows = s.scalars(sa.select(WatchRow).where(WatchRow.study_name == study_name).order_by(WatchRow.id)).all()
+        s.expunge_all()
+    return {row.trial_number: row for row in rows}

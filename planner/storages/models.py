@@ -81,3 +81,45 @@ class ConfirmationRow(Base):
     launch_json: Mapped[str | None] = mapped_column(sa.Text)
     confirmation_json: Mapped[str | None] = mapped_column(sa.Text)
     created_at: Mapped[dt.datetime] = mapped_column(default=_now)
+
+
+class CalibrationLaunchRow(Base):
+    """One fresh launch of a cluster's calibration (``planner_calibration_launches``): an unselected plan against
+    FSDP2's default (``planner.study.cluster_spread``).
+
+    The cluster is ``(device_type, backend, world_size, mesh)``, ``mesh`` ``""`` for FSDP over every rank, else
+    ``"2x4"`` (replicate x shard); ``pair`` names what ran against the default (``"default"``: a second copy of it,
+    else the plan's key); ``launch_json`` holds the rounds (``{"plan_ms": [...], "default_ms": [...]}``, ms).
+    """
+
+    __tablename__ = "planner_calibration_launches"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    device_type: Mapped[str] = mapped_column(sa.String(32), index=True)
+    backend: Mapped[str] = mapped_column(sa.String(32))
+    world_size: Mapped[int]
+    mesh: Mapped[str] = mapped_column(sa.String(64))
+    pair: Mapped[str] = mapped_column(sa.String(512))
+    study_name: Mapped[str] = mapped_column(sa.String(512))
+    launch_json: Mapped[str] = mapped_column(sa.Text)
+    created_at: Mapped[dt.datetime] = mapped_column(default=_now)
+
+
+class WatchRow(Base):
+    """Where the watch of a plan applied in the process that measured it stood (``planner_watches``;
+    ``planner.statistics.watch``): one row each time the in-loop tuner reports it, the last one its end.
+
+    ``ratio`` is the plan's total-time ratio to FSDP2's default over the checks; ``reverted`` whether the watch
+    found it slower in total and applied FSDP2's default.
+    """
+
+    __tablename__ = "planner_watches"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_name: Mapped[str] = mapped_column(sa.String(512), index=True)
+    trial_number: Mapped[int]
+    job: Mapped[str] = mapped_column(sa.String(512))
+    steps: Mapped[int]
+    checks: Mapped[int]
+    ratio: Mapped[float | None]
+    statistic: Mapped[float]
+    reverted: Mapped[bool]
+    created_at: Mapped[dt.datetime] = mapped_column(default=_now)

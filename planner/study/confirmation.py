@@ -21,9 +21,14 @@ import optuna
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.errors import PlannerError, StudyNotFoundError
-from planner.statistics.verdict import Confirmation, confirm_launches, step_noise_pct
+from planner.statistics.design import ConfirmDesign
+from planner.statistics.launches import DEFAULT_SPREAD
+from planner.statistics.looks import Looks
+from planner.statistics.verdict import Confirmation, confirm_launches, power, step_noise_pct
 from planner.storages import open_storage, storage_errors
 from planner.storages.archive import confirmation_rows, save_confirmation_row, stored_plan, update_plan
+from planner.study.candidates import plan_key
+from planner.study.cluster_spread import ClusterKey, ClusterSpread, cluster_spread
 from planner.study.evidence import chain_of, own_launches, study_spread
 from planner.study.provenance import provenance_of
 from planner.study.queries import BestPlan, best_plan, measured_records
@@ -39,12 +44,17 @@ class PendingConfirmation:
         survivor, default: the survivor's and FSDP2's default's stored plans (provenance: their trials).
         rounds: rounds per launch.
         launches: launches measured so far.
+        planned: the launches its confirmation's design asked for at the race's end; ``None`` on trials written
+            before designs.
+        sigma: the race's per-round log-ratio noise (``nan``: not stored).
     """
 
     survivor: Plan
     default: Plan
     rounds: int
     launches: int
+    planned: int | None = None
+    sigma: float = float("nan")
 
 
 def _job(storage: optuna.storages.RDBStorage, study: optuna.Study, job: str) -> JobVerdict | None:
@@ -77,7 +87,32 @@ def pending(config: StudyConfig, job: str) -> PendingConfirmation | None:
         plans = [stored_plan(storage.engine, config.name, n) for n in (s.number, verdict.default.number)]
         if None in plans:
             raise StudyNotFoundError(f"study {config.name!r}: job {job!r} has no stored plan for trial {s.number}")
-        return PendingConfirmation(plans[0], plans[1], s.confirm_rounds, len(s.confirm_launches or []))
+        sigma = s.race.ratio_sigma if s.race is not None and s.race.ratio_sigma is not None else float("nan")
+        return PendingConfirmation(plans[0], plans[1], s.confirm_rounds, len(s.confirm_launches or []),
+                                   s.confirm_planned, sigma)
+
+
+def design_for(config: StudyConfig, waiting: PendingConfirmation) -> tuple[ConfirmDesign, ClusterSpread]:
+    """The confirmation's size for a pending survivor, at the cluster's spread as it stands now (after a
+    calibration the job ran: ``planner.statistics.design``), and that spread. A trial stored before designs keeps
+    the rounds and the ``confirm_launches`` it was given.
+
+    Raises:
+        StorageError: the storage cannot be read.
+    """
+    with storage_errors(config.storage_url):
+        study, storage = _study(config)
+        cluster = _cluster(storage, config, waiting.default)
+        records = measured_records(storage, study)
+        spread = study_spread(records, plan_key(waiting.survivor), cluster.spread)
+    settings = config.measure.confirm_settings(spread=spread, floor=cluster.floor)
+    if waiting.sigma != waiting.sigma:  # an older trial: as it was sized
+        launches = waiting.planned if waiting.planned is not None else config.measure.confirm_launches or 0
+        looks = Looks(horizon=max(1, launches))
+        found = power(max(1, launches), waiting.rounds, settings.resolve, float("nan"), spread, looks,
+                      floor=cluster.floor)
+        return ConfirmDesign(launches, waiting.rounds, max(1, launches), found, settings.resolve), cluster
+    return settings.design(waiting.sigma), cluster
 
 
 def record_launch(config: StudyConfig, trial: int, launch: ConfirmLaunch) -> int:
@@ -92,8 +127,12 @@ def record_launch(config: StudyConfig, trial: int, launch: ConfirmLaunch) -> int
         return len(confirmation_rows(storage.engine, config.name)[trial][0])
 
 
-def conclude(config: StudyConfig, job: str, plan_out: str) -> tuple[Confirmation | None, BestPlan]:
+def conclude(config: StudyConfig, job: str, plan_out: str,
+             horizon: int | None = None) -> tuple[Confirmation | None, BestPlan]:
     """Confirm job ``job``'s survivor from its launches, store the verdict, write the study's recommendation.
+
+    ``horizon``: the fresh launches its chain plans for when this is its first look (the design
+    :func:`design_for` gave); ``None``: the trial's stored design, else its launches.
 
     Returns:
         The confirmation (``None`` when no launch measured it: the recommendation stays as it was), and the
@@ -110,18 +149,21 @@ def conclude(config: StudyConfig, job: str, plan_out: str) -> tuple[Confirmation
         if verdict is None:
             raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured FSDP2's default")
         s = verdict.survivor
+        default = stored_plan(storage.engine, config.name, verdict.default.number)
         if s is not None and s.confirmation is None and s.confirm_launches:
             launches = s.confirm_launches
             noise = step_noise_pct([x.plan_ms for x in launches] + [x.default_ms for x in launches])
             records = measured_records(storage, study)
             chain = chain_of({r.number: r for r in records}, s.reconfirms)
+            looks = chain.looks if chain.launches else Looks(horizon=horizon or s.confirm_planned or len(launches))
+            cluster = _cluster(storage, config, default)
             confirmation = confirm_launches([*chain.launches, *own_launches(s)], noise,
-                                            study_spread(records, s.plan_key), chain.looks)
+                                            study_spread(records, s.plan_key, cluster.spread), looks,
+                                            cluster.spread)
             save_confirmation_row(storage.engine, config.name, s.number,
                                   confirmation=MeasuredTrialRecord(confirmation=confirmation).to_user_attrs())
             plan = stored_plan(storage.engine, config.name, s.number)
             update_plan(storage.engine, config.name, plan.with_provenance(**provenance_of(confirmation)))
-        default = stored_plan(storage.engine, config.name, verdict.default.number)
     try:
         best = best_plan(config.storage_url, config.name, default.fingerprint if default is not None else None)
     except StudyNotFoundError:
@@ -129,6 +171,13 @@ def conclude(config: StudyConfig, job: str, plan_out: str) -> tuple[Confirmation
                                  f"job of study {config.name!r} concluded; run `prefetch-planner tune` again") from None
     write_plan(plan_out, best.plan)
     return confirmation, best
+
+
+def _cluster(storage: optuna.storages.RDBStorage, config: StudyConfig, default: Plan | None) -> ClusterSpread:
+    """The spread of the cluster the job ran on (its default plan's fingerprint, the study's backend)."""
+    if default is None:  # no stored plan to read the cluster from: the most conservative prior
+        return ClusterSpread(ClusterKey("cpu", str(config.launch.backend), 0), DEFAULT_SPREAD, False, "the CPU prior")
+    return cluster_spread(storage.engine, ClusterKey.of(default.fingerprint, config.launch.backend))
 
 
 def write_plan(path: str, plan: Plan) -> None:

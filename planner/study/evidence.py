@@ -6,15 +6,17 @@ launch of the in-loop tuner and of ``tune`` under torchrun, marked ``picked``
 when that process's race chose the plan among several). From them:
 - the spread between launches the study has seen
   (:func:`study_spread`, [Note: Between-launch spread] in
-  ``planner.statistics.launches``): the prior pooled with every plan measured
-  in two fresh launches or more;
+  ``planner.statistics.launches``): the cluster's calibration or its
+  device's prior, pooled with every plan measured in two fresh launches or
+  more;
 - the chain behind a re-confirmed plan (:func:`chain_of`): a later job races
   the study's recommendation, or its provisional plan, again as a fresh trial
   that ``reconfirms`` the trial it came from, and that trial may itself
   re-confirm an older one; the chain's launches are the same plan against
   the same job's default, each in its own process, and the new launch is
   confirmed together with them, at the level the chain's earlier looks leave
-  ([Note: Looks spent over the restart chain] in ``planner.statistics.looks``).
+  ([Note: Looks spent over the restart chain] in ``planner.statistics.looks``),
+  over the horizon its first look fixed.
 Torch-free: built from trial records.
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from planner.statistics.launches import DEFAULT_SPREAD, ConfirmLaunch, Spread, launch_estimate
-from planner.statistics.looks import Looks
+from planner.statistics.looks import MAX_LAUNCHES, Looks
 from planner.statistics.verdict import Chain, Verdict
 from planner.study.records import MeasuredTrialRecord
 
@@ -33,17 +35,18 @@ def own_launches(record: MeasuredTrialRecord) -> list[ConfirmLaunch]:
     return list(record.confirm_launches or [])
 
 
-def study_spread(records: Iterable[MeasuredTrialRecord], exclude: str | None = None) -> Spread:
-    """The study's between-launch spread: :data:`~planner.statistics.launches.DEFAULT_SPREAD` pooled with each
-    plan's fresh launches (grouped by ``plan_key``, every trial of it; a race's own process is biased, [Note: The
-    race's own process]), leaving out plan ``exclude`` (the plan being confirmed, whose own launches its
-    confirmation adds). A verdict never uses less than the prior's spread ([Note: The spread is floored at the
-    prior])."""
+def study_spread(records: Iterable[MeasuredTrialRecord], exclude: str | None = None,
+                 start: Spread = DEFAULT_SPREAD) -> Spread:
+    """The study's between-launch spread: ``start`` (the cluster's calibration, else its device's prior:
+    ``planner.study.cluster_spread``) pooled with each plan's fresh launches (grouped by ``plan_key``, every trial
+    of it; a race's own process is biased, [Note: The race's own process]), leaving out plan ``exclude`` (the plan
+    being confirmed, whose own launches its confirmation adds). A verdict never uses less than the cluster's floor
+    ([Note: The spread is floored at the cluster's bound])."""
     groups: dict[str, list[ConfirmLaunch]] = {}
     for r in records:
         if r.plan_key and r.plan_key != exclude and r.confirm_launches:
             groups.setdefault(r.plan_key, []).extend(x for x in own_launches(r) if not x.picked)
-    return DEFAULT_SPREAD.updated([[launch_estimate(x.plan_ms, x.default_ms) for x in g] for g in groups.values()])
+    return start.updated([[launch_estimate(x.plan_ms, x.default_ms) for x in g] for g in groups.values()])
 
 
 def chain_of(by_number: Mapping[int, MeasuredTrialRecord], reconfirms: int | None) -> Chain:
@@ -59,15 +62,17 @@ def chain_of(by_number: Mapping[int, MeasuredTrialRecord], reconfirms: int | Non
         reconfirms = by_number[reconfirms].reconfirms
     launches: list[ConfirmLaunch] = []
     earlier: list[int] = []
-    reconfirming, seen = False, 0
+    reconfirming, seen, horizon = False, 0, None
     for r in trials:
         launches += own_launches(r)
         c = r.confirmation
         if c is None:
             continue
+        if horizon is None:  # fixed at the chain's first look
+            horizon = c.horizon or MAX_LAUNCHES
         seen = max(seen, c.fresh_launches)
         if c.verdict == Verdict.FASTER and c.total_time:
             reconfirming = True
         elif not reconfirming and c.fresh_launches > (earlier[-1] if earlier else 0):
             earlier.append(c.fresh_launches)
-    return Chain(tuple(launches), Looks(tuple(earlier), reconfirming, seen))
+    return Chain(tuple(launches), Looks(tuple(earlier), reconfirming, seen, horizon or MAX_LAUNCHES))

@@ -21,6 +21,12 @@ the training, and the tuner keeps them out:
   (batch-norm statistics) are restored after them;
 - the overlap microbenchmark draws random matrices: restored likewise;
 - a plan is switched only between steps, on every rank at the same step.
+
+The first run gains: a survivor faster on this process's fresh rounds is
+applied for the rest of the process and watched ([Note: Applied in the
+process that measured it] and [Note: The watch] in
+``planner.statistics.watch``), while the study keeps it provisional until
+fresh launches confirm it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError, StudyConfigError, StudyModelMismatchError
 from planner.statistics.looks import MAX_LAUNCHES
+from planner.statistics.watch import WatchState
 from planner.units import mib
 
 SOURCE = "in-loop"  # trial attribute ``source`` of the trials the in-loop tuner measures
@@ -52,6 +59,9 @@ class TunerPhase(enum.StrEnum):
         SEARCHING: the simulated stage and the candidates (between two steps, on rank 0).
         RACING: one plan per step, in the race's balanced order (their warm-up steps first).
         CONFIRMING: the race's survivor against FSDP2's default on fresh rounds.
+        WATCHING: the survivor, faster on this process's fresh rounds but not yet across processes, applied for the
+            rest of the process, one step in K running FSDP2's default ([Note: The watch] in
+            ``planner.statistics.watch``); reverted to the default if it is slower in total.
         DONE: the recommended plan (or FSDP2's default) stays applied; the tuner adds nothing to a step.
     """
 
@@ -59,6 +69,7 @@ class TunerPhase(enum.StrEnum):
     SEARCHING = "searching"
     RACING = "racing"
     CONFIRMING = "confirming"
+    WATCHING = "watching"
     DONE = "done"
 
 
@@ -332,3 +343,21 @@ def predicted_start(path: str, fingerprint: Fingerprint) -> Plan:
     plan = Plan.load(path)
     check_start_plan(plan, fingerprint, f"start_from {path!r}")
     return plan
+
+
+def record_watch(config: StudyConfig, trial: int, job: str, state: WatchState) -> None:
+    """Store where the watch of ``trial``'s plan stands in the study (``planner_watches``).
+
+    Raises:
+        StorageError: the storage cannot be written.
+    """
+    from planner.storages import open_storage, storage_errors
+    from planner.storages.archive import save_watch_row
+
+    with storage_errors(config.storage_url):
+        storage = open_storage(config.storage_url)
+        try:
+            save_watch_row(storage.engine, config.name, trial, job, state.steps, state.blocks,
+                           state.ratio if state.ratio == state.ratio else None, state.statistic, state.reverted)
+        finally:
+            storage.engine.dispose()

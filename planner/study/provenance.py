@@ -78,16 +78,19 @@ def measured_plans(
             dropped_after_round=race.dropped.get(j),
             survivor=j == survivor,
             median_ms=statistics.median(race.step_ms(j)),
+            ratio_sigma=_finite(race.ratio_sigma()) if j == survivor else None,
         )
         confirmed = confirmation if j == survivor else None
         peak = peak_bytes[j] if peak_bytes is not None and j < len(peak_bytes) else None
         pending = j == survivor and confirmed is None
+        design = schedule.confirm_settings.design(race.ratio_sigma()) if pending else None
         launch = [schedule.confirm_launch()] if confirmed else None
         objective = CONFIRMED if confirmed is not None and confirmed.total_time else RACE_MEDIAN
         record = MeasuredTrialRecord(step_ms=list(step_ms[j]), per_rank_step_ms=[list(r) for r in per_rank[j]],
                                      race=figures, confirmation=confirmed, measured_peak_bytes=peak,
-                                     confirm_rounds=schedule.confirm_settings.rounds(race.ratio_sigma()) if pending
-                                     else None, confirm_launches=launch, objective=objective)
+                                     confirm_rounds=design.rounds if design else None,
+                                     confirm_planned=design.launches if design else None, confirm_launches=launch,
+                                     objective=objective)
         verdict = provenance_of(confirmed) if confirmed is not None else {}
         told = plan.with_provenance(
             source=Source.MEASURED, study=study, trial=number, predicted_ms=predicted_ms,
@@ -97,3 +100,7 @@ def measured_plans(
         median_ms = statistics.median(race.step_ms(j))
         out.append(MeasuredPlan(told, record, default_ms * confirmed.ratio if objective == CONFIRMED else median_ms))
     return out
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -53,6 +53,8 @@ class RaceFigures:
         survivor: the race kept it for the confirmation.
         median_ms: its median step in the race, ms (max across ranks); ``None`` on trials written before it was
             stored apart from the trial's value.
+        ratio_sigma: on the survivor, the race's per-round log-ratio noise (``Race.ratio_sigma``), which sizes
+            its confirmation; ``None`` elsewhere and on older trials.
     """
 
     rounds: int
@@ -61,6 +63,7 @@ class RaceFigures:
     dropped_after_round: int | None = None
     survivor: bool = False
     median_ms: float | None = None
+    ratio_sigma: float | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,8 @@ def confirmation_attrs(c: Confirmation) -> JsonObject:
     if c.tau is not None:
         attrs.update(median_ratio=c.median_ratio, tau=c.tau,
                      within_ci95=list(c.within_ci95) if c.within_ci95 is not None else None,
-                     fresh_launches=c.fresh, spread_df=c.df, look_level=c.level)
+                     fresh_launches=c.fresh, spread_df=c.df, look_level=c.level, spread_floor=c.floor,
+                     chain_horizon=c.horizon)
     attrs["verdict"] = str(c.verdict)
     return {key: value for key, value in attrs.items() if value is not None}
 
@@ -94,7 +98,7 @@ def confirmation_from(a: Mapping[str, JsonValue]) -> Confirmation:
     return Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"], a.get("noise_pct", float("nan")),
                         Verdict(a["verdict"]), a.get("launches", 1), a.get("median_ratio"), a.get("tau"),
                         tuple(within) if within is not None else None, a.get("fresh_launches"), a.get("spread_df"),
-                        a.get("look_level"))
+                        a.get("look_level"), a.get("spread_floor"), a.get("chain_horizon"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +125,8 @@ class MeasuredTrialRecord:
         race: the race's figures.
         confirmation: the confirmation against FSDP2's default, on the plan it confirmed.
         confirm_rounds: rounds each confirmation launch runs (on the race's survivor, set when the race ends).
+        confirm_planned: the fresh launches its confirmation's design asks for (on the race's survivor; ``None`` on
+            trials written before designs: the study's ``confirm_launches``).
         confirm_launches: the launches measured so far (on the race's survivor).
         reconfirms: for the study's recommendation raced again by a later job, the trial it was recommended by.
         predicted_for: for a plan predicted for this cluster (``tune --target``) and raced here, its target.
@@ -146,6 +152,7 @@ class MeasuredTrialRecord:
     race: RaceFigures | None = None
     confirmation: Confirmation | None = None
     confirm_rounds: int | None = None
+    confirm_planned: int | None = None
     confirm_launches: list[ConfirmLaunch] | None = None
     reconfirms: int | None = None
     predicted_for: str | None = None
@@ -158,12 +165,13 @@ class MeasuredTrialRecord:
         Optuna's own and not among them."""
         attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "plan_key",
                                                      "job", "source", "step_ms", "per_rank_step_ms",
-                                                     "measured_peak_bytes", "confirm_rounds", "reconfirms",
+                                                     "measured_peak_bytes", "confirm_rounds", "confirm_planned",
+                                                     "reconfirms",
                                                      "predicted_for", "objective")}
         if self.race is not None:
             attrs.update(race_rounds=self.race.rounds, race_noise_pct=self.race.noise_pct, race_ratio=self.race.ratio,
                          dropped_after_round=self.race.dropped_after_round, race_survivor=self.race.survivor or None,
-                         race_median_ms=self.race.median_ms)
+                         race_median_ms=self.race.median_ms, race_ratio_sigma=self.race.ratio_sigma)
         if self.confirm_launches is not None:
             attrs.update(confirm_launches=[launch.to_json() for launch in self.confirm_launches])
         if self.confirmation is not None:
@@ -179,7 +187,8 @@ class MeasuredTrialRecord:
         race = None
         if "race_rounds" in a:
             race = RaceFigures(a["race_rounds"], a.get("race_noise_pct"), a.get("race_ratio"),
-                               a.get("dropped_after_round"), bool(a.get("race_survivor")), a.get("race_median_ms"))
+                               a.get("dropped_after_round"), bool(a.get("race_survivor")), a.get("race_median_ms"),
+                               a.get("race_ratio_sigma"))
         elif "dropped_after_round" in a:  # written before the race's rounds were
             race = RaceFigures(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
         confirmation = None
@@ -196,7 +205,8 @@ class MeasuredTrialRecord:
                    predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
                    plan_key=a.get("plan_key"), job=a.get("job"), source=a.get("source"), step_ms=a.get("step_ms"),
                    per_rank_step_ms=a.get("per_rank_step_ms"), race=race, confirmation=confirmation,
-                   confirm_rounds=a.get("confirm_rounds"), reconfirms=a.get("reconfirms"),
+                   confirm_rounds=a.get("confirm_rounds"), confirm_planned=a.get("confirm_planned"),
+                   reconfirms=a.get("reconfirms"),
                    predicted_for=a.get("predicted_for"), objective=a.get("objective"),
                    confirm_launches=[ConfirmLaunch.from_json(x) for x in launches] if launches is not None else None,
                    measured_peak_bytes=a.get("measured_peak_bytes"), failure=failure)

@@ -33,12 +33,14 @@ from planner.errors import FailKind, PlannerError
 from planner.simulation.calibrate import CalibrationResult, Observation, calibrate
 from planner.simulation.parameters import simulator_for
 from planner.simulation.simulator import Simulator
+from planner.statistics.design import ConfirmDesign
 from planner.statistics.race import Race
 from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Confirmation
 from planner.storages import open_storage, storage_errors
 from planner.storages.archive import latest_calibration
 from planner.study.candidates import plan_key, predicted_candidate, select_candidates
+from planner.study.cluster_spread import ClusterKey, ClusterSpread, cluster_spread
 from planner.study.confirmation import write_plan
 from planner.study.evidence import chain_of, study_spread
 from planner.study.measured import MeasuredStage, MeasuredTrial
@@ -74,6 +76,9 @@ class TuneOutcome:
         best: the study's recommendation once this job is decided; ``None`` while its survivor awaits its
             confirmation launches, or when nothing was measured.
         confirmation: the survivor's confirmation when it ran here (in this process); ``None`` otherwise.
+        design: the survivor's confirmation's size (launches, rounds, the chain's horizon, power); ``None`` when
+            nothing survived.
+        cluster: the cluster's spread the verdicts use (its calibration, else its device's prior).
     """
 
     told: list[Plan]
@@ -87,6 +92,8 @@ class TuneOutcome:
     calibration: CalibrationResult | None = None
     best: BestPlan | None = None
     confirmation: Confirmation | None = None
+    design: ConfirmDesign | None = None
+    cluster: ClusterSpread | None = None
 
 
 class TuningSession:
@@ -104,7 +111,8 @@ class TuningSession:
         critical: a context manager factory around the writes that create trials RUNNING (claiming retries,
             asking), which an interrupt must not cut in two: the runtime's ``interrupts_deferred``.
         confirm_launches: fresh launches the survivor's confirmation runs in after this job
-            (``planner.study.confirmation``); ``0``: confirmed here, after the race.
+            (``planner.study.confirmation``); ``0``: confirmed here, after the race; ``None``: as many as the
+            confirmation's design chooses (``planner.statistics.design``).
         source: what measures the trials (trial attribute ``source``): ``"tune"``, or ``"in-loop"`` for
             ``runtime.AutoTuner`` in a user's training loop.
 
@@ -122,7 +130,7 @@ class TuningSession:
                  profile_out: str, progress: bool = False,
                  on_drop: Callable[[MeasuredTrial, int], None] | None = None,
                  critical: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 confirm_launches: int = 0, source: str = "tune"):
+                 confirm_launches: int | None = 0, source: str = "tune"):
         self.config, self.profile, self.space, self.job, self.source = config, profile, space, job, source
         self.start_from: Plan | None = None
         self.confirm_launches = confirm_launches
@@ -131,6 +139,7 @@ class TuningSession:
         self.simulator: Simulator | None = None
         self.memory_budget_bytes: int | None = None
         self.stage: MeasuredStage | None = None
+        self.cluster: ClusterSpread | None = None
         self.schedule: Schedule | None = None
         self._started: list[MeasuredTrial] = []
         self._peaks: list[int] = []
@@ -151,6 +160,9 @@ class TuningSession:
         self.memory_budget_bytes = self._memory_budget()
         storage = open_storage(config.storage_url, config)
         with storage_errors(config.storage_url):  # Optuna's writes here raise its StorageInternalError
+            self.cluster = cluster_spread(storage.engine, ClusterKey.of(self.profile.fingerprint,
+                                                                        config.launch.backend))
+            logger.info(f"      {self.cluster.line()}")
             stored = latest_calibration(storage.engine, config.name, self.profile)
             if stored:
                 self.profile = dataclasses.replace(self.profile, calibration=stored)
@@ -269,9 +281,11 @@ class TuningSession:
         chains = {j: chain_of(by_number, a.reconfirms) for j, a in enumerate(kept)}
         # The plan re-confirmed here adds its own launches to its confirmation: the study's spread leaves them out.
         again = next((a.plan for a in kept if a.reconfirms is not None), None)
-        spread = study_spread(records, exclude=plan_key(again) if again is not None else None)
+        cluster = self.cluster
+        spread = study_spread(records, plan_key(again) if again is not None else None, cluster.spread)
         self.schedule = Schedule(len(kept), measure.race_settings(),
-                                 measure.confirm_settings(self.confirm_launches, spread), on_drop=on_drop,
+                                 measure.confirm_settings(self.confirm_launches, spread, cluster.floor),
+                                 on_drop=on_drop,
                                  earlier={j: chain for j, chain in chains.items() if chain.launches})
         return self.schedule
 
@@ -337,9 +351,11 @@ class TuningSession:
         if calibration.accepted:
             self.profile = calibration.apply(self.profile)
             self.stage.save_calibration(self.profile)
+        design = schedule.confirm_settings.design(schedule.race.ratio_sigma()) if candidate is not None else None
         return TuneOutcome(told=told, failed=failed, profile=self.profile, profile_out=self.profile_out,
                            race=schedule.race, candidate=candidate, written=written, plan_out=self.plan_out,
-                           calibration=calibration, best=best, confirmation=schedule.confirmation)
+                           calibration=calibration, best=best, confirmation=schedule.confirmation, design=design,
+                           cluster=self.cluster)
 
     def save_profile(self) -> None:
         """Write the profile as it stands (calibrated once :meth:`finish` accepted a calibration) to ``profile_out``.

@@ -251,7 +251,7 @@ def test_create_racing_retries_a_lock_refused_at_once_not_one_held_for_the_timeo
 
 def test_models_are_the_planner_tables():
     assert set(Base.metadata.tables) == {"planner_profiles", "planner_plans", "planner_measured_runs",
-                                         "planner_confirmations"}
+                                         "planner_confirmations", "planner_calibration_launches", "planner_watches"}
     assert PlanRow.__table__.c.predicted_peak_bytes.type.python_type is int
 
 

@@ -1,0 +1,157 @@
+"""The calibrate job: one rank of one fresh launch of a cluster's calibration ([Note: What a calibration runs]).
+
+``prefetch-planner calibrate`` (and ``tune``, where the cluster has no
+calibration) starts it once per launch. Every rank builds two model
+instances; rank 0 picks the launch's pair (FSDP2's default against a second
+copy of itself, or against a plan of the search space no race picked,
+``planner.study.cluster_spread.calibration_pairs``) and the rounds' order.
+Each plan runs on its own model instance from its first step, warmed up,
+then the rounds (each pair of rounds in both orders, which first at
+random); rank 0 stores the launch with the cluster's other calibration
+launches.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from jobs.confirm import rounds_on_own_models
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.errors import PlannerError
+from planner.statistics.launches import ConfirmLaunch
+from planner.statistics.schedule import confirmation_orders
+from planner.storages import check_writable, open_storage, storage_errors
+from planner.storages.archive import stored_profiles
+from planner.study.candidates import plan_key
+from planner.study.cluster_spread import (
+    DEFAULT_PAIR,
+    ClusterKey,
+    ClusterSpread,
+    calibration_pairs,
+    calibration_plan,
+    cluster_spread,
+    record_calibration_launch,
+    unselected_plans,
+)
+from planner.study.in_loop import same_job
+from runtime.apply import model_fingerprint
+from runtime.ranks.collectives import broadcast_from_rank0, control_group
+from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
+from runtime.timing import StepCounter
+from runtime.workload import build_study_workload, load_factory
+from search_spaces import get_space
+
+# Plans of the search space no race picked, beside FSDP2's default against a copy of itself.
+UNSELECTED = 2
+
+
+class CalibrateJob:
+    """One rank of calibration launch ``launch`` of ``launches`` for the study's cluster.
+
+    Args:
+        config: the study (its model, ranks, search space and storage).
+        launch: this launch's index, from 0.
+        launches: the calibration's launches (the pairs are spread over them).
+        profile_in: a profile of the model to draw the unselected plans on; ``None``: the study's latest stored
+            profile of this model and world, else FSDP2's default against a copy of itself only.
+    """
+
+    def __init__(self, config: StudyConfig, launch: int, launches: int, profile_in: str | None = None):
+        self.config, self.launch, self.launches, self.profile_in = config, launch, launches, profile_in
+
+    @staticmethod
+    def check_before_launch(config: StudyConfig, profile_in: str | None = None) -> None:
+        """What the launching process checks before it starts any rank; writes nothing.
+
+        Raises:
+            ProfileFormatError: ``profile_in`` cannot be read as a profile.
+            WorkloadError: the factory cannot be imported.
+            StudyConfigError: this machine cannot run the study's ranks.
+            StorageError: the storage is unreachable.
+        """
+        if profile_in is not None:
+            Profile.load(profile_in)
+        load_factory(config.workload.factory)
+        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
+                       config.launch.mesh)
+        check_writable(config.storage_url)
+
+    def run(self) -> ClusterSpread | None:
+        """Run this rank's part; rank 0 returns the cluster's spread after this launch, the other ranks ``None``.
+
+        Raises:
+            PlannerError: a plan that does not fit the model, or a storage error (every rank raises rank 0's).
+            StepFailed: a step raised on this rank.
+        """
+        launch = self.config.launch
+        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
+        group = control_group(launch.timeout_s)
+        rank0 = dist.get_rank() == 0
+        ended = False
+        try:
+            models = [build_study_workload(self.config.workload, mesh) for _ in range(2)]
+            fingerprint = model_fingerprint(models[0].model)
+            payload = None
+            if rank0:
+                try:
+                    payload = self._pair(fingerprint)
+                except PlannerError as e:
+                    payload = {"error": str(e)}
+            payload = broadcast_from_rank0(payload, group)
+            if isinstance(payload, dict):
+                raise PlannerError(payload["error"])
+            pair, other, orders = payload
+            default = Plan(fingerprint, {})
+            times = rounds_on_own_models(models, [other, default], orders, max(2, self.config.measure.warmup_steps),
+                                         StepCounter(), group)
+            models = None
+            ended = True
+            if rank0:
+                return self._record(fingerprint, pair, ConfirmLaunch(times[0], times[1]))
+            return None
+        finally:
+            models = None
+            shutdown_rank(together=ended)
+
+    def _pair(self, fingerprint) -> tuple[str, Plan, list[list[int]]]:
+        """Rank 0: this launch's pair, its plan, and the rounds' order."""
+        profile = self._profile(fingerprint)
+        default = Plan(fingerprint, {})
+        unselected = []
+        if profile is not None:
+            unselected = unselected_plans(profile, get_space(self.config.search.space), UNSELECTED,
+                                          self.config.search.seed)
+        pairs = calibration_pairs(self.launches, [plan_key(p) for p in unselected])
+        pair = pairs[self.launch % len(pairs)]
+        plan = calibration_plan(pair, default, unselected)
+        return pair, plan, confirmation_orders((0, 1), self.config.measure.calibration_rounds)
+
+    def _profile(self, fingerprint) -> Profile | None:
+        if self.profile_in is not None:
+            return Profile.load(self.profile_in)
+        with storage_errors(self.config.storage_url):
+            storage = open_storage(self.config.storage_url, self.config)
+            try:
+                profiles = [p for p in stored_profiles(storage.engine, self.config.name)
+                            if same_job(p.fingerprint, fingerprint)]
+            finally:
+                storage.engine.dispose()
+        return profiles[-1] if profiles else None
+
+    def _record(self, fingerprint, pair: str, launch: ConfirmLaunch) -> ClusterSpread:
+        key = ClusterKey.of(fingerprint, self.config.launch.backend)
+        with storage_errors(self.config.storage_url):
+            storage = open_storage(self.config.storage_url, self.config)
+            try:
+                record_calibration_launch(storage.engine, key, pair, self.config.name, launch)
+                return cluster_spread(storage.engine, key)
+            finally:
+                storage.engine.dispose()
+
+
+def describe_pair(pair: str) -> str:
+    """``FSDP2's default against a second copy of itself`` or ``... against unselected plan 3f2a...``."""
+    return ("FSDP2's default against a second copy of itself" if pair == DEFAULT_PAIR
+            else f"FSDP2's default against unselected plan {pair}")
