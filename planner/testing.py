@@ -370,3 +370,80 @@ def restart_chain(rng: np.random.Generator, candidates: int, tau: float = 0.04, 
         schedule, _ = start(2, {1: chain_of(records, previous)})
         if schedule.confirmation is None:  # the recheck's race dropped it
             return verdicts, survivor_offset
+
+
+@dataclass(frozen=True)
+class FirstRun:
+    """How one synthetic first run of the in-loop tuner ended ([Note: Applied in the process that measured it] in
+    ``planner.statistics.watch``).
+
+    Attributes:
+        survivor: the race's survivor (``None``: every candidate dropped).
+        offset: the survivor's log offset in this process (its true log ratio to the default here, before stalls).
+        applied: the survivor ran for the rest of the process after the confirmation.
+        reverted_at: the watched step at which the watch reverted it (``None``: never, within the steps run).
+    """
+
+    survivor: int | None
+    offset: float
+    applied: bool
+    reverted_at: int | None
+
+    @property
+    def applied_at_end(self) -> bool:
+        """Applied after the confirmation and never reverted."""
+        return self.applied and self.reverted_at is None
+
+
+def first_run(rng: np.random.Generator, effects: Sequence[float], tau: float = 0.0, noise: float = 0.01,
+              stall_p: Sequence[float] | None = None, stall_x: float = 1.5, watch_steps: int = 500,
+              drift: float = 0.03, drift_rho: float = 0.95) -> FirstRun:
+    """One in-loop tuner's first run on synthetic steps: the race and the confirmation through
+    :class:`~planner.statistics.schedule.Schedule` (the in-loop tuner's defaults: ``planner.study.in_loop``), the in-process
+    decision (``planner.statistics.watch.in_process``), then ``watch_steps`` watched steps
+    (:class:`~planner.statistics.watch.Watch`).
+
+    Plan ``p``'s step takes ``100 ms * effects[p] * exp(offset_p)`` (``offset_p ~ N(0, tau^2)`` in this process,
+    0 for FSDP2's default, plan 0) times the machine's speed (a slow drift: log-AR(1) of standard deviation
+    ``drift`` and step-to-step correlation ``drift_rho``, shared by whatever runs at that moment) and the step's
+    own noise (lognormal ``noise``); with chance ``stall_p[p]`` a step takes ``stall_x`` times as long.
+    """
+    import math
+
+    import numpy as np
+
+    from planner.statistics.watch import Watch, in_process, watch_every
+    from planner.study.in_loop import in_loop_config
+
+    offsets = np.concatenate([[0.0], rng.normal(0.0, tau, len(effects) - 1)]) if tau else np.zeros(len(effects))
+    stalls = list(stall_p) if stall_p is not None else [0.0] * len(effects)
+    speed = [0.0]
+
+    def step(p: int) -> float:
+        speed[0] = drift_rho * speed[0] + math.sqrt(1 - drift_rho ** 2) * rng.normal(0.0, drift)
+        ms = 100.0 * effects[p] * math.exp(offsets[p] + speed[0] + rng.normal(0.0, noise))
+        return ms * stall_x if stalls[p] and rng.random() < stalls[p] else ms
+
+    measure = in_loop_config("first-run", "sqlite://").measure  # the in-loop tuner's own settings
+    schedule = Schedule(len(effects), measure.race_settings(), measure.confirm_settings(0), clock=lambda: 0.0)
+    while (block := schedule.next_block()) is not None:
+        schedule.record([{p: step(p) for p in order} for order in block])
+    survivor = schedule.survivor
+    if schedule.confirmation is None or survivor is None:
+        return FirstRun(None, 0.0, False, None)
+    here = in_process(schedule.confirm_ms[survivor], schedule.confirm_ms[schedule.default])
+    if not here.faster:
+        return FirstRun(survivor, float(offsets[survivor]), False, None)
+    watch = Watch(watch_every(here.ratio), seed=int(rng.integers(1 << 30)))
+    watched = 0
+    while watched < watch_steps:
+        plan_ms, plan_steps, default_ms = 0.0, 0, 0.0
+        for check in watch.next_block():
+            if check:
+                default_ms = step(schedule.default)
+            else:
+                plan_ms, plan_steps = plan_ms + step(survivor), plan_steps + 1
+        watched += plan_steps + 1
+        if watch.record(plan_ms, plan_steps, default_ms).reverted:
+            return FirstRun(survivor, float(offsets[survivor]), True, watched)
+    return FirstRun(survivor, float(offsets[survivor]), True, None)

@@ -48,7 +48,10 @@ from planner.units import mib
 
 SOURCE = "in-loop"  # trial attribute ``source`` of the trials the in-loop tuner measures
 FACTORY = "<in-loop>"  # [workload] factory of an in-loop study: the user's loop builds the model, no factory
-IN_LOOP_DEFAULTS: dict[str, Any] = {"sim_timeout_s": 10.0, "confirm_launches": 0}
+# A 10 s cap on the simulated stage; the confirmation in the loop, on 16 rounds or more: this process's fresh rounds
+# decide whether the survivor runs for the rest of it ([Note: Applied in the process that measured it] in
+# planner.statistics.watch), and fewer see too few of a stalling plan's slow steps.
+IN_LOOP_DEFAULTS: dict[str, Any] = {"sim_timeout_s": 10.0, "confirm_launches": 0, "confirm_min_rounds": 16}
 
 
 class TunerPhase(enum.StrEnum):
@@ -84,7 +87,7 @@ def in_loop_config(study: str, storage: str | None = None, memory_budget: str | 
         directory: where relative outputs go.
         keys: any other study key, flat (``sim_trials=400``, ``min_rounds=6``, ...: the TOML keys). The
             in-loop defaults (:data:`IN_LOOP_DEFAULTS`) apply where not given: a 10 s cap on the simulated
-            stage, and the confirmation in the loop.
+            stage, and the confirmation in the loop on 16 rounds or more.
 
     Raises:
         StudyConfigError: an unknown key, a value out of range, or ``confirm_launches`` other than 0 (the
@@ -97,6 +100,9 @@ def in_loop_config(study: str, storage: str | None = None, memory_budget: str | 
         raise StudyConfigError("AutoTuner: 'factory' is not a key here: the training loop builds the model")
     fields = {**IN_LOOP_DEFAULTS, **keys, "name": study, "factory": FACTORY, "memory_budget": memory_budget,
               "storage": storage}
+    high = keys.get("confirm_max_rounds")
+    if "confirm_min_rounds" not in keys and isinstance(high, int) and high < IN_LOOP_DEFAULTS["confirm_min_rounds"]:
+        fields["confirm_min_rounds"] = max(6, high)  # the in-loop default gives way to a smaller maximum asked for
     return StudyConfig.build(directory, source="AutoTuner", **fields)
 
 

@@ -24,9 +24,14 @@ steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
    the race's blocks, one plan per step in the balanced order, switched at
    the same step on every rank;
 4. confirming: the race's survivor against FSDP2's default on fresh rounds;
-5. done: the study's recommendation stays applied (FSDP2's default if
-   nothing was confirmed faster, even provisionally); the tuner's hooks are
-   gone and ``tuner.step()`` does nothing.
+5. watching: a survivor faster on this process's fresh rounds, but not yet
+   across processes, runs for the rest of the process, one step in K
+   running FSDP2's default (:mod:`runtime.in_loop.watching`); it is reverted
+   to the default the first time an always-valid test finds it slower in
+   total ([Note: The watch] in :mod:`planner.statistics.watch`);
+6. done: the study's recommendation stays applied (FSDP2's default if
+   nothing was confirmed faster across processes and nothing is watched);
+   the tuner's hooks are gone and ``tuner.step()`` does nothing.
 
 Rank 0 alone decides; the ranks exchange only at the ends of phases and
 blocks, on a gloo group of their own (``runtime.ranks.collectives.control_group``),
@@ -58,12 +63,14 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, one_line
 from planner.statistics.verdict import Confirmation
-from planner.study.in_loop import TunerPhase, in_loop_config
+from planner.statistics.watch import COST, Watch, WatchState, watch_every
+from planner.study.in_loop import TunerPhase, in_loop_config, record_watch
 from runtime.accumulation import holds_between_microbatches
 from runtime.apply import apply_plan, model_fingerprint
 from runtime.in_loop.recorder import LoopRecorder
-from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep
+from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep, RoundEnd
 from runtime.in_loop.steps import StepSide
+from runtime.in_loop.watching import WatchedSteps
 from runtime.ranks.collectives import control_group, gather_objects
 from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.workload import fsdp_modules
@@ -106,6 +113,8 @@ class AutoTuner:
             the launches it rests on: a provisional plan's re-confirmation pools the earlier starts' launches);
             ``None`` before, when the race dropped every candidate, or when the tuner reused a plan.
         steps_tuning: steps spent recording, racing and confirming.
+        watch: while the survivor runs watched (phase ``watching``) and after, where its watch stands
+            (``planner.statistics.watch.WatchState``: checks, steps, ratio, reverted); ``None`` without one.
 
     Raises:
         NotShardedError: ``model`` is not wrapped with ``fully_shard``, or has no FSDP module beyond the root.
@@ -136,6 +145,8 @@ class AutoTuner:
             storage = default_storage(study)
             if self.rank0:
                 Path("studies").mkdir(exist_ok=True)
+        # the process group's backend names the cluster whose spread the verdicts use (planner.study.cluster_spread)
+        keys.setdefault("backend", "nccl" if "nccl" in str(dist.get_backend()) else "gloo")
         self.config = in_loop_config(study, storage, memory_budget, **keys)
         self._group = control_group(self.config.launch.timeout_s)
         self.fingerprint = model_fingerprint(model)
@@ -143,6 +154,8 @@ class AutoTuner:
         self.plan = Plan(self.fingerprint, {})
         self.confirmation: Confirmation | None = None
         self.steps_tuning = 0
+        self._watching: WatchedSteps | None = None
+        self._watched_trial: int | None = None
         self._queue: deque[LoopStep] = deque()
         self._phase_started = 0
         self.device = next(model.parameters()).device.type
@@ -197,6 +210,13 @@ class AutoTuner:
         """
         if self.phase == TunerPhase.DONE:
             yield
+            return
+        if self.phase == TunerPhase.WATCHING:
+            self._watching.before()
+            yield
+            state = self._watching.after()
+            if state is not None:
+                self._watched(state)
             return
         order = self._queue.popleft()
         t0 = self._steps.before(order)
@@ -272,7 +292,49 @@ class AutoTuner:
         what = f"; {end.line}" if end.line else ""
         self._log(f"AutoTuner: done after {self.steps_tuning} tuning steps ({self.steps_tuning - self._phase_started}"
                   f" confirming){what}")
+        if end.applies_here:
+            self._watch(end)
+            return
         self._finish_with(end.plan)
+
+    def _watch(self, end: RoundEnd) -> None:
+        """Apply the survivor for the rest of this process and watch it against FSDP2's default ([Note: Applied in
+        the process that measured it] in :mod:`planner.statistics.watch`)."""
+        plan, trial = end.survivor
+        every = watch_every(end.here.ratio)
+        apply_plan(self.model, plan, check=False)
+        self.plan, self.phase, self._queue = plan, TunerPhase.WATCHING, deque()
+        self._watched_trial = trial
+        self._watching = WatchedSteps(self.model, self.device, self._group, plan, Plan(self.fingerprint, {}),
+                                      Watch(every, seed=trial), self.rank0, self._steps.microbatches)
+        self._log(f"AutoTuner: applied trial {trial}'s plan for the rest of this process: {end.here.line()} (the "
+                  "study keeps it provisional until fresh launches confirm it); watching it against FSDP2's default "
+                  f"one step in {every} (at most {100 * COST:.0f}% of the run's time at that ratio), reverted if it "
+                  "is slower in total")
+
+    def _watched(self, state: WatchState) -> None:
+        """After a watch block: a revert, or every so often the running ratio (logged and stored on rank 0)."""
+        if state.reverted:
+            self._log(f"AutoTuner: the watch reverted trial {self._watched_trial}'s plan after {state.steps} steps: "
+                      f"{state.line()}")
+            self._store_watch(state)
+            self._finish_with(Plan(self.fingerprint, {}))
+        elif self._watching.due_for_log():
+            self._log(f"AutoTuner: watching trial {self._watched_trial}'s plan: {state.line()}")
+            self._store_watch(state)
+
+    def _store_watch(self, state: WatchState) -> None:
+        if not self.rank0:
+            return
+        try:
+            record_watch(self.config, self._watched_trial, self._round.session.job, state)
+        except PlannerError as e:
+            logger.warning(f"AutoTuner: could not record the watch in the study: {one_line(e)}")
+
+    @property
+    def watch(self) -> WatchState | None:
+        """Where the watch of the survivor applied in this process stands; ``None`` without one."""
+        return None if self._watching is None else self._watching.state
 
     # -- the end ---------------------------------------------------------------------------------------------------
 
@@ -294,8 +356,14 @@ class AutoTuner:
 
     def close(self) -> None:
         """Stop tuning where it stands (e.g. the loop ends early): the trials still held are FAIL (interrupted,
-        measured again by the next tuner), FSDP2's default is applied."""
+        measured again by the next tuner), FSDP2's default is applied. A watched plan stays applied, its watch
+        stored in the study."""
         if self.phase == TunerPhase.DONE:
+            return
+        if self.phase == TunerPhase.WATCHING:
+            if self._watching.state is not None:
+                self._store_watch(self._watching.state)
+            self._finish_with(self.plan)
             return
         self._round.fail(None, "the training loop ended first")
         self._abandon("closed before the tuning ended")

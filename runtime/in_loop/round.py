@@ -29,6 +29,7 @@ from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError, one_line
 from planner.statistics.schedule import Phase
 from planner.statistics.verdict import Confirmation
+from planner.statistics.watch import InProcess, in_process
 from planner.storages import check_writable
 from planner.study.in_loop import (
     SOURCE,
@@ -65,12 +66,29 @@ class LoopStep:
 
 @dataclass(frozen=True)
 class RoundEnd:
-    """What a concluded round leaves on every rank: the plan to keep applied, the confirmation (``None`` when the
-    race dropped every candidate), and rank 0's line on the study's recommendation."""
+    """What a concluded round leaves on every rank.
+
+    Attributes:
+        plan: the plan the study recommends now (FSDP2's default unless one is faster across processes).
+        confirmation: the survivor's confirmation (``None`` when the race dropped every candidate).
+        line: rank 0's line on the study's recommendation.
+        survivor: the race's survivor and its trial number, ``None`` without one.
+        here: what this process's confirmation rounds say of the survivor ([Note: Applied in the process that
+            measured it] in ``planner.statistics.watch``); ``None`` without a survivor.
+    """
 
     plan: Plan
     confirmation: Confirmation | None
     line: str
+    survivor: tuple[Plan, int] | None = None
+    here: InProcess | None = None
+
+    @property
+    def applies_here(self) -> bool:
+        """Whether the survivor runs for the rest of this process, watched: faster on this process's fresh rounds,
+        and not the plan the study recommends already."""
+        return (self.survivor is not None and self.here is not None and self.here.faster
+                and self.survivor[0].behaviour_key() != self.plan.behaviour_key())
 
 
 @dataclass(frozen=True)
@@ -271,12 +289,21 @@ class InLoopRound:
                 self.session.save_profile()
             c = self._schedule.confirmation
             written = outcome.written or default
+            survivor = self._schedule.survivor
+            here = None
+            if c is not None and survivor is not None:
+                s = self._schedule
+                here = in_process(s.confirm_ms[survivor], s.confirm_ms[s.default])
             return {"plan": written.to_dict(), "line": outcome.best.line(self.config.name) if outcome.best else "",
-                    "confirmation": None if c is None else confirmation_attrs(c)}
+                    "confirmation": None if c is None else confirmation_attrs(c),
+                    "survivor": None if here is None else (told[survivor].to_dict(), told[survivor].provenance.trial),
+                    "here": here}
 
         payload = self.everywhere(finish)
         c = payload["confirmation"]
-        return RoundEnd(Plan.from_dict(payload["plan"]), None if c is None else confirmation_from(c), payload["line"])
+        survivor = payload["survivor"]
+        return RoundEnd(Plan.from_dict(payload["plan"]), None if c is None else confirmation_from(c), payload["line"],
+                        None if survivor is None else (Plan.from_dict(survivor[0]), survivor[1]), payload["here"])
 
     def fail(self, plan: int | None, reason: str) -> None:
         """Rank 0: record FAIL the trial of ``plan`` (``FailKind.ERROR``: its step raised; ``None``: none) and

@@ -57,9 +57,12 @@ def test_loss_bitwise_identical_with_the_tuner(tmp_path, workload, space):
 def test_the_next_start_reuses_the_study(tmp_path):
     storage = f"sqlite:///{tmp_path}/tuning.db"
     first = run_loop(tmp_path, MLP, 70, "tune", storage, profile_out=str(tmp_path / "profile.json"))
-    assert first["final_phase"] == "done" and 0 < first["steps_tuning"] < 70
-    i = first["phases"].index("done")
-    assert first["phases"][i:] == ["done"] * (70 - i) and first["steps_tuning"] == i
+    # done, or the survivor watched for the rest of the process when this process's fresh rounds found it faster
+    end = first["final_phase"]
+    assert end in ("done", "watching") and 0 < first["steps_tuning"] < 70
+    i = first["phases"].index(end)
+    assert first["phases"][i:] == [end] * (70 - i) and first["steps_tuning"] == i
+    assert (first["watch"] is not None) == (end == "watching")
     measured = _measured(storage)
     assert measured and all(r.source == SOURCE for r in measured)
     assert sum(r.confirmation is not None for r in measured) == (first["confirmation"] is not None)
@@ -83,7 +86,7 @@ def test_the_next_start_reuses_the_study(tmp_path):
     before = len(_measured(storage))
     third = run_loop(tmp_path, MLP, 40, "tune", storage, recheck=True)
     assert third["phases"][0] == "racing" and "recording" not in third["phases"]
-    assert third["final_phase"] == "done" and 0 < third["steps_tuning"] < first["steps_tuning"]
+    assert third["final_phase"] in ("done", "watching") and 0 < third["steps_tuning"] < first["steps_tuning"]
     new = _measured(storage)[before:]
     assert [r.is_default for r in new] == [True, False] and new[1].reconfirms == recommended
     assert all(r.source == SOURCE for r in new)
@@ -111,7 +114,7 @@ def test_the_next_start_reuses_the_study(tmp_path):
     fifth = run_loop(tmp_path, MLP, 70, "tune", predicted, start_from=str(tmp_path / "predicted.plan.json"))
     new = _measured(predicted)
     assert new[0].is_default and "cpu-emulated-1gbit" in new[1].predicted_for
-    assert fifth["final_phase"] == "done" and "recording" in fifth["phases"]
+    assert fifth["final_phase"] in ("done", "watching") and "recording" in fifth["phases"]
 
     out = tmp_path / "errors.json"
     run_ranks("in_loop_errors.py", storage, str(out))
@@ -158,7 +161,7 @@ def test_a_failing_step_propagates_and_the_next_tuner_goes_on(tmp_path):
     failed = [r for r in _measured(storage)[:3] if r.state == optuna.trial.TrialState.FAIL]
     assert any("ValueError: boom at step 8" in r.failure.reason for r in failed)
     assert not any(r.state == optuna.trial.TrialState.RUNNING for r in _measured(storage))
-    assert result["second"]["final_phase"] == "done" and result["second"]["steps_tuning"] > 0
+    assert result["second"]["final_phase"] in ("done", "watching") and result["second"]["steps_tuning"] > 0
 
 
 @pytest.mark.slow
@@ -179,7 +182,7 @@ def test_a_rank_that_leaves_mid_race_leaves_no_trial_running(tmp_path):
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
-    assert result["final_phase"] == "done" and result["phases"][0] == "recording"
+    assert result["final_phase"] in ("done", "watching") and result["phases"][0] == "recording"
     trials = _measured(storage)
     assert not any(t.state == optuna.trial.TrialState.RUNNING for t in trials)
     jobs = list(dict.fromkeys(t.job for t in trials))
@@ -264,7 +267,7 @@ def test_a_plain_loop_on_a_stock_torch_model(tmp_path):
     run_ranks("plain_loop.py", f"sqlite:///{tmp_path}/tuning.db", str(out), json.dumps(KEYS), "60")
     r = json.loads(out.read_text())
     assert r["with"] == r["without"] and r["again"] == r["without"] and len(set(r["without"])) == 60
-    assert r["phases"][0] == "recording" and r["phases"][-1] == "done" and 0 < r["steps_tuning"] < 60
+    assert r["phases"][0] == "recording" and r["phases"][-1] in ("done", "watching") and 0 < r["steps_tuning"] < 60
     done = [line for line in r["log"] if line.startswith("AutoTuner: done after")]
     if r["confirmation"] is not None:
         ratio, verdict, launches = r["confirmation"]

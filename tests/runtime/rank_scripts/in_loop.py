@@ -13,6 +13,7 @@ microbatch (loss / n), optimizer step. Modes:
 
 Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phase at each step],
 "steps_tuning", "final_phase", "confirmation": [ratio, ci, rounds, verdict, launches] or null, "plan": Plan dict,
+"watch": [checks, steps, ratio, reverted] or null,
 "raised": [type, message] (raise mode), "second": the same figures of the second tuner (raise mode)}.
 """
 
@@ -67,8 +68,9 @@ def gathered(local):
 
 def figures(tuner: AutoTuner, phases: list[str]) -> dict:
     c = tuner.confirmation
+    w = tuner.watch
     return {"phases": phases, "steps_tuning": tuner.steps_tuning, "final_phase": str(tuner.phase),
-            "plan": tuner.plan.to_dict(),
+            "plan": tuner.plan.to_dict(), "watch": None if w is None else [w.blocks, w.steps, w.ratio, w.reverted],
             "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, str(c.verdict), c.launches]}
 
 

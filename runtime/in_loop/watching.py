@@ -1,0 +1,102 @@
+"""The watched plan: the survivor applied for the rest of the process, one step in K running FSDP2's default
+([Note: The watch] in :mod:`planner.statistics.watch`), on every rank.
+
+Every rank holds a :class:`~planner.statistics.watch.Watch` with the same seed, so the default's step falls at the
+same step everywhere. Each watched step is timed inside ``tuner.step()`` (the device synchronized at its ends, no
+barrier: a data-parallel step's wall time is the slowest rank's on every rank). At a block's end rank 0 records it,
+decides, and broadcasts the decision on the control group: a revert applies FSDP2's default on every rank before the
+next step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from planner.artifacts.plan import Plan
+from planner.statistics.watch import Watch, WatchState
+from runtime.apply import apply_plan
+from runtime.ranks.collectives import broadcast_from_rank0
+from runtime.timing import synchronize
+from runtime.workload import fsdp_modules
+
+# Steps between the watch's log lines of its running ratio.
+LOG_EVERY_STEPS = 500
+
+
+@dataclass
+class WatchedSteps:
+    """The watch's side of each of the user's steps (every rank).
+
+    Args:
+        model: the root FSDP module.
+        device: ``"cpu"`` or ``"cuda"``.
+        group: the control group.
+        plan: the plan applied (the survivor).
+        default: FSDP2's default.
+        watch: this rank's watch (same seed on every rank).
+        rank0: whether this rank decides.
+        microbatches: the user's root forwards per step (a plan's parameters resharded after the last).
+    """
+
+    model: nn.Module
+    device: str
+    group: Any
+    plan: Plan
+    default: Plan
+    watch: Watch
+    rank0: bool
+    microbatches: int = 1
+    state: WatchState | None = None
+    _block: list[bool] | None = None
+    _at: int = 0
+    _plan_ms: float = 0.0
+    _default_ms: float = 0.0
+    _t0: float = 0.0
+    _logged_at: int = 0
+
+    def before(self) -> None:
+        """Before a step: FSDP2's default applied if this is the block's check, the clock read."""
+        if self._block is None:
+            self._block, self._at, self._plan_ms, self._default_ms = self.watch.next_block(), 0, 0.0, 0.0
+        if self._block[self._at]:
+            apply_plan(self.model, self.default, check=False)
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+
+    def after(self) -> WatchState | None:
+        """After a step: its time kept, the plan applied again after a check; at a block's end, rank 0's decision
+        on every rank (the state, once per block; ``None`` within a block)."""
+        synchronize(self.device)
+        ms = (time.perf_counter() - self._t0) * 1e3
+        if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
+            for _, m in fsdp_modules(self.model):
+                m.reshard()
+        if self._block[self._at]:
+            self._default_ms = ms
+            apply_plan(self.model, self.plan, check=False)
+        else:
+            self._plan_ms += ms
+        self._at += 1
+        if self._at < len(self._block):
+            return None
+        steps = len(self._block) - 1
+        self._block = None
+        payload = None
+        if self.rank0:
+            state = self.watch.record(self._plan_ms, steps, self._default_ms)
+            payload = state
+        self.state = broadcast_from_rank0(payload, self.group)
+        if self.state.reverted:
+            apply_plan(self.model, self.default, check=False)
+        return self.state
+
+    def due_for_log(self) -> bool:
+        """Whether :data:`LOG_EVERY_STEPS` steps passed since the last log line (then counted from now)."""
+        if self.state is None or self.state.steps - self._logged_at < LOG_EVERY_STEPS:
+            return False
+        self._logged_at = self.state.steps
+        return True
