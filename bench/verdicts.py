@@ -8,6 +8,8 @@
     path's looks at the prior's spread and above it, a plan faster on most
     steps that stalls, the in-loop restart chain after a race, and the power
     at 10% and 7% gains. Each rate with its exact binomial 95% interval.
+    Then power on a calibrated cluster: spreads of 0.5-4.5% between
+    launches, gains of 2-8%, through the product's calibration and design.
 (b) A/A on real ranks. Races in which the one candidate *is* FSDP2's default
     (the same plan under another index), each followed by its confirmation on
     fresh rounds in the same processes, as ``tune`` runs them under torchrun
@@ -276,6 +278,40 @@ def synthetic_sweep(runs: int = 4000) -> list[dict]:
     return out
 
 
+def calibrated_power(runs: int = 2000) -> list[dict]:
+    """Power and error on a calibrated cluster, through the product's calibration, design and verdict
+    (``planner.testing.calibrated_chain``: 12 fresh calibration launches over FSDP2's default against a copy of
+    itself and two unselected plans; 12 rounds a launch, 1% step noise per plan): for true spreads between
+    launches of 0.5, 1, 2 and 4.5% and true gains of 0 (A/A), 2, 3, 5 and 8%, the in-loop restart chain (a look
+    per fresh launch up to the design's horizon) and ``tune`` (the design's launches, one look); then a plan whose
+    own spread is twice the calibrated one."""
+    from planner.testing import LaunchModel, calibrated_chain
+
+    out = []
+    print(f"\npower on a calibrated cluster ({runs} chains each; 'ever faster' within the chain, exact 95% "
+          "intervals; floor = the calibration's mean upper bound, horizon = the chain's mean fresh launches)")
+    for tau in (0.005, 0.01, 0.02, 0.045):
+        for launches, name in ((0, "in-loop chain"), (None, "tune")):
+            row = {"tau": tau, "chain": name}
+            cells = []
+            for gain in (0.0, 0.02, 0.03, 0.05, 0.08):
+                ever, floor, horizon = calibrated_chain(LaunchModel(gain=gain, tau=tau, noise=0.01, rounds=12), runs,
+                                                        seed=int(1e4 * tau), tune_launches=launches)
+                row[f"gain {gain:.2f}"] = ever / runs
+                row["floor"], row["horizon"] = floor, horizon
+                cells.append(f"{100 * gain:.0f}%: {100 * ever / runs:5.1f}%")
+            print(f"  tau {tau:.3f}, {name:<13} floor {row['floor']:.4f}, horizon {row['horizon']:.1f}: "
+                  + "; ".join(cells), flush=True)
+            out.append(row)
+    for tau in (0.005, 0.01, 0.02):
+        ever, _, _ = calibrated_chain(LaunchModel(tau=2 * tau, noise=0.01, rounds=12), runs, seed=7,
+                                      tau_calibration=tau)
+        print(f"  a plan whose own spread is twice the calibrated {tau:.3f}: ever 'faster' with nothing to gain "
+              f"{rate_text(ever, runs)} (not bounded: the floor assumes the calibrated spread)", flush=True)
+        out.append({"tau": tau, "own": 2 * tau, "aa": ever / runs})
+    return out
+
+
 @click.command(help=__doc__)
 @click.argument("study", default="studies/llama-cpu.toml", type=click.Path(dir_okay=False))
 @click.option("--aa-races", default=20, show_default=True, help="A/A races")
@@ -307,6 +343,7 @@ def main(study: str, aa_races: int, rounds: int, remeasures: int, skip_synthetic
             work = Path(d)
             if not skip_synthetic:
                 figures["synthetic"] = synthetic_sweep()
+                figures["calibrated"] = calibrated_power()
             if not skip_aa:
                 figures["aa"] = aa(study, aa_races, work, config.launch)
             if not skip_coverage:

@@ -332,7 +332,7 @@ def verify(plan_json, study_toml, launches, rounds, json_out, out, validated_con
 
             plan = load_plan(plan_json)
             click.echo(claim_line(plan, plan_json))
-            _verify_report(plan, plan_json, [times], json_out)
+            _verify_report(plan, plan_json, [times], json_out, config)
         return
     plan = check_before_launch(config, plan_json)
     from planner.presentation.verify_report import claim_line, launch_line
@@ -349,16 +349,20 @@ def verify(plan_json, study_toml, launches, rounds, json_out, out, validated_con
             _exit_with_ranks(code, "verify", _EXPECTED_RANK_EXITS)
             measured.append(LaunchTimes.load(path))
             click.echo(launch_line(i + 1, launches, measured[-1].plan_ms, measured[-1].default_ms))
-    _verify_report(plan, plan_json, measured, json_out)
+    _verify_report(plan, plan_json, measured, json_out, config)
 
 
-def _verify_report(plan: Any, plan_json: str, measured: list[Any], json_out: str | None) -> None:
-    """Print the combined re-measurement and the check against the claim; write ``json_out`` when given."""
+def _verify_report(plan: Any, plan_json: str, measured: list[Any], json_out: str | None,
+                   config: StudyConfig) -> None:
+    """Print the combined re-measurement and the check against the claim, at the cluster's floor of the spread
+    (its calibration in the study's storage, else its device's prior); write ``json_out`` when given."""
     import json
 
     from planner.presentation.verify_report import verification, verify_report
+    from planner.study.cluster_spread import ClusterKey, stored_cluster_spread
 
-    result = verification(plan, [(t.plan_ms, t.default_ms) for t in measured])
+    cluster = stored_cluster_spread(config.storage_url, ClusterKey.of(plan.fingerprint, config.launch.backend))
+    result = verification(plan, [(t.plan_ms, t.default_ms) for t in measured], cluster.spread)
     loaded = sorted({m for t in measured for m in t.tuner_modules})
     for line in verify_report(result, loaded):
         click.echo(line)

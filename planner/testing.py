@@ -399,8 +399,8 @@ def first_run(rng: np.random.Generator, effects: Sequence[float], tau: float = 0
               stall_p: Sequence[float] | None = None, stall_x: float = 1.5, watch_steps: int = 500,
               drift: float = 0.03, drift_rho: float = 0.95) -> FirstRun:
     """One in-loop tuner's first run on synthetic steps: the race and the confirmation through
-    :class:`~planner.statistics.schedule.Schedule` (the in-loop tuner's defaults: ``planner.study.in_loop``), the in-process
-    decision (``planner.statistics.watch.in_process``), then ``watch_steps`` watched steps
+    :class:`~planner.statistics.schedule.Schedule` (the in-loop tuner's defaults: ``planner.study.in_loop``), the
+    in-process decision (``planner.statistics.watch.in_process``), then ``watch_steps`` watched steps
     (:class:`~planner.statistics.watch.Watch`).
 
     Plan ``p``'s step takes ``100 ms * effects[p] * exp(offset_p)`` (``offset_p ~ N(0, tau^2)`` in this process,
@@ -447,3 +447,55 @@ def first_run(rng: np.random.Generator, effects: Sequence[float], tau: float = 0
         if watch.record(plan_ms, plan_steps, default_ms).reverted:
             return FirstRun(survivor, float(offsets[survivor]), True, watched)
     return FirstRun(survivor, float(offsets[survivor]), True, None)
+
+
+def calibrated_chain(model: LaunchModel, runs: int, seed: int, calibration_launches: int = 12,
+                     pairs: int = 3, tau_calibration: float | None = None, resolve: float = 0.03,
+                     tune_launches: int | None = 0) -> tuple[int, float, int]:
+    """How many of ``runs`` chains of ``model``'s fresh launches are ever called faster on a cluster calibrated as the
+    product calibrates it, and the mean floor and horizon they ran under.
+
+    Each run: a calibration of ``calibration_launches`` fresh launches spread over ``pairs`` unselected pairs
+    (``planner.study.cluster_spread.calibration_pairs``: FSDP2's default against a copy of itself and against
+    unselected plans, each pair's launches drawn with nothing to gain at ``tau_calibration``, default
+    ``model.tau``), turned into the cluster's spread (``spread_of``: the floor and the evidence); the chain's design
+    at the per-round noise ``model`` implies (``planner.statistics.design``); then the chain. ``tune_launches``
+    ``0``: the in-loop chain, one fresh launch per later start and a look after each, up to the design's horizon;
+    ``None``: ``tune``'s, the design's launches then one look.
+
+    Returns:
+        The chains ever called faster, the mean floor (log scale) and the mean horizon.
+    """
+    import math
+
+    import numpy as np
+
+    from planner.statistics.design import confirmation_design
+    from planner.study.cluster_spread import ClusterKey, calibration_pairs, spread_of
+
+    rng = np.random.default_rng(seed)
+    null = LaunchModel(tau=model.tau if tau_calibration is None else tau_calibration, noise=model.noise,
+                       shared=model.shared, rounds=model.rounds)
+    kinds = calibration_pairs(calibration_launches, [f"u{i}" for i in range(pairs - 1)])
+    sigma = math.sqrt(2) * model.noise  # the per-round log ratio's noise: two steps' own noise
+    ever, floors, horizons = 0, [], []
+    for _ in range(runs):
+        drawn = null.draw(1, calibration_launches, int(rng.integers(1 << 31)))[0]
+        groups: dict[str, list[ConfirmLaunch]] = {}
+        for kind, launch in zip(kinds, as_launches(drawn), strict=True):
+            groups.setdefault(kind, []).append(launch)
+        cluster = spread_of(ClusterKey("cuda", "nccl", 8), groups)
+        design = confirmation_design(sigma, resolve, (model.rounds, model.rounds), tune_launches, cluster.spread,
+                                     cluster.floor)
+        floors.append(cluster.floor)
+        horizons.append(design.horizon)
+        chain = as_launches(model.draw(1, design.horizon, int(rng.integers(1 << 31)))[0])
+        looks_at = range(1, design.horizon + 1) if tune_launches == 0 else [design.horizon]
+        earlier: tuple[int, ...] = ()
+        for k in looks_at:
+            looks = Looks(earlier, horizon=design.horizon)
+            if confirm_launches(chain[:k], 0.0, cluster.spread, looks, cluster.spread).verdict == Verdict.FASTER:
+                ever += 1
+                break
+            earlier = (*earlier, k)
+    return ever, float(np.mean(floors)), float(np.mean(horizons))

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from planner.artifacts.plan import Plan
 from planner.statistics.agreement import ClaimCheck, compare_with_claim
-from planner.statistics.launches import ConfirmLaunch
+from planner.statistics.launches import DEFAULT_SPREAD, ConfirmLaunch, Spread
+from planner.statistics.looks import Looks
 from planner.statistics.verdict import Confirmation, confirm_launches, confirmation_text, step_noise_pct
 
 
@@ -28,14 +29,17 @@ class Verification:
     launch_ratios: list[float]
 
 
-def verification(plan: Plan, launches: Sequence[tuple[Sequence[float], Sequence[float]]]) -> Verification:
-    """``launches`` (per launch ``(plan_ms, default_ms)``, ms) combined and set against ``plan``'s claim.
+def verification(plan: Plan, launches: Sequence[tuple[Sequence[float], Sequence[float]]],
+                 floor: Spread = DEFAULT_SPREAD) -> Verification:
+    """``launches`` (per launch ``(plan_ms, default_ms)``, ms) combined and set against ``plan``'s claim, the spread
+    between launches floored at ``floor`` (the cluster's: ``planner.study.cluster_spread``) and pooled from it.
 
     Raises:
         ValueError: no launch, or one with fewer rounds than a confirmation needs.
     """
     noise = step_noise_pct([list(t) for launch in launches for t in launch])
-    confirmation = confirm_launches([ConfirmLaunch(list(p), list(d)) for p, d in launches], noise)
+    confirmation = confirm_launches([ConfirmLaunch(list(p), list(d)) for p, d in launches], noise, floor,
+                                    Looks(horizon=len(launches)), floor)
     p = plan.provenance
     claimed = p.measured_ratio if p.ratio_of == "total time" else None
     check = compare_with_claim(confirmation, claimed, p.ratio_ci95 if claimed is not None else None)

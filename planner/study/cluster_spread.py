@@ -194,6 +194,28 @@ def cluster_spread(engine: sa.Engine, key: ClusterKey) -> ClusterSpread:
     return spread_of(key, calibration_launches(engine, key))
 
 
+def stored_cluster_spread(url: str, key: ClusterKey) -> ClusterSpread:
+    """The spread of cluster ``key`` in the storage at ``url``, opened read-only; the device's prior where the
+    storage does not exist or holds no calibration table (nothing is written).
+
+    Raises:
+        StorageError: the storage cannot be opened.
+    """
+    from planner.errors import StudyNotFoundError
+    from planner.storages import open_storage_read_only
+
+    try:
+        storage = open_storage_read_only(url)
+    except StudyNotFoundError:  # no database yet
+        return spread_of(key, {})
+    try:
+        return cluster_spread(storage.engine, key)
+    except sa.exc.SQLAlchemyError:  # a storage no planner of this release has written
+        return spread_of(key, {})
+    finally:
+        storage.engine.dispose()
+
+
 def calibration_pairs(launches: int, unselected: Sequence[str]) -> list[str]:
     """The pair each of ``launches`` calibration launches runs against FSDP2's default ([Note: What a calibration
     runs]): alternately :data:`DEFAULT_PAIR` and the ``unselected`` plans' keys in turn; every pair gets two

@@ -15,5 +15,6 @@ warmup_steps = 1
 steps = 3
 max_rounds = 6
 confirm_max_rounds = 8
+confirm_launches = 2
 profile_repeats = 2
 """
