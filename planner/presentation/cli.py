@@ -292,11 +292,42 @@ def studies_show(name, storage, top) -> None:
         for records in history.values():
             click.echo("  " + "; ".join(f"trial {r.number} (job {r.job}): {r.confirmation.verdict} "
                                         f"{r.confirmation.ratio:.3f}" for r in records))
+    _show_watches_and_clusters(_storage_for(name, storage), name)
     _show_predicted(_storage_for(name, storage), name)
     best = sorted((r for r in trials.simulated if r.predicted_ms is not None), key=lambda r: r.predicted_ms)[:top]
     click.echo(f"\nsimulated stage (best {len(best)})\n  {'trial':>5} {'predicted ms':>12}  params")
     for r in best:
         click.echo(f"  {r.number:>5} {ms(r.predicted_ms):>12}  {json.dumps(_short(r.params))}")
+
+
+def _show_watches_and_clusters(url: str, name: str) -> None:
+    """The plans applied in the process that measured them and how their watch ended; the calibrated clusters of the
+    storage. Nothing is printed where there is none."""
+    import sqlalchemy as sa
+
+    from planner.storages import open_storage_read_only
+    from planner.storages.archive import watch_rows
+    from planner.study.cluster_spread import stored_clusters
+
+    storage = open_storage_read_only(url)
+    try:
+        watches, clusters = watch_rows(storage.engine, name), stored_clusters(storage.engine)
+    except sa.exc.SQLAlchemyError:  # a storage written before these tables
+        return
+    finally:
+        storage.engine.dispose()
+    if watches:
+        click.echo("\napplied in the process that measured them (faster on its fresh rounds; the study keeps them "
+                   "provisional), watched against FSDP2's default")
+        for trial, w in watches.items():
+            ratio = f"{w.ratio:.3f}" if w.ratio is not None else "-"
+            end = "reverted to FSDP2's default: slower in total" if w.reverted else "kept"
+            click.echo(f"  trial {trial} (job {w.job}): ratio {ratio} over {w.checks} checks ({w.steps} steps); "
+                       f"{end}")
+    if clusters:
+        click.echo("\nspread between launches of the clusters in this storage (the floor of their verdicts)")
+        for c in clusters:
+            click.echo(f"  {c.key.text}: {c.line()}")
 
 
 def _show_predicted(url: str, name: str) -> None:

@@ -361,7 +361,7 @@ class AutoTuner:
         if self.phase == TunerPhase.DONE:
             return
         if self.phase == TunerPhase.WATCHING:
-            if self._watching.state is not None:
+            if self._watching.state.blocks:
                 self._store_watch(self._watching.state)
             self._finish_with(self.plan)
             return

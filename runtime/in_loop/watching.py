@@ -58,6 +58,9 @@ class WatchedSteps:
     _t0: float = 0.0
     _logged_at: int = 0
 
+    def __post_init__(self) -> None:
+        self.state = self.watch.state()  # no block yet
+
     def before(self) -> None:
         """Before a step: FSDP2's default applied if this is the block's check, the clock read."""
         if self._block is None:
@@ -96,7 +99,7 @@ class WatchedSteps:
 
     def due_for_log(self) -> bool:
         """Whether :data:`LOG_EVERY_STEPS` steps passed since the last log line (then counted from now)."""
-        if self.state is None or self.state.steps - self._logged_at < LOG_EVERY_STEPS:
+        if self.state.steps - self._logged_at < LOG_EVERY_STEPS:
             return False
         self._logged_at = self.state.steps
         return True
