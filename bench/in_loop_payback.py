@@ -1,7 +1,7 @@
 """Benchmark: does tuning inside the training loop pay for itself? A user's loop of N steps, without and with
 ``runtime.AutoTuner`` from a cold study, in separate processes, alternated.
 
-    python -m bench.in_loop_payback studies/llama-cpu.toml [--steps 300] [--pairs 2] [--json OUT]
+    python -m bench.in_loop_payback studies/llama-cpu.toml [--steps 1000] [--pairs 1] [--at 300,1000] [--json OUT]
 
 Each run is a fresh launch of the study's ranks with a fresh model: ``without`` runs the user's loop as it is
 (FSDP2's default); ``with`` builds an ``AutoTuner`` with its defaults on a new, empty study and runs the same loop.
@@ -9,7 +9,8 @@ Runs alternate without, with, without, with, ... so that a drift of the machine 
 prints the loop's wall time (the first step to the last, every tuning cost inside: recording, the isolated
 passes and the search between steps, the slower plans of the race). Per pair: the wall-time ratio with /
 without, the steps spent tuning, the confirmed ratio, and the break-even step (the first step from which the
-tuned run's cumulative time stays below the plain run's).
+tuned run's cumulative time stays below the plain run's), the step from which the survivor ran watched in its own
+process and how its watch ended, and the wall-time ratio over the first ``--at`` steps of the same runs.
 
 After the ``with`` loop, the same process runs ``--overhead-rounds`` rounds of two steps on its tuned model, one
 inside ``tuner.step()`` (the done phase) and one bare, the order alternating: the total-time ratio, with its
@@ -92,6 +93,9 @@ def rank_main(study: str, arm: str, steps: int, overhead_rounds: int, out: str) 
             "overhead": [[max(g["overhead"][i][0] for g in gathered), max(g["overhead"][i][1] for g in gathered)]
                          for i in range(len(overhead))],
             "steps_tuning": tuner.steps_tuning if tuner else 0,
+            "watch": None if tuner is None or tuner.watch is None else {
+                "checks": tuner.watch.blocks, "steps": tuner.watch.steps, "ratio": tuner.watch.ratio,
+                "reverted": tuner.watch.reverted},
             "confirmation": None if c is None else {"ratio": c.ratio, "ci95": list(c.ci95), "rounds": c.rounds,
                                                     "verdict": str(c.verdict)},
         }
@@ -115,8 +119,9 @@ def break_even(with_ms: list[float], without_ms: list[float]) -> int | None:
     return None
 
 
-def report(runs: list[dict]) -> dict:
-    """Print the per-run and per-pair figures; the summary as a dict."""
+def report(runs: list[dict], at: list[int] | None = None) -> dict:
+    """Print the per-run and per-pair figures; the summary as a dict. ``at``: steps at which each pair's cumulative
+    wall-time ratio is also given (from the same runs: the time of their first ``k`` steps)."""
     from planner.statistics.verdict import confirm
 
     print(f"\n{'run':>3} {'arm':<8} {'wall s':>8} {'steps tuning':>12} {'median step ms (last 100)':>26}")
@@ -128,14 +133,25 @@ def report(runs: list[dict]) -> dict:
         a, b = runs[i], runs[i + 1]
         without, with_ = (a, b) if a["arm"] == "without" else (b, a)
         c = with_["confirmation"]
+        applied = with_["phases"].index("watching") if "watching" in with_["phases"] else None
         pairs.append({"ratio_wall": with_["wall_s"] / without["wall_s"], "steps_tuning": with_["steps_tuning"],
-                      "confirmation": c, "break_even_step": break_even(with_["step_ms"], without["step_ms"])})
+                      "confirmation": c, "break_even_step": break_even(with_["step_ms"], without["step_ms"]),
+                      "applied_from_step": applied, "watch": with_.get("watch"),
+                      "ratio_at": {k: sum(with_["step_ms"][:k]) / sum(without["step_ms"][:k])
+                                   for k in (at or []) if k <= len(with_["step_ms"])}})
     print(f"\n{'pair':>4} {'wall with/without':>18} {'steps tuning':>12} {'confirmed ratio [95% CI]':>30} "
           f"{'break-even step':>15}")
     for i, p in enumerate(pairs):
         c = p["confirmation"]
         text = f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] {c['verdict']}" if c else "none (dropped)"
         print(f"{i:>4} {p['ratio_wall']:>18.3f} {p['steps_tuning']:>12} {text:>30} {str(p['break_even_step']):>15}")
+    for i, p in enumerate(pairs):
+        w = p["watch"]
+        where = (f"the survivor applied from step {p['applied_from_step']}, watched: ratio {w['ratio']:.3f} over "
+                 f"{w['checks']} checks ({w['steps']} steps){', reverted' if w['reverted'] else ''}"
+                 if p["applied_from_step"] is not None and w else "nothing applied in this process")
+        ratios = ", ".join(f"{k} steps {r:.3f}" for k, r in p["ratio_at"].items())
+        print(f"pair {i}: {where}; wall time with / without at {ratios}")
     overhead = [pair for r in runs if r["arm"] == "with" for pair in r["overhead"]]
     summary: dict = {"pairs": pairs}
     if len(overhead) >= 6:
@@ -153,10 +169,12 @@ def report(runs: list[dict]) -> dict:
 @click.option("--pairs", default=2, show_default=True, help="pairs of runs (without, with), alternated")
 @click.option("--overhead-rounds", default=20, show_default=True,
               help="after the tuned loop: rounds of a done-phase step against a bare one")
+@click.option("--at", default="300,1000", show_default=True,
+              help="steps at which to give each pair's wall-time ratio too (the time of its first k steps)")
 @click.option("--arm", type=click.Choice(["without", "with"]), hidden=True)
 @click.option("--out", hidden=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="write every run and the summary here")
-def main(study: str, steps: int, pairs: int, overhead_rounds: int, arm: str | None, out: str | None,
+def main(study: str, steps: int, pairs: int, overhead_rounds: int, at: str, arm: str | None, out: str | None,
          json_out: str | None) -> None:
     if arm is not None:  # one rank of one run
         run_studies(MODULE, [study], lambda _: [], lambda s: rank_main(s, arm, steps, overhead_rounds, out))
@@ -171,7 +189,7 @@ def main(study: str, steps: int, pairs: int, overhead_rounds: int, arm: str | No
         run_studies(MODULE, [study], lambda _, f=forward: f, lambda s: None)
         runs.append(json.loads(path.read_text()))
         print(f"run {i} ({this}): {runs[-1]['wall_s']:.1f} s", flush=True)
-    summary = report(runs)
+    summary = report(runs, [int(k) for k in at.split(",") if k])
     if json_out:
         Path(json_out).write_text(json.dumps({"study": study, "steps": steps, "runs": runs, **summary}, indent=1))
 

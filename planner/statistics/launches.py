@@ -184,11 +184,11 @@ class Prior:
 # The priors per device kind ([Note: The spread is floored at the cluster's bound]): the floor of every verdict on a
 # cluster with no calibration of its own, and the evidence its studies start from.
 PRIORS: dict[str, Prior] = {
-    "cpu": Prior(Spread(0.045, 8.0), "measured with gloo on CPU: 0.02-0.035 between fresh processes on GPT-2 and "
-                 "Llama, floored above them (docs/decisions/cluster-spread.md)", True),
-    "cuda": Prior(Spread(0.02, 4.0), "a prior from published repeats, not a measurement: 0.1-0.7% between repeated "
-                  "launches of one configuration (torchtitan #4620, #4670; pytorch #5799), 1-2% across days and "
-                  "nodes (the Llama 3 report), its upper end taken (docs/decisions/cluster-spread.md)", False),
+    "cpu": Prior(Spread(0.045, 8.0), "0.02-0.035 between fresh processes of 2 gloo ranks on GPT-2 and Llama, "
+                 "floored above them (docs/decisions/cluster-spread.md)", True),
+    "cuda": Prior(Spread(0.02, 4.0), "not a measurement: 0.1-0.7% between repeated launches of one configuration "
+                  "(torchtitan #4620, #4670; pytorch #5799), 1-2% across days and nodes (the Llama 3 report), its "
+                  "upper end taken (docs/decisions/cluster-spread.md)", False),
 }
 # The CPU's prior, the most conservative: every device kind without a prior of its own takes it.
 DEFAULT_SPREAD = PRIORS["cpu"].spread

@@ -175,9 +175,9 @@ def spread_of(key: ClusterKey, groups: dict[str, Sequence[ConfirmLaunch]]) -> Cl
     df = sum(len(g) - 1 for g in estimates if len(g) >= 2)
     if df < MIN_CALIBRATION_DF:
         prior = prior_for(key.device_type)
-        kind = "measured" if prior.measured else "published"
+        kind = "measured" if prior.measured else "from published repeats"
         partial = f"; {launches} calibration launch(es) so far, too few to stand" if launches else ""
-        return ClusterSpread(key, prior.spread, False, f"the {key.device_type} prior, {kind}: {prior.source}"
+        return ClusterSpread(key, prior.spread, False, f"the {key.device_type} prior ({kind}): {prior.source}"
                              f"{partial}", launches, pairs, last)
     spread = calibrate(estimates)
     return ClusterSpread(key, spread, True, f"calibrated on {key.text}: {launches} fresh launches of "

@@ -29,7 +29,7 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
         assert "[calibrate] cpu/gloo, 2 ranks, FSDP has no calibration" in out, out
         assert "[calibrate] 2 fresh launches x 2 plans x (2 warm-up + 6 rounds) = 32 steps" in out, out
         assert "[calibrate 2/2] FSDP2's default against a second copy of itself measured" in out, out
-        assert "[confirm] spread between launches: floor 0.045 (the cpu prior, measured" in out, out
+        assert "[confirm] spread between launches: floor 0.045 (the cpu prior (measured)" in out, out
         assert "2 calibration launch(es) so far, too few to stand" in out, out
         # the survivor confirmed in 2 fresh launches (new ranks, the plans applied from the first step)
         assert "[confirm 1/2] fresh ranks" in out and "[confirm 2/2] fresh ranks" in out, out
