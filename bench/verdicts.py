@@ -312,6 +312,38 @@ def calibrated_power(runs: int = 2000) -> list[dict]:
     return out
 
 
+def first_run_rates(runs: int = 1000) -> list[dict]:
+    """The in-loop tuner's first run on synthetic steps through the product (``planner.testing.first_run``: the
+    race and confirmation under the in-loop defaults, the in-process decision, the watch): how often the survivor
+    runs for the rest of the process, by case."""
+    import numpy as np
+
+    from planner.testing import first_run
+
+    out = []
+    print(f"\nthe first run, applied in its own process and watched ({runs} synthetic first runs each; 1% step noise, "
+          "a drifting machine)")
+    cases = [
+        ("3 candidates, nothing to gain: applied (<= 5%)", [1.0] * 4, 0.0, None, 0, lambda r: r.applied),
+        ("5 candidates, nothing to gain: applied (<= 5%)", [1.0] * 6, 0.0, None, 0, lambda r: r.applied),
+        ("3 candidates, offsets tau 0.04: applied while slower in its own process (<= 2.5%)", [1.0] * 4, 0.04, None,
+         0, lambda r: r.applied and r.offset > 0),
+        ("5 candidates, offsets tau 0.04: applied while slower in its own process (<= 2.5%)", [1.0] * 6, 0.04, None,
+         0, lambda r: r.applied and r.offset > 0),
+        ("the stalling plan (2.9% slower in total): still applied after 500 watched steps (<= 5%)", [1.0, 0.98], 0.0,
+         [0.0, 0.1], 500, lambda r: r.applied_at_end),
+        ("a true 10% gain: applied in the first run and kept over 500 watched steps (>= 90%)", [1.0, 0.9, 1.0], 0.0,
+         None, 500, lambda r: r.applied_at_end and r.survivor == 1),
+    ]
+    for k, (label, effects, tau, stalls, watched, counts) in enumerate(cases):
+        rng = np.random.default_rng(100 + k)
+        events = sum(bool(counts(first_run(rng, effects, tau, stall_p=stalls, watch_steps=watched)))
+                     for _ in range(runs))
+        print(f"  {label}: {rate_text(events, runs)}", flush=True)
+        out.append({"case": label, "events": events, "runs": runs})
+    return out
+
+
 @click.command(help=__doc__)
 @click.argument("study", default="studies/llama-cpu.toml", type=click.Path(dir_okay=False))
 @click.option("--aa-races", default=20, show_default=True, help="A/A races")
@@ -344,6 +376,7 @@ def main(study: str, aa_races: int, rounds: int, remeasures: int, skip_synthetic
             if not skip_synthetic:
                 figures["synthetic"] = synthetic_sweep()
                 figures["calibrated"] = calibrated_power()
+                figures["first_run"] = first_run_rates()
             if not skip_aa:
                 figures["aa"] = aa(study, aa_races, work, config.launch)
             if not skip_coverage:

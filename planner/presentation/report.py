@@ -91,7 +91,7 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
 def design_line(d: ConfirmDesign) -> str:
     """``4 fresh launches of 10 rounds (80 steps), 81% power for a 3.0% gain at the cluster's spread``."""
     where = f"{d.launches} fresh launch(es)" if d.launches else "this process, then a fresh launch at each later start"
-    reach = "" if d.resolves else " (the most its launches allow: more would not resolve it)"
+    reach = "" if d.resolves else " (no design of up to 6 launches reaches 80%: the cluster's spread dominates)"
     return (f"{where} of {d.rounds} rounds ({d.steps()} steps), {100 * d.power:.0f}% power for a "
             f"{100 * d.resolve:.1f}% gain at the cluster's spread{reach}; the chain looks up to {d.horizon} fresh "
             "launch(es)")

@@ -17,9 +17,9 @@ device's prior), computing power as the verdict decides (:func:`power`):
 - a confirmation in the process that raced (the in-loop tuner, ``tune``
   under torchrun) gets its fresh launches from later starts, one each, so
   its chain's horizon is the fewest launches that reach that power;
-- where no design reaches it, the most power the launches allowed, and a
-  chain in process keeps :data:`MAX_LAUNCHES`; the reports state the gain
-  the chain can find.
+- where no design reaches it, :data:`MAX_LAUNCHES` launches (more would
+  buy little power at a cost that grows with them); the reports state the
+  gain the chain can find.
 Torch-free; the horizon is fixed before any of the chain's fresh launches
 is looked at, so the looks' error stays spent as planned ([Note: Looks spent
 over the restart chain] in :mod:`planner.statistics.looks`).
@@ -107,4 +107,4 @@ def confirmation_design(sigma: float, resolve: float = 0.03, bounds: tuple[int, 
         return sized(MAX_LAUNCHES)
     if reaching:
         return min(reaching, key=lambda d: (d.steps(launch_cost_steps), d.launches))
-    return max(options, key=lambda d: (round(d.power, 3), -d.steps(launch_cost_steps)))
+    return sized(MAX_LAUNCHES)

@@ -29,9 +29,9 @@ normal mixing of scale :data:`MIXING` on the mean of ``X``, its variance the
 blocks' running estimate; the plan is reverted to FSDP2's default the first
 time the statistic reaches ``1 / alpha`` with the mean above 0, and never
 otherwise, however long the process runs. ``K`` is sized so that the
-default's steps cost at most :data:`COST` of the run's time at the ratio
+default's steps cost less than :data:`COST` of the run's time at the ratio
 the confirmation measured: a default step costs ``1 / r - 1`` of a plan
-step, so ``K = ceil((1 / r - 1) / COST)``, at least :data:`MIN_EVERY`: a
+step, so ``K = floor((1 / r - 1) / COST) + 1``, at least :data:`MIN_EVERY`: a
 plan near the default's speed is checked often, which costs nearly
 nothing, and a large gain is checked rarely. Figures:
 ``docs/decisions/cluster-spread.md``.
@@ -104,11 +104,12 @@ def in_process(plan_ms: Sequence[float], default_ms: Sequence[float]) -> InProce
 
 def watch_every(ratio: float, cost: float = COST) -> int:
     """Steps per block of the watch for a plan whose ratio to FSDP2's default is ``ratio``: its default step costs
-    at most ``cost`` of the run's time ([Note: The watch]); within :data:`MIN_EVERY`, :data:`MAX_EVERY`."""
+    less than ``cost`` of the run's time ([Note: The watch]): ``floor((1 / ratio - 1) / cost) + 1``, within
+    :data:`MIN_EVERY`, :data:`MAX_EVERY`."""
     if not ratio == ratio or ratio <= 0:
         return MIN_EVERY
     extra = max(0.0, 1.0 / ratio - 1.0)
-    return int(min(MAX_EVERY, max(MIN_EVERY, math.ceil(extra / cost - 1e-9))))
+    return int(min(MAX_EVERY, max(MIN_EVERY, math.floor(extra / cost) + 1)))
 
 
 @dataclass(frozen=True)

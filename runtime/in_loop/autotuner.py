@@ -309,7 +309,7 @@ class AutoTuner:
                                       Watch(every, seed=trial), self.rank0, self._steps.microbatches)
         self._log(f"AutoTuner: applied trial {trial}'s plan for the rest of this process: {end.here.line()} (the "
                   "study keeps it provisional until fresh launches confirm it); watching it against FSDP2's default "
-                  f"one step in {every} (at most {100 * COST:.0f}% of the run's time at that ratio), reverted if it "
+                  f"one step in {every} (under {100 * COST:.0f}% of the run's time at that ratio), reverted if it "
                   "is slower in total")
 
     def _watched(self, state: WatchState) -> None:
