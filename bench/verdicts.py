@@ -223,7 +223,7 @@ def aa(study: str, races: int, work: Path, launch: LaunchTable) -> list[dict]:
 
 def synthetic_sweep(runs: int = 4000) -> list[dict]:
     """The verdict's error rates and power on synthetic launches, through the project's own code
-    (``planner.testing``: ``LaunchModel``, ``restart_path``, ``restart_chain``); each rate with its exact
+    (``planner.testing.chains``: ``LaunchModel``, ``restart_path``, ``restart_chain``); each rate with its exact
     interval. The cases are the ones ``tests/planner/statistics/test_verdict.py`` and
     ``tests/planner/study/test_restart_chain.py`` hold to their bounds, with more draws, and the one they cannot
     hold: a plan whose spread exceeds the floor with nothing in the study to show it (tau 0.06)."""
@@ -231,7 +231,7 @@ def synthetic_sweep(runs: int = 4000) -> list[dict]:
 
     from planner.statistics.launches import DEFAULT_SPREAD, Spread, launch_estimate
     from planner.statistics.verdict import Verdict, confirm_launches
-    from planner.testing import LaunchModel, as_launches, restart_chain, restart_path
+    from planner.testing.chains import LaunchModel, as_launches, restart_chain, restart_path
 
     def learned(plans: int) -> Spread:
         drawn = LaunchModel(tau=0.01).draw(plans, 2, seed=plans)
@@ -280,12 +280,12 @@ def synthetic_sweep(runs: int = 4000) -> list[dict]:
 
 def calibrated_power(runs: int = 2000) -> list[dict]:
     """Power and error on a calibrated cluster, through the product's calibration, design and verdict
-    (``planner.testing.calibrated_chain``: 12 fresh calibration launches over FSDP2's default against a copy of
+    (``planner.testing.chains.calibrated_chain``: 12 fresh calibration launches over FSDP2's default against a copy of
     itself and two unselected plans; 12 rounds a launch, 1% step noise per plan): for true spreads between
     launches of 0.5, 1, 2 and 4.5% and true gains of 0 (A/A), 2, 3, 5 and 8%, the in-loop restart chain (a look
     per fresh launch up to the design's horizon) and ``tune`` (the design's launches, one look); then a plan whose
     own spread is twice the calibrated one."""
-    from planner.testing import LaunchModel, calibrated_chain
+    from planner.testing.chains import LaunchModel, calibrated_chain
 
     out = []
     print(f"\npower on a calibrated cluster ({runs} chains each; 'ever faster' within the chain, exact 95% "
@@ -313,12 +313,12 @@ def calibrated_power(runs: int = 2000) -> list[dict]:
 
 
 def first_run_rates(runs: int = 1000) -> list[dict]:
-    """The in-loop tuner's first run on synthetic steps through the product (``planner.testing.first_run``: the
+    """The in-loop tuner's first run on synthetic steps through the product (``planner.testing.chains.first_run``: the
     race and confirmation under the in-loop defaults, the in-process decision, the watch): how often the survivor
     runs for the rest of the process, by case."""
     import numpy as np
 
-    from planner.testing import first_run
+    from planner.testing.chains import first_run
 
     out = []
     print(f"\nthe first run, applied in its own process and watched ({runs} synthetic first runs each; 1% step noise, "

@@ -16,29 +16,30 @@ The study still keeps the plan provisional: only "faster" across processes
 is written as its recommendation.
 
 [Note: The watch]
-A within-process interval cannot cover stalls its rounds did not see (one
-step in ten at 1.5x is missed by 28% of 12-round confirmations), so the
-applied plan stays watched: in each block of ``K`` steps one step, at a
-position drawn at random, runs FSDP2's default. Block ``i`` gives
-``X_i = (mean plan step - default step) / m_i``, ``m_i`` the default's
-mean step before the block (predictable, so the ``X_i`` are martingale
-differences): centred at or below 0 while the plan is not slower in total.
-The test is always valid: a mixture sequential probability ratio test
-(Robbins 1970; Johari, Pekelis & Walsh 2017, "Always valid inference"),
-normal mixing of scale :data:`MIXING` on the mean of ``X``, its variance the
-blocks' running estimate; the plan is reverted to FSDP2's default the first
-time the statistic reaches ``1 / alpha`` with the mean above 0, and never
-otherwise, however long the process runs. ``K`` is sized so that the
-default's steps cost less than :data:`COST` of the run's time at the ratio
-the confirmation measured: a default step costs ``1 / r - 1`` of a plan
-step, so ``K = floor((1 / r - 1) / COST) + 1``, at least :data:`MIN_EVERY`: a
-plan near the default's speed is checked often, which costs nearly
-nothing, and a large gain is checked rarely. Figures:
-``docs/decisions/cluster-spread.md``.
+A within-process interval cannot cover stalls its rounds did not see, so
+the applied plan stays watched: in each block of ``K`` steps, at a position
+drawn at random, two steps in a row run FSDP2's default. A step right after
+a switch carries the previous plan's state (modules a plan left unsharded
+skip the next step's all-gathers; the allocator's cached blocks), so the
+first default step and the first plan step after them are washouts, run
+and not timed. Block ``i`` gives ``X_i = (mean timed plan step - timed
+default step) / m_i``, ``m_i`` the default's mean step before the block
+(predictable, so the ``X_i`` are martingale differences): centred at or
+below 0 while the plan is not slower in total. The test is always valid: a
+normal-mixture sequential probability ratio test (Robbins 1970; Johari,
+Pekelis & Walsh 2017, "Always valid inference") on the mean of ``X``, its
+variance the blocks' running estimate; the plan is reverted the first time
+the statistic reaches ``1 / alpha`` with the mean above 0, and never
+otherwise. ``K = floor(2 (1 / r - 1) / COST) + 1`` keeps the two default
+steps under :data:`COST` of the run's time at the confirmed ratio ``r``; at
+least :data:`MIN_EVERY`, since a stalling plan's steps vary far more than
+the default's and many plan steps to one default step find a slower total
+sooner. Figures: ``docs/decisions/cluster-spread.md``.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import random
 from collections.abc import Sequence
@@ -55,8 +56,25 @@ WATCH_ALPHA = 0.1
 MIXING = 0.03
 # Blocks before the watch may revert (its variance estimate needs a few).
 MIN_BLOCKS = 8
-# The fewest and most steps a block of the watch spans.
-MIN_EVERY, MAX_EVERY = 2, 64
+# The fewest and most steps a block of the watch spans ([Note: The watch]: a plan's stalls make its steps vary far
+# more than the default's, so a block compares many plan steps with one default step).
+MIN_EVERY, MAX_EVERY = 16, 128
+# FSDP2's default steps in each block of the watch: a washout, then the timed one.
+DEFAULT_STEPS = 2
+
+
+class WatchStep(enum.Enum):
+    """What one step of a watch block runs, and whether it is timed ([Note: The watch])."""
+
+    PLAN = "plan"  # the applied plan, timed
+    DEFAULT_WASHOUT = "default washout"  # FSDP2's default right after a switch, untimed
+    DEFAULT = "default"  # FSDP2's default, timed
+    PLAN_WASHOUT = "plan washout"  # the plan right after a switch back, untimed
+
+    @property
+    def runs_default(self) -> bool:
+        """Whether FSDP2's default runs this step."""
+        return self in (WatchStep.DEFAULT_WASHOUT, WatchStep.DEFAULT)
 # The least relative standard deviation the watch's variance estimate is taken at.
 MIN_SIGMA = 0.005
 
@@ -104,12 +122,12 @@ def in_process(plan_ms: Sequence[float], default_ms: Sequence[float]) -> InProce
 
 def watch_every(ratio: float, cost: float = COST) -> int:
     """Steps per block of the watch for a plan whose ratio to FSDP2's default is ``ratio``: its default step costs
-    less than ``cost`` of the run's time ([Note: The watch]): ``floor((1 / ratio - 1) / cost) + 1``, within
-    :data:`MIN_EVERY`, :data:`MAX_EVERY`."""
+    less than ``cost`` of the run's time ([Note: The watch]): ``floor(2 (1 / ratio - 1) / cost) + 1`` (two default
+    steps a block), within :data:`MIN_EVERY`, :data:`MAX_EVERY`."""
     if not ratio == ratio or ratio <= 0:
         return MIN_EVERY
     extra = max(0.0, 1.0 / ratio - 1.0)
-    return int(min(MAX_EVERY, max(MIN_EVERY, math.floor(extra / cost) + 1)))
+    return int(min(MAX_EVERY, max(MIN_EVERY, math.floor(DEFAULT_STEPS * extra / cost) + 1)))
 
 
 @dataclass(frozen=True)
@@ -163,20 +181,25 @@ class Watch:
     _plan_ms: float = 0.0
     _plan_steps: int = 0
     _default_ms: float = 0.0
+    _steps: int = 0
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
         if self.every < MIN_EVERY:
-            raise ValueError(f"a watch block spans {MIN_EVERY} steps or more, found {self.every}")
+            raise ValueError(f"a watch block spans {MIN_EVERY} steps or more (two default steps, a washout, a timed "
+                             f"plan step), found {self.every}")
         self._rng = random.Random(self.seed)
 
-    def next_block(self) -> list[bool]:
-        """The next block's steps: ``True`` where FSDP2's default runs (one, at a random position)."""
-        k = self._rng.randrange(self.every)
-        return [i == k for i in range(self.every)]
+    def next_block(self) -> list[WatchStep]:
+        """The next block's steps (:class:`WatchStep`): the plan, with two default steps and the plan's washout at
+        a random position (so at least one timed plan step)."""
+        k = self._rng.randrange(self.every - 3 + 1)
+        out = [WatchStep.PLAN] * self.every
+        out[k:k + 3] = [WatchStep.DEFAULT_WASHOUT, WatchStep.DEFAULT, WatchStep.PLAN_WASHOUT]
+        return out
 
     def record(self, plan_ms: float, plan_steps: int, default_ms: float) -> WatchState:
-        """One block: its plan steps' total time and count, and its default step's time, ms.
+        """One block: its timed plan steps' total time and count, and its timed default step's time, ms.
 
         Raises:
             ValueError: no plan step, or a time not positive.
@@ -191,6 +214,7 @@ class Watch:
         self._plan_ms += plan_ms
         self._plan_steps += plan_steps
         self._default_ms += default_ms
+        self._steps += self.every
         state = self.state()
         if state.reverted:
             self.reverted = True
@@ -206,7 +230,7 @@ class Watch:
         variance = (self._sum_x2 - n * mean * mean) / (n - 1) if n > 1 else 0.0
         statistic = mixture_statistic(n, mean, variance)
         slower = n >= MIN_BLOCKS and mean > 0 and statistic >= 1.0 / self.alpha
-        return WatchState(n, self._plan_steps + n, ratio, statistic, self.reverted or slower)
+        return WatchState(n, self._steps, ratio, statistic, self.reverted or slower)
 
 
 def mixture_statistic(n: int, mean: float, variance: float, mixing: float = MIXING) -> float:

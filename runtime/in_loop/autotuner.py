@@ -289,7 +289,7 @@ class AutoTuner:
             return
         self.confirmation = end.confirmation
         apply_plan(self.model, end.plan, check=False)
-        what = f"; {end.line}" if end.line else ""
+        what = f"; {'across processes the study says: ' if end.applies_here else ''}{end.line}" if end.line else ""
         self._log(f"AutoTuner: done after {self.steps_tuning} tuning steps ({self.steps_tuning - self._phase_started}"
                   f" confirming){what}")
         if end.applies_here:
@@ -309,8 +309,8 @@ class AutoTuner:
                                       Watch(every, seed=trial), self.rank0, self._steps.microbatches)
         self._log(f"AutoTuner: applied trial {trial}'s plan for the rest of this process: {end.here.line()} (the "
                   "study keeps it provisional until fresh launches confirm it); watching it against FSDP2's default "
-                  f"one step in {every} (under {100 * COST:.0f}% of the run's time at that ratio), reverted if it "
-                  "is slower in total")
+                  f"twice in every {every} steps (under {100 * COST:.0f}% of the run's time at that ratio), "
+                  "reverted if it is slower in total")
 
     def _watched(self, state: WatchState) -> None:
         """After a watch block: a revert, or every so often the running ratio (logged and stored on rank 0)."""

@@ -1,5 +1,5 @@
-"""The watched plan: the survivor applied for the rest of the process, one step in K running FSDP2's default
-([Note: The watch] in :mod:`planner.statistics.watch`), on every rank.
+"""The watched plan: the survivor applied for the rest of the process, each block of K steps running FSDP2's default
+twice, the first a washout ([Note: The watch] in :mod:`planner.statistics.watch`), on every rank.
 
 Every rank holds a :class:`~planner.statistics.watch.Watch` with the same seed, so the default's step falls at the
 same step everywhere. Each watched step is timed inside ``tuner.step()`` (the device synchronized at its ends, no
@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from planner.artifacts.plan import Plan
-from planner.statistics.watch import Watch, WatchState
+from planner.statistics.watch import Watch, WatchState, WatchStep
 from runtime.apply import apply_plan
 from runtime.ranks.collectives import broadcast_from_rank0
 from runtime.timing import synchronize
@@ -51,9 +51,10 @@ class WatchedSteps:
     rank0: bool
     microbatches: int = 1
     state: WatchState | None = None
-    _block: list[bool] | None = None
+    _block: list[WatchStep] | None = None
     _at: int = 0
     _plan_ms: float = 0.0
+    _plan_steps: int = 0
     _default_ms: float = 0.0
     _t0: float = 0.0
     _logged_at: int = 0
@@ -62,36 +63,39 @@ class WatchedSteps:
         self.state = self.watch.state()  # no block yet
 
     def before(self) -> None:
-        """Before a step: FSDP2's default applied if this is the block's check, the clock read."""
+        """Before a step: the plan it runs applied at a switch ([Note: The watch]: FSDP2's default twice, the first
+        a washout), the clock read."""
         if self._block is None:
-            self._block, self._at, self._plan_ms, self._default_ms = self.watch.next_block(), 0, 0.0, 0.0
-        if self._block[self._at]:
+            self._block, self._at = self.watch.next_block(), 0
+            self._plan_ms, self._plan_steps, self._default_ms = 0.0, 0, 0.0
+        step = self._block[self._at]
+        if step is WatchStep.DEFAULT_WASHOUT:
             apply_plan(self.model, self.default, check=False)
+        elif step is WatchStep.PLAN_WASHOUT:
+            apply_plan(self.model, self.plan, check=False)
         synchronize(self.device)
         self._t0 = time.perf_counter()
 
     def after(self) -> WatchState | None:
-        """After a step: its time kept, the plan applied again after a check; at a block's end, rank 0's decision
-        on every rank (the state, once per block; ``None`` within a block)."""
+        """After a step: its time kept when it is timed; at a block's end, rank 0's decision on every rank (the
+        state, once per block; ``None`` within a block)."""
         synchronize(self.device)
         ms = (time.perf_counter() - self._t0) * 1e3
         if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
             for _, m in fsdp_modules(self.model):
                 m.reshard()
-        if self._block[self._at]:
+        step = self._block[self._at]
+        if step is WatchStep.DEFAULT:
             self._default_ms = ms
-            apply_plan(self.model, self.plan, check=False)
-        else:
-            self._plan_ms += ms
+        elif step is WatchStep.PLAN:
+            self._plan_ms, self._plan_steps = self._plan_ms + ms, self._plan_steps + 1
         self._at += 1
         if self._at < len(self._block):
             return None
-        steps = len(self._block) - 1
         self._block = None
         payload = None
         if self.rank0:
-            state = self.watch.record(self._plan_ms, steps, self._default_ms)
-            payload = state
+            payload = self.watch.record(self._plan_ms, self._plan_steps, self._default_ms)
         self.state = broadcast_from_rank0(payload, self.group)
         if self.state.reverted:
             apply_plan(self.model, self.default, check=False)

@@ -7,7 +7,7 @@ import pytest
 
 from planner.statistics.agreement import Agreement, compare_with_claim
 from planner.statistics.verdict import Confirmation, Verdict, confirm_launches
-from planner.testing import LaunchModel, as_launches, at_most
+from planner.testing.chains import LaunchModel, as_launches, at_most
 
 RUNS = 1500
 

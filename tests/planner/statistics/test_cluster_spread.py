@@ -1,6 +1,6 @@
 """The cluster's own spread: the priors per device kind, the calibration's upper bound, the floor it sets, and the
 power and error of the verdict on a calibrated cluster, by simulation through the product's own calibration
-(``planner.study.cluster_spread.spread_of``), design and verdict (``planner.testing.calibrated_chain``).
+(``planner.study.cluster_spread.spread_of``), design and verdict (``planner.testing.chains.calibrated_chain``).
 
 The chains: 12 rounds a launch, each plan's own step noise 1%, a calibration of 12 fresh launches over FSDP2's
 default against a copy of itself and two unselected plans. Rates are held to their bound plus 3 standard errors,
@@ -36,7 +36,7 @@ from planner.study.cluster_spread import (
     spread_of,
     stored_clusters,
 )
-from planner.testing import LaunchModel, as_launches, at_least, at_most, calibrated_chain
+from planner.testing.chains import LaunchModel, as_launches, at_least, at_most, calibrated_chain
 
 RUNS = 400
 GPU = {"noise": 0.01, "rounds": 12}

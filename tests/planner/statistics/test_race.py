@@ -16,7 +16,7 @@ import pytest
 from planner.statistics.race import Race, RaceSettings, balanced_orders, cycle_rounds
 from planner.statistics.schedule import ConfirmSettings, Phase, Schedule
 from planner.statistics.verdict import Verdict
-from planner.testing import at_least, at_most, synthetic_schedule
+from planner.testing.chains import at_least, at_most, synthetic_schedule
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])

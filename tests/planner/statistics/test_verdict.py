@@ -1,11 +1,11 @@
 """The confirmation's verdict on synthetic launches (seeded, no ranks): its error rates, its power, its pieces.
 
-The launches come from ``planner.testing.LaunchModel``: 24 paired rounds a
+The launches come from ``planner.testing.chains.LaunchModel``: 24 paired rounds a
 launch (unless a test says otherwise), each plan's own step noise 4%, a
 slowness both plans share in a round (which pairing cancels), and a
 between-launch spread ``tau`` of the plan's log ratio. Each rate is over
 ``RUNS`` draws, held to its nominal rate plus 3 standard errors
-(``planner.testing.at_most``), a power to its target less 3 standard errors
+(``planner.testing.chains.at_most``), a power to its target less 3 standard errors
 (``at_least``).
 """
 
@@ -29,7 +29,7 @@ from planner.statistics.verdict import (
     power,
     verdict_of,
 )
-from planner.testing import LaunchModel, as_launches, at_least, at_most, restart_path
+from planner.testing.chains import LaunchModel, as_launches, at_least, at_most, restart_path
 
 RUNS = 2000
 

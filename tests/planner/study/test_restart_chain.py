@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from planner.statistics.verdict import Verdict
-from planner.testing import at_most, restart_chain
+from planner.testing.chains import at_most, restart_chain
 
 CHAINS = 2000
 

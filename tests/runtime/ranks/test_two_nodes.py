@@ -70,7 +70,7 @@ def test_the_in_loop_tuner_across_two_nodes(two_nodes, tmp_path):
     assert codes == [0, 0], printed
     r = json.loads(out.read_text())
     assert r["with"] == r["without"] and r["again"] == r["without"] and len(set(r["without"])) == 60
-    assert r["phases"][-1] == "done" and 0 < r["steps_tuning"] < 60
+    assert r["phases"][-1] in ("done", "watching") and 0 < r["steps_tuning"] < 60
     assert any(line.startswith("AutoTuner: done after") for line in r["log"]), r["log"]
 
 
@@ -139,4 +139,4 @@ def test_an_hsdp_study_on_two_nodes_of_two_ranks(two_nodes, tmp_path):
     assert codes == [0, 0], printed
     r = json.loads(plain.read_text())
     assert r["with"] == r["without"] and r["again"] == r["without"] and len(set(r["without"])) == 60
-    assert r["phases"][-1] == "done" and 0 < r["steps_tuning"] < 60
+    assert r["phases"][-1] in ("done", "watching") and 0 < r["steps_tuning"] < 60
