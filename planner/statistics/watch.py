@@ -61,6 +61,8 @@ MIN_BLOCKS = 8
 MIN_EVERY, MAX_EVERY = 16, 128
 # FSDP2's default steps in each block of the watch: a washout, then the timed one.
 DEFAULT_STEPS = 2
+# The least relative standard deviation the watch's variance estimate is taken at.
+MIN_SIGMA = 0.005
 
 
 class WatchStep(enum.Enum):
@@ -75,8 +77,6 @@ class WatchStep(enum.Enum):
     def runs_default(self) -> bool:
         """Whether FSDP2's default runs this step."""
         return self in (WatchStep.DEFAULT_WASHOUT, WatchStep.DEFAULT)
-# The least relative standard deviation the watch's variance estimate is taken at.
-MIN_SIGMA = 0.005
 
 
 @dataclass(frozen=True)
@@ -159,11 +159,12 @@ class WatchState:
 
 @dataclass
 class Watch:
-    """The applied plan against FSDP2's default, one step in :attr:`every` ([Note: The watch]).
+    """The applied plan against FSDP2's default, two steps in each block of :attr:`every` ([Note: The watch]).
 
-    Ask :meth:`next_block` for the next block (per step, whether it runs FSDP2's default), run it, and give
-    :meth:`record` the block's plan steps' total and the default step, ms; once :attr:`reverted`, the default stays.
-    Every rank may hold one with the same seed: the positions are the same everywhere.
+    Ask :meth:`next_block` for the next block (per step, a :class:`WatchStep`: what runs, and whether it is timed),
+    run it, and give :meth:`record` the block's timed plan steps' total and count and its timed default step, ms;
+    once :attr:`reverted`, the default stays. Every rank may hold one with the same seed: the positions are the same
+    everywhere.
 
     Attributes:
         every: steps per block (:func:`watch_every` of the confirmed ratio).

@@ -63,7 +63,7 @@ class TunerPhase(enum.StrEnum):
         RACING: one plan per step, in the race's balanced order (their warm-up steps first).
         CONFIRMING: the race's survivor against FSDP2's default on fresh rounds.
         WATCHING: the survivor, faster on this process's fresh rounds but not yet across processes, applied for the
-            rest of the process, one step in K running FSDP2's default ([Note: The watch] in
+            rest of the process, two steps in each block of K running FSDP2's default ([Note: The watch] in
             ``planner.statistics.watch``); reverted to the default if it is slower in total.
         DONE: the recommended plan (or FSDP2's default) stays applied; the tuner adds nothing to a step.
     """

@@ -25,8 +25,8 @@ steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
    the same step on every rank;
 4. confirming: the race's survivor against FSDP2's default on fresh rounds;
 5. watching: a survivor faster on this process's fresh rounds, but not yet
-   across processes, runs for the rest of the process, one step in K
-   running FSDP2's default (:mod:`runtime.in_loop.watching`); it is reverted
+   across processes, runs for the rest of the process, two steps in each
+   block of K running FSDP2's default (:mod:`runtime.in_loop.watching`); it is reverted
    to the default the first time an always-valid test finds it slower in
    total ([Note: The watch] in :mod:`planner.statistics.watch`);
 6. done: the study's recommendation stays applied (FSDP2's default if
