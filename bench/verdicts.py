@@ -1,7 +1,7 @@
 """Benchmark: do the tool's verdicts hold on the real ranks?
 
     python -m bench.verdicts studies/llama-cpu.toml [--aa-races 20] [--rounds 24] [--remeasures 3]
-                             [--sweep-runs 4000] [--calibrated-runs 2000] [--first-runs 1000]
+                             [--runs 4000,2000,1000]
                              [--skip-synthetic] [--skip-aa] [--skip-coverage]
 
 (a) Synthetic launches, torch-free, through the project's own verdict:
@@ -351,19 +351,17 @@ def first_run_rates(runs: int = 1000) -> list[dict]:
 @click.option("--rounds", default=24, show_default=True, help="rounds of each independent re-measurement")
 @click.option("--remeasures", default=3, show_default=True, help="independent re-measurements, one process each")
 @click.option("--skip-synthetic", is_flag=True)
-@click.option("--sweep-runs", default=4000, show_default=True, help="synthetic launches per case of (a); 0 skips")
-@click.option("--calibrated-runs", default=2000, show_default=True,
-              help="chains per cell of the calibrated cluster's power table; 0 skips")
-@click.option("--first-runs", default=1000, show_default=True, help="synthetic first runs per case; 0 skips")
+@click.option("--runs", default="4000,2000,1000", show_default=True,
+              help="draws of (a): synthetic launches per case of the sweep, chains per cell of the calibrated "
+                   "cluster's power table, synthetic first runs per case (0 skips a part)")
 @click.option("--skip-aa", is_flag=True)
 @click.option("--skip-coverage", is_flag=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="write the figures here")
 @click.option("--part", type=click.Choice(["aa", "remeasure"]), hidden=True)
 @click.option("--plan", "plan_path", hidden=True)
 @click.option("--out", hidden=True)
-def main(study: str, aa_races: int, rounds: int, remeasures: int, skip_synthetic: bool, sweep_runs: int,
-         calibrated_runs: int, first_runs: int, skip_aa: bool, skip_coverage: bool, json_out: str | None,
-         part: str | None, plan_path: str | None, out: str | None) -> None:
+def main(study: str, aa_races: int, rounds: int, remeasures: int, skip_synthetic: bool, runs: str, skip_aa: bool,
+         skip_coverage: bool, json_out: str | None, part: str | None, plan_path: str | None, out: str | None) -> None:
     from planner.artifacts.config import load_study_config
     from planner.errors import PlannerError
     from runtime.ranks.launch import in_torchrun
@@ -376,6 +374,11 @@ def main(study: str, aa_races: int, rounds: int, remeasures: int, skip_synthetic
                 remeasure_main(study, plan_path, rounds, out)
             return
         config = load_study_config(study)
+        try:
+            sweep_runs, calibrated_runs, first_runs = (int(n) for n in runs.split(","))
+        except ValueError:
+            raise PlannerError(f"--runs takes three counts, SWEEP,CALIBRATED,FIRST (e.g. 4000,2000,1000), found "
+                               f"{runs!r}") from None
         figures: dict = {}
         with tempfile.TemporaryDirectory() as d:
             work = Path(d)

@@ -37,6 +37,7 @@ from planner.study.cluster_spread import (
 )
 from planner.study.in_loop import same_job
 from runtime.apply import model_fingerprint
+from runtime.current import fsdp2_default
 from runtime.ranks.collectives import broadcast_from_rank0, control_group
 from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
 from runtime.timing import StepCounter
@@ -93,17 +94,17 @@ class CalibrateJob:
         try:
             models = [build_study_workload(self.config.workload, mesh) for _ in range(2)]
             fingerprint = model_fingerprint(models[0].model)
+            default = fsdp2_default(models[0].model)  # every module's: a factory's own prefetch undone
             payload = None
             if rank0:
                 try:
-                    payload = self._pair(fingerprint)
+                    payload = self._pair(fingerprint, default)
                 except PlannerError as e:
                     payload = {"error": str(e)}
             payload = broadcast_from_rank0(payload, group)
             if isinstance(payload, dict):
                 raise PlannerError(payload["error"])
             pair, other, orders = payload
-            default = Plan(fingerprint, {})
             times = rounds_on_own_models(models, [other, default], orders, max(2, self.config.measure.warmup_steps),
                                          StepCounter(), group)
             models = None
@@ -115,10 +116,10 @@ class CalibrateJob:
             models = None
             shutdown_rank(together=ended)
 
-    def _pair(self, fingerprint) -> tuple[str, Plan, list[list[int]]]:
-        """Rank 0: this launch's pair, its plan, and the rounds' order."""
+    def _pair(self, fingerprint, default: Plan) -> tuple[str, Plan, list[list[int]]]:
+        """Rank 0: this launch's pair, its plan (``default``'s copy, or an unselected plan), and the rounds'
+        order."""
         profile = self._profile(fingerprint)
-        default = Plan(fingerprint, {})
         unselected = []
         if profile is not None:
             unselected = unselected_plans(profile, get_space(self.config.search.space), UNSELECTED,

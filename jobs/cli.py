@@ -25,7 +25,7 @@ from typing import Any
 import click
 
 from jobs import PROGRESS_LOGGERS
-from planner.artifacts.config import StudyConfig, load_study_config
+from planner.artifacts.config import StudyConfig, default_storage, load_study_config
 from planner.errors import PlannerError
 from planner.presentation import cli as planner_cli
 from planner.version import DISTRIBUTION
@@ -264,9 +264,12 @@ def _report_cluster(config: StudyConfig) -> None:
 @click.option("--model", help="With --from-trace: the traced job's workload factory (package.module:function), "
                               "for the model's own parameter counts (else estimated).")
 @click.option("--model-kwargs", help="With --model: the factory's keyword arguments, a JSON object.")
+@click.option("--own-plan-out", help="Also write the plan the study's model arrives with (its hand-set prefetch, "
+                                     "resharding and knobs, read back: runtime.current_plan) here.")
 @click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
-def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, validated_config) -> None:
-    """Record a profile on the study's ranks (the recorder `tune` uses), or build one from traces (--from-trace)."""
+def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, own_plan_out, validated_config) -> None:
+    """Record a profile on the study's ranks (the recorder `tune` uses), or build one from traces (--from-trace).
+    A model that arrives with a plan of its own is recorded under FSDP2's default."""
     if from_trace:
         _profile_from_trace(list(inputs), output, model, model_kwargs)
         return
@@ -281,19 +284,102 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, valida
     if in_torchrun():
         _log_rank0_progress()
         try:
-            result = ProfileJob(config, output, torch_trace).run()
+            result = ProfileJob(config, output, torch_trace, own_plan_out).run()
         except PlannerError as e:
             _exit_on_rank_error(e)
         if result is not None:
-            recorded, predicted_ms = result
+            recorded, predicted_ms, own = result
             click.echo(f"profile written to {output}: {len(recorded.modules)} FSDP modules, measured step "
                        f"{recorded.measured_step_ms:.1f} ms (FSDP2 default), predicted {predicted_ms:.1f} ms")
+            if own is not None or own_plan_out:
+                click.echo("the model arrives with " + ("a plan of its own" if own else "FSDP2's default")
+                           + (f", written to {own_plan_out}" if own_plan_out else "")
+                           + (" (`prefetch-planner check` prices it)" if own else ""))
         return
-    ProfileJob.check_before_launch(config, output, torch_trace)
+    ProfileJob.check_before_launch(config, output, torch_trace, own_plan_out)
     with _handed_over(config) as handover:
         code = launch_ranks(["profile", study_toml, *handover, "-o", output]
-                            + (["--torch-trace", torch_trace] if torch_trace else []), config.launch)
+                            + (["--torch-trace", torch_trace] if torch_trace else [])
+                            + (["--own-plan-out", own_plan_out] if own_plan_out else []), config.launch)
     _exit_with_ranks(code, "profiling", (2,))
+
+
+@main.command()
+@click.argument("inputs", nargs=-1, required=True, metavar="STUDY_TOML | PROFILE_JSON PLAN_JSON")
+@click.option("--study", "study_name", help="With a profile and a plan: the study whose recommendation is priced "
+                                            "beside (default: none).")
+@click.option("--storage", help="The study's SQLAlchemy URL (default: [study] storage, else "
+                                "sqlite:///studies/<name>.db).")
+@click.option("--memory-budget", help='Peak per rank a prefetch depth is checked against: "1.5GiB", or above '
+                                     'FSDP2\'s default\'s measured peak, "+150MiB", "+10%" (default: [search] '
+                                     "memory_budget; none).")
+@click.option("--reentrant", is_flag=True, help="The model checkpoints with use_reentrant=True.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
+def check(inputs, study_name, storage, memory_budget, reentrant, as_json, validated_config) -> None:
+    """Check the plan a model arrives with: its configuration read back per module, the known-bad patterns it
+    matches (each with its source and fix), and its simulated step and peak against FSDP2's default and the study's
+    recommendation. With a study TOML, the study's ranks record a profile under FSDP2's default and read the plan
+    the factory's model has; with a profile and a plan JSON (`profile --own-plan-out`'s), no rank runs."""
+    import json as json_module
+
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.study.check import check_plan
+
+    if len(inputs) == 1:
+        config: StudyConfig = _study_config(inputs[0], validated_config)
+        profile_json, plan_json = _profile_and_own_plan(inputs[0], config)
+        study_name, storage = study_name or config.name, storage or config.storage_url
+        memory_budget = memory_budget or config.search.memory_budget
+    elif len(inputs) == 2:
+        profile_json, plan_json = inputs
+        storage = storage or (default_storage(study_name) if study_name else None)
+    else:
+        raise click.UsageError("give a study TOML, or a profile JSON and a plan JSON")
+    profile, plan = Profile.load(profile_json), Plan.load(plan_json)
+    budget = None
+    if memory_budget:
+        from planner.artifacts.memory_budget import MemoryBudget
+
+        budget = MemoryBudget.parse(memory_budget).resolve(profile.measured_peak_bytes)
+    recommended, label = _recommendation(study_name, storage, profile) if study_name else (None, None)
+    report = check_plan(plan, profile, recommended, label, budget, reentrant)
+    if as_json:
+        click.echo(json_module.dumps(report.to_dict(), indent=1))
+        return
+    for line in report.lines():
+        click.echo(line)
+
+
+def _profile_and_own_plan(study_toml: str, config: StudyConfig) -> tuple[str, str]:
+    """``check STUDY_TOML``: the study's ranks record a profile under FSDP2's default and read back the plan the
+    model arrives with; both are written beside the study (``NAME.profile.json``, ``NAME.own.plan.json``)."""
+    from jobs.profile import ProfileJob
+    from runtime.ranks.launch import launch_ranks
+
+    profile_json = config.default_output(".profile.json")
+    plan_json = config.default_output(".own.plan.json")
+    ProfileJob.check_before_launch(config, profile_json, plan_json)
+    with _handed_over(config) as handover:
+        code = launch_ranks(["profile", study_toml, *handover, "-o", profile_json, "--own-plan-out", plan_json],
+                            config.launch)
+    _exit_with_ranks(code, "profiling", (2,))
+    return profile_json, plan_json
+
+
+def _recommendation(study_name: str, storage: str, profile: Any) -> tuple[Any, str | None]:
+    """The study's recommendation for the profile's model (``None`` when it has none, or no such study)."""
+    from planner.errors import StudyNotFoundError
+    from planner.study.queries import recommendation_for
+
+    try:
+        best = recommendation_for(storage, study_name, profile.fingerprint)
+    except StudyNotFoundError:
+        return None, None
+    if best is None or best.is_default:
+        return None, None
+    return best.plan, f"study {study_name!r}'s recommendation (trial {best.plan.provenance.trial})"
 
 
 @main.command()

@@ -1,4 +1,8 @@
-"""The profile job: one rank of ``prefetch-planner profile``, the recorder that ``tune`` uses, on the study's ranks."""
+"""The profile job: one rank of ``prefetch-planner profile``, the recorder that ``tune`` uses, on the study's ranks.
+
+A model that arrives with a plan of its own (the factory set prefetch lists, resharding or knobs) is recorded under
+FSDP2's default, as a profile claims, and its own plan is read back and handed out (``prefetch-planner check``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.simulation.parameters import simulate
+from runtime.current import current_plan, record_under_fsdp2_default
 from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
 from runtime.recording.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory, train_step
@@ -25,12 +30,16 @@ class ProfileJob:
         torch_trace: where rank 0 writes one more default-plan step's
             ``torch.profiler`` Chrome trace, to compare with ``prefetch-planner
             simulate --trace`` track by track; ``None``: no trace.
+        own_plan_out: where rank 0 writes the plan the model arrived with (``runtime.current_plan``), always
+            (FSDP2's default when it had no other); ``None``: not written.
     """
 
-    def __init__(self, config: StudyConfig, output: str, torch_trace: str | None = None):
+    def __init__(self, config: StudyConfig, output: str, torch_trace: str | None = None,
+                 own_plan_out: str | None = None):
         self.config = config
         self.output = output
         self.torch_trace = torch_trace
+        self.own_plan_out = own_plan_out
 
     @staticmethod
     def check_before_launch(config: StudyConfig, *outputs: str | None) -> None:
@@ -46,12 +55,13 @@ class ProfileJob:
                        config.launch.mesh)
         check_output_folders(*outputs)
 
-    def run(self) -> tuple[Profile, float] | None:
+    def run(self) -> tuple[Profile, float, Plan | None] | None:
         """Run this rank's part (every rank calls it).
 
         Returns:
-            Rank 0: the profile written and FSDP2's default plan's predicted
-            step ms on it; other ranks ``None``.
+            Rank 0: the profile written, FSDP2's default plan's predicted
+            step ms on it, and the plan the model arrived with when it was not
+            FSDP2's default (``None`` when it was); other ranks ``None``.
 
         Raises:
             PlannerError: a bad workload (the same on every rank).
@@ -64,6 +74,7 @@ class ProfileJob:
         ended = False
         try:
             workload = build_study_workload(self.config.workload, mesh)
+            own = record_under_fsdp2_default(workload.model)
             measure = self.config.measure
             profile = record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
                                      repeats=measure.profile_repeats)
@@ -76,7 +87,9 @@ class ProfileJob:
             if dist.get_rank() != 0:
                 return None
             profile.to_json(self.output)
-            return profile, simulate(profile, Plan.default(profile)).step_ms
+            if self.own_plan_out:
+                (own or current_plan(workload.model)).to_json(self.own_plan_out)
+            return profile, simulate(profile, Plan.default(profile)).step_ms, own
         finally:
             workload = None
             shutdown_rank(together=ended)

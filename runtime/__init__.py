@@ -13,6 +13,11 @@ Training start::
     apply_plan(model, load_plan("plan.json"))
     apply_plan(model, load_best_plan("postgresql+psycopg2://planner@db/studies", "llama", model))
 
+What a model has now (its hand-set prefetch, resharding and knobs)::
+
+    from runtime import current_plan
+    current_plan(model).to_json("mine.json")
+
 Importing ``runtime`` does no work: each name imports its module (and torch)
 when first used (:mod:`planner.lazy_exports`).
 """
@@ -26,6 +31,7 @@ from planner.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from planner.errors import PlanFormatError, PlanMismatchError, UnsupportedPlanError, WorkloadError
     from runtime.apply import apply_plan, load_best_plan, load_plan, model_fingerprint
+    from runtime.current import current_plan
     from runtime.in_loop.autotuner import AutoTuner
     from runtime.workload import Workload, build_workload, fsdp_modules, load_factory, train_step
 
@@ -33,6 +39,7 @@ _EXPORTS = {
     **dict.fromkeys(["PlanFormatError", "PlanMismatchError", "UnsupportedPlanError", "WorkloadError"],
                     "planner.errors"),
     **dict.fromkeys(["apply_plan", "load_best_plan", "load_plan", "model_fingerprint"], "runtime.apply"),
+    "current_plan": "runtime.current",
     "AutoTuner": "runtime.in_loop.autotuner",
     **dict.fromkeys(["Workload", "build_workload", "fsdp_modules", "load_factory", "train_step"], "runtime.workload"),
 }

@@ -22,7 +22,12 @@ from planner.artifacts.plan import Plan, Source
 from planner.errors import PlanMismatchError, UnsupportedPlanError
 from runtime.accumulation import set_accumulation
 from runtime.post_optim import post_optim_event_setter
-from runtime.ranks.torch_private import TESTED_ADVICE, separate_reduce_scatter_group_setter, unshard_async_op_setter
+from runtime.ranks.torch_private import (
+    TESTED_ADVICE,
+    separate_reduce_scatter_group_setter,
+    set_reshard_after_forward_ranks,
+    unshard_async_op_setter,
+)
 from runtime.workload import fsdp_modules, own_parameters
 
 logger = logging.getLogger(__name__)
@@ -111,7 +116,12 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     on the root, on every FSDP module, or per module with its own value),
     through :data:`ROOT_SETTERS` where FSDP2's setter needs a wrapper (keyed by knob). Every
     setter the running torch has is called, with FSDP2's default where the
-    plan leaves a knob, so applying a plan replaces the previous one entirely.
+    plan leaves a knob, so applying a plan replaces the previous one entirely;
+    a plan read back from a model (``runtime.current_plan``) leaves alone the
+    knobs it could not read (``provenance.unknown_knobs``). An integer
+    ``reshard_after_forward`` reshards to that many ranks, as
+    ``fully_shard(reshard_after_forward=int)`` does
+    (``runtime.ranks.torch_private.set_reshard_after_forward_ranks``).
 
     Args:
         model: the root FSDP module.
@@ -130,7 +140,9 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
             version); nothing is applied.
     """
     modules = dict(fsdp_modules(model))
-    setters = {k.name: _setter(model, k, _values(plan, k)) for k in KNOBS}  # before any call: all or nothing
+    unknown = set(plan.provenance.unknown_knobs or ())
+    # before any call: all or nothing
+    setters = {k.name: _setter(model, k, _values(plan, k)) for k in KNOBS if k.name not in unknown}
     if check:
         fingerprint = model_fingerprint(model)
         difference = plan.fingerprint.model_difference(fingerprint)
@@ -149,10 +161,13 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
             continue
         module.set_modules_to_forward_prefetch([modules[t] for t in mp.forward_prefetch])
         module.set_modules_to_backward_prefetch([modules[t] for t in mp.backward_prefetch])
-        module.set_reshard_after_forward(mp.reshard_after_forward, recurse=False)
+        if isinstance(mp.reshard_after_forward, bool):
+            module.set_reshard_after_forward(mp.reshard_after_forward, recurse=False)
+        else:
+            set_reshard_after_forward_ranks(module, mp.reshard_after_forward)
     for k in KNOBS:
-        set_value = setters[k.name]
-        if set_value is None:  # torch lacks it, and the plan keeps FSDP2's default
+        set_value = setters.get(k.name)
+        if set_value is None:  # torch lacks it and the plan keeps FSDP2's default, or the plan could not read it
             continue
         if k.scope is Scope.ROOT:
             set_value(model, plan.knobs[k.name])

@@ -59,6 +59,9 @@ def llama(
     seed: int = 0,
     shard_embedding: bool = False,
     activation_checkpointing: str = "none",
+    forward_prefetch_depth: int = 0,
+    backward_prefetch_depth: int = 0,
+    keep_last_block: bool = False,
 ) -> Workload:
     """Llama (``transformers.LlamaForCausalLM``) from a config, random weights.
 
@@ -66,6 +69,8 @@ def llama(
     final norm and LM head. ``shard_embedding``: the token embedding is an
     FSDP module of its own (as torchtitan wraps it): its backward reads no
     parameter, so ``set_unshard_in_backward(False)`` applies to it.
+    ``forward_prefetch_depth``, ``backward_prefetch_depth``, ``keep_last_block``: prefetch and resharding set by
+    hand after wrapping, as frameworks ship them (:func:`hand_set`).
     """
     transformers = _transformers("Llama")
     config = transformers.LlamaConfig(
@@ -82,8 +87,28 @@ def llama(
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     first = [model.model.embed_tokens] if shard_embedding else []
-    return _sharded_lm(mesh, model, first, model.model.layers, activation_checkpointing, lr, vocab_size,
-                       batch_size, seq_len)
+    workload = _sharded_lm(mesh, model, first, model.model.layers, activation_checkpointing, lr, vocab_size,
+                           batch_size, seq_len)
+    hand_set(model.model.layers, forward_prefetch_depth, backward_prefetch_depth, keep_last_block)
+    return workload
+
+
+def hand_set(blocks: nn.ModuleList, forward_depth: int = 0, backward_depth: int = 0,
+             keep_last_block: bool = False) -> None:
+    """Prefetch and resharding set by hand on FSDP-wrapped ``blocks``, as frameworks ship them: block ``i``
+    prefetches blocks ``i+1 .. i+forward_depth`` in forward and ``i-1 .. i-backward_depth`` in backward
+    (NeMo-Automodel's ``fsdp2_forward_prefetch_depth`` and ``fsdp2_backward_prefetch_depth``; verl's forward depth
+    1), and ``keep_last_block`` keeps the last block's parameters after forward, which backward needs first
+    (torchtitan's policy). All zero and ``False``: nothing is set (FSDP2's default)."""
+    n = len(blocks)
+    for i, block in enumerate(blocks):
+        if forward_depth:
+            block.set_modules_to_forward_prefetch([blocks[j] for j in range(i + 1, min(n, i + 1 + forward_depth))])
+        if backward_depth:
+            block.set_modules_to_backward_prefetch([blocks[j] for j in range(i - 1, max(-1, i - 1 - backward_depth),
+                                                                             -1)])
+    if keep_last_block and n:
+        blocks[-1].set_reshard_after_forward(False, recurse=False)
 
 
 def gpt2(
@@ -190,14 +215,17 @@ class MLPStack(nn.Module):
 
 
 def mlp(mesh: Any, dim: int = 256, layers: int = 4, batch_size: int = 8, lr: float = 1e-3, seed: int = 0,
-        dropout: float = 0.0, activation_checkpointing: str = "none") -> Workload:
-    """A small MLP stack (fast; used by the tests); ``dropout`` > 0 draws random numbers in every forward."""
+        dropout: float = 0.0, activation_checkpointing: str = "none", forward_prefetch_depth: int = 0,
+        keep_last_block: bool = False) -> Workload:
+    """A small MLP stack (fast; used by the tests); ``dropout`` > 0 draws random numbers in every forward;
+    ``forward_prefetch_depth`` and ``keep_last_block`` set by hand after wrapping (:func:`hand_set`)."""
     torch.manual_seed(seed)
     model = MLPStack(dim, layers, dropout)
     apply_activation_checkpointing(model.blocks, activation_checkpointing)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    hand_set(model.blocks, forward_prefetch_depth, keep_last_block=keep_last_block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rank = mesh.get_rank()
 

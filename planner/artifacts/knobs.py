@@ -7,7 +7,8 @@ prints. From :data:`KNOBS` derive:
 
 - the plan's values (:class:`KnobValues`, ``Plan.knobs`` and ``ModulePlan.knobs``)
   and their JSON fields (``planner.artifacts.schema``);
-- ``runtime.apply_plan``, which calls each knob's setter;
+- ``runtime.apply_plan``, which calls each knob's setter, and ``runtime.current_plan``, which calls its
+  getter (FSDP2 has setters only: each knob's reader of FSDP2's state is declared beside its setter);
 - the search spaces' parameters (:func:`sample`, :func:`default_params`, :func:`grid_params`): every space
   samples its knobs through these, named by :attr:`Knob.spaces`;
 - the candidates' kinds and the CLI's tables.
@@ -95,6 +96,11 @@ class Knob:
         setter: the ``FSDPModule`` method that applies it (``runtime.apply_plan``
             calls it with the value; a few go through ``runtime``'s own
             wrappers, named there by this setter).
+        getter: the reader of its value on one FSDP module, a function of ``runtime.ranks.torch_private`` by this
+            name (FSDP2 has no getters: it reads the state the setter writes), which ``runtime.current_plan``
+            calls; ``None`` where the value lives in ``runtime``'s own wrapper of the setter, which reads it
+            (``runtime.current.WRAPPER_GETTERS``). A torch without that state leaves the knob unknown, never
+            guessed.
         scope: see :class:`Scope`.
         choices: the values a search space samples, FSDP2's default first (int
             knobs: the bounds of ``suggest_int``).
@@ -111,6 +117,7 @@ class Knob:
     name: str
     default: KnobValue
     setter: str
+    getter: str | None
     scope: Scope
     choices: tuple[KnobValue, ...]
     sampled_when: SampledWhen
@@ -145,27 +152,30 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob(name="unshard_async_op", default=False, setter="_set_unshard_async_op", scope=Scope.ROOT,
-         choices=(False, True), sampled_when=SampledWhen.ALWAYS, text="async unshard {value}", shown=True,
-         written=Written.REQUIRED, spaces=frozenset(SpaceName)),
+    Knob(name="unshard_async_op", default=False, setter="_set_unshard_async_op", getter="unshard_async_op",
+         scope=Scope.ROOT, choices=(False, True), sampled_when=SampledWhen.ALWAYS, text="async unshard {value}",
+         shown=True, written=Written.REQUIRED, spaces=frozenset(SpaceName)),
     Knob(name="reduce_scatter_max_input_buffers", default=1, setter="set_reduce_scatter_max_input_buffers",
-         scope=Scope.ROOT, choices=(1, 2), sampled_when=SampledWhen.GPU, text="{value} reduce-scatter input buffers",
-         written=Written.ALWAYS, minimum=1),
-    Knob(name="reshard_after_backward", default=True, setter="set_reshard_after_backward", scope=Scope.ROOT,
-         choices=(True, False), sampled_when=SampledWhen.MICROBATCHES,
-         text="no reshard after backward between microbatches", written=Written.ALWAYS),
+         getter="reduce_scatter_max_input_buffers", scope=Scope.ROOT, choices=(1, 2), sampled_when=SampledWhen.GPU,
+         text="{value} reduce-scatter input buffers", written=Written.ALWAYS, minimum=1),
+    Knob(name="reshard_after_backward", default=True, setter="set_reshard_after_backward",
+         getter=None, scope=Scope.ROOT, choices=(True, False),
+         sampled_when=SampledWhen.MICROBATCHES, text="no reshard after backward between microbatches",
+         written=Written.ALWAYS),
     Knob(name="separate_reduce_scatter_group", default=False, setter="set_separate_reduce_scatter_group",
-         scope=Scope.ROOT, choices=(False, True), sampled_when=SampledWhen.ALWAYS,
-         text="reduce-scatter on its own process group"),
-    Knob(name="unshard_in_backward", default=True, setter="set_unshard_in_backward", scope=Scope.MODULE,
-         choices=(True, False), sampled_when=SampledWhen.SKIPPABLE, text="no all-gather in backward", param="uib"),
+         getter="separate_reduce_scatter_group", scope=Scope.ROOT, choices=(False, True),
+         sampled_when=SampledWhen.ALWAYS, text="reduce-scatter on its own process group"),
+    Knob(name="unshard_in_backward", default=True, setter="set_unshard_in_backward", getter="unshard_in_backward",
+         scope=Scope.MODULE, choices=(True, False), sampled_when=SampledWhen.SKIPPABLE,
+         text="no all-gather in backward", param="uib"),
     Knob(name="allocate_memory_from_process_group_for_comm", default=False,
-         setter="set_allocate_memory_from_process_group_for_comm", scope=Scope.EVERY_MODULE, choices=(False, True),
-         sampled_when=SampledWhen.GPU, text="collective buffers from the process group's allocator"),
+         setter="set_allocate_memory_from_process_group_for_comm", getter="allocates_from_process_group",
+         scope=Scope.EVERY_MODULE, choices=(False, True), sampled_when=SampledWhen.GPU,
+         text="collective buffers from the process group's allocator"),
     # An event recorded after each optimizer step, handed to FSDP2 for the next step's first all-gather to wait on
     # (``runtime.post_optim``); the simulator's rule is [Note: Post-optimizer event].
-    Knob(name="post_optim_event", default=False, setter="set_post_optim_event", scope=Scope.ROOT,
-         choices=(False, True), sampled_when=SampledWhen.GPU,
+    Knob(name="post_optim_event", default=False, setter="set_post_optim_event", getter=None,
+         scope=Scope.ROOT, choices=(False, True), sampled_when=SampledWhen.GPU,
          text="the first all-gather waits for the optimizer step only (post-optimizer event)"),
 )
 """Every knob, in the order the kernel reads them (append only: :func:`position`)."""

@@ -48,14 +48,17 @@ class ModulePlan:
             FSDP2's default, the previous module in post-forward order.
         reshard_after_forward: free the unsharded parameters after forward
             (and all-gather them again in backward). ``False`` trades memory
-            for one all-gather less.
+            for one all-gather less. An ``int`` reshards to that many ranks
+            (``fully_shard(reshard_after_forward=int)``): read back from a model
+            that was wrapped so (``runtime.current_plan``), applied again as it
+            was; no search space proposes one, and the simulator refuses it.
         knobs: the module's own FSDP2 knobs (``planner.artifacts.knobs.MODULE_KNOBS``),
             read as ``module_plan.knobs[name]``; FSDP2's defaults where not set.
     """
 
     forward_prefetch: tuple[str, ...] = ()
     backward_prefetch: tuple[str, ...] = ()
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     knobs: KnobValues = DEFAULT_MODULE_KNOBS
 
     def with_knobs(self, **values: Any) -> ModulePlan:
@@ -64,12 +67,14 @@ class ModulePlan:
 
 
 class Source(enum.StrEnum):
-    """What made a plan: FSDP2's default behaviour, a measured trial of a study, or a prediction for a cluster
-    not measured (``tune --target``: raced first by the in-loop tuner on the real cluster, never recommended)."""
+    """What made a plan: FSDP2's default behaviour, a measured trial of a study, a prediction for a cluster
+    not measured (``tune --target``: raced first by the in-loop tuner on the real cluster, never recommended), or
+    the user: the plan a model arrived with, read back from FSDP2's state (``runtime.current_plan``)."""
 
     DEFAULT = "default"
     MEASURED = "measured"
     PREDICTED = "predicted"
+    USER = "user"
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class Provenance:
             (``planner.simulation.band``).
         params: for a predicted plan, its search-space parameters (the simulated trial's), so a tuner on the real
             cluster can race it as a trial of its study.
+        unknown_knobs: for a plan read back from a model, the knobs the running torch keeps no readable state for:
+            the plan holds FSDP2's default for them, and ``apply_plan`` leaves them as they are.
     """
 
     source: Source = Source.DEFAULT
@@ -123,10 +130,11 @@ class Provenance:
     target: str | None = None
     band_ms: tuple[float, float] | None = None
     params: dict[str, Any] | None = None
+    unknown_knobs: tuple[str, ...] | None = None
 
 
 # Provenance fields added after release 0.1.0: written only when set.
-_WRITTEN_WHEN_SET = ("launches", "ratio_of", "target", "band_ms", "params")
+_WRITTEN_WHEN_SET = ("launches", "ratio_of", "target", "band_ms", "params", "unknown_knobs")
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ as they always did; ``schema_version`` stays 1.
 from __future__ import annotations
 
 import json
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, create_model
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS, Knob, Written
@@ -41,6 +42,18 @@ class FingerprintDocument(Document):
     mesh: tuple[int, int] | None = None
 
 
+def _bool_or_ranks(value: object) -> bool | int:
+    """``reshard_after_forward``: a bool, or the ranks a module reshards to after forward (an integer of 2 or more:
+    FSDP2 reads 1 as ``False`` and the shard group's size as ``True``)."""
+    if isinstance(value, bool) or type(value) is int and value >= 2:
+        return value
+    raise PydanticCustomError("bool_or_ranks", "must be true or false, or the ranks it reshards to (an integer of 2 "
+                                               "or more)")
+
+
+ReshardAfterForward = Annotated[bool | int, PlainValidator(_bool_or_ranks)]
+
+
 def _knob_fields(knobs: tuple[Knob, ...]) -> dict[str, tuple[type, FieldInfo]]:
     """The pydantic fields of ``knobs``: each typed as its default, required or defaulted as it is written."""
     return {k.name: (k.kind, Field(... if k.written is Written.REQUIRED else k.default, ge=k.minimum))
@@ -50,7 +63,7 @@ def _knob_fields(knobs: tuple[Knob, ...]) -> dict[str, tuple[type, FieldInfo]]:
 class _ModulePlanStructure(Document):
     forward_prefetch: tuple[str, ...]
     backward_prefetch: tuple[str, ...]
-    reshard_after_forward: bool
+    reshard_after_forward: ReshardAfterForward
 
 
 ModulePlanDocument = create_model("ModulePlanDocument", __base__=_ModulePlanStructure,
@@ -62,7 +75,7 @@ ModulePlanDocument = create_model("ModulePlanDocument", __base__=_ModulePlanStru
 class ProvenanceDocument(Document):
     """``provenance`` (:class:`planner.artifacts.plan.Provenance`)."""
 
-    source: Literal["default", "measured", "predicted"] = "default"
+    source: Literal["default", "measured", "predicted", "user"] = "default"
     study: str | None = None
     trial: int | None = None
     predicted_ms: float | None = None
@@ -81,6 +94,7 @@ class ProvenanceDocument(Document):
     target: str | None = None
     band_ms: tuple[float, float] | None = None
     params: dict[str, bool | int | float | str | None] | None = None
+    unknown_knobs: tuple[str, ...] | None = None
 
 
 class _PlanStructure(Document):

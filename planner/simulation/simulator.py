@@ -70,6 +70,7 @@ import numpy as np
 from planner.artifacts.knobs import DEFAULT_MODULE_KNOBS
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile, root_activation_pre_bytes
+from planner.errors import UnsupportedPlanError
 from planner.simulation._kernel import PlanArrays, ProfileArrays, step_function
 
 
@@ -280,6 +281,8 @@ class Simulator:
         Raises:
             KeyError: the plan names a module the profile does not have
                 (plans are validated against their fingerprint when loaded).
+            UnsupportedPlanError: a module reshards to a number of ranks after forward (an integer
+                ``reshard_after_forward``): its post-forward mesh, memory and backward all-gather are not modelled.
         """
         idx, n = self._index, len(self._names)
         fwd_lists, bwd_lists, raf = [()] * n, [()] * n, [True] * n  # left out: FSDP2's defaults
@@ -291,6 +294,12 @@ class Simulator:
                 if module_knobs is self._default_module_knobs:
                     module_knobs = module_knobs.copy()
                 module_knobs[i] = m.knobs.as_array()
+        ranks_at = [i for i, r in enumerate(raf) if not isinstance(r, bool | np.bool_)]
+        if ranks_at:
+            fqn, ranks = self._names[ranks_at[0]], raf[ranks_at[0]]
+            raise UnsupportedPlanError(f"{fqn or 'the root'} reshards to {ranks} ranks after forward "
+                                       f"(reshard_after_forward={ranks}): the simulator models True and False only; "
+                                       "measure it instead")
         i64 = np.int64
         fields = tuple(PlanArrays(
             forward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, fwd_lists))], i64),

@@ -47,6 +47,7 @@ launch ([Note: Provisional verdicts] in :mod:`planner.statistics.verdict`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import tempfile
 from collections import deque
@@ -67,6 +68,7 @@ from planner.statistics.watch import COST, Watch, WatchState, watch_every
 from planner.study.in_loop import TunerPhase, in_loop_config, record_watch
 from runtime.accumulation import holds_between_microbatches
 from runtime.apply import apply_plan, model_fingerprint
+from runtime.current import fsdp2_default, own_plan
 from runtime.in_loop.recorder import LoopRecorder
 from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep, RoundEnd
 from runtime.in_loop.steps import StepSide
@@ -150,8 +152,10 @@ class AutoTuner:
         self.config = in_loop_config(study, storage, memory_budget, **keys)
         self._group = control_group(self.config.launch.timeout_s)
         self.fingerprint = model_fingerprint(model)
+        self.default = fsdp2_default(model)  # every module, so applying it undoes any other plan
+        self.own_plan = own_plan(model)
         self.phase = TunerPhase.RECORDING
-        self.plan = Plan(self.fingerprint, {})
+        self.plan = self.own_plan or self.default
         self.confirmation: Confirmation | None = None
         self.steps_tuning = 0
         self._watching: WatchedSteps | None = None
@@ -170,10 +174,15 @@ class AutoTuner:
         start = self._round.start(self.fingerprint, recheck, start_from if self.rank0 else None)
         self._log(f"AutoTuner: {start.why}")
         if not start.tune:
-            plan = Plan.from_json(start.plan_json) if start.plan_json else Plan(self.fingerprint, {})
+            plan = Plan.from_json(start.plan_json) if start.plan_json else self._kept()
             apply_plan(self.model, plan, check=True)
             self._finish_with(plan)
             return
+        if self.own_plan is not None:  # recorded and raced under FSDP2's default, as the profile and verdicts say
+            apply_plan(self.model, self.default, check=False)
+            self._log("AutoTuner: the model arrives with a plan of its own: the profile is recorded under FSDP2's "
+                      "default and the verdicts compare against FSDP2's default; the plan it arrived with is applied "
+                      "again unless a plan is confirmed faster than FSDP2's default (it is not raced itself)")
         self._steps.hook_microbatches()
         if start.recheck is not None:
             self._start_recheck(start.recheck)
@@ -282,12 +291,14 @@ class AutoTuner:
 
     def _conclude(self) -> None:
         try:
-            end = self._round.conclude(Plan(self.fingerprint, {}))
+            end = self._round.conclude(self.default)
         except PlannerError as e:
             self._round.fail(None, one_line(e))
             self._abandon(str(e))
             return
         self.confirmation = end.confirmation
+        if self._is_default(end.plan) and not end.applies_here:
+            end = dataclasses.replace(end, plan=self._kept())
         apply_plan(self.model, end.plan, check=False)
         what = f"; {'across processes the study says: ' if end.applies_here else ''}{end.line}" if end.line else ""
         self._log(f"AutoTuner: done after {self.steps_tuning} tuning steps ({self.steps_tuning - self._phase_started}"
@@ -305,7 +316,7 @@ class AutoTuner:
         apply_plan(self.model, plan, check=False)
         self.plan, self.phase, self._queue = plan, TunerPhase.WATCHING, deque()
         self._watched_trial = trial
-        self._watching = WatchedSteps(self.model, self.device, self._group, plan, Plan(self.fingerprint, {}),
+        self._watching = WatchedSteps(self.model, self.device, self._group, plan, self.default,
                                       Watch(every, seed=trial), self.rank0, self._steps.microbatches)
         self._log(f"AutoTuner: applied trial {trial}'s plan for the rest of this process: {end.here.line()} (the "
                   "study keeps it provisional until fresh launches confirm it); watching it against FSDP2's default "
@@ -318,7 +329,9 @@ class AutoTuner:
             self._log(f"AutoTuner: the watch reverted trial {self._watched_trial}'s plan after {state.steps} steps: "
                       f"{state.line()}")
             self._store_watch(state)
-            self._finish_with(Plan(self.fingerprint, {}))
+            kept = self._kept()
+            apply_plan(self.model, kept, check=False)
+            self._finish_with(kept)
         elif self._watching.due_for_log():
             self._log(f"AutoTuner: watching trial {self._watched_trial}'s plan: {state.line()}")
             self._store_watch(state)
@@ -348,11 +361,19 @@ class AutoTuner:
             logger.info("AutoTuner: the plan keeps parameters unsharded between microbatches; call "
                         "runtime.accumulation.prepare_microbatch(model, i, n) before each microbatch to use it")
 
+    def _kept(self) -> Plan:
+        """The plan kept when nothing is applied instead: the one the model arrived with, else FSDP2's default."""
+        return self.own_plan or self.default
+
+    def _is_default(self, plan: Plan) -> bool:
+        return not plan.modules and not plan.knobs.changed or plan.behaviour_key() == self.default.behaviour_key()
+
     def _abandon(self, reason: str) -> None:
-        default = Plan(self.fingerprint, {})
-        apply_plan(self.model, default, check=False)
-        self._log(f"AutoTuner: stopped tuning after {self.steps_tuning} steps, FSDP2's default applied: {reason}")
-        self._finish_with(default)
+        kept = self._kept()
+        apply_plan(self.model, kept, check=False)
+        what = "the plan the model arrived with applied again" if self.own_plan else "FSDP2's default applied"
+        self._log(f"AutoTuner: stopped tuning after {self.steps_tuning} steps, {what}: {reason}")
+        self._finish_with(kept)
 
     def close(self) -> None:
         """Stop tuning where it stands (e.g. the loop ends early): the trials still held are FAIL (interrupted,

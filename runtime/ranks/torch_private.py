@@ -136,6 +136,11 @@ def separate_reduce_scatter_group_setter(model: nn.Module) -> Callable[[bool], N
         groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
                   for g in m._get_fsdp_state()._fsdp_param_groups]
         dedicated = _DEDICATED_REDUCE_SCATTER.get(model)
+        if dedicated is None:  # one the model's own code set up before any plan: kept, and switched like ours
+            dedicated = next((g.mesh_info.reduce_scatter_process_group for g in groups
+                              if g.mesh_info.reduce_scatter_process_group is not None), None)
+            if dedicated is not None:
+                _DEDICATED_REDUCE_SCATTER[model] = dedicated
         if not enable:
             if dedicated is not None:
                 public(False)
@@ -158,9 +163,123 @@ def reduce_scatter_group(module: nn.Module) -> Any:
     return param_group(module)._reduce_scatter_process_group
 
 
-def unshard_async_op(module: nn.Module) -> bool:
-    """The ``async_op`` an FSDP module's unshard uses (``FSDPParamGroup.unshard_async_op``); for tests."""
-    return param_group(module).unshard_async_op
+def fsdp_state(module: nn.Module) -> Any:
+    """An FSDP module's ``FSDPState`` (``FSDPModule._get_fsdp_state()``): what a prefetch list holds.
+
+    Why: ``runtime.current_plan`` maps the states of a prefetch list back to their modules.
+    """
+    return module._get_fsdp_state()
+
+
+def prefetch_states(module: nn.Module) -> tuple[list[Any], list[Any]]:
+    """``(forward, backward)``: the ``FSDPState`` s an FSDP module explicitly prefetches, in the order it issues them.
+
+    Why: ``set_modules_to_forward_prefetch`` and ``set_modules_to_backward_prefetch`` have no getter; they write
+    ``FSDPState._states_to_forward_prefetch`` and ``_states_to_backward_prefetch`` (``runtime.current_plan``).
+    """
+    state = module._get_fsdp_state()
+    return list(state._states_to_forward_prefetch), list(state._states_to_backward_prefetch)
+
+
+# module -> {ranks: the post-forward mesh info FSDP2 built for an integer reshard_after_forward}: a model's own is
+# kept when it is read, so applying the same plan again restores it without building a new mesh.
+_POST_FORWARD_MESHES: weakref.WeakKeyDictionary[nn.Module, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+
+def reshard_after_forward_setting(module: nn.Module, root: bool = False) -> bool | int:
+    """An FSDP module's ``reshard_after_forward`` as it runs: ``True`` (reshard to the shard group), ``False`` (keep
+    unsharded), an ``int`` (reshard to that many ranks); ``False`` without parameters of its own (as
+    :func:`reshard_after_forward`).
+
+    Why: ``set_reshard_after_forward`` has no getter; FSDP2 holds it as ``FSDPParamGroup.post_forward_mesh_info``
+    (``None``: kept; the group's ``mesh_info``: resharded; a smaller mesh: an integer, its ``shard_mesh_size``:
+    ``_get_post_forward_mesh_info``). A root wrapped without a value (``FSDPState._auto_reshard_after_forward``)
+    keeps its parameters from its first forward (``FSDPState._lazy_init``), so it reads ``False`` before it too:
+    ``root`` says whether ``module`` is the root (FSDP2 knows only after that forward).
+    """
+    group = param_group(module)
+    if group is None:
+        return False
+    state = module._get_fsdp_state()
+    if getattr(state, "_auto_reshard_after_forward", False) and (state._is_root or state._is_root is None and root):
+        return False  # the root under FSDP2's automatic choice: kept, from its first forward
+    info = group.post_forward_mesh_info
+    if info is None:
+        return False
+    if info is group.mesh_info or info.shard_mesh_size == group.mesh_info.shard_mesh_size:
+        return True
+    ranks = int(info.shard_mesh_size)
+    _POST_FORWARD_MESHES.setdefault(module, {})[ranks] = info
+    return ranks
+
+
+def set_reshard_after_forward_ranks(module: nn.Module, ranks: int) -> None:
+    """Reshard an FSDP module's parameters to ``ranks`` ranks after forward (not recursive).
+
+    Why: ``set_reshard_after_forward`` takes a bool only; ``fully_shard(reshard_after_forward=int)`` builds the
+    smaller mesh with ``_get_post_forward_mesh_info``, which this calls (a new mesh is collective: every rank
+    applies the same plan). The mesh the model was wrapped with is reused once read
+    (:func:`reshard_after_forward_setting`).
+
+    Raises:
+        UnsupportedPlanError: ``ranks`` does not divide the shard group's size (FSDP2's ``ValueError``).
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+
+    state = module._get_fsdp_state()
+    state._auto_reshard_after_forward = False
+    for group in state._fsdp_param_groups:
+        known = _POST_FORWARD_MESHES.get(module, {}).get(ranks)
+        if known is None:
+            try:
+                known = _get_post_forward_mesh_info(ranks, group.mesh_info)
+            except ValueError as e:
+                raise UnsupportedPlanError(f"reshard_after_forward={ranks}: {e}") from None
+            _POST_FORWARD_MESHES.setdefault(module, {})[ranks] = known
+        group.post_forward_mesh_info = known
+
+
+# The knobs' readers (``Knob.getter`` in ``planner.artifacts.knobs``): one FSDP module's value, ``None`` where it
+# manages no parameters of its own. FSDP2's setters write each parameter group's state; none has a getter.
+
+def unshard_async_op(module: nn.Module) -> bool | None:
+    """The ``async_op`` of an FSDP module's unshard (``FSDPParamGroup.unshard_async_op``: ``_set_unshard_async_op``)."""
+    group = param_group(module)
+    return None if group is None else bool(group.unshard_async_op)
+
+
+def reduce_scatter_max_input_buffers(module: nn.Module) -> int | None:
+    """``FSDPParamGroup.reduce_scatter_max_input_buffers`` (``set_reduce_scatter_max_input_buffers``)."""
+    group = param_group(module)
+    return None if group is None else int(group.reduce_scatter_max_input_buffers)
+
+
+def unshard_in_backward(module: nn.Module) -> bool | None:
+    """``FSDPParamGroup.unshard_in_backward`` (``set_unshard_in_backward``)."""
+    group = param_group(module)
+    return None if group is None else bool(group.unshard_in_backward)
+
+
+def separate_reduce_scatter_group(module: nn.Module) -> bool | None:
+    """Whether an FSDP module's reduce-scatter runs on a process group of its own: ``FSDPMeshInfo
+    .reduce_scatter_process_group`` set (``set_separate_reduce_scatter_group``,
+    ``FSDPParamGroup._set_separate_reduce_scatter_group``)."""
+    group = param_group(module)
+    if group is None:
+        return None
+    if not hasattr(group.mesh_info, "reduce_scatter_process_group"):
+        raise AttributeError("FSDPMeshInfo.reduce_scatter_process_group")  # a torch without the knob: unknown
+    return group.mesh_info.reduce_scatter_process_group is not None
+
+
+def allocates_from_process_group(module: nn.Module) -> bool | None:
+    """Whether an FSDP module's collectives take their buffers from the process group's allocator
+    (``set_allocate_memory_from_process_group_for_comm``: ``FSDPParamGroup._all_gather_comm`` a
+    ``ProcessGroupAllocAllGather``)."""
+    group = param_group(module)
+    if group is None:
+        return None
+    return type(group._all_gather_comm).__name__ == "ProcessGroupAllocAllGather"
 
 
 def prefetch_counts(module: nn.Module) -> tuple[int, int]:

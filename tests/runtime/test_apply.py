@@ -248,3 +248,115 @@ def test_a_plan_read_back_from_its_json_configures_fsdp_as_the_plan_object(mesh,
     assert hands_events(a) and hands_events(b)
     for model in (a, b):  # FSDP2's default again: no optimizer hook left behind
         apply_plan(model, Plan(model_fingerprint(model), {}))
+
+
+def _held(plan):
+    """``plan`` as FSDP2 holds it: a module without parameters of its own keeps none after forward."""
+    from planner.artifacts.plan import Plan
+
+    own = dict(zip(plan.fingerprint.module_fqns, plan.fingerprint.param_numels, strict=True))
+    return Plan(plan.fingerprint, {f: m if own[f] else dataclasses.replace(m, reshard_after_forward=False)
+                                   for f, m in plan.modules.items()}, plan.knobs)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_current_plan_reads_back_the_plan_applied_and_applying_it_changes_nothing(mesh, monkeypatch, seed):
+    """``current_plan`` after ``apply_plan``: the plan applied, every prefetch list, resharding and knob read from
+    FSDP2's state, of provenance ``user``; applying what it read makes the same setter calls as the plan itself,
+    and reads back the same."""
+    from planner.artifacts.plan import Plan, Source
+    from runtime.current import current_plan
+
+    model = mlp(mesh, dim=16, layers=3).model
+    plan = _random_plan(model, seed)
+    apply_plan(model, plan)
+    read = current_plan(model)
+    assert read.behaviour_key() == _held(plan).behaviour_key()
+    assert read.provenance.source == Source.USER and read.provenance.unknown_knobs is None
+    other = mlp(mesh, dim=16, layers=3).model
+    assert _configuration(model, read, monkeypatch) == _configuration(other, plan, monkeypatch)
+    assert current_plan(model).behaviour_key() == read.behaviour_key()
+    for m in (model, other):  # FSDP2's default again: no optimizer hook left behind
+        apply_plan(m, Plan(model_fingerprint(m), {}))
+
+
+def test_a_model_as_wrapped_reads_as_fsdp2s_default(mesh):
+    """Before its first forward too: the root wrapped without a ``reshard_after_forward`` keeps its parameters
+    (FSDP2 decides so at its first forward), every block reshards, no prefetch list, every knob at its default."""
+    from planner.artifacts.plan import ModulePlan, Plan
+    from runtime.current import current_plan
+
+    model = _model(mesh, 3)
+    expected = Plan(model_fingerprint(model), {f: ModulePlan(reshard_after_forward=f != "")
+                                               for f, _ in fsdp_modules(model)})
+    assert current_plan(model).behaviour_key() == expected.behaviour_key()
+    model(torch.randn(4, 16)).sum().backward()
+    assert current_plan(model).behaviour_key() == expected.behaviour_key()
+
+
+def test_prefetch_lists_set_by_hand_are_read_in_the_order_fsdp2_issues_them(mesh):
+    from runtime.current import current_plan
+
+    model = _model(mesh, 3)
+    b = model.blocks
+    b[0].set_modules_to_forward_prefetch([b[2], b[1]])
+    b[2].set_modules_to_backward_prefetch([b[1], b[0]])
+    b[1].set_reshard_after_forward(False, recurse=False)
+    read = current_plan(model)
+    assert read.modules["blocks.0"].forward_prefetch == ("blocks.2", "blocks.1")
+    assert read.modules["blocks.2"].backward_prefetch == ("blocks.1", "blocks.0")
+    assert read.modules["blocks.1"].reshard_after_forward is False
+    assert read.modules["blocks.0"].reshard_after_forward is True
+
+
+def test_a_knob_without_state_in_this_torch_is_unknown_and_left_as_it_is(mesh, monkeypatch):
+    """A torch that holds no state for a knob: ``current_plan`` names it unknown (the plan carries FSDP2's default
+    for it, never a guess), and ``apply_plan`` of that plan leaves the model's own value alone."""
+    import runtime.ranks.torch_private as torch_private
+    from runtime.current import current_plan
+
+    model = _model(mesh, 3)
+    model.blocks[1].set_unshard_in_backward(False)
+
+    def missing(module):
+        raise AttributeError("FSDPParamGroup.unshard_in_backward")
+
+    monkeypatch.setattr(torch_private, "unshard_in_backward", missing)
+    read = current_plan(model)
+    assert read.provenance.unknown_knobs == ("unshard_in_backward",)
+    assert read.modules["blocks.1"].knobs.unshard_in_backward is True  # FSDP2's default, marked unknown
+    apply_plan(model, read)
+    monkeypatch.undo()
+    assert torch_private.unshard_in_backward(model.blocks[1]) is False
+
+
+def test_a_plan_knob_set_on_some_modules_only_is_unknown(mesh):
+    """``reduce_scatter_max_input_buffers`` set by hand on one block: a plan holds one value for every module, so
+    the knob is unknown rather than either value."""
+    from runtime.current import current_plan
+
+    model = _model(mesh, 3)
+    model.blocks[1].set_reduce_scatter_max_input_buffers(2, recurse=False)
+    assert current_plan(model).provenance.unknown_knobs == ("reduce_scatter_max_input_buffers",)
+    model.set_reduce_scatter_max_input_buffers(2)
+    read = current_plan(model)
+    assert read.provenance.unknown_knobs is None and read.knobs.reduce_scatter_max_input_buffers == 2
+
+
+def test_a_separate_reduce_scatter_group_the_model_set_itself_is_read_and_switched_off_by_fsdp2s_default(mesh):
+    """The user's code gave reduce-scatter its own group before any plan: it reads back as set, FSDP2's default
+    plan switches it off (the profile is recorded under FSDP2's default), and the user's plan puts the same group
+    back, creating none."""
+    from planner.artifacts.plan import Plan
+    from runtime.current import current_plan
+    from runtime.ranks.torch_private import reduce_scatter_group, separate_reduce_scatter_group
+
+    model = _model(mesh, 2)
+    model.set_separate_reduce_scatter_group(True)
+    own = reduce_scatter_group(model.blocks[0])
+    users = current_plan(model)
+    assert users.knobs.separate_reduce_scatter_group is True
+    apply_plan(model, Plan(model_fingerprint(model), {}))
+    assert separate_reduce_scatter_group(model.blocks[0]) is False
+    apply_plan(model, users)
+    assert reduce_scatter_group(model.blocks[0]) is own

@@ -59,6 +59,39 @@ def test_the_work_outside_the_modules_round_trips_and_is_written_only_when_measu
     assert traced.to_dict()["outside_ms"] == 12.5 and Profile.from_json(traced.to_json()) == traced
 
 
+def test_a_plan_read_back_from_a_model_round_trips_its_integer_reshard_and_unknown_knobs(make_profile):
+    """A plan of provenance ``user`` (``runtime.current_plan``): a module wrapped with ``reshard_after_forward=2``
+    keeps its integer through JSON, and the knobs the running torch could not read are named; a plan without
+    either writes neither key (earlier plans keep their bytes)."""
+    from planner.artifacts.plan import ModulePlan, Source
+
+    p = make_profile(n_blocks=3)
+    plan = dataclasses.replace(Plan.default(p), modules={**Plan.default(p).modules, "b1": ModulePlan(
+        reshard_after_forward=2)}).with_provenance(source=Source.USER, unknown_knobs=("unshard_in_backward",))
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.modules["b1"].reshard_after_forward == 2
+    assert type(back.modules["b0"].reshard_after_forward) is bool
+    assert back.provenance.source == Source.USER and back.provenance.unknown_knobs == ("unshard_in_backward",)
+    assert back.behaviour_key() != Plan.default(p).behaviour_key()
+    assert "unknown_knobs" not in Plan.default(p).to_dict()["provenance"]
+    d = plan.to_dict()
+    d["modules"]["b1"]["reshard_after_forward"] = 1  # FSDP2 reads 1 as False: a plan says False
+    with pytest.raises(PlanFormatError, match="reshard_after_forward"):
+        Plan.from_dict(d)
+
+
+def test_the_simulator_refuses_an_integer_reshard_naming_the_module(make_profile):
+    from planner.artifacts.plan import ModulePlan
+    from planner.errors import UnsupportedPlanError
+    from planner.simulation.parameters import simulate
+
+    p = make_profile(n_blocks=3)
+    plan = dataclasses.replace(Plan.default(p), modules={**Plan.default(p).modules, "b1": ModulePlan(
+        reshard_after_forward=2)})
+    with pytest.raises(UnsupportedPlanError, match="b1 reshards to 2 ranks after forward"):
+        simulate(p, plan)
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [

@@ -82,7 +82,8 @@ def _profile_dict() -> dict:
 
 @pytest.mark.parametrize(("mutate", "message"), [
     (lambda d: d["modules"]["model.layers.0"].update(reshard_after_forward="false"),
-     "plan field modules['model.layers.0'].reshard_after_forward must be true or false, found 'false'"),
+     "plan field modules['model.layers.0'].reshard_after_forward must be true or false, or the ranks it reshards "
+     "to (an integer of 2 or more), found 'false'"),
     (lambda d: d.update(reshard_after_backward="false"),
      "plan field reshard_after_backward must be true or false, found 'false'"),
     (lambda d: d.update(reduce_scatter_max_input_buffers="2"),
@@ -93,7 +94,7 @@ def _profile_dict() -> dict:
      "plan field modules[''].reshard_afterforward is not a field of this schema"),
     (lambda d: d["fingerprint"].pop("world_size"), "plan field fingerprint.world_size is missing"),
     (lambda d: d["provenance"].update(source="guessed"),
-     "plan field provenance.source input should be 'default', 'measured' or 'predicted'"),
+     "plan field provenance.source input should be 'default', 'measured', 'predicted' or 'user'"),
 ])
 def test_a_plan_field_of_the_wrong_kind_is_named_not_coerced(mutate, message):
     d = _plan_dict()

@@ -35,6 +35,17 @@ def run_loop(tmp_path, workload, steps: int, mode: str, storage: str = "none", m
     return json.loads(out.read_text())
 
 
+def _is_fsdp2_default(plan: dict) -> bool:
+    """A plan dict (``Plan.to_dict``) that sets FSDP2's default on every module: no prefetch list, every block
+    resharding after forward, the root keeping its parameters, every knob at its default."""
+    from planner.artifacts.plan import Plan
+
+    p = Plan.from_dict(plan)
+    return (set(p.modules) == set(p.fingerprint.module_fqns) and not p.knobs.changed
+            and all(not m.forward_prefetch and not m.backward_prefetch and m.reshard_after_forward == (fqn != "")
+                    and not m.knobs.changed for fqn, m in p.modules.items()))
+
+
 def _measured(storage: str) -> list[MeasuredTrialRecord]:
     study = optuna.load_study(study_name="in-loop", storage=storage)
     return [MeasuredTrialRecord.from_trial(t) for t in study.trials]
@@ -76,8 +87,11 @@ def test_the_next_start_reuses_the_study(tmp_path):
     else:
         second = run_loop(tmp_path, MLP, 5, "tune", storage)
         assert second["steps_tuning"] == 0 and second["phases"] == ["done"] * 5
-        # the study's recommendation: the confirmed plan, else FSDP2's default (as a plan that changes nothing)
-        assert second["plan"]["modules"] == (first["plan"]["modules"] if verdict == "faster" else {})
+        # the study's recommendation: the confirmed plan, else FSDP2's default on every module
+        if verdict == "faster":
+            assert second["plan"]["modules"] == first["plan"]["modules"]
+        else:
+            assert _is_fsdp2_default(second["plan"])
         assert len(_measured(storage)) == len(measured)  # nothing measured again
 
     # recheck=True on a study that recommends a plan (a synthetic job on the recorded profile confirmed one 20%
@@ -157,7 +171,7 @@ def test_a_failing_step_propagates_and_the_next_tuner_goes_on(tmp_path):
     storage = f"sqlite:///{tmp_path}/tuning.db"
     result = run_loop(tmp_path, MLP, 70, "raise:8", storage)  # step 8: a candidate's warm-up
     assert result["raised"] == ["ValueError", "boom at step 8"]
-    assert result["final_phase"] == "done" and result["plan"]["modules"] == {}
+    assert result["final_phase"] == "done" and _is_fsdp2_default(result["plan"])
     failed = [r for r in _measured(storage)[:3] if r.state == optuna.trial.TrialState.FAIL]
     assert any("ValueError: boom at step 8" in r.failure.reason for r in failed)
     assert not any(r.state == optuna.trial.TrialState.RUNNING for r in _measured(storage))
@@ -193,11 +207,26 @@ def test_a_rank_that_leaves_mid_race_leaves_no_trial_running(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_model_with_its_own_plan_is_recorded_under_fsdp2s_default_and_gets_its_plan_back(tmp_path):
+    """A factory that hand-sets forward prefetch depth 2 and keeps the last block unsharded after forward: the tuner
+    reads that plan, records under FSDP2's default; when nothing is applied instead (here: no pass fits the budget,
+    so nothing is raced), the model ends with exactly the plan it arrived with."""
+    factory, kwargs = MLP
+    result = run_loop(tmp_path, (factory, {**kwargs, "forward_prefetch_depth": 2, "keep_last_block": True}), 12,
+                      "tune", memory_budget="+1%")
+    own = result["own_plan"]
+    assert own is not None and own["modules"]["blocks.0"]["forward_prefetch"] == ["blocks.1", "blocks.2"]
+    assert own["modules"]["blocks.3"]["reshard_after_forward"] is False
+    assert result["final_phase"] == "done" and result["confirmation"] is None
+    assert result["model_plan"]["modules"] == own["modules"] and result["plan"]["modules"] == own["modules"]
+
+
+@pytest.mark.slow
 def test_isolation_over_the_budget_keeps_the_default(tmp_path):
     """A budget that even a pass holding one module would exceed: no pass runs, FSDP2's default stays, nothing
     raced."""
     result = run_loop(tmp_path, MLP, 12, "tune", memory_budget="+1%")
-    assert result["final_phase"] == "done" and result["plan"]["modules"] == {}
+    assert result["final_phase"] == "done" and _is_fsdp2_default(result["plan"])
     assert result["confirmation"] is None and "racing" not in result["phases"]
     assert result["steps_tuning"] == result["phases"].count("recording") < 12
 

@@ -8,7 +8,9 @@ for GPUs included, and the module knobs where a module admits them), and
 broadcasts each example, shrinking included,
 to the other ranks. Every rank trains ``steps`` steps on a fresh model with
 the plan; the property: each rank's losses are bitwise those of FSDP2's
-default.
+default, and the plan read back from the model (``runtime.current_plan``)
+is the plan applied, before the steps and after, and applying it again
+changes nothing.
 
 argv: factory, kwargs JSON, steps, max_examples, output JSON, microbatches
 per step (gradient accumulation; only the last syncs gradients), and optionally
@@ -29,7 +31,7 @@ from planner.artifacts import knobs
 from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS
 from planner.artifacts.names import SpaceName
 from planner.artifacts.plan import Plan
-from runtime import apply_plan
+from runtime import apply_plan, current_plan
 from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.recording.recorder import record_profile
 from runtime.workload import build_workload, train_step
@@ -44,11 +46,28 @@ assert profile.microbatches == microbatches  # the recorder records the accumula
 assert profile.fingerprint.mesh == (None if hsdp is None else tuple(hsdp))  # and the mesh
 
 
+def as_held(plan: Plan) -> str:
+    """``plan``'s behaviour key as FSDP2 holds it: a module without parameters of its own keeps none after forward
+    whatever it is told (its setter has no parameter group to set)."""
+    own = dict(zip(plan.fingerprint.module_fqns, plan.fingerprint.param_numels, strict=True))
+    return dataclasses.replace(plan, modules={
+        fqn: m if own[fqn] else dataclasses.replace(m, reshard_after_forward=False)
+        for fqn, m in plan.modules.items()}).behaviour_key()
+
+
 def losses(plan: Plan) -> list[list[str]]:
-    """Every rank's losses (float hex) over ``steps`` steps on a fresh model with ``plan``."""
+    """Every rank's losses (float hex) over ``steps`` steps on a fresh model with ``plan``; a rank whose model does
+    not read back as ``plan`` (``current_plan``, before and after the steps and after applying what it read)
+    puts the difference in place of its losses."""
     workload = build_workload(factory, mesh, kwargs, microbatches)
     apply_plan(workload.model, plan)
+    read = current_plan(workload.model)
     local = [train_step(workload, s).double().item().hex() for s in range(steps)]
+    apply_plan(workload.model, current_plan(workload.model))
+    again = current_plan(workload.model)
+    if not as_held(plan) == read.behaviour_key() == again.behaviour_key():
+        local = [f"current_plan read {read.to_dict()['modules']} (then {again.to_dict()['modules']}) after "
+                 f"applying {plan.to_dict()['modules']}"]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     return gathered

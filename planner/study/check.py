@@ -1,0 +1,200 @@
+"""``prefetch-planner check``: the plan a model has, read back, checked against the known-bad patterns and priced.
+
+The plan comes from ``runtime.current_plan`` (provenance ``user``); the profile was recorded under FSDP2's default.
+Each plan is priced on the simulator of that profile, on the profile's own cluster: its predicted step with its band
+(``planner.simulation.band``: the collective fit's leave-one-out error, the link as recorded, the ranks recorded),
+its exposed communication and its peak. Torch-free: the tests build every case from a synthetic profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.artifacts.knobs import knob
+from planner.artifacts.plan import ModulePlan, Plan
+from planner.artifacts.profile import Profile
+from planner.errors import PlannerError, one_line
+from planner.study.known_bad import Finding, known_bad, summary_lines
+from planner.units import mib
+
+
+@dataclass(frozen=True)
+class PricedPlan:
+    """One plan on the profile's simulator.
+
+    Attributes:
+        label: ``"yours"``, ``"FSDP2 default"``, ``"the study's recommendation (trial 7)"``.
+        plan: the plan.
+        step_ms: the predicted step, ms; ``None`` when it could not be simulated (:attr:`why_not`).
+        band_ms: ``(low, high)`` around it, ms; ``None`` without a band.
+        exposed_comm_ms: step time not covered by compute, ms.
+        peak_bytes: the predicted peak per rank, bytes.
+        why_not: why it was not priced, one line.
+    """
+
+    label: str
+    plan: Plan
+    step_ms: float | None = None
+    band_ms: tuple[float, float] | None = None
+    exposed_comm_ms: float | None = None
+    peak_bytes: int | None = None
+    why_not: str | None = None
+
+    def line(self) -> str:
+        """``yours            812.4 ms [790.1, 836.0], exposed communication 120.3 ms, peak 1.2 GiB``."""
+        if self.step_ms is None:
+            return f"{self.label:<36} not priced: {self.why_not}"
+        band = f" [{self.band_ms[0]:.1f}, {self.band_ms[1]:.1f}]" if self.band_ms else ""
+        return (f"{self.label:<36} {self.step_ms:8.1f} ms{band}, exposed communication {self.exposed_comm_ms:.1f} ms, "
+                f"peak {mib(self.peak_bytes)}")
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What ``check`` prints.
+
+    Attributes:
+        plan: the plan the model has.
+        findings: the known-bad patterns it matches (``planner.study.known_bad``).
+        priced: the plan, FSDP2's default and, where the study has one, its recommendation.
+        unknown_knobs: the knobs the running torch could not read back.
+    """
+
+    plan: Plan
+    findings: tuple[Finding, ...]
+    priced: tuple[PricedPlan, ...]
+    unknown_knobs: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        """The report: the configuration read back, the patterns, the prices and where the difference lies."""
+        out = ["the plan the model has, read back from FSDP2's state:"]
+        out += [f"  {line}" for line in configuration_lines(self.plan)]
+        if self.unknown_knobs:
+            out.append(f"  unknown (no state to read in this torch): {', '.join(self.unknown_knobs)}")
+        out += summary_lines(self.findings)
+        out.append("simulated on the profile's own cluster (predicted step [band], exposed communication, peak):")
+        out += [f"  {p.line()}" for p in self.priced]
+        out += difference_lines(self.priced)
+        return out
+
+    def to_dict(self) -> dict:
+        """The report as one JSON object (``check --json``)."""
+        return {
+            "plan": self.plan.to_dict(),
+            "unknown_knobs": list(self.unknown_knobs),
+            "findings": [{"pattern": str(f.pattern), "modules": list(f.modules), "detail": f.detail,
+                          "source": f.source, "fix": f.fix} for f in self.findings],
+            "priced": [{"label": p.label, "step_ms": p.step_ms, "band_ms": list(p.band_ms) if p.band_ms else None,
+                        "exposed_comm_ms": p.exposed_comm_ms, "peak_bytes": p.peak_bytes, "why_not": p.why_not}
+                       for p in self.priced],
+        }
+
+
+def configuration_lines(plan: Plan) -> list[str]:
+    """Per module what it is told, compactly: modules told nothing beyond FSDP2's default for them (no explicit
+    prefetch, resharding as FSDP2 chooses, every knob at its default) in one line; then the plan's knobs."""
+    plain, told = [], []
+    for fqn, m in plan.modules.items():
+        parts = _told(fqn, m)
+        (told if parts else plain).append((fqn or "root", parts))
+    out = [f"{fqn}: {'; '.join(parts)}" for fqn, parts in told]
+    if plain:
+        names = [f for f, _ in plain]
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} modules)" if len(names) > 4 else "")
+        out.append(f"as FSDP2 does by default: {shown}")
+    changed = [f"{name} = {value!r}" for name, value in plan.knobs.items() if value != knob(name).default]
+    out.append("plan knobs: " + (", ".join(changed) if changed else "FSDP2's defaults"))
+    return out
+
+
+def _told(fqn: str, m: ModulePlan) -> list[str]:
+    """What module ``fqn`` is told beyond FSDP2's default for it (the root keeps its parameters, a block
+    reshards)."""
+    parts = []
+    if m.forward_prefetch:
+        parts.append(f"forward prefetch {', '.join(t or 'root' for t in m.forward_prefetch)}")
+    if m.backward_prefetch:
+        parts.append(f"backward prefetch {', '.join(t or 'root' for t in m.backward_prefetch)}")
+    fsdp2 = fqn != ""
+    if not isinstance(m.reshard_after_forward, bool):
+        parts.append(f"reshards to {m.reshard_after_forward} ranks after forward")
+    elif m.reshard_after_forward != fsdp2:
+        parts.append("keeps its parameters after forward" if fsdp2 else "reshards after forward")
+    parts += [f"{name} = {value!r}" for name, value in m.knobs.items() if value != knob(name).default]
+    return parts
+
+
+def difference_lines(priced: Sequence[PricedPlan]) -> list[str]:
+    """Where each priced plan differs from the first (the model's own): step, exposed communication, peak."""
+    if not priced or priced[0].step_ms is None:
+        return []
+    yours = priced[0]
+    out = []
+    for p in priced[1:]:
+        if p.step_ms is None:
+            continue
+        step = yours.step_ms - p.step_ms
+        comm = yours.exposed_comm_ms - p.exposed_comm_ms
+        peak = yours.peak_bytes - p.peak_bytes
+        faster = "slower" if step > 0 else "faster"
+        sign = "+" if peak >= 0 else "-"
+        out.append(f"yours against {p.label}: {abs(step):.1f} ms {faster} a step (exposed communication "
+                   f"{comm:+.1f} ms), peak {sign}{mib(abs(peak))}")
+    return out
+
+
+def price(label: str, plan: Plan, profile: Profile) -> PricedPlan:
+    """``plan`` on ``profile``'s simulator with its band on the profile's own cluster; a plan the simulator refuses
+    (an integer ``reshard_after_forward``) comes back unpriced with the reason."""
+    from planner.simulation.parameters import simulator_for
+
+    try:
+        result = simulator_for(profile).run(plan)
+    except PlannerError as e:
+        return PricedPlan(label, plan, why_not=one_line(e))
+    band = _band(profile, plan)
+    step = band[0] if band else result.step_ms
+    return PricedPlan(label, plan, step, band[1] if band else None, result.exposed_comm_ms, result.peak_bytes)
+
+
+def _band(profile: Profile, plan: Plan) -> tuple[float, tuple[float, float]] | None:
+    """The predicted step on the profile's own cluster with its band; ``None`` where no band can be made (one
+    rank: no collective to fit)."""
+    from planner.artifacts.target import Link, Links, Target
+    from planner.simulation.band import step_band
+
+    fp = profile.fingerprint
+    if fp.world_size < 2:
+        return None
+    own = Target(world_size=fp.world_size, ranks_per_node=fp.world_size,
+                 backend="gloo" if fp.device_type == "cpu" else "nccl", mesh=fp.mesh,
+                 link=Links(intra_node=Link(bandwidth="recorded")))
+    try:
+        band = step_band(profile, own, plan)
+    except PlannerError:
+        return None
+    return band.step_ms, (band.low_ms, band.high_ms)
+
+
+def check_plan(plan: Plan, profile: Profile, recommended: Plan | None = None, recommended_label: str | None = None,
+               memory_budget_bytes: int | None = None, reentrant: bool = False) -> CheckReport:
+    """The report on ``plan`` (the model's own) for ``profile`` (recorded under FSDP2's default).
+
+    Args:
+        plan: the plan the model has (``runtime.current_plan``).
+        profile: its profile.
+        recommended: the study's recommendation for this model, if it has one; priced beside.
+        recommended_label: how the report names it (default ``"the study's recommendation"``).
+        memory_budget_bytes: the per-rank budget a prefetch depth is checked against; ``None``: not checked.
+        reentrant: the model checkpoints with ``use_reentrant=True``.
+
+    Raises:
+        PlanMismatchError: ``plan`` is not of ``profile``'s model.
+    """
+    plan.check_matches(profile)
+    priced = [price("yours", plan, profile), price("FSDP2 default", Plan.default(profile), profile)]
+    if recommended is not None:
+        priced.append(price(recommended_label or "the study's recommendation", recommended, profile))
+    return CheckReport(plan, tuple(known_bad(plan, profile, memory_budget_bytes, reentrant)), tuple(priced),
+                       tuple(plan.provenance.unknown_knobs or ()))
