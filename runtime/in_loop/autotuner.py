@@ -163,7 +163,7 @@ class AutoTuner:
         self._queue: deque[LoopStep] = deque()
         self._phase_started = 0
         self.device = next(model.parameters()).device.type
-        self._steps = StepSide(model, self.device, self._group, self.plan)
+        self._steps = StepSide(model, self.device, self._group, self.default)
         files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
         self._round = InLoopRound(model, self.config, self._group, files)
         self._start(recheck, start_from)
