@@ -48,7 +48,8 @@ confirm_max_rounds = 12
 profile_repeats = 2
 """
 # (output file, command line after `prefetch-planner`): the what-if, from a one-GPU profile and from the
-# emulated cluster's 4-rank profile.
+# emulated cluster's 4-rank profile; `check` of the hand-set study's plan (`check studies/llama-cpu-hand-set.toml`
+# wrote the profile and the plan).
 WHAT_IF = [
     ("presets.txt", ["presets"]),
     ("simulate-h100.txt", ["simulate", "h100.profile.json", "--target", "h100-ib400", "--world-size", "64",
@@ -59,6 +60,7 @@ WHAT_IF = [
     ("tune-target-emulated.txt", ["tune", "llama-link.toml", "--target", "cpu-emulated-1gbit", "--no-progress"]),
     ("simulate-emulated.txt", ["simulate", "llama-link.profile.json", "llama-link.predicted.plan.json",
                                "--target", "cpu-emulated-1gbit", "--png", "timeline.png"]),
+    ("check.txt", ["check", "llama-cpu-hand-set.profile.json", "llama-cpu-hand-set.own.plan.json"]),
 ]
 # The queries docs/studies.md shows, run against the quickstart study's database.
 QUERIES = [
@@ -95,6 +97,8 @@ def scratch(folder: Path) -> Path:
     shutil.copy(ROOT / "studies" / "llama-gpu.toml", folder / "llama-gpu.toml")
     shutil.copy(ROOT / "bench" / "llama-link.toml", folder / "llama-link.toml")
     shutil.copy(CAPTURED / "llama-link.profile.json", folder / "llama-link.profile.json")
+    for name in ("llama-cpu-hand-set.profile.json", "llama-cpu-hand-set.own.plan.json"):
+        shutil.copy(CAPTURED / name, folder / name)
     (folder / "quickstart.toml").write_text(QUICKSTART)
     return folder
 

@@ -12,20 +12,16 @@ them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-import os
-import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 
-from jobs import PROGRESS_LOGGERS
-from planner.artifacts.config import StudyConfig, default_storage, load_study_config
+from jobs.check_command import check
+from jobs.launching import exit_on_rank_error, exit_with_ranks, handed_over, log_rank0_progress, study_config
+from planner.artifacts.config import StudyConfig
 from planner.errors import PlannerError
 from planner.presentation import cli as planner_cli
 from planner.version import DISTRIBUTION
@@ -40,6 +36,7 @@ def main() -> None:
 main.add_command(planner_cli.simulate)
 main.add_command(planner_cli.studies)
 main.add_command(planner_cli.presets_command)
+main.add_command(check)
 
 _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 
@@ -79,7 +76,7 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
     from runtime.ranks.launch import in_torchrun, launch_ranks
 
     ask = planner_cli.WhatIf(**{f.name: options.pop(f.name) for f in dataclasses.fields(planner_cli.WhatIf)})
-    config = _study_config(study_toml, validated_config, **options)  # --storage, --sim-trials, ...: the study's keys
+    config = study_config(study_toml, validated_config, **options)  # --storage, --sim-trials, ...: the study's keys
     ask.check()
     if ask.target is not None:
         from jobs.predict import tune_for_target
@@ -93,13 +90,13 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
     plan_out = plan_out or config.default_output(".plan.json")
     profile_out = profile_out or config.default_output(".profile.json")
     if in_torchrun():
-        _log_rank0_progress()
+        log_rank0_progress()
         try:
             launches = None if confirm_launches == "auto" else int(confirm_launches)
             outcome = TuneJob(config, plan_out, profile_out, progress=not no_progress, job=job,
                               confirm_launches=launches, profile_in=profile_in).run()
         except (PlannerError, KeyboardInterrupt) as e:
-            _exit_on_rank_error(e)
+            exit_on_rank_error(e)
         if outcome is not None:
             from planner.presentation.report import tune_report
 
@@ -112,8 +109,8 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
             "--confirm-launches", "auto" if config.measure.confirm_launches is None
             else str(config.measure.confirm_launches)]
     args += (["--from-profile", profile_in] if profile_in is not None else []) + (["--no-progress"] * no_progress)
-    with _handed_over(config) as handover:
-        _exit_with_ranks(launch_ranks(["tune", study_toml, *handover, *args], config.launch), "tuning",
+    with handed_over(config) as handover:
+        exit_with_ranks(launch_ranks(["tune", study_toml, *handover, *args], config.launch), "tuning",
                          _EXPECTED_RANK_EXITS)
         _confirm_in_fresh_launches(study_toml, config, job, plan_out, handover)
 
@@ -189,19 +186,19 @@ def confirm(study_toml, storage, job, rounds, validated_config) -> None:
     from jobs.confirm import ConfirmJob
     from runtime.ranks.launch import in_torchrun, launch_ranks
 
-    config = _study_config(study_toml, validated_config, storage=storage)
+    config = study_config(study_toml, validated_config, storage=storage)
     if in_torchrun():
-        _log_rank0_progress()
+        log_rank0_progress()
         try:
             launches = ConfirmJob(config, job, rounds).run()
         except PlannerError as e:
-            _exit_on_rank_error(e)
+            exit_on_rank_error(e)
         if launches:
             click.echo(f"      launch measured; the survivor now has {launches} launch(es)")
         return
     ConfirmJob.check_before_launch(config)
-    with _handed_over(config) as handover:
-        _exit_with_ranks(launch_ranks(["confirm", study_toml, *handover, "--job", job,
+    with handed_over(config) as handover:
+        exit_with_ranks(launch_ranks(["confirm", study_toml, *handover, "--job", job,
                                        *(["--rounds", str(rounds)] if rounds else [])], config.launch),
                          "confirmation", _EXPECTED_RANK_EXITS)
 
@@ -223,19 +220,19 @@ def calibrate(study_toml, storage, launches, profile_in, launch, validated_confi
     from jobs.calibrate import CalibrateJob, describe_pair
     from runtime.ranks.launch import in_torchrun
 
-    config = _study_config(study_toml, validated_config, storage=storage)
+    config = study_config(study_toml, validated_config, storage=storage)
     if in_torchrun():
-        _log_rank0_progress()
+        log_rank0_progress()
         try:
             result = CalibrateJob(config, launch or 0, launches, profile_in).run()
         except PlannerError as e:
-            _exit_on_rank_error(e)
+            exit_on_rank_error(e)
         if result is not None:
             click.echo(f"[calibrate {(launch or 0) + 1}/{launches}] {describe_pair(result.last_pair)} measured; "
                        f"{result.line()}")
         return
     CalibrateJob.check_before_launch(config, profile_in)
-    with _handed_over(config) as handover:
+    with handed_over(config) as handover:
         _calibrate(study_toml, config, launches, handover, profile_in)
     _report_cluster(config)
 
@@ -279,14 +276,14 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, own_pl
     from runtime.ranks.launch import in_torchrun, launch_ranks
 
     study_toml = inputs[0]
-    config: StudyConfig = _study_config(study_toml, validated_config)
+    config: StudyConfig = study_config(study_toml, validated_config)
     output = output or config.default_output(".profile.json")
     if in_torchrun():
-        _log_rank0_progress()
+        log_rank0_progress()
         try:
             result = ProfileJob(config, output, torch_trace, own_plan_out).run()
         except PlannerError as e:
-            _exit_on_rank_error(e)
+            exit_on_rank_error(e)
         if result is not None:
             recorded, predicted_ms, own = result
             click.echo(f"profile written to {output}: {len(recorded.modules)} FSDP modules, measured step "
@@ -297,89 +294,11 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, own_pl
                            + (" (`prefetch-planner check` prices it)" if own else ""))
         return
     ProfileJob.check_before_launch(config, output, torch_trace, own_plan_out)
-    with _handed_over(config) as handover:
+    with handed_over(config) as handover:
         code = launch_ranks(["profile", study_toml, *handover, "-o", output]
                             + (["--torch-trace", torch_trace] if torch_trace else [])
                             + (["--own-plan-out", own_plan_out] if own_plan_out else []), config.launch)
-    _exit_with_ranks(code, "profiling", (2,))
-
-
-@main.command()
-@click.argument("inputs", nargs=-1, required=True, metavar="STUDY_TOML | PROFILE_JSON PLAN_JSON")
-@click.option("--study", "study_name", help="With a profile and a plan: the study whose recommendation is priced "
-                                            "beside (default: none).")
-@click.option("--storage", help="The study's SQLAlchemy URL (default: [study] storage, else "
-                                "sqlite:///studies/<name>.db).")
-@click.option("--memory-budget", help='Peak per rank a prefetch depth is checked against: "1.5GiB", or above '
-                                     'FSDP2\'s default\'s measured peak, "+150MiB", "+10%" (default: [search] '
-                                     "memory_budget; none).")
-@click.option("--reentrant", is_flag=True, help="The model checkpoints with use_reentrant=True.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--validated-config", hidden=True, help="The study, validated (set by the launching process).")
-def check(inputs, study_name, storage, memory_budget, reentrant, as_json, validated_config) -> None:
-    """Check the plan a model arrives with: its configuration read back per module, the known-bad patterns it
-    matches (each with its source and fix), and its simulated step and peak against FSDP2's default and the study's
-    recommendation. With a study TOML, the study's ranks record a profile under FSDP2's default and read the plan
-    the factory's model has; with a profile and a plan JSON (`profile --own-plan-out`'s), no rank runs."""
-    import json as json_module
-
-    from planner.artifacts.plan import Plan
-    from planner.artifacts.profile import Profile
-    from planner.study.check import check_plan
-
-    if len(inputs) == 1:
-        config: StudyConfig = _study_config(inputs[0], validated_config)
-        profile_json, plan_json = _profile_and_own_plan(inputs[0], config)
-        study_name, storage = study_name or config.name, storage or config.storage_url
-        memory_budget = memory_budget or config.search.memory_budget
-    elif len(inputs) == 2:
-        profile_json, plan_json = inputs
-        storage = storage or (default_storage(study_name) if study_name else None)
-    else:
-        raise click.UsageError("give a study TOML, or a profile JSON and a plan JSON")
-    profile, plan = Profile.load(profile_json), Plan.load(plan_json)
-    budget = None
-    if memory_budget:
-        from planner.artifacts.memory_budget import MemoryBudget
-
-        budget = MemoryBudget.parse(memory_budget).resolve(profile.measured_peak_bytes)
-    recommended, label = _recommendation(study_name, storage, profile) if study_name else (None, None)
-    report = check_plan(plan, profile, recommended, label, budget, reentrant)
-    if as_json:
-        click.echo(json_module.dumps(report.to_dict(), indent=1))
-        return
-    for line in report.lines():
-        click.echo(line)
-
-
-def _profile_and_own_plan(study_toml: str, config: StudyConfig) -> tuple[str, str]:
-    """``check STUDY_TOML``: the study's ranks record a profile under FSDP2's default and read back the plan the
-    model arrives with; both are written beside the study (``NAME.profile.json``, ``NAME.own.plan.json``)."""
-    from jobs.profile import ProfileJob
-    from runtime.ranks.launch import launch_ranks
-
-    profile_json = config.default_output(".profile.json")
-    plan_json = config.default_output(".own.plan.json")
-    ProfileJob.check_before_launch(config, profile_json, plan_json)
-    with _handed_over(config) as handover:
-        code = launch_ranks(["profile", study_toml, *handover, "-o", profile_json, "--own-plan-out", plan_json],
-                            config.launch)
-    _exit_with_ranks(code, "profiling", (2,))
-    return profile_json, plan_json
-
-
-def _recommendation(study_name: str, storage: str, profile: Any) -> tuple[Any, str | None]:
-    """The study's recommendation for the profile's model (``None`` when it has none, or no such study)."""
-    from planner.errors import StudyNotFoundError
-    from planner.study.queries import recommendation_for
-
-    try:
-        best = recommendation_for(storage, study_name, profile.fingerprint)
-    except StudyNotFoundError:
-        return None, None
-    if best is None or best.is_default:
-        return None, None
-    return best.plan, f"study {study_name!r}'s recommendation (trial {best.plan.provenance.trial})"
+    exit_with_ranks(code, "profiling", (2,))
 
 
 @main.command()
@@ -403,13 +322,13 @@ def verify(plan_json, study_toml, launches, rounds, json_out, out, validated_con
     from jobs.verify import LaunchTimes, check_before_launch, verify_rank
     from runtime.ranks.launch import in_torchrun, launch_ranks
 
-    config = _study_config(study_toml, validated_config)
+    config = study_config(study_toml, validated_config)
     if in_torchrun():
-        _log_rank0_progress()
+        log_rank0_progress()
         try:
             times = verify_rank(config, plan_json, rounds)
         except PlannerError as e:
-            _exit_on_rank_error(e)
+            exit_on_rank_error(e)
         if times is not None and out:
             times.to_json(out)
         elif times is not None:  # the user's own torchrun: this one launch is the re-measurement
@@ -425,14 +344,14 @@ def verify(plan_json, study_toml, launches, rounds, json_out, out, validated_con
 
     click.echo(claim_line(plan, plan_json))
     measured: list[LaunchTimes] = []
-    with _handed_over(config) as handover, tempfile.TemporaryDirectory(prefix="prefetch-planner-") as folder:
+    with handed_over(config) as handover, tempfile.TemporaryDirectory(prefix="prefetch-planner-") as folder:
         for i in range(launches):
             click.echo(f"[verify {i + 1}/{launches}] fresh ranks: the plan from its file and FSDP2's default, one "
                        f"model each, {rounds} interleaved rounds")
             path = str(Path(folder) / f"launch{i}.json")
             code = launch_ranks(["verify", plan_json, study_toml, *handover, "--rounds", str(rounds), "--out", path],
                                 config.launch)
-            _exit_with_ranks(code, "verify", _EXPECTED_RANK_EXITS)
+            exit_with_ranks(code, "verify", _EXPECTED_RANK_EXITS)
             measured.append(LaunchTimes.load(path))
             click.echo(launch_line(i + 1, launches, measured[-1].plan_ms, measured[-1].default_ms))
     _verify_report(plan, plan_json, measured, json_out, config)
@@ -461,24 +380,6 @@ def _verify_report(plan: Any, plan_json: str, measured: list[Any], json_out: str
             "launches": [t.__dict__ for t in measured]}, indent=1))
 
 
-def _study_config(study_toml: str, validated_config: str | None, **overrides: Any) -> StudyConfig:
-    """The study: the validated config the launching process handed over (:func:`_handed_over`), else the TOML
-    with the command line's ``overrides``, validated here (a rank started by the user's own torchrun)."""
-    if validated_config is not None:
-        return StudyConfig.from_validated_json(Path(validated_config).read_text())
-    return load_study_config(study_toml, **overrides)
-
-
-@contextlib.contextmanager
-def _handed_over(config: StudyConfig) -> Iterator[list[str]]:
-    """The validated ``config`` written once for the ranks this process launches; yields the arguments that hand
-    it over (``--validated-config FILE``), so every rank reads the one object, not the TOML and rebuilt options."""
-    with tempfile.TemporaryDirectory(prefix="prefetch-planner-") as folder:
-        path = Path(folder) / "study.json"
-        path.write_text(config.to_validated_json())
-        yield ["--validated-config", str(path)]
-
-
 def _profile_from_trace(paths: list[str], output: str | None, model: str | None, model_kwargs: str | None) -> None:
     from jobs.from_trace import profile_from_trace
 
@@ -496,61 +397,6 @@ def _profile_from_trace(paths: list[str], output: str | None, model: str | None,
                    "FSDP2's hooks, the loop), in every simulated step")
     for m in traced.missing:
         click.echo(f"  estimated: {m.line()}")
-
-
-def _log_rank0_progress() -> None:
-    """Rank 0 prints the jobs' and libraries' progress records (INFO) to stdout; other ranks only warnings."""
-    rank0 = os.environ.get("RANK", "0") == "0"
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    for name in PROGRESS_LOGGERS:
-        logger = logging.getLogger(name)
-        logger.handlers = [handler]
-        logger.setLevel(logging.INFO if rank0 else logging.WARNING)
-        logger.propagate = False
-
-
-def _exit_with_ranks(code: int, what: str, expected: tuple[int, ...]) -> None:
-    """Exit with the ranks' code; for an unexpected one (a crash), say so in one line.
-
-    Interrupted (130): the ranks are gone and rank 0 said what it recorded, so the launcher leaves at once
-    (``os._exit``), without the interpreter's teardown. Once in about ten CI runs the launcher aborted after
-    everything was done ("terminate called without an active exception", exit -6, in
-    ``tests/runtime/ranks/test_cluster.py::test_ctrl_c_fails_the_running_trials_cleanly``). The suspect is that
-    teardown: after a signal torchrun leaves its rendezvous and store open (``launch_agent``), for the
-    interpreter to destroy. Not reproduced in 60 interrupted launches here, so not proven.
-    """
-    if not code:
-        return
-    if code not in expected:
-        click.echo(f"error: a {what} rank failed with exit code {code}; see its output above", err=True)
-    if code == 130:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
-    sys.exit(code if code in expected else 1)
-
-
-def _exit_on_rank_error(e: BaseException) -> None:
-    """Exit on a rank's error; rank 0 prints the one line.
-
-    Bad input (a factory that raises, a model without ``fully_shard``) fails
-    alike on every rank, and a :class:`planner.TrialFailedError` carries the
-    same message on every rank, so one line is enough. Exit codes: the
-    error's ``exit_code`` (2 bad input, 3 a failed trial), 130 interrupted.
-    """
-    if isinstance(e, KeyboardInterrupt):
-        message = (f"interrupted ({e or 'SIGINT'}); the measured trials that were running are recorded as FAIL; "
-                   "run `prefetch-planner tune` again to resume the study")
-        code = 130
-    else:
-        message, code = str(e), getattr(e, "exit_code", 2)
-    rank = os.environ.get("RANK", "0")
-    if rank == "0":
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    elif getattr(e, "local", False):  # e.g. rank 0 died: nobody else would say it
-        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -146,8 +146,8 @@ def record_under_fsdp2_default(model: nn.Module) -> Plan | None:
     default = fsdp2_default(model)
     apply_plan(model, default, check=False)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        told = sum(1 for fqn, m in own.modules.items() if m != default.modules.get(fqn))
-        logger.info(f"the model arrives with a plan of its own ({told} FSDP modules told other than FSDP2's "
+        changed = sum(1 for fqn, m in own.modules.items() if m != default.modules.get(fqn))
+        logger.info(f"the model arrives with a plan of its own ({changed} FSDP modules set other than FSDP2's "
                     f"default{', knobs ' + _changed_knobs(own) if _changed_knobs(own) else ''}): recorded under "
                     "FSDP2's default, as a profile is")
     return own

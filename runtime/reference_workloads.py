@@ -59,18 +59,14 @@ def llama(
     seed: int = 0,
     shard_embedding: bool = False,
     activation_checkpointing: str = "none",
-    forward_prefetch_depth: int = 0,
-    backward_prefetch_depth: int = 0,
-    keep_last_block: bool = False,
 ) -> Workload:
     """Llama (``transformers.LlamaForCausalLM``) from a config, random weights.
 
     Each ``model.layers[i]`` is one FSDP module; the root holds embedding,
     final norm and LM head. ``shard_embedding``: the token embedding is an
     FSDP module of its own (as torchtitan wraps it): its backward reads no
-    parameter, so ``set_unshard_in_backward(False)`` applies to it.
-    ``forward_prefetch_depth``, ``backward_prefetch_depth``, ``keep_last_block``: prefetch and resharding set by
-    hand after wrapping, as frameworks ship them (:func:`hand_set`).
+    parameter, so ``set_unshard_in_backward(False)`` applies to it. With prefetch set by hand:
+    :func:`llama_hand_set`.
     """
     transformers = _transformers("Llama")
     config = transformers.LlamaConfig(
@@ -87,9 +83,16 @@ def llama(
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     first = [model.model.embed_tokens] if shard_embedding else []
-    workload = _sharded_lm(mesh, model, first, model.model.layers, activation_checkpointing, lr, vocab_size,
-                           batch_size, seq_len)
-    hand_set(model.model.layers, forward_prefetch_depth, backward_prefetch_depth, keep_last_block)
+    return _sharded_lm(mesh, model, first, model.model.layers, activation_checkpointing, lr, vocab_size,
+                       batch_size, seq_len)
+
+
+def llama_hand_set(mesh: Any, forward_prefetch_depth: int = 0, backward_prefetch_depth: int = 0,
+                   keep_last_block: bool = False, **llama_kwargs: Any) -> Workload:
+    """:func:`llama` (``llama_kwargs``) with prefetch and resharding set by hand after wrapping, as frameworks ship
+    them (:func:`hand_set`): the model a user arrives with, for ``prefetch-planner check`` and ``bench.peers``."""
+    workload = llama(mesh, **llama_kwargs)
+    hand_set(workload.model.model.layers, forward_prefetch_depth, backward_prefetch_depth, keep_last_block)
     return workload
 
 

@@ -24,7 +24,8 @@ def test_the_plain_loop_example_tunes_to_done_on_two_cpu_ranks(tmp_path):
            str(EXAMPLES / "plain_loop.py"), "--quick", "--steps", "60", "--storage", f"sqlite:///{tmp_path}/t.db"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=rank_env(), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "phase done" in proc.stdout and (tmp_path / "t.db").exists()
+    # a provisional plan goes on being watched to the loop's end (docs/in-loop.md): both ends are the tuner's
+    assert ("phase done" in proc.stdout or "phase watching" in proc.stdout) and (tmp_path / "t.db").exists()
 
 
 @pytest.mark.slow
@@ -34,4 +35,4 @@ def test_the_lightning_example_tunes_to_done_on_two_cpu_processes(tmp_path):
            "--storage", f"sqlite:///{tmp_path}/t.db"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=rank_env(), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "phase done" in proc.stdout
+    assert "phase done" in proc.stdout or "phase watching" in proc.stdout

@@ -94,9 +94,9 @@ def test_console_script_error_is_one_line(tmp_path):
 
 _EXIT_AFTER_RANKS = """
 import atexit, sys
-from jobs.cli import _exit_with_ranks
+from jobs.launching import exit_with_ranks
 atexit.register(lambda: print("teardown ran", flush=True))
-_exit_with_ranks(int(sys.argv[1]), "tuning", (2, 3, 130))
+exit_with_ranks(int(sys.argv[1]), "tuning", (2, 3, 130))
 """
 
 

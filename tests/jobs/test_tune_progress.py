@@ -13,7 +13,7 @@ import pytest
 
 import jobs.tune as tune_module
 from jobs import PROGRESS_LOGGERS
-from jobs.cli import _log_rank0_progress
+from jobs.launching import log_rank0_progress
 from jobs.tune import TuneJob
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import Schedule
@@ -26,7 +26,7 @@ def rank0_logging(monkeypatch):
     loggers = [logging.getLogger(name) for name in PROGRESS_LOGGERS]
     saved = [(lg.handlers, lg.level, lg.propagate) for lg in loggers]
     monkeypatch.setenv("RANK", "0")
-    yield _log_rank0_progress
+    yield log_rank0_progress
     for lg, (handlers, level, propagate) in zip(loggers, saved, strict=True):
         lg.handlers, lg.propagate = handlers, propagate
         lg.setLevel(level)
