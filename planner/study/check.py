@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.knobs import knob
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
@@ -92,13 +94,13 @@ class CheckReport:
 
 
 def configuration_lines(plan: Plan) -> list[str]:
-    """Per module what it is told, compactly: modules told nothing beyond FSDP2's default for them (no explicit
+    """Per module what is set, compactly: modules with nothing set beyond FSDP2's default for them (no explicit
     prefetch, resharding as FSDP2 chooses, every knob at its default) in one line; then the plan's knobs."""
-    plain, told = [], []
+    plain, changed = [], []
     for fqn, m in plan.modules.items():
-        parts = _told(fqn, m)
-        (told if parts else plain).append((fqn or "root", parts))
-    out = [f"{fqn}: {'; '.join(parts)}" for fqn, parts in told]
+        parts = _beyond_default(fqn, m)
+        (changed if parts else plain).append((fqn or "root", parts))
+    out = [f"{fqn}: {'; '.join(parts)}" for fqn, parts in changed]
     if plain:
         names = [f for f, _ in plain]
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} modules)" if len(names) > 4 else "")
@@ -108,8 +110,8 @@ def configuration_lines(plan: Plan) -> list[str]:
     return out
 
 
-def _told(fqn: str, m: ModulePlan) -> list[str]:
-    """What module ``fqn`` is told beyond FSDP2's default for it (the root keeps its parameters, a block
+def _beyond_default(fqn: str, m: ModulePlan) -> list[str]:
+    """What is set on module ``fqn`` beyond FSDP2's default for it (the root keeps its parameters, a block
     reshards)."""
     parts = []
     if m.forward_prefetch:
@@ -198,3 +200,50 @@ def check_plan(plan: Plan, profile: Profile, recommended: Plan | None = None, re
         priced.append(price(recommended_label or "the study's recommendation", recommended, profile))
     return CheckReport(plan, tuple(known_bad(plan, profile, memory_budget_bytes, reentrant)), tuple(priced),
                        tuple(plan.provenance.unknown_knobs or ()))
+
+
+def check_in_study(config: StudyConfig, fingerprint: Fingerprint, plan: Plan) -> list[str]:
+    """``AutoTuner(check_only=True)``: the report on ``plan`` (the model's, read back) from what study
+    ``config.name`` holds, read-only: its latest profile of this job (same model, world size, device, dtypes and
+    torch: ``planner.study.in_loop.same_job``), its recommendation priced beside, the memory budget of
+    ``[search] memory_budget``. Without such a profile: the configuration read back, and how to record one.
+
+    Raises:
+        StorageError: the storage cannot be opened.
+    """
+    import sqlalchemy as sa
+
+    from planner.artifacts.memory_budget import MemoryBudget
+    from planner.errors import StudyNotFoundError
+    from planner.storages import open_storage_read_only
+    from planner.storages.archive import stored_profiles
+    from planner.study.in_loop import same_job
+    from planner.study.queries import recommendation_for
+
+    profiles: list[Profile] = []
+    try:
+        storage = open_storage_read_only(config.storage_url)
+        try:
+            profiles = [p for p in stored_profiles(storage.engine, config.name) if same_job(p.fingerprint, fingerprint)]
+        except sa.exc.SQLAlchemyError:  # a database no tuning job has written: no planner tables yet
+            pass
+        finally:
+            storage.engine.dispose()
+    except StudyNotFoundError:  # no database yet
+        pass
+    if not profiles:
+        return (["the plan the model has, read back from FSDP2's state:"]
+                + [f"  {line}" for line in configuration_lines(plan)]
+                + [f"not priced: study {config.name!r} holds no profile of this model on this world size and torch; "
+                   "run the AutoTuner once without check_only, or `prefetch-planner check STUDY.toml`"])
+    profile = profiles[-1]
+    try:
+        best = recommendation_for(config.storage_url, config.name, fingerprint)
+    except StudyNotFoundError:
+        best = None
+    recommended = None if best is None or best.is_default else best.plan
+    label = None if recommended is None else (f"study {config.name!r}'s recommendation "
+                                              f"(trial {recommended.provenance.trial})")
+    budget = config.search.memory_budget
+    budget_bytes = MemoryBudget.parse(budget).resolve(profile.measured_peak_bytes) if budget else None
+    return check_plan(plan, profile, recommended, label, budget_bytes).lines()

@@ -68,7 +68,7 @@ from planner.statistics.watch import COST, Watch, WatchState, watch_every
 from planner.study.in_loop import TunerPhase, in_loop_config, record_watch
 from runtime.accumulation import holds_between_microbatches
 from runtime.apply import apply_plan, model_fingerprint
-from runtime.current import fsdp2_default, own_plan
+from runtime.current import current_plan, fsdp2_default, own_plan
 from runtime.in_loop.recorder import LoopRecorder
 from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep, RoundEnd
 from runtime.in_loop.steps import StepSide
@@ -105,6 +105,11 @@ class AutoTuner:
             and races it first among its candidates against FSDP2's default; it is kept only if confirmed faster.
             Without it, the study's latest predicted plan for this model (``tune --target`` on the same study) is
             raced first when the tuner tunes afresh.
+        check_only: tune nothing: log at construction what ``prefetch-planner check`` prints for the plan the
+            model has (its configuration read back, the known-bad patterns it matches, and, from the study's stored
+            profile of this model, its predicted step and peak against FSDP2's default and the study's
+            recommendation); the model keeps its plan and :meth:`step` does nothing. The report's lines are
+            :attr:`check_lines` on rank 0.
         keys: other study keys, flat, as in a study TOML (``space="per_module"``, ``sim_trials=400``,
             ``warmup_steps=2``, ``steps=5``, ``min_rounds=4``, ``confirm_max_rounds=20``, ...).
 
@@ -117,6 +122,7 @@ class AutoTuner:
         steps_tuning: steps spent recording, racing and confirming.
         watch: while the survivor runs watched (phase ``watching``) and after, where its watch stands
             (``planner.statistics.watch.WatchState``: checks, steps, ratio, reverted); ``None`` without one.
+        check_lines: with ``check_only``, the report logged on rank 0 (empty on other ranks and otherwise).
 
     Raises:
         NotShardedError: ``model`` is not wrapped with ``fully_shard``, or has no FSDP module beyond the root.
@@ -130,7 +136,7 @@ class AutoTuner:
 
     def __init__(self, model: nn.Module, study: str, storage: str | None = None, memory_budget: str | None = None,
                  *, plan_out: str | None = None, profile_out: str | None = None, recheck: bool = False,
-                 start_from: str | None = None, **keys: Any):
+                 start_from: str | None = None, check_only: bool = False, **keys: Any):
         if not isinstance(model, FSDPModule):
             raise NotShardedError(f"AutoTuner: {type(model).__name__} is not wrapped with fully_shard; call "
                                   "fully_shard on each block, then on the root, before building the tuner")
@@ -158,17 +164,32 @@ class AutoTuner:
         self.plan = self.own_plan or self.default
         self.confirmation: Confirmation | None = None
         self.steps_tuning = 0
+        self.check_lines: list[str] = []
         self._watching: WatchedSteps | None = None
         self._watched_trial: int | None = None
         self._queue: deque[LoopStep] = deque()
         self._phase_started = 0
         self.device = next(model.parameters()).device.type
+        if check_only:
+            self._check_only()
+            return
         self._steps = StepSide(model, self.device, self._group, self.default)
         files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
         self._round = InLoopRound(model, self.config, self._group, files)
         self._start(recheck, start_from)
 
     # -- construction -----------------------------------------------------------------------------------------
+
+    def _check_only(self) -> None:
+        """``check_only=True``: rank 0 logs the check of the plan the model has; nothing is applied or tuned."""
+        if self.rank0:
+            from planner.study.check import check_in_study
+
+            plan = current_plan(self.model)
+            self.check_lines = check_in_study(self.config, self.fingerprint, plan)
+            for line in [f"AutoTuner (check_only): study {self.config.name!r}, nothing tuned"] + self.check_lines:
+                logger.info(line)
+        self.phase = TunerPhase.DONE
 
     def _start(self, recheck: bool, start_from: str | None) -> None:
         start = self._round.start(self.fingerprint, recheck, start_from if self.rank0 else None)

@@ -141,3 +141,28 @@ def test_the_configuration_read_back_is_one_line_a_module_told_something_and_one
     assert "as FSDP2 does by default: root, b1, b2, b3, ... (5 modules)" in lines
     assert lines[-1] == "plan knobs: unshard_async_op = True"
     assert isinstance(profile.fingerprint, Fingerprint)
+
+
+def test_check_only_prices_the_plan_on_the_studys_stored_profile_of_this_job(tmp_path):
+    """``AutoTuner(check_only=True)``'s report (``check_in_study``): priced on the study's stored profile of the same
+    job; a study without one (no database, or a profile of another world size) gets the configuration and how to
+    record one, and nothing is written."""
+    from planner.storages.archive import save_profile
+    from planner.storages.rdb import open_storage
+    from planner.study.check import check_in_study
+    from planner.study.in_loop import in_loop_config
+
+    profile = synthetic_profile(n_blocks=4)
+    plan = _with(Plan.default(profile), b0=ModulePlan(forward_prefetch=("b1", "b2")))
+    url = f"sqlite:///{tmp_path}/s.db"
+    config = in_loop_config("s", url, None)
+    lines = check_in_study(config, profile.fingerprint, plan)
+    assert "b0: forward prefetch b1, b2" in "\n".join(lines) and "not priced" in lines[-1]
+    assert not (tmp_path / "s.db").exists()
+    storage = open_storage(url)
+    save_profile(storage.engine, "s", _world(profile, 8))  # another job: not this one's figures
+    assert "not priced" in check_in_study(config, profile.fingerprint, plan)[-1]
+    save_profile(storage.engine, "s", profile)
+    storage.engine.dispose()
+    priced = "\n".join(check_in_study(config, profile.fingerprint, plan))
+    assert "yours against FSDP2 default" in priced and "not priced" not in priced

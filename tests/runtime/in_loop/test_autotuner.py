@@ -212,13 +212,20 @@ def test_a_model_with_its_own_plan_is_recorded_under_fsdp2s_default_and_gets_its
     reads that plan, records under FSDP2's default; when nothing is applied instead (here: no pass fits the budget,
     so nothing is raced), the model ends with exactly the plan it arrived with."""
     factory, kwargs = MLP
-    result = run_loop(tmp_path, (factory, {**kwargs, "forward_prefetch_depth": 2, "keep_last_block": True}), 12,
-                      "tune", memory_budget="+1%")
+    hand_set = (factory, {**kwargs, "forward_prefetch_depth": 2, "keep_last_block": True})
+    storage = f"sqlite:///{tmp_path}/own.db"
+    result = run_loop(tmp_path, hand_set, 12, "tune", storage, memory_budget="+1%")
     own = result["own_plan"]
     assert own is not None and own["modules"]["blocks.0"]["forward_prefetch"] == ["blocks.1", "blocks.2"]
     assert own["modules"]["blocks.3"]["reshard_after_forward"] is False
     assert result["final_phase"] == "done" and result["confirmation"] is None
     assert result["model_plan"]["modules"] == own["modules"] and result["plan"]["modules"] == own["modules"]
+    # check_only: the report logged at construction, nothing tuned, the model's plan untouched
+    checked = run_loop(tmp_path, hand_set, 3, "tune", storage, check_only=True)
+    assert checked["phases"] == ["done"] * 3 and checked["steps_tuning"] == 0
+    assert checked["model_plan"]["modules"] == own["modules"]
+    report = "\n".join(checked["check_lines"])
+    assert "blocks.0: forward prefetch blocks.1, blocks.2" in report and "blocks.3: keeps its parameters" in report
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ microbatch (loss / n), optimizer step. Modes:
 Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phase at each step],
 "steps_tuning", "final_phase", "confirmation": [ratio, ci, rounds, verdict, launches] or null, "plan": Plan dict,
 "watch": [checks, steps, ratio, reverted] or null, "own_plan": the plan the model arrived with or null, "model_plan":
-the plan the model has at the end (``current_plan``),
+the plan the model has at the end (``current_plan``), "check_lines": the check_only report,
 "raised": [type, message] (raise mode), "second": the same figures of the second tuner (raise mode)}.
 """
 
@@ -73,7 +73,7 @@ def figures(tuner: AutoTuner, phases: list[str]) -> dict:
     return {"phases": phases, "steps_tuning": tuner.steps_tuning, "final_phase": str(tuner.phase),
             "plan": tuner.plan.to_dict(), "watch": None if w is None else [w.blocks, w.steps, w.ratio, w.reverted],
             "own_plan": None if tuner.own_plan is None else tuner.own_plan.to_dict(),
-            "model_plan": current_plan(tuner.model).to_dict(),
+            "model_plan": current_plan(tuner.model).to_dict(), "check_lines": tuner.check_lines,
             "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, str(c.verdict), c.launches]}
 
 
