@@ -73,6 +73,11 @@ class NotShardedError(PlannerError):
     """A model handed to the in-loop tuner is not wrapped with ``fully_shard``, or has no FSDP module but the root."""
 
 
+class TensorParallelError(PlannerError):
+    """A model whose FSDP modules shard tensor-parallel (DTensor) parameters, FSDP + TP: not tuned yet, and never
+    read as HSDP."""
+
+
 class StudyModelMismatchError(PlannerError):
     """A study was made for another model (other FSDP modules or parameter counts) than the one at hand."""
 

@@ -19,11 +19,12 @@ from torch import nn
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.knobs import KNOBS, Knob, Scope
 from planner.artifacts.plan import Plan, Source
-from planner.errors import PlanMismatchError, UnsupportedPlanError
+from planner.errors import PlanMismatchError, TensorParallelError, UnsupportedPlanError
 from runtime.accumulation import set_accumulation
 from runtime.post_optim import post_optim_event_setter
 from runtime.ranks.torch_private import (
     TESTED_ADVICE,
+    data_parallel_mesh,
     separate_reduce_scatter_group_setter,
     set_reshard_after_forward_ranks,
     unshard_async_op_setter,
@@ -79,22 +80,31 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
     """The :class:`planner.Fingerprint` of an FSDP-wrapped model.
 
     Per FSDP module: the parameters it manages itself (not those of nested
-    FSDP modules), unsharded numel and bytes; the mesh when the parameters' device mesh is HSDP's 2-D one.
+    FSDP modules), unsharded numel and bytes; the mesh ``(replicate, shard)`` when FSDP2 shards them as HSDP, read
+    from FSDP2's own mesh info (``torch_private.data_parallel_mesh``), never from a parameter's DTensor mesh,
+    which under FSDP + TP is the (dp, tp) mesh.
+
+    Raises:
+        TensorParallelError: an FSDP module shards tensor-parallel parameters (FSDP + TP, HSDP + TP).
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     modules = fsdp_modules(model)
     numels, nbytes, dtypes, device, mesh = [], [], set(), "cpu", None
-    for fqn, _ in modules:
+    for fqn, m in modules:
         own = own_parameters(modules, fqn)
         numels.append(sum(p.numel() for p in own))
         nbytes.append(sum(p.numel() * p.element_size() for p in own))
         dtypes.update(str(p.dtype) for p in own)
         if own:
             device = own[0].device.type
-            device_mesh = getattr(own[0], "device_mesh", None)  # a DTensor's: (replicate, shard) under HSDP
-            if device_mesh is not None and device_mesh.ndim == 2:
-                mesh = (int(device_mesh.shape[0]), int(device_mesh.shape[1]))
+        dp = data_parallel_mesh(m)
+        if dp is not None and dp.tensor_parallel:
+            raise TensorParallelError(
+                f"FSDP module {fqn or 'root'!r} shards tensor-parallel (DTensor) parameters: FSDP with tensor "
+                "parallelism is not tuned yet; tune the same model without tensor parallelism, or keep your plan")
+        if dp is not None and dp.replicate_size is not None:
+            mesh = (dp.replicate_size, dp.shard_size)
     return Fingerprint(
         module_fqns=tuple(f for f, _ in modules),
         param_numels=tuple(numels),

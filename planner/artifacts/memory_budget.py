@@ -91,3 +91,21 @@ def check_feasible(memory_budget_bytes: int, smallest_predicted_bytes: int, text
             f"memory budget {text} ({mib(memory_budget_bytes)}) is below the smallest predicted peak of any plan "
             f"({mib(smallest_predicted_bytes)}, FSDP2's default with no prefetch); raise the budget")
 
+
+
+# The share of a CUDA device's memory the in-loop tuner's default budget leaves free: the caching allocator's
+# fragmentation (a peak of allocated bytes needs more reserved) and what the user's job may still grow by (a longer
+# batch, an evaluation step) after the tuner has measured it.
+DEVICE_MARGIN = 0.10
+
+
+def device_budget(free_bytes: int, reserved_bytes: int, total_bytes: int,
+                  margin: float = DEVICE_MARGIN) -> MemoryBudget:
+    """The in-loop tuner's budget on a CUDA device when none is given: what this process can still reach, its
+    caching allocator's reserved bytes plus the device's free bytes (``torch.cuda.mem_get_info``,
+    ``torch.cuda.memory_reserved``), less ``margin`` of the device's total. Absolute, per rank, as every budget is;
+    never below zero. A budget FSDP2's default's own peak exceeds keeps the default: the isolated passes and every
+    candidate are over it, so the tuner stops with the default applied (``planner.study.in_loop.isolation_groups``).
+    """
+    limit = max(0, int(reserved_bytes + free_bytes - margin * total_bytes))
+    return MemoryBudget(f"{limit}B", float(limit), False, False)

@@ -60,15 +60,18 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.config import default_storage
+from planner.artifacts.memory_budget import DEVICE_MARGIN
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
-from planner.errors import NotShardedError, PlannerError, one_line
+from planner.errors import NotShardedError, PlannerError, StudyConfigError, one_line
 from planner.statistics.verdict import Confirmation
 from planner.statistics.watch import COST, Watch, WatchState, watch_every
 from planner.study.in_loop import TunerPhase, in_loop_config, record_watch
+from planner.units import mib
 from runtime.accumulation import holds_between_microbatches
 from runtime.apply import apply_plan, model_fingerprint
 from runtime.current import current_plan, fsdp2_default, own_plan
+from runtime.in_loop.out_of_memory import cuda_budget, recover, recoverable
 from runtime.in_loop.recorder import LoopRecorder
 from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep, RoundEnd
 from runtime.in_loop.steps import StepSide
@@ -95,7 +98,9 @@ class AutoTuner:
         storage: its SQLAlchemy URL (SQLite or PostgreSQL); ``None``: ``sqlite:///studies/NAME.db`` in the working
             directory, the default ``tune`` and ``studies`` use too (``planner.artifacts.config.default_storage``),
             so the next start reuses the study.
-        memory_budget: the per-rank peak a plan may reach (``"+10%"``, ``"1.5GiB"``); ``None``: none.
+        memory_budget: the per-rank peak a plan may reach (``"+10%"``, ``"1.5GiB"``); ``None``: on a CUDA device
+            what the device has free less 10% of it, the smallest across ranks
+            (``planner.artifacts.memory_budget.device_budget``); elsewhere none.
         plan_out: where rank 0 writes the plan the tuning ends with (Plan JSON); ``None``: not written.
         profile_out: where rank 0 writes the recorded profile; ``None``: not written.
         recheck: with a study that already recommends a plan for this model: re-confirm it on the coming steps,
@@ -110,6 +115,12 @@ class AutoTuner:
             profile of this model, its predicted step and peak against FSDP2's default and the study's
             recommendation); the model keeps its plan and :meth:`step` does nothing. The report's lines are
             :attr:`check_lines` on rank 0.
+        on_oom: ``"skip"``: a user's step that ran a candidate, or the watched survivor, and ran out of memory is
+            skipped (one logged line; its optimizer step did not run), the candidate's trial is FAIL with the
+            reason, FSDP2's iteration state and the partial gradients are cleared, and the plan kept (the model's
+            own, else FSDP2's default) is applied for the rest of the process; an out-of-memory error in the
+            tuner's own work between steps (an isolated pass) stops the tuning the same way. ``"raise"``: such
+            errors propagate as any other. Out of memory under FSDP2's default always propagates: it is the job's.
         keys: other study keys, flat, as in a study TOML (``space="per_module"``, ``sim_trials=400``,
             ``warmup_steps=2``, ``steps=5``, ``min_rounds=4``, ``confirm_max_rounds=20``, ...).
 
@@ -132,11 +143,12 @@ class AutoTuner:
         PlanFormatError: ``start_from`` cannot be read as a plan.
         PlanMismatchError: ``start_from`` is a plan of another model, or carries no search-space parameters.
         PlannerError: no process group is initialized.
+        StudyConfigError: ``on_oom`` is neither ``"skip"`` nor ``"raise"``.
     """
 
     def __init__(self, model: nn.Module, study: str, storage: str | None = None, memory_budget: str | None = None,
                  *, plan_out: str | None = None, profile_out: str | None = None, recheck: bool = False,
-                 start_from: str | None = None, check_only: bool = False, **keys: Any):
+                 start_from: str | None = None, check_only: bool = False, on_oom: str = "skip", **keys: Any):
         if not isinstance(model, FSDPModule):
             raise NotShardedError(f"AutoTuner: {type(model).__name__} is not wrapped with fully_shard; call "
                                   "fully_shard on each block, then on the root, before building the tuner")
@@ -146,6 +158,10 @@ class AutoTuner:
         if not dist.is_initialized():
             raise PlannerError("AutoTuner: no process group; call torch.distributed.init_process_group first "
                                "(torchrun sets its environment)")
+        if on_oom not in ("skip", "raise"):
+            raise StudyConfigError(f"AutoTuner: on_oom={on_oom!r} is not understood; write \"skip\" (a step whose "
+                                   "candidate ran out of memory is skipped) or \"raise\"")
+        self.on_oom = on_oom
         self.model = model
         self.rank0 = dist.get_rank() == 0
         self._tmp = tempfile.TemporaryDirectory(prefix="prefetch-planner-") if self.rank0 else None
@@ -170,6 +186,12 @@ class AutoTuner:
         self._queue: deque[LoopStep] = deque()
         self._phase_started = 0
         self.device = next(model.parameters()).device.type
+        if memory_budget is None and self.device == "cuda":  # a full GPU is the job's: never risk it
+            budget = cuda_budget(self._group)
+            self.config = self.config.model_copy(update={"search": self.config.search.model_copy(
+                update={"memory_budget": budget.text})})
+            self._log(f"AutoTuner: memory budget {mib(int(budget.value))} per rank, what the device has free less "
+                      f"{DEVICE_MARGIN:.0%} of it (the smallest across ranks); pass memory_budget to set another")
         if check_only:
             self._check_only()
             return
@@ -243,7 +265,12 @@ class AutoTuner:
             return
         if self.phase == TunerPhase.WATCHING:
             self._watching.before()
-            yield
+            try:
+                yield
+            except BaseException as e:
+                if self._watched_out_of_memory(e):
+                    return  # the step is skipped; training goes on at the next one
+                raise
             state = self._watching.after()
             if state is not None:
                 self._watched(state)
@@ -253,12 +280,49 @@ class AutoTuner:
         try:
             yield
         except BaseException as e:
+            if self._skipped_out_of_memory(order, e):
+                return  # the step is skipped; training goes on at the next one
             self._step_failed(order, e)
             raise
         self._steps.after(order, t0, self._round.peaks)
         self.steps_tuning += 1
         if not self._queue:
             self._decide()
+
+    def _skipped_out_of_memory(self, order: LoopStep, e: BaseException) -> bool:
+        """A user's step that ran a candidate (racing or confirming, not FSDP2's default) ran out of memory: the
+        candidate's trial is FAIL with the reason, the plan kept is applied (the model's own, else FSDP2's default),
+        FSDP2's iteration state and the partial gradients are cleared (``runtime.in_loop.out_of_memory.recover``),
+        and the step is skipped with one logged line. ``on_oom="raise"``, any other error, or a step under FSDP2's
+        default: ``False``, and the error propagates."""
+        if (self.on_oom == "raise" or not recoverable(self.model, e) or order.plan == 0
+                or self.phase not in (TunerPhase.RACING, TunerPhase.CONFIRMING)):
+            return False
+        reason = f"out of memory on rank {dist.get_rank()} in a step that ran candidate {order.plan}: {one_line(e)}"
+        self._round.fail(order.plan, reason)
+        recover(self.model)
+        self._abandon(reason)
+        logger.warning(f"AutoTuner: rank {dist.get_rank()} skipped this step (its optimizer step did not run; the "
+                       "failed step's gradients are cleared): the candidate it ran is out of the race")
+        return True
+
+    def _watched_out_of_memory(self, e: BaseException) -> bool:
+        """A watched step that ran the survivor ran out of memory: as :meth:`_skipped_out_of_memory`, the plan kept
+        applied instead for the rest of the process (the study keeps the plan's confirmation; the watch is stored
+        as it stood)."""
+        if self.on_oom == "raise" or not recoverable(self.model, e) or not self._watching.runs_plan:
+            return False
+        recover(self.model)
+        kept = self._kept()
+        apply_plan(self.model, kept, check=False)
+        if self._watching.state.blocks:
+            self._store_watch(self._watching.state)
+        self._finish_with(kept)
+        logger.warning(f"AutoTuner: rank {dist.get_rank()} skipped this step: trial {self._watched_trial}'s plan ran "
+                       f"out of memory ({one_line(e)}); "
+                       + ("the plan the model arrived with" if self.own_plan else "FSDP2's default")
+                       + " is applied for the rest of the process")
+        return True
 
     def _step_failed(self, order: LoopStep, e: BaseException) -> None:
         reason = f"a training step raised on rank {dist.get_rank()}: {one_line(e)}"
@@ -287,6 +351,14 @@ class AutoTuner:
         except PlannerError as e:
             round_.fail(None, one_line(e))
             self._abandon(str(e))
+            return
+        except BaseException as e:  # the tuner's own work between two steps (an isolated pass, a switch)
+            if self.on_oom == "raise" or not recoverable(self.model, e):
+                raise
+            recover(self.model)
+            round_.fail(None, f"out of memory in the tuner's work between steps: {one_line(e)}")
+            self._abandon(f"out of memory in the tuner's work between steps ({self.phase}): {one_line(e)}; the "
+                          "user's step before it had finished")
             return
         if round_.confirming and self.phase != TunerPhase.CONFIRMING:
             self._log(f"AutoTuner: raced {len(round_.kept)} plans on {self.steps_tuning - self._phase_started} "

@@ -101,6 +101,12 @@ class WatchedSteps:
             apply_plan(self.model, self.default, check=False)
         return self.state
 
+    @property
+    def runs_plan(self) -> bool:
+        """Whether the step under way (between :meth:`before` and :meth:`after`) runs the watched plan, not FSDP2's
+        default."""
+        return self._block is not None and self._block[self._at] in (WatchStep.PLAN, WatchStep.PLAN_WASHOUT)
+
     def due_for_log(self) -> bool:
         """Whether :data:`LOG_EVERY_STEPS` steps passed since the last log line (then counted from now)."""
         if self.state.steps - self._logged_at < LOG_EVERY_STEPS:

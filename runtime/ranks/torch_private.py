@@ -17,6 +17,7 @@ one fails that test by name instead of corrupting a profile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,6 +54,38 @@ def param_group(module: nn.Module) -> FSDPParamGroup | None:
     (``FSDPModule._get_fsdp_state()._fsdp_param_group``).
     """
     return module._get_fsdp_state()._fsdp_param_group
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelMesh:
+    """How FSDP2 shards one module's parameters, read from its own state.
+
+    Attributes:
+        shard_size: ranks a parameter is sharded over (``FSDPMeshInfo.shard_mesh_size``).
+        replicate_size: HSDP's replicas (``HSDPMeshInfo.replicate_mesh_size``); ``None`` under FSDP.
+        tensor_parallel: the parameters were DTensors before ``fully_shard`` (tensor parallelism, or another SPMD
+            layout on dims beyond FSDP's: ``FSDPParam.is_dtensor``).
+    """
+
+    shard_size: int
+    replicate_size: int | None
+    tensor_parallel: bool
+
+
+def data_parallel_mesh(module: nn.Module) -> DataParallelMesh | None:
+    """FSDP2's own mesh for ``module``'s parameters; ``None`` when it manages none.
+
+    Why: a parameter's DTensor mesh is FSDP's under FSDP and HSDP but the full (dp, tp) mesh under FSDP + TP, so
+    its shape cannot tell HSDP from tensor parallelism; FSDP2's ``FSDPParamGroup.mesh_info``
+    (``FSDPMeshInfo`` / ``HSDPMeshInfo``) and each ``FSDPParam.is_dtensor`` can, with no public accessor.
+    """
+    group = param_group(module)
+    if group is None:
+        return None
+    info = group.mesh_info
+    replicate = getattr(info, "replicate_mesh_size", None) if hasattr(info, "shard_mesh_size") else None
+    return DataParallelMesh(int(info.shard_mesh_size), None if replicate is None else int(replicate),
+                            any(p.is_dtensor for p in group.fsdp_params))
 
 
 def reshard_after_forward(module: nn.Module) -> bool:

@@ -100,3 +100,16 @@ def test_pareto_front_and_command(make_profile, tmp_path):
     assert f"{len(front)} plans of 60 simulated trials" in result.output
     assert "400.0" in result.output and "FSDP2 default" in result.output
     assert png.stat().st_size > 10_000
+
+
+def test_a_cuda_devices_default_budget_is_what_the_process_can_reach_less_the_margin():
+    """``device_budget``: reserved plus free, less 10% of the device; a device already full gives a budget of zero,
+    which keeps FSDP2's default (every pass and candidate is over it) rather than stopping the job."""
+    from planner.artifacts.memory_budget import DEVICE_MARGIN, device_budget
+
+    gib = 2 ** 30
+    budget = device_budget(free_bytes=60 * gib, reserved_bytes=12 * gib, total_bytes=80 * gib)
+    assert DEVICE_MARGIN == 0.10 and budget.resolve(None) == 64 * gib
+    assert MemoryBudget.parse(budget.text).resolve(None) == 64 * gib  # its text is a budget as a user writes one
+    assert device_budget(free_bytes=2 * gib, reserved_bytes=75 * gib, total_bytes=80 * gib).resolve(None) == 69 * gib
+    assert device_budget(free_bytes=1 * gib, reserved_bytes=0, total_bytes=80 * gib).resolve(None) == 0

@@ -350,3 +350,28 @@ def test_merged_passes_take_each_module_from_its_own_pass():
     assert merged.overlap == overlap and merged.post_forward_order == ("a", "b")
     with pytest.raises(ValueError, match="disagree on the post-forward order"):
         merge_isolated([first, part({"b": ModuleFigures()}, order=("b", "a"))])
+
+
+@pytest.mark.slow
+def test_out_of_memory_where_the_tuner_caused_it_skips_one_step_and_the_job_goes_on(tmp_path):
+    """An out-of-memory error injected on every rank at each place the issue names: in a step that ran a candidate
+    the step is skipped, the trial is FAIL with the reason, FSDP2's default is applied and every later loss is
+    bitwise the loss of the same loop without the tuner that skipped that step; with ``on_oom="raise"`` it
+    propagates; under FSDP2's default it propagates (the job's own); in an isolated pass the tuner stops with the
+    default applied and the loop never sees it."""
+    out = tmp_path / "oom.json"
+    run_ranks("in_loop_oom.py", str(tmp_path), str(out), json.dumps(KEYS))
+    r = json.loads(out.read_text())
+    assert r["bad_on_oom"][0] == "StudyConfigError" and "on_oom='ignore'" in r["bad_on_oom"][1]
+    race = r["race"]
+    assert race["raised"] is None and race["skipped"] is not None, race
+    assert race["final_phase"] == "done" and race["plan_is_default"]
+    assert any("out of memory" in reason and "candidate" in reason for reason in race["failed"])
+    skipped = race["skipped"]
+    assert race["losses"][skipped] is None and race["reference"][skipped] is None
+    assert race["losses"] == race["reference"]  # nothing of the failed step is left in the model
+    assert r["race_raise"]["raised"][0] == "OutOfMemoryError"
+    assert r["default"]["raised"][0] == "OutOfMemoryError"
+    passed = r["isolated_pass"]
+    assert passed["raised"] is None and passed["final_phase"] == "done" and passed["plan_is_default"]
+    assert passed["skipped"] is not None and None not in passed["losses"]

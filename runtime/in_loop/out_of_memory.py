@@ -1,0 +1,58 @@
+"""Out of memory around the in-loop tuner: the budget it keeps on a CUDA device, and the recovery when a plan it
+chose runs out of memory anyway.
+
+Prevent first: without a ``memory_budget``, the tuner's budget on a CUDA device is what the process can still reach
+less a margin (:func:`planner.artifacts.memory_budget.device_budget`), the smallest across ranks so that every rank
+groups its isolated passes alike. Then recover: an out-of-memory error in the tuner's own work (an isolated pass
+between steps) or in a user's step that ran a candidate is the tuner's doing; FSDP2's iteration state is reset
+(``FSDPModule.reset_iter_state``: in-flight collectives waited on, every parameter group resharded, the failed
+iteration's gradient reductions discarded), the partial gradients set to ``None`` and the CUDA cache emptied, so the
+next step starts clean. An out-of-memory error under FSDP2's default is the job's own and is never caught.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.artifacts.memory_budget import MemoryBudget, device_budget
+from runtime.ranks.collectives import gather_objects
+
+# The CPU allocator's words for an allocation it could not make (c10's DefaultCPUAllocator); on CUDA the error is
+# torch.OutOfMemoryError.
+_CPU_OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation the device could not make (``torch.OutOfMemoryError``, or the CPU
+    allocator's ``RuntimeError``)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and any(words in str(e) for words in _CPU_OUT_OF_MEMORY)
+
+
+def recoverable(model: nn.Module, e: BaseException) -> bool:
+    """Whether ``e`` is out of memory and this torch's FSDP2 can bring ``model`` back to a clean iteration
+    (``FSDPModule.reset_iter_state``); where it cannot, the error propagates as any other."""
+    return is_out_of_memory(e) and callable(getattr(model, "reset_iter_state", None))
+
+
+def recover(model: nn.Module) -> None:
+    """After an out-of-memory error inside a forward, a backward or the tuner's pass: FSDP2's iteration state reset
+    on the root (``FSDPModule.reset_iter_state``), every gradient set to ``None`` (the failed step's partial
+    sums), and the CUDA cache emptied. Call it only where :func:`recoverable` holds."""
+    model.reset_iter_state()
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cuda_budget(group: Any) -> MemoryBudget:
+    """The in-loop tuner's default budget on this rank's CUDA device, the smallest across ranks (collective on
+    ``group``): :func:`~planner.artifacts.memory_budget.device_budget` of the device's free and total bytes and
+    this process's reserved bytes."""
+    free, total = torch.cuda.mem_get_info()
+    local = device_budget(free, torch.cuda.memory_reserved(), total)
+    return min(gather_objects(local, group), key=lambda b: b.value)
