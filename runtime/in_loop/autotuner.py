@@ -300,6 +300,7 @@ class AutoTuner:
             return False
         reason = f"out of memory on rank {dist.get_rank()} in a step that ran candidate {order.plan}: {one_line(e)}"
         self._round.fail(order.plan, reason)
+        self._steps.abandon()
         recover(self.model)
         self._abandon(reason)
         logger.warning(f"AutoTuner: rank {dist.get_rank()} skipped this step (its optimizer step did not run; the "
@@ -325,6 +326,7 @@ class AutoTuner:
         return True
 
     def _step_failed(self, order: LoopStep, e: BaseException) -> None:
+        self._steps.abandon()
         reason = f"a training step raised on rank {dist.get_rank()}: {one_line(e)}"
         self._round.fail(order.plan if self.phase != TunerPhase.RECORDING else None, reason)
         self._abandon(f"a step raised inside tuner.step() ({one_line(e)})")

@@ -4,6 +4,7 @@ each step is (a :class:`~runtime.in_loop.round.LoopStep`); :class:`StepSide` run
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -113,6 +114,13 @@ class StepSide:
             peaks[order.plan].append(self.meter.end()[0])
         elif order.kind == TIMED:
             self.times.append(ms)
+
+    def abandon(self) -> None:
+        """A step that raised: the peak meter it began is stopped (on CPU its profiler would run on), its figure
+        dropped."""
+        if self.meter is not None and self.meter.measuring:
+            with contextlib.suppress(Exception):  # the step's own error is the one the caller reports
+                self.meter.end()
 
     def _before_microbatch(self, module: nn.Module, args: Any) -> None:
         """Root pre-forward: a plan's ``reshard_after_backward`` for every microbatch but the step's last
