@@ -211,26 +211,12 @@ def check_in_study(config: StudyConfig, fingerprint: Fingerprint, plan: Plan) ->
     Raises:
         StorageError: the storage cannot be opened.
     """
-    import sqlalchemy as sa
-
     from planner.artifacts.memory_budget import MemoryBudget
     from planner.errors import StudyNotFoundError
-    from planner.storages import open_storage_read_only
-    from planner.storages.archive import stored_profiles
-    from planner.study.in_loop import same_job
+    from planner.study.in_loop import same_job, study_profiles
     from planner.study.queries import recommendation_for
 
-    profiles: list[Profile] = []
-    try:
-        storage = open_storage_read_only(config.storage_url)
-        try:
-            profiles = [p for p in stored_profiles(storage.engine, config.name) if same_job(p.fingerprint, fingerprint)]
-        except sa.exc.SQLAlchemyError:  # a database no tuning job has written: no planner tables yet
-            pass
-        finally:
-            storage.engine.dispose()
-    except StudyNotFoundError:  # no database yet
-        pass
+    profiles = [p for p in study_profiles(config) or [] if same_job(p.fingerprint, fingerprint)]
     if not profiles:
         return (["the plan the model has, read back from FSDP2's state:"]
                 + [f"  {line}" for line in configuration_lines(plan)]

@@ -242,11 +242,11 @@ class StartPlan:
     profile: Profile | None = None
 
 
-def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool = False) -> StartPlan:
-    """Read the study (nothing is written) and decide what an in-loop tuner does at construction.
+def study_profiles(config: StudyConfig) -> list[Profile] | None:
+    """Every profile study ``config.name`` stores, oldest first, read-only; ``None`` when there is no database yet,
+    empty when no tuning job has written its tables.
 
     Raises:
-        StudyModelMismatchError: the study was tuned for another model (:func:`start_decision`).
         StorageError: the storage cannot be opened.
     """
     import sqlalchemy as sa
@@ -254,18 +254,32 @@ def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool =
     from planner.errors import StudyNotFoundError
     from planner.storages import open_storage_read_only
     from planner.storages.archive import stored_profiles
-    from planner.study.queries import recommendation_for
 
     try:
         storage = open_storage_read_only(config.storage_url)
-    except StudyNotFoundError:  # no database yet
-        return StartPlan(start_decision(config.name, fingerprint, [], False, recheck))
+    except StudyNotFoundError:
+        return None
     try:
-        profiles = stored_profiles(storage.engine, config.name)
+        return stored_profiles(storage.engine, config.name)
     except sa.exc.SQLAlchemyError:  # a database no tuning job has written: no planner tables yet
-        profiles = []
+        return []
     finally:
         storage.engine.dispose()
+
+
+def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool = False) -> StartPlan:
+    """Read the study (nothing is written) and decide what an in-loop tuner does at construction.
+
+    Raises:
+        StudyModelMismatchError: the study was tuned for another model (:func:`start_decision`).
+        StorageError: the storage cannot be opened.
+    """
+    from planner.errors import StudyNotFoundError
+    from planner.study.queries import recommendation_for
+
+    profiles = study_profiles(config)
+    if profiles is None:  # no database yet
+        return StartPlan(start_decision(config.name, fingerprint, [], False, recheck))
     try:
         best = recommendation_for(config.storage_url, config.name, fingerprint)
     except StudyNotFoundError:
