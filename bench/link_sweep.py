@@ -93,7 +93,7 @@ def run_rate(study: str, rate: str, rounds: int, work: Path) -> dict:
         storage = f"sqlite:///{work}/study.db"
         best = best_plan(storage, name)
         [default] = [t for t in study_trials(storage, name).measured if t.is_default and t.race_ms]
-        reported = best.plan if not best.is_default else best.survivor  # the confirmed candidate, if any
+        reported = best.plan if not best.keeps_baseline else best.survivor  # the confirmed candidate, if any
         figures: dict = {"rate": rate, "printed": printed, "profile": Profile.load(work / "profile.json").to_dict(),
                          "default_race_ms": default.race_ms, "confirmed": None, "remeasure": None}
         if reported is not None and reported.provenance.ratio_ci95 is not None:

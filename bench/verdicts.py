@@ -172,7 +172,7 @@ def coverage(study: str, rounds: int, remeasures: int, work: Path) -> dict:
         sys.exit(tune.returncode)
     written = Plan.load(plan_out)
     best = best_plan(storage, config.name)
-    reported = best.plan if not best.is_default else best.survivor  # the confirmed candidate
+    reported = best.plan if not best.keeps_baseline else best.survivor  # the confirmed candidate
     if reported is None:
         print("\ncoverage: the race dropped every candidate; nothing confirmed to re-measure")
         return {"tune_s": tune_s, "verdict": None}

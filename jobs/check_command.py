@@ -87,6 +87,6 @@ def _recommendation(study_name: str, storage: str, profile: Any) -> tuple[Any, s
         best = recommendation_for(storage, study_name, profile.fingerprint)
     except StudyNotFoundError:
         return None, None
-    if best is None or best.is_default:
+    if best is None or best.keeps_baseline:
         return None, None
     return best.plan, f"study {study_name!r}'s recommendation (trial {best.plan.provenance.trial})"

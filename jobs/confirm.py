@@ -2,7 +2,7 @@
 
 ``prefetch-planner tune`` starts it ``[measure] confirm_launches`` times after
 its tuning ranks exit. Every rank builds the model afresh; rank 0 reads the
-job's race survivor and FSDP2's default from the study
+job's race survivor and its job's baseline from the study
 (``planner.study.confirmation.pending``). With ``[measure]
 confirm_model_per_plan`` (the default) each plan gets its own model
 instance, applied before its first step and never switched, as a user's
@@ -83,7 +83,7 @@ class ConfirmJob:
                     p = pending(self.config, self.job)
                     # the order of each pair of rounds is drawn here, once, and every rank runs it
                     rounds = self.rounds or (p.rounds if p is not None else 0)
-                    payload = None if p is None else (p.survivor, p.default, confirmation_orders((0, 1), rounds))
+                    payload = None if p is None else (p.survivor, p.baseline, confirmation_orders((0, 1), rounds))
                 except PlannerError as e:
                     payload = {"error": str(e)}
             payload = broadcast_from_rank0(payload, group)
@@ -92,8 +92,8 @@ class ConfirmJob:
             if payload is None:
                 ended = True
                 return 0 if rank0 else None
-            survivor, default, orders = payload
-            plans = [survivor, default]
+            survivor, baseline, orders = payload
+            plans = [survivor, baseline]
             for plan in plans:
                 apply_plan(workload.model, plan, check=True)
             steps = StepCounter()

@@ -26,7 +26,7 @@ from planner.study.measured import MeasuredTrial
 from planner.study.model_summary import allocator_mismatch
 from planner.study.session import TuneOutcome, TuningSession
 from runtime.apply import model_fingerprint
-from runtime.current import record_under_fsdp2_default
+from runtime.current import own_plan, record_under_fsdp2_default
 from runtime.measuring.protocol import measured_round
 from runtime.ranks.collectives import control_group
 from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
@@ -108,9 +108,11 @@ class TuneJob:
             with interrupts_raise():
                 try:
                     workload = build_study_workload(self.config.workload, mesh)
+                    user_plan = own_plan(workload.model)  # the race's baseline where the factory sets a plan
                     profile = self._record(workload)
                     if rank0:
                         self.session = self._session(profile)
+                        self.session.user_plan = user_plan
                     result = self._measure(workload, group, rank0)
                     outcome = self.session.finish(result.told, result.failed) if rank0 else None
                     ended = True
@@ -135,7 +137,7 @@ class TuneJob:
             return self._given_profile(workload)
         measure = self.config.measure
         logger.info(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({self.config.workload.factory})")
-        record_under_fsdp2_default(workload.model)  # a factory's own plan: recorded and raced under FSDP2's default
+        record_under_fsdp2_default(workload.model)  # a factory's own plan: the profile is FSDP2's default's
         return record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
                               repeats=measure.profile_repeats)
 

@@ -86,10 +86,10 @@ class Provenance:
         study, trial: the measured trial.
         predicted_ms: the simulated step time.
         measured_ms: the median step time in the race (max across ranks).
-        default_measured_ms: FSDP2's default's, in the same race.
-        verdict: the confirmation's verdict against FSDP2's default
+        default_measured_ms: the race's baseline's (FSDP2's default, or :attr:`baseline`), in the same race.
+        verdict: the confirmation's verdict against the race's baseline
             (``planner.statistics.verdict.Verdict`` values), for the plan it confirmed.
-        measured_ratio: the confirmation's ratio, plan / default: of total step time (``ratio_of = "total
+        measured_ratio: the confirmation's ratio, plan / baseline: of total step time (``ratio_of = "total
             time"``), or on plans confirmed before that estimand, the median per-round ratio.
         ratio_ci95: ``[low, high]``, its 95% interval (``planner.statistics.verdict``): for total time, the
             spread between launches included.
@@ -109,6 +109,8 @@ class Provenance:
             cluster can race it as a trial of its study.
         unknown_knobs: for a plan read back from a model, the knobs the running torch keeps no readable state for:
             the plan holds FSDP2's default for them, and ``apply_plan`` leaves them as they are.
+        baseline: what the race's figures compare against when it was not FSDP2's default: ``"user"``, the plan
+            the model arrived with (``runtime.current_plan``); ``None``: FSDP2's default.
     """
 
     source: Source = Source.DEFAULT
@@ -131,10 +133,11 @@ class Provenance:
     band_ms: tuple[float, float] | None = None
     params: dict[str, Any] | None = None
     unknown_knobs: tuple[str, ...] | None = None
+    baseline: str | None = None
 
 
 # Provenance fields added after release 0.1.0: written only when set.
-_WRITTEN_WHEN_SET = ("launches", "ratio_of", "target", "band_ms", "params", "unknown_knobs")
+_WRITTEN_WHEN_SET = ("launches", "ratio_of", "target", "band_ms", "params", "unknown_knobs", "baseline")
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ class ProvenanceDocument(Document):
     band_ms: tuple[float, float] | None = None
     params: dict[str, bool | int | float | str | None] | None = None
     unknown_knobs: tuple[str, ...] | None = None
+    baseline: Literal["user"] | None = None
 
 
 class _PlanStructure(Document):

@@ -268,7 +268,8 @@ def studies_show(name, storage, top) -> None:
         err = ""
         if r.predicted_ms and r.race_ms:
             err = f"{100 * (r.predicted_ms - r.race_ms) / r.race_ms:+.1f}"
-        tag = "default " if r.is_default else ""
+        tag = "yours (the plan the model arrived with), the baseline " if r.user_plan else (
+            "default, the baseline " if r.is_default and r.is_baseline else "default " if r.is_default else "")
         if r.retry_of is not None:
             tag += f"retry of {r.retry_of} "
         if r.reconfirms is not None:
@@ -369,8 +370,8 @@ def studies_best(name, storage) -> None:
     best = best_plan(_storage_for(name, storage), name)
     plan, pv, r = best.plan, best.plan.provenance, best.recommendation
     click.echo(f"study {name}: {best.line(name)}")
-    if not best.is_default:
-        click.echo(f"  race (not confirmed): median {pv.measured_ms:.1f} ms, FSDP2's default {ms(r.default_ms)} ms "
+    if not best.keeps_baseline:
+        click.echo(f"  race (not confirmed): median {pv.measured_ms:.1f} ms, FSDP2's default {ms(r.baseline_ms)} ms "
                    "in the same race")
     click.echo(f"  predicted  {ms(pv.predicted_ms)} ms")
     click.echo("  " + "  ".join(f"{k} {v}" for k, v in plan.knobs.items()))
@@ -401,7 +402,7 @@ def studies_pareto(name, storage, png) -> None:
     click.echo(f"measured points ({len(measured)}): peak per rank (max across ranks), race median")
     click.echo(f"  {'peak MiB':>9} {'predicted':>9} {'measured ms':>11} {'trial':>6}  outcome")
     for t in measured:
-        outcome = "FSDP2 default" if t.is_default else (t.verdict or t.state.name)
+        outcome = "yours" if t.user_plan else "FSDP2 default" if t.is_default else (t.verdict or t.state.name)
         if t.failure is not None:
             outcome = f"FAIL: {t.failure.reason}"
         click.echo(f"  {mib(t.measured_peak_bytes, unit=False):>9} {mib(t.predicted_peak_bytes, unit=False):>9} "

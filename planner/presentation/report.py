@@ -6,7 +6,7 @@ import math
 import statistics
 
 from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS
-from planner.artifacts.plan import Plan
+from planner.artifacts.plan import Plan, Source
 from planner.statistics.design import ConfirmDesign
 from planner.statistics.verdict import Confirmation
 from planner.study.queries import BestPlan
@@ -46,7 +46,8 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
     for j, p in enumerate(outcome.told):
         pv = p.provenance
         ratio = 1.0 if j == race.default else math.exp(statistics.median(race.log_ratios(j, race.default)))
-        label = "FSDP2 default" if p.is_default_for(outcome.profile) else describe(p)
+        label = ("yours (the plan the model arrived with)" if pv.source == Source.USER else
+                 "FSDP2 default" if p.is_default_for(outcome.profile) else describe(p))
         if j in race.dropped:
             label += f"; dropped after {race.dropped[j]} rounds"
         peaks = f"{mib(pv.predicted_peak_bytes, 0, unit=False)} / {mib(pv.measured_peak_bytes, 0, unit=False)}"
@@ -54,7 +55,7 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
                      f"{len(race.step_ms(j)):>6}  {peaks:>18}  {label}")
     detectable = race.detectable_slowdown()
     lines.append(f"race: {len(race.rounds)} rounds, noise {race.noise_pct():.1f}% (step IQR / median); race ratio = "
-                 "median paired per-round ratio to FSDP2's default, not confirmed"
+                 f"median paired per-round ratio to {_baseline(outcome)}, not confirmed"
                  + (f"; its last look's sign test drops a plan {100 * detectable:.1f}% slower than the leader with "
                     "80% power" if math.isfinite(detectable) else
                     "; too few rounds for its sign test to drop a plan" if detectable == math.inf else ""))
@@ -76,7 +77,7 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
     lines = []
     confirmation = outcome.confirmation
     if candidate is not None and confirmation is not None:
-        lines.append(f"confirmation: trial {candidate.provenance.trial} vs FSDP2's default: {confirmation.line()} "
+        lines.append(f"confirmation: trial {candidate.provenance.trial} vs {_baseline(outcome)}: {confirmation.line()} "
                      f"(noise {confirmation.noise_pct:.1f}%)")
         lines.append(power_line(confirmation))
     elif candidate is not None:
@@ -86,6 +87,12 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
         lines.append(f"best plan: {best.line(study)}; written to {outcome.plan_out} "
                      f"(`prefetch-planner studies best {study}`)")
     return lines
+
+
+def _baseline(outcome: TuneOutcome) -> str:
+    """The round's baseline, in words: the first plan measured ([Note: The user's plan is the baseline] in
+    ``planner.study.session``)."""
+    return "the plan the model arrived with" if outcome.told[0].provenance.source == Source.USER else "FSDP2's default"
 
 
 def design_line(d: ConfirmDesign) -> str:

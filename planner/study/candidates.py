@@ -1,4 +1,4 @@
-"""The candidates of the measured stage: which simulated plans are worth racing against FSDP2's default.
+"""The candidates of the measured stage: which simulated plans are worth racing against the baseline.
 
 [Note: Candidates worth racing]
 The race can only confirm what it is given, and the uncalibrated model ties
@@ -38,6 +38,8 @@ class Candidate:
         predicted_peak_bytes: the simulated peak memory, bytes.
         reconfirms: for the study's recommendation raced again, the trial that recommended it.
         predicted_for: for a plan predicted for this cluster (``tune --target``), the target it was predicted for.
+        user_plan: the plan the model arrived with (``runtime.current_plan``), raced as the round's baseline: it
+            has no search-space parameters.
     """
 
     params: TrialParams
@@ -47,6 +49,25 @@ class Candidate:
     predicted_peak_bytes: int
     reconfirms: int | None = None
     predicted_for: str | None = None
+    user_plan: bool = False
+
+
+def user_candidate(plan: Plan, profile: Profile, simulator: Any) -> Candidate:
+    """The plan the model arrived with as the round's baseline ([Note: The user's plan is the baseline] in
+    ``planner.study.session``), predicted by ``simulator``.
+
+    Raises:
+        PlanMismatchError: the plan is of another model or world size, or names modules the profile does not have.
+    """
+    from planner.errors import PlanMismatchError
+
+    difference = plan.fingerprint.first_difference(profile.fingerprint)
+    unknown = sorted(set(plan.modules) - set(profile.modules))
+    if difference is not None or unknown:
+        raise PlanMismatchError("the plan the model arrived with is not of the profile's model: "
+                                + (difference or f"modules {', '.join(unknown[:3])} are not in its post-forward order"))
+    result = simulator.run(plan)
+    return Candidate({}, {}, plan, result.step_ms, result.peak_bytes, user_plan=True)
 
 
 def check_start_plan(plan: Plan, fingerprint: Fingerprint, what: str = "start_from plan") -> None:

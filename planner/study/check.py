@@ -227,7 +227,7 @@ def check_in_study(config: StudyConfig, fingerprint: Fingerprint, plan: Plan) ->
         best = recommendation_for(config.storage_url, config.name, fingerprint)
     except StudyNotFoundError:
         best = None
-    recommended = None if best is None or best.is_default else best.plan
+    recommended = None if best is None or best.keeps_baseline else best.plan
     label = None if recommended is None else (f"study {config.name!r}'s recommendation "
                                               f"(trial {recommended.provenance.trial})")
     budget = config.search.memory_budget

@@ -1,4 +1,4 @@
-"""The confirmation in fresh launches: the race's survivor against FSDP2's default, in new processes.
+"""The confirmation in fresh launches: the race's survivor against its job's baseline, in new processes.
 
 A tuning job's race ends with a survivor whose trial carries the rounds each
 confirmation launch runs (``confirm_rounds``). Each launch (``prefetch-planner
@@ -41,7 +41,8 @@ class PendingConfirmation:
     """A job's survivor waiting for its confirmation launches.
 
     Attributes:
-        survivor, default: the survivor's and FSDP2's default's stored plans (provenance: their trials).
+        survivor, baseline: the survivor's and its job's baseline's stored plans (FSDP2's default, or the plan the
+            model arrived with; provenance: their trials).
         rounds: rounds per launch.
         launches: launches measured so far.
         planned: the launches its confirmation's design asked for at the race's end; ``None`` on trials written
@@ -50,7 +51,7 @@ class PendingConfirmation:
     """
 
     survivor: Plan
-    default: Plan
+    baseline: Plan
     rounds: int
     launches: int
     planned: int | None = None
@@ -74,17 +75,17 @@ def pending(config: StudyConfig, job: str) -> PendingConfirmation | None:
     candidate, or it is confirmed already).
 
     Raises:
-        StudyNotFoundError: no such study, or no job ``job`` in it that measured FSDP2's default.
+        StudyNotFoundError: no such study, or no job ``job`` in it that measured its baseline.
     """
     with storage_errors(config.storage_url):
         study, storage = _study(config)
         verdict = _job(storage, study, job)
         if verdict is None:
-            raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured FSDP2's default")
+            raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured its baseline")
         s = verdict.survivor
         if s is None or s.confirmation is not None or s.confirm_rounds is None:
             return None
-        plans = [stored_plan(storage.engine, config.name, n) for n in (s.number, verdict.default.number)]
+        plans = [stored_plan(storage.engine, config.name, n) for n in (s.number, verdict.baseline.number)]
         if None in plans:
             raise StudyNotFoundError(f"study {config.name!r}: job {job!r} has no stored plan for trial {s.number}")
         sigma = s.race.ratio_sigma if s.race is not None and s.race.ratio_sigma is not None else float("nan")
@@ -102,7 +103,7 @@ def design_for(config: StudyConfig, waiting: PendingConfirmation) -> tuple[Confi
     """
     with storage_errors(config.storage_url):
         study, storage = _study(config)
-        cluster = _cluster(storage, config, waiting.default)
+        cluster = _cluster(storage, config, waiting.baseline)
         records = measured_records(storage, study)
         spread = study_spread(records, plan_key(waiting.survivor), cluster.spread)
     settings = config.measure.confirm_settings(spread=spread, floor=cluster.floor)
@@ -147,16 +148,16 @@ def conclude(config: StudyConfig, job: str, plan_out: str,
         study, storage = _study(config)
         verdict = _job(storage, study, job)
         if verdict is None:
-            raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured FSDP2's default")
+            raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured its baseline")
         s = verdict.survivor
-        default = stored_plan(storage.engine, config.name, verdict.default.number)
+        baseline = stored_plan(storage.engine, config.name, verdict.baseline.number)
         if s is not None and s.confirmation is None and s.confirm_launches:
             launches = s.confirm_launches
             noise = step_noise_pct([x.plan_ms for x in launches] + [x.default_ms for x in launches])
             records = measured_records(storage, study)
             chain = chain_of({r.number: r for r in records}, s.reconfirms)
             looks = chain.looks if chain.launches else Looks(horizon=horizon or s.confirm_planned or len(launches))
-            cluster = _cluster(storage, config, default)
+            cluster = _cluster(storage, config, baseline)
             confirmation = confirm_launches([*chain.launches, *own_launches(s)], noise,
                                             study_spread(records, s.plan_key, cluster.spread), looks,
                                             cluster.spread)
@@ -165,7 +166,7 @@ def conclude(config: StudyConfig, job: str, plan_out: str,
             plan = stored_plan(storage.engine, config.name, s.number)
             update_plan(storage.engine, config.name, plan.with_provenance(**provenance_of(confirmation)))
     try:
-        best = best_plan(config.storage_url, config.name, default.fingerprint if default is not None else None)
+        best = best_plan(config.storage_url, config.name, baseline.fingerprint if baseline is not None else None)
     except StudyNotFoundError:
         raise StudyNotFoundError(f"job {job!r}: no confirmation launch measured its race survivor, and no earlier "
                                  f"job of study {config.name!r} concluded; run `prefetch-planner tune` again") from None
@@ -173,11 +174,11 @@ def conclude(config: StudyConfig, job: str, plan_out: str,
     return confirmation, best
 
 
-def _cluster(storage: optuna.storages.RDBStorage, config: StudyConfig, default: Plan | None) -> ClusterSpread:
-    """The spread of the cluster the job ran on (its default plan's fingerprint, the study's backend)."""
-    if default is None:  # no stored plan to read the cluster from: the most conservative prior
+def _cluster(storage: optuna.storages.RDBStorage, config: StudyConfig, baseline: Plan | None) -> ClusterSpread:
+    """The spread of the cluster the job ran on (its baseline's fingerprint, the study's backend)."""
+    if baseline is None:  # no stored plan to read the cluster from: the most conservative prior
         return ClusterSpread(ClusterKey("cpu", str(config.launch.backend), 0), DEFAULT_SPREAD, False, "the CPU prior")
-    return cluster_spread(storage.engine, ClusterKey.of(default.fingerprint, config.launch.backend))
+    return cluster_spread(storage.engine, ClusterKey.of(baseline.fingerprint, config.launch.backend))
 
 
 def write_plan(path: str, plan: Plan) -> None:

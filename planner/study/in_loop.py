@@ -135,14 +135,15 @@ def same_job(a: Fingerprint, b: Fingerprint) -> bool:
 
 
 def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Fingerprint], has_recommendation: bool,
-                   recheck: bool, recommends_default: bool = False,
+                   recheck: bool, recommends_baseline: bool = False,
                    launches_behind: int | None = None) -> StartDecision:
     """Tune, or reuse the study's recommendation ([Note: Tuning on the user's steps]).
 
     A recheck of a recommended plan re-confirms it on a few steps (:attr:`StartDecision.recheck`); a recheck of a
-    study that recommends FSDP2's default has nothing to re-confirm, so it tunes afresh. A pending plan
-    (provisional, [Note: Provisional verdicts] in ``planner.statistics.verdict``) is re-confirmed at every start,
-    recheck or not, FSDP2's default applied meanwhile: each start is a fresh process, one more fresh launch.
+    study that recommends its baseline (FSDP2's default, or the plan the model arrived with) has nothing to
+    re-confirm, so it tunes afresh. A pending plan (provisional, [Note: Provisional verdicts] in
+    ``planner.statistics.verdict``) is re-confirmed at every start, recheck or not, the baseline applied meanwhile:
+    each start is a fresh process, one more fresh launch.
 
     Args:
         study: the study's name (for the messages).
@@ -150,7 +151,7 @@ def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Finger
         stored: the fingerprints of the study's recorded profiles (``planner.storages.archive.study_fingerprints``).
         has_recommendation: the study has a concluded job for ``fingerprint`` (``planner.study.best_plan_for``).
         recheck: the user asked to re-confirm the recommendation on the coming steps.
-        recommends_default: the recommendation is FSDP2's default.
+        recommends_baseline: the recommendation is its deciding job's baseline (nothing confirmed faster).
         launches_behind: when the study has a pending plan, the fresh launches it rests on; else ``None``.
 
     Raises:
@@ -167,15 +168,15 @@ def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Finger
     if has_recommendation and any(same_job(s, fingerprint) for s in stored):
         if launches_behind is not None:
             return StartDecision(True, f"study {study!r} has a provisional plan (faster in its launches, not yet "
-                                       f"across processes; {launches_behind} fresh launch(es) so far): FSDP2's "
-                                       "default stays applied while the coming steps re-confirm it, fresh launch "
+                                       f"across processes; {launches_behind} fresh launch(es) so far): the "
+                                       "baseline stays applied while the coming steps re-confirm it, fresh launch "
                                        f"{launches_behind + 1} of up to {MAX_LAUNCHES}", recheck=True)
-        if recheck and recommends_default:
-            return StartDecision(True, f"study {study!r} recommends FSDP2's default for this model; recheck=True: "
+        if recheck and recommends_baseline:
+            return StartDecision(True, f"study {study!r} recommends the baseline for this model; recheck=True: "
                                        "tuning afresh on the coming steps")
         if recheck:
             return StartDecision(True, f"study {study!r} has a plan for this model; recheck=True: re-confirming it "
-                                       "against FSDP2's default on the coming steps (no recording, no search)",
+                                       "against the baseline on the coming steps (no recording, no search)",
                                  recheck=True)
         return StartDecision(False, f"study {study!r} has a plan for this model, world size and torch: applied, "
                                     "no step spent tuning")
@@ -288,10 +289,11 @@ def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool =
     if best is not None and best.recommendation.pending is not None:
         behind = best.recommendation.pending.confirmation.fresh_launches
     decision = start_decision(config.name, fingerprint, [p.fingerprint for p in profiles], best is not None,
-                              recheck, recommends_default=best is not None and best.is_default, launches_behind=behind)
+                              recheck, recommends_baseline=best is not None and best.keeps_baseline,
+                              launches_behind=behind)
     if decision.recheck:
         return StartPlan(decision, profile=[p for p in profiles if same_job(p.fingerprint, fingerprint)][-1])
-    if decision.tune or best is None or best.is_default:
+    if decision.tune or best is None or best.keeps_baseline:
         return StartPlan(decision)
     return StartPlan(decision, best.plan)
 

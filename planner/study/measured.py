@@ -63,6 +63,7 @@ class MeasuredTrial:
         retry_of: for a re-queued stale trial, the number of the trial first
             failed (Optuna's ``failed_trial`` system attribute), else ``None``.
         reconfirms: for the study's recommendation raced again, the trial that recommended it.
+        user_plan: the plan the model arrived with, the round's baseline (``Candidate.user_plan``).
     """
 
     number: int
@@ -72,6 +73,7 @@ class MeasuredTrial:
     predicted_peak_bytes: int
     retry_of: int | None = None
     reconfirms: int | None = None
+    user_plan: bool = False
 
 
 class MeasuredStage:
@@ -147,6 +149,10 @@ class MeasuredStage:
                     continue
                 self.heartbeat.add(trial_id)
                 self._record(trial_id, MeasuredTrialRecord(job=self.job))
+                if MeasuredTrialRecord.from_trial(t).user_plan:  # each job races the plan its own model arrived with
+                    self._fail_one(t.number, trial_id, Failure("the plan a model arrived with is raced by the job "
+                                                               "that has that model", FailKind.INTERRUPTED))
+                    continue
                 try:
                     plan = self.space.suggest(optuna.trial.FixedTrial(t.params), self.profile)
                     result = self.simulator.run(plan)
@@ -215,7 +221,8 @@ class MeasuredStage:
         first: dict[str, optuna.trial.FrozenTrial] = {}
         for t in trials:
             r = MeasuredTrialRecord.from_trial(t)
-            if r.plan_key and r.failure is not None and r.failure.kind == FailKind.INTERRUPTED and not r.is_default:
+            if (r.plan_key and r.failure is not None and r.failure.kind == FailKind.INTERRUPTED and not r.is_baseline
+                    and not r.user_plan):
                 times[r.plan_key] = times.get(r.plan_key, 0) + 1
                 first.setdefault(r.plan_key, t)
         out = []
@@ -242,7 +249,7 @@ class MeasuredStage:
             best = best_in(self.storage, self.study, self.config.name, self.profile.fingerprint)
             if best is None:
                 return None
-            held = best.recommendation.pending if best.is_default else best.recommendation.trial
+            held = best.recommendation.pending if best.keeps_baseline else best.recommendation.trial
             if held is None:
                 return None
             trial = self.study.trials[held.number]
@@ -268,16 +275,23 @@ class MeasuredStage:
             for c in candidates:
                 record = MeasuredTrialRecord(predicted_ms=c.predicted_ms, predicted_peak_bytes=c.predicted_peak_bytes,
                                              is_default=c.plan.is_default_for(self.profile), plan_key=plan_key(c.plan),
-                                             job=self.job, source=self.source, reconfirms=c.reconfirms,
-                                             predicted_for=c.predicted_for)
+                                             user_plan=c.user_plan or None, job=self.job, source=self.source,
+                                             reconfirms=c.reconfirms, predicted_for=c.predicted_for)
                 template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=c.params,
                                                      distributions=c.distributions, user_attrs=record.to_user_attrs())
                 trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)
                 self.heartbeat.add(trial_id)
                 number = self.storage.get_trial_number_from_id(trial_id)
                 out.append(MeasuredTrial(number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes,
-                                         reconfirms=c.reconfirms))
+                                         reconfirms=c.reconfirms, user_plan=c.user_plan))
         return out
+
+    def mark_baseline(self, asked: list[MeasuredTrial]) -> None:
+        """Record which of the round's trials is its baseline (the first) and which are not (trial attribute
+        ``baseline``): a re-queued trial carries the flag of the job that first asked it."""
+        with self._storage_errors():
+            for j, a in enumerate(asked):
+                self._record(a.trial_id, MeasuredTrialRecord(baseline=j == 0))
 
     def tell(self, asked: list[MeasuredTrial], measured: list[MeasuredPlan], step_ms: list[list[float]],
              per_rank: list[list[list[float]]]) -> None:

@@ -34,11 +34,11 @@ class MeasuredPlan:
     """One plan of a measured round.
 
     Attributes:
-        plan: the plan, provenance filled in (trial, predicted and measured ms, the default's ms in the same
+        plan: the plan, provenance filled in (trial, predicted and measured ms, the baseline's ms in the same
             race, peaks and budget, and the confirmation on the plan it confirmed).
         record: what its trial carries (:class:`MeasuredTrialRecord`).
-        objective_ms: the trial's Optuna objective (:data:`OBJECTIVE`): for the plan confirmed here, FSDP2's
-            default's race median times the confirmed total-time ratio; for the others, the plan's race median.
+        objective_ms: the trial's Optuna objective (:data:`OBJECTIVE`): for the plan confirmed here, the
+            baseline's race median times the confirmed total-time ratio; for the others, the plan's race median.
     """
 
     plan: Plan
@@ -54,8 +54,9 @@ def measured_plans(
     per_rank: Sequence[list[list[float]]],
     peak_bytes: Sequence[int] | None = None,
     memory_budget_bytes: int | None = None,
+    user_baseline: bool = False,
 ) -> list[MeasuredPlan]:
-    """The round's plans with their figures, in the order the schedule ran them (FSDP2's default first).
+    """The round's plans with their figures, in the order the schedule ran them (the baseline first).
 
     Args:
         study: the measured study's name.
@@ -65,6 +66,9 @@ def measured_plans(
         per_rank: per plan, per rank, that rank's step times, ms.
         peak_bytes: per plan, the measured peak per rank, bytes; ``None``: not measured.
         memory_budget_bytes: the memory budget the plans were chosen under, bytes per rank.
+        user_baseline: the first plan is the one the model arrived with ([Note: The user's plan is the baseline]
+            in ``planner.study.session``): it keeps its source ``user``, and every plan's provenance names it as
+            the baseline; else the first is FSDP2's default.
     """
     race, survivor, confirmation = schedule.race, schedule.survivor, schedule.confirmation
     default_ms = statistics.median(race.step_ms(race.default))
@@ -93,7 +97,8 @@ def measured_plans(
                                      objective=objective)
         verdict = provenance_of(confirmed) if confirmed is not None else {}
         told = plan.with_provenance(
-            source=Source.MEASURED, study=study, trial=number, predicted_ms=predicted_ms,
+            source=Source.USER if user_baseline and j == race.default else Source.MEASURED,
+            baseline="user" if user_baseline else None, study=study, trial=number, predicted_ms=predicted_ms,
             measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms,
             predicted_peak_bytes=predicted_peak, measured_peak_bytes=peak, memory_budget_bytes=memory_budget_bytes,
             **verdict)

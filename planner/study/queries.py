@@ -33,9 +33,10 @@ class StudyOverview:
         simulated_trial_count: trials of the simulated study.
         recommended_trial: the trial of the plan the study recommends (:func:`best_plan`); ``None`` before any
             job concluded.
-        default_ms: FSDP2's default's race median in the job that decided it, ms.
+        default_ms: the baseline's race median in the job that decided it (FSDP2's default, or the plan the model
+            arrived with), ms.
         confirmation: that job's confirmation of the recommended plan, or of its pending plan (``None`` when it
-            recommends FSDP2's default with nothing pending).
+            recommends the baseline with nothing pending).
         pending_trial: the trial of the plan that waits on more launches, not applied (provisional, or confirmed
             faster before the total-time estimand); ``None`` if none.
     """
@@ -96,8 +97,8 @@ def list_studies(url: str) -> list[StudyOverview]:
         if r is None:
             out.append(StudyOverview(name, len(study.trials), sim_count, None, None, None))
         else:
-            shown = r.confirmation if not r.is_default or r.pending is not None else None
-            out.append(StudyOverview(name, len(study.trials), sim_count, r.trial.number, r.default_ms, shown,
+            shown = r.confirmation if not r.keeps_baseline or r.pending is not None else None
+            out.append(StudyOverview(name, len(study.trials), sim_count, r.trial.number, r.baseline_ms, shown,
                                      r.pending.number if r.pending is not None else None))
     return out
 
@@ -135,8 +136,8 @@ class BestPlan:
     """A study's answer to "which plan should I train with?" ([Note: One recommendation, re-confirmed by every job]).
 
     Attributes:
-        plan: the recommended plan: the deciding job's survivor confirmed faster than its FSDP2 default across
-            processes, else that default's own stored plan.
+        plan: the recommended plan: the deciding job's survivor confirmed faster than its baseline across
+            processes, else that baseline's own stored plan (FSDP2's default, or the plan the model arrived with).
         recommendation: which trial, which job, and that job's figures.
         survivor: the deciding job's survivor when it was not confirmed faster (its provenance has the verdict;
             a provisional one is the study's pending plan), else ``None``.
@@ -147,28 +148,34 @@ class BestPlan:
     survivor: Plan | None
 
     @property
-    def is_default(self) -> bool:
-        """Whether the study recommends FSDP2's default."""
-        return self.recommendation.is_default
+    def keeps_baseline(self) -> bool:
+        """Whether the study recommends its deciding job's baseline: FSDP2's default, or the plan the model arrived
+        with (:meth:`baseline_name`), nothing confirmed faster than it."""
+        return self.recommendation.keeps_baseline
+
+    def baseline_name(self) -> str:
+        """What the deciding job's verdicts compare against, in words."""
+        return "the plan the model arrived with" if self.recommendation.baseline_is_users else "FSDP2's default"
 
     def line(self, study: str) -> str:
         """One line: which plan, and the confirmed figures it rests on (``tune``, ``studies best``,
         ``load_best_plan``)."""
         r = self.recommendation
         job = f"job {r.job.job}" if r.job.job else "the latest job"
-        if not self.is_default:
-            return f"trial {r.trial.number} of study {study!r}, confirmed faster than FSDP2's default by {job}: " + (
+        base = self.baseline_name()
+        if not self.keeps_baseline:
+            return f"trial {r.trial.number} of study {study!r}, confirmed faster than {base} by {job}: " + (
                 provenance_text(self.plan.provenance))
         if self.survivor is None:
-            return f"FSDP2's default: every candidate of {job} was significantly slower in its race"
+            return f"{base}: every candidate of {job} was significantly slower in its race"
         pv = self.survivor.provenance
         if r.pending is not None:
             why = ("PROVISIONAL: faster in its launches, not yet across processes" if pv.verdict == Verdict.PROVISIONAL
                    else "confirmed faster before the total-time estimand, from one process")
-            return (f"FSDP2's default, while {job}'s survivor, trial {pv.trial}, is {why} ({provenance_text(pv)}); "
+            return (f"{base}, while {job}'s survivor, trial {pv.trial}, is {why} ({provenance_text(pv)}); "
                     f"it is applied once the in-loop tuner's next start or a later job confirms it faster "
                     f"(fresh launch {r.pending.confirmation.fresh_launches + 1} of up to {MAX_LAUNCHES})")
-        return (f"FSDP2's default: {job} confirmed no plan faster (its survivor, trial {pv.trial}: {pv.verdict}, "
+        return (f"{base}: {job} confirmed no plan faster (its survivor, trial {pv.trial}: {pv.verdict}, "
                 f"{provenance_text(pv)})")
 
 
@@ -194,7 +201,7 @@ def best_in(storage: optuna.storages.RDBStorage, study: optuna.Study, name: str,
     def matches(verdict: JobVerdict) -> bool:
         if fingerprint is None:
             return True
-        plan = stored_plan(storage.engine, name, verdict.default.number)
+        plan = stored_plan(storage.engine, name, verdict.baseline.number)
         return plan is not None and plan.fingerprint.first_difference(fingerprint) is None
 
     r = recommend(records, matches)
@@ -202,7 +209,7 @@ def best_in(storage: optuna.storages.RDBStorage, study: optuna.Study, name: str,
         return None
     survivor = r.job.survivor
     return BestPlan(_stored_plan(storage, name, r.trial.number), r,
-                    _stored_plan(storage, name, survivor.number) if survivor is not None and r.is_default else None)
+                    _stored_plan(storage, name, survivor.number) if survivor is not None and r.keeps_baseline else None)
 
 
 def best_plan(url: str, name: str, fingerprint: Fingerprint | None = None) -> BestPlan:
@@ -219,13 +226,14 @@ def best_plan(url: str, name: str, fingerprint: Fingerprint | None = None) -> Be
 
 
 def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan | None, str]:
-    """The plan study ``name`` recommends for ``fingerprint``, if it is not FSDP2's default (``load_best_plan``).
+    """The plan study ``name`` recommends for ``fingerprint``, if it is not the baseline (``load_best_plan``): a
+    model that keeps its baseline keeps what it has, FSDP2's default or the plan it arrived with.
 
     Reads through :func:`planner.storages.open_storage_read_only`: nothing is
     written, tables included.
 
     Returns:
-        ``(plan, why)``: the plan (``None`` when the study recommends FSDP2's default, or has no concluded job for
+        ``(plan, why)``: the plan (``None`` when the study recommends the baseline, or has no concluded job for
         this model and world size) and one line saying which plan it is or why there is none.
 
     Raises:
@@ -235,7 +243,7 @@ def best_plan_for(url: str, name: str, fingerprint: Fingerprint) -> tuple[Plan |
     best = recommendation_for(url, name, fingerprint)
     if best is None:
         return None, f"study {name!r} has no concluded tuning job for this model and world size"
-    return (None if best.is_default else best.plan), best.line(name)
+    return (None if best.keeps_baseline else best.plan), best.line(name)
 
 
 def recommendation_for(url: str, name: str, fingerprint: Fingerprint) -> BestPlan | None:

@@ -5,14 +5,16 @@ Picking the lowest ratio among every job's "faster" confirmations is the
 winner's curse again, across jobs: each confirmation errs with chance 2.5%,
 so over k jobs some false "faster" stands with chance 1 - 0.975^k, and the
 lowest of several noisy ratios is biased low. So:
-- a job's verdict is about its own race's survivor against the default of
-  the same job (their rounds are paired);
+- a job's verdict is about its own race's survivor against the baseline of
+  the same job (their rounds are paired): FSDP2's default, or the plan the
+  model arrived with, which every verdict of that job compares against;
 - a later job races the current recommendation again among its candidates
   (a fresh trial of the same plan, ``reconfirms`` = the trial that
   recommended it), so it has to win a fresh race and a fresh confirmation;
 - the study recommends what its latest decided job concluded: the plan that
-  job confirmed faster in total time across processes, else FSDP2's
-  default. A plan found faster only in its launches (``PROVISIONAL``), or
+  job confirmed faster in total time across processes, else its baseline
+  (FSDP2's default, or the plan the model arrived with, applied again as it
+  was). A plan found faster only in its launches (``PROVISIONAL``), or
   confirmed faster before the total-time estimand (a median-based verdict
   from one process), is the job's *pending* plan: not applied, raced again
   by the in-loop tuner's next start and by later jobs, each adding a fresh
@@ -44,13 +46,13 @@ class JobVerdict:
 
     Attributes:
         job: the job's name (trial attribute ``job``).
-        default: its trial of FSDP2's default (COMPLETE).
+        baseline: its trial of the baseline (COMPLETE): FSDP2's default, or the plan the model arrived with.
         survivor: its race's survivor; ``None`` when the race dropped every candidate (or had none).
         last_trial: its last trial's number (orders jobs).
     """
 
     job: str | None
-    default: MeasuredTrialRecord
+    baseline: MeasuredTrialRecord
     survivor: MeasuredTrialRecord | None
     last_trial: int
 
@@ -61,7 +63,7 @@ class JobVerdict:
 
     @property
     def faster(self) -> MeasuredTrialRecord | None:
-        """The survivor when it is confirmed faster than the job's default, else ``None``."""
+        """The survivor when it is confirmed faster than the job's baseline, else ``None``."""
         s = self.survivor
         return s if s is not None and s.verdict == Verdict.FASTER else None
 
@@ -90,7 +92,7 @@ class Recommendation:
 
     Attributes:
         trial: the recommended plan's trial: the job's survivor confirmed faster across processes, else the job's
-            FSDP2 default.
+            baseline.
         job: the job that decided it.
     """
 
@@ -98,9 +100,14 @@ class Recommendation:
     job: JobVerdict
 
     @property
-    def is_default(self) -> bool:
-        """Whether it is FSDP2's default (nothing confirmed faster across processes by the deciding job)."""
+    def keeps_baseline(self) -> bool:
+        """Whether it is the deciding job's baseline (nothing confirmed faster than it across processes)."""
         return self.job.recommended is None
+
+    @property
+    def baseline_is_users(self) -> bool:
+        """Whether the deciding job's baseline is the plan the model arrived with, not FSDP2's default."""
+        return bool(self.job.baseline.user_plan)
 
     @property
     def pending(self) -> MeasuredTrialRecord | None:
@@ -114,9 +121,9 @@ class Recommendation:
         return self.job.survivor.confirmation if self.job.survivor is not None else None
 
     @property
-    def default_ms(self) -> float | None:
-        """FSDP2's default's median step in the deciding job's race, ms."""
-        return self.job.default.measured_ms
+    def baseline_ms(self) -> float | None:
+        """The baseline's median step in the deciding job's race, ms."""
+        return self.job.baseline.measured_ms
 
 
 def _is_survivor(r: MeasuredTrialRecord) -> bool:
@@ -124,18 +131,18 @@ def _is_survivor(r: MeasuredTrialRecord) -> bool:
 
 
 def job_verdicts(records: Iterable[MeasuredTrialRecord]) -> list[JobVerdict]:
-    """Every job that measured FSDP2's default to completion, oldest first (by its last trial number)."""
+    """Every job that measured its baseline to completion, oldest first (by its last trial number)."""
     jobs: dict[str | None, list[MeasuredTrialRecord]] = {}
     for r in records:
         if r.state == optuna.trial.TrialState.COMPLETE:
             jobs.setdefault(r.job, []).append(r)
     out = []
     for job, trials in jobs.items():
-        defaults = [r for r in trials if r.is_default]
-        if not defaults:
+        baselines = [r for r in trials if r.is_baseline]
+        if not baselines:
             continue
-        survivors = [r for r in trials if not r.is_default and _is_survivor(r)]
-        out.append(JobVerdict(job, defaults[-1], survivors[-1] if survivors else None,
+        survivors = [r for r in trials if not r.is_baseline and _is_survivor(r)]
+        out.append(JobVerdict(job, baselines[-1], survivors[-1] if survivors else None,
                               max(r.number for r in trials)))
     return sorted(out, key=lambda v: v.last_trial)
 
@@ -146,7 +153,7 @@ def recommend(records: Iterable[MeasuredTrialRecord],
     model and world size) concluded; ``None`` when no job is decided."""
     for verdict in reversed(job_verdicts(records)):
         if verdict.decided and matches(verdict):
-            return Recommendation(verdict.recommended or verdict.default, verdict)
+            return Recommendation(verdict.recommended or verdict.baseline, verdict)
     return None
 
 

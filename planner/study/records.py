@@ -48,7 +48,8 @@ class RaceFigures:
     Attributes:
         rounds: rounds it ran.
         noise_pct: the race's step noise (IQR / median), %; ``None`` when too few steps.
-        ratio: median per-round ratio to FSDP2's default; ``None`` for the default itself.
+        ratio: median per-round ratio to the race's baseline (FSDP2's default, or the plan the model arrived with);
+            ``None`` for the baseline itself.
         dropped_after_round: rounds run when it was dropped; ``None``: it was not.
         survivor: the race kept it for the confirmation.
         median_ms: its median step in the race, ms (max across ranks); ``None`` on trials written before it was
@@ -116,6 +117,11 @@ class MeasuredTrialRecord:
         retry_of: for a re-queued stale trial, the trial first failed.
         predicted_ms, predicted_peak_bytes: the simulator's, when asked.
         is_default: the plan is FSDP2's default.
+        baseline: the plan is its job's baseline, what every verdict of the job compares against: FSDP2's default,
+            or the plan the model arrived with (:attr:`user_plan`); ``None`` on trials written before baselines
+            were stored (their baseline is FSDP2's default: :attr:`is_baseline`).
+        user_plan: the plan is the one the model arrived with (``runtime.current_plan``), the job's baseline; it
+            has no search-space parameters.
         plan_key: :func:`planner.study.candidates.plan_key` of the plan.
         job: the job that measured it.
         source: what measured it: ``"tune"`` (a tuning job's own steps) or ``"in-loop"`` (a user's training
@@ -123,7 +129,7 @@ class MeasuredTrialRecord:
         step_ms: every step's max across ranks (race, then confirmation).
         per_rank_step_ms: per rank, that rank's step times.
         race: the race's figures.
-        confirmation: the confirmation against FSDP2's default, on the plan it confirmed.
+        confirmation: the confirmation against the job's baseline, on the plan it confirmed.
         confirm_rounds: rounds each confirmation launch runs (on the race's survivor, set when the race ends).
         confirm_planned: the fresh launches its confirmation's design asks for (on the race's survivor; ``None`` on
             trials written before designs: the study's ``confirm_launches``).
@@ -144,6 +150,8 @@ class MeasuredTrialRecord:
     predicted_ms: float | None = None
     predicted_peak_bytes: int | None = None
     is_default: bool | None = None
+    baseline: bool | None = None
+    user_plan: bool | None = None
     plan_key: str | None = None
     job: str | None = None
     source: str | None = None
@@ -163,7 +171,8 @@ class MeasuredTrialRecord:
     def to_user_attrs(self) -> JsonObject:
         """The set fields as Optuna user attributes (JSON values); trial number, state, parameters and value are
         Optuna's own and not among them."""
-        attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "plan_key",
+        attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "baseline",
+                                                     "user_plan", "plan_key",
                                                      "job", "source", "step_ms", "per_rank_step_ms",
                                                      "measured_peak_bytes", "confirm_rounds", "confirm_planned",
                                                      "reconfirms",
@@ -203,6 +212,7 @@ class MeasuredTrialRecord:
         return cls(number=trial.number, state=trial.state, params=dict(trial.params), measured_ms=trial.value,
                    retry_of=trial.system_attrs.get(_RETRY_OF), predicted_ms=a.get("predicted_ms"),
                    predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
+                   baseline=a.get("baseline"), user_plan=a.get("user_plan"),
                    plan_key=a.get("plan_key"), job=a.get("job"), source=a.get("source"), step_ms=a.get("step_ms"),
                    per_rank_step_ms=a.get("per_rank_step_ms"), race=race, confirmation=confirmation,
                    confirm_rounds=a.get("confirm_rounds"), confirm_planned=a.get("confirm_planned"),
@@ -220,6 +230,11 @@ class MeasuredTrialRecord:
         if confirmation is not None:
             record = dataclasses.replace(record, confirmation=confirmation_from(confirmation))
         return record
+
+    @property
+    def is_baseline(self) -> bool:
+        """Whether the plan is its job's baseline (:attr:`baseline`; on older trials, FSDP2's default)."""
+        return self.baseline if self.baseline is not None else bool(self.is_default)
 
     @property
     def race_ms(self) -> float | None:

@@ -6,7 +6,21 @@ calibration of the study applies, the simulated stage, which stale trials to
 re-measure and which candidates to race, the race and confirmation schedule,
 which plans exceed the budget as measured, what each measured plan's
 provenance and trial record say, the plan written (the confirmed survivor if
-it is faster, else FSDP2's default), and whether the new calibration is kept.
+it is faster, else the baseline), and whether the new calibration is kept.
+
+[Note: The user's plan is the baseline]
+A tuner's promise is a plan faster than what the user has, and many models
+arrive with a plan of their own (prefetch depths set by NeMo-Automodel or
+verl, ``reshard_after_forward`` chosen by hand: ``runtime.current_plan``
+reads it back). The profile is FSDP2's default's, as it claims; the race's
+baseline, what every verdict of the job compares against (position 0 of
+the schedule), is the plan the model arrived with, raced as a trial
+without search-space parameters (``user_plan``); FSDP2's default is raced
+as a candidate like the others, so it can be confirmed faster than the
+user's plan too. When nothing is confirmed faster than the baseline, the
+study recommends the baseline and the model keeps it, exactly as it was:
+the tuner never hands back a slower plan than the user's on its own
+verdict. A model that arrives with FSDP2's default has it as its baseline.
 
 Whoever runs the ranks drives it through the rank protocol
 (``runtime.measuring.protocol``, [Note: Rank protocol of a measured round]):
@@ -39,7 +53,7 @@ from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Confirmation
 from planner.storages import open_storage, storage_errors
 from planner.storages.archive import latest_calibration
-from planner.study.candidates import plan_key, predicted_candidate, select_candidates
+from planner.study.candidates import plan_key, predicted_candidate, select_candidates, user_candidate
 from planner.study.cluster_spread import ClusterKey, ClusterSpread, cluster_spread
 from planner.study.confirmation import write_plan
 from planner.study.evidence import chain_of, study_spread
@@ -61,7 +75,7 @@ class TuneOutcome:
 
     Attributes:
         told: the plans measured, provenance filled in, in measurement order,
-            FSDP2's default first (empty when nothing was measured).
+            the baseline first (empty when nothing was measured).
         failed: trial number -> why its plan failed (applying it on some rank, or the memory budget).
         profile: the profile as it ends (calibrated when the calibration was accepted).
         profile_out: where the profile is written.
@@ -69,7 +83,7 @@ class TuneOutcome:
         candidate: the race's survivor (its provenance has the verdict once confirmed here); ``None`` if every
             candidate was dropped.
         written: the plan written to ``plan_out``: the study's recommendation once this job is decided
-            (``planner.study.queries.best_plan``), FSDP2's default while the survivor awaits its launches;
+            (``planner.study.queries.best_plan``), the baseline while the survivor awaits its launches;
             ``None`` when nothing was measured.
         plan_out: where it was written.
         calibration: what calibration concluded on ``told``; ``None`` when nothing was measured.
@@ -124,6 +138,9 @@ class TuningSession:
         start_from: a plan predicted for this cluster (``tune --target``), set before :meth:`prepare`: raced first
             among the candidates ([Note: Predicted plans are raced, never recommended] in
             ``planner.study.predicted``); ``None``: none.
+        user_plan: the plan the model arrived with when it is not FSDP2's default (``runtime.current_plan``), set
+            before :meth:`prepare`: the round's baseline ([Note: The user's plan is the baseline]); ``None``: FSDP2's
+            default is the baseline.
     """
 
     def __init__(self, config: StudyConfig, profile: Profile, space: SearchSpace, *, job: str, plan_out: str,
@@ -133,6 +150,7 @@ class TuningSession:
                  confirm_launches: int | None = 0, source: str = "tune"):
         self.config, self.profile, self.space, self.job, self.source = config, profile, space, job, source
         self.start_from: Plan | None = None
+        self.user_plan: Plan | None = None
         self.confirm_launches = confirm_launches
         self.plan_out, self.profile_out, self.progress, self.on_drop = plan_out, profile_out, progress, on_drop
         self.critical = critical
@@ -145,12 +163,14 @@ class TuningSession:
         self._peaks: list[int] = []
 
     def prepare(self) -> list[MeasuredTrial]:
-        """The round's trials, FSDP2's default first: re-queued plans of dead jobs, plans a stopped job left
-        unmeasured (:meth:`MeasuredStage.interrupted`, within ``[search] measured_trials``), then the candidates.
+        """The round's trials, the baseline first ([Note: The user's plan is the baseline]): re-queued plans of dead
+        jobs, plans a stopped job left unmeasured (:meth:`MeasuredStage.interrupted`, within ``[search]
+        measured_trials``), then the candidates.
 
         Raises:
             MemoryBudgetError: the budget is relative without a measured default peak, or below every plan's
                 predicted peak (nothing is written).
+            PlanMismatchError: :attr:`user_plan` is not a plan of the profile's model.
             StorageError: the storage cannot be opened or written.
         """
         config = self.config
@@ -201,21 +221,35 @@ class TuningSession:
             candidates = [c for c in candidates if plan_key(c.plan) != plan_key(predicted.plan)]
             candidates.insert(1, predicted)
             logger.info(f"      the predicted plan ({predicted.predicted_for}) races first: kept only if it is "
-                        "confirmed faster than FSDP2's default here")
+                        f"confirmed faster than {self.baseline_name()} here")
         if any(r.plan.is_default_for(self.profile) for r in retries):
             candidates = candidates[1:]  # the default is re-measured as a retry
+        if self.user_plan is not None:  # the baseline, raced once: no candidate repeats it
+            own = user_candidate(self.user_plan, self.profile, self.simulator)
+            candidates = [own] + [c for c in candidates if plan_key(c.plan) != plan_key(own.plan)]
         with self.critical():
             asked = retries + self.stage.ask(candidates)
-        asked.sort(key=lambda a: not a.plan.is_default_for(self.profile))  # FSDP2's default first: the baseline
+            asked.sort(key=lambda a: not self._is_baseline(a))  # the baseline first: every verdict compares with it
+            self.stage.mark_baseline(asked)
         m = config.measure
-        logger.info(f"[3/3] measured stage: a race of FSDP2's default and {len(asked) - 1} candidate(s) "
+        logger.info(f"[3/3] measured stage: a race of {self.baseline_name()} (the baseline) and {len(asked) - 1} "
+                    "candidate(s) "
                     f"({m.warmup_steps} warm-up step each, then rounds in balanced order, at most {m.max_rounds}; "
                     f"a candidate significantly slower than the leader is dropped at alpha {m.alpha:g}), then the "
-                    f"survivor against the default on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds "
+                    f"survivor against the baseline on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds "
                     + (f"in each of {self.confirm_launches} fresh launches; " if self.confirm_launches else
                        "in this process; ")
                     + f"trials {', '.join(str(a.number) for a in asked)} (job {self.job})")
         return asked
+
+    def _is_baseline(self, trial: MeasuredTrial) -> bool:
+        """Whether ``trial`` is the round's baseline: the user's plan where the model arrived with one, else
+        FSDP2's default."""
+        return trial.user_plan if self.user_plan is not None else trial.plan.is_default_for(self.profile)
+
+    def baseline_name(self) -> str:
+        """The round's baseline, in words."""
+        return "the plan the model arrived with" if self.user_plan is not None else "FSDP2's default"
 
     def _log_model(self) -> None:
         for line in model_summary(self.profile, self.simulator.run(Plan.default(self.profile)), self.simulator.params):
@@ -241,12 +275,12 @@ class TuningSession:
         """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
 
         Args:
-            kept: the round's trials that applied on every rank, FSDP2's default first.
+            kept: the round's trials that applied on every rank, the baseline first.
             peak_bytes: their measured peaks, bytes per rank (max across ranks).
 
         Returns:
-            Position in ``kept`` -> the reason recorded. FSDP2's default, the baseline, is never
-            failed (a budget below every predicted peak is refused earlier: ``check_feasible``).
+            Position in ``kept`` -> the reason recorded. The baseline is never failed: it is what the job runs
+            without the tuner (a budget below every predicted peak is refused earlier: ``check_feasible``).
         """
         out: dict[int, str] = {}
         if self.memory_budget_bytes is None:
@@ -260,16 +294,16 @@ class TuningSession:
         return out
 
     def start(self, kept: list[MeasuredTrial], peak_bytes: list[int] | None = None) -> Schedule:
-        """The schedule of the round's race and confirmation over ``kept`` (FSDP2's default first).
+        """The schedule of the round's race and confirmation over ``kept`` (the baseline first).
 
         Args:
             peak_bytes: their measured peaks, bytes per rank (told with the times).
 
         Raises:
-            PlannerError: the first trial is not FSDP2's default.
+            PlannerError: the first trial is not the baseline.
         """
-        if not kept or not kept[0].plan.is_default_for(self.profile):
-            raise PlannerError("a measured round starts with FSDP2's default plan, its baseline")
+        if not kept or not self._is_baseline(kept[0]):
+            raise PlannerError(f"a measured round starts with its baseline, {self.baseline_name()}")
         self._started = list(kept)
         self._peaks = list(peak_bytes) if peak_bytes is not None else []
         on_drop = None
@@ -311,7 +345,7 @@ class TuningSession:
             raise PlannerError("tell the trials the round was started with (TuningSession.start)")
         trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
         measured = measured_plans(self.config.name, trials, self.schedule, step_ms, per_rank, self._peaks,
-                                  self.memory_budget_bytes)
+                                  self.memory_budget_bytes, user_baseline=self.user_plan is not None)
         self.stage.tell(asked, measured, step_ms, per_rank)
         return [m.plan for m in measured]
 
@@ -324,7 +358,7 @@ class TuningSession:
         return self.stage.fail_held(reason, kind) if self.stage is not None else []
 
     def finish(self, told: list[Plan], failed: dict[int, str]) -> TuneOutcome:
-        """After the round: write the confirmed plan (or FSDP2's default), calibrate on the measured plans.
+        """After the round: write the confirmed plan (or the baseline), calibrate on the measured plans.
 
         Args:
             told: what :meth:`tell` returned (empty when nothing was measured).

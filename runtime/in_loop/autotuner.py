@@ -23,15 +23,20 @@ steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
    plan over the memory budget is dropped at once and never runs again), then
    the race's blocks, one plan per step in the balanced order, switched at
    the same step on every rank;
-4. confirming: the race's survivor against FSDP2's default on fresh rounds;
+4. confirming: the race's survivor against the baseline on fresh rounds;
 5. watching: a survivor faster on this process's fresh rounds, but not yet
    across processes, runs for the rest of the process, two steps in each
-   block of K running FSDP2's default (:mod:`runtime.in_loop.watching`); it is reverted
-   to the default the first time an always-valid test finds it slower in
+   block of K running the baseline (:mod:`runtime.in_loop.watching`); it is reverted
+   to the baseline the first time an always-valid test finds it slower in
    total ([Note: The watch] in :mod:`planner.statistics.watch`);
-6. done: the study's recommendation stays applied (FSDP2's default if
+6. done: the study's recommendation stays applied (the baseline if
    nothing was confirmed faster across processes and nothing is watched);
    the tuner's hooks are gone and ``tuner.step()`` does nothing.
+
+The baseline is the plan the model arrived with (``runtime.current_plan``),
+or FSDP2's default where it had none ([Note: The user's plan is the
+baseline] in ``planner.study.session``): the profile is recorded under
+FSDP2's default, and FSDP2's default is raced as a candidate.
 
 Rank 0 alone decides; the ranks exchange only at the ends of phases and
 blocks, on a gloo group of their own (``runtime.ranks.collectives.control_group``),
@@ -88,8 +93,9 @@ class AutoTuner:
 
     Every rank builds it and enters :meth:`step` on the same steps. Its phases, in order: recording (FSDP2's
     default while the profile is recorded), searching (the simulated study, between two steps), racing (one plan a
-    step, switched at the same step on every rank), confirming (the survivor against FSDP2's default on fresh
-    rounds), done (the confirmed plan, or FSDP2's default, stays applied; :meth:`step` does nothing).
+    step, switched at the same step on every rank), confirming (the survivor against the baseline on fresh
+    rounds), done (the confirmed plan, or the baseline, stays applied; :meth:`step` does nothing). The baseline is
+    the plan the model arrived with, else FSDP2's default.
 
     Args:
         model: the root module, already wrapped with ``fully_shard`` (per block, then the root), on every rank
@@ -120,14 +126,14 @@ class AutoTuner:
             reason, FSDP2's iteration state and the partial gradients are cleared, and the plan kept (the model's
             own, else FSDP2's default) is applied for the rest of the process; an out-of-memory error in the
             tuner's own work between steps (an isolated pass) stops the tuning the same way. ``"raise"``: such
-            errors propagate as any other. Out of memory under FSDP2's default always propagates: it is the job's.
+            errors propagate as any other. Out of memory under the baseline always propagates: it is the job's.
         keys: other study keys, flat, as in a study TOML (``space="per_module"``, ``sim_trials=400``,
             ``warmup_steps=2``, ``steps=5``, ``min_rounds=4``, ``confirm_max_rounds=20``, ...).
 
     Attributes:
         phase: :class:`~planner.study.in_loop.TunerPhase`.
         plan: the plan applied now.
-        confirmation: the confirmation of the race's survivor against FSDP2's default once there is one (with
+        confirmation: the confirmation of the race's survivor against the baseline once there is one (with
             the launches it rests on: a provisional plan's re-confirmation pools the earlier starts' launches);
             ``None`` before, when the race dropped every candidate, or when the tuner reused a plan.
         steps_tuning: steps spent recording, racing and confirming.
@@ -197,7 +203,7 @@ class AutoTuner:
             return
         self._steps = StepSide(model, self.device, self._group, self.default)
         files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
-        self._round = InLoopRound(model, self.config, self._group, files)
+        self._round = InLoopRound(model, self.config, self._group, files, self.own_plan)
         self._start(recheck, start_from)
 
     # -- construction -----------------------------------------------------------------------------------------
@@ -221,11 +227,11 @@ class AutoTuner:
             apply_plan(self.model, plan, check=True)
             self._finish_with(plan)
             return
-        if self.own_plan is not None:  # recorded and raced under FSDP2's default, as the profile and verdicts say
+        if self.own_plan is not None:  # [Note: The user's plan is the baseline] in planner.study.session
             apply_plan(self.model, self.default, check=False)
             self._log("AutoTuner: the model arrives with a plan of its own: the profile is recorded under FSDP2's "
-                      "default and the verdicts compare against FSDP2's default; the plan it arrived with is applied "
-                      "again unless a plan is confirmed faster than FSDP2's default (it is not raced itself)")
+                      "default, as a profile is; the plan it arrived with is the race's baseline, what every verdict "
+                      "compares against, and it is applied again, exactly, unless a plan is confirmed faster than it")
         self._steps.hook_microbatches()
         if start.recheck is not None:
             self._start_recheck(start.recheck)
@@ -258,7 +264,7 @@ class AutoTuner:
         """One optimizer step of the user's loop, all its microbatches (every rank enters it for the same steps).
 
         An exception inside propagates unchanged; the trial of the plan that ran is recorded FAIL with the
-        reason, FSDP2's default is applied and the tuner is done.
+        reason, the baseline is applied again and the tuner is done.
         """
         if self.phase == TunerPhase.DONE:
             yield
@@ -293,8 +299,9 @@ class AutoTuner:
         """A user's step that ran a candidate (racing or confirming, not FSDP2's default) ran out of memory: the
         candidate's trial is FAIL with the reason, the plan kept is applied (the model's own, else FSDP2's default),
         FSDP2's iteration state and the partial gradients are cleared (``runtime.in_loop.out_of_memory.recover``),
-        and the step is skipped with one logged line. ``on_oom="raise"``, any other error, or a step under FSDP2's
-        default: ``False``, and the error propagates."""
+        and the step is skipped with one logged line. ``on_oom="raise"``, any other error, or a step under the
+        baseline (FSDP2's default, or the plan the model arrived with: what the job runs without the tuner):
+        ``False``, and the error propagates."""
         if (self.on_oom == "raise" or not recoverable(self.model, e) or order.plan == 0
                 or self.phase not in (TunerPhase.RACING, TunerPhase.CONFIRMING)):
             return False
@@ -321,7 +328,7 @@ class AutoTuner:
         self._finish_with(kept)
         logger.warning(f"AutoTuner: rank {dist.get_rank()} skipped this step: trial {self._watched_trial}'s plan ran "
                        f"out of memory ({one_line(e)}); "
-                       + ("the plan the model arrived with" if self.own_plan else "FSDP2's default")
+                       + self._baseline_name()
                        + " is applied for the rest of the process")
         return True
 
@@ -364,7 +371,7 @@ class AutoTuner:
             return
         if round_.confirming and self.phase != TunerPhase.CONFIRMING:
             self._log(f"AutoTuner: raced {len(round_.kept)} plans on {self.steps_tuning - self._phase_started} "
-                      "steps; confirming the survivor against FSDP2's default on fresh rounds")
+                      f"steps; confirming the survivor against {self._baseline_name()} on fresh rounds")
             self.phase, self._phase_started = TunerPhase.CONFIRMING, self.steps_tuning
         self._steps.take_times()
         self._queue.extend(steps)
@@ -386,13 +393,13 @@ class AutoTuner:
 
     def _conclude(self) -> None:
         try:
-            end = self._round.conclude(self.default)
+            end = self._round.conclude(self._kept())
         except PlannerError as e:
             self._round.fail(None, one_line(e))
             self._abandon(str(e))
             return
         self.confirmation = end.confirmation
-        if self._is_default(end.plan) and not end.applies_here:
+        if end.keeps_baseline and not end.applies_here:  # the plan the model had, exactly as it was
             end = dataclasses.replace(end, plan=self._kept())
         apply_plan(self.model, end.plan, check=False)
         what = f"; {'across processes the study says: ' if end.applies_here else ''}{end.line}" if end.line else ""
@@ -404,18 +411,19 @@ class AutoTuner:
         self._finish_with(end.plan)
 
     def _watch(self, end: RoundEnd) -> None:
-        """Apply the survivor for the rest of this process and watch it against FSDP2's default ([Note: Applied in
+        """Apply the survivor for the rest of this process and watch it against the baseline ([Note: Applied in
         the process that measured it] in :mod:`planner.statistics.watch`)."""
         plan, trial = end.survivor
         every = watch_every(end.here.ratio)
         apply_plan(self.model, plan, check=False)
         self.plan, self.phase, self._queue = plan, TunerPhase.WATCHING, deque()
         self._watched_trial = trial
-        self._watching = WatchedSteps(self.model, self.device, self._group, plan, self.default,
+        self._watching = WatchedSteps(self.model, self.device, self._group, plan, self._kept(),
                                       Watch(every, seed=trial), self.rank0, self._steps.microbatches)
         self._log(f"AutoTuner: applied trial {trial}'s plan for the rest of this process: {end.here.line()} (the "
-                  "study keeps it provisional until fresh launches confirm it); watching it against FSDP2's default "
-                  f"twice in every {every} steps (under {100 * COST:.0f}% of the run's time at that ratio), "
+                  f"study keeps it provisional until fresh launches confirm it); watching it against "
+                  f"{self._baseline_name()} twice in every {every} steps (under {100 * COST:.0f}% of the run's time at "
+                  "that ratio), "
                   "reverted if it is slower in total")
 
     def _watched(self, state: WatchState) -> None:
@@ -460,8 +468,8 @@ class AutoTuner:
         """The plan kept when nothing is applied instead: the one the model arrived with, else FSDP2's default."""
         return self.own_plan or self.default
 
-    def _is_default(self, plan: Plan) -> bool:
-        return not plan.modules and not plan.knobs.changed or plan.behaviour_key() == self.default.behaviour_key()
+    def _baseline_name(self) -> str:
+        return "the plan the model arrived with" if self.own_plan else "FSDP2's default"
 
     def _abandon(self, reason: str) -> None:
         kept = self._kept()

@@ -58,7 +58,7 @@ RECORD_WARMUP, RECORD, RECORD_PEAK, WARMUP, PEAK, TIMED = (
 @dataclass(frozen=True)
 class LoopStep:
     """One of the user's steps as the tuner runs it: its kind, and the plan (index into the round's plans;
-    0: FSDP2's default)."""
+    0: the baseline, FSDP2's default or the plan the model arrived with)."""
 
     kind: str
     plan: int
@@ -69,12 +69,14 @@ class RoundEnd:
     """What a concluded round leaves on every rank.
 
     Attributes:
-        plan: the plan the study recommends now (FSDP2's default unless one is faster across processes).
+        plan: the plan the study recommends now (the baseline unless one is faster across processes).
         confirmation: the survivor's confirmation (``None`` when the race dropped every candidate).
         line: rank 0's line on the study's recommendation.
         survivor: the race's survivor and its trial number, ``None`` without one.
         here: what this process's confirmation rounds say of the survivor ([Note: Applied in the process that
             measured it] in ``planner.statistics.watch``); ``None`` without a survivor.
+        keeps_baseline: the study recommends the round's baseline (nothing confirmed faster than it): the model
+            keeps the plan it had, exactly.
     """
 
     plan: Plan
@@ -82,6 +84,7 @@ class RoundEnd:
     line: str
     survivor: tuple[Plan, int] | None = None
     here: InProcess | None = None
+    keeps_baseline: bool = True
 
     @property
     def applies_here(self) -> bool:
@@ -116,11 +119,14 @@ class InLoopRound:
         config: the in-loop study (``planner.study.in_loop.in_loop_config``).
         group: the control group.
         files: rank 0's ``(plan_out, profile_out)`` paths the session writes; ``profile_out`` ``None``: not written.
+        user_plan: the plan the model arrived with, the round's baseline ([Note: The user's plan is the baseline]
+            in ``planner.study.session``); ``None``: FSDP2's default is.
     """
 
     def __init__(self, model: nn.Module, config: StudyConfig, group: dist.ProcessGroup,
-                 files: tuple[str, str | None]):
+                 files: tuple[str, str | None], user_plan: Plan | None = None):
         self.model, self.config, self.group, self.files = model, config, group, files
+        self.user_plan = user_plan
         self.rank0 = dist.get_rank() == 0
         self.plans: list[Plan] = []
         self.session: Any = None
@@ -200,7 +206,7 @@ class InLoopRound:
                 (``planner.study.in_loop.recheck_config``).
 
         Raises:
-            PlannerError: the session could not ask (storage, budget), or FSDP2's default failed to apply.
+            PlannerError: the session could not ask (storage, budget), or the baseline failed to apply.
         """
         def ask() -> list[dict]:
             plan_out, profile_out = self.files
@@ -208,6 +214,7 @@ class InLoopRound:
             self.session = open_session(config, profile, plan_out=plan_out, profile_out=profile_out or "",
                                         confirm_launches=0, source=SOURCE)
             self.session.start_from = None if recheck else self.start_from
+            self.session.user_plan = self.user_plan
             self.asked = self.session.prepare()
             return [a.plan.to_dict() for a in self.asked]
 
@@ -217,11 +224,12 @@ class InLoopRound:
         self.kept, failed = applied_everywhere(self.model, self.plans, self.group)
         self.failed.update(failed)
         if 0 not in self.kept:
-            raise PlannerError(f"FSDP2's default plan failed to apply ({self.failed[0]})")
+            raise PlannerError(f"the baseline plan failed to apply ({self.failed[0]})")
         if self.rank0:
             for i, reason in self.failed.items():
                 self.session.fail([self.asked[i]], reason, FailKind.ERROR)
-        self._log(f"AutoTuner: searched in {time.perf_counter() - t0:.1f} s between two steps: FSDP2's default and "
+        baseline = "the plan the model arrived with (the baseline)" if self.user_plan else "FSDP2's default"
+        self._log(f"AutoTuner: searched in {time.perf_counter() - t0:.1f} s between two steps: {baseline} and "
                   f"{len(self.kept) - 1} candidate(s) to race")
         self.peaks = [[] for _ in self.plans]
         warm = max(0, self.config.measure.warmup_steps - PEAK_STEPS)
@@ -297,13 +305,14 @@ class InLoopRound:
             return {"plan": written.to_dict(), "line": outcome.best.line(self.config.name) if outcome.best else "",
                     "confirmation": None if c is None else confirmation_attrs(c),
                     "survivor": None if here is None else (told[survivor].to_dict(), told[survivor].provenance.trial),
-                    "here": here}
+                    "here": here, "keeps_baseline": outcome.best is None or outcome.best.keeps_baseline}
 
         payload = self.everywhere(finish)
         c = payload["confirmation"]
         survivor = payload["survivor"]
         return RoundEnd(Plan.from_dict(payload["plan"]), None if c is None else confirmation_from(c), payload["line"],
-                        None if survivor is None else (Plan.from_dict(survivor[0]), survivor[1]), payload["here"])
+                        None if survivor is None else (Plan.from_dict(survivor[0]), survivor[1]), payload["here"],
+                        payload["keeps_baseline"])
 
     def fail(self, plan: int | None, reason: str) -> None:
         """Rank 0: record FAIL the trial of ``plan`` (``FailKind.ERROR``: its step raised; ``None``: none) and
@@ -325,7 +334,7 @@ class InLoopRound:
 
 
 def applied_everywhere(model: nn.Module, plans: list[Plan], group: Any) -> tuple[list[int], dict[int, str]]:
-    """Apply each plan on every rank (checked against the model), then the first (FSDP2's default) again.
+    """Apply each plan on every rank (checked against the model), then the first (the baseline) again.
 
     Returns:
         The indices of the plans every rank applied, and for each other plan why, rank by rank.

@@ -4,14 +4,14 @@
 Every rank runs :func:`measured_round` with the same arguments; rank 0 alone
 holds the study (a :class:`RoundStage`: ``planner.study.session.TuningSession``).
 
-1. Plans. Rank 0 asks the study for the round's trials (FSDP2's default
+1. Plans. Rank 0 asks the study for the round's trials (the baseline
    first, then re-queued plans of dead jobs, then the best simulated plans
    not yet measured) and broadcasts their plans; if it fails before that, it
    broadcasts the error instead, and every rank raises it.
 2. Apply. Every rank applies every plan to its own model (fingerprint
    checked) and the outcomes are all-gathered. A plan that raised on any rank
    is FAIL on every rank (the reason names the rank and the exception); the
-   round goes on without it (without FSDP2's default there is no round).
+   round goes on without it (without the baseline there is no round).
 3. Measure. Every rank warms each plan up, measuring its peak memory on
    the way (``runtime.recording.peak_memory.warm_up_measuring_peaks``; per plan the
    median over steps of the max across ranks). Rank 0 records FAIL the
@@ -88,14 +88,14 @@ class RoundStage(Protocol[TrialT]):
     """What rank 0 asks and tells the study in a round (``planner.study.session.TuningSession``)."""
 
     def prepare(self) -> list[TrialT]:
-        """The round's RUNNING trials, FSDP2's default first (step 1)."""
+        """The round's RUNNING trials, the baseline first (step 1)."""
 
     def over_budget(self, kept: list[TrialT], peak_bytes: list[int]) -> dict[int, str]:
         """Position in ``kept`` -> why, for the trials whose measured peak exceeds the memory budget, recorded FAIL
-        (never FSDP2's default, the baseline)."""
+        (never the baseline)."""
 
     def start(self, kept: list[TrialT], peak_bytes: list[int]) -> Scheduler:
-        """The schedule of the trials that applied on every rank and fit (FSDP2's default first), with their peaks."""
+        """The schedule of the trials that applied on every rank and fit (the baseline first), with their peaks."""
 
     def tell(self, asked: list[TrialT], step_ms: list[list[float]], per_rank: list[list[list[float]]]) -> list[Plan]:
         """Record the measured trials: per trial, every step's max across ranks and every rank's own times, ms."""
@@ -172,10 +172,10 @@ def measured_round(
     plans = broadcast_plans(payload, group)
     round_ = _Round(workload, stage, asked, plans, group)
     keep, failed = round_.apply_everywhere()
-    if 0 not in keep:  # FSDP2's default is the baseline: without it nothing can be compared
+    if 0 not in keep:  # the baseline (FSDP2's default, or the plan the model arrived with): nothing to compare with
         if rank0 and stage is not None:
-            stage.fail(asked, "not measured: FSDP2's default plan failed to apply, so there is nothing to compare "
-                              "with", FailKind.INTERRUPTED)
+            stage.fail(asked, "not measured: the baseline plan failed to apply, so there is nothing to compare with",
+                       FailKind.INTERRUPTED)
         return RoundResult([], {asked[i].number: r for i, r in failed.items()} if rank0 else {})
     return round_.measure(keep, failed, warmup_steps, on_step, on_warm_up)
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from planner import Plan, Profile
+from planner.study import study_trials
 from tests.jobs.study import STUDY
 from tests.multirank import rank_env
 
@@ -93,9 +94,13 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
 
 @pytest.mark.slow
 def test_tune_under_torchrun_is_the_same_code_path(tmp_path):
-    """`torchrun ... -m jobs.cli tune` runs as the launched ranks."""
+    """`torchrun ... -m jobs.cli tune` runs as the launched ranks, on a factory that hand-sets forward prefetch depth
+    2 and keeps the last block unsharded: that plan is the race's baseline ([Note: The user's plan is the baseline]),
+    every verdict is against it, and the plan written is a plan confirmed faster than it, or it, exactly."""
     (tmp_path / "studies").mkdir()
-    (tmp_path / "studies" / "e2e.toml").write_text(STUDY.format(space="uniform"))
+    hand_set = "dim = 128, layers = 4, forward_prefetch_depth = 2, keep_last_block = true"
+    (tmp_path / "studies" / "e2e.toml").write_text(STUDY.format(space="uniform").replace("dim = 128, layers = 4",
+                                                                                         hand_set))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "jobs.cli", "tune", "studies/e2e.toml", "--sim-trials", "10", "--measured-trials", "1",
@@ -103,5 +108,14 @@ def test_tune_under_torchrun_is_the_same_code_path(tmp_path):
         capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (tmp_path / "studies" / "e2e.plan.json").exists()
     assert proc.stdout.count("best plan: ") == 1  # rank 0 alone reports
+    assert "a race of the plan the model arrived with (the baseline) and 2 candidate(s)" in proc.stdout, proc.stdout
+    measured = study_trials(f"sqlite:///{tmp_path}/studies/e2e.db", "e2e").measured
+    [baseline] = [r for r in measured if r.is_baseline]
+    [default] = [r for r in measured if r.is_default]
+    assert baseline.user_plan and baseline.params == {} and not default.is_baseline
+    plan = Plan.load(tmp_path / "studies" / "e2e.plan.json")
+    assert plan.provenance.baseline == "user"
+    if plan.provenance.source == "user":  # nothing confirmed faster: the hand-set plan, exactly
+        assert plan.modules["blocks.0"].forward_prefetch == ("blocks.1", "blocks.2")
+        assert plan.modules["blocks.3"].reshard_after_forward is False

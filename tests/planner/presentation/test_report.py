@@ -41,7 +41,7 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
     confirmation = Confirmation(ratio, ci, 12, 6.5, Verdict(verdict), 1, ratio, 0.045, within)
     job = JobVerdict("j", MeasuredTrialRecord(number=0, measured_ms=100.0),
                      MeasuredTrialRecord(number=1, confirmation=confirmation), last_trial=2)
-    best = BestPlan(written, Recommendation(job.recommended or job.default, job),
+    best = BestPlan(written, Recommendation(job.recommended or job.baseline, job),
                     None if written is tuned else tuned)
     return TuneOutcome(told=[default, tuned, slow], failed={3: "applying the plan failed on rank 1: boom"}, profile=p,
                        profile_out="s.profile.json", race=race, candidate=tuned, written=written,

@@ -44,7 +44,7 @@ def test_start_decision():
     recheck = start_decision("s", MODEL, [MODEL], True, True)
     assert recheck.tune and recheck.recheck and "no recording, no search" in recheck.why
     # a recheck of a study that recommends FSDP2's default has nothing to re-confirm: it tunes afresh
-    afresh = start_decision("s", MODEL, [MODEL], True, True, recommends_default=True)
+    afresh = start_decision("s", MODEL, [MODEL], True, True, recommends_baseline=True)
     assert afresh.tune and not afresh.recheck and "tuning afresh" in afresh.why
     # with no concluded job for this setup, recheck=True is a first tuning
     assert not start_decision("s", MODEL, [dataclasses.replace(MODEL, world_size=4)], True, True).recheck
@@ -179,11 +179,11 @@ def test_a_provisional_recommendation_gathers_a_launch_at_every_start(tmp_path, 
     assert [c.rounds for c in seen] == [12 * k for k in range(1, len(verdicts) + 1)]
     best = best_plan(url, "t")
     line = best.line("t")
-    assert f"in {len(verdicts)} launches" in line or best.is_default
+    assert f"in {len(verdicts)} launches" in line or best.keeps_baseline
     if verdicts[-1] == "faster":
-        assert not best.is_default and "confirmed faster" in line
+        assert not best.keeps_baseline and "confirmed faster" in line
         assert not plan_at_start(config, profile.fingerprint).decision.tune  # settled: the next start spends no step
     else:
-        assert best.is_default and "confirmed no plan faster" in line  # the default returns
+        assert best.keeps_baseline and "confirmed no plan faster" in line  # the default returns
     confirmed = [r for r in study_trials(url, "t").measured if r.confirmation is not None]
     assert [len(r.confirm_launches) for r in confirmed] == [1] * len(verdicts)  # each trial keeps its own launch

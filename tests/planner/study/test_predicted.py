@@ -62,7 +62,7 @@ def test_a_session_races_the_predicted_plan_first_and_only_a_confirmation_recomm
     first = asked[1]
     assert first.plan.behaviour_key() == get_space("per_module").suggest(
         optuna.trial.FixedTrial(plan.provenance.params), profile).behaviour_key()
-    assert not best.is_default and best.plan.provenance.trial == first.number  # confirmed: now it is recommended
+    assert not best.keeps_baseline and best.plan.provenance.trial == first.number  # confirmed: now it is recommended
     assert best.plan.provenance.source == Source.MEASURED
     trial = optuna.load_study(study_name=config.name, storage=config.storage_url).trials[first.number]
     assert "cpu-emulated-1gbit" in trial.user_attrs["predicted_for"]

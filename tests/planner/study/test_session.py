@@ -11,7 +11,7 @@ import numpy as np
 import optuna
 import pytest
 
-from planner.artifacts.plan import Plan
+from planner.artifacts.plan import ModulePlan, Plan, Provenance, Source
 from planner.errors import MemoryBudgetError, PlannerError, StorageError
 from planner.simulation.simulator import SimParams
 from planner.statistics.verdict import Verdict
@@ -97,7 +97,7 @@ def test_a_survivor_picked_among_candidates_is_provisional_in_its_own_process(tm
     pv = outcome.candidate.provenance
     assert pv.verdict == Verdict.PROVISIONAL and pv.measured_ratio == pytest.approx(0.8)
     assert outcome.written.is_default_for(profile) and Plan.load(tmp_path / "t.plan.json").is_default_for(profile)
-    assert outcome.best.is_default and outcome.best.recommendation.pending.number == pv.trial
+    assert outcome.best.keeps_baseline and outcome.best.recommendation.pending.number == pv.trial
     line = outcome.best.line("t")
     assert line.startswith("FSDP2's default, while") and "PROVISIONAL" in line and "fresh launch 1 of up to 3" in line
     records = {r.number: r for r in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
@@ -129,12 +129,85 @@ def test_every_candidate_dropped_leaves_no_confirmation(tmp_path, profile):
 def test_the_round_starts_with_fsdp2s_default_and_tells_the_trials_it_started(tmp_path, profile):
     session = _session(tmp_path, profile)
     asked = session.prepare()
-    with pytest.raises(PlannerError, match="starts with FSDP2's default"):
+    with pytest.raises(PlannerError, match="starts with its baseline, FSDP2's default"):
         session.start(asked[1:])
     session.start(asked)
     with pytest.raises(PlannerError, match="tell the trials the round was started with"):
         session.tell(asked[:2], [[1.0], [1.0]], [[[1.0]], [[1.0]]])
     session.close()
+
+
+# --- the plan the model arrived with ------------------------------------------------------------------------------
+
+def _hand_set(profile) -> Plan:
+    """A plan set by hand, as ``runtime.current_plan`` reads it back: forward prefetch depth 2, the last block kept
+    unsharded after forward; no search-space parameters."""
+    order = [f for f in profile.post_forward_order if f]
+    modules = {fqn: ModulePlan(forward_prefetch=tuple(order[i + 1:i + 3]) if fqn else (),
+                               reshard_after_forward=fqn not in ("", order[-1]))
+               for i, fqn in [(order.index(f) if f else -1, f) for f in profile.fingerprint.module_fqns]}
+    return Plan(fingerprint=profile.fingerprint, modules=modules, provenance=Provenance(source=Source.USER))
+
+
+def _arrived_with(session: TuningSession, plan: Plan) -> TuningSession:
+    session.user_plan = plan
+    return session
+
+
+def test_the_plan_the_model_arrived_with_is_the_baseline_and_kept_when_nothing_beats_it(tmp_path, profile):
+    """[Note: The user's plan is the baseline]: the user's plan is raced first, FSDP2's default as a candidate; no
+    plan confirmed faster than it, so the study recommends it and it is written back exactly."""
+    own = _hand_set(profile)
+    session = _arrived_with(_session(tmp_path, profile, measured_trials=1), own)
+    asked, outcome = drive_round(session, lambda i, trial: 90.0 if trial.user_plan else 100.0)
+    assert asked[0].user_plan and asked[0].plan == own and asked[1].plan.is_default_for(profile)
+    assert len({a.plan.behaviour_key() for a in asked}) == len(asked)
+    written = Plan.load(tmp_path / "t.plan.json")
+    assert written.behaviour_key() == own.behaviour_key() and written.provenance.source == Source.USER
+    assert outcome.best.keeps_baseline and outcome.best.baseline_name() == "the plan the model arrived with"
+    assert outcome.best.line("t").startswith("the plan the model arrived with: ")
+    assert all(p.provenance.baseline == "user" and p.provenance.default_measured_ms == 90.0 for p in outcome.told)
+    records = {r.number: r for r in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
+    baseline, default = records[asked[0].number], records[asked[1].number]
+    assert (baseline.user_plan, baseline.is_baseline, baseline.params) == (True, True, {})
+    assert (default.is_default, default.is_baseline, default.user_plan) == (True, False, None)
+    from click.testing import CliRunner
+
+    from planner.presentation.cli import main
+
+    url = f"sqlite:///{tmp_path}/t.db"
+    shown = CliRunner().invoke(main, ["studies", "show", "t", "--storage", url])
+    assert shown.exit_code == 0 and "yours (the plan the model arrived with), the baseline" in shown.output
+    best = CliRunner().invoke(main, ["studies", "best", "t", "--storage", url])
+    assert best.exit_code == 0 and "study t: the plan the model arrived with: " in best.output
+
+
+def test_fsdp2s_default_confirmed_faster_than_the_users_plan_is_recommended(tmp_path, profile):
+    """FSDP2's default is a candidate like the others: confirmed faster than the plan the model arrived with (its
+    lone challenger: a fresh launch in this process), it is what the study recommends, the verdict against the
+    user's plan."""
+    session = _arrived_with(_session(tmp_path, profile, measured_trials=0), _hand_set(profile))
+    asked, outcome = drive_round(session, [100.0, 80.0])
+    pv = outcome.candidate.provenance
+    assert asked[1].plan.is_default_for(profile) and pv.verdict == Verdict.FASTER
+    assert pv.measured_ratio == pytest.approx(0.8) and pv.baseline == "user"
+    assert not outcome.best.keeps_baseline and outcome.written.is_default_for(profile)
+    assert "confirmed faster than the plan the model arrived with" in outcome.best.line("t")
+
+
+def test_a_later_job_never_re_queues_another_jobs_user_plan(tmp_path, profile):
+    """A dead job's user-plan trial is not rebuilt from parameters it does not have: the next job fails it and races
+    the plan its own model arrived with."""
+    fields = {"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1, "measured_trials": 1}
+    dead = _arrived_with(_session(tmp_path, profile, **fields), _hand_set(profile))
+    dead.prepare()
+    dead.close()
+    time.sleep(3.5)
+    session = _arrived_with(_session(tmp_path, profile, **fields), _hand_set(profile))
+    asked, _ = drive_round(session, lambda i, trial: 100.0)
+    assert asked[0].user_plan and asked[0].retry_of is None and sum(a.user_plan for a in asked) == 1
+    states = [t.state.name for t in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured]
+    assert states.count("RUNNING") == 0
 
 
 def test_a_locked_study_in_the_simulated_stage_is_a_storage_error(tmp_path, profile, monkeypatch):
@@ -284,7 +357,7 @@ def _agree_best(tmp_path, profile, written) -> Plan:
     loaded, why = best_plan_for(url, "t", profile.fingerprint)
     assert written.plan == best.plan == Plan.load(tmp_path / "t.plan.json")
     assert written.line("t") == best.line("t") == why
-    assert (loaded is None) == best.is_default and (loaded is None or loaded == best.plan)
+    assert (loaded is None) == best.keeps_baseline and (loaded is None or loaded == best.plan)
     return best.plan
 
 
@@ -297,14 +370,14 @@ def test_a_lucky_confirmation_is_raced_again_and_loses_the_recommendation(tmp_pa
     _, _, first = drive_tune(_session(tmp_path, profile, job="j1"), lambda i, trial: 100.0 if i == 0 else 80.0,
                              ratio=0.8)
     lucky = first.recommendation.trial.number
-    assert not first.is_default and _agree_best(tmp_path, profile, first).provenance.trial == lucky
+    assert not first.keeps_baseline and _agree_best(tmp_path, profile, first).provenance.trial == lucky
     for k in (2, 3, 4):
         asked, _, best = drive_tune(_session(tmp_path, profile, job=f"j{k}"), _noisy({False: 1.0}, pct=5.0, seed=k),
                                     ratio=1.0, launches=2)
         records = {r.number: r for r in study_trials(url, "t").measured}
         reraced = [a.number for a in asked if records[a.number].reconfirms == lucky]
         assert len(reraced) == (1 if k == 2 else 0)  # from job 2 on the study recommends the default: none to race
-        assert best.is_default and best.recommendation.pending is None
+        assert best.keeps_baseline and best.recommendation.pending is None
         assert _agree_best(tmp_path, profile, best).is_default_for(profile)
     records = study_trials(url, "t").measured
     assert sum(r.confirmation is not None for r in records) == 4  # every job's confirmation is kept
@@ -330,7 +403,7 @@ def test_a_provisional_plan_is_not_applied_until_a_fresh_launch_confirms_it(tmp_
     confirms it faster: applied."""
     asked, first = drive_round(_session(tmp_path, profile, job="s1"), lambda i, trial: 100.0 if i == 0 else 80.0)
     pending = first.candidate.provenance.trial
-    assert first.best.is_default and first.best.recommendation.pending.number == pending
+    assert first.best.keeps_baseline and first.best.recommendation.pending.number == pending
     assert _agree(tmp_path, profile, first).is_default_for(profile)
     recheck = _session(tmp_path, profile, job="s2", measured_trials=0, sim_trials=0)
     asked, second = drive_round(recheck, lambda i, trial: 100.0 if i == 0 else 80.0)
@@ -353,7 +426,7 @@ def test_a_survivor_is_confirmed_in_fresh_launches_then_recommended(tmp_path, pr
     assert outcome.best is None and outcome.written.is_default_for(profile)
     waiting = pending(session.config, "j1")
     assert waiting.survivor.provenance.trial == outcome.candidate.provenance.trial and waiting.launches == 0
-    assert waiting.rounds == 8 and waiting.default.is_default_for(profile)
+    assert waiting.rounds == 8 and waiting.baseline.is_default_for(profile)
     rng = np.random.default_rng(5)
     for launch in range(2):
         default = list(100.0 * np.exp(rng.normal(0, 0.02, waiting.rounds)))

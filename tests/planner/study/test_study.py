@@ -78,7 +78,7 @@ def test_tell_best_and_queries(make_profile, config):
     best = recommended.plan
     assert recommended.survivor is None and best.provenance.verdict == "faster"
     assert best.provenance.measured_ratio == 0.8
-    assert best.provenance.measured_ms == 80.0 and recommended.recommendation.default_ms == 100.0
+    assert best.provenance.measured_ms == 80.0 and recommended.recommendation.baseline_ms == 100.0
     assert best.behaviour_key() == candidates[2].plan.behaviour_key()
     [summary] = list_studies(config.storage_url)
     assert (summary.name, summary.measured_trial_count, summary.simulated_trial_count) == ("t", 4, 40)

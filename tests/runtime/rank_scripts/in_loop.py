@@ -5,6 +5,8 @@ The loop is written as a user writes it (no runtime.workload step helpers): zero
 microbatch (loss / n), optimizer step. Modes:
 
 - ``compare``: the loop without the tuner, then with it, each on a fresh model;
+- ``compare:slow-others``: as ``compare``, and with the tuner every step that runs a plan other than the one the
+  model arrived with sleeps 30 ms more (inside the step): no plan can be faster than the model's own;
 - ``tune``: with the tuner only;
 - ``raise:N``: with the tuner, step N raises ``ValueError`` on every rank; then a second tuner on the same study
   runs the loop on a fresh model;
@@ -24,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -40,8 +43,10 @@ logging.basicConfig(level=logging.INFO, format="%(message)s")
 mesh = init_rank("gloo")
 
 
-def loop(tuner: AutoTuner | None, workload, raise_at: int = -1, leave_at: int = -1) -> tuple[list[str], list[str]]:
+def loop(tuner: AutoTuner | None, workload, raise_at: int = -1, leave_at: int = -1,
+         slow_others: bool = False) -> tuple[list[str], list[str]]:
     model, optimizer = workload.model, workload.optimizer
+    own = tuner.own_plan.behaviour_key() if slow_others else None  # read before the tuner applied FSDP2's default
     losses, phases = [], []
     for step in range(steps):
         phases.append(str(tuner.phase) if tuner else "none")
@@ -56,6 +61,8 @@ def loop(tuner: AutoTuner | None, workload, raise_at: int = -1, leave_at: int = 
                 os.kill(os.getpid(), signal.SIGKILL)  # the rank is gone: no exception, no cleanup
             if step == raise_at:
                 raise ValueError(f"boom at step {step}")
+            if own is not None and current_plan(model).behaviour_key() != own:
+                time.sleep(0.03)
             optimizer.step()
         losses.append(float(total).hex())
     return losses, phases
@@ -78,7 +85,7 @@ def figures(tuner: AutoTuner, phases: list[str]) -> dict:
 
 
 result = {}
-if mode == "compare":
+if mode.startswith("compare"):
     result["without"] = gathered(loop(None, build_workload(factory, mesh, kwargs))[0])
 workload = build_workload(factory, mesh, kwargs)
 tuner = AutoTuner(workload.model, study="in-loop", storage=storage, **keys)
@@ -94,7 +101,7 @@ if mode.startswith("raise:"):
 else:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     leave = int(mode.split(":")[1]) if mode.startswith("leave:") and first_attempt else -1
-    losses, phases = loop(tuner, workload, leave_at=leave)
+    losses, phases = loop(tuner, workload, leave_at=leave, slow_others=mode == "compare:slow-others")
     result["with"] = gathered(losses)
     result.update(figures(tuner, phases))
 if dist.get_rank() == 0:
