@@ -136,12 +136,13 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
         _calibrate(study_toml, config, calibrate_launches, handover)
         design, cluster = design_for(config, waiting)
     click.echo(f"[confirm] {cluster.line()}")
-    click.echo(f"[confirm] trial {waiting.survivor.provenance.trial} against FSDP2's default: {design_line(design)}")
+    baseline = "the plan the model arrived with" if waiting.baseline.provenance.source == "user" else "FSDP2's default"
+    click.echo(f"[confirm] trial {waiting.survivor.provenance.trial} against {baseline}: {design_line(design)}")
     how = ("each plan on its own model from its first step" if config.measure.confirm_model_per_plan
            else "one model switching plans")
     for i in range(design.launches):
         click.echo(f"[confirm {i + 1}/{design.launches}] fresh ranks: trial {waiting.survivor.provenance.trial} "
-                   f"against FSDP2's default, {design.rounds} rounds, {how}")
+                   f"against {baseline}, {design.rounds} rounds, {how}")
         code = launch_ranks(["confirm", study_toml, *handover, "--job", job, "--rounds", str(design.rounds)],
                             config.launch)
         if code:

@@ -24,6 +24,7 @@ from runtime.accumulation import set_accumulation
 from runtime.post_optim import post_optim_event_setter
 from runtime.ranks.torch_private import (
     TESTED_ADVICE,
+    collective_dtypes,
     data_parallel_mesh,
     separate_reduce_scatter_group_setter,
     set_reshard_after_forward_ranks,
@@ -80,21 +81,28 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
     """The :class:`planner.Fingerprint` of an FSDP-wrapped model.
 
     Per FSDP module: the parameters it manages itself (not those of nested
-    FSDP modules), unsharded numel and bytes; the mesh ``(replicate, shard)`` when FSDP2 shards them as HSDP, read
+    FSDP modules), unsharded numel and bytes at the dtype FSDP2 all-gathers them in (its ``MixedPrecisionPolicy``'s
+    ``param_dtype``, read from FSDP2's parameters: ``torch_private.collective_dtypes``); the mesh
+    ``(replicate, shard)`` when FSDP2 shards them as HSDP, read
     from FSDP2's own mesh info (``torch_private.data_parallel_mesh``), never from a parameter's DTensor mesh,
     which under FSDP + TP is the (dp, tp) mesh.
 
     Raises:
         TensorParallelError: an FSDP module shards tensor-parallel parameters (FSDP + TP, HSDP + TP).
+        UnsupportedPlanError: FSDP modules cast under different mixed-precision dtypes.
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     modules = fsdp_modules(model)
-    numels, nbytes, dtypes, device, mesh = [], [], set(), "cpu", None
+    numels, nbytes, dtypes, device, mesh, casts = [], [], set(), "cpu", None, set()
     for fqn, m in modules:
         own = own_parameters(modules, fqn)
         numels.append(sum(p.numel() for p in own))
-        nbytes.append(sum(p.numel() * p.element_size() for p in own))
+        moved = collective_dtypes(m)
+        cast = moved is not None and (moved.all_gather, moved.reduce_scatter) != (moved.sharded, moved.sharded)
+        nbytes.append(sum(p.numel() * (moved.all_gather.itemsize if cast else p.element_size()) for p in own))
+        if moved is not None:
+            casts.add((str(moved.all_gather), str(moved.reduce_scatter)) if cast else None)
         dtypes.update(str(p.dtype) for p in own)
         if own:
             device = own[0].device.type
@@ -105,6 +113,11 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
                 "parallelism is not tuned yet; tune the same model without tensor parallelism, or keep your plan")
         if dp is not None and dp.replicate_size is not None:
             mesh = (dp.replicate_size, dp.shard_size)
+    if len(casts) > 1:
+        raise UnsupportedPlanError(
+            "FSDP modules cast under different mixed-precision dtypes (" + "; ".join(
+                f"{c[0]} all-gather, {c[1]} reduce-scatter" if c else "no cast" for c in sorted(casts, key=str))
+            + "): not tuned yet; give every fully_shard call one MixedPrecisionPolicy")
     return Fingerprint(
         module_fqns=tuple(f for f, _ in modules),
         param_numels=tuple(numels),
@@ -114,6 +127,7 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
         param_dtypes=tuple(sorted(dtypes)),
         torch_version=torch.__version__,
         mesh=mesh,
+        mixed_precision=next(iter(casts), None),  # one policy for every module, or none
     )
 
 

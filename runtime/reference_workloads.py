@@ -6,6 +6,8 @@ applies ``fully_shard`` per block, then to the root, as torchtitan's
 in the step time of 2 gloo CPU ranks with one compute thread each (docs/decisions/rule-evidence.md).
 ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` (every other block), inside the block
 ``fully_shard`` wraps, with torchtitan's meaning (:mod:`runtime.activation_checkpointing`).
+``mixed_precision``: ``"none"`` or ``"bf16"``, FSDP2's ``MixedPrecisionPolicy`` on every ``fully_shard`` call
+(:func:`mp_policy`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from planner.errors import WorkloadError
 from runtime.activation_checkpointing import apply_activation_checkpointing
@@ -59,6 +61,7 @@ def llama(
     seed: int = 0,
     shard_embedding: bool = False,
     activation_checkpointing: str = "none",
+    mixed_precision: str = "none",
 ) -> Workload:
     """Llama (``transformers.LlamaForCausalLM``) from a config, random weights.
 
@@ -84,7 +87,7 @@ def llama(
     model = transformers.LlamaForCausalLM(config)
     first = [model.model.embed_tokens] if shard_embedding else []
     return _sharded_lm(mesh, model, first, model.model.layers, activation_checkpointing, lr, vocab_size,
-                       batch_size, seq_len)
+                       batch_size, seq_len, mixed_precision)
 
 
 def llama_hand_set(mesh: Any, forward_prefetch_depth: int = 0, backward_prefetch_depth: int = 0,
@@ -125,6 +128,7 @@ def gpt2(
     lr: float = 1e-4,
     seed: int = 0,
     activation_checkpointing: str = "none",
+    mixed_precision: str = "none",
 ) -> Workload:
     """GPT-2 (``transformers.GPT2LMHeadModel``) from a config, random weights.
 
@@ -140,7 +144,7 @@ def gpt2(
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config)
     return _sharded_lm(mesh, model, [], model.transformer.h, activation_checkpointing, lr, vocab_size, batch_size,
-                       seq_len)
+                       seq_len, mixed_precision)
 
 
 def qwen2(
@@ -156,6 +160,7 @@ def qwen2(
     lr: float = 1e-4,
     seed: int = 0,
     activation_checkpointing: str = "none",
+    mixed_precision: str = "none",
 ) -> Workload:
     """Qwen2 (``transformers.Qwen2ForCausalLM``) from a config, random weights: grouped-query attention
     (``num_key_value_heads``) with biased q/k/v projections, so its blocks' parameter and compute shapes differ
@@ -172,17 +177,35 @@ def qwen2(
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(config)
     return _sharded_lm(mesh, model, [], model.model.layers, activation_checkpointing, lr, vocab_size, batch_size,
-                       seq_len)
+                       seq_len, mixed_precision)
+
+
+def mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed-precision policy by name: ``"none"`` (FSDP2's default: no cast) or ``"bf16"``, as nearly every
+    FSDP2 job sets it (torchtitan's ``mixed_precision_param = "bfloat16"``): parameters all-gathered and computed in
+    bf16, gradients reduced in fp32, the sharded state kept in fp32.
+
+    Raises:
+        WorkloadError: another name.
+    """
+    if mixed_precision == "none":
+        return MixedPrecisionPolicy()
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise WorkloadError(f"mixed_precision = {mixed_precision!r} is not known; write \"none\" or \"bf16\"")
 
 
 def _sharded_lm(mesh: Any, model: nn.Module, first: list[nn.Module], blocks: nn.ModuleList,
-                activation_checkpointing: str, lr: float, vocab_size: int, batch_size: int, seq_len: int) -> Workload:
+                activation_checkpointing: str, lr: float, vocab_size: int, batch_size: int, seq_len: int,
+                mixed_precision: str = "none") -> Workload:
     """``model`` checkpointed per ``activation_checkpointing``, ``fully_shard`` on each of ``first`` (e.g. the
-    token embedding), each block, then the root; AdamW; random token batches and the LM loss."""
+    token embedding), each block, then the root, under ``mp_policy(mixed_precision)``; AdamW; random token batches
+    and the LM loss."""
+    policy = mp_policy(mixed_precision)
     apply_activation_checkpointing(blocks, activation_checkpointing)
     for module in [*first, *blocks]:
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     batches = _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank(), mesh.device_type)
     return Workload(model, optimizer, batches, _lm_loss)
@@ -219,15 +242,16 @@ class MLPStack(nn.Module):
 
 def mlp(mesh: Any, dim: int = 256, layers: int = 4, batch_size: int = 8, lr: float = 1e-3, seed: int = 0,
         dropout: float = 0.0, activation_checkpointing: str = "none", forward_prefetch_depth: int = 0,
-        keep_last_block: bool = False) -> Workload:
+        keep_last_block: bool = False, mixed_precision: str = "none") -> Workload:
     """A small MLP stack (fast; used by the tests); ``dropout`` > 0 draws random numbers in every forward;
     ``forward_prefetch_depth`` and ``keep_last_block`` set by hand after wrapping (:func:`hand_set`)."""
     torch.manual_seed(seed)
     model = MLPStack(dim, layers, dropout)
     apply_activation_checkpointing(model.blocks, activation_checkpointing)
+    policy = mp_policy(mixed_precision)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     hand_set(model.blocks, forward_prefetch_depth, keep_last_block=keep_last_block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rank = mesh.get_rank()

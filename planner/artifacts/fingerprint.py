@@ -5,6 +5,28 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# Bytes per element of the floating dtypes FSDP2 all-gathers and reduce-scatters in (``torch.dtype.itemsize``).
+_DTYPE_BYTES = {"torch.float64": 8, "torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (``"torch.bfloat16"``: 2).
+
+    Raises:
+        PlannerError: a dtype FSDP2 does not cast to under a mixed-precision policy.
+    """
+    from planner.errors import PlannerError
+
+    if dtype not in _DTYPE_BYTES:
+        raise PlannerError(f"dtype {dtype!r} is not a floating dtype FSDP2 casts to; use one of "
+                           + ", ".join(_DTYPE_BYTES))
+    return _DTYPE_BYTES[dtype]
+
+
+def _short_dtype(dtype: str) -> str:
+    return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}.get(
+        dtype, dtype)
+
 
 @dataclass(frozen=True)
 class Fingerprint:
@@ -14,12 +36,17 @@ class Fingerprint:
         module_fqns: FQNs of the FSDP modules in ``model.named_modules()``
             order; the root is ``""``.
         param_numels: unsharded parameter count per FSDP module (same order).
-        param_bytes: unsharded parameter bytes per FSDP module (same order).
+        param_bytes: unsharded parameter bytes per FSDP module (same order), at the dtype FSDP2 all-gathers them in:
+            the ``MixedPrecisionPolicy``'s ``param_dtype`` where it casts (:attr:`mixed_precision`), else the
+            parameters' own (``FSDPParam.param_dtype or orig_dtype``, ``foreach_all_gather``).
         world_size: number of ranks the parameters are sharded over.
         device_type: ``"cpu"`` or ``"cuda"``.
         param_dtypes: the distinct parameter dtypes, as strings.
         torch_version: ``torch.__version__`` of the recording run.
         mesh: HSDP's ``(replicate, shard)`` (the parameters' 2-D device mesh); ``None``: FSDP over every rank.
+        mixed_precision: where FSDP2's ``MixedPrecisionPolicy`` casts, the dtypes of the all-gather (and the unsharded
+            parameters and gradients) and of the reduce-scatter's input, as strings (``("torch.bfloat16",
+            "torch.float32")``); the sharded parameters and gradients stay in :attr:`param_dtypes`. ``None``: no cast.
     """
 
     module_fqns: tuple[str, ...]
@@ -30,6 +57,7 @@ class Fingerprint:
     param_dtypes: tuple[str, ...]
     torch_version: str
     mesh: tuple[int, int] | None = None
+    mixed_precision: tuple[str, str] | None = None
 
     @property
     def shard_size(self) -> int:
@@ -40,8 +68,9 @@ class Fingerprint:
         """The ``fingerprint`` JSON object; ``mesh`` only where set, so an FSDP fingerprint is the file earlier
         releases wrote."""
         d = dataclasses.asdict(self)
-        if self.mesh is None:
-            del d["mesh"]
+        for optional in ("mesh", "mixed_precision"):  # written where set: files without them read as before
+            if d[optional] is None:
+                del d[optional]
         return d
 
     def first_difference(self, other: Fingerprint) -> str | None:
@@ -56,7 +85,39 @@ class Fingerprint:
             return f"world size: plan was made for {self.world_size} ranks, this run has {other.world_size}"
         if self.mesh != other.mesh:
             return f"mesh: plan was made for {self.mesh_text}, this run has {other.mesh_text}"
+        if self.mixed_precision != other.mixed_precision:
+            return (f"mixed precision: plan was made for {self.precision_text}, this run has {other.precision_text}")
         return self.model_difference(other)
+
+    @property
+    def precision_text(self) -> str:
+        """``bf16 all-gather, fp32 reduce-scatter`` or ``no mixed precision``."""
+        if self.mixed_precision is None:
+            return "no mixed precision"
+        gather, reduce = (_short_dtype(d) for d in self.mixed_precision)
+        return f"{gather} all-gather, {reduce} reduce-scatter"
+
+    def collective_scale(self, kind: str) -> float:
+        """Bytes a collective moves per byte of the sharded parameters' own dtype (:attr:`param_dtypes`): 1 without
+        mixed precision; under a policy the all-gather moves ``param_dtype`` (``foreach_all_gather``), the
+        reduce-scatter and HSDP's all-reduce ``reduce_dtype`` (``foreach_reduce``: ``reduce_dtype or grad_dtype``).
+
+        Args:
+            kind: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
+        """
+        if self.mixed_precision is None:
+            return 1.0
+        own = _DTYPE_BYTES.get(self.param_dtypes[0], 4) if self.param_dtypes else 4
+        return dtype_bytes(self.mixed_precision[0 if kind == "all_gather" else 1]) / own
+
+    def reduce_scatter_scale(self) -> float:
+        """The reduce-scatter's input bytes per unsharded-gradient byte (both per :attr:`param_bytes`: the gradient
+        is computed in ``param_dtype``, then copied in at ``reduce_dtype``: ``foreach_reduce``); 1 without mixed
+        precision."""
+        if self.mixed_precision is None:
+            return 1.0
+        gather, reduce = (dtype_bytes(d) for d in self.mixed_precision)
+        return reduce / gather
 
     @property
     def mesh_text(self) -> str:

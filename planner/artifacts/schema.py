@@ -40,6 +40,7 @@ class FingerprintDocument(Document):
     param_dtypes: tuple[str, ...]
     torch_version: str
     mesh: tuple[int, int] | None = None
+    mixed_precision: tuple[str, str] | None = None
 
 
 def _bool_or_ranks(value: object) -> bool | int:

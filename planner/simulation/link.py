@@ -188,10 +188,11 @@ def wire_calls(profile: Profile, world_size: int, backend: str) -> list[tuple[st
     """``(fqn, kind, wire bytes, recorded ms)`` per module and collective with bytes on the wire at ``world_size``
     on ``backend`` ([Note: Bytes on the wire])."""
     out = []
+    fp = profile.fingerprint
     for fqn, m in profile.modules.items():
         nbytes = collective_bytes(m, world_size)
         for kind, t in (("all_gather", m.all_gather_ms), ("reduce_scatter", m.reduce_scatter_ms)):
-            w = wire_fraction(kind, world_size, backend) * nbytes
+            w = wire_fraction(kind, world_size, backend) * nbytes * fp.collective_scale(kind)
             if w > 0 and t > 0:
                 out.append((fqn, kind, w, t))
     return out
@@ -362,19 +363,21 @@ def retarget(profile: Profile, target: Target, spread_sign: int = 0, fit_sign: i
     shard_group, replicate_group = target.groups
     resharded = reshard(profile, target.shard, target.world_size, target.mesh)
     modules = dict(resharded.modules)
+    scale = profile.fingerprint.collective_scale  # mixed precision: each collective's own dtype
     for fqn, m in resharded.modules.items():
         nbytes = collective_bytes(m, target.shard)
-        times = {"all_gather_ms": _call_ms(fits["all_gather"], "all_gather", shard_group, nbytes, backend, spread_sign),
-                 "reduce_scatter_ms": _call_ms(fits["reduce_scatter"], "reduce_scatter", shard_group, nbytes, backend,
-                                               spread_sign)
-                 + _call_ms(fits["reduce_scatter"], "all_reduce", replicate_group, shard_bytes(m, target.shard),
-                            backend, spread_sign)}
+        times = {"all_gather_ms": _call_ms(fits["all_gather"], "all_gather", shard_group,
+                                           round(nbytes * scale("all_gather")), backend, spread_sign),
+                 "reduce_scatter_ms": _call_ms(fits["reduce_scatter"], "reduce_scatter", shard_group,
+                                               round(nbytes * scale("reduce_scatter")), backend, spread_sign)
+                 + _call_ms(fits["reduce_scatter"], "all_reduce", replicate_group,
+                            round(shard_bytes(m, target.shard) * scale("all_reduce")), backend, spread_sign)}
         modules[fqn] = dataclasses.replace(m, **times)
     recorded = profile.fingerprint.world_size
 
     def median_wire(world: int) -> float:
         sizes = [wire_fraction("all_gather", world, backend) * collective_bytes(m, world)
-                 for m in profile.modules.values()]
+                 * profile.fingerprint.collective_scale("all_gather") for m in profile.modules.values()]
         return float(np.median(sizes)) if sizes else 0.0
 
     extrapolation = Extrapolation(recorded, target.world_size, target.nodes, target.replicate, target.shard,

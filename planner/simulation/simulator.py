@@ -237,6 +237,7 @@ class Simulator:
         root = self._index[profile.root_fqn]
         r = mods[root]
         post = [self._index[f] for f in profile.post_forward_order]
+        rs_scale = profile.fingerprint.reduce_scatter_scale()  # mixed precision: reduce_dtype over param_dtype
         self._fields = tuple(ProfileArrays(  # [Note: Plain tuples at the boundary] in planner.simulation._kernel.hooks
             all_gather_ms=np.array([m.all_gather_ms for m in mods], f64),
             reduce_scatter_ms=np.array([m.reduce_scatter_ms for m in mods], f64),
@@ -244,6 +245,7 @@ class Simulator:
             backward_ms=np.array([m.bwd_ms / m.calls for m in mods], f64),
             unsharded_bytes=np.array([m.unsharded_bytes for m in mods], i64),
             grad_bytes=np.array([m.grad_bytes // m.calls for m in mods], i64),
+            reduce_scatter_bytes=np.array([round(m.grad_bytes // m.calls * rs_scale) for m in mods], i64),
             activation_bytes=np.array([m.activation_bytes // m.calls for m in mods], i64),
             recompute_bytes=np.array([m.recompute_activation_bytes // m.calls for m in mods], i64),
             backward_temp_bytes=np.array([m.backward_temp_bytes for m in mods], i64),

@@ -88,6 +88,45 @@ def data_parallel_mesh(module: nn.Module) -> DataParallelMesh | None:
                             any(p.is_dtensor for p in group.fsdp_params))
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveDtypes:
+    """The dtypes FSDP2 moves an FSDP module's parameters and gradients in, after its ``MixedPrecisionPolicy``.
+
+    Attributes:
+        all_gather: the all-gather's and the unsharded parameters' dtype (``param_dtype``, else the parameter's).
+        reduce_scatter: the reduce-scatter input's dtype (``reduce_dtype``, else the unsharded gradient's, which is
+            the all-gather's: ``foreach_reduce``'s ``reduce_dtype or grad_dtype``).
+        sharded: the sharded parameters' and gradients' dtype (the parameter's own, ``orig_dtype``).
+    """
+
+    all_gather: torch.dtype
+    reduce_scatter: torch.dtype
+    sharded: torch.dtype
+
+
+def collective_dtypes(module: nn.Module) -> CollectiveDtypes | None:
+    """The dtypes of ``module``'s collectives under its mixed-precision policy; ``None`` when it manages no
+    parameter.
+
+    Why: FSDP2 keeps the policy on each parameter group (``FSDPParamGroup.mp_policy``) and resolves it per
+    parameter only at its lazy init (``FSDPParam.init_dtype_attrs``: ``param_dtype`` dropped where it equals the
+    parameter's dtype or the parameter is not floating, ``reduce_dtype`` where it equals ``param_dtype``), so the
+    same clamps are applied here, before any forward; a group is all-gathered in its first parameter's dtype
+    (``foreach_all_gather``). No public accessor.
+    """
+    return group_dtypes(param_group(module))
+
+
+def group_dtypes(group: FSDPParamGroup | None) -> CollectiveDtypes | None:
+    """:func:`collective_dtypes` of a parameter group; ``None`` for none or an empty one."""
+    if group is None or not group.fsdp_params:
+        return None
+    own = group.fsdp_params[0].sharded_param.dtype
+    policy = group.mp_policy
+    gather = policy.param_dtype if policy.param_dtype is not None and own.is_floating_point else own
+    return CollectiveDtypes(gather, policy.reduce_dtype or gather, own)
+
+
 def reshard_after_forward(module: nn.Module) -> bool:
     """Whether an FSDP module frees its unsharded parameters after forward, as wrapped.
 
@@ -326,12 +365,14 @@ def prefetch_counts(module: nn.Module) -> tuple[int, int]:
 
 
 def param_group_unsharded_bytes(group: FSDPParamGroup) -> int:
-    """Bytes of a parameter group's unsharded parameters (all-gather output), padding excluded.
+    """Bytes of a parameter group's unsharded parameters (all-gather output), padding excluded, at the dtype FSDP2
+    all-gathers in (``param_dtype``, else the parameter's).
 
     Why: the memory tracker counts what each all-gather keeps alive
-    (``FSDPParam._orig_size``: the unsharded shape).
+    (``FSDPParam._orig_size``: the unsharded shape; ``FSDPParam.param_dtype``).
     """
-    return sum(fp._orig_size.numel() * fp.sharded_param.element_size() for fp in group.fsdp_params)
+    dtypes = group_dtypes(group)
+    return sum(fp._orig_size.numel() * dtypes.all_gather.itemsize for fp in group.fsdp_params) if dtypes else 0
 
 
 def all_gather_issued(group: FSDPParamGroup) -> bool:

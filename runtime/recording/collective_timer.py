@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.rank_figures import CollectiveFigures, OverlapTimings
+from runtime.ranks.torch_private import collective_dtypes
 from runtime.recording.overlap_timer import overlap_timings
 from runtime.timing import timed_ms
 from runtime.workload import own_parameters
@@ -81,10 +82,12 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
             dist.all_reduce(out, group=replicate_group)
 
     buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-    sizes = {}  # fqn -> (padded elements, dtype) of its gradient
+    sizes = {}  # fqn -> (padded elements, dtype) of its reduce-scatter's input: the gradient at reduce_dtype
     for fqn in fqns:
         own = own_parameters(modules, fqn)
-        sizes[fqn] = (-(-unsharded_numels[fqn] // world) * world, own[0].dtype if own else torch.float32)
+        moved = collective_dtypes(by_fqn[fqn])
+        dtype = moved.reduce_scatter if moved is not None else own[0].dtype if own else torch.float32
+        sizes[fqn] = (-(-unsharded_numels[fqn] // world) * world, dtype)
     all_gathers: dict[str, list[float]] = {fqn: [] for fqn in fqns}
     reduce_scatters: dict[str, list[float]] = {fqn: [] for fqn in fqns}
     for r in range(repeats + 1):

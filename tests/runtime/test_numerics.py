@@ -27,6 +27,9 @@ WORKLOADS = {
         "runtime.reference_workloads:gpt2",
         {"n_embd": 64, "n_layer": 3, "n_head": 4, "vocab_size": 128, "seq_len": 16},
     ),
+    # bf16 all-gathers and compute, fp32 reduce-scatters (MixedPrecisionPolicy), as nearly every FSDP2 job runs
+    "llama-bf16": (LLAMA, {**SMALL_LLAMA, "mixed_precision": "bf16"}),
+    "mlp-bf16": ("runtime.reference_workloads:mlp", {"dim": 64, "layers": 4, "mixed_precision": "bf16"}),
 }
 
 
@@ -46,6 +49,7 @@ def test_losses_bitwise_identical_across_plans(ranks, tmp_path, workload):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workload, examples, microbatches", [("mlp", 60, 1), ("llama", 15, 1), ("mlp", 30, 3),
+                                                               ("mlp-bf16", 30, 2), ("llama-bf16", 10, 1),
                                                                ("llama-embedding", 10, 2), ("llama-ac-full", 10, 1),
                                                                ("mlp-ac-selective", 20, 2)])
 def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples, microbatches):
@@ -69,12 +73,14 @@ def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples,
 
 
 @pytest.mark.slow
-def test_random_plans_keep_the_loss_bitwise_under_hsdp(tmp_path):
+@pytest.mark.parametrize("workload", ["mlp", "mlp-bf16"])
+def test_random_plans_keep_the_loss_bitwise_under_hsdp(tmp_path, workload):
     """The same property on 4 ranks sharded as HSDP ``[2, 2]`` (``[launch] mesh``): the reduce-scatter within a
-    shard group, then the all-reduce across the replicas; the recorder records the mesh."""
+    shard group, then the all-reduce across the replicas (in fp32 under the bf16 policy); the recorder records the
+    mesh."""
     from tests.multirank import run_ranks
 
-    factory, kwargs = WORKLOADS["mlp"]
+    factory, kwargs = WORKLOADS[workload]
     out = tmp_path / "property.json"
     run_ranks("property.py", factory, json.dumps(kwargs), "3", "16", str(out), "2", "[2, 2]", nproc=4, timeout=900)
     result = json.loads(out.read_text())

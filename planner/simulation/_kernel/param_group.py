@@ -254,9 +254,9 @@ def reduce_scatter(i, prof, cfg, clock, counters, queue_end, queue_bytes, events
         issue = clock[COMPUTE_STREAM] if clock[COMPUTE_STREAM] > clock[CPU] else clock[CPU]
     else:
         issue = clock[CPU]
-    # foreach_reduce copies the unsharded gradient into a new input buffer, then drops the gradient:
-    # for a moment both are alive.
-    allocate(clock, counters, samples, prof.grad_bytes[i])
+    # foreach_reduce copies the unsharded gradient into a new input buffer (at reduce_dtype: under a mixed-precision
+    # policy bf16 gradients go in as fp32), then drops the gradient: for a moment both are alive.
+    allocate(clock, counters, samples, prof.reduce_scatter_bytes[i])
     allocate(clock, counters, samples, -prof.grad_bytes[i])
     separate = cfg.knobs[SEPARATE_GROUP] != 0
     group = REDUCE_SCATTER_GROUP if separate else PROCESS_GROUP
@@ -283,7 +283,7 @@ def reduce_scatter(i, prof, cfg, clock, counters, queue_end, queue_bytes, events
     event(events, counters, REDUCE_SCATTER, i, start, end)
     tail = counters[RS_TAIL]
     queue_end[tail] = end
-    queue_bytes[tail] = prof.grad_bytes[i]
+    queue_bytes[tail] = prof.reduce_scatter_bytes[i]
     counters[RS_TAIL] = tail + 1
     if not cfg.gpu:
         clock[CPU] = end  # [Note: CPU device] the reduce-scatter is synchronous

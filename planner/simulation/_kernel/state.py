@@ -91,6 +91,7 @@ class ProfileArrays(NamedTuple):
     backward_ms: np.ndarray  # float64[n], per call
     unsharded_bytes: np.ndarray  # int64[n]
     grad_bytes: np.ndarray  # int64[n], per call
+    reduce_scatter_bytes: np.ndarray  # int64[n]: the reduce-scatter's input buffer, the gradient at reduce_dtype
     activation_bytes: np.ndarray  # int64[n], per call
     recompute_bytes: np.ndarray  # int64[n], per call: a checkpointed block's recomputed activations, in its backward
     backward_temp_bytes: np.ndarray  # int64[n]: its backward's temporaries (the root's: before its children's)
