@@ -4,8 +4,9 @@ Random weights, no download. Each factory is ``factory(mesh, **kwargs)`` and
 applies ``fully_shard`` per block, then to the root, as torchtitan's
 ``parallelize.py`` does. Sizes default to what makes FSDP2's all-gathers show
 in the step time of 2 gloo CPU ranks with one compute thread each (docs/decisions/rule-evidence.md).
+How each block is wrapped (the language models take these as ``**wrapping``, the MLP by name):
 ``activation_checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` (every other block), inside the block
-``fully_shard`` wraps, with torchtitan's meaning (:mod:`runtime.activation_checkpointing`).
+``fully_shard`` wraps, with torchtitan's meaning (:mod:`runtime.activation_checkpointing`);
 ``mixed_precision``: ``"none"`` or ``"bf16"``, FSDP2's ``MixedPrecisionPolicy`` on every ``fully_shard`` call
 (:func:`mp_policy`).
 """
@@ -60,8 +61,7 @@ def llama(
     lr: float = 1e-4,
     seed: int = 0,
     shard_embedding: bool = False,
-    activation_checkpointing: str = "none",
-    mixed_precision: str = "none",
+    **wrapping: str,
 ) -> Workload:
     """Llama (``transformers.LlamaForCausalLM``) from a config, random weights.
 
@@ -86,8 +86,7 @@ def llama(
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     first = [model.model.embed_tokens] if shard_embedding else []
-    return _sharded_lm(mesh, model, first, model.model.layers, activation_checkpointing, lr, vocab_size,
-                       batch_size, seq_len, mixed_precision)
+    return _sharded_lm(mesh, model, first, model.model.layers, lr, vocab_size, batch_size, seq_len, **wrapping)
 
 
 def llama_hand_set(mesh: Any, forward_prefetch_depth: int = 0, backward_prefetch_depth: int = 0,
@@ -127,8 +126,7 @@ def gpt2(
     seq_len: int = 64,
     lr: float = 1e-4,
     seed: int = 0,
-    activation_checkpointing: str = "none",
-    mixed_precision: str = "none",
+    **wrapping: str,
 ) -> Workload:
     """GPT-2 (``transformers.GPT2LMHeadModel``) from a config, random weights.
 
@@ -143,8 +141,7 @@ def gpt2(
     )
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config)
-    return _sharded_lm(mesh, model, [], model.transformer.h, activation_checkpointing, lr, vocab_size, batch_size,
-                       seq_len, mixed_precision)
+    return _sharded_lm(mesh, model, [], model.transformer.h, lr, vocab_size, batch_size, seq_len, **wrapping)
 
 
 def qwen2(
@@ -159,8 +156,7 @@ def qwen2(
     seq_len: int = 128,
     lr: float = 1e-4,
     seed: int = 0,
-    activation_checkpointing: str = "none",
-    mixed_precision: str = "none",
+    **wrapping: str,
 ) -> Workload:
     """Qwen2 (``transformers.Qwen2ForCausalLM``) from a config, random weights: grouped-query attention
     (``num_key_value_heads``) with biased q/k/v projections, so its blocks' parameter and compute shapes differ
@@ -176,8 +172,7 @@ def qwen2(
     )
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(config)
-    return _sharded_lm(mesh, model, [], model.model.layers, activation_checkpointing, lr, vocab_size, batch_size,
-                       seq_len, mixed_precision)
+    return _sharded_lm(mesh, model, [], model.model.layers, lr, vocab_size, batch_size, seq_len, **wrapping)
 
 
 def mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
@@ -195,12 +190,16 @@ def mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
     raise WorkloadError(f"mixed_precision = {mixed_precision!r} is not known; write \"none\" or \"bf16\"")
 
 
-def _sharded_lm(mesh: Any, model: nn.Module, first: list[nn.Module], blocks: nn.ModuleList,
-                activation_checkpointing: str, lr: float, vocab_size: int, batch_size: int, seq_len: int,
+def _sharded_lm(mesh: Any, model: nn.Module, first: list[nn.Module], blocks: nn.ModuleList, lr: float,
+                vocab_size: int, batch_size: int, seq_len: int, activation_checkpointing: str = "none",
                 mixed_precision: str = "none") -> Workload:
     """``model`` checkpointed per ``activation_checkpointing``, ``fully_shard`` on each of ``first`` (e.g. the
     token embedding), each block, then the root, under ``mp_policy(mixed_precision)``; AdamW; random token batches
-    and the LM loss."""
+    and the LM loss. The language models' factories pass their ``**wrapping`` keys here: these two.
+
+    Raises:
+        TypeError: another wrapping key.
+    """
     policy = mp_policy(mixed_precision)
     apply_activation_checkpointing(blocks, activation_checkpointing)
     for module in [*first, *blocks]:
