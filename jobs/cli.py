@@ -121,6 +121,7 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
     first the cluster's calibration where it has none (``[measure] calibration_launches``), then as many launches
     of as many rounds as the confirmation's design asks at the cluster's spread. ``handover``: the arguments that
     hand the ranks the validated config (:func:`_handed_over`)."""
+    from planner.artifacts.plan import baseline_name
     from planner.presentation.report import conclusion_report, design_line
     from planner.study.confirmation import conclude, design_for, pending
     from runtime.ranks.launch import launch_ranks
@@ -136,7 +137,7 @@ def _confirm_in_fresh_launches(study_toml: str, config: StudyConfig, job: str, p
         _calibrate(study_toml, config, calibrate_launches, handover)
         design, cluster = design_for(config, waiting)
     click.echo(f"[confirm] {cluster.line()}")
-    baseline = "the plan the model arrived with" if waiting.baseline.provenance.source == "user" else "FSDP2's default"
+    baseline = baseline_name(waiting.baseline.provenance.source == "user")
     click.echo(f"[confirm] trial {waiting.survivor.provenance.trial} against {baseline}: {design_line(design)}")
     how = ("each plan on its own model from its first step" if config.measure.confirm_model_per_plan
            else "one model switching plans")

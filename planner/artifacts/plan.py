@@ -136,6 +136,12 @@ class Provenance:
     baseline: str | None = None
 
 
+def baseline_name(users: bool) -> str:
+    """What a round's verdicts compare against, in words: the plan the model arrived with (``users``), else FSDP2's
+    default ([Note: The user's plan is the baseline] in ``planner.study.session``)."""
+    return "the plan the model arrived with" if users else "FSDP2's default"
+
+
 # Provenance fields added after release 0.1.0: written only when set.
 _WRITTEN_WHEN_SET = ("launches", "ratio_of", "target", "band_ms", "params", "unknown_knobs", "baseline")
 

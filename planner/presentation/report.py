@@ -6,7 +6,7 @@ import math
 import statistics
 
 from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS
-from planner.artifacts.plan import Plan, Source
+from planner.artifacts.plan import Plan, Source, baseline_name
 from planner.statistics.design import ConfirmDesign
 from planner.statistics.verdict import Confirmation
 from planner.study.queries import BestPlan
@@ -92,7 +92,7 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
 def _baseline(outcome: TuneOutcome) -> str:
     """The round's baseline, in words: the first plan measured ([Note: The user's plan is the baseline] in
     ``planner.study.session``)."""
-    return "the plan the model arrived with" if outcome.told[0].provenance.source == Source.USER else "FSDP2's default"
+    return baseline_name(outcome.told[0].provenance.source == Source.USER)
 
 
 def design_line(d: ConfirmDesign) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import optuna
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.plan import Plan, Provenance
+from planner.artifacts.plan import Plan, Provenance, baseline_name
 from planner.errors import StudyNotFoundError
 from planner.statistics.looks import MAX_LAUNCHES
 from planner.statistics.verdict import Confirmation, Verdict, confirmation_text
@@ -155,7 +155,7 @@ class BestPlan:
 
     def baseline_name(self) -> str:
         """What the deciding job's verdicts compare against, in words."""
-        return "the plan the model arrived with" if self.recommendation.baseline_is_users else "FSDP2's default"
+        return baseline_name(self.recommendation.baseline_is_users)
 
     def line(self, study: str) -> str:
         """One line: which plan, and the confirmed figures it rests on (``tune``, ``studies best``,

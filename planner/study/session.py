@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.memory_budget import check_feasible
-from planner.artifacts.plan import Plan
+from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError
 from planner.simulation.calibrate import CalibrationResult, Observation, calibrate
@@ -249,7 +249,7 @@ class TuningSession:
 
     def baseline_name(self) -> str:
         """The round's baseline, in words."""
-        return "the plan the model arrived with" if self.user_plan is not None else "FSDP2's default"
+        return baseline_name(self.user_plan is not None)
 
     def _log_model(self) -> None:
         for line in model_summary(self.profile, self.simulator.run(Plan.default(self.profile)), self.simulator.params):

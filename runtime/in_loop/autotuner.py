@@ -66,7 +66,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.config import default_storage
 from planner.artifacts.memory_budget import DEVICE_MARGIN
-from planner.artifacts.plan import Plan
+from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, StudyConfigError, one_line
 from planner.statistics.verdict import Confirmation
@@ -469,7 +469,7 @@ class AutoTuner:
         return self.own_plan or self.default
 
     def _baseline_name(self) -> str:
-        return "the plan the model arrived with" if self.own_plan else "FSDP2's default"
+        return baseline_name(self.own_plan is not None)
 
     def _abandon(self, reason: str) -> None:
         kept = self._kept()

@@ -24,7 +24,7 @@ from torch import nn
 from planner import errors
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.plan import Plan
+from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError, one_line
 from planner.statistics.schedule import Phase
@@ -228,7 +228,7 @@ class InLoopRound:
         if self.rank0:
             for i, reason in self.failed.items():
                 self.session.fail([self.asked[i]], reason, FailKind.ERROR)
-        baseline = "the plan the model arrived with (the baseline)" if self.user_plan else "FSDP2's default"
+        baseline = baseline_name(self.user_plan is not None) + (" (the baseline)" if self.user_plan else "")
         self._log(f"AutoTuner: searched in {time.perf_counter() - t0:.1f} s between two steps: {baseline} and "
                   f"{len(self.kept) - 1} candidate(s) to race")
         self.peaks = [[] for _ in self.plans]
