@@ -15,7 +15,7 @@
 #   in-loop    the in-loop tuner on docs/examples/plain_loop.py --quick
 #   trace      the trace profile from a 2-rank Kineto trace, checked against the recorder (bench.trace_profile)
 #   peak       world-size-2 peaks, predicted against measured (bench.peak_memory)
-#   hf         transformers.Trainer.train() under Accelerate's FSDP2 with the HF callback (hf_trainer.py --small)
+#   hf         transformers.Trainer.train() on a Llama transformers shards with FSDP2 (hf_trainer.py --small)
 #   torchtitan the recipe, where torchtitan imports: its wheel (1.3 MB) needs datasets (pyarrow), tensorboard,
 #              wandb, tyro, torchdata and spmd_types, past the 64 MiB a run carries; so it runs only where installed
 set -u
@@ -58,12 +58,12 @@ stage trace 45 "${two[@]}" bench.trace_profile $study --steps 3 --json "$out/tra
     --traces /tmp/traces-two-ranks
 stage peak 40 "${two[@]}" bench.peak_memory $study --json "$out/peak-memory.json"
 if [ $dry = 1 ] || python3 -c 'import accelerate' 2>/dev/null; then
-    stage hf 45 "${two[@]}" docs/examples/hf_trainer.py --small --storage "sqlite:///$out/hf.db"
+    stage hf 45 "${two[@]}" docs/examples/hf_trainer.py --small --quick --storage "sqlite:///$out/hf.db"
 else
     echo "=== hf: skipped: accelerate is not installed here (put its wheel in .whl/)" | tee -a "$log"
 fi
 if [ $dry = 1 ] || python3 -c 'import torchtitan' 2>/dev/null; then
-    stage torchtitan 15 "${two[@]}" docs/examples/torchtitan_recipe.py --training.steps 10
+    stage torchtitan 40 "${two[@]}" docs/examples/torchtitan_recipe.py --debug-model --quick --steps 60 --storage "sqlite:///$out/torchtitan.db"
 else
     echo "=== torchtitan: skipped: torchtitan is not installed here, and its dependencies do not fit the 64 MiB" \
         "a run carries" | tee -a "$log"

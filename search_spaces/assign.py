@@ -66,7 +66,8 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
         module_knobs: FQN -> its module knobs (modules left out: FSDP2's defaults).
 
     Raises:
-        KeyError: an FQN of the profile is missing from a mapping.
+        KeyError: an FQN of the profile's orders is missing from a mapping (a module outside the orders,
+            ``search_spaces._orders.Orders``, may be left out: it keeps FSDP2's default).
     """
     o = orders(profile)
     fwd_lists: dict[str, list[str]] = {f: [] for f in o.forward}
@@ -80,9 +81,9 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
             bwd_lists[o.backward[max(0, pos - backward[target])]].append(target)
     modules = {
         fqn: ModulePlan(
-            forward_prefetch=tuple(fwd_lists[fqn]),
-            backward_prefetch=tuple(bwd_lists[fqn]),
-            reshard_after_forward=o.reshard_after_forward[fqn] and reshard_after_forward[fqn],
+            forward_prefetch=tuple(fwd_lists.get(fqn, ())),  # a module outside the orders: FSDP2's default
+            backward_prefetch=tuple(bwd_lists.get(fqn, ())),
+            reshard_after_forward=o.reshard_after_forward[fqn] and reshard_after_forward.get(fqn, True),
             knobs=(module_knobs or {}).get(fqn, DEFAULT_MODULE_KNOBS),
         )
         for fqn in profile.fingerprint.module_fqns

@@ -47,12 +47,13 @@ def groups(profile: Profile) -> list[tuple[str, list[str]]]:
 
 def build(profile: Profile, forward: dict[str, int], backward: dict[str, int],
           knobs: KnobValues = DEFAULT_PLAN_KNOBS) -> Plan:
-    """The plan with per-module forward/backward counts (see module docstring)."""
+    """The plan with per-module forward/backward counts (see module docstring); a module outside the orders is
+    in no group and keeps FSDP2's default (``search_spaces._orders.Orders``)."""
     o = orders(profile)
     modules = {
         fqn: ModulePlan(
-            forward_prefetch=o.next_in_forward(fqn, forward[fqn]),
-            backward_prefetch=o.next_in_backward(fqn, backward[fqn]) if backward[fqn] > 1 else (),
+            forward_prefetch=o.next_in_forward(fqn, forward.get(fqn, 0)),
+            backward_prefetch=o.next_in_backward(fqn, backward[fqn]) if backward.get(fqn, 1) > 1 else (),
             reshard_after_forward=o.reshard_after_forward[fqn],
         )
         for fqn in profile.fingerprint.module_fqns

@@ -36,3 +36,13 @@ def test_the_lightning_example_tunes_to_done_on_two_cpu_processes(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=rank_env(), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "phase done" in proc.stdout or "phase watching" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_hugging_face_example_tunes_to_done_on_two_cpu_ranks(tmp_path):
+    pytest.importorskip("transformers.distributed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(EXAMPLES / "hf_trainer.py"), "--cpu", "--quick", "--storage", f"sqlite:///{tmp_path}/t.db"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=rank_env(), timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "phase done" in proc.stdout or "phase watching" in proc.stdout

@@ -2,7 +2,7 @@
 
 - :mod:`runtime.adapters.hf`: a ``transformers.TrainerCallback`` (extra ``prefetch-planner[hf]``).
 - :mod:`runtime.adapters.lightning`: a ``lightning.pytorch.Callback`` (extra ``prefetch-planner[lightning]``).
-- torchtitan: a recipe, ``docs/examples/torchtitan_recipe.py`` (the tuner on ``model_parts[0]`` after ``parallelize``).
+- :mod:`runtime.adapters.torchtitan`: torchtitan's ``Trainer`` subclassed (extra ``prefetch-planner[torchtitan]``).
 """
 
 from __future__ import annotations

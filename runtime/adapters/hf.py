@@ -1,4 +1,4 @@
-"""``runtime.AutoTuner`` in Hugging Face ``transformers.Trainer`` (Accelerate's FSDP2, ``fsdp_version=2``).
+"""``runtime.AutoTuner`` in Hugging Face ``transformers.Trainer``.
 
 ::
 
@@ -7,7 +7,11 @@
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[PrefetchTuningCallback(study="my-job", storage="sqlite:///tuning.db")])
 
-The tuner is built at the first ``on_step_begin`` on the model the trainer trains (Accelerate applies
+The model is FSDP2-sharded one of two ways: by transformers itself
+(``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N))``, on GPUs and on CPU with gloo), or by
+Accelerate's FSDP plugin (``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})``, GPUs only: on CPU
+Accelerate keeps the plugin only for accelerators and trains the model under DDP, which the callback names in its
+error). The tuner is built at the first ``on_step_begin`` on the model the trainer trains (Accelerate applies
 ``fully_shard`` after ``on_train_begin``).
 One optimizer step of the Trainer, all its gradient-accumulation microbatches, is one ``tuner.step()``: it is
 entered at ``on_step_begin`` (the step's first microbatch) and left at ``on_step_end`` (after the optimizer
@@ -24,6 +28,7 @@ try:
 except ImportError as e:  # the framework is an extra, not a core dependency
     raise ImportError("runtime.adapters.hf needs transformers: pip install 'prefetch-planner[hf]'") from e
 
+from planner.errors import NotShardedError
 from runtime.adapters import root_fsdp_module
 from runtime.in_loop.autotuner import AutoTuner
 
@@ -49,7 +54,7 @@ class PrefetchTuningCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.tuner is None:  # Accelerate shards the model after on_train_begin: the first step sees it sharded
-            self.tuner = AutoTuner(root_fsdp_module(model), self.study, self.storage, self.memory_budget,
+            self.tuner = AutoTuner(sharded_model(args, model), self.study, self.storage, self.memory_budget,
                                    **self.keys)
         self._step = self.tuner.step()
         self._step.__enter__()
@@ -61,3 +66,23 @@ class PrefetchTuningCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.tuner is not None:
             self.tuner.close()  # training ended before the tuning did: FSDP2's default, trials FAIL (interrupted)
+
+
+def sharded_model(args: Any, model: Any) -> Any:
+    """The FSDP2 root of the model the Trainer trains.
+
+    Raises:
+        NotShardedError: nothing in ``model`` is wrapped with ``fully_shard``; when ``args`` asks Accelerate for
+            FSDP (``TrainingArguments(fsdp=...)``), the error says that Accelerate trains it under DDP instead
+            (it keeps its FSDP plugin only on accelerators) and how to shard it with transformers on CPU.
+    """
+    try:
+        return root_fsdp_module(model)
+    except NotShardedError:
+        if not getattr(args, "fsdp", None):
+            raise
+        raise NotShardedError(
+            f"PrefetchTuningCallback: TrainingArguments(fsdp={args.fsdp!r}) asks Accelerate for FSDP, but the Trainer "
+            "trains the model unsharded (on CPU Accelerate keeps its FSDP plugin only for GPUs and falls back to "
+            "DDP); shard it with from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N)) instead"
+        ) from None

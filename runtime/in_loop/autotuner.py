@@ -143,6 +143,9 @@ class AutoTuner:
 
     Raises:
         NotShardedError: ``model`` is not wrapped with ``fully_shard``, or has no FSDP module beyond the root.
+        TensorParallelError: its FSDP modules shard tensor-parallel parameters (FSDP + TP, HSDP + TP), raised
+            before any group or study is opened.
+        UnsupportedPlanError: its FSDP modules cast under different mixed-precision policies.
         StudyModelMismatchError: the study was tuned for another model.
         StudyConfigError: a bad key or value.
         StorageError: the storage cannot be opened or written.
@@ -169,6 +172,7 @@ class AutoTuner:
                                    "candidate ran out of memory is skipped) or \"raise\"")
         self.on_oom = on_oom
         self.model = model
+        self.fingerprint = model_fingerprint(model)  # first: a model refused here opens no group and no study
         self.rank0 = dist.get_rank() == 0
         self._tmp = tempfile.TemporaryDirectory(prefix="prefetch-planner-") if self.rank0 else None
         if storage is None:  # the one default: sqlite:///studies/NAME.db in the working directory
@@ -179,7 +183,6 @@ class AutoTuner:
         keys.setdefault("backend", "nccl" if "nccl" in str(dist.get_backend()) else "gloo")
         self.config = in_loop_config(study, storage, memory_budget, **keys)
         self._group = control_group(self.config.launch.timeout_s)
-        self.fingerprint = model_fingerprint(model)
         self.default = fsdp2_default(model)  # every module, so applying it undoes any other plan
         self.own_plan = own_plan(model)
         self.phase = TunerPhase.RECORDING

@@ -479,6 +479,19 @@ def profiler_marks(prof: Any, prefix: str) -> list[tuple[int, str]]:
     return out
 
 
+def profiler_mark(name: str) -> Any:
+    """An empty block named ``name`` in the running profiler's trace, for :func:`profiler_marks` to find.
+
+    Why: ``torch.profiler.record_function`` enters through the dispatcher
+    (``torch.ops.profiler._record_function_enter_new``), so a mark inside a region under selective activation
+    checkpointing is an op that region's ``torch.utils.checkpoint`` dispatch mode sees in the recomputation and
+    not in the forward, and raises ("encountered during backward but not found in storage"). Reads
+    ``torch._C._profiler._RecordFunctionFast``, the record function ``torch.profiler`` itself uses outside the
+    dispatcher.
+    """
+    return torch._C._profiler._RecordFunctionFast(name)
+
+
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A default process group of ``world_size`` ranks in this one process, whose collectives do nothing.

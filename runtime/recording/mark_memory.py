@@ -3,8 +3,9 @@
 [Note: Backward temporaries] in :mod:`runtime.recording.compute_timer` says why. On GPU a mark reads the caching
 allocator's counters (``memory_allocated``, ``max_memory_allocated``, then ``reset_peak_memory_stats``), host-side
 and in program order, as the allocator accounts them. On CPU there are no counters: the run goes under
-``torch.profiler.profile(profile_memory=True)``, each mark is an empty ``record_function`` block, and the marks
-are read against the allocation events after the run (:func:`memory_at_marks`).
+``torch.profiler.profile(profile_memory=True)``, each mark is an empty record-function block, entered outside the
+dispatcher (``torch_private.profiler_mark``), and the marks are read against the allocation events after the run
+(:func:`memory_at_marks`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
-from runtime.ranks.torch_private import profiler_allocations, profiler_marks, profiler_running
+from runtime.ranks.torch_private import profiler_allocations, profiler_mark, profiler_marks, profiler_running
 from runtime.recording.peak_memory import stderr_silenced
 
 MARK = "prefetch-planner: mark "  # the record_function name of a mark in a profiled run on CPU
@@ -66,7 +67,7 @@ class MarkMemory:
             self.levels.append((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
             torch.cuda.reset_peak_memory_stats()
         elif self._profiling:
-            with record_function(f"{MARK}{self._marks}"):
+            with profiler_mark(f"{MARK}{self._marks}"):
                 pass
         self._marks += 1
 

@@ -52,3 +52,27 @@ def test_the_recorder_notes_the_modules_that_recompute(mesh):
     written = {name: json.loads(p.to_json())["modules"] for name, p in (("plain", plain), ("ac", profile))}
     assert not any("recompute_ms" in m for m in written["plain"])  # the file release 0.1.0 wrote
     assert {m["fqn"] for m in written["ac"] if "recompute_ms" in m and "recompute_activation_bytes" in m} == recomputes
+
+
+def test_the_recorder_runs_under_op_level_selective_checkpointing(mesh):
+    """torchtitan's op-level selective checkpointing (``torch.utils.checkpoint`` with
+    ``create_selective_checkpoint_contexts``: its debug model's default) replays the ops it saved in the
+    recomputation and raises on any op it did not see in the forward; the recorder's memory marks, made during the
+    recomputation, enter outside the dispatcher (``torch_private.profiler_mark``) and so are no such op."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from runtime.recording.recorder import record_profile
+
+    def policy(ctx, op, *args, **kwargs):  # torchtitan's shape: keep the matmuls' outputs, recompute the rest
+        return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    workload = mlp(mesh, dim=64, layers=4)
+    for block in workload.model.blocks:  # after fully_shard, inside the FSDP module: as apply_activation_checkpointing
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
+                                          context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    profile = record_profile(workload, warmup_steps=1, steps=1, repeats=2)
+    assert {fqn for fqn, m in profile.modules.items() if m.recompute_ms > 0} == {f"blocks.{i}" for i in range(4)}

@@ -147,3 +147,23 @@ def test_assign_skips_backward_all_gathers_only_where_backward_reads_no_paramete
     assert (
         simulate(p, plan).comm_ms < simulate(p, ASSIGN.suggest(optuna.trial.FixedTrial(ASSIGN.grid(p)[0]), p)).comm_ms
     )
+
+
+def test_a_module_outside_the_roots_forward_keeps_fsdp2s_default(make_profile):
+    """A module the recorder saw outside the root's forward (torchtitan's ``ChunkedLossWrapper`` calls ``lm_head``
+    from the loss) is in neither order: every space's plans leave it without prefetch, no module prefetches it,
+    and the simulator runs them."""
+    import dataclasses
+
+    p = make_profile(n_blocks=4)
+    outside = "b3"
+    p = dataclasses.replace(p, pre_forward_order=tuple(f for f in p.pre_forward_order if f != outside),
+                            post_forward_order=tuple(f for f in p.post_forward_order if f != outside))
+    assert outside in p.fingerprint.module_fqns
+    for space in (UNIFORM, PER_MODULE, ASSIGN):
+        for params in space.grid(p):
+            plan = space.suggest(optuna.trial.FixedTrial(params), p)
+            plan.validate()
+            assert plan.modules[outside].forward_prefetch == plan.modules[outside].backward_prefetch == ()
+            assert all(outside not in m.forward_prefetch + m.backward_prefetch for m in plan.modules.values())
+            assert simulate(p, plan).step_ms > 0

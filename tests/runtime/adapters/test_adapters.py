@@ -3,7 +3,9 @@ bitwise the bare loop's, and the tuner done."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 
 import pytest
 
@@ -36,3 +38,57 @@ def test_lightning_end_to_end(tmp_path):
         tuned = json.loads((tmp_path / f"tune-{rank}.json").read_text())
         assert len(bare["losses"]) == 80 and tuned["losses"] == bare["losses"]
         assert tuned["phase"] == "done"
+
+
+def _same_losses_and_done(tmp_path, name: str, steps: int) -> None:
+    for rank in (0, 1):
+        bare = json.loads((tmp_path / f"bare-{rank}.json").read_text())
+        tuned = json.loads((tmp_path / f"tune-{rank}.json").read_text())
+        assert len(bare["losses"]) >= steps and tuned["losses"] == bare["losses"], name
+        assert tuned["phase"] == "done" and tuned["steps_tuning"] < steps, name
+
+
+@pytest.mark.slow
+def test_hugging_face_trainer_end_to_end(tmp_path):
+    """``Trainer.train()`` on a small Llama that transformers shards with FSDP2 on CPU (``from_pretrained(...,
+    distributed_config=DistributedConfig(fsdp_size=2))``), 2 microbatches a step, with the callback: every
+    microbatch's loss bitwise the same train's without it, and the tuner done within its 60 steps."""
+    pytest.importorskip("transformers.distributed")
+    for mode in ("bare", "tune"):
+        run_ranks("hf_e2e.py", mode, str(tmp_path), "60")
+    _same_losses_and_done(tmp_path, "hf", 60)
+
+
+def test_the_hf_callback_names_accelerates_fallback_to_ddp():
+    """``TrainingArguments(fsdp=...)`` on CPU: Accelerate drops its FSDP plugin and trains the model under DDP, so
+    the callback finds nothing sharded and says why, in one line."""
+    pytest.importorskip("transformers")
+    from torch import nn
+    from transformers import TrainingArguments
+
+    from planner.errors import NotShardedError
+    from runtime.adapters.hf import sharded_model
+
+    fsdp = TrainingArguments(output_dir="unused", use_cpu=True, fsdp=True, fsdp_config={"fsdp_version": 2},
+                             report_to=[])
+    with pytest.raises(NotShardedError, match="falls back to DDP.*DistributedConfig") as e:
+        sharded_model(fsdp, nn.Linear(2, 2))
+    assert "\n" not in str(e.value)
+    with pytest.raises(NotShardedError, match="holds no module wrapped with fully_shard"):
+        sharded_model(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]), nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_torchtitan_trainer_end_to_end(tmp_path):
+    """torchtitan 0.3's own ``Trainer`` on its llama3 debug model (2 CPU ranks, seq_len 64, ``ChunkedLossWrapper``
+    calling ``lm_head`` from the loss, selective activation checkpointing), as ``TunedTrainer``: every
+    microbatch's loss bitwise the plain ``Trainer``'s, and the tuner done within 60 steps. Under CI, where
+    ``.ci/run`` installs torchtitan, a missing torchtitan fails instead of skipping."""
+    if importlib.util.find_spec("torchtitan") is None:
+        if os.environ.get("CI"):
+            raise AssertionError("torchtitan is not installed; .ci/run installs it (pip install --no-deps "
+                                 "torchtitan==0.3.0 and its import-time dependencies)")
+        pytest.skip("torchtitan is not installed: pip install 'prefetch-planner[torchtitan]'")
+    for mode in ("bare", "tune"):
+        run_ranks("torchtitan_e2e.py", mode, str(tmp_path), "60")
+    _same_losses_and_done(tmp_path, "torchtitan", 60)

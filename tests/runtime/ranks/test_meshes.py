@@ -71,3 +71,18 @@ def test_bf16_mixed_precision_is_read_from_fsdp2s_parameters():
         mixed = [bf16, MixedPrecisionPolicy(), bf16]
         with pytest.raises(UnsupportedPlanError, match="different mixed-precision dtypes"):
             model_fingerprint(_model(fsdp, policies=mixed), 4)
+
+
+def test_the_autotuner_stops_on_fsdp_and_hsdp_with_tensor_parallelism_in_one_line(tmp_path):
+    """dp 2 x tp 2, and HSDP (1 x 2) x tp 2: the AutoTuner stops at construction, naming tensor parallelism, before
+    it opens a study or runs a step."""
+    from runtime import AutoTuner
+
+    with fake_process_group(4):
+        for shape, names in (((2, 2), ("dp", "tp")), ((1, 2, 2), ("replicate", "shard", "tp"))):
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            model = _model(mesh[names[:-1]] if len(names) == 3 else mesh["dp"], mesh["tp"])
+            with pytest.raises(TensorParallelError, match="tensor parallelism") as e:
+                AutoTuner(model, "tp", f"sqlite:///{tmp_path}/tp.db")
+            assert "\n" not in str(e.value)
+    assert not (tmp_path / "tp.db").exists()

@@ -141,18 +141,19 @@ def test_tracker_counts_the_blocks_alive(model):
 
 
 def test_profiler_allocations_and_marks_share_one_clock():
+    """The recorder's marks (``profiler_mark``, outside the dispatcher) and ``record_function`` blocks alike."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     assert not torch_private.profiler_running()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         assert torch_private.profiler_running()
-        with record_function("test: mark 0"):
+        with torch_private.profiler_mark("test: mark 0"):
             pass
         kept = torch.empty(1 << 20, dtype=torch.uint8)
         with record_function("test: mark 1"):
             pass
         del kept
-        with record_function("test: mark 2"):
+        with torch_private.profiler_mark("test: mark 2"):
             pass
     marks = torch_private.profiler_marks(prof, "test: mark ")
     assert [name for _, name in marks] == ["test: mark 0", "test: mark 1", "test: mark 2"]
