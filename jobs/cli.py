@@ -24,6 +24,7 @@ from jobs.launching import exit_on_rank_error, exit_with_ranks, handed_over, log
 from planner.artifacts.config import StudyConfig
 from planner.errors import PlannerError
 from planner.presentation import cli as planner_cli
+from planner.simulation.what_if import WhatIf
 from planner.version import DISTRIBUTION
 
 
@@ -75,7 +76,7 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
     from planner.study.measured import job_name
     from runtime.ranks.launch import in_torchrun, launch_ranks
 
-    ask = planner_cli.WhatIf(**{f.name: options.pop(f.name) for f in dataclasses.fields(planner_cli.WhatIf)})
+    ask = WhatIf(**{f.name: options.pop(f.name) for f in dataclasses.fields(WhatIf)})
     config = study_config(study_toml, validated_config, **options)  # --storage, --sim-trials, ...: the study's keys
     ask.check()
     if ask.target is not None:

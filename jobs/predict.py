@@ -14,7 +14,7 @@ from pathlib import Path
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError
-from planner.presentation.cli import WhatIf
+from planner.simulation.what_if import WhatIf
 from planner.units import mib
 
 
@@ -36,8 +36,6 @@ def tune_for_target(config: StudyConfig, ask: WhatIf, profile_path: str, plan_ou
         PlannerError: the plan cannot be written.
     """
     from planner.errors import ProfileFormatError
-    from planner.presentation.cli import load_target_or_preset
-    from planner.simulation.depth import deepen
     from planner.study.predicted import predict_for_target, store_predicted
     from search_spaces import get_space
     from search_spaces.session import optuna_quiet
@@ -45,15 +43,11 @@ def tune_for_target(config: StudyConfig, ask: WhatIf, profile_path: str, plan_ou
     if not Path(profile_path).is_file():
         raise ProfileFormatError(f"no profile at {profile_path!r}: tune --target predicts from the study's profile; "
                                  "record one (`prefetch-planner profile STUDY_TOML`) or pass --from-profile FILE")
-    target = load_target_or_preset(ask.target, ask.world_size, ask.mesh)
-    recorded = Profile.load(profile_path)
-    profile, lines = recorded, []
-    if ask.depth is not None:
-        deepened = deepen(recorded, ask.depth, ask.blocks)
-        profile = deepened.profile
-        lines.append(f"depth       {deepened.report.describe()}")
+    scenario = ask.apply(Profile.load(profile_path))
+    recorded, profile, target = scenario.recorded, scenario.profile, scenario.target
+    lines = [f"depth       {scenario.deepened.report.describe()}"] if scenario.deepened is not None else []
     with optuna_quiet():  # not a line per simulated trial
-        predicted = predict_for_target(config, profile, target, get_space(config.search.space), recorded, progress)
+        predicted = predict_for_target(config, scenario, get_space(config.search.space), progress)
         number = store_predicted(config.storage_url, config.name, predicted)
     plan = predicted.plan
     try:

@@ -193,6 +193,33 @@ def test_a_back_arrow_is_found():
         "planner.study.session -> planner.presentation.report"]
 
 
+def what_if_offenders(sources: dict[str, str]) -> list[str]:
+    """``path:line`` of every call of ``deepen`` or ``retarget`` in ``sources`` (path -> text)."""
+    offenders = []
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name in ("deepen", "retarget"):
+                    offenders.append(f"{path}:{node.lineno} {name}")
+    return offenders
+
+
+def test_the_what_if_has_one_corridor():
+    """``simulate``, ``tune --target`` and the predicted stage share one what-if (``planner.simulation.what_if``):
+    nothing else in the planner or the jobs deepens or re-targets a profile, and no job module but the command line
+    itself (``jobs.cli``, which adds the planner's commands to its group) imports the planner's command-line
+    module."""
+    pipeline = {ROOT / "planner" / "simulation" / name for name in ("what_if.py", "depth.py", "link.py", "band.py")}
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in _sources("planner", "jobs") if p not in pipeline}
+    assert what_if_offenders(sources) == []
+    assert what_if_offenders({"jobs/predict.py": "x = deepen(recorded, 32)\nlink.retarget(p, t)\n"}) == [
+        "jobs/predict.py:1 deepen", "jobs/predict.py:2 retarget"]
+    graph = _import_graph()
+    assert sorted(a for a, targets in graph.items()
+                  if a.startswith("jobs.") and a != "jobs.cli" and "planner.presentation.cli" in targets) == []
+
+
 # What a package never imports, not even inside a function or under TYPE_CHECKING.
 NEVER_IMPORTS = {
     # The planner runs where torch and the runtime are absent; the search spaces are handed to it

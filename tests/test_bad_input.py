@@ -39,9 +39,9 @@ from planner.errors import (
     TraceFormatError,
     WorkloadError,
 )
-from planner.presentation.cli import WhatIf, load_target_or_preset
 from planner.simulation.depth import deepen
 from planner.simulation.link import retarget
+from planner.simulation.what_if import WhatIf
 from planner.storages import check_writable, open_storage
 from planner.testing import assert_one_line_error, make_study_db, synthetic_profile
 from planner.traces.trace_profile import profile_from_traces
@@ -199,7 +199,7 @@ CASES = {
         "no preset 'dgx-9000'; presets are", lambda w: load_target(w / "target.toml"), TargetError),
     "target mesh not written REPLICATExSHARD": Case(
         lambda w: ["simulate", str(w / "profile.json"), "--target", "cpu-emulated-1gbit", "--mesh", "4"],
-        "--mesh '4': write REPLICATExSHARD", lambda w: load_target_or_preset("cpu-emulated-1gbit", mesh="4"),
+        "--mesh '4': write REPLICATExSHARD", lambda w: WhatIf("cpu-emulated-1gbit", mesh="4").load_target(),
         TargetError),
     "link nccl-tests file that does not exist": Case(
         lambda w: target_case(w, TARGET.replace('bandwidth = "1Gbit/s"', 'nccl_tests = "missing.txt"')),

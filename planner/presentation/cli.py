@@ -38,25 +38,9 @@ def main() -> None:
     """Simulate plans and query studies (the commands that need no ranks; the full CLI is `prefetch-planner`)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class WhatIf:
-    """The cluster a prediction is for, as the command line gives it (``--target``, ``--world-size``, ``--mesh``,
-    ``--depth``, ``--blocks``): ``simulate`` and ``tune --target`` take the same options."""
-
-    target: str | None = None
-    world_size: int | None = None
-    mesh: str | None = None
-    depth: int | None = None
-    blocks: str = "layers.*"
-
-    def check(self) -> None:
-        """Raises PlannerError: ``--world-size`` or ``--mesh`` without ``--target``."""
-        if self.target is None and (self.world_size is not None or self.mesh is not None):
-            raise PlannerError("--world-size and --mesh go with --target (a preset or a target TOML)")
-
-
 def what_if_options(command):
-    """The :class:`WhatIf` options, added to a click command (its function takes them as keyword arguments)."""
+    """The :class:`planner.simulation.what_if.WhatIf` options, added to a click command (its function takes them
+    as keyword arguments)."""
     options = [
         click.option("--target", help="Predict for this cluster: a preset's name (`presets` lists them, e.g. "
                                       "h100-ib400) or a target TOML (world size, ranks per node, backend, links)."),
@@ -85,33 +69,16 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, **what_if) ->
     the step's band and what it rests on."""
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
-    from planner.simulation.parameters import profile_params, simulator_for
+    from planner.simulation.what_if import WhatIf
 
-    ask = WhatIf(**what_if)
-    ask.check()
-    profile = recorded = Profile.load(profile_json)
-    params = profile_params(profile)  # solved on the recorded step, before any extension
-    deepened = None
-    if ask.depth is not None:
-        from planner.simulation.depth import deepen
-
-        deepened = deepen(profile, ask.depth, ask.blocks)
-        profile = deepened.profile
-    plan = Plan.load(plan_json) if plan_json else Plan.default(profile)
-    travelled = plan.check_matches(profile)
+    scenario = WhatIf(**what_if).apply(Profile.load(profile_json))
+    deepened, target, retargeted = scenario.deepened, scenario.target, scenario.retargeted
+    plan = Plan.load(plan_json) if plan_json else Plan.default(scenario.profile)
+    travelled = plan.check_matches(scenario.profile)
     if travelled is not None:
         click.echo(f"warning: {travelled}", err=True)
-    target = retargeted = band = None
-    simulated = profile
-    if ask.target:
-        from planner.simulation.band import step_band
-        from planner.simulation.link import retarget
-
-        target = load_target_or_preset(ask.target, ask.world_size, ask.mesh)
-        retargeted = retarget(profile, target, recorded_profile=recorded)
-        simulated = retargeted.profile
-        band = step_band(profile, target, plan, params, recorded)
-    r = simulator_for(simulated, params).run(plan, trace=bool(trace_out or png_out))
+    band = scenario.band(plan)
+    r = scenario.simulator().run(plan, trace=bool(trace_out or png_out))
     title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
     if trace_out:
         from planner.simulation.trace import write_chrome_trace
@@ -120,7 +87,7 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, **what_if) ->
     if png_out and plan_json:
         from planner.simulation.trace import write_comparison_png
 
-        default = simulator_for(simulated, params).run(Plan.default(simulated), trace=True)
+        default = scenario.simulator().run(Plan.default(scenario.simulated), trace=True)
         write_comparison_png([("FSDP2 default", default), (Path(plan_json).name, r)], png_out)
     elif png_out:
         from planner.simulation.trace import write_png
@@ -175,25 +142,6 @@ def _print_result(r, band) -> None:
     click.echo(f"exposed comm  {r.exposed_comm_ms:10.1f} ms")
     click.echo(f"peak memory   {mib(r.peak_bytes, unit=False):>10} MiB")
     click.echo(f"lower bound   {r.lower_bound_ms:10.1f} ms  (step / bound = {r.ratio_to_lower_bound:.3f})")
-
-
-def load_target_or_preset(spec: str, world_size: int | None = None, mesh: str | None = None):
-    """``--target`` with ``--world-size`` and ``--mesh`` (``"8x8"``) over it.
-
-    Raises:
-        TargetError: as :func:`planner.artifacts.target.load_target`; a mesh not written ``REPLICATExSHARD``.
-    """
-    from planner.artifacts.target import load_target
-    from planner.errors import TargetError
-
-    shape = None
-    if mesh is not None:
-        try:
-            replicate, shard = (int(x) for x in mesh.lower().split("x"))
-            shape = (replicate, shard)
-        except ValueError:
-            raise TargetError(f"--mesh {mesh!r}: write REPLICATExSHARD, e.g. 8x8") from None
-    return load_target(spec, world_size=world_size, mesh=shape)
 
 
 @main.command("presets")

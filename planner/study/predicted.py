@@ -24,9 +24,8 @@ import optuna
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan, Source
-from planner.artifacts.profile import Profile
-from planner.artifacts.target import Target
-from planner.errors import MemoryBudgetError, PlannerError
+from planner.errors import MemoryBudgetError, PlannerError, TargetError
+from planner.simulation.what_if import Scenario
 from planner.study.search_space import SearchSpace
 
 logger = logging.getLogger(__name__)
@@ -60,34 +59,30 @@ class PredictedPlan:
         return self.plan.provenance.predicted_ms / self.default_ms
 
 
-def predict_for_target(config: StudyConfig, profile: Profile, target: Target, space: SearchSpace,
-                       recorded_profile: Profile | None = None, progress: bool = False) -> PredictedPlan:
-    """The simulated stage on ``profile`` re-timed for ``target``, in memory; its best plan within the memory budget.
+def predict_for_target(config: StudyConfig, scenario: Scenario, space: SearchSpace,
+                       progress: bool = False) -> PredictedPlan:
+    """The simulated stage on a what-if's re-targeted profile, in memory; its best plan within the memory budget.
 
     Args:
         config: the study (``[search]``: trials, sampler, memory budget).
-        profile: the profile (extended to its full depth, if it was: ``planner.simulation.depth``).
-        target: the cluster.
+        scenario: the recorded profile at its full depth on the target
+            (:meth:`planner.simulation.what_if.WhatIf.apply`, or ``Scenario.of``); it must have a target.
         space: the search space.
-        recorded_profile: the profile as recorded, when ``profile`` was extended from it (its parameters and fit).
         progress: Optuna's progress bar.
 
     Raises:
-        TargetError: as ``planner.simulation.link.retarget``.
+        TargetError: ``scenario`` has no target.
         MemoryBudgetError: a relative budget (nothing measured on the target to be relative to), or one below
             every plan's predicted peak.
     """
-    from planner.simulation.band import step_band
-    from planner.simulation.link import retarget
-    from planner.simulation.parameters import profile_params
-    from planner.simulation.simulator import Simulator
     from planner.study.candidates import distinct_plans
     from planner.study.simulated import simulated_stage
 
-    recorded = recorded_profile or profile
-    params = profile_params(recorded)
-    there = retarget(profile, target, recorded_profile=recorded).profile
-    simulator = Simulator(there, params)
+    target = scenario.target
+    if target is None:
+        raise TargetError("a prediction for a target needs one: pass --target (a preset or a target TOML)")
+    there = scenario.simulated
+    simulator = scenario.simulator()
     budget = config.search.budget()
     limit = None
     if budget is not None:
@@ -110,8 +105,7 @@ def predict_for_target(config: StudyConfig, profile: Profile, target: Target, sp
     result = simulator.run(plan)
     if result.step_ms >= default_result.step_ms:  # nothing beats the default on the target: say so, hand it over
         trial, plan, result = None, default, default_result
-    band = step_band(profile, target, plan, params, recorded)
-    default_band = step_band(profile, target, default, params, recorded)
+    band, default_band = scenario.band(plan), scenario.band(default)
     told = plan.with_provenance(
         source=Source.PREDICTED, study=config.name, predicted_ms=result.step_ms,
         predicted_peak_bytes=result.peak_bytes, memory_budget_bytes=limit, target=target.describe(),

@@ -1,17 +1,14 @@
 """Every private torch attribute this project touches, in one place, each with why it is needed.
 
-FSDP2's public API (``FSDPModule``'s ``set_*`` methods, ``unshard``,
-``reshard``) configures a model but cannot read its state back, and the one
-knob a plan needs that has no public setter yet is ``_set_unshard_async_op``.
-What the recorder, the memory tracker and the tests must read lives in
-``torch.distributed.fsdp._fully_shard`` (``FSDPState``, ``FSDPParamGroup``,
-``FSDPParam``). Everything else in the project uses public torch.
+FSDP2's public API (``FSDPModule``'s ``set_*`` methods, ``unshard``, ``reshard``) configures a model but cannot
+read its state back, and the one knob a plan needs that has no public setter yet is ``_set_unshard_async_op``.
+What the recorder, the memory tracker and the tests must read lives in ``torch.distributed.fsdp._fully_shard``
+(``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``). Everything else in the project uses public torch.
 
-``tests/runtime/ranks/test_torch_private.py`` builds a real FSDP2 model and
-exercises every function here, so a torch upgrade that renames or removes
-one fails that test by name instead of corrupting a profile.
-:data:`TESTED_TORCH` are the torch release lines the suite has passed on
-(``pyproject.toml`` admits the same range; CI runs the private-API test on each).
+``tests/runtime/ranks/test_torch_private.py`` builds a real FSDP2 model and exercises every function here, so a
+torch upgrade that renames or removes one fails that test by name instead of corrupting a profile.
+:data:`TESTED_TORCH` are the torch release lines the suite has passed on (``pyproject.toml`` admits the same
+range; CI runs the private-API test on each).
 """
 
 from __future__ import annotations
@@ -49,9 +46,8 @@ def gloo_worker_threads() -> int:
 def param_group(module: nn.Module) -> FSDPParamGroup | None:
     """The ``FSDPParamGroup`` of an FSDP module (``None`` if it manages no parameters of its own).
 
-    Why: the recorder reads how the module was wrapped and clears gradients
-    accumulated with sync off; no public accessor exists
-    (``FSDPModule._get_fsdp_state()._fsdp_param_group``).
+    Why: the recorder reads how the module was wrapped and clears gradients accumulated with sync off; no public
+    accessor exists (``FSDPModule._get_fsdp_state()._fsdp_param_group``).
     """
     return module._get_fsdp_state()._fsdp_param_group
 
@@ -130,10 +126,9 @@ def group_dtypes(group: FSDPParamGroup | None) -> CollectiveDtypes | None:
 def reshard_after_forward(module: nn.Module) -> bool:
     """Whether an FSDP module frees its unsharded parameters after forward, as wrapped.
 
-    Why: the profile records each module's setting (FSDP2's default plan
-    keeps the root's parameters: ``FSDPState._lazy_init`` sets its
-    ``post_forward_mesh_info`` to ``None``); ``set_reshard_after_forward``
-    has no getter.
+    Why: the profile records each module's setting (FSDP2's default plan keeps the root's parameters:
+    ``FSDPState._lazy_init`` sets its ``post_forward_mesh_info`` to ``None``); ``set_reshard_after_forward`` has no
+    getter.
     """
     group = param_group(module)
     return group is not None and group.post_forward_mesh_info is not None
@@ -142,13 +137,11 @@ def reshard_after_forward(module: nn.Module) -> bool:
 def clear_unsharded_grads(module: nn.Module) -> None:
     """Drop gradients accumulated on an FSDP module's unsharded parameters (sync off).
 
-    Why: the recorder times compute with ``set_requires_gradient_sync(False)``;
-    the gradients it leaves on the unsharded parameters
-    (``FSDPParam.unsharded_accumulated_grad``, ``FSDPParam._unsharded_param.grad``)
-    would otherwise be reduced by the next synced backward and change training.
-    From torch 2.15 ``unsharded_accumulated_grad`` is a read-only property that
-    reads ``_unsharded_param.grad`` (the autograd leaf owns accumulation), so
-    only the latter is cleared there.
+    Why: the recorder times compute with ``set_requires_gradient_sync(False)``; the gradients it leaves on the
+    unsharded parameters (``FSDPParam.unsharded_accumulated_grad``, ``FSDPParam._unsharded_param.grad``) would
+    otherwise be reduced by the next synced backward and change training. From torch 2.15
+    ``unsharded_accumulated_grad`` is a read-only property that reads ``_unsharded_param.grad`` (the autograd leaf
+    owns accumulation), so only the latter is cleared there.
     """
     group = param_group(module)
     for fsdp_param in group.fsdp_params if group is not None else ():
@@ -480,15 +473,9 @@ def profiler_marks(prof: Any, prefix: str) -> list[tuple[int, str]]:
 
 
 def profiler_mark(name: str) -> Any:
-    """An empty block named ``name`` in the running profiler's trace, for :func:`profiler_marks` to find.
-
-    Why: ``torch.profiler.record_function`` enters through the dispatcher
-    (``torch.ops.profiler._record_function_enter_new``), so a mark inside a region under selective activation
-    checkpointing is an op that region's ``torch.utils.checkpoint`` dispatch mode sees in the recomputation and
-    not in the forward, and raises ("encountered during backward but not found in storage"). Reads
-    ``torch._C._profiler._RecordFunctionFast``, the record function ``torch.profiler`` itself uses outside the
-    dispatcher.
-    """
+    """An empty block named ``name`` in the running profiler's trace (:func:`profiler_marks` finds it), entered
+    outside the dispatcher (``torch._C._profiler._RecordFunctionFast``). Why: ``record_function`` is a dispatcher
+    op, which selective activation checkpointing's recomputation raises on when its forward did not run it."""
     return torch._C._profiler._RecordFunctionFast(name)
 
 

@@ -14,6 +14,7 @@ from jobs.cli import main
 from planner.artifacts.plan import Plan, Source
 from planner.artifacts.target import load_target
 from planner.errors import PlanMismatchError, StudyNotFoundError
+from planner.simulation.what_if import Scenario
 from planner.study.in_loop import predicted_start
 from planner.study.predicted import predict_for_target, predicted_for, predicted_plans, store_predicted
 from planner.study.queries import best_plan, best_plan_for
@@ -26,7 +27,7 @@ TARGET = dict(world_size=4, ranks_per_node=2)
 
 def predicted(tmp_path, profile):
     config = study_config(tmp_path, sim_trials=60, measured_trials=2, space="per_module")
-    return config, predict_for_target(config, profile, load_target("cpu-emulated-1gbit", **TARGET),
+    return config, predict_for_target(config, Scenario.of(profile, load_target("cpu-emulated-1gbit", **TARGET)),
                                       get_space("per_module"))
 
 

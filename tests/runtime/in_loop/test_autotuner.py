@@ -12,6 +12,7 @@ import pytest
 
 from planner.artifacts.profile import Profile
 from planner.artifacts.target import load_target
+from planner.simulation.what_if import Scenario
 from planner.study.in_loop import SOURCE, in_loop_config
 from planner.study.predicted import predict_for_target
 from planner.study.records import MeasuredTrialRecord
@@ -122,8 +123,9 @@ def test_the_next_start_reuses_the_study(tmp_path):
     # tuner: it races first, right after FSDP2's default, and is kept only if confirmed faster here
     predicted = f"sqlite:///{tmp_path}/predicted.db"
     config = in_loop_config("in-loop", predicted, **KEYS)
-    plan = predict_for_target(config, Profile.from_json((tmp_path / "profile.json").read_text()),
-                              load_target("cpu-emulated-1gbit"), get_space(config.search.space)).plan
+    recorded = Profile.from_json((tmp_path / "profile.json").read_text())
+    scenario = Scenario.of(recorded, load_target("cpu-emulated-1gbit"))
+    plan = predict_for_target(config, scenario, get_space(config.search.space)).plan
     plan.to_json(tmp_path / "predicted.plan.json")
     fifth = run_loop(tmp_path, MLP, 70, "tune", predicted, start_from=str(tmp_path / "predicted.plan.json"))
     new = _measured(predicted)
