@@ -112,14 +112,14 @@ def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profil
     from runtime.ranks.collectives import gather_objects
     from runtime.ranks.torch_private import reshard_after_forward
     from runtime.recording.collective_timer import module_collectives
-    from runtime.recording.recorder import isolated_figures
+    from runtime.recording.recorder import isolated_measurements
     from runtime.timing import device_type_of
     from runtime.workload import fsdp_modules
 
     modules = fsdp_modules(workload.model)
     device = device_type_of(workload)
-    raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
-    isolated_figures(workload, profile.fingerprint, repeats, device, raf, collectives=False)
+    resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
+    isolated_measurements(workload, profile.fingerprint, repeats, device, resharding, collectives=False)
     per_rank = gather_objects(module_collectives(modules, profile.fingerprint, repeats, device))
     modules_after = {fqn: dataclasses.replace(
         m, all_gather_ms=max(r[0][fqn].all_gather_ms for r in per_rank),

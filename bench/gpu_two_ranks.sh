@@ -63,7 +63,7 @@ else
     echo "=== hf: skipped: accelerate is not installed here (put its wheel in .whl/)" | tee -a "$log"
 fi
 if [ $dry = 1 ] || python3 -c 'import torchtitan' 2>/dev/null; then
-    stage torchtitan 40 "${two[@]}" docs/examples/torchtitan_recipe.py --debug-model --quick --steps 60 --storage "sqlite:///$out/torchtitan.db"
+    stage torchtitan 15 "${two[@]}" docs/examples/torchtitan_recipe.py --debug-model --quick --steps 20 --storage "sqlite:///$out/torchtitan.db"
 else
     echo "=== torchtitan: skipped: torchtitan is not installed here, and its dependencies do not fit the 64 MiB" \
         "a run carries" | tee -a "$log"

@@ -114,7 +114,7 @@ class TuneJob:
                         self.session = self._session(profile)
                         self.session.user_plan = user_plan
                     result = self._measure(workload, group, rank0)
-                    outcome = self.session.finish(result.told, result.failed) if rank0 else None
+                    outcome = self.session.finish(result.plans_measured, result.failed) if rank0 else None
                     ended = True
                     return outcome
                 except BaseException as e:

@@ -98,7 +98,7 @@ class AssignSpace:
 
     def suggest(self, trial: Any, profile: Profile) -> Plan:
         """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
-        forward, backward, raf, module_knobs = {}, {}, {}, {}
+        forward, backward, resharding, module_knobs = {}, {}, {}, {}
         for name, members in groups(profile):
             fwd = trial.suggest_int(f"fwd:{name}", 0, WINDOW)
             bwd = trial.suggest_int(f"bwd:{name}", 1, WINDOW)
@@ -106,9 +106,9 @@ class AssignSpace:
             own = KnobValues({k.name: knobs.suggest(trial, k, f"{k.param}:{name}") for k in _module_knobs(
                 profile, members)}, module=True)
             for f in members:
-                forward[f], backward[f], raf[f], module_knobs[f] = fwd, bwd, keep, own
+                forward[f], backward[f], resharding[f], module_knobs[f] = fwd, bwd, keep, own
         plan_knobs = knobs.sample(trial, profile.fingerprint.device_type, profile.microbatches)
-        return build(profile, forward, backward, raf, plan_knobs, module_knobs)
+        return build(profile, forward, backward, resharding, plan_knobs, module_knobs)
 
     def grid(self, profile: Profile) -> list[TrialParams]:
         """The uniform grid written in this space's parameters (FSDP2's default first), then "keep the last k".
@@ -135,11 +135,11 @@ class AssignSpace:
                         [g["reshard_after_forward"]] * len(names)) for g in UniformSpace().grid(profile)]
 
 
-def _params(profile: Profile, names: list[str], fwd: int, bwd: int, plan_knobs: KnobValues, raf: list[bool]
+def _params(profile: Profile, names: list[str], fwd: int, bwd: int, plan_knobs: KnobValues, resharding: list[bool]
             ) -> TrialParams:
     params: TrialParams = {f"fwd:{n}": fwd for n in names}
     params.update({f"bwd:{n}": bwd for n in names})
-    params.update({f"raf:{n}": r for n, r in zip(names, raf, strict=True)})
+    params.update({f"raf:{n}": r for n, r in zip(names, resharding, strict=True)})
     params.update({f"{k.param}:{n}": k.default for n, members in groups(profile)
                    for k in _module_knobs(profile, members)})
     params.update({name: plan_knobs[name]

@@ -15,7 +15,7 @@ from typing import Any
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.json_types import JsonObject
-from planner.artifacts.rank_figures import OverlapTimings, RankFigures
+from planner.artifacts.rank_measurements import OverlapTimings, RankMeasurements
 from planner.artifacts.schema import SCHEMA_VERSION, ProfileDocument, dump_checked, load_checked
 from planner.errors import ProfileFormatError
 
@@ -189,7 +189,8 @@ class Profile:
             max across ranks, bytes (``runtime.recording.peak_memory``: the allocator's
             peak on GPU, profiled tensor bytes on CPU); ``None`` in profiles
             recorded before it was measured on CPU.
-        per_rank: each rank's figures before consolidation (:class:`planner.artifacts.rank_figures.RankFigures`).
+        per_rank: each rank's measurements before consolidation
+            (:class:`planner.artifacts.rank_measurements.RankMeasurements`).
         consolidation: how per-rank figures were merged (``"max"``).
         microbatches: forward/backward passes per optimizer step (gradient
             accumulation); the module figures are per microbatch.
@@ -225,7 +226,7 @@ class Profile:
     optimizer_temp_bytes: int = 0
     measured_step_ms: float | None = None
     measured_peak_bytes: int | None = None
-    per_rank: list[RankFigures] = field(default_factory=list)
+    per_rank: list[RankMeasurements] = field(default_factory=list)
     consolidation: str = "max"
     microbatches: int = 1
     calibration: dict[str, float] | None = None
@@ -304,7 +305,7 @@ class Profile:
         modules = {m.fqn: ModuleProfile(**dict(m)) for m in doc.modules}
         fields = {k: v for k, v in dict(doc).items() if k not in ("fingerprint", "modules", "in_step", "per_rank")}
         profile = cls(fingerprint=Fingerprint(**dict(doc.fingerprint)), modules=modules, in_step=in_step,
-                      per_rank=[RankFigures.from_document(r) for r in doc.per_rank], **fields)
+                      per_rank=[RankMeasurements.from_document(r) for r in doc.per_rank], **fields)
         unknown = set(profile.post_forward_order) - set(modules)
         if unknown:
             raise ProfileFormatError(f"post_forward_order names modules with no figures: {sorted(unknown)}")

@@ -146,9 +146,9 @@ class OverlapDocument(Document):
     overlapped_ms: float
 
 
-class ModuleFiguresDocument(Document):
-    """One module of a rank's figures (:class:`planner.artifacts.rank_figures.ModuleFigures`); the fields release
-    0.1.0 wrote first, in its order, then the later ones (written only where not 0 or null)."""
+class ModuleMeasurementsDocument(Document):
+    """One module of a rank's measurements (:class:`planner.artifacts.rank_measurements.ModuleMeasurements`); the
+    fields release 0.1.0 wrote first, in its order, then the later ones (written only where not 0 or null)."""
 
     fwd_ms: float
     bwd_ms: float
@@ -166,9 +166,9 @@ class ModuleFiguresDocument(Document):
     activation_post_bytes: int | None = None
 
 
-class RankFiguresDocument(Document):
-    """One rank's figures in ``per_rank`` (:class:`planner.artifacts.rank_figures.RankFigures`), flat; the fields
-    release 0.1.0 wrote first, in its order, then the later ones (written only where set)."""
+class RankMeasurementsDocument(Document):
+    """One rank's measurements in ``per_rank`` (:class:`planner.artifacts.rank_measurements.RankMeasurements`),
+    flat; the fields release 0.1.0 wrote first, in its order, then the later ones (written only where set)."""
 
     rank: int
     step_ms: float
@@ -179,7 +179,7 @@ class RankFiguresDocument(Document):
     optimizer_state_bytes: int = 0
     pre_forward_order: tuple[str, ...]
     post_forward_order: tuple[str, ...]
-    modules: dict[str, ModuleFiguresDocument]
+    modules: dict[str, ModuleMeasurementsDocument]
     calls: dict[str, int] = Field(default_factory=dict)
     async_ratio: float | None = None
     step_faults: int | None = None
@@ -212,7 +212,7 @@ class ProfileDocument(Document):
     optimizer_temp_bytes: int = 0
     measured_step_ms: float | None = None
     measured_peak_bytes: int | None = None
-    per_rank: list[RankFiguresDocument] = Field(default_factory=list)
+    per_rank: list[RankMeasurementsDocument] = Field(default_factory=list)
     consolidation: str = "max"
     microbatches: int = Field(1, ge=1)
     calibration: dict[str, float] | None = None

@@ -364,10 +364,10 @@ def studies_pareto(name, storage, png) -> None:
 
 def _plan_line(params: dict) -> str:
     """A plan's parameters on one line; per-module reshard flags as "k of n groups kept unsharded after forward"."""
-    raf = [v for k, v in params.items() if k.startswith("raf:")]
+    resharding = [v for k, v in params.items() if k.startswith("raf:")]
     line = json.dumps(_short({k: v for k, v in params.items() if not k.startswith("raf:")}))
-    if raf:
-        line += f", {sum(not v for v in raf)} of {len(raf)} module groups kept unsharded after forward"
+    if resharding:
+        line += f", {sum(not v for v in resharding)} of {len(resharding)} module groups kept unsharded after forward"
     return line
 
 

@@ -39,11 +39,11 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
     """The lines ``prefetch-planner tune`` prints when the job ends (rank 0)."""
     lines = [f"trial {number} FAIL: {reason}" for number, reason in outcome.failed.items()]
     race = outcome.race
-    if not outcome.told or race is None:
+    if not outcome.plans_measured or race is None:
         return lines + ["no plan was measured in this job; nothing written"]
     lines.append(f"\n  {'trial':>5}  {'predicted ms':>12}  {'race ms':>9}  {'race ratio':>10}  {'rounds':>6}  "
                  f"{'peak MiB pred/meas':>18}  plan")
-    for j, p in enumerate(outcome.told):
+    for j, p in enumerate(outcome.plans_measured):
         pv = p.provenance
         ratio = 1.0 if j == race.default else math.exp(statistics.median(race.log_ratios(j, race.default)))
         label = ("yours (the plan the model arrived with)" if pv.source == Source.USER else
@@ -60,14 +60,14 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
                     "80% power" if math.isfinite(detectable) else
                     "; too few rounds for its sign test to drop a plan" if detectable == math.inf else ""))
     lines += _verdict_lines(outcome, study)
-    budget = outcome.told[0].provenance.memory_budget_bytes
+    budget = outcome.plans_measured[0].provenance.memory_budget_bytes
     if budget is not None and outcome.written is not None:
         peak = outcome.written.provenance.measured_peak_bytes
         lines.append(f"memory budget {mib(budget, 0)} per rank: the written plan's measured peak is {mib(peak, 0)}")
     c = outcome.calibration
     if c is not None:
         saved = "saved with the profile for later runs" if c.accepted else "not saved"
-        lines.append(f"calibration on these {len(outcome.told)} measured plans: {c.reason}; {saved}")
+        lines.append(f"calibration on these {len(outcome.plans_measured)} measured plans: {c.reason}; {saved}")
     lines.append(f"profile written to {outcome.profile_out}")
     return lines
 
@@ -92,7 +92,7 @@ def _verdict_lines(outcome: TuneOutcome, study: str) -> list[str]:
 def _baseline(outcome: TuneOutcome) -> str:
     """The round's baseline, in words: the first plan measured ([Note: The user's plan is the baseline] in
     ``planner.study.session``)."""
-    return baseline_name(outcome.told[0].provenance.source == Source.USER)
+    return baseline_name(outcome.plans_measured[0].provenance.source == Source.USER)
 
 
 def design_line(d: ConfirmDesign) -> str:

@@ -287,18 +287,18 @@ class Simulator:
                 ``reshard_after_forward``): its post-forward mesh, memory and backward all-gather are not modelled.
         """
         idx, n = self._index, len(self._names)
-        fwd_lists, bwd_lists, raf = [()] * n, [()] * n, [True] * n  # left out: FSDP2's defaults
+        fwd_lists, bwd_lists, resharding = [()] * n, [()] * n, [True] * n  # left out: FSDP2's defaults
         module_knobs = self._default_module_knobs  # read-only in the kernel: shared until a module sets its own
         for fqn, m in plan.modules.items():
             i = idx[fqn]
-            fwd_lists[i], bwd_lists[i], raf[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
+            fwd_lists[i], bwd_lists[i], resharding[i] = m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward
             if m.knobs is not DEFAULT_MODULE_KNOBS and m.knobs.changed:
                 if module_knobs is self._default_module_knobs:
                     module_knobs = module_knobs.copy()
                 module_knobs[i] = m.knobs.as_array()
-        ranks_at = [i for i, r in enumerate(raf) if not isinstance(r, bool | np.bool_)]
+        ranks_at = [i for i, r in enumerate(resharding) if not isinstance(r, bool | np.bool_)]
         if ranks_at:
-            fqn, ranks = self._names[ranks_at[0]], raf[ranks_at[0]]
+            fqn, ranks = self._names[ranks_at[0]], resharding[ranks_at[0]]
             raise UnsupportedPlanError(f"{fqn or 'the root'} reshards to {ranks} ranks after forward "
                                        f"(reshard_after_forward={ranks}): the simulator models True and False only; "
                                        "measure it instead")
@@ -308,7 +308,7 @@ class Simulator:
             forward_prefetch_targets=np.array([idx[t] for ts in fwd_lists for t in ts], i64),
             backward_prefetch_offsets=np.array([0, *itertools.accumulate(map(len, bwd_lists))], i64),
             backward_prefetch_targets=np.array([idx[t] for ts in bwd_lists for t in ts], i64),
-            reshard_after_forward=np.array(raf, np.bool_),
+            reshard_after_forward=np.array(resharding, np.bool_),
             knobs=tuple(plan.knobs.as_array()),
             module_knobs=module_knobs,
         ))

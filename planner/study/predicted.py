@@ -106,11 +106,11 @@ def predict_for_target(config: StudyConfig, scenario: Scenario, space: SearchSpa
     if result.step_ms >= default_result.step_ms:  # nothing beats the default on the target: say so, hand it over
         trial, plan, result = None, default, default_result
     band, default_band = scenario.band(plan), scenario.band(default)
-    told = plan.with_provenance(
+    with_provenance = plan.with_provenance(
         source=Source.PREDICTED, study=config.name, predicted_ms=result.step_ms,
         predicted_peak_bytes=result.peak_bytes, memory_budget_bytes=limit, target=target.describe(),
         band_ms=(band.low_ms, band.high_ms), params=dict(trial.params) if trial is not None else {})
-    return PredictedPlan(told, default_result.step_ms, (default_band.low_ms, default_band.high_ms),
+    return PredictedPlan(with_provenance, default_result.step_ms, (default_band.low_ms, default_band.high_ms),
                          band.dominant.name, len(sim.trials), dict(trial.distributions) if trial is not None else {})
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from planner.artifacts.plan import Plan, Source
 from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Confirmation
-from planner.study.records import MeasuredTrialRecord, RaceFigures
+from planner.study.records import MeasuredTrialRecord, RaceMeasurements
 
 # The measured study's objective name (optuna-dashboard's label) and the two figures a trial's value can be.
 OBJECTIVE = "step_ms: confirmed (default's race median x total-time ratio) where confirmed in-process, else race median"
@@ -75,7 +75,7 @@ def measured_plans(
     noise = race.noise_pct()
     out = []
     for j, (number, plan, predicted_ms, predicted_peak) in enumerate(trials):
-        figures = RaceFigures(
+        figures = RaceMeasurements(
             rounds=len(race.step_ms(j)),
             noise_pct=noise if math.isfinite(noise) else None,
             ratio=math.exp(statistics.median(race.log_ratios(j, race.default))) if j != race.default else None,
@@ -96,14 +96,15 @@ def measured_plans(
                                      confirm_planned=design.launches if design else None, confirm_launches=launch,
                                      objective=objective)
         verdict = provenance_of(confirmed) if confirmed is not None else {}
-        told = plan.with_provenance(
+        with_provenance = plan.with_provenance(
             source=Source.USER if user_baseline and j == race.default else Source.MEASURED,
             baseline="user" if user_baseline else None, study=study, trial=number, predicted_ms=predicted_ms,
             measured_ms=statistics.median(race.step_ms(j)), default_measured_ms=default_ms,
             predicted_peak_bytes=predicted_peak, measured_peak_bytes=peak, memory_budget_bytes=memory_budget_bytes,
             **verdict)
         median_ms = statistics.median(race.step_ms(j))
-        out.append(MeasuredPlan(told, record, default_ms * confirmed.ratio if objective == CONFIRMED else median_ms))
+        objective_ms = default_ms * confirmed.ratio if objective == CONFIRMED else median_ms
+        out.append(MeasuredPlan(with_provenance, record, objective_ms))
     return out
 
 

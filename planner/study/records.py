@@ -42,7 +42,7 @@ class StudyRecord:
 
 
 @dataclass(frozen=True)
-class RaceFigures:
+class RaceMeasurements:
     """A measured plan in the race (``planner.statistics.race``).
 
     Attributes:
@@ -157,7 +157,7 @@ class MeasuredTrialRecord:
     source: str | None = None
     step_ms: list[float] | None = None
     per_rank_step_ms: list[list[float]] | None = None
-    race: RaceFigures | None = None
+    race: RaceMeasurements | None = None
     confirmation: Confirmation | None = None
     confirm_rounds: int | None = None
     confirm_planned: int | None = None
@@ -195,11 +195,11 @@ class MeasuredTrialRecord:
         a = trial.user_attrs
         race = None
         if "race_rounds" in a:
-            race = RaceFigures(a["race_rounds"], a.get("race_noise_pct"), a.get("race_ratio"),
-                               a.get("dropped_after_round"), bool(a.get("race_survivor")), a.get("race_median_ms"),
-                               a.get("race_ratio_sigma"))
+            race = RaceMeasurements(a["race_rounds"], a.get("race_noise_pct"), a.get("race_ratio"),
+                                    a.get("dropped_after_round"), bool(a.get("race_survivor")), a.get("race_median_ms"),
+                                    a.get("race_ratio_sigma"))
         elif "dropped_after_round" in a:  # written before the race's rounds were
-            race = RaceFigures(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
+            race = RaceMeasurements(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
         confirmation = None
         # Optuna stores a trial's attributes one at a time, in to_user_attrs' order: a reader may see a running
         # trial of another job half-written, so a confirmation is read only once its verdict, written last, is there.

@@ -74,7 +74,7 @@ class TuneOutcome:
     """What a tuning session leaves.
 
     Attributes:
-        told: the plans measured, provenance filled in, in measurement order,
+        plans_measured: the plans measured, provenance filled in, in measurement order,
             the baseline first (empty when nothing was measured).
         failed: trial number -> why its plan failed (applying it on some rank, or the memory budget).
         profile: the profile as it ends (calibrated when the calibration was accepted).
@@ -86,7 +86,7 @@ class TuneOutcome:
             (``planner.study.queries.best_plan``), the baseline while the survivor awaits its launches;
             ``None`` when nothing was measured.
         plan_out: where it was written.
-        calibration: what calibration concluded on ``told``; ``None`` when nothing was measured.
+        calibration: what calibration concluded on ``plans_measured``; ``None`` when nothing was measured.
         best: the study's recommendation once this job is decided; ``None`` while its survivor awaits its
             confirmation launches, or when nothing was measured.
         confirmation: the survivor's confirmation when it ran here (in this process); ``None`` otherwise.
@@ -95,7 +95,7 @@ class TuneOutcome:
         cluster: the cluster's spread the verdicts use (its calibration, else its device's prior).
     """
 
-    told: list[Plan]
+    plans_measured: list[Plan]
     failed: dict[int, str]
     profile: Profile
     profile_out: str
@@ -208,14 +208,14 @@ class TuningSession:
                                        exclude=settled | {plan_key(c.plan) for c in resumed},
                                        band_pct=config.search.candidate_band_pct, memory_budget_bytes=budget)
         candidates = candidates[:1] + resumed + candidates[1:]
-        holder = self.stage.recommended()
-        over = bool(self.memory_budget_bytes) and holder is not None and (
-            holder.predicted_peak_bytes > self.memory_budget_bytes)
-        if holder is not None and not over:
-            logger.info(f"      trial {holder.reconfirms}'s plan (the study's recommendation, or its provisional plan) "
-                        "races again: it is applied only if this job confirms it (or a plan that beats it) faster "
-                        "across processes")
-            candidates.insert(1, holder)
+        recommended = self.stage.recommended()
+        over = bool(self.memory_budget_bytes) and recommended is not None and (
+            recommended.predicted_peak_bytes > self.memory_budget_bytes)
+        if recommended is not None and not over:
+            logger.info(f"      trial {recommended.reconfirms}'s plan (the study's recommendation, or its provisional "
+                        "plan) races again: it is applied only if this job confirms it (or a plan that beats it) "
+                        "faster across processes")
+            candidates.insert(1, recommended)
         if self.start_from is not None:
             predicted = predicted_candidate(self.start_from, self.profile, self.space, self.simulator)
             candidates = [c for c in candidates if plan_key(c.plan) != plan_key(predicted.plan)]
@@ -357,37 +357,38 @@ class TuningSession:
         """Record FAIL every trial the session still holds RUNNING (the job stops); the trial numbers."""
         return self.stage.fail_held(reason, kind) if self.stage is not None else []
 
-    def finish(self, told: list[Plan], failed: dict[int, str]) -> TuneOutcome:
+    def finish(self, plans_measured: list[Plan], failed: dict[int, str]) -> TuneOutcome:
         """After the round: write the confirmed plan (or the baseline), calibrate on the measured plans.
 
         Args:
-            told: what :meth:`tell` returned (empty when nothing was measured).
+            plans_measured: what :meth:`tell` returned (empty when nothing was measured).
             failed: trial number -> why it failed.
 
         Raises:
             PlannerError: the plan file cannot be written.
         """
         schedule = self.schedule
-        if not told or schedule is None:
-            return TuneOutcome(told=told, failed=failed, profile=self.profile, profile_out=self.profile_out,
-                               plan_out=self.plan_out)
+        if not plans_measured or schedule is None:
+            return TuneOutcome(plans_measured=plans_measured, failed=failed, profile=self.profile,
+                               profile_out=self.profile_out, plan_out=self.plan_out)
         survivor = schedule.survivor
-        candidate = told[survivor] if survivor is not None else None
+        candidate = plans_measured[survivor] if survivor is not None else None
         best = None
         if schedule.confirmation is not None or candidate is None:  # this job is decided: the study's recommendation
             best = best_plan(self.config.storage_url, self.config.name, self.profile.fingerprint)
             written = best.plan
         else:  # confirmed in fresh launches: planner.study.confirmation.conclude writes the recommendation then
-            written = told[0]
+            written = plans_measured[0]
         write_plan(self.plan_out, written)
-        calibration = calibrate(self.profile, [Observation(p, p.provenance.measured_ms) for p in told],
+        calibration = calibrate(self.profile, [Observation(p, p.provenance.measured_ms) for p in plans_measured],
                                 measurement_error_pct=_median_error_pct(schedule.race))
         if calibration.accepted:
             self.profile = calibration.apply(self.profile)
             self.stage.save_calibration(self.profile)
         design = schedule.confirm_settings.design(schedule.race.ratio_sigma()) if candidate is not None else None
-        return TuneOutcome(told=told, failed=failed, profile=self.profile, profile_out=self.profile_out,
-                           race=schedule.race, candidate=candidate, written=written, plan_out=self.plan_out,
+        return TuneOutcome(plans_measured=plans_measured, failed=failed, profile=self.profile,
+                           profile_out=self.profile_out, race=schedule.race, candidate=candidate, written=written,
+                           plan_out=self.plan_out,
                            calibration=calibration, best=best, confirmation=schedule.confirmation, design=design,
                            cluster=self.cluster)
 

@@ -155,7 +155,7 @@ def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: Sequenc
     than the leader in every round once its sign test can tell, and the
     confirmation's ratio is exact: in this process (``launches = 0``), or
     left for ``launches`` fresh launches (:func:`conclude_launches`). Returns
-    the told plans (:func:`planner.study.provenance.measured_plans`).
+    the plans_measured plans (:func:`planner.study.provenance.measured_plans`).
     """
     from planner.study.provenance import measured_plans
 
@@ -190,7 +190,7 @@ def drive_round(session: TuningSession, step_ms: Sequence[float] | StepTime, pea
     schedule = session.start(kept, [peaks[i] for i in keep])
     step_time = _step_time(step_ms)
     times, per_rank = _run_schedule(schedule, kept, lambda j, trial: step_time(keep[j], trial), ranks)
-    told = session.tell(kept, times, per_rank)
-    outcome = session.finish(told, {asked[i].number: reason for i, reason in over.items()})
+    plans_measured = session.tell(kept, times, per_rank)
+    outcome = session.finish(plans_measured, {asked[i].number: reason for i, reason in over.items()})
     session.close()
     return asked, outcome

@@ -14,7 +14,7 @@ them here ([Note: Tuning on the user's steps] in :mod:`planner.study.in_loop`):
   (CPU: the profiler's allocation events plus the bytes alive at the step's
   start; GPU: ``max_memory_allocated``); those steps are not timed;
 - between steps: the recorder's isolated figures
-  (:func:`runtime.recording.recorder.isolated_figures`: per-module compute with every
+  (:func:`runtime.recording.recorder.isolated_measurements`: per-module compute with every
   module unsharded and no communication, all-gather and reduce-scatter in
   isolation, the overlap microbenchmark) on the first step's inputs with a
   surrogate loss, leaving the user's gradients, random-number generators
@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
-from planner.artifacts.rank_figures import IsolatedFigures, RankFigures, StepFigures
+from planner.artifacts.rank_measurements import IsolatedMeasurements, RankMeasurements, StepMeasurements
 from planner.errors import PlannerError
 from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
@@ -46,7 +46,7 @@ from runtime.ranks.torch_private import profiler_allocations, reshard_after_forw
 from runtime.recording.compute_timer import tensors_in
 from runtime.recording.consolidation import consolidate, merge_isolated
 from runtime.recording.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
-from runtime.recording.recorder import isolated_figures, optimizer_state_bytes
+from runtime.recording.recorder import isolated_measurements, optimizer_state_bytes
 from runtime.timing import synchronize
 from runtime.workload import Workload, fsdp_modules, parameter_rows
 
@@ -150,7 +150,7 @@ class LoopRecorder:
         self._opt_block: Any = None
         self.meter = PeakMeter(model, self.optimizers)
         self.passes: list[tuple[str, ...]] | None = None  # the isolated passes' modules, once decided
-        self.parts: list[IsolatedFigures] = []  # this rank's figures of the passes run so far
+        self.parts: list[IsolatedMeasurements] = []  # this rank's figures of the passes run so far
         self._isolation_s = 0.0
         self._handles = [
             model.register_forward_pre_hook(self._root_forward, with_kwargs=True),
@@ -207,7 +207,7 @@ class LoopRecorder:
             h.remove()
         self._handles = []
 
-    def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> IsolatedFigures | None:
+    def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> IsolatedMeasurements | None:
         """The next isolated pass (collective: every rank calls it, between two steps): this rank's isolated
         figures of every module once the last pass has run (:func:`runtime.recording.recorder.merge_isolated`), else
         ``None``. The first call decides the passes from the recorded peaks and the memory budget
@@ -246,11 +246,11 @@ class LoopRecorder:
             f", {len(passes)} passes of at most {max(map(len, passes))} module(s) each (the memory budget)"
             if len(passes) > 1 else "")
 
-    def isolated(self, only: tuple[str, ...] | None = None, collectives: bool = True) -> IsolatedFigures:
+    def isolated(self, only: tuple[str, ...] | None = None, collectives: bool = True) -> IsolatedMeasurements:
         """This rank's isolated figures (collective: every rank calls it, between two steps).
 
         The user's gradients, random-number generators and buffers are as they were after it. ``only`` and
-        ``collectives``: as :func:`runtime.recording.recorder.isolated_figures` takes them.
+        ``collectives``: as :func:`runtime.recording.recorder.isolated_measurements` takes them.
 
         Raises:
             PlannerError: no forward was seen yet, or the forward returns nothing to backpropagate.
@@ -267,18 +267,18 @@ class LoopRecorder:
         workload = Workload(self.model, self.optimizers[0] if self.optimizers else None, lambda s: (args, kwargs),
                             loss_fn)
         modules = fsdp_modules(self.model)
-        raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
+        resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
         buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         devices = [torch.cuda.current_device()] if self.device == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            figures = isolated_figures(workload, model_fingerprint(self.model), self.repeats, self.device, raf,
-                                       zero_grad=False, only=only, collectives=collectives)
+            figures = isolated_measurements(workload, model_fingerprint(self.model), self.repeats, self.device,
+                                            resharding, zero_grad=False, only=only, collectives=collectives)
         with torch.no_grad():
             for name, b in self.model.named_buffers():
                 b.copy_(buffers[name])
         return figures
 
-    def profile(self, isolated: IsolatedFigures, gather: Callable[[Any], list[Any]]) -> Profile:
+    def profile(self, isolated: IsolatedMeasurements, gather: Callable[[Any], list[Any]]) -> Profile:
         """The profile from this rank's steps and ``isolated`` figures and every other rank's (collective).
 
         Args:
@@ -289,16 +289,16 @@ class LoopRecorder:
         """
         if not self.step_ms or not self.peaks:
             raise PlannerError("the in-loop recorder has no timed step or no peak-memory step")
-        steps = StepFigures(step_ms=statistics.median(self.step_ms),
-                            optimizer_ms=statistics.median(self.optimizer_ms) if self.optimizer_ms else 0.0,
-                            peak_bytes=tuple(self.peaks), optimizer_temp_bytes=max(self.optimizer_temp, default=0),
-                            optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self.optimizers))
-        local = RankFigures(dist.get_rank(), steps, isolated)
+        steps = StepMeasurements(step_ms=statistics.median(self.step_ms),
+                                 optimizer_ms=statistics.median(self.optimizer_ms) if self.optimizer_ms else 0.0,
+                                 peak_bytes=tuple(self.peaks), optimizer_temp_bytes=max(self.optimizer_temp, default=0),
+                                 optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self.optimizers))
+        local = RankMeasurements(dist.get_rank(), steps, isolated)
         modules = fsdp_modules(self.model)
-        raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
+        resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
         microbatches = max(1, statistics.median_low(self.microbatches))
         try:
-            return consolidate(gather(local), model_fingerprint(self.model), raf, isolated.calls, microbatches,
+            return consolidate(gather(local), model_fingerprint(self.model), resharding, isolated.calls, microbatches,
                                parameter_rows(modules))
         except RuntimeError as e:
             raise PlannerError(str(e)) from None

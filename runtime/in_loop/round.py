@@ -290,8 +290,8 @@ class InLoopRound:
         """
 
         def finish() -> dict:
-            told = self.session.tell([self.asked[i] for i in self.kept], self._step_ms, self._per_rank)
-            outcome = self.session.finish(told, {self.asked[i].number: r for i, r in self.failed.items()})
+            plans_measured = self.session.tell([self.asked[i] for i in self.kept], self._step_ms, self._per_rank)
+            outcome = self.session.finish(plans_measured, {self.asked[i].number: r for i, r in self.failed.items()})
             self.session.close()
             if self.files[1]:
                 self.session.save_profile()
@@ -304,7 +304,8 @@ class InLoopRound:
                 here = in_process(s.confirm_ms[survivor], s.confirm_ms[s.default])
             return {"plan": written.to_dict(), "line": outcome.best.line(self.config.name) if outcome.best else "",
                     "confirmation": None if c is None else confirmation_attrs(c),
-                    "survivor": None if here is None else (told[survivor].to_dict(), told[survivor].provenance.trial),
+                    "survivor": None if here is None else (plans_measured[survivor].to_dict(),
+                                                           plans_measured[survivor].provenance.trial),
                     "here": here, "keeps_baseline": outcome.best is None or outcome.best.keeps_baseline}
 
         payload = self.everywhere(finish)

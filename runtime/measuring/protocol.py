@@ -113,7 +113,7 @@ def _is_victim(error: BaseException) -> bool:
 class RoundResult:
     """What a measured round left: measured plans (rank 0 only) and failed trial numbers."""
 
-    told: list[Plan]
+    plans_measured: list[Plan]
     failed: dict[int, str]
 
 
@@ -151,7 +151,7 @@ def measured_round(
             everywhere, ``runtime.recording.peak_memory.warm_up_steps(warmup_steps)`` steps each).
 
     Returns:
-        :class:`RoundResult` (``told`` empty on ranks other than 0).
+        :class:`RoundResult` (``plans_measured`` empty on ranks other than 0).
 
     Raises:
         PlannerError: rank 0 could not ask the study (bad storage, ...) or
@@ -238,9 +238,9 @@ class _Round:
                                          report=lambda run: self._everywhere(keep, run))
         if not self.rank0:
             return RoundResult([], {})
-        with interrupts_deferred():  # a Ctrl-C during the writes waits until every trial is told
-            told = self.stage.tell([self.asked[i] for i in keep], step_ms, per_rank)
-        return RoundResult(told, {self.asked[i].number: r for i, r in failed.items()})
+        with interrupts_deferred():  # a Ctrl-C during the writes waits until every trial is plans_measured
+            plans_measured = self.stage.tell([self.asked[i] for i in keep], step_ms, per_rank)
+        return RoundResult(plans_measured, {self.asked[i].number: r for i, r in failed.items()})
 
     def _everywhere(self, keep: list[int], run: Callable[[], Any]) -> list[Any]:
         """``run()`` on every rank, then every rank's result; a step that raised anywhere fails the round."""

@@ -3,7 +3,7 @@
 The timers (:mod:`~runtime.recording.compute_timer`, :mod:`~runtime.recording.collective_timer`,
 :mod:`~runtime.recording.overlap_timer`) and the memory readers (:mod:`~runtime.recording.mark_memory`,
 :mod:`~runtime.recording.peak_memory`, :mod:`~runtime.recording.memory`,
-:mod:`~runtime.recording.process_usage`) give typed figures (``planner.artifacts.rank_figures``);
+:mod:`~runtime.recording.process_usage`) give typed figures (``planner.artifacts.rank_measurements``);
 :mod:`~runtime.recording.recorder` runs them on a study's ranks, and :mod:`~runtime.recording.consolidation` merges
 the ranks into a ``Profile``. The in-loop tuner's recorder, on the user's own steps, is
 :mod:`runtime.in_loop.recorder`.

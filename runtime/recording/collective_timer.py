@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.rank_figures import CollectiveFigures, OverlapTimings
+from planner.artifacts.rank_measurements import CollectiveMeasurements, OverlapTimings
 from runtime.ranks.torch_private import collective_dtypes
 from runtime.recording.overlap_timer import overlap_timings
 from runtime.timing import timed_ms
@@ -105,12 +105,12 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
             if r:
                 all_gathers[fqn].append(all_gather)
                 reduce_scatters[fqn].append(reduce_scatter_time)
-    return {fqn: CollectiveFigures(statistics.median(all_gathers[fqn]), statistics.median(reduce_scatters[fqn]))
+    return {fqn: CollectiveMeasurements(statistics.median(all_gathers[fqn]), statistics.median(reduce_scatters[fqn]))
             for fqn in fqns}
 
 
 def module_collectives(modules: list[tuple[str, FSDPModule]], fingerprint: Fingerprint, repeats: int,
-                       device: str) -> tuple[dict[str, CollectiveFigures], OverlapTimings | None]:
+                       device: str) -> tuple[dict[str, CollectiveMeasurements], OverlapTimings | None]:
     """Every FSDP module's collectives in isolation, and on a CPU device the overlap microbenchmark (all ranks).
 
     In order: every module's all-gather and reduce-scatter in ``max(repeats, COLLECTIVE_ROUNDS)`` rounds

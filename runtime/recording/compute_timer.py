@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from planner.artifacts.rank_figures import COMPUTE_FIELDS
+from planner.artifacts.rank_measurements import COMPUTE_FIELDS
 from runtime.recording.mark_memory import MarkMemory, backward_peaks, walk_marks
 from runtime.workload import Workload, own_parameters
 
@@ -322,7 +322,7 @@ class ComputeTimer:
 def attribute_marks(marks: list[tuple[float, str, str]], root: str
                     ) -> tuple[dict[str, dict[str, float]], list[str], list[str], dict[str, int]]:
     """A run's marks, ``(seconds, kind, fqn)`` in order, as exclusive ms per module and phase
-    (:data:`planner.artifacts.rank_figures.COMPUTE_FIELDS`), the pre- and post-forward orders (``root`` left out)
+    (:data:`planner.artifacts.rank_measurements.COMPUTE_FIELDS`), the pre- and post-forward orders (``root`` left out)
     and each module's forward calls: the windows of :func:`runtime.recording.mark_memory.walk_marks`, a recompute
     from its start to its end or, stopped early, to its last tick ([Note: The recompute stops early])."""
     out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COMPUTE_FIELDS, 0.0))

@@ -9,30 +9,31 @@ from typing import Any
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import InStepTimings, ModuleProfile, Profile, backward_temporaries
-from planner.artifacts.rank_figures import (
-    CollectiveFigures,
-    ComputeFigures,
-    IsolatedFigures,
-    ModuleFigures,
+from planner.artifacts.rank_measurements import (
+    CollectiveMeasurements,
+    ComputeMeasurements,
+    IsolatedMeasurements,
+    ModuleMeasurements,
     OverlapTimings,
-    RankFigures,
+    RankMeasurements,
 )
 from runtime.recording.peak_memory import peak_of_steps
 
 
-def merge_isolated(parts: list[IsolatedFigures]) -> IsolatedFigures:
-    """One rank's :func:`runtime.recording.recorder.isolated_figures` from passes of a few modules each: each module's
-    figures from the parts that hold them; orders and forward calls from the first part (the same in every pass);
-    the overlap microbenchmark from the part that ran it.
+def merge_isolated(parts: list[IsolatedMeasurements]) -> IsolatedMeasurements:
+    """One rank's :func:`runtime.recording.recorder.isolated_measurements` from passes of a few modules each: each
+    module's measurements from the parts that hold them; orders and forward calls from the first part (the same in
+    every pass); the overlap microbenchmark from the part that ran it.
 
     Raises:
         ValueError: the parts disagree on the post-forward order.
     """
-    return functools.reduce(IsolatedFigures.merged, parts)
+    return functools.reduce(IsolatedMeasurements.merged, parts)
 
 
-def consolidate(per_rank: list[RankFigures], fingerprint: Fingerprint, raf: dict[str, bool], calls: dict[str, int],
-                microbatches: int = 1, rows: dict[str, tuple[tuple[int, int], ...]] | None = None) -> Profile:
+def consolidate(per_rank: list[RankMeasurements], fingerprint: Fingerprint, resharding: dict[str, bool],
+                calls: dict[str, int], microbatches: int = 1,
+                rows: dict[str, tuple[tuple[int, int], ...]] | None = None) -> Profile:
     """The profile from every rank's figures (``record_profile``'s ``local``, gathered): max across ranks of every
     figure (the overlap timings: the mean); orders must agree across ranks.
 
@@ -47,7 +48,7 @@ def consolidate(per_rank: list[RankFigures], fingerprint: Fingerprint, raf: dict
             raise RuntimeError(f"ranks disagree on the post-forward order: rank 0 {list(first.post_forward_order)}, "
                                f"rank {other.rank} {list(other.isolated.post_forward_order)}")
     unsharded = dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True))
-    modules = {fqn: _module_profile(fqn, unsharded[fqn], [r.isolated.modules[fqn] for r in per_rank], raf[fqn],
+    modules = {fqn: _module_profile(fqn, unsharded[fqn], [r.isolated.modules[fqn] for r in per_rank], resharding[fqn],
                                     calls.get(fqn, 1), (rows or {}).get(fqn, ())) for fqn in fingerprint.module_fqns}
     root = fingerprint.module_fqns[0]
     overlap = None
@@ -79,13 +80,13 @@ def consolidate(per_rank: list[RankFigures], fingerprint: Fingerprint, raf: dict
     )
 
 
-def _module_profile(fqn: str, unsharded: int, ranks: list[ModuleFigures], raf: bool, calls: int,
+def _module_profile(fqn: str, unsharded: int, ranks: list[ModuleMeasurements], resharding: bool, calls: int,
                     rows: tuple[tuple[int, int], ...] = ()) -> ModuleProfile:
     """One module's profile from every rank's figures of it: the max across ranks of each (needs its parameters in
     backward on any rank: needs them). ``unsharded``: its unsharded parameter bytes; ``rows``: its
     :attr:`ModuleProfile.parameter_rows`."""
-    compute = [m.compute or ComputeFigures() for m in ranks]
-    collectives = [m.collectives or CollectiveFigures(0.0, 0.0) for m in ranks]
+    compute = [m.compute or ComputeMeasurements() for m in ranks]
+    collectives = [m.collectives or CollectiveMeasurements(0.0, 0.0) for m in ranks]
 
     grad_pre = [c.grad_pre_bytes for c in compute if c.grad_pre_bytes is not None]
     grad_pre_bytes = max(grad_pre) if grad_pre else unsharded
@@ -105,7 +106,7 @@ def _module_profile(fqn: str, unsharded: int, ranks: list[ModuleFigures], raf: b
         sharded_bytes=int(max([c.sharded_bytes for c in collectives])),
         grad_bytes=unsharded,
         activation_bytes=activation,
-        reshard_after_forward=raf,
+        reshard_after_forward=resharding,
         needs_parameters_in_backward=any(c.needs_parameters_in_backward for c in compute),
         recompute_ms=max([c.recompute_ms for c in compute]),
         recompute_activation_bytes=recompute_activation,

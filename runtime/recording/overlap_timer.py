@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from planner.artifacts.rank_figures import OverlapTimings
+from planner.artifacts.rank_measurements import OverlapTimings
 from runtime.timing import timed_ms
 
 # The compute beside the all-gather: (rows x inner) @ (inner x inner) float32 matrix multiplies.

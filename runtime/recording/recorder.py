@@ -44,13 +44,13 @@ from torch import nn
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import Profile
-from planner.artifacts.rank_figures import (
+from planner.artifacts.rank_measurements import (
     COMPUTE_FIELDS,
-    ComputeFigures,
-    IsolatedFigures,
-    ModuleFigures,
-    RankFigures,
-    StepFigures,
+    ComputeMeasurements,
+    IsolatedMeasurements,
+    ModuleMeasurements,
+    RankMeasurements,
+    StepMeasurements,
 )
 from runtime.apply import model_fingerprint
 from runtime.ranks.allocator import loaded_allocator
@@ -100,7 +100,7 @@ ASYNC_PAIRS = 5
 # tried and rejected (docs/decisions/anchor-guard.md).
 
 
-def _default_plan_steps(workload: Workload, steps: int, device: str) -> StepFigures:
+def _default_plan_steps(workload: Workload, steps: int, device: str) -> StepMeasurements:
     """FSDP2's default plan, in this order: its peak memory; on CPU at world size 2 or more, the async default's step
     over the default's ([Note: The async default, timed in turn with the default]); then its median step ms and
     optimizer ms over ``steps`` timed steps ([Note: The default's step is timed last]), with their mean page faults
@@ -126,12 +126,12 @@ def _default_plan_steps(workload: Workload, steps: int, device: str) -> StepFigu
         step_ms.append(step)
         opt_ms.append(opt)
     usage = process_usage() - before  # the barriers' waits are user-space spins or sleeps, not faults
-    return StepFigures(step_ms=statistics.median(step_ms), optimizer_ms=statistics.median(opt_ms),
-                       peak_bytes=tuple(p.peak_bytes for p in peaks),
-                       optimizer_temp_bytes=max(p.optimizer_temp_bytes for p in peaks),
-                       optimizer_state_bytes=optimizer_state_bytes(workload.optimizer), async_ratio=async_ratio,
-                       step_faults=usage.faults // steps, step_kernel_ms=usage.system_ms / steps,
-                       allocator=str(loaded_allocator()))
+    return StepMeasurements(step_ms=statistics.median(step_ms), optimizer_ms=statistics.median(opt_ms),
+                            peak_bytes=tuple(p.peak_bytes for p in peaks),
+                            optimizer_temp_bytes=max(p.optimizer_temp_bytes for p in peaks),
+                            optimizer_state_bytes=optimizer_state_bytes(workload.optimizer), async_ratio=async_ratio,
+                            step_faults=usage.faults // steps, step_kernel_ms=usage.system_ms / steps,
+                            allocator=str(loaded_allocator()))
 
 
 def _hold_unsharded(model: nn.Module, modules: list[tuple[str, nn.Module]], held: set[str], every: bool) -> None:
@@ -152,29 +152,29 @@ def _hold_unsharded(model: nn.Module, modules: list[tuple[str, nn.Module]], held
         m.unshard()
 
 
-def _release(model: nn.Module, modules: list[tuple[str, nn.Module]], held: set[str], raf: dict[str, bool],
+def _release(model: nn.Module, modules: list[tuple[str, nn.Module]], held: set[str], resharding: dict[str, bool],
              every: bool) -> None:
-    """Undo :func:`_hold_unsharded`: gradient sync on, each module's ``reshard_after_forward`` as ``raf`` says,
+    """Undo :func:`_hold_unsharded`: gradient sync on, each module's ``reshard_after_forward`` as ``resharding`` says,
     FSDP2's implicit backward prefetch back, unsharded gradients freed, every module resharded."""
     model.set_requires_gradient_sync(True)
     model.set_reshard_after_backward(True)
     for fqn, m in modules:
-        m.set_reshard_after_forward(raf[fqn], recurse=False)
+        m.set_reshard_after_forward(resharding[fqn], recurse=False)
         if not every and fqn in held:
             m.set_modules_to_backward_prefetch([])
         clear_unsharded_grads(m)
         m.reshard()
 
 
-def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[str, bool],
-                      zero_grad: bool = True, only: Collection[str] | None = None) -> IsolatedFigures:
+def compute_unsharded(workload: Workload, repeats: int, device: str, resharding: dict[str, bool],
+                      zero_grad: bool = True, only: Collection[str] | None = None) -> IsolatedMeasurements:
     """Compute ms per module and phase, orders and activation bytes, with every module unsharded, no communication
     (the figures without collectives or overlap).
 
     Gradient sync is off in the window (nothing is reduced into the sharded gradients); each module's unsharded
     gradients are freed when its backward ends, as FSDP2's reduce-scatter frees them in a step ([Note: The
     isolated backward frees each module's gradients]), again after the window, and every module is resharded
-    with ``raf``'s ``reshard_after_forward``. ``zero_grad``: also
+    with ``resharding``'s ``reshard_after_forward``. ``zero_grad``: also
     ``optimizer.zero_grad(set_to_none=True)`` (the in-loop tuner leaves the user's gradients alone).
 
     ``only``: hold only these modules unsharded (``planner.study.in_loop.isolation_groups``, under a memory
@@ -218,18 +218,18 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, raf: dict[s
                     samples[fqn][key].append(times.get(fqn, {}).get(key, 0.0))
     finally:
         timer.remove()
-        _release(model, modules, held, raf, every=only is None)
+        _release(model, modules, held, resharding, every=only is None)
         if zero_grad:
             workload.optimizer.zero_grad(set_to_none=True)
     root = modules[0][0]
-    figures = {fqn: ModuleFigures(ComputeFigures(
+    figures = {fqn: ModuleMeasurements(ComputeMeasurements(
         **{k: statistics.median(samples[fqn][k]) for k in COMPUTE_FIELDS},
         activation_bytes=timer.act_bytes.get(fqn, 0), recompute_activation_bytes=timer.recompute_bytes.get(fqn, 0),
         backward_peak_bytes=timer.backward_peak.get(fqn, 0), needs_parameters_in_backward=needs[fqn],
         grad_pre_bytes=timer.root_grad_pre_bytes if fqn == root else None,
         activation_post_bytes=timer.root_activation_post_bytes if fqn == root else None))
         for fqn, _ in modules if fqn in held}
-    return IsolatedFigures(None, tuple(pre_order), tuple(post_order), calls, figures)
+    return IsolatedMeasurements(None, tuple(pre_order), tuple(post_order), calls, figures)
 
 
 # [Note: The collectives are timed before the isolated passes]
@@ -275,14 +275,15 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
     fingerprint = model_fingerprint(model, dist.get_world_size())
     for s in range(warmup_steps):  # the optimizer state exists before its bytes are counted
         train_step(workload, s)
-    raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
+    resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
     if per_module:
-        isolated = merge_isolated([isolated_figures(workload, fingerprint, repeats, device, raf, only=(fqn,),
-                                                    collectives=i == 0) for i, (fqn, _) in enumerate(modules)])
+        isolated = merge_isolated([isolated_measurements(workload, fingerprint, repeats, device, resharding,
+                                                         only=(fqn,), collectives=i == 0)
+                                   for i, (fqn, _) in enumerate(modules)])
     else:
-        isolated = isolated_figures(workload, fingerprint, repeats, device, raf)
-    local = RankFigures(dist.get_rank(), _default_plan_steps(workload, steps, device), isolated)
-    return consolidate(gather_objects(local), fingerprint, raf, isolated.calls, workload.microbatches,
+        isolated = isolated_measurements(workload, fingerprint, repeats, device, resharding)
+    local = RankMeasurements(dist.get_rank(), _default_plan_steps(workload, steps, device), isolated)
+    return consolidate(gather_objects(local), fingerprint, resharding, isolated.calls, workload.microbatches,
                        parameter_rows(modules))
 
 
@@ -296,9 +297,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int, device: str,
-                     raf: dict[str, bool], zero_grad: bool = True, only: Collection[str] | None = None,
-                     collectives: bool = True) -> IsolatedFigures:
+def isolated_measurements(workload: Workload, fingerprint: Fingerprint, repeats: int, device: str,
+                          resharding: dict[str, bool], zero_grad: bool = True, only: Collection[str] | None = None,
+                          collectives: bool = True) -> IsolatedMeasurements:
     """This rank's figures measured outside a training step (collective: all ranks call it, after a step).
 
     Per FSDP module: all-gather and reduce-scatter ms in isolation (:mod:`runtime.recording.collective_timer`), sharded
@@ -309,7 +310,7 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
 
     Args:
         workload: its ``make_batch(r)`` and ``loss_fn`` drive the compute windows (``repeats + 1`` passes).
-        raf: each module's ``reshard_after_forward`` to restore after the window.
+        resharding: each module's ``reshard_after_forward`` to restore after the window.
         zero_grad: passed to :func:`compute_unsharded`.
         only: the compute figures of these modules alone, held unsharded while the others run as in FSDP2's
             default (:func:`compute_unsharded`); ``None``: every module, held at once.
@@ -320,13 +321,14 @@ def isolated_figures(workload: Workload, fingerprint: Fingerprint, repeats: int,
         The figures :func:`consolidate` reads; passes of a few modules each make one with :func:`merge_isolated`.
     """
     modules = fsdp_modules(workload.model)
-    collective_figures, overlap = {}, None
+    collective_measurements, overlap = {}, None
     # first, where the last step left the allocator: [Note: The collectives are timed before the isolated passes]
     if collectives:
-        collective_figures, overlap = module_collectives(modules, fingerprint, repeats, device)
-    compute = compute_unsharded(workload, repeats, device, raf, zero_grad=zero_grad, only=only)
-    measured = IsolatedFigures(overlap, compute.pre_forward_order, compute.post_forward_order, compute.calls,
-                               {fqn: ModuleFigures(collectives=c) for fqn, c in collective_figures.items()})
+        collective_measurements, overlap = module_collectives(modules, fingerprint, repeats, device)
+    compute = compute_unsharded(workload, repeats, device, resharding, zero_grad=zero_grad, only=only)
+    collectives_only = {fqn: ModuleMeasurements(collectives=c) for fqn, c in collective_measurements.items()}
+    measured = IsolatedMeasurements(overlap, compute.pre_forward_order, compute.post_forward_order, compute.calls,
+                                    collectives_only)
     return measured.merged(compute)
 
 

@@ -91,7 +91,7 @@ def test_assign_grid_behaves_as_the_uniform_grid(make_profile):
 
 def test_assign_maps_distances_onto_issuers(make_profile):
     """Forward distance k: appended to the list of the module k before it (the root when fewer precede it);
-    backward alike in reverse post-forward order; raf per module, the root keeps its parameters."""
+    backward alike in reverse post-forward order; resharding per module, the root keeps its parameters."""
     p = make_profile(n_blocks=5)
     params = ASSIGN.grid(p)[0] | {
         "fwd:b3": 2,

@@ -64,7 +64,8 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
     clock, counters, module_state = st.clock, st.counters, st.module_state
     ag_end, in_flight, events, samples, held = st.all_gather_end, st.in_flight, trace.events, trace.samples, st.held
     ag_ms, unsharded, activation = prof.all_gather_ms, prof.unsharded_bytes, prof.activation_bytes
-    offsets, targets, raf = plan.forward_prefetch_offsets, plan.forward_prefetch_targets, plan.reshard_after_forward
+    offsets, targets = plan.forward_prefetch_offsets, plan.forward_prefetch_targets
+    resharding = plan.reshard_after_forward
     root = prof.root
     for j in range(-1, prof.children.shape[0]):
         i = root if j < 0 else prof.children[j]
@@ -91,14 +92,14 @@ def _forward(prof, plan, cfg, st, trace, compute_scale):
                 module_state, events)
         allocate(clock, counters, samples, activation[i])  # saved for backward
         clock[CPU] += cfg.issue_overhead_ms
-        if raf[i] and module_state[i, UNSHARD_STATE] != SHARDED:
+        if resharding[i] and module_state[i, UNSHARD_STATE] != SHARDED:
             reshard(i, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
     if prof.root_forward_post_ms > 0:
         compute(root, FORWARD, prof.root_forward_post_ms * compute_scale, cfg, clock, counters, in_flight, ag_end,
                 module_state, events)
     allocate(clock, counters, samples, activation[root] - prof.root_activation_pre_bytes)
     clock[CPU] += cfg.issue_overhead_ms
-    if raf[root] and module_state[root, UNSHARD_STATE] != SHARDED:
+    if resharding[root] and module_state[root, UNSHARD_STATE] != SHARDED:
         reshard(root, unsharded, cfg, clock, counters, module_state, ag_end, in_flight, events, samples, held)
 
 

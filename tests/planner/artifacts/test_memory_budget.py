@@ -71,9 +71,9 @@ def test_candidates_fit_the_budget_and_over_budget_trials_fail(make_profile, tmp
     # the default is the baseline: never failed; the candidate over the budget is FAIL, not measured again
     assert outcome.failed == {asked[1].number: outcome.failed[asked[1].number]}
     assert "exceeds the memory budget" in outcome.failed[asked[1].number]
-    assert [p.provenance.trial for p in outcome.told] == [asked[0].number, asked[2].number]
-    assert [p.provenance.measured_peak_bytes for p in outcome.told] == [budget + 1, budget]
-    assert all(p.provenance.memory_budget_bytes == budget for p in outcome.told)
+    assert [p.provenance.trial for p in outcome.plans_measured] == [asked[0].number, asked[2].number]
+    assert [p.provenance.measured_peak_bytes for p in outcome.plans_measured] == [budget + 1, budget]
+    assert all(p.provenance.memory_budget_bytes == budget for p in outcome.plans_measured)
     failed = next(t for t in trials.measured if t.number == asked[1].number)
     assert failed.state.name == "FAIL" and failed.measured_peak_bytes == budget + 1
     assert failed.failure.kind == FailKind.ERROR

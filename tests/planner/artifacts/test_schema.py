@@ -42,7 +42,7 @@ def _shipped_documents() -> list[tuple[str, str, dict]]:
 
 def _within(a, b) -> bool:
     """Every key of ``a`` (recursively) is in ``b`` with the same value, but for a later field left out because it
-    holds its default, 0 or null (``rank_figures.RankFigures.to_json`` writes those only where set)."""
+    holds its default, 0 or null (``rank_measurements.RankMeasurements.to_json`` writes those only where set)."""
     if isinstance(a, dict):
         return isinstance(b, dict) and all(
             _within(v, b[k]) if k in b else (v is None or (type(v) in (int, float) and v == 0)) for k, v in a.items())

@@ -43,7 +43,8 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
                      MeasuredTrialRecord(number=1, confirmation=confirmation), last_trial=2)
     best = BestPlan(written, Recommendation(job.recommended or job.baseline, job),
                     None if written is tuned else tuned)
-    return TuneOutcome(told=[default, tuned, slow], failed={3: "applying the plan failed on rank 1: boom"}, profile=p,
+    return TuneOutcome(plans_measured=[default, tuned, slow], failed={3: "applying the plan failed on rank 1: boom"},
+                       profile=p,
                        profile_out="s.profile.json", race=race, candidate=tuned, written=written,
                        plan_out="s.plan.json", calibration=calibration, best=best, confirmation=confirmation)
 
@@ -86,7 +87,7 @@ def test_report_of_a_provisional_plan():
 
 def test_nothing_measured_writes_nothing():
     p = synthetic_profile()
-    outcome = TuneOutcome(told=[], failed={}, profile=p, profile_out="p.json", plan_out="plan.json")
+    outcome = TuneOutcome(plans_measured=[], failed={}, profile=p, profile_out="p.json", plan_out="plan.json")
     assert tune_report(outcome, "s") == ["no plan was measured in this job; nothing written"]
 
 

@@ -76,8 +76,8 @@ def test_a_candidate_confirmed_faster_is_written(tmp_path, profile):
     assert outcome.written == outcome.candidate and pv.trial == asked[1].number
     written = Plan.load(tmp_path / "t.plan.json")
     assert written.behaviour_key() == asked[1].plan.behaviour_key() and written.provenance.verdict == "faster"
-    assert [p.provenance.measured_ms for p in outcome.told] == [100.0, 80.0]
-    assert all(p.provenance.default_measured_ms == 100.0 for p in outcome.told)
+    assert [p.provenance.measured_ms for p in outcome.plans_measured] == [100.0, 80.0]
+    assert all(p.provenance.default_measured_ms == 100.0 for p in outcome.plans_measured)
     # Optuna's objective: the confirmed figure on the plan confirmed in this process, the race median elsewhere;
     # the trial says which, and the study's metric name (optuna-dashboard's label) names both
     records = {r.number: r for r in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
@@ -112,7 +112,7 @@ def test_a_survivor_not_confirmed_faster_leaves_fsdp2s_default_written(tmp_path,
                                                                         verdict):
     asked, outcome = drive_round(_session(tmp_path, profile, measured_trials=candidates), step_ms)
     assert outcome.candidate is not None and outcome.candidate.provenance.verdict == verdict
-    assert outcome.written == outcome.told[0] and outcome.written.is_default_for(profile)
+    assert outcome.written == outcome.plans_measured[0] and outcome.written.is_default_for(profile)
     assert Plan.load(tmp_path / "t.plan.json").is_default_for(profile)
 
 
@@ -121,7 +121,7 @@ def test_every_candidate_dropped_leaves_no_confirmation(tmp_path, profile):
     asked, outcome = drive_round(_session(tmp_path, profile, max_rounds=12), _noisy({False: 1.5}, pct=2.0))
     assert set(outcome.race.dropped) == {1, 2} and outcome.race.survivor() is None
     assert outcome.candidate is None and outcome.written.is_default_for(profile)
-    assert all(p.provenance.verdict is None for p in outcome.told)
+    assert all(p.provenance.verdict is None for p in outcome.plans_measured)
     records = {t.number: t for t in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
     assert [records[a.number].race.dropped_after_round for a in asked] == [None, 12, 12]  # whole cycles of 3 plans
 
@@ -166,7 +166,8 @@ def test_the_plan_the_model_arrived_with_is_the_baseline_and_kept_when_nothing_b
     assert written.behaviour_key() == own.behaviour_key() and written.provenance.source == Source.USER
     assert outcome.best.keeps_baseline and outcome.best.baseline_name() == "the plan the model arrived with"
     assert outcome.best.line("t").startswith("the plan the model arrived with: ")
-    assert all(p.provenance.baseline == "user" and p.provenance.default_measured_ms == 90.0 for p in outcome.told)
+    assert all(p.provenance.baseline == "user" and p.provenance.default_measured_ms == 90.0
+               for p in outcome.plans_measured)
     records = {r.number: r for r in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
     baseline, default = records[asked[0].number], records[asked[1].number]
     assert (baseline.user_plan, baseline.is_baseline, baseline.params) == (True, True, {})
@@ -229,7 +230,7 @@ def test_nothing_measured_writes_no_plan(tmp_path, profile):
     session = _session(tmp_path, profile)
     session.prepare()
     outcome = session.finish([], {})
-    assert outcome.told == [] and outcome.written is None and outcome.race is None
+    assert outcome.plans_measured == [] and outcome.written is None and outcome.race is None
     assert not (tmp_path / "t.plan.json").exists()
     session.save_profile()
     assert json.loads((tmp_path / "t.profile.json").read_text())["schema_version"] == 1
@@ -242,7 +243,7 @@ def test_an_accepted_calibration_is_saved_and_the_next_session_starts_from_it(tm
     """Six measured plans, each 25% slower than predicted: a fit explains it; the next job of the study uses it."""
     first = _session(tmp_path, profile, measured_trials=5)
     _, outcome = drive_round(first, lambda i, trial: 1.25 * trial.predicted_ms)
-    assert len(outcome.told) == 6 and outcome.calibration.accepted, outcome.calibration.reason
+    assert len(outcome.plans_measured) == 6 and outcome.calibration.accepted, outcome.calibration.reason
     assert outcome.profile.calibration is not None
     first.save_profile()
     assert json.loads((tmp_path / "t.profile.json").read_text())["calibration"] == outcome.profile.calibration
@@ -251,8 +252,8 @@ def test_an_accepted_calibration_is_saved_and_the_next_session_starts_from_it(tm
     again.prepare()
     assert again.profile.calibration == outcome.profile.calibration
     assert again.simulator.params == SimParams(**outcome.profile.calibration)
-    assert again.simulator.run(Plan.default(profile)).step_ms == pytest.approx(1.25 * outcome.told[0].provenance.
-                                                                                 predicted_ms, rel=0.02)
+    first = outcome.plans_measured[0].provenance.predicted_ms
+    assert again.simulator.run(Plan.default(profile)).step_ms == pytest.approx(1.25 * first, rel=0.02)
     again.close()
     other_model = _session(tmp_path, dataclasses.replace(profile, fingerprint=dataclasses.replace(
         profile.fingerprint, world_size=4)), measured_trials=5)

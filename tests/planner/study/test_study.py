@@ -46,12 +46,12 @@ def _run(make_profile, config, measured_ms, job="test"):
     candidates = select_candidates(sim, profile, get_space(config.search.space), config.search.measured_trials)
     stage = _stage(config, storage, profile, job)
     asked = stage.ask(candidates)
-    told = run_round(stage, asked, measured_ms[: len(asked)], launches=1)
+    plans_measured = run_round(stage, asked, measured_ms[: len(asked)], launches=1)
     stage.close()
     ratio = min(measured_ms[1:len(asked)]) / measured_ms[0]
     conclude_launches(config, job, ratio, 1, str(Path(config.storage_url.removeprefix("sqlite:///")).with_suffix(
         ".plan.json")))
-    return profile, sim, candidates, told
+    return profile, sim, candidates, plans_measured
 
 
 def test_simulated_stage_enqueues_grid_and_ranks_candidates(make_profile, config):
@@ -284,10 +284,10 @@ def test_a_half_written_trial_reads_without_its_confirmation():
     import optuna
 
     from planner.statistics.verdict import Confirmation, Verdict
-    from planner.study.records import RaceFigures
+    from planner.study.records import RaceMeasurements
 
     full = MeasuredTrialRecord(predicted_ms=10.0, is_default=False, plan_key="k", job="j", step_ms=[1.0, 2.0],
-                               race=RaceFigures(4, 3.0, 0.9, None, True),
+                               race=RaceMeasurements(4, 3.0, 0.9, None, True),
                                confirmation=Confirmation(0.9, (0.85, 0.95), 6, 3.0, Verdict.FASTER, 1))
     items = list(full.to_user_attrs().items())
     seen = []

@@ -349,31 +349,32 @@ def test_a_plain_loop_on_a_stock_torch_model(tmp_path):
 def test_merged_passes_take_each_module_from_its_own_pass():
     """``merge_isolated``: a module's compute from the pass that held it, the collectives and the overlap from the
     pass that timed them, orders from the first; passes that disagree on the post-forward order are refused."""
-    from planner.artifacts.rank_figures import (
-        CollectiveFigures,
-        ComputeFigures,
-        IsolatedFigures,
-        ModuleFigures,
+    from planner.artifacts.rank_measurements import (
+        CollectiveMeasurements,
+        ComputeMeasurements,
+        IsolatedMeasurements,
+        ModuleMeasurements,
         OverlapTimings,
     )
     from runtime.recording.recorder import merge_isolated
 
-    def part(held: dict, overlap=None, order=("a", "b")) -> IsolatedFigures:
-        return IsolatedFigures(overlap, order, order, dict.fromkeys(order, 1), held)
+    def part(held: dict, overlap=None, order=("a", "b")) -> IsolatedMeasurements:
+        return IsolatedMeasurements(overlap, order, order, dict.fromkeys(order, 1), held)
 
     def fwd(ms):
-        return ComputeFigures(fwd_ms=ms)
+        return ComputeMeasurements(fwd_ms=ms)
 
     overlap = OverlapTimings("a", 1.0, 1.0, 1.5)
-    first = part({"": ModuleFigures(fwd(1.0)), "a": ModuleFigures(fwd(2.0), CollectiveFigures(9.0, 1.0)),
-                  "b": ModuleFigures(collectives=CollectiveFigures(8.0, 1.0))}, overlap=overlap)
-    second = part({"b": ModuleFigures(fwd(3.0))})
+    first = part({"": ModuleMeasurements(fwd(1.0)), "a": ModuleMeasurements(fwd(2.0), CollectiveMeasurements(9.0, 1.0)),
+                  "b": ModuleMeasurements(collectives=CollectiveMeasurements(8.0, 1.0))}, overlap=overlap)
+    second = part({"b": ModuleMeasurements(fwd(3.0))})
     merged = merge_isolated([first, second])
-    assert merged.modules == {"": ModuleFigures(fwd(1.0)), "a": ModuleFigures(fwd(2.0), CollectiveFigures(9.0, 1.0)),
-                              "b": ModuleFigures(fwd(3.0), CollectiveFigures(8.0, 1.0))}
+    assert merged.modules == {"": ModuleMeasurements(fwd(1.0)),
+                              "a": ModuleMeasurements(fwd(2.0), CollectiveMeasurements(9.0, 1.0)),
+                              "b": ModuleMeasurements(fwd(3.0), CollectiveMeasurements(8.0, 1.0))}
     assert merged.overlap == overlap and merged.post_forward_order == ("a", "b")
     with pytest.raises(ValueError, match="disagree on the post-forward order"):
-        merge_isolated([first, part({"b": ModuleFigures()}, order=("b", "a"))])
+        merge_isolated([first, part({"b": ModuleMeasurements()}, order=("b", "a"))])
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ window that held another module's all-gather would show it. After two training s
 second leaves its gradients in place: no ``zero_grad`` after it), rank 0 writes {"fqns": [...], "full":
 figures, "grouped": figures merged from one pass per module, "full_peak"/"grouped_peaks"/"default_peak": bytes,
 "module_bytes": {fqn: unsharded bytes}, "grads_kept": whether the sharded gradients are bitwise what they were}.
-Figures are ``runtime.recording.recorder.isolated_figures``'s, the overlap microbenchmark left out; the collectives
+Figures are ``runtime.recording.recorder.isolated_measurements``'s, the overlap microbenchmark left out; the collectives
 are timed
 in one grouped pass (``LoopRecorder.isolate_next`` times them in the first; here the last, so that the other passes'
 peaks are the compute's alone).
@@ -20,13 +20,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from planner.artifacts.rank_figures import RankFigures, StepFigures
+from planner.artifacts.rank_measurements import RankMeasurements, StepMeasurements
 from runtime.apply import model_fingerprint
 from runtime.in_loop.recorder import PeakMeter
 from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.ranks.torch_private import is_sharded, reshard_after_forward, watching_unshard_and_reshard
 from runtime.recording.consolidation import merge_isolated
-from runtime.recording.recorder import isolated_figures
+from runtime.recording.recorder import isolated_measurements
 from runtime.workload import build_workload, fsdp_modules
 
 SLOW_MS = 60.0
@@ -57,13 +57,13 @@ def slow_all_gather(group) -> None:
 
 fingerprint = model_fingerprint(model)
 modules = fsdp_modules(model)
-raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
+resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
 
 
 def figures(only, collectives):
     meter.begin()
-    result = isolated_figures(workload, fingerprint, 2, "cpu", raf, zero_grad=False, only=only,
-                              collectives=collectives)
+    result = isolated_measurements(workload, fingerprint, 2, "cpu", resharding, zero_grad=False, only=only,
+                                   collectives=collectives)
     return result, meter.end()[0]
 
 
@@ -80,9 +80,9 @@ with watching_unshard_and_reshard(slow_all_gather, resharded):
         parts.append(part)
         peaks.append(peak)
 grouped = merge_isolated(parts)
-# as a Profile file writes them (planner.artifacts.rank_figures.RankFigures.to_json), the overlap left out
-full, grouped = ({k: v for k, v in RankFigures(0, StepFigures(0.0, 0.0, ()), p).to_json().items() if k != "overlap"}
-                 for p in (full, grouped))
+# as a Profile file writes them (planner.artifacts.rank_measurements.RankMeasurements.to_json), the overlap left out
+full, grouped = ({k: v for k, v in RankMeasurements(0, StepMeasurements(0.0, 0.0, ()), p).to_json().items()
+                  if k != "overlap"} for p in (full, grouped))
 kept = all(torch.equal(g, p.grad.to_local()) for g, p in zip(grads, model.parameters(), strict=True))
 peaks_everywhere = [None] * dist.get_world_size()
 dist.all_gather_object(peaks_everywhere, [default_peak, full_peak, peaks])

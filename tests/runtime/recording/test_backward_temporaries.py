@@ -89,20 +89,21 @@ def test_the_recorder_takes_the_gradient_and_the_recompute_off_the_backward_peak
     children's backward, the rest after) and recomputed activations (50) apart from its temporaries; a peak below
     the two is no temporary."""
     from planner.artifacts.fingerprint import Fingerprint
-    from planner.artifacts.rank_figures import (
-        CollectiveFigures,
-        ComputeFigures,
-        IsolatedFigures,
-        ModuleFigures,
-        RankFigures,
-        StepFigures,
+    from planner.artifacts.rank_measurements import (
+        CollectiveMeasurements,
+        ComputeMeasurements,
+        IsolatedMeasurements,
+        ModuleMeasurements,
+        RankMeasurements,
+        StepMeasurements,
     )
     from runtime.recording.consolidation import consolidate
 
-    compute = ComputeFigures(fwd_ms=1.0, bwd_ms=2.0, fwd_pre_ms=1.0, bwd_pre_ms=2.0, activation_bytes=10,
-                             recompute_activation_bytes=50, backward_peak_bytes=peak, grad_pre_bytes=grad_pre)
-    module = ModuleFigures(compute, CollectiveFigures(0.5, 0.5, 150))
-    rank = RankFigures(0, StepFigures(10.0, 1.0, (1000,)), IsolatedFigures(None, (), (), {}, {"": module}))
+    compute = ComputeMeasurements(fwd_ms=1.0, bwd_ms=2.0, fwd_pre_ms=1.0, bwd_pre_ms=2.0, activation_bytes=10,
+                                  recompute_activation_bytes=50, backward_peak_bytes=peak, grad_pre_bytes=grad_pre)
+    module = ModuleMeasurements(compute, CollectiveMeasurements(0.5, 0.5, 150))
+    isolated = IsolatedMeasurements(None, (), (), {}, {"": module})
+    rank = RankMeasurements(0, StepMeasurements(10.0, 1.0, (1000,)), isolated)
     fp = Fingerprint(("",), (75,), (300,), 2, "cpu", ("torch.float32",), "test")  # 300 gradient bytes
     profile = consolidate([rank], fp, {"": False}, {"": 1})
     assert (profile.modules[""].backward_temp_bytes, profile.modules[""].backward_post_grad_bytes) == (temp, post)

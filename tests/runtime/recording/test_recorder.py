@@ -33,8 +33,8 @@ def test_the_collectives_are_timed_after_the_step_and_before_the_isolated_passes
     for name in ("collective_rounds", "overlap_timings"):
         monkeypatch.setattr(collective_timer, name, logged(name, getattr(collective_timer, name)))
     monkeypatch.setattr(recorder, "compute_unsharded", logged("compute_unsharded", recorder.compute_unsharded))
-    raf = {fqn: reshard_after_forward(m) for fqn, m in modules}
-    figures = recorder.isolated_figures(workload, model_fingerprint(workload.model), 1, "cpu", raf)
+    resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
+    figures = recorder.isolated_measurements(workload, model_fingerprint(workload.model), 1, "cpu", resharding)
     assert calls == ["collective_rounds", "overlap_timings", "compute_unsharded"]
     assert rounds == [collective_timer.COLLECTIVE_ROUNDS]
     assert figures.overlap is not None
@@ -44,7 +44,8 @@ def test_the_collectives_are_timed_after_the_step_and_before_the_isolated_passes
         assert values.collectives.sharded_bytes > 0 and values.compute is not None
 
     calls.clear()
-    only = recorder.isolated_figures(workload, model_fingerprint(workload.model), 1, "cpu", raf, collectives=False)
+    only = recorder.isolated_measurements(workload, model_fingerprint(workload.model), 1, "cpu", resharding,
+                                          collectives=False)
     assert calls == ["compute_unsharded"] and only.overlap is None
     assert all(values.collectives is None for values in only.modules.values())
 

@@ -2,13 +2,13 @@
 (``Profile.per_rank``), before they are consolidated across ranks (``runtime.recording.consolidation``).
 
 The path: the timers (``runtime.recording.collective_timer``, ``runtime.recording.compute_timer``) give
-:class:`CollectiveFigures` and :class:`ComputeFigures` per module; an isolated
-pass joins them into :class:`IsolatedFigures`; a rank adds its step figures
-(:class:`RankFigures`). Times in ms, sizes in bytes.
+:class:`CollectiveMeasurements` and :class:`ComputeMeasurements` per module; an isolated
+pass joins them into :class:`IsolatedMeasurements`; a rank adds its step figures
+(:class:`RankMeasurements`). Times in ms, sizes in bytes.
 
 In a Profile file a rank's figures are one flat JSON object
-(:class:`planner.artifacts.schema.RankFiguresDocument`), as every release wrote
-them: :meth:`RankFigures.to_json` and :meth:`RankFigures.from_document`.
+(:class:`planner.artifacts.schema.RankMeasurementsDocument`), as every release wrote
+them: :meth:`RankMeasurements.to_json` and :meth:`RankMeasurements.from_document`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from planner.artifacts.json_types import JsonObject
-from planner.artifacts.schema import ModuleFiguresDocument, RankFiguresDocument
+from planner.artifacts.schema import ModuleMeasurementsDocument, RankMeasurementsDocument
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ COMPUTE_FIELDS = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms"
 
 
 @dataclass(frozen=True)
-class ComputeFigures:
+class ComputeMeasurements:
     """One module's compute with every module it waits on unsharded and no communication
     (``runtime.recording.recorder.compute_unsharded``): exclusive ms per phase (``*_pre_ms``: before its first child),
     and
@@ -74,7 +74,7 @@ class ComputeFigures:
 
 
 @dataclass(frozen=True)
-class CollectiveFigures:
+class CollectiveMeasurements:
     """One module's collectives in isolation (``runtime.recording.collective_timer.module_collectives``): medians over
     rounds, ms; ``sharded_bytes``, this rank's shards of the module's own parameters."""
 
@@ -84,21 +84,21 @@ class CollectiveFigures:
 
 
 @dataclass(frozen=True)
-class ModuleFigures:
+class ModuleMeasurements:
     """One module's figures on one rank: its compute and its collectives, each ``None`` where the pass that
     produced them did not measure it."""
 
-    compute: ComputeFigures | None = None
-    collectives: CollectiveFigures | None = None
+    compute: ComputeMeasurements | None = None
+    collectives: CollectiveMeasurements | None = None
 
-    def merged(self, later: ModuleFigures) -> ModuleFigures:
+    def merged(self, later: ModuleMeasurements) -> ModuleMeasurements:
         """These figures, with what ``later`` measured in their place."""
-        return ModuleFigures(later.compute or self.compute, later.collectives or self.collectives)
+        return ModuleMeasurements(later.compute or self.compute, later.collectives or self.collectives)
 
 
 @dataclass(frozen=True)
-class IsolatedFigures:
-    """One rank's figures measured outside a training step (``runtime.recording.recorder.isolated_figures``).
+class IsolatedMeasurements:
+    """One rank's figures measured outside a training step (``runtime.recording.recorder.isolated_measurements``).
 
     Attributes:
         overlap: the CPU overlap microbenchmark; ``None`` on CUDA, or not run in this pass.
@@ -112,9 +112,9 @@ class IsolatedFigures:
     pre_forward_order: tuple[str, ...]
     post_forward_order: tuple[str, ...]
     calls: dict[str, int]
-    modules: dict[str, ModuleFigures]
+    modules: dict[str, ModuleMeasurements]
 
-    def merged(self, later: IsolatedFigures) -> IsolatedFigures:
+    def merged(self, later: IsolatedMeasurements) -> IsolatedMeasurements:
         """These figures, with each module's from ``later`` where it measured them (passes of a few modules each).
 
         Raises:
@@ -125,12 +125,12 @@ class IsolatedFigures:
                              f" then {list(later.post_forward_order)}")
         modules = dict(self.modules)
         for fqn, figures in later.modules.items():
-            modules[fqn] = modules.get(fqn, ModuleFigures()).merged(figures)
+            modules[fqn] = modules.get(fqn, ModuleMeasurements()).merged(figures)
         return dataclasses.replace(self, overlap=self.overlap or later.overlap, modules=modules)
 
 
 @dataclass(frozen=True)
-class StepFigures:
+class StepMeasurements:
     """One rank's steps of FSDP2's default plan (``runtime.recording.recorder``, ``runtime.in_loop.recorder``).
 
     Attributes:
@@ -155,22 +155,22 @@ class StepFigures:
 
 
 @dataclass(frozen=True)
-class RankFigures:
+class RankMeasurements:
     """Everything one rank recorded: its rank, its steps and its isolated figures."""
 
     rank: int
-    steps: StepFigures
-    isolated: IsolatedFigures
+    steps: StepMeasurements
+    isolated: IsolatedMeasurements
 
     def to_json(self) -> JsonObject:
         """The flat JSON object of a Profile file's ``per_rank``
-        (:class:`planner.artifacts.schema.RankFiguresDocument`): its fields in the document's order, the later
+        (:class:`planner.artifacts.schema.RankMeasurementsDocument`): its fields in the document's order, the later
         ones only where set, so a file release 0.1.0 wrote is written back byte for byte."""
         modules = {}
         for fqn, m in self.isolated.modules.items():
-            values = {**dataclasses.asdict(m.compute or ComputeFigures()),
-                      **dataclasses.asdict(m.collectives or CollectiveFigures(0.0, 0.0))}
-            modules[fqn] = _written(values, ModuleFiguresDocument, FIRST_MODULE_FIELDS)
+            values = {**dataclasses.asdict(m.compute or ComputeMeasurements()),
+                      **dataclasses.asdict(m.collectives or CollectiveMeasurements(0.0, 0.0))}
+            modules[fqn] = _written(values, ModuleMeasurementsDocument, FIRST_MODULE_FIELDS)
         peaks = self.steps.peak_bytes
         values = {"rank": self.rank, **dataclasses.asdict(self.steps),
                   "peak_bytes": None if peaks is None else list(peaks),
@@ -178,23 +178,23 @@ class RankFigures:
                   "pre_forward_order": list(self.isolated.pre_forward_order),
                   "post_forward_order": list(self.isolated.post_forward_order),
                   "calls": dict(self.isolated.calls), "modules": modules}
-        return _written(values, RankFiguresDocument, FIRST_RANK_FIELDS)
+        return _written(values, RankMeasurementsDocument, FIRST_RANK_FIELDS)
 
     @classmethod
-    def from_document(cls, doc: RankFiguresDocument) -> RankFigures:
-        """From a validated :class:`planner.artifacts.schema.RankFiguresDocument`."""
+    def from_document(cls, doc: RankMeasurementsDocument) -> RankMeasurements:
+        """From a validated :class:`planner.artifacts.schema.RankMeasurementsDocument`."""
         modules = {}
         for fqn, m in doc.modules.items():
             values = m.model_dump()
-            compute = {k: values[k] for k in (f.name for f in dataclasses.fields(ComputeFigures))}
-            collectives = CollectiveFigures(m.all_gather_ms, m.reduce_scatter_ms, m.sharded_bytes)
-            modules[fqn] = ModuleFigures(ComputeFigures(**compute), collectives)
+            compute = {k: values[k] for k in (f.name for f in dataclasses.fields(ComputeMeasurements))}
+            collectives = CollectiveMeasurements(m.all_gather_ms, m.reduce_scatter_ms, m.sharded_bytes)
+            modules[fqn] = ModuleMeasurements(ComputeMeasurements(**compute), collectives)
         overlap = OverlapTimings(**doc.overlap.model_dump()) if doc.overlap is not None else None
-        steps = StepFigures(**{f.name: getattr(doc, f.name) for f in dataclasses.fields(StepFigures)})
+        steps = StepMeasurements(**{f.name: getattr(doc, f.name) for f in dataclasses.fields(StepMeasurements)})
         peaks = None if doc.peak_bytes is None else tuple(doc.peak_bytes)
         return cls(doc.rank, dataclasses.replace(steps, peak_bytes=peaks),
-                   IsolatedFigures(overlap, tuple(doc.pre_forward_order), tuple(doc.post_forward_order),
-                                   dict(doc.calls), modules))
+                   IsolatedMeasurements(overlap, tuple(doc.pre_forward_order), tuple(doc.post_forward_order),
+                                        dict(doc.calls), modules))
 
 
 FIRST_RANK_FIELDS = frozenset(("rank", "step_ms", "optimizer_ms", "peak_bytes", "optimizer_temp_bytes", "overlap",
