@@ -44,11 +44,11 @@ there are no streams and no events: the knob changes nothing, and no search samp
 
 [Note: Work outside the modules]
 A step also runs work that is no module's forward or backward, no collective and not the optimizer: the loss,
-``zero_grad``, FSDP2's hooks, the training loop (``Profile.outside_ms``; a CPU trace measures it, 90-125 ms or about
-2% of a reference step). It is serial compute on the loop's thread and nothing of FSDP2's is in flight around it in
-any plan: the loss runs after the last forward (no forward prefetch is left) and before the first pre-backward hook
-issues a backward all-gather; ``zero_grad`` runs after the optimizer, which waits for every reduce-scatter
-(``_root_post_backward_final_callback``). So it adds to the step as it is, scaled with the compute
+``zero_grad``, FSDP2's hooks, the training loop (``Profile.outside_ms``; a CPU trace measures it:
+``docs/decisions/statistics-evidence.md``). It is serial compute on the loop's thread and nothing of FSDP2's is in
+flight around it in any plan: the loss runs after the last forward (no forward prefetch is left) and before the
+first pre-backward hook issues a backward all-gather; ``zero_grad`` runs after the optimizer, which waits for every
+reduce-scatter (``_root_post_backward_final_callback``). So it adds to the step as it is, scaled with the compute
 (``compute_scale``), after the optimizer.
 
 [Note: Speed]

@@ -49,9 +49,9 @@ new study starts from.
 The launches' mean weighs each by its rounds, not by ``1 / (v_l + tau^2)``
 (the random-effects weights of DerSimonian & Laird 1986). With stalls a launch
 that happened to see none has both a lower ratio and a far smaller ``v_l``,
-so inverse-variance weights hand the pooled mean to the luckiest launch: a
-plan 2.9% slower in total pooled to +0.6% and was called faster 18% of the
-time over 3 launches. Each launch's ``v_l`` is the pooled within-launch
+so inverse-variance weights hand the pooled mean to the luckiest launch, and a
+slower plan is called faster (``docs/decisions/statistics-evidence.md``). Each
+launch's ``v_l`` is the pooled within-launch
 variance over every launch's rounds, divided by its own rounds: a launch
 that saw no stall borrows the variance of one that did. The standard error
 is ``sqrt(sum w_l^2 (v_l + tau^2))``, ``w_l = n_l / sum n``.

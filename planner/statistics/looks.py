@@ -8,7 +8,7 @@ horizon of fresh launches (:attr:`Looks.horizon`: :data:`MAX_LAUNCHES`
 unless the confirmation's design asks for more to reach its power, at most
 :data:`MOST_LAUNCHES`; fixed at the chain's first look). Each look at the nominal 2.5% would
 make the chain's chance of ever calling a plan with nothing to gain "faster"
-4-5.5% over three looks (8% at ``tau = 0.06``). So the looks share the
+about twice that over three looks (``docs/decisions/statistics-evidence.md``). So the looks share the
 2.5%: a group-sequential design (Jennison & Turnbull, *Group Sequential
 Methods*, 2000, ch. 7) with the error spent as the information grows, the
 information fraction of a look at ``L`` fresh launches being

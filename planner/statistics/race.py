@@ -28,8 +28,8 @@ kept with chance at least ``1 - alpha``. Two corrections give that:
   ``alpha (r - r0) / max_rounds``, so the looks together spend at most ``alpha``.
 No step-down across the candidates tested at one look (Holm's): the union
 bound above is already about one true best, and dropping a plan that is not
-one costs nothing, so Holm's divisor only cost power (a candidate 10% slower
-among 3 was dropped by 12 rounds 70% of the time). With several plans tied
+one costs nothing, so Holm's divisor only cost power
+(``docs/decisions/statistics-evidence.md``). With several plans tied
 best each is kept with chance ``1 - alpha`` and the default, never dropped,
 keeps the baseline. ``tests/planner/statistics/test_race.py`` pins the rates
 on synthetic races.
@@ -40,9 +40,8 @@ Rounds are run in whole cycles of the Williams design over the plans alive
 looks only at the end of a cycle: each plan then has followed every other
 equally often, so a carry-over (the step after plan A runs slower) weighs
 on every comparison alike. A drop restarts the design over the plans left,
-again in whole cycles. Without this, a race looking every 2 rounds dropped
-one of 3 equal plans in 12.5% of races at alpha 5% when the step after one
-plan ran 5% slower.
+again in whole cycles. Without this, a carry-over makes a race drop equal plans
+more often than ``alpha`` (``docs/decisions/statistics-evidence.md``).
 """
 
 from __future__ import annotations

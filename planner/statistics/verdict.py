@@ -15,9 +15,9 @@ follows from the interval.
 [Note: The race's own process]
 The in-loop tuner races and confirms in one process, and so does ``tune``
 without fresh launches. The survivor won its race partly on that process's
-offset ``delta_l``, which its confirmation rounds share: with 3 or 5
-candidates that have nothing to gain the survivor's offset averaged -3.1%
-or -4.1%. So a launch whose race picked the survivor among two candidates or
+offset ``delta_l``, which its confirmation rounds share (by a few percent
+with a handful of candidates that have nothing to gain: figures in
+``docs/decisions/statistics-evidence.md``). So a launch whose race picked the survivor among two candidates or
 more (:attr:`ConfirmLaunch.picked`) never shows a plan faster, and adds
 nothing to the spread: "faster" rests on the fresh launches, those the race
 did not pick from. A race of one candidate (a recheck of the study's
@@ -33,9 +33,8 @@ until it is faster across processes or, at its chain's horizon of fresh
 launches (:attr:`Looks.horizon`), the chain ends. Within the one process
 that measured it, the in-loop tuner may still run it
 ([Note: Applied in the process that measured it] in
-:mod:`planner.statistics.watch`): that estimand is this process's. Applying it would have had no bound: a plan 2.9%
-slower in total came out provisional 28-48% of the time at 8 rounds, and
-16-28% of plans with nothing to gain did. Only "faster" is applied, so
+:mod:`planner.statistics.watch`): that estimand is this process's. Applying it would have had no bound on how
+often a slower plan runs (``docs/decisions/statistics-evidence.md``). Only "faster" is applied, so
 what runs is wrong at most 2.5% of the time, over every look.
 """
 

@@ -7,8 +7,9 @@ more rows (many prefetches, many allocations per module), the run is done
 again with arrays of the exact size. Timing never depends on the trace, so
 both runs agree. The check costs the untraced runs nothing: their placeholder
 arrays are ``float32``, and for that type the kernel compiles writers that do
-nothing (``_kernel.timeline.write_event``, ``numba.extending.overload``); even
-a never-taken check in the hot path slowed every step by about 15%.
+nothing (``_kernel.timeline.write_event``, ``numba.extending.overload``): even
+a never-taken check in the hot path slows every step
+(``docs/decisions/statistics-evidence.md``).
 """
 
 from __future__ import annotations
