@@ -24,7 +24,6 @@ from jobs.launching import exit_on_rank_error, exit_with_ranks, handed_over, log
 from planner.artifacts.config import StudyConfig
 from planner.errors import PlannerError
 from planner.presentation import cli as planner_cli
-from planner.simulation.what_if import WhatIf
 from planner.version import DISTRIBUTION
 
 
@@ -73,6 +72,7 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
     torchrun it runs as that rank and confirms in its own processes.
     """
     from jobs.tune import TuneJob
+    from planner.simulation.what_if import WhatIf
     from planner.study.measured import job_name
     from runtime.ranks.launch import in_torchrun, launch_ranks
 

@@ -54,3 +54,15 @@ def test_lazy_names_resolve_and_unknown_names_say_so():
     assert "apply_plan" in dir(runtime)
     with pytest.raises(AttributeError, match="module 'runtime' has no attribute 'aply_plan'"):
         runtime.aply_plan  # noqa: B018
+
+
+def test_the_command_line_loads_none_of_the_tuner_until_a_command_runs():
+    """Every rank starts as ``python -m jobs.cli``, a verify rank too, which must load nothing of the tuner
+    (``jobs.verify.TUNER_MODULES``): the command line's module imports its commands' machinery inside them."""
+    from jobs.verify import TUNER_MODULES
+
+    proc = subprocess.run([sys.executable, "-c", "import json, sys, jobs.cli; print(json.dumps(sorted(sys.modules)))"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [m for m in json.loads(proc.stdout) if any(m == t or m.startswith(t + ".") for t in TUNER_MODULES)] == []
+    assert set(_loaded("import jobs.cli")) & {"torch", "numba", "optuna", "scipy", "sqlalchemy"} == set()

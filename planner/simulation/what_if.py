@@ -18,15 +18,18 @@ One pipeline, in one order, for every caller (``simulate``, ``tune --target``, t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from planner.artifacts.plan import Plan
-from planner.artifacts.profile import Profile
-from planner.artifacts.target import Target
 from planner.errors import PlannerError, TargetError
-from planner.simulation.band import Band
-from planner.simulation.depth import Deepened
-from planner.simulation.link import Retargeted
-from planner.simulation.simulator import SimParams, Simulator
+
+if TYPE_CHECKING:  # importing the what-if compiles nothing: the simulator comes with the first Scenario
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+    from planner.artifacts.target import Target
+    from planner.simulation.band import Band
+    from planner.simulation.depth import Deepened
+    from planner.simulation.link import Retargeted
+    from planner.simulation.simulator import SimParams, Simulator
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ class Scenario:
 
     def simulator(self) -> Simulator:
         """A :class:`~planner.simulation.simulator.Simulator` of :attr:`simulated` with :attr:`params`."""
+        from planner.simulation.simulator import Simulator
+
         return Simulator(self.simulated, self.params)
 
     def band(self, plan: Plan | None = None) -> Band | None:
