@@ -97,7 +97,7 @@ def predict(study: str, profile_path: Path, rate: str, layout: str) -> dict:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study_run = simulated_stage(simulator, config, optuna.storages.InMemoryStorage(), space, show_progress_bar=False)
     best = min(complete_trials(study_run), key=lambda t: t.values[0])
-    plan = space.suggest(optuna.trial.FixedTrial(best.params), retargeted.profile)
+    plan = space.build(best.params, retargeted.profile)
     default = simulator.run(Plan.default(retargeted.profile))
     predicted = simulator.run(plan)
     target = target_for(rate, LAYOUTS[layout])

@@ -110,7 +110,6 @@ def unconstrained_best(profile: Profile, study: str, sim_trials: int, params: Si
 def candidates(profile: Profile, study: str, sim_trials: int, memory_budget_bytes: int,
                params: SimParams | None) -> dict[str, Plan]:
     """Named candidates predicted within the budget: up to 3 per-module ``assign`` plans, the 2 best uniform."""
-    import optuna
 
     from planner.simulation.parameters import simulate
     from planner.study import select_candidates
@@ -118,7 +117,7 @@ def candidates(profile: Profile, study: str, sim_trials: int, memory_budget_byte
 
     sim = _sim_study(profile, study, sim_trials, memory_budget_bytes, params)
     space = get_space("uniform")
-    grid = [(g, space.suggest(optuna.trial.FixedTrial(g), profile)) for g in space.grid(profile)]
+    grid = [(g, space.build(g, profile)) for g in space.grid(profile)]
     uniform_keys = {plan.behaviour_key() for _, plan in grid}
     per_module = [c for c in select_candidates(sim, profile, get_space("assign"), 6,
                                                memory_budget_bytes=memory_budget_bytes)
@@ -166,11 +165,16 @@ class BudgetBench:
     def peaks(self, plans: dict[str, Plan]) -> dict[str, int]:
         """Each plan's peak bytes per rank (``runtime.recording.peak_memory``: median over steps of the max across
         ranks)."""
+        from runtime.measuring.measure import run_steps
+        from runtime.measuring.round import MeasuredRound, warm_up_steps
         from runtime.ranks.collectives import gather_objects
-        from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps, warm_up_measuring_peaks
+        from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
 
-        local = warm_up_measuring_peaks(self.workload, list(plans.values()), PEAK_STEPS + 1, self.steps)
-        reports = gather_objects(local, self.group)
+        round_ = MeasuredRound.of_plans(list(plans.values()), self.group)
+        _, failure = run_steps(self.workload, round_, warm_up_steps(round_.kept, PEAK_STEPS + 1), self.steps)
+        if failure is not None:
+            raise RuntimeError(f"a peak step of plan {failure.plan} raised: {failure.error}")
+        reports = gather_objects(round_.peaks, self.group)
         return {n: peak_of_steps([rep[i] for rep in reports]) for i, n in enumerate(plans)}
 
     def interleaved(self, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:

@@ -36,8 +36,6 @@ def peer_plans(profile, study_plan=None) -> dict:
     """The plans of the comparison, by name, for ``profile``'s model (FSDP2's default first)."""
     import dataclasses
 
-    import optuna
-
     from planner.artifacts.plan import ModulePlan, Plan
     from planner.simulation.parameters import simulator_for
     from search_spaces.uniform import UniformSpace
@@ -59,7 +57,7 @@ def peer_plans(profile, study_plan=None) -> dict:
 
     simulator = simulator_for(profile)
     space = UniformSpace()
-    grid = [space.suggest(optuna.trial.FixedTrial(params), profile) for params in space.grid(profile)]
+    grid = [space.build(params, profile) for params in space.grid(profile)]
     best_uniform = min(grid, key=lambda p: simulator.run(p).step_ms)
     plans = {"FSDP2 default": default, "NeMo-Automodel (forward 1, backward 2)": depths(1, 2),
              "verl (forward 1)": depths(1, 0), "torchtitan reshard never": reshard(False),

@@ -18,6 +18,7 @@ TUNE_MODULES = (
     "planner.storages",
     "planner.study.session",
     "runtime.measuring.protocol",
+    "runtime.measuring.round",
     "runtime.ranks.interrupts",
     "search_spaces.session",
 )

@@ -3,7 +3,7 @@
 Every rank records a profile; rank 0 holds the
 :class:`~planner.study.session.TuningSession`, which decides everything
 (simulated stage, candidates, schedule, verdict, what is written); the rank
-protocol (``runtime.measuring.protocol``, [Note: Rank protocol of a measured round])
+protocol (``runtime.measuring.round``, [Note: Rank protocol of a measured round])
 drives it with the ranks' measurements.
 """
 
@@ -91,7 +91,7 @@ class TuneJob:
 
         Raises:
             PlannerError: bad workload or storage, or a failure broadcast by rank 0.
-            TrialFailedError: a rank raised while measuring (``runtime.measuring.protocol``).
+            TrialFailedError: a rank raised while measuring (``runtime.measuring.round``).
             KeyboardInterrupt: SIGINT or SIGTERM; the round's trials are FAIL.
         """
         with optuna_quiet():

@@ -48,6 +48,11 @@ class PlanMismatchError(PlannerError):
     """A plan was made for another model or world size than the one it is applied to."""
 
 
+class SpaceParamsError(PlannerError):
+    """A search space's parameters do not build a plan for this profile (``SearchSpace.build``): a parameter is
+    missing (another space's, or another model's) or outside its distribution."""
+
+
 class UnsupportedPlanError(PlannerError):
     """A plan uses an FSDP2 setting the running torch does not have; the message names the torch version."""
 
@@ -93,7 +98,7 @@ class StorageError(PlannerError):
 class TrialFailedError(PlannerError):
     """A rank raised while measuring a trial: the trial is recorded FAIL and the job stops (CLI exit 3).
 
-    Raised on every rank, with the same message, by ``runtime.measuring.protocol``.
+    Raised on every rank by the measured round (``runtime.measuring.round``).
 
     Attributes:
         local: the message is this rank's own view (a peer did not report),

@@ -44,6 +44,7 @@ from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
 from planner.study.search_space import TrialParams
 from search_spaces._orders import orders
+from search_spaces._space import BaseSpace
 from search_spaces.per_module import groups
 from search_spaces.uniform import UniformSpace
 
@@ -91,7 +92,7 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int], r
     return Plan(profile.fingerprint, modules, knobs=knobs or KnobValues())
 
 
-class AssignSpace:
+class AssignSpace(BaseSpace):
     """The ``assign`` space (``planner.study.SearchSpace``): per module, issue distances and resharding."""
 
     name = SpaceName.ASSIGN

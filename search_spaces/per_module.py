@@ -25,6 +25,7 @@ from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
 from planner.study.search_space import TrialParams
 from search_spaces._orders import orders
+from search_spaces._space import BaseSpace
 from search_spaces.uniform import UniformSpace
 
 WINDOW = 3
@@ -61,7 +62,7 @@ def build(profile: Profile, forward: dict[str, int], backward: dict[str, int],
     return Plan(profile.fingerprint, modules, knobs=knobs)
 
 
-class PerModuleSpace:
+class PerModuleSpace(BaseSpace):
     """The ``per_module`` space (``planner.study.SearchSpace``): each module's own prefetch depths."""
 
     name = SpaceName.PER_MODULE

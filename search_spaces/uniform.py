@@ -26,6 +26,7 @@ from planner.artifacts.plan import ModulePlan, Plan
 from planner.artifacts.profile import Profile
 from planner.study.search_space import TrialParams
 from search_spaces._orders import orders
+from search_spaces._space import BaseSpace
 
 MAX_DEPTH = 3
 
@@ -45,7 +46,7 @@ def build(profile: Profile, forward_depth: int, backward_depth: int, knobs: Knob
     return Plan(profile.fingerprint, modules, knobs=knobs)
 
 
-class UniformSpace:
+class UniformSpace(BaseSpace):
     """The ``uniform`` space (``planner.study.SearchSpace``): one setting for every module."""
 
     name = SpaceName.UNIFORM

@@ -220,6 +220,61 @@ def test_the_what_if_has_one_corridor():
                   if a.startswith("jobs.") and a != "jobs.cli" and "planner.presentation.cli" in targets) == []
 
 
+def _called(node: ast.Call) -> str:
+    return node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+
+
+def measured_round_offenders(sources: dict[str, str]) -> list[str]:
+    """Where a source does one of the measured round's own jobs (``runtime.measuring.round``): checks measured peaks
+    against the budget (``over_budget``), fails a trial for its own error (``FailKind.ERROR``), feeds a schedule a
+    block (``step_orders``, ``block_times``), or applies plans checked on every rank (``apply_plan(..., check=True)``
+    and ``gather_objects`` in one function)."""
+    offenders = []
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and _called(node) in ("over_budget", "step_orders", "block_times"):
+                offenders.append(f"{path}:{node.lineno} {_called(node)}")
+            elif (isinstance(node, ast.Attribute) and node.attr == "ERROR" and isinstance(node.value, ast.Name)
+                  and node.value.id == "FailKind"):
+                offenders.append(f"{path}:{node.lineno} FailKind.ERROR")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                calls = [c for c in ast.walk(node) if isinstance(c, ast.Call)]
+                checked = any(_called(c) == "apply_plan" and any(
+                    k.arg == "check" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in c.keywords) for c in calls)
+                if checked and any(_called(c) == "gather_objects" for c in calls):
+                    offenders.append(f"{path}:{node.lineno} applies plans on every rank")
+    return offenders
+
+
+def test_the_measured_round_has_one_copy():
+    """The tune job's ranks (``runtime.measuring.protocol``) and the in-loop tuner (``runtime.in_loop``) drive one
+    measured round, ``runtime.measuring.round.MeasuredRound``: no other runtime or job module applies the round's
+    plans on every rank, checks their peaks against the budget, fails a trial for its error or feeds the schedule."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in _sources("runtime", "jobs")
+               if p != ROOT / "runtime" / "measuring" / "round.py"}
+    assert measured_round_offenders(sources) == []
+    copy = ("def apply_everywhere(model, plans, group):\n"
+            "    for plan in plans:\n        apply_plan(model, plan, check=True)\n"
+            "    return gather_objects(None, group)\n"
+            "def left_out(stage, kept, peaks):\n    return stage.over_budget(kept, peaks)\n"
+            "def failed(stage, asked):\n    stage.fail(asked, 'x', FailKind.ERROR)\n")
+    assert measured_round_offenders({"runtime/in_loop/round.py": copy}) == [
+        "runtime/in_loop/round.py:1 applies plans on every rank", "runtime/in_loop/round.py:6 over_budget",
+        "runtime/in_loop/round.py:8 FailKind.ERROR"]
+
+
+def test_a_stored_trial_becomes_a_plan_in_one_place():
+    """Stored parameters (a trial's, a grid point's, a predicted plan's) become a plan through
+    ``SearchSpace.build`` alone (``search_spaces._space.BaseSpace``): no other product module builds an
+    ``optuna.trial.FixedTrial``."""
+    one = ROOT / "search_spaces" / "_space.py"
+    offenders = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _sources(*PACKAGES) if path != one
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Attribute) and node.attr == "FixedTrial"]
+    assert offenders == []
+
+
 # What a package never imports, not even inside a function or under TYPE_CHECKING.
 NEVER_IMPORTS = {
     # The planner runs where torch and the runtime are absent; the search spaces are handed to it

@@ -91,7 +91,7 @@ class LaunchTable(Table):
         backend: ``gloo`` (CPU) or ``nccl`` (CUDA GPUs, one per rank).
         timeout_s: the longest one rank waits for another, s: the process
             group's timeout (every collective of a training step) and the
-            rank protocol's (``runtime.measuring.protocol``).
+            rank protocol's (``runtime.measuring.round``).
         allocator: the ranks' CPU memory allocator (:class:`Allocator`):
             ``system`` or ``jemalloc``. Tune under the one you train with:
             on CPU it sets how much of a step is page faults.

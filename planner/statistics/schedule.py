@@ -4,7 +4,7 @@ The ranks ask :meth:`Schedule.next_block` for the next block of rounds (each
 round: plan indices in running order), run them, and hand the step times back
 through :meth:`Schedule.record`, until the schedule says it is done. The
 schedule is pure Python: the same object drives the real ranks
-(``runtime.measuring.protocol``) and the synthetic races of the tests.
+(``runtime.measuring.round``) and the synthetic races of the tests.
 """
 
 from __future__ import annotations

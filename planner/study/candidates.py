@@ -96,18 +96,17 @@ def predicted_candidate(plan: Plan, profile: Profile, space: SearchSpace, simula
         PlanMismatchError: the plan is of another model, or carries no search-space parameters (a plan not made by
             ``tune --target``), or parameters ``space`` cannot build.
     """
-    from planner.errors import PlanMismatchError, PlannerError
+    from planner.errors import PlanMismatchError, SpaceParamsError
 
     check_start_plan(plan, profile.fingerprint)
     params = plan.provenance.params
-    trial = optuna.trial.FixedTrial(params)
     try:
-        built = space.suggest(trial, profile)
-    except (PlannerError, KeyError, ValueError) as e:
+        built = space.build(params, profile)
+    except SpaceParamsError as e:
         raise PlanMismatchError(f"start_from plan's parameters do not build a plan in this study's space ({e}); "
                                 "predict it with this study's TOML (tune --target)") from None
     result = simulator.run(built)
-    return Candidate(dict(params), dict(trial.distributions), built, result.step_ms, result.peak_bytes,
+    return Candidate(dict(params), space.distributions(params, profile), built, result.step_ms, result.peak_bytes,
                      predicted_for=plan.provenance.target or "a predicted plan")
 
 
@@ -122,7 +121,7 @@ def distinct_plans(sim_study: optuna.Study, profile: Profile, space: SearchSpace
     seen: set[str] = set()
     out = []
     for t in sorted(complete_trials(sim_study), key=lambda t: (t.values[0], t.number)):
-        plan = space.suggest(optuna.trial.FixedTrial(t.params), profile)
+        plan = space.build(t.params, profile)
         if plan.behaviour_key() not in seen:
             seen.add(plan.behaviour_key())
             out.append((t, plan))

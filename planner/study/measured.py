@@ -28,7 +28,7 @@ import optuna
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
-from planner.errors import FailKind, PlannerError
+from planner.errors import FailKind, SpaceParamsError
 from planner.simulation.simulator import Simulator
 from planner.storages import storage_errors
 from planner.storages.archive import save_measured_plans, save_profile, update_profile
@@ -154,11 +154,11 @@ class MeasuredStage:
                                                                "that has that model", FailKind.INTERRUPTED))
                     continue
                 try:
-                    plan = self.space.suggest(optuna.trial.FixedTrial(t.params), self.profile)
-                    result = self.simulator.run(plan)
-                except (PlannerError, KeyError, ValueError) as e:
+                    plan = self.space.build(t.params, self.profile)
+                except SpaceParamsError as e:
                     self._fail_one(t.number, trial_id, Failure(f"cannot rebuild the plan: {e}", FailKind.ERROR))
                     continue
+                result = self.simulator.run(plan)
                 retry_of = MeasuredTrialRecord.from_trial(t).retry_of
                 out.append(MeasuredTrial(t.number, trial_id, plan, result.step_ms, result.peak_bytes, retry_of))
         return out
@@ -230,8 +230,8 @@ class MeasuredStage:
             if key in exclude or times[key] > self.config.study.max_retry + 1:
                 continue
             try:
-                plan = self.space.suggest(optuna.trial.FixedTrial(t.params), self.profile)
-            except (PlannerError, KeyError, ValueError):
+                plan = self.space.build(t.params, self.profile)
+            except SpaceParamsError:
                 continue
             if plan_key(plan) != key or plan.is_default_for(self.profile):
                 continue  # the parameters build another plan for this profile: not the one interrupted
@@ -254,8 +254,8 @@ class MeasuredStage:
                 return None
             trial = self.study.trials[held.number]
         try:
-            plan = self.space.suggest(optuna.trial.FixedTrial(trial.params), self.profile)
-        except (PlannerError, KeyError, ValueError):
+            plan = self.space.build(trial.params, self.profile)
+        except SpaceParamsError:
             return None
         result = self.simulator.run(plan)
         return Candidate(dict(trial.params), dict(trial.distributions), plan, result.step_ms, result.peak_bytes,

@@ -26,8 +26,7 @@ class SearchSpace(Protocol):
 
     A space's parameters are its own (``forward_depth``, ``fwd:<module>``,
     ...); the study stores them on each trial, and the same parameters always
-    build the same plan for the same profile (``suggest`` on a
-    ``optuna.trial.FixedTrial`` rebuilds a stored trial's plan).
+    build the same plan for the same profile (:meth:`build`).
     """
 
     @property
@@ -36,7 +35,25 @@ class SearchSpace(Protocol):
         ...
 
     def suggest(self, trial: Any, profile: Profile) -> Plan:
-        """Draw a plan from ``trial`` (``optuna.Trial``, or ``optuna.trial.FixedTrial`` to rebuild one)."""
+        """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
+        ...
+
+    def build(self, params: TrialParams, profile: Profile) -> Plan:
+        """The plan stored parameters build for ``profile`` (``suggest`` on an ``optuna.trial.FixedTrial``): the one
+        way a stored trial, a grid point or a predicted plan becomes a plan.
+
+        Raises:
+            SpaceParamsError: the parameters do not build a plan for this profile.
+        """
+        ...
+
+    def distributions(self, params: TrialParams, profile: Profile) -> dict[str, Any]:
+        """The Optuna distributions of the parameters :meth:`build` reads (a trial created from ``params`` records
+        them).
+
+        Raises:
+            SpaceParamsError: as :meth:`build`.
+        """
         ...
 
     def grid(self, profile: Profile) -> list[TrialParams]:

@@ -23,7 +23,7 @@ the tuner never hands back a slower plan than the user's on its own
 verdict. A model that arrives with FSDP2's default has it as its baseline.
 
 Whoever runs the ranks drives it through the rank protocol
-(``runtime.measuring.protocol``, [Note: Rank protocol of a measured round]):
+(``runtime.measuring.round``, [Note: Rank protocol of a measured round]):
 :meth:`TuningSession.prepare`, :meth:`~TuningSession.over_budget`,
 :meth:`~TuningSession.start`, the schedule's blocks,
 :meth:`~TuningSession.tell` (or :meth:`~TuningSession.fail`), then

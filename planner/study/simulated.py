@@ -124,7 +124,7 @@ def smallest_peak(simulator: Simulator, space: SearchSpace) -> int:
     """The smallest predicted peak over the space's grid, bytes per rank (the least memory any plan needs)."""
     profile = simulator.profile
     return min(
-        simulator.run(space.suggest(optuna.trial.FixedTrial(g), profile)).peak_bytes for g in space.grid(profile)
+        simulator.run(space.build(g, profile)).peak_bytes for g in space.grid(profile)
     )
 
 

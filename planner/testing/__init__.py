@@ -131,9 +131,8 @@ def _step_time(step_ms: Sequence[float] | StepTime) -> StepTime:
 
 def _run_schedule(schedule: Schedule, trials: Sequence[MeasuredTrial], step_ms: StepTime, ranks: int
                   ) -> tuple[list[list[float]], list[list[list[float]]]]:
-    """What ``runtime.measuring.measure.run_schedule`` does on real ranks, with synthetic step times: every rank takes
-    the
-    same time, so the max across ranks is that time."""
+    """What ``runtime.measuring.round.MeasuredRound`` does with the blocks on real ranks, with synthetic step times:
+    every rank takes the same time, so the max across ranks is that time."""
     times: list[list[float]] = [[] for _ in trials]
     while (block := schedule.next_block()) is not None:
         recorded = []
@@ -171,7 +170,7 @@ def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: Sequenc
 
 def drive_round(session: TuningSession, step_ms: Sequence[float] | StepTime, peak_bytes: Sequence[int] | None = None,
                 ranks: int = 2) -> tuple[list[MeasuredTrial], TuneOutcome]:
-    """Play the ranks' part of the rank protocol (``runtime.measuring.protocol``) for ``session``, with synthetic steps.
+    """Play the ranks' part of the rank protocol (``runtime.measuring.round``) for ``session``, with synthetic steps.
 
     ``session.prepare()``; every plan applies on every rank; the measured
     peaks are ``peak_bytes`` (by position among the asked trials; default:

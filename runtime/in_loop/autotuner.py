@@ -40,7 +40,7 @@ FSDP2's default, and FSDP2's default is raced as a candidate.
 
 Rank 0 alone decides; the ranks exchange only at the ends of phases and
 blocks, on a gloo group of their own (``runtime.ranks.collectives.control_group``),
-as in ``runtime.measuring.protocol``. The trials, the profile and the verdict go to the
+in the measured round of ``runtime.measuring.round``. The trials, the profile and the verdict go to the
 study with ``source = "in-loop"``, so ``studies show``, ``load_best_plan`` and
 optuna-dashboard see them, and a later ``AutoTuner`` on the same study and
 model applies the recommendation at construction and spends no step
@@ -78,9 +78,10 @@ from runtime.apply import apply_plan, model_fingerprint
 from runtime.current import current_plan, fsdp2_default, own_plan
 from runtime.in_loop.out_of_memory import cuda_budget, recover, recoverable
 from runtime.in_loop.recorder import LoopRecorder
-from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, InLoopRound, LoopStep, RoundEnd
+from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, InLoopRound, RoundEnd
 from runtime.in_loop.steps import StepSide
 from runtime.in_loop.watching import WatchedSteps
+from runtime.measuring.round import WARMUP, RoundStep
 from runtime.ranks.collectives import control_group, gather_objects
 from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.workload import fsdp_modules
@@ -147,12 +148,11 @@ class AutoTuner:
             before any group or study is opened.
         UnsupportedPlanError: its FSDP modules cast under different mixed-precision policies.
         StudyModelMismatchError: the study was tuned for another model.
-        StudyConfigError: a bad key or value.
+        StudyConfigError: a bad key or value, or ``on_oom`` neither ``"skip"`` nor ``"raise"``.
         StorageError: the storage cannot be opened or written.
         PlanFormatError: ``start_from`` cannot be read as a plan.
         PlanMismatchError: ``start_from`` is a plan of another model, or carries no search-space parameters.
         PlannerError: no process group is initialized.
-        StudyConfigError: ``on_oom`` is neither ``"skip"`` nor ``"raise"``.
     """
 
     def __init__(self, model: nn.Module, study: str, storage: str | None = None, memory_budget: str | None = None,
@@ -192,7 +192,7 @@ class AutoTuner:
         self.check_lines: list[str] = []
         self._watching: WatchedSteps | None = None
         self._watched_trial: int | None = None
-        self._queue: deque[LoopStep] = deque()
+        self._queue: deque[RoundStep] = deque()
         self._phase_started = 0
         self.device = next(model.parameters()).device.type
         if memory_budget is None and self.device == "cuda":  # a full GPU is the job's: never risk it
@@ -241,8 +241,8 @@ class AutoTuner:
             return
         m = self.config.measure
         self._steps.recorder = LoopRecorder(self.model, m.profile_repeats)
-        self._queue.extend([LoopStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps) + [LoopStep(RECORD, 0)] * m.steps
-                           + [LoopStep(RECORD_PEAK, 0)] * PEAK_STEPS)
+        self._queue.extend([RoundStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps) + [RoundStep(RECORD, 0)] * m.steps
+                           + [RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS)
 
     def _start_recheck(self, microbatches: int) -> None:
         """``recheck=True`` on a study that recommends a plan: race it against FSDP2's default on the study's stored
@@ -256,9 +256,9 @@ class AutoTuner:
             self._round.fail(None, one_line(e))
             self._abandon(str(e))
             return
-        self._steps.race(self._round.plans)
+        self._steps.race(self._round.measured.plans)
         self.phase = TunerPhase.RACING
-        self._queue.extend([LoopStep(WARMUP, 0)] + steps)
+        self._queue.extend([RoundStep(WARMUP, 0)] + steps)
 
     # -- the user's step ---------------------------------------------------------------------------------------
 
@@ -293,12 +293,12 @@ class AutoTuner:
                 return  # the step is skipped; training goes on at the next one
             self._step_failed(order, e)
             raise
-        self._steps.after(order, t0, self._round.peaks)
+        self._steps.after(order, t0, self._round.measured.peaks)
         self.steps_tuning += 1
         if not self._queue:
             self._decide()
 
-    def _skipped_out_of_memory(self, order: LoopStep, e: BaseException) -> bool:
+    def _skipped_out_of_memory(self, order: RoundStep, e: BaseException) -> bool:
         """A user's step that ran a candidate (racing or confirming, not FSDP2's default) ran out of memory: the
         candidate's trial is FAIL with the reason, the plan kept is applied (the model's own, else FSDP2's default),
         FSDP2's iteration state and the partial gradients are cleared (``runtime.in_loop.out_of_memory.recover``),
@@ -335,7 +335,7 @@ class AutoTuner:
                        + " is applied for the rest of the process")
         return True
 
-    def _step_failed(self, order: LoopStep, e: BaseException) -> None:
+    def _step_failed(self, order: RoundStep, e: BaseException) -> None:
         self._steps.abandon()
         reason = f"a training step raised on rank {dist.get_rank()}: {one_line(e)}"
         self._round.fail(order.plan if self.phase != TunerPhase.RECORDING else None, reason)
@@ -351,9 +351,9 @@ class AutoTuner:
                 if (profile := self._recorded()) is None:
                     return  # an isolated pass remains (one more step first)
                 steps = round_.search(profile)
-                self._steps.race(round_.plans)
+                self._steps.race(round_.measured.plans)
                 self.phase, self._phase_started = TunerPhase.RACING, self.steps_tuning
-            elif round_.block is None:
+            elif round_.measured.block is None:
                 steps = round_.start_race()
             else:
                 steps = round_.record_block(self._steps.times)
@@ -372,9 +372,9 @@ class AutoTuner:
             self._abandon(f"out of memory in the tuner's work between steps ({self.phase}): {one_line(e)}; the "
                           "user's step before it had finished")
             return
-        if round_.confirming and self.phase != TunerPhase.CONFIRMING:
-            self._log(f"AutoTuner: raced {len(round_.kept)} plans on {self.steps_tuning - self._phase_started} "
-                      f"steps; confirming the survivor against {self._baseline_name()} on fresh rounds")
+        if round_.measured.confirming and self.phase != TunerPhase.CONFIRMING:
+            self._log(f"AutoTuner: raced {len(round_.measured.kept)} plans on {self.steps_tuning - self._phase_started}"
+                      f" steps; confirming the survivor against {self._baseline_name()} on fresh rounds")
             self.phase, self._phase_started = TunerPhase.CONFIRMING, self.steps_tuning
         self._steps.take_times()
         self._queue.extend(steps)
@@ -385,7 +385,7 @@ class AutoTuner:
         recorder = self._steps.recorder
         isolated = recorder.isolate_next(self.config, lambda local: gather_objects(local, self._group))
         if isolated is None:
-            self._queue.append(LoopStep(RECORD_WARMUP, 0))
+            self._queue.append(RoundStep(RECORD_WARMUP, 0))
             return None
         self.phase = TunerPhase.SEARCHING
         profile = recorder.profile(isolated, lambda local: gather_objects(local, self._group))

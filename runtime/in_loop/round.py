@@ -1,10 +1,12 @@
-"""The measured round of the in-loop tuner: what happens between the user's steps, on every rank together.
+"""The in-loop tuner's side of the measured round: what happens between the user's steps, on every rank together.
 
-The rank protocol of ``runtime.measuring.protocol`` ([Note: Rank protocol of a measured
-round]) turned inside out: there, the protocol runs the steps; here, the
-user's loop runs them (``runtime.in_loop.autotuner``) and this round is called between
-two of them. It answers each call with the steps to run next, as
-:class:`LoopStep` s, until the schedule is done. Rank 0 alone holds the tuning
+The round is :class:`runtime.measuring.round.MeasuredRound` ([Note: Rank
+protocol of a measured round] there), the one the tune job's ranks drive
+(``runtime.measuring.protocol``); here the user's loop runs its steps
+(``runtime.in_loop.autotuner``) and this module calls it between two of them.
+What is the in-loop tuner's own: the decision at construction, the session it
+opens on the recorded profile, the recording's step kinds, and the end (the
+plan kept, the survivor's watch in this process). Rank 0 alone holds the tuning
 session (``planner.study.session.TuningSession``) and decides; every exchange
 between ranks is a collective on the control group.
 """
@@ -27,41 +29,21 @@ from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError, one_line
-from planner.statistics.schedule import Phase
 from planner.statistics.verdict import Confirmation
 from planner.statistics.watch import InProcess, in_process
 from planner.storages import check_writable
-from planner.study.in_loop import (
-    SOURCE,
-    StartDecision,
-    block_times,
-    plan_at_start,
-    predicted_start,
-    recheck_config,
-    step_orders,
-)
+from planner.study.in_loop import SOURCE, StartDecision, plan_at_start, predicted_start, recheck_config
 from planner.study.predicted import predicted_for
 from planner.study.records import confirmation_attrs, confirmation_from
-from runtime.apply import apply_plan
-from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
-from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
+from runtime.measuring.round import MeasuredRound, RoundStep
+from runtime.ranks.collectives import broadcast_from_rank0
 from search_spaces.session import open_session, optuna_quiet
 
 logger = logging.getLogger("runtime.in_loop.autotuner")
 
-# What a tuner step does: RECORD_WARMUP and WARMUP are untimed, RECORD and TIMED timed, the PEAK kinds measure
-# peak memory (untimed).
-RECORD_WARMUP, RECORD, RECORD_PEAK, WARMUP, PEAK, TIMED = (
-    "record-warmup", "record", "record-peak", "warmup", "peak", "timed")
-
-
-@dataclass(frozen=True)
-class LoopStep:
-    """One of the user's steps as the tuner runs it: its kind, and the plan (index into the round's plans;
-    0: the baseline, FSDP2's default or the plan the model arrived with)."""
-
-    kind: str
-    plan: int
+# The recording's steps (FSDP2's default, plan 0), besides the round's (runtime.measuring.round): RECORD_WARMUP is
+# untimed, RECORD timed, RECORD_PEAK measures peak memory (untimed).
+RECORD_WARMUP, RECORD, RECORD_PEAK = "record-warmup", "record", "record-peak"
 
 
 @dataclass(frozen=True)
@@ -70,7 +52,7 @@ class RoundEnd:
 
     Attributes:
         plan: the plan the study recommends now (the baseline unless one is faster across processes).
-        confirmation: the survivor's confirmation (``None`` when the race dropped every candidate).
+        confirmation: the survivor's confirmation (``None`` when the race pruned every candidate).
         line: rank 0's line on the study's recommendation.
         survivor: the race's survivor and its trial number, ``None`` without one.
         here: what this process's confirmation rounds say of the survivor ([Note: Applied in the process that
@@ -121,6 +103,9 @@ class InLoopRound:
         files: rank 0's ``(plan_out, profile_out)`` paths the session writes; ``profile_out`` ``None``: not written.
         user_plan: the plan the model arrived with, the round's baseline ([Note: The user's plan is the baseline]
             in ``planner.study.session``); ``None``: FSDP2's default is.
+
+    Attributes:
+        measured: the measured round (its plans, the plans kept, the block, the peaks the steps append to).
     """
 
     def __init__(self, model: nn.Module, config: StudyConfig, group: dist.ProcessGroup,
@@ -128,33 +113,18 @@ class InLoopRound:
         self.model, self.config, self.group, self.files = model, config, group, files
         self.user_plan = user_plan
         self.rank0 = dist.get_rank() == 0
-        self.plans: list[Plan] = []
-        self.session: Any = None
-        self.asked: list[Any] = []
-        self.kept: list[int] = []
-        self.failed: dict[int, str] = {}
-        self.peaks: list[list[int]] = []
-        self.block: list[list[int]] | None = None
-        self.confirming = False
+        self.measured: MeasuredRound = MeasuredRound(group, None, config.measure.warmup_steps)
         self.stored_profile: Profile | None = None
         self.start_from: Plan | None = None
-        self._schedule: Any = None
-        self._step_ms: list[list[float]] = []
-        self._per_rank: list[list[list[float]]] = []
+
+    @property
+    def session(self) -> Any:
+        """Rank 0's tuning session once the search opened it (``None`` before, and on other ranks)."""
+        return self.measured.stage
 
     def everywhere(self, compute: Callable[[], Any]) -> Any:
-        """``compute()`` on rank 0, its result on every rank; a planner error there raises on every rank.
-
-        Raises:
-            PlannerError: ``compute`` raised one on rank 0 (its message).
-        """
-        payload: Any = None
-        if self.rank0:
-            try:
-                payload = compute()
-            except PlannerError as e:
-                payload = {"error": one_line(e)}
-        return broadcast_from_rank0(payload, self.group)
+        """``compute()`` on rank 0, its result on every rank (:meth:`MeasuredRound.everywhere`)."""
+        return self.measured.everywhere(compute)
 
     def start(self, fingerprint: Fingerprint, recheck: bool, start_from: str | None = None) -> TunerStart:
         """What the tuner does at construction (``planner.study.in_loop.plan_at_start``, read on rank 0), on every
@@ -197,7 +167,7 @@ class InLoopRound:
             raise getattr(errors, payload["raise"], PlannerError)(payload["message"])
         return payload
 
-    def search(self, profile: Profile | None, recheck: bool = False) -> list[LoopStep]:
+    def search(self, profile: Profile | None, recheck: bool = False) -> list[RoundStep]:
         """The simulated stage and the candidates (rank 0), applied and checked everywhere; their warm-up steps.
 
         Args:
@@ -208,79 +178,40 @@ class InLoopRound:
         Raises:
             PlannerError: the session could not ask (storage, budget), or the baseline failed to apply.
         """
-        def ask() -> list[dict]:
+        def open_stage() -> Any:
             plan_out, profile_out = self.files
             config = recheck_config(self.config) if recheck else self.config
-            self.session = open_session(config, profile, plan_out=plan_out, profile_out=profile_out or "",
-                                        confirm_launches=0, source=SOURCE)
-            self.session.start_from = None if recheck else self.start_from
-            self.session.user_plan = self.user_plan
-            self.asked = self.session.prepare()
-            return [a.plan.to_dict() for a in self.asked]
+            session = open_session(config, profile, plan_out=plan_out, profile_out=profile_out or "",
+                                   confirm_launches=0, source=SOURCE)
+            session.start_from = None if recheck else self.start_from
+            session.user_plan = self.user_plan
+            return session
 
         t0 = time.perf_counter()
         with optuna_quiet():  # not a line per simulated trial in the user's log
-            self.plans = [Plan.from_dict(d) for d in self.everywhere(ask)]
-        self.kept, failed = applied_everywhere(self.model, self.plans, self.group)
-        self.failed.update(failed)
-        if 0 not in self.kept:
-            raise PlannerError(f"the baseline plan failed to apply ({self.failed[0]})")
-        if self.rank0:
-            for i, reason in self.failed.items():
-                self.session.fail([self.asked[i]], reason, FailKind.ERROR)
+            self.measured.ask(open_stage)
+        steps = self.measured.apply_everywhere(self.model)
+        if steps is None:
+            raise PlannerError(f"the baseline plan failed to apply ({self.measured.failed[0]})")
         baseline = baseline_name(self.user_plan is not None) + (" (the baseline)" if self.user_plan else "")
         self._log(f"AutoTuner: searched in {time.perf_counter() - t0:.1f} s between two steps: {baseline} and "
-                  f"{len(self.kept) - 1} candidate(s) to race")
-        self.peaks = [[] for _ in self.plans]
-        warm = max(0, self.config.measure.warmup_steps - PEAK_STEPS)
-        return [s for i in self.kept for s in [LoopStep(WARMUP, i)] * warm + [LoopStep(PEAK, i)] * PEAK_STEPS]
+                  f"{len(self.measured.kept) - 1} candidate(s) to race")
+        return steps
 
-    def start_race(self) -> list[LoopStep] | None:
-        """After the warm-ups: drop the plans over the memory budget, start the schedule; its first block's steps."""
-        per_rank = gather_objects([self.peaks[i] for i in self.kept], self.group)
-        peaks = [peak_of_steps([rank[j] for rank in per_rank]) for j in range(len(self.kept))]
+    def start_race(self) -> list[RoundStep] | None:
+        """After the warm-ups: the plans over the memory budget left out, the schedule started; its first block's
+        steps (:meth:`MeasuredRound.start`)."""
+        before = len(self.measured.kept)
+        steps = self.measured.start()
+        if len(self.measured.kept) < before:
+            self._log(f"AutoTuner: {before - len(self.measured.kept)} candidate(s) left out: measured peak over the "
+                      "memory budget")
+        return steps
 
-        def over() -> list[int]:
-            return sorted(self.session.over_budget([self.asked[i] for i in self.kept], peaks))
-
-        dropped = set(self.everywhere(over))
-        for j in dropped:
-            self.failed[self.kept[j]] = "measured peak over the memory budget"
-        peaks = [p for j, p in enumerate(peaks) if j not in dropped]
-        self.kept = [i for j, i in enumerate(self.kept) if j not in dropped]
-        if dropped:
-            self._log(f"AutoTuner: {len(dropped)} candidate(s) dropped: measured peak over the memory budget")
-        self._step_ms = [[] for _ in self.kept]
-        self._per_rank = [[[] for _ in range(dist.get_world_size())] for _ in self.kept]
-
-        def first_block() -> dict:
-            self._schedule = self.session.start([self.asked[i] for i in self.kept], peaks)
-            return {"block": self._schedule.next_block(), "phase": str(self._schedule.phase)}
-
-        return self._block_steps(self.everywhere(first_block))
-
-    def record_block(self, times: list[float]) -> list[LoopStep] | None:
+    def record_block(self, times: list[float]) -> list[RoundStep] | None:
         """After a block: this rank's step ``times`` (ms, in step order) to the schedule; the next block's steps,
-        ``None`` when the schedule is done."""
-        reports = gather_objects(times, self.group)
-        maxed = max_across_ranks(reports)
-        for pos, j in enumerate(step_orders(self.block)):
-            self._step_ms[j].append(maxed[pos])
-            for r, rep in enumerate(reports):
-                self._per_rank[j][r].append(rep[pos])
-
-        def next_block() -> dict:
-            self._schedule.record(block_times(self.block, maxed))
-            return {"block": self._schedule.next_block(), "phase": str(self._schedule.phase)}
-
-        return self._block_steps(self.everywhere(next_block))
-
-    def _block_steps(self, payload: dict) -> list[LoopStep] | None:
-        self.block = payload["block"]
-        self.confirming = payload["phase"] == str(Phase.CONFIRM)
-        if self.block is None:
-            return None
-        return [LoopStep(TIMED, self.kept[j]) for j in step_orders(self.block)]
+        ``None`` when the schedule is done (:meth:`MeasuredRound.record`)."""
+        return self.measured.record(times)
 
     def conclude(self, default: Plan) -> RoundEnd:
         """Tell the study, finish the session (the recommendation written); the plan to keep, on every rank.
@@ -290,17 +221,16 @@ class InLoopRound:
         """
 
         def finish() -> dict:
-            plans_measured = self.session.tell([self.asked[i] for i in self.kept], self._step_ms, self._per_rank)
-            outcome = self.session.finish(plans_measured, {self.asked[i].number: r for i, r in self.failed.items()})
+            plans_measured = self.measured.tell()
+            outcome = self.session.finish(plans_measured, self.measured.failed_trials())
             self.session.close()
             if self.files[1]:
                 self.session.save_profile()
-            c = self._schedule.confirmation
+            s = self.measured.schedule
+            c, survivor = s.confirmation, s.survivor
             written = outcome.written or default
-            survivor = self._schedule.survivor
             here = None
             if c is not None and survivor is not None:
-                s = self._schedule
                 here = in_process(s.confirm_ms[survivor], s.confirm_ms[s.default])
             return {"plan": written.to_dict(), "line": outcome.best.line(self.config.name) if outcome.best else "",
                     "confirmation": None if c is None else confirmation_attrs(c),
@@ -321,8 +251,7 @@ class InLoopRound:
         if not self.rank0 or self.session is None:
             return
         try:
-            if plan is not None and plan < len(self.asked):
-                self.session.fail([self.asked[plan]], reason, FailKind.ERROR)
+            self.measured.fail(plan, reason)
             self.session.fail_held(f"not measured: {reason}", FailKind.INTERRUPTED)
         except PlannerError as e:
             logger.warning(f"AutoTuner: could not record the failure in the study: {one_line(e)}")
@@ -333,24 +262,3 @@ class InLoopRound:
         if self.rank0:
             logger.info(line)
 
-
-def applied_everywhere(model: nn.Module, plans: list[Plan], group: Any) -> tuple[list[int], dict[int, str]]:
-    """Apply each plan on every rank (checked against the model), then the first (the baseline) again.
-
-    Returns:
-        The indices of the plans every rank applied, and for each other plan why, rank by rank.
-    """
-    here = []
-    for plan in plans:
-        try:
-            apply_plan(model, plan, check=True)
-            here.append(None)
-        except PlannerError as e:
-            here.append(one_line(e))
-    apply_plan(model, plans[0], check=False)
-    outcomes = gather_objects(here, group)
-    kept = [i for i in range(len(plans)) if all(o[i] is None for o in outcomes)]
-    failed = {i: "applying the plan failed on " + "; ".join(f"rank {r}: {o[i]}" for r, o in enumerate(outcomes)
-                                                              if o[i] is not None)
-              for i in range(len(plans)) if i not in kept}
-    return kept, failed

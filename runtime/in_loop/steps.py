@@ -1,6 +1,6 @@
 """What the in-loop tuner does around each of the user's steps: the plan switched, the recorder or the peak meter
 begun and ended, the step timed, the microbatches counted. ``runtime.in_loop.autotuner.AutoTuner`` decides what
-each step is (a :class:`~runtime.in_loop.round.LoopStep`); :class:`StepSide` runs it, on every rank."""
+each step is (a :class:`~runtime.measuring.round.RoundStep`); :class:`StepSide` runs it, on every rank."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from planner.artifacts.plan import Plan
 from runtime.accumulation import set_microbatch_resharding
 from runtime.apply import apply_plan
 from runtime.in_loop.recorder import LoopRecorder, PeakMeter
-from runtime.in_loop.round import PEAK, RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, LoopStep
+from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP
+from runtime.measuring.round import PEAK, TIMED, RoundStep
 from runtime.timing import synchronize
 from runtime.workload import fsdp_modules
 
@@ -81,7 +82,7 @@ class StepSide:
             handle.remove()
         self._hooks = []
 
-    def before(self, order: LoopStep) -> float | None:
+    def before(self, order: RoundStep) -> float | None:
         """Before the user's step: its plan applied, the recorder or meter begun; for a timed step, every rank
         started together (a barrier, the device synchronized) and the clock read."""
         self._microbatch = 0
@@ -98,7 +99,7 @@ class StepSide:
         synchronize(self.device)
         return time.perf_counter()
 
-    def after(self, order: LoopStep, t0: float | None, peaks: list[list[int]]) -> None:
+    def after(self, order: RoundStep, t0: float | None, peaks: list[list[int]]) -> None:
         """After the user's step: its ms (timed steps), a plan's parameters resharded after the last microbatch,
         the recorder or meter ended (a peak step's peak appended to ``peaks[order.plan]``)."""
         ms = None

@@ -9,30 +9,16 @@ decides the order, on rank 0 (:func:`run_schedule`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from planner.artifacts.plan import Plan
-from planner.errors import PlannerError, one_line
+from planner.statistics.schedule import Phase
 from runtime.apply import apply_plan
-from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
+from runtime.measuring.round import PEAK, TIMED, MeasuredRound, RoundStep, Scheduler, StepFailure
+from runtime.recording.peak_memory import measure_peak
 from runtime.timing import StepCounter, StepFailed, device_type_of, timed_ms
 from runtime.workload import Workload, train_step
-
-
-class Scheduler(Protocol):
-    """Rank 0's schedule of a round's steps (``planner.statistics.schedule.Schedule``)."""
-
-    def next_block(self) -> list[list[int]] | None:
-        """The next rounds (plan indices in running order), ``None`` when done."""
-
-    def record(self, block: list[dict[int, float]]) -> None:
-        """The block's step times: per round, plan index -> ms (max across ranks)."""
-
-
-# How a block's step times reach every rank: given this rank's run, every rank's result (gather_objects by default).
-Report = Callable[[Callable[[], list[list[float]]]], list[list[list[float]]]]
 
 
 def timed_step(workload: Workload, step: int) -> float:
@@ -64,40 +50,38 @@ def warm_up(
         raise StepFailed(index, e) from e
 
 
-def run_block(
+def run_steps(
     workload: Workload,
-    plans: Sequence[Plan],
-    block: list[list[int]],
-    steps: StepCounter,
+    round_: MeasuredRound,
+    steps: Sequence[RoundStep],
+    counter: StepCounter,
     on_step: Callable[[], None] | None = None,
-) -> list[list[float]]:
-    """This rank's step times of a block of rounds (all ranks call this with the same block).
-
-    Args:
-        plans: the plans, indexed by the block.
-        block: per round, the plan indices in running order; each step applies
-            its plan first (a plan's settings are switched between steps).
+) -> tuple[list[float], StepFailure | None]:
+    """Run ``steps`` as training steps of ``workload`` (all ranks call this with the same steps): each step's plan
+    switched in first, a peak step's peak appended to ``round_.peaks``, a timed step timed (:func:`timed_step`).
 
     Returns:
-        Per round, per position, this rank's step time, ms.
-
-    Raises:
-        StepFailed: a step raised; names the plan.
+        This rank's timed steps' ms, in step order, and the step that raised (``None``: none did; the steps after
+        it did not run).
     """
-    out = []
-    index = 0
-    try:
-        for order in block:
-            times = []
-            for index in order:
-                apply_plan(workload.model, plans[index], check=False)
-                times.append(timed_step(workload, steps.next()))
-                if on_step is not None:
-                    on_step()
-            out.append(times)
-    except Exception as e:
-        raise StepFailed(index, e) from e
-    return out
+    times: list[float] = []
+    applied = None
+    for step in steps:
+        try:
+            if step.plan != applied:
+                apply_plan(workload.model, round_.plans[step.plan], check=False)
+                applied = step.plan
+            if step.kind == PEAK:
+                round_.peaks[step.plan].append(measure_peak(workload, counter.next()).peak_bytes)
+            elif step.kind == TIMED:
+                times.append(timed_step(workload, counter.next()))
+            else:
+                train_step(workload, counter.next())
+        except Exception as e:  # noqa: BLE001 - reported at the round's next collective, where the cause is named
+            return times, StepFailure.of(step.plan, e)
+        if on_step is not None:
+            on_step()
+    return times, None
 
 
 class OneBlock:
@@ -109,6 +93,11 @@ class OneBlock:
     def next_block(self) -> list[list[int]] | None:
         block, self._block = self._block, None
         return block
+
+    @property
+    def phase(self) -> Phase:
+        """Always the race: one block, nothing confirmed."""
+        return Phase.RACE
 
     def record(self, block: list[dict[int, float]]) -> None:
         """Nothing to decide: :func:`run_schedule` returns the times."""
@@ -126,11 +115,10 @@ def measure_rounds(
     :func:`run_schedule`, the study's own measured round.
 
     Returns:
-        On rank 0, per plan, each of its steps' max across ranks, ms; on the other ranks, empty lists.
+        Per plan, each of its steps' max across ranks, ms.
 
     Raises:
-        StepFailed: a step raised on this rank.
-        TrialFailedError: a rank did not report.
+        TrialFailedError: a step raised on a rank, or a rank did not report.
     """
     scheduler = OneBlock(block) if dist.get_rank() == 0 else None
     step_ms, _ = run_schedule(workload, plans, scheduler, steps, group, on_step)
@@ -147,7 +135,7 @@ def measure_plans(
     """Every rank: warm each plan up (:func:`warm_up`), then ``rounds`` rounds A B C ... (:func:`measure_rounds`).
 
     Returns:
-        On rank 0, ``step_ms[i]``: plan ``i``'s step times, max across ranks, ms; on the other ranks, empty lists.
+        ``step_ms[i]``: plan ``i``'s step times, max across ranks, ms.
     """
     steps = StepCounter()
     warm_up(workload, plans, warmup_steps, steps, on_step)
@@ -158,60 +146,26 @@ def run_schedule(
     workload: Workload,
     plans: Sequence[Plan],
     scheduler: Scheduler | None,
-    steps: StepCounter,
+    counter: StepCounter,
     group: dist.ProcessGroup | None = None,
     on_step: Callable[[], None] | None = None,
-    report: Report | None = None,
 ) -> tuple[list[list[float]], list[list[list[float]]]]:
-    """Every rank: run the blocks of rounds rank 0's ``scheduler`` hands out, until it says it is done.
-
-    Rank 0 asks the scheduler for a block and broadcasts it; every rank runs
-    it (:func:`run_block`, plans applied before each step, warmed up before);
-    rank 0 feeds the scheduler each step's max across ranks.
+    """Every rank: run the blocks of rounds rank 0's ``scheduler`` hands out over fixed ``plans`` (warmed up before),
+    until it says it is done: a :class:`~runtime.measuring.round.MeasuredRound` of these plans with no study.
 
     Args:
         scheduler: rank 0's (``planner.statistics.schedule.Schedule``); ``None`` on the other ranks.
-        group: the group of the protocol's collectives (``runtime.ranks.collectives.control_group``).
-        report: how a block's step times reach every rank, given this rank's run of it (default: run it and
-            gather the times); the rank protocol's also turns a failed step on any rank into a failed trial.
+        group: the group of the round's collectives (``runtime.ranks.collectives.control_group``).
 
     Returns:
-        On rank 0, per plan: every step's max across ranks, ms, and per rank that rank's own times, ms; on the
-        other ranks, empty lists.
+        Per plan: every step's max across ranks, ms, and per rank that rank's own times, ms.
 
     Raises:
         PlannerError: rank 0's scheduler raised (every rank raises it).
-        StepFailed: a step raised on this rank (with the default ``report``).
-        TrialFailedError: a rank did not report.
+        TrialFailedError: a step raised on a rank, or a rank did not report.
     """
-    rank0, world = dist.get_rank() == 0, dist.get_world_size()
-    step_ms: list[list[float]] = [[] for _ in plans]
-    per_rank: list[list[list[float]]] = [[[] for _ in range(world)] for _ in plans]
-    while True:
-        payload: Any = None
-        if rank0:
-            try:
-                payload = scheduler.next_block()
-            except PlannerError as e:  # every rank must hear that rank 0 cannot go on
-                payload = {"error": str(e)}
-            except Exception as e:  # noqa: BLE001 - the same for a bug in the schedule
-                payload = {"error": f"the measured round's schedule failed: {one_line(e)}"}
-        block = broadcast_from_rank0(payload, group)
-        if block is None:
-            break
-
-        def run(block: list[list[int]] = block) -> list[list[float]]:
-            return run_block(workload, plans, block, steps, on_step)
-
-        reports = report(run) if report is not None else gather_objects(run(), group)
-        if rank0:
-            maxed = []
-            for k, order in enumerate(block):
-                times = max_across_ranks([rep[k] for rep in reports])
-                maxed.append(dict(zip(order, times, strict=True)))
-                for pos, j in enumerate(order):
-                    step_ms[j].append(times[pos])
-                    for r, rep in enumerate(reports):
-                        per_rank[j][r].append(rep[k][pos])
-            scheduler.record(maxed)
-    return step_ms, per_rank
+    round_ = MeasuredRound.of_plans(plans, group)
+    todo = round_.begin(lambda: scheduler)
+    while todo is not None:
+        todo = round_.record(*run_steps(workload, round_, todo, counter, on_step))
+    return round_.step_ms, round_.per_rank

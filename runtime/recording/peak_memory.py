@@ -24,17 +24,15 @@ import contextlib
 import os
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from planner.artifacts.plan import Plan
-from runtime.apply import apply_plan
 from runtime.ranks.torch_private import profiler_allocations
-from runtime.timing import StepCounter, StepFailed, device_type_of, synchronize
-from runtime.workload import Workload, forward_backward, train_step
+from runtime.timing import device_type_of, synchronize
+from runtime.workload import Workload, forward_backward
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
 # some steps of the same plan peak one block's unsharded bytes higher than most, on either rank, whatever the
@@ -172,42 +170,3 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
             prof.__exit__(None, None, None)
     return PeakMemory(start + step_peak(profiler_allocations(prof)), start,
                       step_peak(profiler_allocations(prof, within=OPTIMIZER_BLOCK)))
-
-
-def warm_up_steps(warmup_steps: int) -> int:
-    """Steps :func:`warm_up_measuring_peaks` runs per plan for ``warmup_steps``: its plain steps and its peak steps."""
-    return max(0, warmup_steps - PEAK_STEPS) + PEAK_STEPS
-
-
-def warm_up_measuring_peaks(workload: Workload, plans: Sequence[Plan], warmup_steps: int, steps: StepCounter,
-                            on_step: Callable[[], None] | None = None) -> list[list[int]]:
-    """Warm each plan up, measuring its peak on the way (all ranks call this with the same plans).
-
-    Per plan: apply it (checked before), run ``warmup_steps - PEAK_STEPS``
-    plain steps if that is positive, then :data:`PEAK_STEPS` steps under
-    :func:`measure_peak`, which warm up as well (untimed).
-
-    Returns:
-        ``peaks[i]``: plan ``i``'s peak per measured step on this rank, bytes.
-
-    Raises:
-        StepFailed: a step raised; names the plan.
-    """
-    out: list[list[int]] = []
-    index = 0
-    try:
-        for index, plan in enumerate(plans):  # noqa: B007 - the except clause names the plan by its index
-            apply_plan(workload.model, plan, check=False)
-            for _ in range(warm_up_steps(warmup_steps) - PEAK_STEPS):
-                train_step(workload, steps.next())
-                if on_step is not None:
-                    on_step()
-            peaks = []
-            for _ in range(PEAK_STEPS):
-                peaks.append(measure_peak(workload, steps.next()).peak_bytes)
-                if on_step is not None:
-                    on_step()
-            out.append(peaks)
-    except Exception as e:
-        raise StepFailed(index, e) from e
-    return out

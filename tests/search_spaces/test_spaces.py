@@ -6,7 +6,7 @@ import optuna
 import pytest
 
 from planner.artifacts.names import SpaceName
-from planner.errors import StudyConfigError
+from planner.errors import SpaceParamsError, StudyConfigError
 from planner.simulation.parameters import simulate
 from planner.study.search_space import SearchSpace
 from search_spaces import SPACES, assign, get_space, per_module, uniform
@@ -60,6 +60,23 @@ def test_the_registry_has_one_search_space_per_name():
     for name, space in SPACES.items():
         assert isinstance(space, SearchSpace) and space.name == name
         assert get_space(str(name)) is space
+
+
+def test_build_is_suggest_on_the_stored_parameters_and_refuses_others_in_one_error(make_profile):
+    p, other = make_profile(n_blocks=3), make_profile(n_blocks=5)
+    for name, space in SPACES.items():
+        params = space.grid(p)[-1]
+        assert space.build(params, p) == space.suggest(optuna.trial.FixedTrial(params), p), name
+        assert set(space.distributions(params, p)) <= set(params)
+        missing = dict(params)
+        missing.pop(sorted(missing)[0])
+        out_of_range = {k: (99 if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in params.items()}
+        for bad in (missing, out_of_range):
+            with pytest.raises(SpaceParamsError, match=f"do not build a plan in the {name} space"):
+                space.build(bad, p)
+    # the parameters of a smaller model lack the per-module ones of the blocks it does not have
+    with pytest.raises(SpaceParamsError, match="fwd:b3"):
+        PER_MODULE.build(PER_MODULE.grid(p)[0] | {"fwd:b1": 2}, other)
 
 
 def test_every_space_starts_its_grid_with_fsdp2_default(make_profile):

@@ -1,6 +1,6 @@
 """runtime.measuring.protocol.measured_round's progress on a real one-rank FSDP2 model: the warm-up's step count it
-announces is
-the number of steps it then runs before the schedule's first block (``jobs.tune`` draws the bar's total from it)."""
+announces is the number of steps it then runs before the schedule's first block (``jobs.tune`` draws the bar's
+total from it)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import pytest
 
 from planner.artifacts.plan import ModulePlan, Plan
+from planner.statistics.schedule import Phase
 from runtime.apply import model_fingerprint
 from runtime.measuring.protocol import measured_round
+from runtime.measuring.round import warm_up_steps
 from runtime.ranks.torch_private import reshard_after_forward
-from runtime.recording.peak_memory import PEAK_STEPS, warm_up_steps
+from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.reference_workloads import mlp
 from runtime.workload import fsdp_modules
 
@@ -25,6 +27,8 @@ class _Trial:
 
 class _OneBlock:
     """A schedule of one round of every plan; notes the steps run when its first block was asked for."""
+
+    phase = Phase.RACE
 
     def __init__(self, plans: int, steps_so_far):
         self.plans, self.steps_so_far, self.asked_at = plans, steps_so_far, None
@@ -80,6 +84,7 @@ def test_the_warm_up_count_it_announces_is_the_steps_before_the_first_block(mesh
                             on_step=lambda: steps.append(1), on_warm_up=announced.append)
 
     assert result.failed == {}
-    assert announced == [2 * warm_up_steps(warmup_steps)] == [stage.schedule.asked_at]
-    assert warm_up_steps(warmup_steps) == max(warmup_steps, PEAK_STEPS)
+    per_plan = len(warm_up_steps([0], warmup_steps))
+    assert announced == [2 * per_plan] == [stage.schedule.asked_at]
+    assert per_plan == max(warmup_steps, PEAK_STEPS)
     assert len(steps) == announced[0] + 2  # the block: one step of each plan
