@@ -52,6 +52,38 @@ class Candidate:
     user_plan: bool = False
 
 
+# [Note: The round's candidates in order]
+# A round's plans, each once, in this order (a plan met twice keeps its first
+# place): the user's plan (the baseline, where the model arrived with one);
+# FSDP2's default (the baseline otherwise, and raced as a candidate against a
+# user's plan; left out when a re-queued trial measures it); the plan predicted
+# for this cluster (``start_from``, ``tune --target``: the plan the user asked to
+# race); the study's recommendation, raced again (``MeasuredStage.recommended``);
+# the plans a stopped job left unmeasured (``MeasuredStage.interrupted``); then
+# the simulated stage's picks ([Note: Candidates worth racing]). Re-queued plans
+# of dead jobs come as trials already (``MeasuredStage.claim_retries``).
+
+
+def in_round_order(default: Candidate | None, simulated: list[Candidate], *, user: Candidate | None = None,
+                   predicted: Candidate | None = None, recommended: Candidate | None = None,
+                   resumed: list[Candidate] | None = None, default_retried: bool = False) -> list[Candidate]:
+    """The round's candidates in the order of [Note: The round's candidates in order], each plan once.
+
+    Args:
+        default: FSDP2's default as the simulated stage predicted it (``None``: it has no trial there).
+        simulated: the simulated stage's picks (:func:`select_candidates` without the default).
+        default_retried: a re-queued trial measures FSDP2's default: it is not asked again.
+    """
+    ordered = [user, None if default_retried else default, predicted, recommended, *(resumed or []), *simulated]
+    seen: set[str] = set()
+    out = []
+    for c in ordered:
+        if c is not None and plan_key(c.plan) not in seen:
+            seen.add(plan_key(c.plan))
+            out.append(c)
+    return out
+
+
 def user_candidate(plan: Plan, profile: Profile, simulator: Any) -> Candidate:
     """The plan the model arrived with as the round's baseline ([Note: The user's plan is the baseline] in
     ``planner.study.session``), predicted by ``simulator``.

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import optuna
 
@@ -39,6 +40,9 @@ from planner.study.provenance import OBJECTIVE, MeasuredPlan
 from planner.study.records import Failure, MeasuredTrialRecord, StudyRecord
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import name_objective
+
+if TYPE_CHECKING:
+    from planner.study.queries import BestPlan
 
 
 def job_name() -> str:
@@ -238,6 +242,22 @@ class MeasuredStage:
             result = self.simulator.run(plan)
             out.append(Candidate(dict(t.params), dict(t.distributions), plan, result.step_ms, result.peak_bytes))
         return sorted(out, key=lambda c: c.predicted_ms)
+
+    def recommendation(self) -> BestPlan:
+        """The study's recommendation for this profile's model and world size, read on the storage this stage holds.
+
+        Raises:
+            StudyNotFoundError: no job of the study has concluded for this model and world size.
+            StorageError: the storage cannot be read.
+        """
+        from planner.errors import StudyNotFoundError
+        from planner.study.queries import best_in
+
+        with self._storage_errors():
+            best = best_in(self.storage, self.study, self.config.name, self.profile.fingerprint)
+        if best is None:
+            raise StudyNotFoundError(f"study {self.config.name!r} has no concluded tuning job for this model yet")
+        return best
 
     def recommended(self) -> Candidate | None:
         """The study's recommendation for this profile's model and world size, or its pending plan, as a candidate

@@ -53,14 +53,14 @@ from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Confirmation
 from planner.storages import open_storage, storage_errors
 from planner.storages.archive import latest_calibration
-from planner.study.candidates import plan_key, predicted_candidate, select_candidates, user_candidate
+from planner.study.candidates import in_round_order, plan_key, predicted_candidate, select_candidates, user_candidate
 from planner.study.cluster_spread import ClusterKey, ClusterSpread, cluster_spread
 from planner.study.confirmation import write_plan
 from planner.study.evidence import chain_of, study_spread
 from planner.study.measured import MeasuredStage, MeasuredTrial
 from planner.study.model_summary import model_summary
 from planner.study.provenance import measured_plans
-from planner.study.queries import BestPlan, best_plan
+from planner.study.queries import BestPlan
 from planner.study.records import Failure
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import simulated_stage, smallest_peak
@@ -164,8 +164,8 @@ class TuningSession:
 
     def prepare(self) -> list[MeasuredTrial]:
         """The round's trials, the baseline first ([Note: The user's plan is the baseline]): re-queued plans of dead
-        jobs, plans a stopped job left unmeasured (:meth:`MeasuredStage.interrupted`, within ``[search]
-        measured_trials``), then the candidates.
+        jobs, then the candidates in the order of [Note: The round's candidates in order] in
+        ``planner.study.candidates`` (plans a stopped job left unmeasured within ``[search] measured_trials``).
 
         Raises:
             MemoryBudgetError: the budget is relative without a measured default peak, or below every plan's
@@ -204,29 +204,26 @@ class TuningSession:
         resumed = resumed[:config.search.measured_trials]  # they take the round's slots first
         if resumed:
             logger.info(f"      resuming: {len(resumed)} plan(s) of interrupted trials race again")
-        candidates = select_candidates(sim, self.profile, self.space, config.search.measured_trials - len(resumed),
-                                       exclude=settled | {plan_key(c.plan) for c in resumed},
-                                       band_pct=config.search.candidate_band_pct, memory_budget_bytes=budget)
-        candidates = candidates[:1] + resumed + candidates[1:]
+        picks = select_candidates(sim, self.profile, self.space, config.search.measured_trials - len(resumed),
+                                  exclude=settled | {plan_key(c.plan) for c in resumed},
+                                  band_pct=config.search.candidate_band_pct, memory_budget_bytes=budget)
+        default = next((c for c in picks if c.plan.is_default_for(self.profile)), None)
         recommended = self.stage.recommended()
-        over = bool(self.memory_budget_bytes) and recommended is not None and (
-            recommended.predicted_peak_bytes > self.memory_budget_bytes)
-        if recommended is not None and not over:
+        if recommended is not None and budget and recommended.predicted_peak_bytes > budget:
+            recommended = None
+        if recommended is not None:
             logger.info(f"      trial {recommended.reconfirms}'s plan (the study's recommendation, or its provisional "
                         "plan) races again: it is applied only if this job confirms it (or a plan that beats it) "
                         "faster across processes")
-            candidates.insert(1, recommended)
+        predicted = None
         if self.start_from is not None:
             predicted = predicted_candidate(self.start_from, self.profile, self.space, self.simulator)
-            candidates = [c for c in candidates if plan_key(c.plan) != plan_key(predicted.plan)]
-            candidates.insert(1, predicted)
             logger.info(f"      the predicted plan ({predicted.predicted_for}) races first: kept only if it is "
                         f"confirmed faster than {self.baseline_name()} here")
-        if any(r.plan.is_default_for(self.profile) for r in retries):
-            candidates = candidates[1:]  # the default is re-measured as a retry
-        if self.user_plan is not None:  # the baseline, raced once: no candidate repeats it
-            own = user_candidate(self.user_plan, self.profile, self.simulator)
-            candidates = [own] + [c for c in candidates if plan_key(c.plan) != plan_key(own.plan)]
+        user = None if self.user_plan is None else user_candidate(self.user_plan, self.profile, self.simulator)
+        candidates = in_round_order(default, [c for c in picks if c is not default], user=user, predicted=predicted,
+                                    recommended=recommended, resumed=resumed,
+                                    default_retried=any(r.plan.is_default_for(self.profile) for r in retries))
         with self.critical():
             asked = retries + self.stage.ask(candidates)
             asked.sort(key=lambda a: not self._is_baseline(a))  # the baseline first: every verdict compares with it
@@ -375,7 +372,7 @@ class TuningSession:
         candidate = plans_measured[survivor] if survivor is not None else None
         best = None
         if schedule.confirmation is not None or candidate is None:  # this job is decided: the study's recommendation
-            best = best_plan(self.config.storage_url, self.config.name, self.profile.fingerprint)
+            best = self.stage.recommendation()
             written = best.plan
         else:  # confirmed in fresh launches: planner.study.confirmation.conclude writes the recommendation then
             written = plans_measured[0]
