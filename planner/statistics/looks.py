@@ -80,9 +80,9 @@ class Looks:
         if self.reconfirming:
             return ALPHA
         z = boundaries((*self.earlier, fresh), max_launches=self.horizon)[-1]
-        from scipy.stats import norm
+        from scipy.special import ndtr  # norm.sf(z) is ndtr(-z), without its argument checks
 
-        return float(norm.sf(z)) if math.isfinite(z) else 0.0
+        return float(ndtr(-z)) if math.isfinite(z) else 0.0
 
 
 @functools.cache

@@ -41,6 +41,7 @@ what runs is wrong at most 2.5% of the time, over every look.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -189,11 +190,29 @@ def quantile(level: float, used: UsedSpread) -> float:
     """The one-sided quantile at ``level`` for a spread ``used``: normal at the floor, Student's ``t`` on the
     estimate's degrees of freedom above it ([Note: The spread is floored at the cluster's bound]); ``inf`` at
     level 0."""
-    from scipy.stats import norm, t
-
     if level <= 0:
         return math.inf
-    return float(norm.isf(level) if used.df is None else t.isf(level, used.df))
+    return _one_sided(level, used.df)
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_sided(level: float, df: float | None) -> float:
+    """``norm.isf(level)`` (``df`` ``None``) or ``t.isf(level, df)``: the few levels a chain's looks leave and the
+    few degrees of freedom its spreads have recur in every sizing (:func:`power` is called thousands of times)."""
+    from scipy.stats import norm, t
+
+    return float(norm.isf(level) if df is None else t.isf(level, df))
+
+
+@functools.lru_cache(maxsize=64)
+def _chi2_midpoints(df: int) -> np.ndarray:
+    """``chi2.ppf`` at the 400 quantile midpoints ``(i + 0.5) / 400`` for ``df`` degrees of freedom (:func:`power`'s
+    quadrature nodes; read-only)."""
+    from scipy.stats import chi2
+
+    nodes = chi2.ppf((np.arange(400) + 0.5) / 400, df)
+    nodes.setflags(write=False)
+    return nodes
 
 
 def verdict_of(ci95: tuple[float, float], within_ci95: tuple[float, float] | None = None,
@@ -291,7 +310,7 @@ def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread 
     Where the spread is estimated from the launches alone (``spread.df = 0``, no floor, no within noise) this is the
     noncentral ``t``'s ``nct.sf(t_q, launches - 1, delta / se)`` (the tests check it against ``scipy.stats.nct``).
     """
-    from scipy.stats import chi2, norm
+    from scipy.special import ndtr  # norm.cdf's own kernel, without its argument checks (called per quadrature)
 
     if launches < 1 or rounds < MIN_ROUNDS or gain <= 0:
         return 0.0
@@ -304,7 +323,7 @@ def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread 
     se = math.sqrt((v + true_tau ** 2) / launches)
     own = launches - 1
     if own > 0:  # the sample variance of the launches' log ratios, at quantile midpoints
-        s2 = (v + true_tau ** 2) * chi2.ppf((np.arange(400) + 0.5) / 400, own) / own
+        s2 = (v + true_tau ** 2) * _chi2_midpoints(own) / own
         df = spread.df + own
         tau2 = (spread.df * spread.tau ** 2 + own * (s2 - v)) / df
     else:
@@ -317,7 +336,7 @@ def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread 
     se_used = np.sqrt((v + tau_used ** 2) / launches)
     if se == 0:
         return float(np.mean(delta > q * se_used))
-    return float(np.mean(norm.cdf((delta - q * se_used) / se)))
+    return float(np.mean(ndtr((delta - q * se_used) / se)))
 
 
 def detectable_gain(launches: int, rounds: int, sigma: float, spread: Spread = DEFAULT_SPREAD,
