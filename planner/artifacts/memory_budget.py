@@ -12,11 +12,9 @@ import re
 from dataclasses import dataclass
 
 from planner.errors import MemoryBudgetError, StudyConfigError
-from planner.units import mib
+from planner.units import mib, parse_bytes
 
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-         "TB": 10**12}
-_FORMAT = re.compile(r"^\s*(\+)?\s*(\d+(?:\.\d+)?)\s*(%|[KMGT]i?B|B)\s*$")
+_PERCENT = re.compile(r"^\s*\+\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 
 @dataclass(frozen=True)
@@ -51,14 +49,18 @@ class MemoryBudget:
         Raises:
             StudyConfigError: any other form (one line, with the three forms).
         """
-        m = _FORMAT.match(text) if isinstance(text, str) else None
-        if m is None or (m.group(3) == "%" and not m.group(1)):
-            raise StudyConfigError(
-                f"memory budget {text!r} is not understood; write an absolute peak per rank (\"1.5GiB\") or one "
-                f"relative to FSDP2's default's measured peak (\"+150MiB\", \"+10%\")")
-        plus, number, unit = m.groups()
-        percent = unit == "%"
-        return cls(text.strip(), float(number) * (1 if percent else UNITS[unit]), bool(plus), percent)
+        refused = StudyConfigError(
+            f"memory budget {text!r} is not understood; write an absolute peak per rank (\"1.5GiB\") or one "
+            f"relative to FSDP2's default's measured peak (\"+150MiB\", \"+10%\")")
+        if not isinstance(text, str):
+            raise refused
+        if m := _PERCENT.match(text):
+            return cls(text.strip(), float(m.group(1)), True, True)
+        relative = text.strip().startswith("+")
+        try:
+            return cls(text.strip(), float(parse_bytes(text.strip().removeprefix("+"))), relative, False)
+        except ValueError:
+            raise refused from None
 
     def resolve(self, default_peak_bytes: int | None) -> int:
         """The budget in bytes.

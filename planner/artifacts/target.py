@@ -31,7 +31,6 @@ ring's per-node share would differ from node to node.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,50 +49,7 @@ from pydantic import (
 
 from planner.artifacts.nccl_tests import BusBandwidthCurve, read_nccl_tests
 from planner.errors import TargetError
-
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]?)(bit|B)/s\s*$")
-_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ns|us|ms|s)\s*$")
-_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
-_PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-def bytes_per_s(text: str) -> float:
-    """``"1Gbit/s"`` -> 1.25e8 bytes per second (SI prefixes K, M, G, T on ``bit/s`` or ``B/s``).
-
-    Raises:
-        ValueError: no number, or a unit other than those.
-    """
-    m = _RATE.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"bandwidth {text!r}: write a positive number with its unit, e.g. '1Gbit/s', '400Mbit/s' or "
-                         "'25GB/s'")
-    return float(m.group(1)) * _PREFIX[m.group(2)] / (8.0 if m.group(3) == "bit" else 1.0)
-
-
-def percent(text: str) -> float:
-    """``"10%"`` -> 0.1.
-
-    Raises:
-        ValueError: not a number between 0 and 100 followed by ``%``.
-    """
-    m = _PERCENT.match(text)
-    if not m or not 0 <= float(m.group(1)) < 100:
-        raise ValueError(f"spread {text!r}: write a percentage from 0 to 100, e.g. '10%'")
-    return float(m.group(1)) / 100
-
-
-def seconds(text: str) -> float:
-    """``"50us"`` -> 5e-05 (units ns, us, ms, s).
-
-    Raises:
-        ValueError: no number, or another unit.
-    """
-    m = _TIME.match(text)
-    if not m:
-        raise ValueError(f"latency {text!r}: write a number with its unit, e.g. '50us', '2ms'")
-    return float(m.group(1)) * _SECONDS[m.group(2)]
-
+from planner.units import parse_percent, parse_rate, parse_seconds
 
 RECORDED = "recorded"
 
@@ -124,19 +80,19 @@ class Link(BaseModel):
     @classmethod
     def _rate(cls, v: str | None) -> str | None:
         if v is not None and v != RECORDED:
-            bytes_per_s(v)
+            parse_rate(v)
         return v
 
     @field_validator("latency")
     @classmethod
     def _time(cls, v: str) -> str:
-        seconds(v)
+        parse_seconds(v)
         return v
 
     @field_validator("spread")
     @classmethod
     def _spread(cls, v: str) -> str:
-        percent(v)
+        parse_percent(v)
         return v
 
     @model_validator(mode="after")
@@ -166,7 +122,7 @@ class Link(BaseModel):
         """The bandwidth in bytes per second (an nccl-tests curve's peak); ``None`` for the recorded link."""
         if self._curve is not None:
             return self._curve.peak
-        return None if self.recorded else bytes_per_s(self.bandwidth)
+        return None if self.recorded else parse_rate(self.bandwidth)
 
     def bytes_per_s_at(self, message_bytes: float) -> float | None:
         """The bus bandwidth for one collective's buffer of ``message_bytes``, bytes per second: the nccl-tests
@@ -178,12 +134,12 @@ class Link(BaseModel):
     @property
     def spread_fraction(self) -> float:
         """``spread`` as a fraction (``"10%"`` -> 0.1)."""
-        return percent(self.spread)
+        return parse_percent(self.spread)
 
     @property
     def latency_s(self) -> float:
         """The latency in seconds."""
-        return seconds(self.latency)
+        return parse_seconds(self.latency)
 
     def describe(self) -> str:
         """``400GB/s ±10%, latency 10us``, or the nccl-tests curve."""

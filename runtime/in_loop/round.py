@@ -52,7 +52,7 @@ class RoundEnd:
 
     Attributes:
         plan: the plan the study recommends now (the baseline unless one is faster across processes).
-        confirmation: the survivor's confirmation (``None`` when the race pruned every candidate).
+        confirmation: the survivor's confirmation (``None`` when the race dropped every candidate).
         line: rank 0's line on the study's recommendation.
         survivor: the race's survivor and its trial number, ``None`` without one.
         here: what this process's confirmation rounds say of the survivor ([Note: Applied in the process that

@@ -27,7 +27,7 @@ next as :class:`RoundStep` s, until the schedule is done.
    ``planner.statistics.schedule``) hands out its first block of rounds.
 5. Blocks (:meth:`MeasuredRound.record`). After each block the ranks'
    step times are all-gathered; rank 0 feeds each step's max across ranks to
-   the schedule, which prunes candidates or hands out the next block. When it
+   the schedule, which drops candidates or hands out the next block. When it
    is done, rank 0 tells each trial its measurements and stores every rank's
    own times (:meth:`MeasuredRound.tell`).
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.artifacts.target import Target, bytes_per_s, load_target, seconds
+from planner.artifacts.target import Target, load_target
 from planner.errors import TargetError
+from planner.units import parse_bytes, parse_percent, parse_rate, parse_seconds
 
 GOOD = """world_size = 2
 ranks_per_node = 1
@@ -17,14 +18,23 @@ latency = "50us"
 
 
 def test_units_are_explicit_and_si():
-    assert bytes_per_s("1Gbit/s") == 1.25e8 and bytes_per_s("400Mbit/s") == 5e7
-    assert bytes_per_s("25GB/s") == 25e9 and bytes_per_s("2.5 GB/s") == 2.5e9
-    assert seconds("50us") == pytest.approx(5e-5) and seconds("2ms") == pytest.approx(2e-3)
-    for bad in ("1 Gbps", "1G", "fast", "-1Gbit/s", "0Gbit/s", "1Gib/s"):
+    assert parse_rate("1Gbit/s") == 1.25e8 and parse_rate("400Mbit/s") == 5e7 and parse_rate("1e9bit/s") == 1.25e8
+    assert parse_rate("25GB/s") == 25e9 and parse_rate("2.5 GB/s") == 2.5e9
+    assert parse_seconds("50us") == pytest.approx(5e-5) and parse_seconds("2ms") == pytest.approx(2e-3)
+    assert parse_percent("10%") == pytest.approx(0.1)
+    for bad in ("1 Gbps", "1G", "fast", "-1Gbit/s", "0Gbit/s", "1Gib/s", "1Gb/s"):
         with pytest.raises(ValueError, match="write a positive number with its unit"):
-            bytes_per_s(bad)
+            parse_rate(bad)
     with pytest.raises(ValueError, match="'50 usec'"):
-        seconds("50 usec")
+        parse_seconds("50 usec")
+
+
+def test_sizes_are_read_by_pydantic_bytesize_with_the_unit_matched_exactly():
+    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("2000MB") == 2 * 10**9 and parse_bytes(" 7 B ") == 7
+    assert parse_bytes("1TiB") == 2**40 and parse_bytes("1KB") == 1000
+    for bad in ("1500", "1.5Gb", "1.5gib", "1.5GiBs", "GiB", "-1GiB", "1e3MB"):  # "1.5Gb" is a gigabit to some
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_bytes(bad)
 
 
 def test_a_target_reads_and_describes_itself(tmp_path):
