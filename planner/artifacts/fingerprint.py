@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pydantic import with_config
+
+from planner.artifacts.schema import STRICT
+
 # Bytes per element of the floating dtypes FSDP2 all-gathers and reduce-scatters in (``torch.dtype.itemsize``).
 _DTYPE_BYTES = {"torch.float64": 8, "torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 
@@ -28,6 +32,7 @@ def _short_dtype(dtype: str) -> str:
         dtype, dtype)
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Fingerprint:
     """Identity of an FSDP-wrapped model on a given world.

@@ -24,13 +24,23 @@ import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, create_model, with_config
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.knobs import DEFAULT_MODULE_KNOBS, DEFAULT_PLAN_KNOBS, MODULE_KNOBS, PLAN_KNOBS, KnobValues
 from planner.artifacts.profile import Profile
-from planner.artifacts.schema import SCHEMA_VERSION, PlanDocument, dump_checked, load_checked
+from planner.artifacts.schema import (
+    SCHEMA_VERSION,
+    STRICT,
+    Document,
+    ReshardAfterForward,
+    dump_checked,
+    knob_fields,
+    load_checked,
+)
 from planner.errors import PlanFormatError, PlanMismatchError
 
 PLAN_SCHEMA_VERSION = SCHEMA_VERSION
@@ -77,6 +87,7 @@ class Source(enum.StrEnum):
     USER = "user"
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Provenance:
     """Where a plan came from. Times in ms; ``None`` where not known.
@@ -128,12 +139,12 @@ class Provenance:
     predicted_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
     memory_budget_bytes: int | None = None
-    ratio_of: str | None = None
+    ratio_of: Literal["total time"] | None = None
     target: str | None = None
     band_ms: tuple[float, float] | None = None
-    params: dict[str, Any] | None = None
+    params: dict[str, bool | int | float | str | None] | None = None
     unknown_knobs: tuple[str, ...] | None = None
-    baseline: str | None = None
+    baseline: Literal["user"] | None = None
 
 
 def baseline_name(users: bool) -> str:
@@ -144,6 +155,31 @@ def baseline_name(users: bool) -> str:
 
 # Provenance fields added after release 0.1.0: written only when set.
 _WRITTEN_WHEN_SET = ("launches", "ratio_of", "target", "band_ms", "params", "unknown_knobs", "baseline")
+
+
+class _ModulePlanLayout(Document):
+    forward_prefetch: tuple[str, ...]
+    backward_prefetch: tuple[str, ...]
+    reshard_after_forward: ReshardAfterForward
+
+
+ModulePlanDocument = create_model("ModulePlanDocument", __base__=_ModulePlanLayout,
+                                  __doc__="One module of a Plan JSON file: a :class:`ModulePlan`, its ``knobs`` "
+                                          "written flat, each as ``MODULE_KNOBS`` declares it.",
+                                  **knob_fields(MODULE_KNOBS))
+
+
+class _PlanLayout(Document):
+    schema_version: Literal[1]
+    fingerprint: Fingerprint
+    modules: dict[str, ModulePlanDocument]  # type: ignore[valid-type]
+    provenance: Provenance = Field(default_factory=Provenance)
+
+
+PlanDocument = create_model("PlanDocument", __base__=_PlanLayout,
+                            __doc__="A Plan JSON file: a :class:`Plan` with its ``knobs`` written flat, each as "
+                                    "``PLAN_KNOBS`` declares it (``planner.artifacts.knobs``).",
+                            **knob_fields(PLAN_KNOBS))
 
 
 @dataclass(frozen=True)
@@ -226,7 +262,7 @@ class Plan:
         return dataclasses.replace(self, provenance=dataclasses.replace(self.provenance, **kwargs))
 
     def to_dict(self) -> JsonObject:
-        """The Plan JSON object (:class:`planner.artifacts.schema.PlanDocument`); each knob written as its
+        """The Plan JSON object (:data:`PlanDocument`); each knob written as its
         declaration says (``planner.artifacts.knobs.Written``), so plans from before a knob keep their
         :meth:`behaviour_key`."""
         return {
@@ -249,7 +285,7 @@ class Plan:
     def to_json(self, path: str | Path | None = None) -> str:
         """Serialize; write to ``path`` when given. Returns the JSON text.
 
-        The text is checked against :class:`planner.artifacts.schema.PlanDocument` first: a plan this planner
+        The text is checked against :data:`PlanDocument` first: a plan this planner
         could not read back is never written.
 
         Raises:
@@ -271,7 +307,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Parse Plan JSON text (strictly: :class:`planner.artifacts.schema.PlanDocument`).
+        """Parse Plan JSON text (strictly: :data:`PlanDocument`).
 
         Raises:
             PlanFormatError: not JSON, not an object, an unknown schema version, a
@@ -282,12 +318,12 @@ class Plan:
         doc = load_checked(PlanDocument, text, PlanFormatError, "plan", PLAN_SCHEMA_VERSION,
                            ("export it again", export, export))
         plan = cls(
-            fingerprint=Fingerprint(**dict(doc.fingerprint)),
+            fingerprint=doc.fingerprint,
             modules={fqn: ModulePlan(m.forward_prefetch, m.backward_prefetch, m.reshard_after_forward,
                                      KnobValues({k.name: getattr(m, k.name) for k in MODULE_KNOBS}, module=True))
                      for fqn, m in doc.modules.items()},
             knobs=KnobValues({k.name: getattr(doc, k.name) for k in PLAN_KNOBS}),
-            provenance=Provenance(**{**dict(doc.provenance), "source": Source(doc.provenance.source)}),
+            provenance=doc.provenance,
         )
         plan.validate()
         return plan

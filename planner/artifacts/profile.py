@@ -11,12 +11,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Gt
+from pydantic import Field, with_config
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.json_types import JsonObject
-from planner.artifacts.rank_measurements import OverlapTimings, RankMeasurements
-from planner.artifacts.schema import SCHEMA_VERSION, ProfileDocument, dump_checked, load_checked
+from planner.artifacts.rank_measurements import OverlapTimings, RankMeasurements, RankMeasurementsDocument
+from planner.artifacts.schema import SCHEMA_VERSION, STRICT, Document, dump_checked, load_checked
 from planner.errors import ProfileFormatError
 
 PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
@@ -28,6 +31,7 @@ OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_
                    "activation_post_bytes", "parameter_rows")
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class ModuleProfile:
     """Measured figures of one FSDP module (one ``fully_shard`` call).
@@ -96,13 +100,13 @@ class ModuleProfile:
     grad_bytes: int
     activation_bytes: int
     reshard_after_forward: bool
-    calls: int = 1
+    calls: Annotated[int, Ge(1)] = 1
     needs_parameters_in_backward: bool = True
-    recompute_ms: float = 0.0
-    recompute_activation_bytes: int = 0
-    backward_temp_bytes: int = 0
-    backward_post_grad_bytes: int = 0
-    activation_post_bytes: int = 0
+    recompute_ms: Annotated[float, Ge(0)] = 0.0
+    recompute_activation_bytes: Annotated[int, Ge(0)] = 0
+    backward_temp_bytes: Annotated[int, Ge(0)] = 0
+    backward_post_grad_bytes: Annotated[int, Ge(0)] = 0
+    activation_post_bytes: Annotated[int, Ge(0)] = 0
     parameter_rows: tuple[tuple[int, int], ...] = ()
 
 
@@ -126,6 +130,7 @@ def backward_temporaries(peak_bytes: int, grad_bytes: int, recompute_bytes: int)
     return max(0, int(peak_bytes) - int(grad_bytes) - int(recompute_bytes))
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class InStepTimings:
     """In-step measurements the simulator's global parameters are solved from (:mod:`planner.simulation.in_step`).
@@ -156,10 +161,10 @@ class InStepTimings:
 
     default_step_ms: float
     overlap: OverlapTimings | None = None
-    async_default_step_ms: float | None = None
-    allocator: str | None = None
-    default_step_faults: int | None = None
-    default_step_kernel_ms: float | None = None
+    async_default_step_ms: Annotated[float, Gt(0)] | None = None
+    allocator: Literal["system", "jemalloc"] | None = None
+    default_step_faults: Annotated[int, Ge(0)] | None = None
+    default_step_kernel_ms: Annotated[float, Ge(0)] | None = None
 
     def kernel_share(self) -> float | None:
         """``default_step_kernel_ms`` over ``default_step_ms`` (0..1, more where several threads fault at once);
@@ -167,6 +172,31 @@ class InStepTimings:
         if self.default_step_kernel_ms is None:
             return None
         return self.default_step_kernel_ms / self.default_step_ms
+
+
+class ProfileDocument(Document):
+    """A Profile JSON file: a :class:`Profile` with its modules as a list and each rank's figures flat
+    (:class:`planner.artifacts.rank_measurements.RankMeasurementsDocument`)."""
+
+    schema_version: Literal[1]
+    fingerprint: Fingerprint
+    pre_forward_order: tuple[str, ...]
+    post_forward_order: tuple[str, ...]
+    modules: list[ModuleProfile]
+    optimizer_ms: float
+    optimizer_state_bytes: int = 0
+    optimizer_temp_bytes: int = 0
+    measured_step_ms: float | None = None
+    measured_peak_bytes: int | None = None
+    per_rank: list[RankMeasurementsDocument] = Field(default_factory=list)
+    consolidation: str = "max"
+    microbatches: int = Field(1, ge=1)
+    calibration: dict[str, float] | None = None
+    in_step: InStepTimings | None = None
+    source: Literal["recorder", "trace"] = "recorder"
+    estimated: tuple[str, ...] = ()
+    outside_ms: float = Field(0.0, ge=0)
+    post_optimizer_ms: float = Field(0.0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -243,7 +273,7 @@ class Profile:
         return self.pre_forward_order[0]
 
     def to_dict(self) -> JsonObject:
-        """The Profile JSON object (:class:`planner.artifacts.schema.ProfileDocument`): modules as a list.
+        """The Profile JSON object (:class:`ProfileDocument`): modules as a list.
         ``source``, ``estimated`` and ``outside_ms`` are written only for a trace profile, ``post_optimizer_ms``
         only where set, and the
         :data:`OPTIONAL_FIELDS` only where not 0, so a profile without them is the file release 0.1.0 wrote, byte
@@ -266,7 +296,7 @@ class Profile:
     def to_json(self, path: str | Path | None = None) -> str:
         """Serialize; write to ``path`` when given. Returns the JSON text.
 
-        The text is checked against :class:`planner.artifacts.schema.ProfileDocument` first: a profile this
+        The text is checked against :class:`ProfileDocument` first: a profile this
         planner could not read back is never written.
 
         Raises:
@@ -288,7 +318,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
-        """Parse Profile JSON text (strictly: :class:`planner.artifacts.schema.ProfileDocument`).
+        """Parse Profile JSON text (strictly: :class:`ProfileDocument`).
 
         Raises:
             ProfileFormatError: not JSON, not an object, an unknown schema version, a missing, unknown or
@@ -297,15 +327,9 @@ class Profile:
         doc = load_checked(ProfileDocument, text, ProfileFormatError, "profile", PROFILE_SCHEMA_VERSION, (
             "re-record or re-export it", "re-record it with `prefetch-planner tune` or a matching planner version",
             "record the profile again (`prefetch-planner profile`)"))
-        in_step = None
-        if doc.in_step is not None:
-            overlap = doc.in_step.overlap
-            in_step = InStepTimings(**{**dict(doc.in_step),
-                                       "overlap": OverlapTimings(**dict(overlap)) if overlap is not None else None})
-        modules = {m.fqn: ModuleProfile(**dict(m)) for m in doc.modules}
-        fields = {k: v for k, v in dict(doc).items() if k not in ("fingerprint", "modules", "in_step", "per_rank")}
-        profile = cls(fingerprint=Fingerprint(**dict(doc.fingerprint)), modules=modules, in_step=in_step,
-                      per_rank=[RankMeasurements.from_document(r) for r in doc.per_rank], **fields)
+        modules = {m.fqn: m for m in doc.modules}
+        fields = {k: v for k, v in dict(doc).items() if k not in ("modules", "per_rank")}
+        profile = cls(modules=modules, per_rank=[RankMeasurements.from_document(r) for r in doc.per_rank], **fields)
         unknown = set(profile.post_forward_order) - set(modules)
         if unknown:
             raise ProfileFormatError(f"post_forward_order names modules with no figures: {sorted(unknown)}")

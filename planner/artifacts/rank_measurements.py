@@ -7,7 +7,7 @@ pass joins them into :class:`IsolatedMeasurements`; a rank adds its step figures
 (:class:`RankMeasurements`). Times in ms, sizes in bytes.
 
 In a Profile file a rank's figures are one flat JSON object
-(:class:`planner.artifacts.schema.RankMeasurementsDocument`), as every release wrote
+(:class:`RankMeasurementsDocument`), as every release wrote
 them: :meth:`RankMeasurements.to_json` and :meth:`RankMeasurements.from_document`.
 """
 
@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, with_config
 
 from planner.artifacts.json_types import JsonObject
-from planner.artifacts.schema import ModuleMeasurementsDocument, RankMeasurementsDocument
+from planner.artifacts.schema import STRICT, Document
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class OverlapTimings:
     """An all-gather and compute, alone and at once, on a CPU device (``runtime.recording.overlap_timer``).
@@ -164,7 +165,7 @@ class RankMeasurements:
 
     def to_json(self) -> JsonObject:
         """The flat JSON object of a Profile file's ``per_rank``
-        (:class:`planner.artifacts.schema.RankMeasurementsDocument`): its fields in the document's order, the later
+        (:class:`RankMeasurementsDocument`): its fields in the document's order, the later
         ones only where set, so a file release 0.1.0 wrote is written back byte for byte."""
         modules = {}
         for fqn, m in self.isolated.modules.items():
@@ -182,19 +183,62 @@ class RankMeasurements:
 
     @classmethod
     def from_document(cls, doc: RankMeasurementsDocument) -> RankMeasurements:
-        """From a validated :class:`planner.artifacts.schema.RankMeasurementsDocument`."""
+        """From a validated :class:`RankMeasurementsDocument`."""
         modules = {}
         for fqn, m in doc.modules.items():
             values = m.model_dump()
             compute = {k: values[k] for k in (f.name for f in dataclasses.fields(ComputeMeasurements))}
             collectives = CollectiveMeasurements(m.all_gather_ms, m.reduce_scatter_ms, m.sharded_bytes)
             modules[fqn] = ModuleMeasurements(ComputeMeasurements(**compute), collectives)
-        overlap = OverlapTimings(**doc.overlap.model_dump()) if doc.overlap is not None else None
+        overlap = doc.overlap
         steps = StepMeasurements(**{f.name: getattr(doc, f.name) for f in dataclasses.fields(StepMeasurements)})
         peaks = None if doc.peak_bytes is None else tuple(doc.peak_bytes)
         return cls(doc.rank, dataclasses.replace(steps, peak_bytes=peaks),
                    IsolatedMeasurements(overlap, tuple(doc.pre_forward_order), tuple(doc.post_forward_order),
                                         dict(doc.calls), modules))
+
+
+class ModuleMeasurementsDocument(Document):
+    """One module of a rank's figures in a Profile file, flat (its :class:`ComputeMeasurements` and
+    :class:`CollectiveMeasurements` in one object): the fields release 0.1.0 wrote first, in its order, then the later
+    ones (written only where not 0 or null)."""
+
+    fwd_ms: float
+    bwd_ms: float
+    fwd_pre_ms: float
+    bwd_pre_ms: float
+    all_gather_ms: float
+    reduce_scatter_ms: float
+    sharded_bytes: int
+    activation_bytes: int
+    needs_parameters_in_backward: bool = True
+    recompute_ms: float = 0.0
+    recompute_activation_bytes: int = 0
+    backward_peak_bytes: int = 0
+    grad_pre_bytes: int | None = None
+    activation_post_bytes: int | None = None
+
+
+class RankMeasurementsDocument(Document):
+    """One rank's figures in a Profile file's ``per_rank``, flat (its :class:`StepMeasurements` and
+    :class:`IsolatedMeasurements` in one object): the fields release 0.1.0 wrote first, in its order, then the later
+    ones (written only where set)."""
+
+    rank: int
+    step_ms: float
+    optimizer_ms: float
+    peak_bytes: list[int] | None
+    optimizer_temp_bytes: int = 0
+    overlap: OverlapTimings | None = None
+    optimizer_state_bytes: int = 0
+    pre_forward_order: tuple[str, ...]
+    post_forward_order: tuple[str, ...]
+    modules: dict[str, ModuleMeasurementsDocument]
+    calls: dict[str, int] = Field(default_factory=dict)
+    async_ratio: float | None = None
+    step_faults: int | None = None
+    step_kernel_ms: float | None = None
+    allocator: str | None = None
 
 
 FIRST_RANK_FIELDS = frozenset(("rank", "step_ms", "optimizer_ms", "peak_bytes", "optimizer_temp_bytes", "overlap",

@@ -1,46 +1,42 @@
-"""The JSON documents of the artifacts (Plan and Profile JSON) as strict pydantic models.
+"""How the artifacts' JSON is validated: strictly, against the artifacts' own declarations.
 
-Every plan and profile file is read and written through these models: a
-field of the wrong type (``"false"`` where a bool belongs, ``"3"`` where a
-number does), a missing field or an unknown one is refused with one line that
-names the field (:func:`describe`), instead of being coerced. Optional fields
-that later releases added have defaults, so files written before them read
-as they always did; ``schema_version`` stays 1.
+Every plan and profile file is read and written through pydantic: a field of
+the wrong type (``"false"`` where a bool belongs, ``"3"`` where a number does),
+a missing field or an unknown one is refused with one line that names the
+field (:func:`describe`), instead of being coerced. The frozen dataclasses are
+validated themselves (each carries :data:`STRICT`, ``pydantic.with_config``);
+a file's layout where it differs from the dataclass (a plan's knobs written
+flat, a profile's modules as a list, a rank's figures flat) is declared once,
+beside its dataclass (``PlanDocument`` in ``planner.artifacts.plan``,
+``ProfileDocument`` in ``planner.artifacts.profile``, ``RankMeasurementsDocument``
+in ``planner.artifacts.rank_measurements``). Optional fields that later releases
+added have defaults, so files written before them read as they always did;
+``schema_version`` stays 1.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from planner.artifacts.json_types import JsonObject
-from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS, Knob, Written
+from planner.artifacts.knobs import Knob, Written
 
 SCHEMA_VERSION = 1
 
 
+STRICT = ConfigDict(strict=True, extra="forbid")
+"""The artifacts' validation: strict types, no unknown keys (a dataclass's ``pydantic.with_config``)."""
+
+
 class Document(BaseModel):
-    """A JSON object of an artifact: strict types, no unknown keys."""
+    """A JSON object of an artifact whose layout is not its dataclass's: strict types, no unknown keys."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class FingerprintDocument(Document):
-    """``fingerprint`` (:class:`planner.artifacts.fingerprint.Fingerprint`)."""
-
-    module_fqns: tuple[str, ...]
-    param_numels: tuple[int, ...]
-    param_bytes: tuple[int, ...]
-    world_size: int
-    device_type: str
-    param_dtypes: tuple[str, ...]
-    torch_version: str
-    mesh: tuple[int, int] | None = None
-    mixed_precision: tuple[str, str] | None = None
+    model_config = STRICT
 
 
 def _bool_or_ranks(value: object) -> bool | int:
@@ -53,174 +49,13 @@ def _bool_or_ranks(value: object) -> bool | int:
 
 
 ReshardAfterForward = Annotated[bool | int, PlainValidator(_bool_or_ranks)]
+"""``reshard_after_forward`` as a plan writes it: a bool, or an integer of 2 or more."""
 
 
-def _knob_fields(knobs: tuple[Knob, ...]) -> dict[str, tuple[type, FieldInfo]]:
+def knob_fields(knobs: tuple[Knob, ...]) -> dict[str, tuple[type, FieldInfo]]:
     """The pydantic fields of ``knobs``: each typed as its default, required or defaulted as it is written."""
     return {k.name: (k.kind, Field(... if k.written is Written.REQUIRED else k.default, ge=k.minimum))
             for k in knobs}
-
-
-class _ModulePlanStructure(Document):
-    forward_prefetch: tuple[str, ...]
-    backward_prefetch: tuple[str, ...]
-    reshard_after_forward: ReshardAfterForward
-
-
-ModulePlanDocument = create_model("ModulePlanDocument", __base__=_ModulePlanStructure,
-                                  __doc__="One module of a plan (:class:`planner.artifacts.plan.ModulePlan`) and "
-                                          "its ``MODULE_KNOBS`` (``planner.artifacts.knobs``).",
-                                  **_knob_fields(MODULE_KNOBS))
-
-
-class ProvenanceDocument(Document):
-    """``provenance`` (:class:`planner.artifacts.plan.Provenance`)."""
-
-    source: Literal["default", "measured", "predicted", "user"] = "default"
-    study: str | None = None
-    trial: int | None = None
-    predicted_ms: float | None = None
-    measured_ms: float | None = None
-    default_measured_ms: float | None = None
-    verdict: str | None = None
-    measured_ratio: float | None = None
-    ratio_ci95: tuple[float, float] | None = None
-    rounds: int | None = None
-    launches: int | None = None
-    noise_pct: float | None = None
-    predicted_peak_bytes: int | None = None
-    measured_peak_bytes: int | None = None
-    memory_budget_bytes: int | None = None
-    ratio_of: Literal["total time"] | None = None
-    target: str | None = None
-    band_ms: tuple[float, float] | None = None
-    params: dict[str, bool | int | float | str | None] | None = None
-    unknown_knobs: tuple[str, ...] | None = None
-    baseline: Literal["user"] | None = None
-
-
-class _PlanStructure(Document):
-    schema_version: Literal[1]
-    fingerprint: FingerprintDocument
-    modules: dict[str, ModulePlanDocument]  # type: ignore[valid-type]
-    provenance: ProvenanceDocument = Field(default_factory=ProvenanceDocument)
-
-
-PlanDocument = create_model("PlanDocument", __base__=_PlanStructure,
-                            __doc__="A Plan JSON file (:class:`planner.artifacts.plan.Plan`): its structure and its "
-                                    "``PLAN_KNOBS`` (``planner.artifacts.knobs``), each written as declared.",
-                            **_knob_fields(PLAN_KNOBS))
-
-
-class ModuleProfileDocument(Document):
-    """One module of a profile (:class:`planner.artifacts.profile.ModuleProfile`)."""
-
-    fqn: str
-    fwd_ms: float
-    bwd_ms: float
-    fwd_pre_ms: float
-    bwd_pre_ms: float
-    all_gather_ms: float
-    reduce_scatter_ms: float
-    unsharded_bytes: int
-    sharded_bytes: int
-    grad_bytes: int
-    activation_bytes: int
-    reshard_after_forward: bool
-    calls: int = Field(1, ge=1)
-    needs_parameters_in_backward: bool = True
-    recompute_ms: float = Field(0.0, ge=0)
-    recompute_activation_bytes: int = Field(0, ge=0)
-    backward_temp_bytes: int = Field(0, ge=0)
-    backward_post_grad_bytes: int = Field(0, ge=0)
-    activation_post_bytes: int = Field(0, ge=0)
-    parameter_rows: tuple[tuple[int, int], ...] = ()
-
-
-class OverlapDocument(Document):
-    """``in_step.overlap`` (:class:`planner.artifacts.profile.OverlapTimings`)."""
-
-    module: str
-    all_gather_ms: float
-    compute_ms: float
-    overlapped_ms: float
-
-
-class ModuleMeasurementsDocument(Document):
-    """One module of a rank's measurements (:class:`planner.artifacts.rank_measurements.ModuleMeasurements`); the
-    fields release 0.1.0 wrote first, in its order, then the later ones (written only where not 0 or null)."""
-
-    fwd_ms: float
-    bwd_ms: float
-    fwd_pre_ms: float
-    bwd_pre_ms: float
-    all_gather_ms: float
-    reduce_scatter_ms: float
-    sharded_bytes: int
-    activation_bytes: int
-    needs_parameters_in_backward: bool = True
-    recompute_ms: float = 0.0
-    recompute_activation_bytes: int = 0
-    backward_peak_bytes: int = 0
-    grad_pre_bytes: int | None = None
-    activation_post_bytes: int | None = None
-
-
-class RankMeasurementsDocument(Document):
-    """One rank's measurements in ``per_rank`` (:class:`planner.artifacts.rank_measurements.RankMeasurements`),
-    flat; the fields release 0.1.0 wrote first, in its order, then the later ones (written only where set)."""
-
-    rank: int
-    step_ms: float
-    optimizer_ms: float
-    peak_bytes: list[int] | None
-    optimizer_temp_bytes: int = 0
-    overlap: OverlapDocument | None = None
-    optimizer_state_bytes: int = 0
-    pre_forward_order: tuple[str, ...]
-    post_forward_order: tuple[str, ...]
-    modules: dict[str, ModuleMeasurementsDocument]
-    calls: dict[str, int] = Field(default_factory=dict)
-    async_ratio: float | None = None
-    step_faults: int | None = None
-    step_kernel_ms: float | None = None
-    allocator: str | None = None
-
-
-class InStepDocument(Document):
-    """``in_step`` (:class:`planner.artifacts.profile.InStepTimings`)."""
-
-    default_step_ms: float
-    overlap: OverlapDocument | None = None
-    async_default_step_ms: float | None = Field(None, gt=0)
-    allocator: Literal["system", "jemalloc"] | None = None
-    default_step_faults: int | None = Field(None, ge=0)
-    default_step_kernel_ms: float | None = Field(None, ge=0)
-
-
-class ProfileDocument(Document):
-    """A Profile JSON file (:class:`planner.artifacts.profile.Profile`); ``per_rank`` is every rank's figures before
-    consolidation."""
-
-    schema_version: Literal[1]
-    fingerprint: FingerprintDocument
-    pre_forward_order: tuple[str, ...]
-    post_forward_order: tuple[str, ...]
-    modules: list[ModuleProfileDocument]
-    optimizer_ms: float
-    optimizer_state_bytes: int = 0
-    optimizer_temp_bytes: int = 0
-    measured_step_ms: float | None = None
-    measured_peak_bytes: int | None = None
-    per_rank: list[RankMeasurementsDocument] = Field(default_factory=list)
-    consolidation: str = "max"
-    microbatches: int = Field(1, ge=1)
-    calibration: dict[str, float] | None = None
-    in_step: InStepDocument | None = None
-    source: Literal["recorder", "trace"] = "recorder"
-    estimated: tuple[str, ...] = ()
-    outside_ms: float = Field(0.0, ge=0)
-    post_optimizer_ms: float = Field(0.0, ge=0)
 
 
 _PROBLEMS = {
@@ -232,8 +67,11 @@ _PROBLEMS = {
     "tuple_type": "must be a list",
     "dict_type": "must be an object",
     "model_type": "must be an object",
+    "dataclass_type": "must be an object",
     "missing": "is missing",
+    "missing_argument": "is missing",
     "extra_forbidden": "is not a field of this schema (a typo, or a field of a newer prefetch-planner)",
+    "unexpected_keyword_argument": "is not a field of this schema (a typo, or a field of a newer prefetch-planner)",
 }
 
 
@@ -252,7 +90,7 @@ def describe(error: ValidationError, what: str) -> str:
         else:
             path += f".{part}" if path else str(part)
     problem = _PROBLEMS.get(first["type"], first["msg"][:1].lower() + first["msg"][1:])
-    found = "" if first["type"] == "missing" else f", found {first['input']!r}"
+    found = "" if first["type"] in ("missing", "missing_argument") else f", found {first['input']!r}"
     return f"{what} field {path or '(top level)'} {problem}{found}"
 
 
