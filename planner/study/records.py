@@ -78,6 +78,19 @@ class Failure:
 _CONFIRMATION_KEYS = ("measured_ratio", "ratio_ci95", "rounds")
 
 
+
+def _attr() -> dataclasses.Field:
+    """A :class:`MeasuredTrialRecord` field stored as the user attribute of its own name, as it is (JSON): the one
+    declaration both ``to_user_attrs`` and ``from_trial`` read."""
+    return dataclasses.field(default=None, metadata={"user_attr": True})
+
+
+RACE_ATTRS = {"rounds": "race_rounds", "noise_pct": "race_noise_pct", "ratio": "race_ratio",
+              "dropped_after_round": "dropped_after_round", "survivor": "race_survivor", "median_ms": "race_median_ms",
+              "ratio_sigma": "race_ratio_sigma"}
+"""Each :class:`RaceMeasurements` field's user attribute (``survivor`` stored only when true)."""
+
+
 def confirmation_attrs(c: Confirmation) -> JsonObject:
     """A confirmation as trial attributes, the verdict last (Optuna writes them in order; a reader takes a
     confirmation as whole once its verdict is there). Confirmations before the total-time estimand have no
@@ -147,40 +160,34 @@ class MeasuredTrialRecord:
     params: TrialParams = dataclasses.field(default_factory=dict)
     measured_ms: float | None = None
     retry_of: int | None = None
-    predicted_ms: float | None = None
-    predicted_peak_bytes: int | None = None
+    predicted_ms: float | None = _attr()
+    predicted_peak_bytes: int | None = _attr()
     is_default: bool | None = None
-    baseline: bool | None = None
-    user_plan: bool | None = None
-    plan_key: str | None = None
-    job: str | None = None
-    source: str | None = None
-    step_ms: list[float] | None = None
-    per_rank_step_ms: list[list[float]] | None = None
+    baseline: bool | None = _attr()
+    user_plan: bool | None = _attr()
+    plan_key: str | None = _attr()
+    job: str | None = _attr()
+    source: str | None = _attr()
+    step_ms: list[float] | None = _attr()
+    per_rank_step_ms: list[list[float]] | None = _attr()
     race: RaceMeasurements | None = None
     confirmation: Confirmation | None = None
-    confirm_rounds: int | None = None
-    confirm_planned: int | None = None
+    confirm_rounds: int | None = _attr()
+    confirm_planned: int | None = _attr()
     confirm_launches: list[ConfirmLaunch] | None = None
-    reconfirms: int | None = None
-    predicted_for: str | None = None
-    objective: str | None = None
-    measured_peak_bytes: int | None = None
+    reconfirms: int | None = _attr()
+    predicted_for: str | None = _attr()
+    objective: str | None = _attr()
+    measured_peak_bytes: int | None = _attr()
     failure: Failure | None = None
 
     def to_user_attrs(self) -> JsonObject:
         """The set fields as Optuna user attributes (JSON values); trial number, state, parameters and value are
         Optuna's own and not among them."""
-        attrs = {key: getattr(self, key) for key in ("predicted_ms", "predicted_peak_bytes", "is_default", "baseline",
-                                                     "user_plan", "plan_key",
-                                                     "job", "source", "step_ms", "per_rank_step_ms",
-                                                     "measured_peak_bytes", "confirm_rounds", "confirm_planned",
-                                                     "reconfirms",
-                                                     "predicted_for", "objective")}
+        attrs = {"is_default": self.is_default, **{key: getattr(self, key) for key in _user_attr_fields()}}
         if self.race is not None:
-            attrs.update(race_rounds=self.race.rounds, race_noise_pct=self.race.noise_pct, race_ratio=self.race.ratio,
-                         dropped_after_round=self.race.dropped_after_round, race_survivor=self.race.survivor or None,
-                         race_median_ms=self.race.median_ms, race_ratio_sigma=self.race.ratio_sigma)
+            race = dataclasses.asdict(self.race) | {"survivor": self.race.survivor or None}
+            attrs.update({key: race[name] for name, key in RACE_ATTRS.items()})
         if self.confirm_launches is not None:
             attrs.update(confirm_launches=[launch.to_json() for launch in self.confirm_launches])
         if self.confirmation is not None:
@@ -195,9 +202,8 @@ class MeasuredTrialRecord:
         a = trial.user_attrs
         race = None
         if "race_rounds" in a:
-            race = RaceMeasurements(a["race_rounds"], a.get("race_noise_pct"), a.get("race_ratio"),
-                                    a.get("dropped_after_round"), bool(a.get("race_survivor")), a.get("race_median_ms"),
-                                    a.get("race_ratio_sigma"))
+            race = RaceMeasurements(**{name: a.get(key) for name, key in RACE_ATTRS.items()})
+            race = dataclasses.replace(race, survivor=bool(race.survivor))
         elif "dropped_after_round" in a:  # written before the race's rounds were
             race = RaceMeasurements(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
         confirmation = None
@@ -210,16 +216,10 @@ class MeasuredTrialRecord:
             Failure(a["fail_reason"], FailKind(a.get("fail_kind", FailKind.ERROR))) if "fail_reason" in a else None
         )
         return cls(number=trial.number, state=trial.state, params=dict(trial.params), measured_ms=trial.value,
-                   retry_of=trial.system_attrs.get(_RETRY_OF), predicted_ms=a.get("predicted_ms"),
-                   predicted_peak_bytes=a.get("predicted_peak_bytes"), is_default=bool(a.get("is_default")),
-                   baseline=a.get("baseline"), user_plan=a.get("user_plan"),
-                   plan_key=a.get("plan_key"), job=a.get("job"), source=a.get("source"), step_ms=a.get("step_ms"),
-                   per_rank_step_ms=a.get("per_rank_step_ms"), race=race, confirmation=confirmation,
-                   confirm_rounds=a.get("confirm_rounds"), confirm_planned=a.get("confirm_planned"),
-                   reconfirms=a.get("reconfirms"),
-                   predicted_for=a.get("predicted_for"), objective=a.get("objective"),
+                   retry_of=trial.system_attrs.get(_RETRY_OF), is_default=bool(a.get("is_default")),
+                   **{key: a.get(key) for key in _user_attr_fields()}, race=race, confirmation=confirmation,
                    confirm_launches=[ConfirmLaunch.from_json(x) for x in launches] if launches is not None else None,
-                   measured_peak_bytes=a.get("measured_peak_bytes"), failure=failure)
+                   failure=failure)
 
     def with_late_confirmation(self, launches: list[dict], confirmation: dict | None) -> MeasuredTrialRecord:
         """The record with what was stored after its trial finished (``planner.storages.archive.confirmation_rows``):
@@ -248,6 +248,11 @@ class MeasuredTrialRecord:
     def verdict(self) -> Verdict | None:
         """The confirmation's verdict, ``None`` if this plan was not the one confirmed."""
         return self.confirmation.verdict if self.confirmation is not None else None
+
+
+def _user_attr_fields() -> tuple[str, ...]:
+    """The :class:`MeasuredTrialRecord` fields stored as the user attribute of their own name (``_attr()``)."""
+    return tuple(f.name for f in dataclasses.fields(MeasuredTrialRecord) if f.metadata.get("user_attr"))
 
 
 @dataclass(frozen=True, kw_only=True)
