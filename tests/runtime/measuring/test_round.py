@@ -1,6 +1,8 @@
 """runtime.measuring.round.MeasuredRound on a real one-rank FSDP2 model: what each driver hands it and what it
 records (a plan that does not apply, a peak over the budget, a step that raised, a step that raised because of a
-peer), without the study: a stage that notes every call."""
+peer), without the study: a stage that notes every call. And the tune job's driver
+(``runtime.measuring.protocol.measured_round``): the warm-up's step count it announces is the number of steps it runs
+before the schedule's first block (``jobs.tune`` draws the progress bar's total from it)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from planner.errors import FailKind, TrialFailedError
 from planner.statistics.schedule import Phase
 from runtime.apply import model_fingerprint
 from runtime.measuring.measure import run_steps
-from runtime.measuring.round import PEAK, TIMED, WARMUP, MeasuredRound, RoundStep, StepFailure
+from runtime.measuring.protocol import measured_round
+from runtime.measuring.round import PEAK, TIMED, WARMUP, MeasuredRound, RoundStep, StepFailure, warm_up_steps
 from runtime.ranks.torch_private import reshard_after_forward
 from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.reference_workloads import mlp
@@ -30,14 +33,18 @@ class _Trial:
 
 
 class _Rounds:
-    """``rounds`` rounds of every plan kept, one block each; records them."""
+    """``rounds`` rounds of every plan kept, one block each; records them, and notes ``steps_so_far()`` when its
+    first block was asked for."""
 
     phase = Phase.RACE
 
-    def __init__(self, plans: int, rounds: int):
+    def __init__(self, plans: int, rounds: int, steps_so_far=lambda: 0):
         self.plans, self.left, self.recorded = plans, rounds, []
+        self.steps_so_far, self.asked_at = steps_so_far, None
 
     def next_block(self):
+        if self.asked_at is None:
+            self.asked_at = self.steps_so_far()
         if self.left == 0:
             return None
         self.left -= 1
@@ -50,9 +57,9 @@ class _Rounds:
 class _Stage:
     """Rank 0's side: hands out the plans, leaves out the positions in ``over``, notes each FAIL."""
 
-    def __init__(self, plans: list[Plan], over: dict[int, str] | None = None, rounds: int = 2):
+    def __init__(self, plans: list[Plan], over: dict[int, str] | None = None, rounds: int = 2, steps_so_far=lambda: 0):
         self.trials = [_Trial(10 + n, p) for n, p in enumerate(plans)]
-        self.over, self.rounds = over or {}, rounds
+        self.over, self.rounds, self.steps_so_far = over or {}, rounds, steps_so_far
         self.failed: list[tuple[list[int], str, FailKind]] = []
         self.peaks: list[int] = []
         self.schedule = None
@@ -65,7 +72,7 @@ class _Stage:
         return self.over
 
     def start(self, kept, peak_bytes):
-        self.schedule = _Rounds(len(kept), self.rounds)
+        self.schedule = _Rounds(len(kept), self.rounds, self.steps_so_far)
         return self.schedule
 
     def tell(self, asked, step_ms, per_rank):
@@ -184,3 +191,19 @@ def test_run_steps_reports_the_step_that_raised_and_runs_none_after_it(workload)
     finally:
         del workload.model.forward
     assert len(times) == 1 and failure == StepFailure(1, "RuntimeError: the step raised", False)
+
+
+@pytest.mark.parametrize("warmup_steps", [1, PEAK_STEPS, PEAK_STEPS + 2])
+def test_the_warm_up_count_it_announces_is_the_steps_before_the_first_block(workload, warmup_steps):
+    steps: list[int] = []
+    announced: list[int] = []
+    stage = _Stage(_plans(workload), rounds=1, steps_so_far=lambda: len(steps))
+
+    result = measured_round(workload, stage, warmup_steps, dist.group.WORLD,
+                            on_step=lambda: steps.append(1), on_warm_up=announced.append)
+
+    assert result.failed == {} and stage.failed == []
+    per_plan = len(warm_up_steps([0], warmup_steps))
+    assert announced == [2 * per_plan] == [stage.schedule.asked_at]
+    assert per_plan == max(warmup_steps, PEAK_STEPS)
+    assert len(steps) == announced[0] + 2  # the block: one step of each plan
