@@ -1,5 +1,5 @@
-"""The ``prefetch-planner`` command line: the jobs that run on ranks (``tune``, ``profile``) and
-``planner.presentation.cli``'s commands.
+"""The ``prefetch-planner`` command line: the jobs that run on ranks (``tune``, ``profile``) and the planner's
+commands that need none (``simulate``, ``presets``, ``studies``).
 
 Outside torchrun, ``tune`` and ``profile`` check what they can in this
 process, then start ``[launch] nproc_per_node`` ranks running the same
@@ -23,19 +23,21 @@ from jobs.check_command import check
 from jobs.launching import exit_on_rank_error, exit_with_ranks, handed_over, log_rank0_progress, study_config
 from planner.artifacts.config import StudyConfig
 from planner.errors import PlannerError
-from planner.presentation import cli as planner_cli
+from planner.presentation.options import CONTEXT_SETTINGS, PlannerGroup, what_if_options
+from planner.presentation.simulate_command import presets_command, simulate
+from planner.presentation.studies_command import studies
 from planner.version import DISTRIBUTION
 
 
-@click.group(cls=planner_cli.PlannerGroup, context_settings=planner_cli.CONTEXT_SETTINGS)
+@click.group(cls=PlannerGroup, context_settings=CONTEXT_SETTINGS)
 @click.version_option(package_name=DISTRIBUTION, prog_name="prefetch-planner", message="%(prog)s %(version)s")
 def main() -> None:
     """Auto-tune FSDP2 prefetching: record, simulate, search, measure, apply."""
 
 
-main.add_command(planner_cli.simulate)
-main.add_command(planner_cli.studies)
-main.add_command(planner_cli.presets_command)
+main.add_command(simulate)
+main.add_command(studies)
+main.add_command(presets_command)
 main.add_command(check)
 
 _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
@@ -55,7 +57,7 @@ _EXPECTED_RANK_EXITS = (2, 3, 130)  # rank 0 printed the one line of these
 @click.option("--from-profile", "profile_in", help="Tune from this profile instead of recording one (e.g. "
               "`profile --from-trace ... --model FACTORY`'s); it must be of the study's model and world size.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-@planner_cli.what_if_options
+@what_if_options
 @click.option("--job", hidden=True, help="The job's name (set by the launching process).")
 @click.option("--confirm-launches", default="0", hidden=True,
               help="Fresh launches the launching process runs the confirmation in (0: in this job; auto: as many "
