@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 
@@ -70,6 +71,33 @@ def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, pla
             s.add(MeasuredRunRow(plan_id=row.id, study_name=study_name, step_ms_json=json.dumps(times),
                                  per_rank_json=json.dumps(ranks)))
         s.commit()
+
+
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """Every step a plan was measured for in one round (a row of ``planner_measured_runs``), ms.
+
+    Attributes:
+        trial: the measured study's trial.
+        step_ms: every step's max across ranks, in the order run (race, then confirmation).
+        per_rank_ms: per rank, that rank's own step times ``[rank][step]``.
+    """
+
+    trial: int
+    step_ms: list[float]
+    per_rank_ms: list[list[float]]
+
+
+def measured_steps(engine: sa.Engine, study_name: str) -> list[MeasuredSteps]:
+    """Every measured round's steps of study ``study_name``, oldest first; the one store of a round's step times
+    (the trials hold their medians and ratios)."""
+    with session(engine) as s:
+        rows = s.execute(
+            sa.select(PlanRow.trial_number, MeasuredRunRow.step_ms_json, MeasuredRunRow.per_rank_json)
+            .join(PlanRow, MeasuredRunRow.plan_id == PlanRow.id)
+            .where(MeasuredRunRow.study_name == study_name).order_by(MeasuredRunRow.id)
+        ).all()
+    return [MeasuredSteps(trial, json.loads(times), json.loads(ranks)) for trial, times, ranks in rows]
 
 
 def latest_calibration(engine: sa.Engine, study_name: str, profile: Profile) -> dict[str, float] | None:

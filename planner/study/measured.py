@@ -315,7 +315,10 @@ class MeasuredStage:
 
     def tell(self, asked: list[MeasuredTrial], measured: list[MeasuredPlan], step_ms: list[list[float]],
              per_rank: list[list[list[float]]]) -> None:
-        """Store the measured plans and their runs, then tell each trial its figures and its race median.
+        """Store the measured plans and their steps, then tell each trial its figures and its race median.
+
+        The steps are stored once, in ``planner_measured_runs`` (:func:`planner.storages.archive.measured_steps`
+        reads them back); the trial carries the figures made from them.
 
         Args:
             asked: the round's trials.

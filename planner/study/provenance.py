@@ -50,8 +50,6 @@ def measured_plans(
     study: str,
     trials: Sequence[tuple[int, Plan, float, int]],
     schedule: Schedule,
-    step_ms: Sequence[list[float]],
-    per_rank: Sequence[list[list[float]]],
     peak_bytes: Sequence[int] | None = None,
     memory_budget_bytes: int | None = None,
     user_baseline: bool = False,
@@ -62,8 +60,6 @@ def measured_plans(
         study: the measured study's name.
         trials: per plan, ``(trial number, plan, predicted ms, predicted peak bytes)``.
         schedule: the round's schedule, done.
-        step_ms: per plan, every step's max across ranks (race, then confirmation), ms.
-        per_rank: per plan, per rank, that rank's step times, ms.
         peak_bytes: per plan, the measured peak per rank, bytes; ``None``: not measured.
         memory_budget_bytes: the memory budget the plans were chosen under, bytes per rank.
         user_baseline: the first plan is the one the model arrived with ([Note: The user's plan is the baseline]
@@ -90,8 +86,7 @@ def measured_plans(
         design = schedule.confirm_settings.design(race.ratio_sigma()) if pending else None
         launch = [schedule.confirm_launch()] if confirmed else None
         objective = CONFIRMED if confirmed is not None and confirmed.total_time else RACE_MEDIAN
-        record = MeasuredTrialRecord(step_ms=list(step_ms[j]), per_rank_step_ms=[list(r) for r in per_rank[j]],
-                                     race=figures, confirmation=confirmed, measured_peak_bytes=peak,
+        record = MeasuredTrialRecord(race=figures, confirmation=confirmed, measured_peak_bytes=peak,
                                      confirm_rounds=design.rounds if design else None,
                                      confirm_planned=design.launches if design else None, confirm_launches=launch,
                                      objective=objective)

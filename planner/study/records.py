@@ -139,8 +139,6 @@ class MeasuredTrialRecord:
         job: the job that measured it.
         source: what measured it: ``"tune"`` (a tuning job's own steps) or ``"in-loop"`` (a user's training
             steps, ``runtime.AutoTuner``).
-        step_ms: every step's max across ranks (race, then confirmation).
-        per_rank_step_ms: per rank, that rank's step times.
         race: the race's figures.
         confirmation: the confirmation against the job's baseline, on the plan it confirmed.
         confirm_rounds: rounds each confirmation launch runs (on the race's survivor, set when the race ends).
@@ -168,8 +166,6 @@ class MeasuredTrialRecord:
     plan_key: str | None = _attr()
     job: str | None = _attr()
     source: str | None = _attr()
-    step_ms: list[float] | None = _attr()
-    per_rank_step_ms: list[list[float]] | None = _attr()
     race: RaceMeasurements | None = None
     confirmation: Confirmation | None = None
     confirm_rounds: int | None = _attr()

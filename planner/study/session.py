@@ -341,7 +341,7 @@ class TuningSession:
         if self.schedule is None or [a.number for a in asked] != [a.number for a in self._started]:
             raise PlannerError("tell the trials the round was started with (TuningSession.start)")
         trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
-        measured = measured_plans(self.config.name, trials, self.schedule, step_ms, per_rank, self._peaks,
+        measured = measured_plans(self.config.name, trials, self.schedule, self._peaks,
                                   self.memory_budget_bytes, user_baseline=self.user_plan is not None)
         self.stage.tell(asked, measured, step_ms, per_rank)
         return [m.plan for m in measured]

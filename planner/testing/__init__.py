@@ -163,7 +163,7 @@ def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: Sequenc
                         clock=lambda: 0.0)
     times, per_rank = _run_schedule(schedule, asked, _step_time(step_ms), ranks)
     trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
-    measured = measured_plans(stage.config.name, trials, schedule, times, per_rank, peak_bytes)
+    measured = measured_plans(stage.config.name, trials, schedule, peak_bytes)
     stage.tell(asked, measured, times, per_rank)
     return [m.plan for m in measured]
 

@@ -116,6 +116,26 @@ def test_a_survivor_not_confirmed_faster_leaves_fsdp2s_default_written(tmp_path,
     assert Plan.load(tmp_path / "t.plan.json").is_default_for(profile)
 
 
+def test_a_rounds_steps_are_stored_once_beside_the_plans_the_trials_keep_their_figures(tmp_path, profile):
+    from planner.storages import open_storage
+    from planner.storages.archive import measured_steps
+
+    step_ms = [100.0, 80.0, 90.0]
+    asked, outcome = drive_round(_session(tmp_path, profile), lambda i, trial: step_ms[i] + trial.number / 100, ranks=3)
+    storage = open_storage(f"sqlite:///{tmp_path}/t.db")
+    stored = {s.trial: s for s in measured_steps(storage.engine, "t")}
+    storage.engine.dispose()
+    assert sorted(stored) == sorted(a.number for a in asked)
+    for i, a in enumerate(asked):
+        steps = stored[a.number]
+        assert len(steps.per_rank_ms) == 3 and steps.step_ms == [max(r) for r in zip(*steps.per_rank_ms, strict=True)]
+        assert set(steps.step_ms) == {step_ms[i] + a.number / 100}
+    records = {t.number: t for t in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
+    trial = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/t.db").trials[asked[1].number]
+    assert not {"step_ms", "per_rank_step_ms"} & set(trial.user_attrs)  # the figures made from them, not the steps
+    assert records[asked[1].number].race.median_ms == pytest.approx(80.0 + asked[1].number / 100)
+
+
 def test_every_candidate_dropped_leaves_no_confirmation(tmp_path, profile):
     # the race's sign test needs 12 rounds of 3 plans to drop at alpha 5% (6 rounds, all slower: p = 1/64 x 2)
     asked, outcome = drive_round(_session(tmp_path, profile, max_rounds=12), _noisy({False: 1.5}, pct=2.0))

@@ -286,7 +286,7 @@ def test_a_half_written_trial_reads_without_its_confirmation():
     from planner.statistics.verdict import Confirmation, Verdict
     from planner.study.records import RaceMeasurements
 
-    full = MeasuredTrialRecord(predicted_ms=10.0, is_default=False, plan_key="k", job="j", step_ms=[1.0, 2.0],
+    full = MeasuredTrialRecord(predicted_ms=10.0, is_default=False, plan_key="k", job="j",
                                race=RaceMeasurements(4, 3.0, 0.9, None, True),
                                confirmation=Confirmation(0.9, (0.85, 0.95), 6, 3.0, Verdict.FASTER, 1))
     items = list(full.to_user_attrs().items())
