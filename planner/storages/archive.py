@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.json_types import JsonObject
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import PlannerError
@@ -51,17 +52,23 @@ def update_profile(engine: sa.Engine, profile_id: int, profile: Profile) -> None
 
 def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, plans: Sequence[Plan],
                         defaults: Sequence[bool], step_ms: Sequence[list[float]],
-                        per_rank: Sequence[list[list[float]]]) -> None:
-    """Store each measured plan (provenance filled in: its trial, predicted and measured ms) and its measured run.
+                        per_rank: Sequence[list[list[float]]],
+                        confirmations: Sequence[tuple[list[JsonObject], JsonObject | None]] = ()) -> None:
+    """Store each measured plan (provenance filled in: its trial, predicted and measured ms), its measured run and
+    the confirmation reached on it, in one transaction.
 
     Args:
         plans: the measured plans.
         defaults: per plan, whether it is FSDP2's default.
         step_ms: per plan, every step's max across ranks, ms.
         per_rank: per plan, per rank, that rank's step times, ms.
+        confirmations: per plan (none: no plan was confirmed), its confirmation launches' rounds and its verdict
+            (``planner.study.records.MeasuredTrialRecord.confirmation_rows``), rows of ``planner_confirmations``.
     """
+    confirmations = confirmations or [([], None)] * len(plans)
     with session(engine) as s:
-        for plan, default, times, ranks in zip(plans, defaults, step_ms, per_rank, strict=True):
+        for plan, default, times, ranks, (launches, verdict) in zip(plans, defaults, step_ms, per_rank, confirmations,
+                                                                    strict=True):
             pv = plan.provenance
             row = PlanRow(study_name=study_name, trial_number=pv.trial, profile_id=profile_id,
                           is_default=default, predicted_ms=pv.predicted_ms, measured_ms=pv.measured_ms,
@@ -70,6 +77,11 @@ def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, pla
             s.flush()
             s.add(MeasuredRunRow(plan_id=row.id, study_name=study_name, step_ms_json=json.dumps(times),
                                  per_rank_json=json.dumps(ranks)))
+            s.add_all(ConfirmationRow(study_name=study_name, trial_number=pv.trial, launch_json=json.dumps(launch))
+                      for launch in launches)
+            if verdict is not None:
+                s.add(ConfirmationRow(study_name=study_name, trial_number=pv.trial,
+                                      confirmation_json=json.dumps(verdict)))
         s.commit()
 
 
@@ -126,26 +138,10 @@ def stored_plan(engine: sa.Engine, study_name: str, trial: int) -> Plan | None:
     return None if row is None else Plan.from_json(row.json)
 
 
-def update_plan(engine: sa.Engine, study_name: str, plan: Plan) -> None:
-    """Replace the JSON of the newest stored plan of ``plan``'s trial (e.g. with its confirmation's verdict).
-
-    Raises:
-        PlannerError: no plan is stored for that trial.
-    """
-    with session(engine) as s:
-        row = s.scalars(
-            sa.select(PlanRow).where(PlanRow.study_name == study_name,
-                                     PlanRow.trial_number == plan.provenance.trial).order_by(PlanRow.id.desc())
-        ).first()
-        if row is None:
-            raise PlannerError(f"study {study_name!r} has no stored plan for trial {plan.provenance.trial}")
-        row.json = plan.to_json()
-        s.commit()
-
-
 def save_confirmation_row(engine: sa.Engine, study_name: str, trial: int, launch: dict | None = None,
                           confirmation: dict | None = None) -> None:
-    """Store a confirmation launch's rounds or a confirmation's verdict for a finished trial (JSON values)."""
+    """Store a confirmation launch's rounds or a confirmation's verdict reached in fresh launches, after its trial
+    finished (JSON values)."""
     with session(engine) as s:
         s.add(ConfirmationRow(study_name=study_name, trial_number=trial,
                               launch_json=None if launch is None else json.dumps(launch),

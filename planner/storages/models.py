@@ -66,12 +66,12 @@ class MeasuredRunRow(Base):
 
 
 class ConfirmationRow(Base):
-    """A confirmation launch or verdict reached after a trial finished (``planner_confirmations``).
+    """A confirmation launch or a verdict (``planner_confirmations``): the one store of both.
 
-    Optuna freezes a trial once it is COMPLETE, and a race survivor is confirmed after its job ends, in fresh
-    launches: each launch adds a row with its rounds (``launch_json``: ``{"plan_ms": [...], "default_ms": [...]}``,
-    ms), and the conclusion a row with the verdict (``confirmation_json``: the trial attributes of
-    ``planner.study.records.MeasuredTrialRecord``'s confirmation).
+    Optuna freezes a trial once it is COMPLETE, and a race survivor is often confirmed after its job ends, in fresh
+    launches; so every confirmation lives here, reached in the job's own process or later. Each launch is a row
+    with its rounds (``launch_json``: ``{"plan_ms": [...], "default_ms": [...]}``, ms), and the conclusion a row with
+    the verdict (``confirmation_json``: ``planner.study.records.confirmation_attrs``).
     """
 
     __tablename__ = "planner_confirmations"

@@ -26,14 +26,13 @@ from planner.statistics.launches import DEFAULT_SPREAD
 from planner.statistics.looks import Looks
 from planner.statistics.verdict import Confirmation, confirm_launches, power, step_noise_pct
 from planner.storages import open_storage, storage_errors
-from planner.storages.archive import confirmation_rows, save_confirmation_row, stored_plan, update_plan
+from planner.storages.archive import confirmation_rows, save_confirmation_row, stored_plan
 from planner.study.candidates import plan_key
 from planner.study.cluster_spread import ClusterKey, ClusterSpread, cluster_spread
 from planner.study.evidence import chain_of, own_launches, study_spread
-from planner.study.provenance import provenance_of
 from planner.study.queries import BestPlan, best_plan, measured_records
 from planner.study.recommendation import JobVerdict, job_verdicts
-from planner.study.records import ConfirmLaunch, MeasuredTrialRecord
+from planner.study.records import ConfirmLaunch, confirmation_attrs
 
 
 @dataclass(frozen=True)
@@ -161,10 +160,7 @@ def conclude(config: StudyConfig, job: str, plan_out: str,
             confirmation = confirm_launches([*chain.launches, *own_launches(s)], noise,
                                             study_spread(records, s.plan_key, cluster.spread), looks,
                                             cluster.spread)
-            save_confirmation_row(storage.engine, config.name, s.number,
-                                  confirmation=MeasuredTrialRecord(confirmation=confirmation).to_user_attrs())
-            plan = stored_plan(storage.engine, config.name, s.number)
-            update_plan(storage.engine, config.name, plan.with_provenance(**provenance_of(confirmation)))
+            save_confirmation_row(storage.engine, config.name, s.number, confirmation=confirmation_attrs(confirmation))
     try:
         best = best_plan(config.storage_url, config.name, baseline.fingerprint if baseline is not None else None)
     except StudyNotFoundError:

@@ -36,7 +36,7 @@ from planner.storages.archive import save_measured_plans, save_profile, update_p
 from planner.storages.bulk import running_without_heartbeat
 from planner.study.candidates import Candidate, plan_key
 from planner.study.heartbeat import Heartbeat
-from planner.study.provenance import OBJECTIVE, MeasuredPlan
+from planner.study.provenance import OBJECTIVE, MeasuredPlan, with_confirmation
 from planner.study.records import Failure, MeasuredTrialRecord, StudyRecord
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import name_objective
@@ -318,7 +318,8 @@ class MeasuredStage:
         """Store the measured plans and their steps, then tell each trial its figures and its race median.
 
         The steps are stored once, in ``planner_measured_runs`` (:func:`planner.storages.archive.measured_steps`
-        reads them back); the trial carries the figures made from them.
+        reads them back), and a confirmation once, in ``planner_confirmations``; the trial carries the figures made
+        from them.
 
         Args:
             asked: the round's trials.
@@ -327,11 +328,15 @@ class MeasuredStage:
             step_ms: per trial, every step's max across ranks, ms.
             per_rank: per trial, per rank, that rank's step times, ms.
         """
-        plans = [m.plan for m in measured]
+        # Each figure in one store: the plan as measured in planner_plans, its steps in planner_measured_runs, its
+        # confirmation in planner_confirmations (where fresh launches add theirs after the trial finished), and the
+        # figures made from them on the trial.
+        plans = [with_confirmation(m.plan, None) for m in measured]
         with self._storage_errors():
-            # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan.
+            # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan and verdict.
             save_measured_plans(self.storage.engine, self.config.name, self.profile_id, plans,
-                                [p.is_default_for(self.profile) for p in plans], step_ms, per_rank)
+                                [p.is_default_for(self.profile) for p in plans], step_ms, per_rank,
+                                [m.record.confirmation_rows() for m in measured])
             for a, m in zip(asked, measured, strict=True):
                 self._record(a.trial_id, m.record)
                 self.study.tell(a.number, m.objective_ms, skip_if_finished=True)  # a stale FAIL stays

@@ -29,6 +29,18 @@ def provenance_of(confirmation: Confirmation) -> dict:
                 launches=c.launches, noise_pct=c.noise_pct, ratio_of="total time" if c.total_time else None)
 
 
+def with_confirmation(plan: Plan, confirmation: Confirmation | None) -> Plan:
+    """``plan`` with ``confirmation``'s fields in its provenance (:func:`provenance_of`); ``None``: with none of
+    them, the plan as measured. A stored plan is kept without them: its verdict lives in ``planner_confirmations``
+    alone, and a reader puts it back (``planner.study.queries``)."""
+    if confirmation is not None:
+        return plan.with_provenance(**provenance_of(confirmation))
+    return plan.with_provenance(**dict.fromkeys(_CONFIRMED_FIELDS))
+
+
+_CONFIRMED_FIELDS = ("verdict", "measured_ratio", "ratio_ci95", "rounds", "launches", "noise_pct", "ratio_of")
+
+
 @dataclass(frozen=True)
 class MeasuredPlan:
     """One plan of a measured round.

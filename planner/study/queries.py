@@ -18,6 +18,7 @@ from planner.statistics.verdict import Confirmation, Verdict, confirmation_text
 from planner.storages import check_exists, open_storage, open_storage_read_only
 from planner.storages.archive import confirmation_rows, stored_plan
 from planner.study.predicted import PREDICTED_SUFFIX
+from planner.study.provenance import with_confirmation
 from planner.study.recommendation import JobVerdict, Recommendation, recommend
 from planner.study.records import MeasuredTrialRecord, SimulatedTrialRecord
 from planner.study.simulated import SIM_SUFFIX
@@ -68,13 +69,13 @@ def _load(url: str, name: str, read_only: bool = False) -> tuple[optuna.Study, o
 
 
 def measured_records(storage: optuna.storages.RDBStorage, study: optuna.Study) -> list[MeasuredTrialRecord]:
-    """Every trial of the measured ``study`` as a record, with the confirmations stored after it finished
+    """Every trial of the measured ``study`` as a record, with its confirmation's launches and verdict
     (``planner.storages.archive.confirmation_rows``)."""
-    late = confirmation_rows(storage.engine, study.study_name)
+    rows = confirmation_rows(storage.engine, study.study_name)
     out = []
     for t in study.get_trials(deepcopy=False):
         r = MeasuredTrialRecord.from_trial(t)
-        out.append(r.with_late_confirmation(*late[t.number]) if t.number in late else r)
+        out.append(r.with_confirmation_rows(*rows[t.number]) if t.number in rows else r)
     return out
 
 
@@ -185,11 +186,13 @@ def provenance_text(pv: Provenance) -> str:
                              total_time=pv.ratio_of == "total time")
 
 
-def _stored_plan(storage: optuna.storages.RDBStorage, name: str, number: int) -> Plan:
-    plan = stored_plan(storage.engine, name, number)
+def _stored_plan(storage: optuna.storages.RDBStorage, name: str, record: MeasuredTrialRecord) -> Plan:
+    """The plan stored for ``record``'s trial with its confirmation in its provenance (a plan is stored as measured;
+    its verdict is the record's, from ``planner_confirmations``)."""
+    plan = stored_plan(storage.engine, name, record.number)
     if plan is None:
-        raise StudyNotFoundError(f"study {name!r} trial {number} has no stored plan")
-    return plan
+        raise StudyNotFoundError(f"study {name!r} trial {record.number} has no stored plan")
+    return with_confirmation(plan, record.confirmation) if record.confirmation is not None else plan
 
 
 def best_in(storage: optuna.storages.RDBStorage, study: optuna.Study, name: str,
@@ -208,8 +211,8 @@ def best_in(storage: optuna.storages.RDBStorage, study: optuna.Study, name: str,
     if r is None:
         return None
     survivor = r.job.survivor
-    return BestPlan(_stored_plan(storage, name, r.trial.number), r,
-                    _stored_plan(storage, name, survivor.number) if survivor is not None and r.keeps_baseline else None)
+    return BestPlan(_stored_plan(storage, name, r.trial), r,
+                    _stored_plan(storage, name, survivor) if survivor is not None and r.keeps_baseline else None)
 
 
 def best_plan(url: str, name: str, fingerprint: Fingerprint | None = None) -> BestPlan:

@@ -179,22 +179,20 @@ class MeasuredTrialRecord:
 
     def to_user_attrs(self) -> JsonObject:
         """The set fields as Optuna user attributes (JSON values); trial number, state, parameters and value are
-        Optuna's own and not among them."""
+        Optuna's own and not among them, and so are the confirmation and its launches: they live in
+        ``planner_confirmations`` (:meth:`confirmation_rows`), which a finished trial can still be given."""
         attrs = {"is_default": self.is_default, **{key: getattr(self, key) for key in _user_attr_fields()}}
         if self.race is not None:
             race = dataclasses.asdict(self.race) | {"survivor": self.race.survivor or None}
             attrs.update({key: race[name] for name, key in RACE_ATTRS.items()})
-        if self.confirm_launches is not None:
-            attrs.update(confirm_launches=[launch.to_json() for launch in self.confirm_launches])
-        if self.confirmation is not None:
-            attrs.update(confirmation_attrs(self.confirmation))
         if self.failure is not None:
             attrs.update(fail_reason=self.failure.reason, fail_kind=str(self.failure.kind))
         return {key: value for key, value in attrs.items() if value is not None}
 
     @classmethod
     def from_trial(cls, trial: optuna.trial.FrozenTrial) -> MeasuredTrialRecord:
-        """The record of a stored trial (fields it does not hold are ``None``)."""
+        """The record of a stored trial (fields it does not hold are ``None``; its confirmation, stored apart, is
+        :meth:`with_confirmation_rows`')."""
         a = trial.user_attrs
         race = None
         if "race_rounds" in a:
@@ -203,8 +201,9 @@ class MeasuredTrialRecord:
         elif "dropped_after_round" in a:  # written before the race's rounds were
             race = RaceMeasurements(a["dropped_after_round"], dropped_after_round=a["dropped_after_round"])
         confirmation = None
-        # Optuna stores a trial's attributes one at a time, in to_user_attrs' order: a reader may see a running
-        # trial of another job half-written, so a confirmation is read only once its verdict, written last, is there.
+        # Trials written before verdicts were stored apart hold the confirmation as attributes. Optuna stored them
+        # one at a time, the verdict last: a reader may see a trial of another job half-written, so a confirmation
+        # is read only once its verdict is there.
         if a.get("verdict") and all(k in a for k in _CONFIRMATION_KEYS):
             confirmation = confirmation_from(a)
         launches = a.get("confirm_launches")
@@ -217,9 +216,16 @@ class MeasuredTrialRecord:
                    confirm_launches=[ConfirmLaunch.from_json(x) for x in launches] if launches is not None else None,
                    failure=failure)
 
-    def with_late_confirmation(self, launches: list[dict], confirmation: dict | None) -> MeasuredTrialRecord:
-        """The record with what was stored after its trial finished (``planner.storages.archive.confirmation_rows``):
-        confirmation launches, and the verdict as the trial attributes :meth:`to_user_attrs` writes."""
+    def confirmation_rows(self) -> tuple[list[JsonObject], JsonObject | None]:
+        """Its confirmation as ``planner_confirmations`` stores it: the launches' rounds, oldest first, and the
+        verdict (:func:`confirmation_attrs`; ``None``: none reached)."""
+        launches = [launch.to_json() for launch in self.confirm_launches or []]
+        return launches, confirmation_attrs(self.confirmation) if self.confirmation is not None else None
+
+    def with_confirmation_rows(self, launches: list[dict], confirmation: dict | None) -> MeasuredTrialRecord:
+        """The record with its confirmation as ``planner_confirmations`` holds it
+        (``planner.storages.archive.confirmation_rows``): the launches and the verdict. Trials written before
+        verdicts were stored apart carry them as attributes instead (:meth:`from_trial` reads them)."""
         record = self
         if launches:
             record = dataclasses.replace(record, confirm_launches=[ConfirmLaunch.from_json(x) for x in launches])

@@ -90,6 +90,27 @@ def test_a_candidate_confirmed_faster_is_written(tmp_path, profile):
     assert study.metric_names == [OBJECTIVE] and "confirmed" in OBJECTIVE and "race median" in OBJECTIVE
 
 
+def test_a_verdict_reached_in_the_jobs_process_is_stored_once(tmp_path, profile):
+    """In ``planner_confirmations``, beside the verdicts fresh launches reach: not on the trial, not in the stored
+    plan; ``best_plan`` puts it back on the plan, as the plan file has it."""
+    from planner.storages import open_storage
+    from planner.storages.archive import confirmation_rows, stored_plan
+    from planner.study import best_plan
+
+    asked, outcome = drive_round(_session(tmp_path, profile, measured_trials=1), [100.0, 80.0])
+    trial, url = outcome.candidate.provenance.trial, f"sqlite:///{tmp_path}/t.db"
+    storage = open_storage(url)
+    rows, stored = confirmation_rows(storage.engine, "t"), stored_plan(storage.engine, "t", trial)
+    storage.engine.dispose()
+    launches, verdict = rows[trial]
+    assert list(rows) == [trial] and len(launches) == 1 and verdict["verdict"] == "faster"
+    attrs = optuna.load_study(study_name="t", storage=url).trials[trial].user_attrs
+    assert not {"verdict", "measured_ratio", "ratio_ci95", "confirm_launches"} & set(attrs)
+    assert stored.provenance.verdict is None and stored.provenance.measured_ratio is None
+    best = best_plan(url, "t").plan
+    assert best == Plan.load(tmp_path / "t.plan.json") and best.provenance.verdict == "faster"
+
+
 def test_a_survivor_picked_among_candidates_is_provisional_in_its_own_process(tmp_path, profile):
     """Two candidates: the race picked the survivor in this process, so this process cannot call it faster
     ([Note: The race's own process]); FSDP2's default is written and the plan is pending, named on the last line."""

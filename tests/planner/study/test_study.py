@@ -278,18 +278,19 @@ def test_candidates_worth_racing(make_profile, tmp_path):
 
 
 def test_a_half_written_trial_reads_without_its_confirmation():
-    """Optuna stores a trial's attributes one at a time, and another job reads the study meanwhile
-    (``tests/runtime/ranks/test_cluster.py``): every prefix of a record's attributes reads, and a confirmation appears
-    only whole."""
+    """Trials written before verdicts were stored apart hold their confirmation as attributes, which Optuna stored one
+    at a time while another job read the study (``tests/runtime/ranks/test_cluster.py``): every prefix of such a
+    trial's attributes reads, and a confirmation appears only whole. A trial written now carries none."""
     import optuna
 
     from planner.statistics.verdict import Confirmation, Verdict
-    from planner.study.records import RaceMeasurements
+    from planner.study.records import RaceMeasurements, confirmation_attrs
 
     full = MeasuredTrialRecord(predicted_ms=10.0, is_default=False, plan_key="k", job="j",
                                race=RaceMeasurements(4, 3.0, 0.9, None, True),
                                confirmation=Confirmation(0.9, (0.85, 0.95), 6, 3.0, Verdict.FASTER, 1))
-    items = list(full.to_user_attrs().items())
+    assert not set(confirmation_attrs(full.confirmation)) & set(full.to_user_attrs())
+    items = list({**full.to_user_attrs(), **confirmation_attrs(full.confirmation)}.items())  # as they were written
     seen = []
     for n in range(len(items) + 1):
         trial = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, user_attrs=dict(items[:n]))
