@@ -14,8 +14,10 @@ them: :meth:`RankMeasurements.to_json` and :meth:`RankMeasurements.from_document
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
+import pydantic
 from pydantic import BaseModel, Field, with_config
 
 from planner.artifacts.json_types import JsonObject
@@ -171,7 +173,7 @@ class RankMeasurements:
         for fqn, m in self.isolated.modules.items():
             values = {**dataclasses.asdict(m.compute or ComputeMeasurements()),
                       **dataclasses.asdict(m.collectives or CollectiveMeasurements(0.0, 0.0))}
-            modules[fqn] = _written(values, ModuleMeasurementsDocument, FIRST_MODULE_FIELDS)
+            modules[fqn] = _written(values, ModuleMeasurementsDocument, frozenset(RELEASE_MODULE_FIELDS))
         peaks = self.steps.peak_bytes
         values = {"rank": self.rank, **dataclasses.asdict(self.steps),
                   "peak_bytes": None if peaks is None else list(peaks),
@@ -198,25 +200,33 @@ class RankMeasurements:
                                         dict(doc.calls), modules))
 
 
-class ModuleMeasurementsDocument(Document):
-    """One module of a rank's figures in a Profile file, flat (its :class:`ComputeMeasurements` and
-    :class:`CollectiveMeasurements` in one object): the fields release 0.1.0 wrote first, in its order, then the later
-    ones (written only where not 0 or null)."""
+RELEASE_MODULE_FIELDS = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "all_gather_ms", "reduce_scatter_ms",
+                         "sharded_bytes", "activation_bytes", "needs_parameters_in_backward")
+"""The fields of a module's figures release 0.1.0 wrote, in its order: always written, and required but for
+:data:`READ_WITH_DEFAULT`."""
 
-    fwd_ms: float
-    bwd_ms: float
-    fwd_pre_ms: float
-    bwd_pre_ms: float
-    all_gather_ms: float
-    reduce_scatter_ms: float
-    sharded_bytes: int
-    activation_bytes: int
-    needs_parameters_in_backward: bool = True
-    recompute_ms: float = 0.0
-    recompute_activation_bytes: int = 0
-    backward_peak_bytes: int = 0
-    grad_pre_bytes: int | None = None
-    activation_post_bytes: int | None = None
+READ_WITH_DEFAULT = frozenset(("needs_parameters_in_backward",))
+"""Release fields that profiles written before them lack: read with their declaration's default."""
+
+
+def _module_document() -> type[Document]:
+    """The flat document of a module's figures, made from :class:`ComputeMeasurements` and
+    :class:`CollectiveMeasurements`' declarations: :data:`RELEASE_MODULE_FIELDS` first, required but for
+    :data:`READ_WITH_DEFAULT`, then the later fields in their declaration's order, with its defaults (a file writes
+    them only where not 0 or null)."""
+    parts = (ComputeMeasurements, CollectiveMeasurements)
+    types = {name: hint for part in parts for name, hint in typing.get_type_hints(part).items()}
+    defaults = {f.name: f.default for part in parts for f in dataclasses.fields(part)}
+    order = [*RELEASE_MODULE_FIELDS, *(name for name in types if name not in RELEASE_MODULE_FIELDS)]
+    required = set(RELEASE_MODULE_FIELDS) - READ_WITH_DEFAULT
+    return pydantic.create_model(
+        "ModuleMeasurementsDocument", __base__=Document, __module__=__name__,
+        __doc__="One module of a rank's figures in a Profile file, flat: its :class:`ComputeMeasurements` and "
+                ":class:`CollectiveMeasurements` in one object.",
+        **{name: (types[name], ... if name in required else defaults[name]) for name in order})
+
+
+ModuleMeasurementsDocument = _module_document()
 
 
 class RankMeasurementsDocument(Document):
@@ -245,9 +255,6 @@ FIRST_RANK_FIELDS = frozenset(("rank", "step_ms", "optimizer_ms", "peak_bytes", 
                                "optimizer_state_bytes", "pre_forward_order", "post_forward_order", "modules"))
 """The fields of a rank's figures release 0.1.0 wrote: always written."""
 
-FIRST_MODULE_FIELDS = frozenset(("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "all_gather_ms", "reduce_scatter_ms",
-                                 "sharded_bytes", "activation_bytes", "needs_parameters_in_backward"))
-"""The fields of a module's figures release 0.1.0 wrote: always written."""
 
 
 def _written(values: JsonObject, document: type[BaseModel], always: frozenset[str]) -> JsonObject:

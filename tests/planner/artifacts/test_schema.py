@@ -132,3 +132,29 @@ def test_nothing_is_written_that_would_not_read_back(make_profile):
         broken.to_json()
     with pytest.raises(PlanFormatError, match="unshard_async_op must be true or false, found 'yes'"):
         plan.with_knobs(unshard_async_op="yes")
+
+
+def test_a_ranks_module_figures_are_read_through_the_measurements_own_declaration():
+    """A module's flat document is made from :class:`ComputeMeasurements` and :class:`CollectiveMeasurements`: a field
+    added there is read and written with no second declaration; release 0.1.0's fields come first and are required
+    (but those older profiles lack)."""
+    import dataclasses
+
+    from planner.artifacts.rank_measurements import (
+        READ_WITH_DEFAULT,
+        RELEASE_MODULE_FIELDS,
+        CollectiveMeasurements,
+        ComputeMeasurements,
+        ModuleMeasurementsDocument,
+    )
+
+    declared = [f.name for part in (ComputeMeasurements, CollectiveMeasurements) for f in dataclasses.fields(part)]
+    fields = ModuleMeasurementsDocument.model_fields
+    assert sorted(fields) == sorted(declared)
+    assert list(fields)[:len(RELEASE_MODULE_FIELDS)] == list(RELEASE_MODULE_FIELDS)
+    assert {name for name, f in fields.items() if f.is_required()} == set(RELEASE_MODULE_FIELDS) - READ_WITH_DEFAULT
+    row = {name: 1 for name in RELEASE_MODULE_FIELDS} | {"needs_parameters_in_backward": True}
+    with pytest.raises(ValueError, match="fwd_ms"):
+        ModuleMeasurementsDocument.model_validate({**row, "fwd_ms": "1"})  # strict: no string read as a number
+    with pytest.raises(ValueError, match="extra"):
+        ModuleMeasurementsDocument.model_validate({**row, "fwd_msec": 1.0})
