@@ -48,8 +48,10 @@ def _is_fsdp2_default(plan: dict) -> bool:
 
 
 def _measured(storage: str) -> list[MeasuredTrialRecord]:
-    study = optuna.load_study(study_name="in-loop", storage=storage)
-    return [MeasuredTrialRecord.from_trial(t) for t in study.trials]
+    """The study's measured trials with their confirmations (stored apart, in ``planner_confirmations``)."""
+    from planner.study import study_trials
+
+    return study_trials(storage, "in-loop").measured
 
 
 @pytest.mark.slow
