@@ -53,7 +53,7 @@ def update_profile(engine: sa.Engine, profile_id: int, profile: Profile) -> None
 def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, plans: Sequence[Plan],
                         defaults: Sequence[bool], step_ms: Sequence[list[float]],
                         per_rank: Sequence[list[list[float]]],
-                        confirmations: Sequence[tuple[list[JsonObject], JsonObject | None]] = ()) -> None:
+                        confirmations: Sequence[tuple[list[JsonObject], JsonObject | None]]) -> None:
     """Store each measured plan (provenance filled in: its trial, predicted and measured ms), its measured run and
     the confirmation reached on it, in one transaction.
 
@@ -62,10 +62,9 @@ def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, pla
         defaults: per plan, whether it is FSDP2's default.
         step_ms: per plan, every step's max across ranks, ms.
         per_rank: per plan, per rank, that rank's step times, ms.
-        confirmations: per plan (none: no plan was confirmed), its confirmation launches' rounds and its verdict
+        confirmations: per plan, its confirmation launches' rounds (none: ``[]``) and its verdict (``None``: none)
             (``planner.study.records.MeasuredTrialRecord.confirmation_rows``), rows of ``planner_confirmations``.
     """
-    confirmations = confirmations or [([], None)] * len(plans)
     with session(engine) as s:
         for plan, default, times, ranks, (launches, verdict) in zip(plans, defaults, step_ms, per_rank, confirmations,
                                                                     strict=True):
