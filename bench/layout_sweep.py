@@ -1,24 +1,26 @@
-"""Benchmark: another layout predicted from a one-node profile, checked on the emulated cluster.
+"""Benchmark: another layout predicted from one-node profiles, checked on the emulated cluster.
 
     python -m bench.layout_sweep [bench/llama-link.toml] [--rates 4gbit,1gbit] [--layouts fsdp,hsdp] [--rounds 16]
-                                 [--profile P.json] [--json OUT]
+                                 [--profiles 3] [--json OUT]
     python -m bench.layout_sweep --refit OUT.json      # report a saved run again, measuring nothing
+    python -m bench.layout_sweep --from-work DIR       # predict a run's rows again from its profiles, measuring nothing
 
-1. A profile of 4 ranks on one node (the study with ``nproc_per_node = 4``, no mesh), unless ``--profile`` gives
-   one.
+1. ``--profiles`` profiles of 4 ranks on one node (the study with ``nproc_per_node = 4``, no mesh), each in fresh
+   processes (``prefetch-planner profile``), unless ``--profile`` gives one.
 2. Per rate and layout, a target of 2 nodes x 2 ranks: FSDP over all 4 (``fsdp``) or HSDP ``[2, 2]`` (``hsdp``:
-   the shard groups within a node, the replicas across the link); the intra-node link is the recorded one. From the
-   profile, ``simulate --target`` predicts FSDP2's default, and the study's simulated search
-   (``planner.study.simulated.simulated_stage``) on the retargeted profile ranks the plans: its first is the
-   *predicted plan*.
+   the shard groups within a node, the replicas across the link); the intra-node link is the recorded one. From each
+   profile, the what-if (``planner.simulation.what_if.Scenario``, as ``simulate --target``) predicts FSDP2's default
+   and its band; from the first, the study's simulated search (``planner.study.simulated.simulated_stage``) on the
+   retargeted profile ranks the plans: its first is the *predicted plan*.
 3. On a fresh cluster at the rate (``bench/cluster.py``, 2 ranks per node, the layout's ``[launch] mesh``): the
    predicted plan against FSDP2's default in fresh processes, ``--rounds`` interleaved rounds, each pair's order
    drawn at random (``bench.verdicts --part remeasure``).
 
-Reported per rate and layout: the default step predicted against its median measured there (targets: within 10% for
-FSDP, 15% for HSDP), and the predicted plan's ratio to the default, predicted and measured with its interval. The
-machine's 2 cores run the 4 ranks in the profile and in every measurement alike: compute per rank is the same in
-both, and only the layout and the link differ.
+Reported per rate and layout: the default step predicted from each profile against its median measured there
+(targets: within 10% for FSDP, 15% for HSDP), the predictions' spread over the profiles (each within 5% of their
+mean), whether each band holds the measured median, and the predicted plan's ratio to the default, predicted and
+measured with its interval. The machine's 2 cores run the 4 ranks in the profiles and in every measurement alike:
+compute per rank is the same in both, and only the layout and the link differ.
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ def with_launch(study: str, work: Path, name: str, nproc_per_node: int, mesh: tu
     return str(path)
 
 
-def record_one_node(study: str, work: Path) -> Path:
-    """The study's profile on 4 ranks of this machine (one node, no mesh)."""
+def record_one_node(study: str, work: Path, index: int = 1) -> Path:
+    """The study's profile on 4 ranks of this machine (one node, no mesh), in fresh processes; its path."""
     import subprocess
 
     toml = with_launch(study, work, "one-node", WORLD, None)
-    out = work / "profile.json"
+    out = work / f"profile-{index}.json"
     subprocess.run([sys.executable, "-m", "jobs.cli", "profile", toml, "-o", str(out)], check=True)
     return out
 
@@ -76,6 +78,18 @@ def target_for(rate: str, mesh: tuple[int, int] | None):
                         "intra_node": {"bandwidth": "recorded"}})
 
 
+def predict_default(profile_path: Path, rate: str, layout: str) -> dict:
+    """FSDP2's default on the target, from one one-node profile: the predicted step and its band, ms."""
+    from planner.artifacts.profile import Profile
+    from planner.simulation.what_if import Scenario
+
+    scenario = Scenario.of(Profile.load(profile_path), target_for(rate, LAYOUTS[layout]))
+    band = scenario.band()
+    return {"profile": profile_path.name, "default_ms": band.step_ms,
+            "default_band": [band.low_ms, band.high_ms, band.dominant.name],
+            "comm_scale": scenario.params.comm_scale, "distance": scenario.retargeted.extrapolation.describe()}
+
+
 def predict(study: str, profile_path: Path, rate: str, layout: str) -> dict:
     """FSDP2's default and the predicted plan on the target, from the one-node profile."""
     import optuna
@@ -83,27 +97,23 @@ def predict(study: str, profile_path: Path, rate: str, layout: str) -> dict:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.artifacts.profile import Profile
-    from planner.simulation.band import step_band
-    from planner.simulation.link import retarget
-    from planner.simulation.parameters import profile_params, simulator_for
+    from planner.simulation.what_if import Scenario
     from planner.study.simulated import complete_trials, simulated_stage
     from search_spaces import get_space
 
     config = load_study_config(study)
-    profile = Profile.load(profile_path)
-    retargeted = retarget(profile, target_for(rate, LAYOUTS[layout]))
-    simulator = simulator_for(retargeted.profile, profile_params(profile))
+    scenario = Scenario.of(Profile.load(profile_path), target_for(rate, LAYOUTS[layout]))
+    simulator = scenario.simulator()
     space = get_space(config.search.space)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study_run = simulated_stage(simulator, config, optuna.storages.InMemoryStorage(), space, show_progress_bar=False)
     best = min(complete_trials(study_run), key=lambda t: t.values[0])
-    plan = space.build(best.params, retargeted.profile)
-    default = simulator.run(Plan.default(retargeted.profile))
+    plan = space.build(best.params, scenario.simulated)
+    default = simulator.run(Plan.default(scenario.simulated))
     predicted = simulator.run(plan)
-    target = target_for(rate, LAYOUTS[layout])
-    bands = {name: step_band(profile, target, p) for name, p in (("default", None), ("plan", plan))}
+    bands = {name: scenario.band(p) for name, p in (("default", None), ("plan", plan))}
     return {"plan": plan.to_dict(), "default_ms": default.step_ms, "plan_ms": predicted.step_ms,
-            "ratio": predicted.step_ms / default.step_ms, "distance": retargeted.extrapolation.describe(),
+            "ratio": predicted.step_ms / default.step_ms, "distance": scenario.retargeted.extrapolation.describe(),
             **{f"{name}_band": [b.low_ms, b.high_ms, b.dominant.name] for name, b in bands.items()}}
 
 
@@ -124,21 +134,29 @@ def measure(study: str, plan: dict, rate: str, layout: str, rounds: int, work: P
     return json.loads(out.read_text())
 
 
+def profiles_in(work: Path) -> list[Path]:
+    """A run's one-node profiles, in the order they were recorded (``profile.json``: a run of one profile)."""
+    found = sorted(work.glob("profile-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    return found or [work / "profile.json"]
+
+
 def predicted_again(study: str, work: Path, rates: str, layouts: str) -> list[dict]:
-    """Each row of a finished run predicted again from its own profile; its measurements as they were saved.
+    """Each row of a finished run predicted again from its own profiles; its measurements as they were saved.
 
     Raises:
         SystemExit: the prediction is not the plan that was measured (another study or seed).
     """
     runs = []
+    profiles = profiles_in(work)
     for rate in rates.split(","):
         for layout in layouts.split(","):
             folder = work / f"{rate}-{layout}"
-            predicted = predict(study, work / "profile.json", rate, layout)
+            predicted = predict(study, profiles[0], rate, layout)
             measured_plan = json.loads((folder / "predicted.json").read_text())
             if measured_plan["modules"] != predicted["plan"]["modules"]:
                 sys.exit(f"{folder}: the plan predicted now is not the one measured; give the run's study")
             runs.append({"rate": rate, "layout": layout, "predicted": predicted, "seconds": 0.0,
+                         "defaults": [predict_default(p, rate, layout) for p in profiles],
                          "measured": json.loads((folder / "remeasure.json").read_text())})
     return runs
 
@@ -165,6 +183,7 @@ def report(runs: list[dict]) -> None:
         click.echo(f"- {r['rate']} {r['layout']}: {r['predicted']['distance']}; {r['seconds']:.0f} s")
     if all("default_band" in r["predicted"] for r in runs):
         coverage(runs)
+    stability(runs)
 
 
 def coverage(runs: list[dict]) -> None:
@@ -183,18 +202,53 @@ def coverage(runs: list[dict]) -> None:
     click.echo(f"\n{inside} of {2 * len(runs)} measured medians inside their bands")
 
 
+def stability(runs: list[dict]) -> None:
+    """FSDP2's default predicted from each profile: its error, the spread over the profiles, the band's hold."""
+    if not all(r.get("defaults") for r in runs):
+        return
+    count = len(runs[0]["defaults"])
+    click.echo("\n| link | layout | measured (median) | " + " | ".join(f"profile {i + 1}: predicted, error, band"
+                                                                         for i in range(count))
+               + " | spread (largest from the mean) | comm_scale |")
+    click.echo("|---|---|---|" + "---|" * count + "---|---|")
+    within = inside = total = 0
+    for r in runs:
+        measured = statistics.median(r["measured"]["default"])
+        limit = 0.10 if r["layout"] == "fsdp" else 0.15
+        steps = [d["default_ms"] for d in r["defaults"]]
+        mean = statistics.fmean(steps)
+        spread = max(abs(s / mean - 1) for s in steps)
+        cells = []
+        for d in r["defaults"]:
+            error = d["default_ms"] / measured - 1
+            low, high, _ = d["default_band"]
+            hit = low <= measured <= high
+            within += abs(error) <= limit
+            inside += hit
+            total += 1
+            cells.append(f"{d['default_ms']:.0f} ms, {error:+.1%}{'' if abs(error) <= limit else ' (**outside**)'}, "
+                         f"[{low:.0f}, {high:.0f}] {'holds' if hit else '**misses**'}")
+        scales = ", ".join(f"{d['comm_scale']:.2f}" for d in r["defaults"])
+        click.echo(f"| {r['rate']} | {r['layout']} | {measured:.0f} ms | " + " | ".join(cells)
+                   + f" | {spread:.1%}{'' if spread <= 0.05 else ' (**over 5%**)'} | {scales} |")
+    click.echo(f"\n{within} of {total} predictions within their target; {inside} of {total} bands hold the "
+               "measured median")
+
+
 @click.command()
 @click.argument("study", default="bench/llama-link.toml")
 @click.option("--rates", default="4gbit,1gbit", show_default=True)
 @click.option("--layouts", default="fsdp,hsdp", show_default=True)
 @click.option("--rounds", default=16, show_default=True)
-@click.option("--profile", "profile_path", help="The one-node profile of 4 ranks (else recorded first).")
+@click.option("--profiles", "profile_count", default=3, show_default=True,
+              help="One-node profiles to record, each in fresh processes; every layout is predicted from each.")
+@click.option("--profile", "profile_path", help="One one-node profile of 4 ranks (else --profiles are recorded).")
 @click.option("--json", "json_out", help="Write every run's figures here.")
 @click.option("--refit", help="Report a saved --json run again, measuring nothing.")
 @click.option("--from-work", "from_work", help="Predict again (bands included) against the measurements a run left in "
                                                "its work folder (layout-sweep-*), measuring nothing.")
-def main(study, rates, layouts, rounds, profile_path, json_out, refit, from_work) -> None:
-    """Predict each layout from a one-node profile, then measure it on the emulated cluster."""
+def main(study, rates, layouts, rounds, profile_count, profile_path, json_out, refit, from_work) -> None:
+    """Predict each layout from one-node profiles, then measure it on the emulated cluster."""
     if refit:
         report(json.loads(Path(refit).read_text())["runs"])
         return
@@ -204,19 +258,23 @@ def main(study, rates, layouts, rounds, profile_path, json_out, refit, from_work
     import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="layout-sweep-"))
-    profile = Path(profile_path) if profile_path else record_one_node(study, work)
+    click.echo(f"work folder: {work}")
+    profiles = ([Path(profile_path)] if profile_path
+                else [record_one_node(study, work, i + 1) for i in range(profile_count)])
     runs = []
     for rate in rates.split(","):
         for layout in layouts.split(","):
             t0 = time.monotonic()
             folder = work / f"{rate}-{layout}"
             folder.mkdir(parents=True, exist_ok=True)
-            predicted = predict(study, profile, rate, layout)
+            predicted = predict(study, profiles[0], rate, layout)
+            defaults = [predict_default(p, rate, layout) for p in profiles]
             measured = measure(study, predicted["plan"], rate, layout, rounds, folder)
-            runs.append({"rate": rate, "layout": layout, "predicted": predicted, "measured": measured,
-                         "seconds": time.monotonic() - t0})
+            runs.append({"rate": rate, "layout": layout, "predicted": predicted, "defaults": defaults,
+                         "measured": measured, "seconds": time.monotonic() - t0})
             if json_out:
-                Path(json_out).write_text(json.dumps({"profile": str(profile), "runs": runs}, indent=1))
+                Path(json_out).write_text(json.dumps({"profiles": [str(p) for p in profiles], "runs": runs},
+                                                     indent=1))
     report(runs)
 
 

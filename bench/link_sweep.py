@@ -3,6 +3,7 @@
     python -m bench.link_sweep [bench/llama-link.toml] [--rates none,4gbit,1gbit] [--rounds 24] [--json OUT]
     python -m bench.link_sweep --refit OUT.json      # report a saved run again, measuring nothing
     python -m bench.link_sweep --check-link [--ranks-per-node 2]   # the shaped link's TCP throughput at each rate
+    python -m bench.link_sweep STUDY --profiles 3 [--rates 4gbit,1gbit] [--json OUT]   # the what-if alone
 
 At each rate, on a fresh cluster (one gloo rank per node, ``torchrun --nnodes 2``):
 
@@ -17,6 +18,12 @@ backward compute); each collective's recorded time over what its bytes on the wi
 ([Note: Bytes on the wire]); FSDP2's default step predicted from the unshaped link's profile
 (``simulate --target``, held out: that profile never saw the rate) against the default's median step in the
 rate's race; the confirmed ratio with its interval; the re-measurement in fresh processes beside it.
+
+With ``--profiles N`` the sweep checks the what-if alone, and how still it holds: ``N`` profiles of the study on the
+unshaped link (``prefetch-planner profile`` as the two nodes, each in fresh processes), then at each shaped rate
+FSDP2's default measured on a fresh cluster (``--rounds`` pairs of steps in fresh processes), and its step predicted
+from each profile (``planner.simulation.what_if.Scenario``, as ``simulate --target``) with its band: each error
+(target: within 10%), the predictions' spread over the profiles, and whether each band holds the measured median.
 """
 
 from __future__ import annotations
@@ -195,6 +202,71 @@ def report(runs: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def what_if_runs(study: str, rates: list[str], count: int, rounds: int, work: Path) -> dict:
+    """``count`` profiles on the unshaped link, then FSDP2's default measured at each rate (``--profiles``)."""
+    from planner.artifacts.plan import Plan
+    from planner.artifacts.profile import Profile
+
+    profiles = []
+    with Cluster("none") as cluster:
+        for i in range(count):
+            out = work / f"profile-{i + 1}.json"
+            print(f"=== profile {i + 1}/{count} on the unshaped link", flush=True)
+            launch = cluster.torchrun(["-m", "jobs.cli", "profile", study, "-o", str(out)],
+                                      logs=_folder(work / f"profile-{i + 1}"), rdzv_id=f"profile{i}")
+            codes = launch.wait(3600)
+            if any(codes):
+                sys.exit(f"the profile failed on the cluster ({codes}):\n{launch.output()[-6000:]}")
+            profiles.append(Profile.load(out).to_dict())
+    Plan.default(Profile.from_dict(profiles[0])).to_json(work / "default.json")
+    measured = {}
+    for rate in rates:
+        print(f"=== {rate}: FSDP2's default, {rounds} pairs of steps in fresh processes", flush=True)
+        with Cluster(rate) as cluster:
+            steps = _remeasure(cluster, study, work / "default.json", rounds, _folder(work / rate))
+        measured[rate] = steps["tuned"] + steps["default"]  # both instances run FSDP2's default
+    return {"what_if": True, "profiles": profiles, "measured": measured}
+
+
+def what_if_report(run: dict) -> list[dict]:
+    """Print the what-if's table from :func:`what_if_runs`' figures; its rows."""
+    import tomllib
+
+    from planner.artifacts.profile import Profile
+    from planner.artifacts.target import Target
+    from planner.simulation.what_if import Scenario
+
+    profiles = [Profile.from_dict(p) for p in run["profiles"]]
+    rows = []
+    print("\n| link | measured (median) | " + " | ".join(f"profile {i + 1}: predicted, error, band"
+                                                         for i in range(len(profiles)))
+          + " | spread (largest from the mean) | comm_scale |")
+    print("|---|---|" + "---|" * len(profiles) + "---|---|")
+    for rate, steps in run["measured"].items():
+        target = Target.model_validate(tomllib.loads(target_toml(rate)))
+        measured = statistics.median(steps)
+        cells, predicted, scales = [], [], []
+        for profile in profiles:
+            scenario = Scenario.of(profile, target)
+            band = scenario.band()
+            error = band.step_ms / measured - 1
+            predicted.append(band.step_ms)
+            scales.append(scenario.params.comm_scale)
+            hit = band.contains(measured)
+            cells.append(f"{band.step_ms:.0f} ms, {error:+.1%}{'' if abs(error) <= 0.10 else ' (**outside**)'}, "
+                         f"[{band.low_ms:.0f}, {band.high_ms:.0f}] {'holds' if hit else '**misses**'}")
+            rows.append({"rate": rate, "measured_ms": measured, "predicted_ms": band.step_ms, "error": error,
+                         "band": [band.low_ms, band.high_ms], "inside": hit})
+        mean = statistics.fmean(predicted)
+        spread = max(abs(p / mean - 1) for p in predicted)
+        print(f"| {rate} | {measured:.0f} ms | " + " | ".join(cells) + f" | {spread:.1%} | "
+              + ", ".join(f"{c:.2f}" for c in scales) + " |")
+    within = sum(abs(r["error"]) <= 0.10 for r in rows)
+    print(f"\n{within} of {len(rows)} predictions within 10%; {sum(r['inside'] for r in rows)} of {len(rows)} bands "
+          "hold the measured median")
+    return rows
+
+
 def check_link(rates: list[str], ranks_per_node: int = 1) -> None:
     """Each rate's TCP throughput from node 0 to node 1 (100 MiB), and gloo's all-gather and all-reduce on it over
     ``2 * ranks_per_node`` ranks: the share of the rate each reaches, its bytes on the wire per rank
@@ -289,10 +361,12 @@ def _send(address: str) -> None:
 @click.option("--refit", type=click.Path(exists=True, dir_okay=False), help="report a saved --json run again")
 @click.option("--check-link", "link_only", is_flag=True, help="measure each rate's TCP throughput and stop")
 @click.option("--ranks-per-node", default=1, show_default=True, help="with --check-link: gloo ranks on each node")
+@click.option("--profiles", "profile_count", default=0, help="check the what-if alone: record this many profiles on "
+              "the unshaped link and predict FSDP2's default at each shaped rate from each (no tune)")
 @click.option("--part", type=click.Choice(["send", "recv", "collectives"]), hidden=True)
 @click.option("--address", hidden=True)
 def main(study: str, rates: str, rounds: int, json_out: str | None, refit: str | None, link_only: bool,
-         ranks_per_node: int, part: str | None, address: str | None) -> None:
+         ranks_per_node: int, profile_count: int, part: str | None, address: str | None) -> None:
     chosen = [r.strip() for r in rates.split(",") if r.strip()]
     for r in chosen:
         rate_bits(r)
@@ -303,7 +377,18 @@ def main(study: str, rates: str, rounds: int, json_out: str | None, refit: str |
         check_link(chosen, ranks_per_node)
         return
     if refit:
-        report(json.loads(Path(refit).read_text()))
+        saved = json.loads(Path(refit).read_text())
+        if saved.get("what_if"):
+            what_if_report(saved)
+        else:
+            report(saved)
+        return
+    if profile_count:
+        with tempfile.TemporaryDirectory() as d:
+            run = what_if_runs(study, [r for r in chosen if r != "none"], profile_count, rounds, Path(d))
+        if json_out:
+            Path(json_out).write_text(json.dumps(run, indent=1))
+        what_if_report(run)
         return
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as d:

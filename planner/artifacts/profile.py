@@ -28,7 +28,7 @@ PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
 # written only where not 0 (a checkpointed module; a backward that allocates temporaries), so a profile without
 # them is the file release 0.1.0 wrote
 OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_bytes", "backward_post_grad_bytes",
-                   "activation_post_bytes", "parameter_rows")
+                   "activation_post_bytes", "parameter_rows", "all_gather_link_ms", "reduce_scatter_link_ms")
 
 
 @with_config(STRICT)
@@ -86,6 +86,10 @@ class ModuleProfile:
             unsharded tensor: FSDP2 shards dim 0 and pads it to a multiple of the shard group
             (``FSDPParam._init_sharded_param``), so the shard at another world size follows from them
             (:mod:`planner.simulation.resharding`). ``()``: not recorded (a trace, an older profile).
+        all_gather_link_ms, reduce_scatter_link_ms: of ``all_gather_ms`` and ``reduce_scatter_ms``, what another
+            cluster's link adds beyond the hosts' own work as recorded (a re-targeted profile's, ms:
+            :func:`planner.simulation.link.retarget`); the in-step ``comm_scale`` does not scale it ([Note: The
+            in-step scale is the hosts'] in :mod:`planner.simulation.link`). 0: as recorded.
     """
 
     fqn: str
@@ -108,6 +112,8 @@ class ModuleProfile:
     backward_post_grad_bytes: Annotated[int, Ge(0)] = 0
     activation_post_bytes: Annotated[int, Ge(0)] = 0
     parameter_rows: tuple[tuple[int, int], ...] = ()
+    all_gather_link_ms: Annotated[float, Ge(0)] = 0.0
+    reduce_scatter_link_ms: Annotated[float, Ge(0)] = 0.0
 
 
 def root_activation_pre_bytes(root: ModuleProfile) -> int:

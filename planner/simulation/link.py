@@ -80,6 +80,23 @@ With several ranks per node gloo's ring can keep the inter-node link busier
 (``--ranks-per-node 2``: more of the rate on a slow link); the model keeps the
 one-rank figure. Each call then adds its ring's latency ([Note: Latency per
 ring step]).
+
+[Note: The in-step scale is the hosts']
+In a step a collective takes ``comm_scale`` times its isolated figure
+(``planner.simulation.in_step``): FSDP2's copy-in and copy-out around it
+(``foreach_all_gather``'s ``split_with_sizes_copy`` and
+``foreach_all_gather_copy_out``; ``foreach_reduce``'s copy-in, division and
+shard view), the page faults of their fresh buffers, and the cores shared with
+the other ranks. That excess is host work per call, and the scale is solved on
+the recorded link, where the hosts' work is the whole call. On a target's link
+a call is ``host + link``: ``host = a + s * w'`` is the recorded hosts' work,
+scaled in a step as solved; ``link = max(0, w' / (e * bandwidth) - s * w')``
+plus the ring's latency is what the slower link adds, a transfer the hosts'
+scale does not stretch. The re-targeted profile keeps ``link`` apart
+(``ModuleProfile.all_gather_link_ms``, ``reduce_scatter_link_ms``), and the
+simulator scales ``all_gather_ms - all_gather_link_ms`` alone. Scaling the
+whole call would multiply a wire-bound call by a scale solved where no wire
+was slow (docs/decisions/in-step-scale-on-a-link.md).
 """
 
 from __future__ import annotations
@@ -177,11 +194,17 @@ class LinkFit:
         """One call's time with ``wire_bytes`` on a link of ``link_bytes_per_s`` (``None``: the recorded one), ms,
         latency aside ([Note: Host work and the wire]); ``kind``: the collective timed, when not the fit's own
         (HSDP's all-reduce on the reduce-scatter's fit)."""
-        host = self.ms_per_byte * wire_bytes
+        return self.overhead_ms + self.ms_per_byte * wire_bytes + self.link_ms(wire_bytes, link_bytes_per_s, backend,
+                                                                               kind)
+
+    def link_ms(self, wire_bytes: float, link_bytes_per_s: float | None, backend: str, kind: Kind | None = None
+                ) -> float:
+        """Of :meth:`ms`, what the link adds beyond the hosts' recorded work, ms: ``max(0, wire time - host time
+        per byte)``; 0 on the recorded link ([Note: The in-step scale is the hosts'])."""
         if link_bytes_per_s is None:
-            return self.overhead_ms + host
+            return 0.0
         share = link_efficiency(kind or self.kind, backend)
-        return self.overhead_ms + max(host, 1e3 * wire_bytes / (share * link_bytes_per_s))
+        return max(0.0, 1e3 * wire_bytes / (share * link_bytes_per_s) - self.ms_per_byte * wire_bytes)
 
 
 def wire_calls(profile: Profile, world_size: int, backend: str) -> list[tuple[str, Kind, float, float]]:
@@ -317,21 +340,25 @@ class Retargeted:
     extrapolation: Extrapolation
 
 
-def _call_ms(fit: LinkFit, kind: Kind, group: Group, nbytes: int, backend: str, spread_sign: int = 0) -> float:
+def _call_ms(fit: LinkFit, kind: Kind, group: Group, nbytes: int, backend: str, spread_sign: int = 0
+             ) -> tuple[float, float]:
+    """One call over ``group``: its time and, of it, the link's share (the ring's latency included), ms."""
     w = wire_fraction(kind, group.size, backend) * nbytes
     if w <= 0:
-        return 0.0
+        return 0.0, 0.0
     bandwidth = None if group.link is None else group.link.bytes_per_s_at(nbytes)
     if bandwidth is not None:
         bandwidth *= 1 + spread_sign * group.link.spread_fraction
-    return fit.ms(w, bandwidth, backend, kind) + ring_latency_ms(kind, group, backend)
+    latency = ring_latency_ms(kind, group, backend)
+    return fit.ms(w, bandwidth, backend, kind) + latency, fit.link_ms(w, bandwidth, backend, kind) + latency
 
 
 def retarget(profile: Profile, target: Target, spread_sign: int = 0, fit_sign: int = 0,
              recorded_profile: Profile | None = None) -> Retargeted:
     """The profile as one rank of ``target``: re-sharded for its shard group ([Note: What re-sharding changes] in
     :mod:`planner.simulation.resharding`), each module's all-gather and reduce-scatter (and HSDP's all-reduce,
-    [Note: HSDP's all-reduce]) re-timed for its groups' links.
+    [Note: HSDP's all-reduce]) re-timed for its groups' links, with what the links add beyond the hosts' work kept
+    apart (``all_gather_link_ms``, ``reduce_scatter_link_ms``: [Note: The in-step scale is the hosts']).
 
     Compute and activations stay as recorded; simulate the result with the recorded profile's own parameters
     (``planner.simulation.parameters.profile_params(profile)``), which were solved on its link. A link given by
@@ -366,13 +393,16 @@ def retarget(profile: Profile, target: Target, spread_sign: int = 0, fit_sign: i
     scale = profile.fingerprint.collective_scale  # mixed precision: each collective's own dtype
     for fqn, m in resharded.modules.items():
         nbytes = collective_bytes(m, target.shard)
-        times = {"all_gather_ms": _call_ms(fits["all_gather"], "all_gather", shard_group,
-                                           round(nbytes * scale("all_gather")), backend, spread_sign),
-                 "reduce_scatter_ms": _call_ms(fits["reduce_scatter"], "reduce_scatter", shard_group,
-                                               round(nbytes * scale("reduce_scatter")), backend, spread_sign)
-                 + _call_ms(fits["reduce_scatter"], "all_reduce", replicate_group,
-                            round(shard_bytes(m, target.shard) * scale("all_reduce")), backend, spread_sign)}
-        modules[fqn] = dataclasses.replace(m, **times)
+        all_gather = _call_ms(fits["all_gather"], "all_gather", shard_group, round(nbytes * scale("all_gather")),
+                              backend, spread_sign)
+        reduce_scatter = _call_ms(fits["reduce_scatter"], "reduce_scatter", shard_group,
+                                  round(nbytes * scale("reduce_scatter")), backend, spread_sign)
+        all_reduce = _call_ms(fits["reduce_scatter"], "all_reduce", replicate_group,
+                              round(shard_bytes(m, target.shard) * scale("all_reduce")), backend, spread_sign)
+        modules[fqn] = dataclasses.replace(
+            m, all_gather_ms=all_gather[0], all_gather_link_ms=all_gather[1],
+            reduce_scatter_ms=reduce_scatter[0] + all_reduce[0],
+            reduce_scatter_link_ms=reduce_scatter[1] + all_reduce[1])
     recorded = profile.fingerprint.world_size
 
     def median_wire(world: int) -> float:

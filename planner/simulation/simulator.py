@@ -89,7 +89,10 @@ class SimParams:
             copy-out, launch), ms.
         comm_scale: factor on every measured collective time (isolated
             measurements after a barrier include rank skew; in a step they
-            can run faster or slower).
+            can run faster or slower); on a re-targeted profile, on the
+            hosts' share alone, not on what the target's link adds
+            ([Note: The in-step scale is the hosts'] in
+            :mod:`planner.simulation.link`).
         compute_scale: factor on every measured compute time (forward,
             backward, optimizer): the recorder times compute with parameters
             pre-unsharded and nothing else running; inside a real step caches
@@ -238,7 +241,12 @@ class Simulator:
         r = mods[root]
         post = [self._index[f] for f in profile.post_forward_order]
         rs_scale = profile.fingerprint.reduce_scatter_scale()  # mixed precision: reduce_dtype over param_dtype
-        self._fields = tuple(ProfileArrays(  # [Note: Plain tuples at the boundary] in planner.simulation._kernel.hooks
+        # [Note: The in-step scale is the hosts'] in planner.simulation.link: the links' share, unscaled
+        link = (np.array([m.all_gather_link_ms for m in mods], f64),
+                np.array([m.reduce_scatter_link_ms for m in mods], f64))
+        self._link_ms = link if link[0].any() or link[1].any() else None
+        self._scaled: tuple[float, tuple] | None = None  # the last comm_scale's arrays, where self._link_ms
+        self._arrays = ProfileArrays(  # [Note: Plain tuples at the boundary] in planner.simulation._kernel.hooks
             all_gather_ms=np.array([m.all_gather_ms for m in mods], f64),
             reduce_scatter_ms=np.array([m.reduce_scatter_ms for m in mods], f64),
             forward_ms=np.array([m.fwd_ms / m.calls for m in mods], f64),
@@ -266,7 +274,8 @@ class Simulator:
             optimizer_ms=float(profile.optimizer_ms),
             optimizer_temp_bytes=int(profile.optimizer_temp_bytes),
             post_optimizer_ms=float(profile.post_optimizer_ms),
-        ))
+        )
+        self._fields = tuple(self._arrays)
         self._default_module_knobs = np.tile(np.array(DEFAULT_MODULE_KNOBS.as_array(), np.int64),
                                              (len(self._names), 1))
         self._baseline_bytes = sum(m.sharded_bytes for m in mods) + profile.optimizer_state_bytes  # alive at start
@@ -276,6 +285,17 @@ class Simulator:
                    + self._outside_ms + post_optimizer)
         self.lower_bound_ms = max(compute, sum(m.all_gather_ms + m.reduce_scatter_ms for m in mods))
         self._trace_rows = 8 * (len(post) + len(self._names)) * profile.microbatches + 16
+
+    def _scaled_fields(self, comm_scale: float) -> tuple:
+        """The kernel's profile arrays for ``comm_scale`` where the profile keeps a link's share apart: each
+        collective as ``host + link / comm_scale``, so the kernel's ``comm_scale *`` scales the hosts' work alone
+        ([Note: The in-step scale is the hosts'] in :mod:`planner.simulation.link`). One build per scale."""
+        if self._scaled is None or self._scaled[0] != comm_scale:
+            a, (ag_link, rs_link) = self._arrays, self._link_ms
+            self._scaled = comm_scale, tuple(a._replace(
+                all_gather_ms=a.all_gather_ms - ag_link + ag_link / comm_scale,
+                reduce_scatter_ms=a.reduce_scatter_ms - rs_link + rs_link / comm_scale))
+        return self._scaled[1]
 
     def compile(self, plan: Plan) -> CompiledPlan:
         """``plan`` as this simulator's kernel reads it; run it many times at the cost of one build.
@@ -333,12 +353,13 @@ class Simulator:
         if compiled.owner is not self:
             raise ValueError("this plan was compiled by another Simulator; compile it with this one")
         kernel_params = (params or self.params).kernel_fields()
+        fields = self._fields if self._link_ms is None else self._scaled_fields((params or self.params).comm_scale)
         rows = self._trace_rows
         while True:
             events = np.zeros((rows, 4)) if trace else _NO_EVENTS
             samples = np.zeros((rows, 2)) if trace else _NO_SAMPLES
             t_cpu, t_compute, compute_ms, comm_ms, peak, peak_unsharded, reserved, n_events, n_samples = self._step(
-                self._fields, compiled.fields, kernel_params, events, samples)
+                fields, compiled.fields, kernel_params, events, samples)
             if not trace or max(n_events, n_samples) <= rows:
                 break
             rows = int(max(n_events, n_samples))  # again, with room for every row ([Note: Trace capacity])

@@ -105,6 +105,36 @@ def test_a_slower_link_retimes_each_collective_from_its_bytes():
     assert steps[1] > steps[0]
 
 
+def test_the_in_step_scale_stretches_the_hosts_work_and_not_what_a_slower_link_adds():
+    """[Note: The in-step scale is the hosts']: on a target's link each call keeps apart what the link adds beyond
+    the recorded hosts' work (its ring latency included); a step scales the rest by ``comm_scale`` alone."""
+    p = law_profile()
+    e = GLOO_ALL_GATHER_EFFICIENCY
+    recorded_link = retarget(p, target("4Gbit/s")).profile  # the reduce-scatter's wire time is its host time
+    slow = retarget(p, target("1Gbit/s", latency="50us")).profile
+    for fqn, m in p.modules.items():
+        w = 0.5 * m.unsharded_bytes
+        assert recorded_link.modules[fqn].reduce_scatter_link_ms == pytest.approx(0.0)
+        assert slow.modules[fqn].all_gather_link_ms == pytest.approx(w * 8e-6 / e - w * MS_PER_BYTE + 0.05)
+        assert slow.modules[fqn].reduce_scatter_link_ms == pytest.approx(2 * w * (8e-6 - MS_PER_BYTE) + 2 * 0.05)
+        assert p.modules[fqn].all_gather_link_ms == p.modules[fqn].reduce_scatter_link_ms == 0.0  # as recorded
+    on_a_gpu = dataclasses.replace(slow, fingerprint=dataclasses.replace(slow.fingerprint, device_type="cuda"))
+    hosts = dataclasses.replace(on_a_gpu, modules={  # the hosts' share alone
+        f: dataclasses.replace(m, all_gather_ms=m.all_gather_ms - m.all_gather_link_ms, all_gather_link_ms=0.0,
+                               reduce_scatter_ms=m.reduce_scatter_ms - m.reduce_scatter_link_ms,
+                               reduce_scatter_link_ms=0.0) for f, m in slow.modules.items()})
+
+    def comm(profile, scale: float) -> float:
+        params = dataclasses.replace(profile_params(p), comm_scale=scale)
+        return simulator_for(profile, params).run(Plan.default(p)).comm_ms
+
+    assert comm(on_a_gpu, 1.5) == pytest.approx(comm(on_a_gpu, 1.0) + 0.5 * comm(hosts, 1.0))
+    assert comm(hosts, 1.0) < comm(on_a_gpu, 1.0) < comm(on_a_gpu, 1.5) < 1.5 * comm(on_a_gpu, 1.0)
+    written = json.loads(slow.to_json())["modules"][0]  # kept in the profile's JSON, read back the same
+    assert written["all_gather_link_ms"] > 0 and type(slow).from_json(slow.to_json()) == slow
+    assert "all_gather_link_ms" not in json.loads(p.to_json())["modules"][0]  # a recorded profile: as release 0.1.0
+
+
 def test_a_target_on_another_backend_or_a_profile_without_collectives_is_refused():
     """A gloo profile's host costs were fitted on gloo's algorithms: re-timing them for NCCL would only relabel
     them."""
