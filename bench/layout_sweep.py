@@ -90,8 +90,9 @@ def predict_default(profile_path: Path, rate: str, layout: str) -> dict:
             "comm_scale": scenario.params.comm_scale, "distance": scenario.retargeted.extrapolation.describe()}
 
 
-def predict(study: str, profile_path: Path, rate: str, layout: str) -> dict:
-    """FSDP2's default and the predicted plan on the target, from the one-node profile."""
+def predict(study: str, profile_path: Path, rate: str, layout: str, measured_plan: dict | None = None) -> dict:
+    """FSDP2's default and the predicted plan on the target, from the one-node profile; ``measured_plan``: the plan
+    a finished run measured, predicted again in place of a new search's."""
     import optuna
 
     from planner.artifacts.config import load_study_config
@@ -104,11 +105,15 @@ def predict(study: str, profile_path: Path, rate: str, layout: str) -> dict:
     config = load_study_config(study)
     scenario = Scenario.of(Profile.load(profile_path), target_for(rate, LAYOUTS[layout]))
     simulator = scenario.simulator()
-    space = get_space(config.search.space)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study_run = simulated_stage(simulator, config, optuna.storages.InMemoryStorage(), space, show_progress_bar=False)
-    best = min(complete_trials(study_run), key=lambda t: t.values[0])
-    plan = space.build(best.params, scenario.simulated)
+    if measured_plan is not None:
+        plan = Plan.from_dict(measured_plan)
+    else:
+        space = get_space(config.search.space)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study_run = simulated_stage(simulator, config, optuna.storages.InMemoryStorage(), space,
+                                    show_progress_bar=False)
+        best = min(complete_trials(study_run), key=lambda t: t.values[0])
+        plan = space.build(best.params, scenario.simulated)
     default = simulator.run(Plan.default(scenario.simulated))
     predicted = simulator.run(plan)
     bands = {name: scenario.band(p) for name, p in (("default", None), ("plan", plan))}
@@ -141,20 +146,15 @@ def profiles_in(work: Path) -> list[Path]:
 
 
 def predicted_again(study: str, work: Path, rates: str, layouts: str) -> list[dict]:
-    """Each row of a finished run predicted again from its own profiles; its measurements as they were saved.
-
-    Raises:
-        SystemExit: the prediction is not the plan that was measured (another study or seed).
-    """
+    """Each row of a finished run predicted again from its own profiles (the plan it measured, not a new search's);
+    its measurements as they were saved."""
     runs = []
     profiles = profiles_in(work)
     for rate in rates.split(","):
         for layout in layouts.split(","):
             folder = work / f"{rate}-{layout}"
-            predicted = predict(study, profiles[0], rate, layout)
             measured_plan = json.loads((folder / "predicted.json").read_text())
-            if measured_plan["modules"] != predicted["plan"]["modules"]:
-                sys.exit(f"{folder}: the plan predicted now is not the one measured; give the run's study")
+            predicted = predict(study, profiles[0], rate, layout, measured_plan)
             runs.append({"rate": rate, "layout": layout, "predicted": predicted, "seconds": 0.0,
                          "defaults": [predict_default(p, rate, layout) for p in profiles],
                          "measured": json.loads((folder / "remeasure.json").read_text())})

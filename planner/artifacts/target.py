@@ -9,6 +9,7 @@ A target is a TOML file::
     [link.inter_node]
     bandwidth = "1Gbit/s"        # bus bandwidth per rank; units explicit (Gbit/s, Mbit/s, GB/s, MB/s)
     latency = "50us"             # optional (ns, us, ms, s)
+    per = "rank"                 # optional: "node" where one link per node is shared by its ranks' rings
     [link.intra_node]
     bandwidth = "recorded"       # the link the profile was recorded on (its ranks shared one node)
 
@@ -27,6 +28,19 @@ a shard group is ``shard`` consecutive ranks, a replicate group the ranks
 when its ranks sit on more than one node, and runs on the intra-node link
 otherwise. A group whose ranks sit unevenly on its nodes is refused: the
 ring's per-node share would differ from node to node.
+
+[Note: A link per node, shared]
+A link's ``bandwidth`` is what one ring reaches over it (``per = "rank"``: a
+NIC per GPU, nccl-tests' bus bandwidth). Where a node has one link for all its
+ranks (``per = "node"``: one NIC per node, the emulated cluster's veth pair),
+every group of a role with a rank on the node runs its collective at once
+(FSDP2 issues the same collective on every group: the replicate groups'
+all-reduces of one module together), and a ring sends one flow each way
+across each node boundary it crosses. The node's link is then shared by the
+groups of that role with a rank on it: ``ranks_per_node`` replicate groups
+under HSDP with shard groups within a node, one shard group under FSDP. Each
+ring gets ``bandwidth / sharing`` (TCP shares a link's rate fairly between
+its flows; docs/decisions/in-step-scale-on-a-link.md measures it).
 """
 
 from __future__ import annotations
@@ -66,6 +80,8 @@ class Link(BaseModel):
         spread: how far the stated bandwidth may be off, as a percentage (``"10%"``: the published range of the
             figure); the band on a predicted step widens with it (``planner.simulation.band``).
         latency: per message, as written (``"50us"``); :attr:`latency_s` in seconds (0 when not given).
+        per: ``"rank"``: ``bandwidth`` is each ring's own; ``"node"``: one link per node, shared by the rings of
+            its ranks' groups that cross it at once ([Note: A link per node, shared]).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -74,6 +90,7 @@ class Link(BaseModel):
     nccl_tests: str | None = None
     spread: str = "0%"
     latency: str = "0us"
+    per: Literal["rank", "node"] = "rank"
     _curve: BusBandwidthCurve | None = PrivateAttr(default=None)
 
     @field_validator("bandwidth")
@@ -144,6 +161,7 @@ class Link(BaseModel):
     def describe(self) -> str:
         """``400GB/s ±10%, latency 10us``, or the nccl-tests curve."""
         text = self._curve.describe() if self._curve is not None else str(self.bandwidth)
+        text += " per node" if self.per == "node" else ""
         text += f" ±{self.spread}" if self.spread_fraction else ""
         return text + (f", latency {self.latency}" if not self.recorded and self.latency_s else "")
 
@@ -169,6 +187,8 @@ class Group:
             for a group of one rank, which sends nothing).
         intra_latency_s: the intra-node link's latency, s (its ring's steps within a node pay it).
         inter_latency_s: the inter-node link's latency, s.
+        sharing: the rings that share ``link`` at once: on a link ``per = "node"`` crossed by the group, the
+            groups of its role with a rank on one node; else 1 ([Note: A link per node, shared]).
     """
 
     role: str
@@ -177,6 +197,7 @@ class Group:
     link: Link | None
     intra_latency_s: float
     inter_latency_s: float
+    sharing: int = 1
 
 
 class Target(BaseModel):
@@ -245,6 +266,7 @@ class Target(BaseModel):
             ValueError: a group whose ranks sit unevenly on its nodes ([Note: Where a process group's ranks sit]).
         """
         out = []
+        node_zero = range(min(self.ranks_per_node, self.world_size))
         for role, size, stride in (("shard", self.shard, 1), ("replicate", self.replicate, self.shard)):
             per_node = Counter(k * stride // self.ranks_per_node for k in range(size))
             if len(set(per_node.values())) > 1:
@@ -253,8 +275,11 @@ class Target(BaseModel):
             nodes = len(per_node)
             link = None if size == 1 else self.link.inter_node if nodes > 1 else self.link.intra_node
             intra, inter = self.link.intra_node, self.link.inter_node
+            sharing = 1
+            if nodes > 1 and link is not None and link.per == "node":  # [Note: A link per node, shared]
+                sharing = len({r // self.shard if role == "shard" else r % self.shard for r in node_zero})
             out.append(Group(role, size, nodes, link, intra.latency_s if intra else 0.0,
-                             inter.latency_s if inter else 0.0))
+                             inter.latency_s if inter else 0.0, sharing))
         return out[0], out[1]
 
     def describe(self) -> str:
@@ -267,7 +292,8 @@ class Target(BaseModel):
             if group.size == 1:
                 continue
             where = f"across {group.nodes} nodes (inter-node" if group.nodes > 1 else "on 1 node (intra-node"
-            parts.append(f"{group.role} group of {group.size} {where} {group.link.describe()})")
+            shared = f", shared by {group.sharing} rings" if group.sharing > 1 else ""
+            parts.append(f"{group.role} group of {group.size} {where} {group.link.describe()}{shared})")
         name = f"preset {self.preset}: " if self.preset else ""
         return name + text + ("; " + ", ".join(parts) if parts else "")
 

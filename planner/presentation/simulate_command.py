@@ -77,6 +77,7 @@ def _print_target(target, retargeted) -> None:
     click.echo(f"target        {target.describe()}")
     click.echo(f"distance      {retargeted.extrapolation.describe()}")
     click.echo("collectives   from bytes on the wire:")
+    shard = target.groups[0]
     for f in retargeted.fits.values():
         if not f.points:
             click.echo(f"  {f.kind.replace('_', '-'):15s} none recorded (one GPU): the target's link and latency alone")
@@ -85,7 +86,7 @@ def _print_target(target, retargeted) -> None:
             f" {f.points} recorded calls")
         click.echo(f"  {f.kind.replace('_', '-'):15s} per-call overhead {f.overhead_ms:.2f} ms, recorded "
                    f"{f.bytes_per_s * 8 / 1e9:.2f} Gbit/s effective ({basis}); on the target at "
-                   f"{link_efficiency(f.kind, target.backend):.0%} of the link's rate")
+                   f"{link_efficiency(f.kind, target.backend, shard.size // shard.nodes):.0%} of the link's rate")
 
 
 def _print_result(r, band) -> None:

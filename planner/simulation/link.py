@@ -73,13 +73,17 @@ transfer proceed together, the slower sets the pace, and a link faster than
 the hosts changes nothing. ``e`` is the share of the link's rate the
 collective's algorithm reaches (:func:`link_efficiency`): NCCL's bus bandwidth
 (what ``bandwidth`` means in a target) already includes it, and gloo's chunked
-ring all-reduce reaches the rate; gloo's all-gather reaches 63% of it, as
-``python -m bench.link_sweep --check-link`` measures (``all_gather_into_tensor``
-of a 6.4 MB shard against the TCP rate of the same link) with one rank per node.
-With several ranks per node gloo's ring can keep the inter-node link busier
-(``--ranks-per-node 2``: more of the rate on a slow link); the model keeps the
-one-rank figure. Each call then adds its ring's latency ([Note: Latency per
-ring step]).
+ring all-reduce reaches the rate. Gloo's ring all-gather
+(``all_gather_into_tensor``) reaches less of it, and how much depends on how
+the ring sits: with one of its ranks per node every step's message crosses
+the link, while with several per node most steps stay within a node and the
+one crossing edge carries a message in every step. ``python -m
+bench.link_sweep --check-link [--ranks-per-node 2]`` measures both shares on
+the emulated link against the TCP rate of the same link
+(:data:`GLOO_ALL_GATHER_EFFICIENCY`, :data:`GLOO_ALL_GATHER_SHARED_NODE_EFFICIENCY`;
+the runs in docs/decisions/in-step-scale-on-a-link.md). The model reads the
+ranks per node of the group's own ring. Each call then adds its ring's
+latency ([Note: Latency per ring step]).
 
 [Note: The in-step scale is the hosts']
 In a step a collective takes ``comm_scale`` times its isolated figure
@@ -153,12 +157,16 @@ def ring_latency_ms(kind: Kind, group: Group, backend: str) -> float:
     return 1e3 * ((steps - inter) * group.intra_latency_s + inter * group.inter_latency_s)
 
 
-GLOO_ALL_GATHER_EFFICIENCY = 0.63  # [Note: Host work and the wire]
+GLOO_ALL_GATHER_EFFICIENCY = 0.63  # one rank of the ring per node ([Note: Host work and the wire])
+GLOO_ALL_GATHER_SHARED_NODE_EFFICIENCY = 0.87  # several ranks of the ring per node
 
 
-def link_efficiency(kind: Kind, backend: str) -> float:
-    """The share of the link's rate a collective reaches on ``backend`` ([Note: Host work and the wire])."""
-    return GLOO_ALL_GATHER_EFFICIENCY if kind == "all_gather" and backend == "gloo" else 1.0
+def link_efficiency(kind: Kind, backend: str, ranks_per_node: int = 1) -> float:
+    """The share of the link's rate a collective reaches on ``backend`` with ``ranks_per_node`` of its ring's ranks
+    on each node ([Note: Host work and the wire])."""
+    if kind != "all_gather" or backend != "gloo":
+        return 1.0
+    return GLOO_ALL_GATHER_EFFICIENCY if ranks_per_node <= 1 else GLOO_ALL_GATHER_SHARED_NODE_EFFICIENCY
 
 
 @dataclass(frozen=True)
@@ -190,20 +198,21 @@ class LinkFit:
         """The recorded effective bandwidth, bytes per second (``inf`` when no time is per byte)."""
         return 1e3 / self.ms_per_byte if self.ms_per_byte > 0 else float("inf")
 
-    def ms(self, wire_bytes: float, link_bytes_per_s: float | None, backend: str, kind: Kind | None = None) -> float:
+    def ms(self, wire_bytes: float, link_bytes_per_s: float | None, backend: str, kind: Kind | None = None,
+           ranks_per_node: int = 1) -> float:
         """One call's time with ``wire_bytes`` on a link of ``link_bytes_per_s`` (``None``: the recorded one), ms,
         latency aside ([Note: Host work and the wire]); ``kind``: the collective timed, when not the fit's own
-        (HSDP's all-reduce on the reduce-scatter's fit)."""
+        (HSDP's all-reduce on the reduce-scatter's fit); ``ranks_per_node``: of its ring, on each node."""
         return self.overhead_ms + self.ms_per_byte * wire_bytes + self.link_ms(wire_bytes, link_bytes_per_s, backend,
-                                                                               kind)
+                                                                               kind, ranks_per_node)
 
-    def link_ms(self, wire_bytes: float, link_bytes_per_s: float | None, backend: str, kind: Kind | None = None
-                ) -> float:
+    def link_ms(self, wire_bytes: float, link_bytes_per_s: float | None, backend: str, kind: Kind | None = None,
+                ranks_per_node: int = 1) -> float:
         """Of :meth:`ms`, what the link adds beyond the hosts' recorded work, ms: ``max(0, wire time - host time
         per byte)``; 0 on the recorded link ([Note: The in-step scale is the hosts'])."""
         if link_bytes_per_s is None:
             return 0.0
-        share = link_efficiency(kind or self.kind, backend)
+        share = link_efficiency(kind or self.kind, backend, ranks_per_node)
         return max(0.0, 1e3 * wire_bytes / (share * link_bytes_per_s) - self.ms_per_byte * wire_bytes)
 
 
@@ -347,10 +356,11 @@ def _call_ms(fit: LinkFit, kind: Kind, group: Group, nbytes: int, backend: str, 
     if w <= 0:
         return 0.0, 0.0
     bandwidth = None if group.link is None else group.link.bytes_per_s_at(nbytes)
-    if bandwidth is not None:
-        bandwidth *= 1 + spread_sign * group.link.spread_fraction
-    latency = ring_latency_ms(kind, group, backend)
-    return fit.ms(w, bandwidth, backend, kind) + latency, fit.link_ms(w, bandwidth, backend, kind) + latency
+    if bandwidth is not None:  # a node's link shared by its groups' rings ([Note: A link per node, shared])
+        bandwidth *= (1 + spread_sign * group.link.spread_fraction) / group.sharing
+    latency, per_node = ring_latency_ms(kind, group, backend), group.size // max(group.nodes, 1)
+    return (fit.ms(w, bandwidth, backend, kind, per_node) + latency,
+            fit.link_ms(w, bandwidth, backend, kind, per_node) + latency)
 
 
 def retarget(profile: Profile, target: Target, spread_sign: int = 0, fit_sign: int = 0,

@@ -246,7 +246,7 @@ class Simulator:
                 np.array([m.reduce_scatter_link_ms for m in mods], f64))
         self._link_ms = link if link[0].any() or link[1].any() else None
         self._scaled: tuple[float, tuple] | None = None  # the last comm_scale's arrays, where self._link_ms
-        self._arrays = ProfileArrays(  # [Note: Plain tuples at the boundary] in planner.simulation._kernel.hooks
+        self._arrays = dict(  # ProfileArrays' fields ([Note: Plain tuples at the boundary] in ..._kernel.hooks)
             all_gather_ms=np.array([m.all_gather_ms for m in mods], f64),
             reduce_scatter_ms=np.array([m.reduce_scatter_ms for m in mods], f64),
             forward_ms=np.array([m.fwd_ms / m.calls for m in mods], f64),
@@ -275,7 +275,7 @@ class Simulator:
             optimizer_temp_bytes=int(profile.optimizer_temp_bytes),
             post_optimizer_ms=float(profile.post_optimizer_ms),
         )
-        self._fields = tuple(self._arrays)
+        self._fields = tuple(ProfileArrays(**self._arrays))
         self._default_module_knobs = np.tile(np.array(DEFAULT_MODULE_KNOBS.as_array(), np.int64),
                                              (len(self._names), 1))
         self._baseline_bytes = sum(m.sharded_bytes for m in mods) + profile.optimizer_state_bytes  # alive at start
@@ -292,9 +292,9 @@ class Simulator:
         ([Note: The in-step scale is the hosts'] in :mod:`planner.simulation.link`). One build per scale."""
         if self._scaled is None or self._scaled[0] != comm_scale:
             a, (ag_link, rs_link) = self._arrays, self._link_ms
-            self._scaled = comm_scale, tuple(a._replace(
-                all_gather_ms=a.all_gather_ms - ag_link + ag_link / comm_scale,
-                reduce_scatter_ms=a.reduce_scatter_ms - rs_link + rs_link / comm_scale))
+            self._scaled = comm_scale, tuple(ProfileArrays(**{
+                **a, "all_gather_ms": a["all_gather_ms"] - ag_link + ag_link / comm_scale,
+                "reduce_scatter_ms": a["reduce_scatter_ms"] - rs_link + rs_link / comm_scale}))
         return self._scaled[1]
 
     def compile(self, plan: Plan) -> CompiledPlan:

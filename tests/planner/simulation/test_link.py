@@ -72,6 +72,8 @@ def test_the_slower_of_host_and_wire_sets_the_pace_at_the_algorithms_share_of_th
     """[Note: Host work and the wire]: gloo's all-gather reaches part of the link's rate; its all-reduce and NCCL's
     collectives (whose bus bandwidth includes it) reach all of it."""
     assert link_efficiency("all_gather", "gloo") == GLOO_ALL_GATHER_EFFICIENCY < 1
+    assert GLOO_ALL_GATHER_EFFICIENCY < link_efficiency("all_gather", "gloo", ranks_per_node=2) < 1
+    assert link_efficiency("all_gather", "nccl", ranks_per_node=2) == 1.0
     assert link_efficiency("reduce_scatter", "gloo") == link_efficiency("all_gather", "nccl") == 1.0
     fit = LinkFit("reduce_scatter", overhead_ms=1.0, ms_per_byte=1e-6, points=4, identifiable=True)
     assert fit.ms(1e6, 1e9, "gloo") == pytest.approx(1.0 + 1.0)  # host 1 ms, wire 1 ms: together

@@ -119,6 +119,32 @@ def test_hsdp_all_gathers_over_the_shard_group_and_adds_the_all_reduce_over_the_
     assert steps[0] < steps[1]
 
 
+def test_a_link_per_node_is_shared_by_the_rings_that_cross_it_at_once():
+    """[Note: A link per node, shared]: HSDP's replicate groups each cross a node's one link at once; FSDP's one
+    ring crosses it once each way; a link per rank is each ring's own."""
+    def shared(mesh, per="node", world=8, per_node=4):
+        t = Target(world_size=world, ranks_per_node=per_node, backend="gloo", mesh=mesh,
+                   link={"inter_node": {"bandwidth": "1Gbit/s", "per": per}, "intra_node": {"bandwidth": "recorded"}})
+        return [(g.role, g.sharing) for g in t.groups]
+
+    assert shared((2, 4)) == [("shard", 1), ("replicate", 4)]  # shard groups within a node: 4 replicas cross
+    assert shared((2, 4), per="rank") == [("shard", 1), ("replicate", 1)]
+    assert shared(None) == [("shard", 1), ("replicate", 1)]  # one ring over every rank
+    assert shared((4, 2)) == [("shard", 1), ("replicate", 2)]  # 2 shard groups on a node, each within it
+    # a shard group over 2 nodes: one ring a node; each of a node's 4 ranks in its own replicate group
+    assert shared((2, 8), world=16) == [("shard", 1), ("replicate", 4)]
+    p = law_profile()
+    alone = retarget(p, cluster(4, 2, mesh=(2, 2), inter="1Gbit/s")).profile
+    node = cluster(4, 2, mesh=(2, 2), inter="1Gbit/s")
+    node = node.model_copy(update={"link": node.link.model_copy(update={
+        "inter_node": node.link.inter_node.model_copy(update={"per": "node"})})})
+    halved = retarget(p, node).profile
+    for fqn, m in p.modules.items():
+        if m.unsharded_bytes:  # the all-reduce's link share at half the rate: more than twice the wire's excess
+            assert halved.modules[fqn].reduce_scatter_link_ms > 2 * alone.modules[fqn].reduce_scatter_link_ms
+            assert halved.modules[fqn].all_gather_ms == alone.modules[fqn].all_gather_ms  # within a node
+
+
 def test_a_target_mesh_is_checked_against_the_world_and_its_nodes():
     with pytest.raises(ValueError, match="latency '2us' on the recorded link: its latency is in the profile's own"):
         Target(world_size=2, ranks_per_node=2, backend="gloo",
