@@ -15,7 +15,14 @@ plan simulated again:
   gives its spread across ranks ``sigma``; the expected largest of ``N``
   normal draws is ``sigma`` times Blom's score ``Phi^-1((N - 0.375) / (N +
   0.25))``, so going from the recorded ``n`` ranks to the target's ``N`` adds
-  ``compute * sigma * (score(N) - score(n))``. One recorded rank: unknown, 0.
+  ``compute * sigma * (score(N) - score(n))``. One recorded rank: unknown, 0;
+- the level: the profile's figures and the step they are checked against come
+  from different processes, and a process runs at its own level (a CPU's
+  speed from one stretch to the next, a GPU node's clocks). The step moves
+  by the device's prior spread between launches
+  (``planner.statistics.launches.prior_for``, the floor a verdict uses), both
+  ways. Fresh profiles of one loop move the prediction by about as much
+  (``python -m bench.layout_sweep --profiles 3`` reports the spread).
 The parts are taken as independent and added in quadrature on each side. The
 band is what the prediction rests on, not a confidence interval of the
 machine: a host slower or faster than the profile's, or a cost the simulator
@@ -33,6 +40,7 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.artifacts.target import Target
 from planner.simulation.simulator import SimParams
+from planner.statistics.launches import prior_for
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class BandPart:
     """One figure the prediction rests on, at its bounds.
 
     Attributes:
-        name: ``"fit"``, ``"link"`` or ``"rank skew"``.
+        name: ``"fit"``, ``"link"``, ``"rank skew"`` or ``"level"``.
         low_ms, high_ms: how far below and above the predicted step it moves it, ms (both >= 0).
         detail: what was moved, in words.
     """
@@ -162,6 +170,10 @@ def step_band(profile: Profile, target: Target, plan: Plan | None = None, params
         parts.append(BandPart("rank skew", max(0.0, -shift), max(0.0, shift),
                               f"compute spread {sigma:.1%} across the {recorded} recorded ranks, {recorded} -> "
                               f"{target.world_size} ranks"))
+    device = profile.fingerprint.device_type
+    prior = prior_for(device)
+    parts.append(BandPart("level", base * prior.spread.tau, base * prior.spread.tau,
+                          f"a process's own level ±{prior.spread.tau:.1%}, the {device} prior between launches"))
     low = math.sqrt(sum(p.low_ms ** 2 for p in parts))
     high = math.sqrt(sum(p.high_ms ** 2 for p in parts))
     return Band(base, base - low, base + high, tuple(parts))

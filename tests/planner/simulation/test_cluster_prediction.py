@@ -20,6 +20,7 @@ from planner.simulation.band import blom_score, step_band
 from planner.simulation.depth import deepen
 from planner.simulation.link import fit_link, retarget
 from planner.simulation.parameters import profile_params, simulator_for
+from planner.statistics.launches import prior_for
 from tests.planner.simulation.test_link import law_profile
 
 DATA = Path(__file__).parents[2] / "data"
@@ -90,7 +91,14 @@ def test_the_band_holds_the_step_and_names_what_moves_it_most():
     assert band.step_ms == pytest.approx(step) and band.low_ms < step < band.high_ms
     assert band.dominant.name == "link"  # a wire-bound link: its spread, not the fit (exact here), moves the step
     exact = Target(world_size=2, ranks_per_node=1, backend="gloo", link={"inter_node": {"bandwidth": "0.1Gbit/s"}})
-    assert step_band(p, exact).low_ms == pytest.approx(step)  # no spread stated, a fit without error: no band
+    alone = step_band(p, exact)  # no spread stated, a fit without error: the level between processes alone
+    tau = prior_for(p.fingerprint.device_type).spread.tau
+    assert [(x.name, x.width_ms > 0) for x in alone.parts] == [
+        ("fit", False), ("link", False), ("rank skew", False), ("level", True)]
+    assert (alone.low_ms, alone.high_ms) == (pytest.approx(step * (1 - tau)), pytest.approx(step * (1 + tau)))
+    gpu = dataclasses.replace(p, fingerprint=dataclasses.replace(p.fingerprint, device_type="cuda"))
+    assert next(x for x in step_band(gpu, exact.model_copy(update={"backend": "nccl"})).parts
+                if x.name == "level").high_ms < next(x for x in alone.parts if x.name == "level").high_ms
 
 
 def test_rank_skew_widens_the_band_with_the_world_size():
@@ -116,7 +124,7 @@ def test_a_one_gpu_profile_predicts_a_preset_from_the_link_alone():
     figures = json.loads(result.output)
     low, high = figures["band_ms"]
     assert figures["target"]["world_size"] == 64 and low <= figures["step_ms"] <= high
-    assert figures["band_dominant"] in ("fit", "link", "rank skew")
+    assert figures["band_dominant"] in ("fit", "link", "rank skew", "level")
 
 
 def test_a_slice_extends_to_the_full_depth_by_repeating_its_blocks():
