@@ -40,7 +40,7 @@ across each node boundary it crosses. The node's link is then shared by the
 groups of that role with a rank on it: ``ranks_per_node`` replicate groups
 under HSDP with shard groups within a node, one shard group under FSDP. Each
 ring gets ``bandwidth / sharing`` (TCP shares a link's rate fairly between
-its flows; docs/decisions/in-step-scale-on-a-link.md measures it).
+its flows; the HSDP runs in docs/decisions/in-step-scale-on-a-link.md).
 """
 
 from __future__ import annotations
