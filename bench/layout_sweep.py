@@ -35,6 +35,7 @@ from pathlib import Path
 import click
 
 from bench.cluster import Cluster, rate_bits
+from bench.what_if_checks import checked, largest_from_mean
 
 MODULE = "bench.layout_sweep"
 LAYOUTS = {"fsdp": None, "hsdp": (2, 2)}
@@ -215,21 +216,14 @@ def stability(runs: list[dict]) -> None:
     for r in runs:
         measured = statistics.median(r["measured"]["default"])
         limit = 0.10 if r["layout"] == "fsdp" else 0.15
-        steps = [d["default_ms"] for d in r["defaults"]]
-        mean = statistics.fmean(steps)
-        spread = max(abs(s / mean - 1) for s in steps)
-        cells = []
-        for d in r["defaults"]:
-            error = d["default_ms"] / measured - 1
-            low, high, _ = d["default_band"]
-            hit = low <= measured <= high
-            within += abs(error) <= limit
-            inside += hit
-            total += 1
-            cells.append(f"{d['default_ms']:.0f} ms, {error:+.1%}{'' if abs(error) <= limit else ' (**outside**)'}, "
-                         f"[{low:.0f}, {high:.0f}] {'holds' if hit else '**misses**'}")
+        spread = largest_from_mean([d["default_ms"] for d in r["defaults"]])
+        checks = [checked(d["default_ms"], d["default_band"][0], d["default_band"][1], measured, limit)
+                  for d in r["defaults"]]
+        within += sum(c.within for c in checks)
+        inside += sum(c.inside for c in checks)
+        total += len(checks)
         scales = ", ".join(f"{d['comm_scale']:.2f}" for d in r["defaults"])
-        click.echo(f"| {r['rate']} | {r['layout']} | {measured:.0f} ms | " + " | ".join(cells)
+        click.echo(f"| {r['rate']} | {r['layout']} | {measured:.0f} ms | " + " | ".join(c.cell for c in checks)
                    + f" | {spread:.1%}{'' if spread <= 0.05 else ' (**over 5%**)'} | {scales} |")
     click.echo(f"\n{within} of {total} predictions within their target; {inside} of {total} bands hold the "
                "measured median")

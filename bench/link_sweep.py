@@ -40,6 +40,7 @@ from pathlib import Path
 import click
 
 from bench.cluster import RATES, Cluster, rate_bits
+from bench.what_if_checks import checked, largest_from_mean
 
 MODULE = "bench.link_sweep"
 TARGET_TOML = """world_size = 2
@@ -249,17 +250,13 @@ def what_if_report(run: dict) -> list[dict]:
         for profile in profiles:
             scenario = Scenario.of(profile, target)
             band = scenario.band()
-            error = band.step_ms / measured - 1
+            check = checked(band.step_ms, band.low_ms, band.high_ms, measured, 0.10)
             predicted.append(band.step_ms)
             scales.append(scenario.params.comm_scale)
-            hit = band.contains(measured)
-            cells.append(f"{band.step_ms:.0f} ms, {error:+.1%}{'' if abs(error) <= 0.10 else ' (**outside**)'}, "
-                         f"[{band.low_ms:.0f}, {band.high_ms:.0f}] {'holds' if hit else '**misses**'}")
-            rows.append({"rate": rate, "measured_ms": measured, "predicted_ms": band.step_ms, "error": error,
-                         "band": [band.low_ms, band.high_ms], "inside": hit})
-        mean = statistics.fmean(predicted)
-        spread = max(abs(p / mean - 1) for p in predicted)
-        print(f"| {rate} | {measured:.0f} ms | " + " | ".join(cells) + f" | {spread:.1%} | "
+            cells.append(check.cell)
+            rows.append({"rate": rate, "measured_ms": measured, "predicted_ms": band.step_ms, "error": check.error,
+                         "band": [band.low_ms, band.high_ms], "inside": check.inside})
+        print(f"| {rate} | {measured:.0f} ms | " + " | ".join(cells) + f" | {largest_from_mean(predicted):.1%} | "
               + ", ".join(f"{c:.2f}" for c in scales) + " |")
     within = sum(abs(r["error"]) <= 0.10 for r in rows)
     print(f"\n{within} of {len(rows)} predictions within 10%; {sum(r['inside'] for r in rows)} of {len(rows)} bands "
