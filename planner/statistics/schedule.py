@@ -86,6 +86,8 @@ class Schedule:
         earlier: per plan, its chain: earlier launches against the default and earlier looks (a re-confirmation
             across restarts); the in-process confirmation pools the launches with its own rounds.
         clock: seconds, for the race's time budget.
+        orders: draws which plan runs first in each pair of confirmation rounds (:func:`confirmation_orders`);
+            unseeded by default, seeded where a synthetic schedule must repeat.
         blocks: blocks handed out so far (progress bars: :meth:`planned_steps` changes only with a new block).
     """
 
@@ -96,6 +98,7 @@ class Schedule:
     on_drop: Callable[[int, int], None] | None = None
     earlier: dict[int, Chain] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
+    orders: random.Random = field(default_factory=random.Random)
     race: Race = field(init=False)
     phase: Phase = field(init=False, default=Phase.RACE)
     confirmation: Confirmation | None = field(init=False, default=None)
@@ -120,7 +123,7 @@ class Schedule:
             block = self.race.orders(self.race.block())
         elif self.phase == Phase.CONFIRM:
             block = confirmation_orders((self.survivor, self.default), self.confirm_settings.rounds(
-                self.race.ratio_sigma()))
+                self.race.ratio_sigma()), self.orders)
         else:
             return None
         self.blocks += 1

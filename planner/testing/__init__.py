@@ -132,7 +132,9 @@ def _step_time(step_ms: Sequence[float] | StepTime) -> StepTime:
 def _run_schedule(schedule: Schedule, trials: Sequence[MeasuredTrial], step_ms: StepTime, ranks: int
                   ) -> tuple[list[list[float]], list[list[list[float]]]]:
     """What ``runtime.measuring.round.MeasuredRound`` does with the blocks on real ranks, with synthetic step times:
-    every rank takes the same time, so the max across ranks is that time."""
+    every rank takes the same time, so the max across ranks is that time. The confirmation's orders are seeded, so a
+    noisy ``step_ms`` repeats."""
+    schedule.orders.seed(0)
     times: list[list[float]] = [[] for _ in trials]
     while (block := schedule.next_block()) is not None:
         recorded = []

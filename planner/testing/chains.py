@@ -5,6 +5,7 @@ run in one process and the calibrated chain; and the tolerances a simulated rate
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
     import numpy as np
 
 
+def order_stream(rng: np.random.Generator) -> random.Random:
+    """The stream a synthetic schedule draws its confirmation orders from (:attr:`Schedule.orders`): seeded from a
+    child of ``rng`` (``Generator.spawn``), so the schedule repeats with ``rng``'s seed and ``rng``'s own draws are
+    not consumed."""
+    return random.Random(int(rng.spawn(1)[0].integers(2 ** 63)))
+
+
 def synthetic_schedule(effects: list[float], noise_iqr_pct: float, rng: np.random.Generator,
                        race: RaceSettings | None = None, confirm: ConfirmSettings | None = None) -> Schedule:
     """Run a :class:`planner.statistics.schedule.Schedule` to the end on synthetic steps; returns it.
@@ -31,7 +39,8 @@ def synthetic_schedule(effects: list[float], noise_iqr_pct: float, rng: np.rando
     import math
 
     sigma = noise_iqr_pct / 100.0 / 1.3490  # the IQR of a normal is 1.349 sigma
-    schedule = Schedule(len(effects), race or RaceSettings(), confirm or ConfirmSettings(), clock=lambda: 0.0)
+    schedule = Schedule(len(effects), race or RaceSettings(), confirm or ConfirmSettings(), clock=lambda: 0.0,
+                        orders=order_stream(rng))
     while (block := schedule.next_block()) is not None:
         schedule.record([{p: 100.0 * effects[p] * math.exp(rng.normal(0.0, sigma)) for p in order}
                          for order in block])
@@ -159,7 +168,8 @@ def restart_chain(rng: np.random.Generator, candidates: int, tau: float = 0.04, 
 
     def start(plans: int, earlier: dict[int, Chain]) -> tuple[Schedule, np.ndarray]:
         offsets = np.concatenate([[0.0], rng.normal(0.0, tau, plans - 1)])
-        schedule = Schedule(plans, RaceSettings(), ConfirmSettings(launches=0), earlier=earlier, clock=lambda: 0.0)
+        schedule = Schedule(plans, RaceSettings(), ConfirmSettings(launches=0), earlier=earlier, clock=lambda: 0.0,
+                            orders=order_stream(rng))
         while (block := schedule.next_block()) is not None:
             rounds = []
             for order in block:
@@ -249,7 +259,8 @@ def first_run(rng: np.random.Generator, effects: Sequence[float], tau: float = 0
         return ms * stall_x if stalls[p] and rng.random() < stalls[p] else ms
 
     measure = in_loop_config("first-run", "sqlite://").measure  # the in-loop tuner's own settings
-    schedule = Schedule(len(effects), measure.race_settings(), measure.confirm_settings(0), clock=lambda: 0.0)
+    schedule = Schedule(len(effects), measure.race_settings(), measure.confirm_settings(0), clock=lambda: 0.0,
+                        orders=order_stream(rng))
     while (block := schedule.next_block()) is not None:
         schedule.record([{p: step(p) for p in order} for order in block])
     survivor = schedule.survivor
