@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import optuna
 import pytest
@@ -97,14 +98,16 @@ def test_the_next_start_reuses_the_study(tmp_path):
             assert _is_fsdp2_default(second["plan"])
         assert len(_measured(storage)) == len(measured)  # nothing measured again
 
-    # recheck=True on a study that recommends a plan (a synthetic job on the recorded profile confirmed one 20%
-    # faster): the recommendation raced against FSDP2's default on a few steps; nothing recorded, nothing searched
-    recommended = _recommend_a_plan(storage, Profile.from_json((tmp_path / "profile.json").read_text()))
-    before = len(_measured(storage))
-    third = run_loop(tmp_path, MLP, 40, "tune", storage, recheck=True)
+    # recheck=True on a study that recommends a plan (on a study of its own, so that what the timed runs above left
+    # cannot decide it: a synthetic job on the recorded profile confirmed one 20% faster): the recommendation raced
+    # against FSDP2's default on a few steps; nothing recorded, nothing searched
+    recommending = f"sqlite:///{tmp_path}/recommending.db"
+    recommended = _recommend_a_plan(recommending, Profile.from_json((tmp_path / "profile.json").read_text()))
+    before = len(_measured(recommending))
+    third = run_loop(tmp_path, MLP, 40, "tune", recommending, recheck=True)
     assert third["phases"][0] == "racing" and "recording" not in third["phases"]
     assert third["final_phase"] in ("done", "watching") and 0 < third["steps_tuning"] < first["steps_tuning"]
-    new = _measured(storage)[before:]
+    new = _measured(recommending)[before:]
     assert [r.is_default for r in new] == [True, False] and new[1].reconfirms == recommended
     assert all(r.source == SOURCE for r in new)
 
@@ -144,20 +147,22 @@ def test_the_next_start_reuses_the_study(tmp_path):
 
 
 def _recommend_a_plan(storage: str, profile: Profile, plan_ms: float = 80.0) -> int:
-    """A synthetic job on the in-loop study, every candidate's step ``plan_ms`` against FSDP2's default's 100 ms.
-    20% faster: ``tune``'s path, its survivor confirmed faster in a fresh launch, the study's recommendation. 5%
-    faster: the in-loop path, its survivor confirmed in the process that raced it, provisional, the study's pending
-    plan. Returns that trial."""
+    """A synthetic job on the in-loop study at ``storage`` (a study of its own: the rule below is asserted on the
+    state this function sets up), every candidate's step ``plan_ms`` against FSDP2's default's 100 ms, whatever its
+    place in the round. 20% faster: ``tune``'s path, its survivor confirmed faster in a fresh launch, the study's
+    recommendation. 5% faster: the in-loop path, its survivor confirmed in the process that raced it, provisional,
+    the study's pending plan. Returns that trial."""
     from planner.study.in_loop import in_loop_config
     from planner.study.queries import best_plan
     from planner.study.session import TuningSession
     from planner.testing import drive_round, drive_tune
     from search_spaces import get_space
 
+    assert not Path(storage.removeprefix("sqlite:///")).exists()  # a study of its own
     config = in_loop_config("in-loop", storage, **KEYS)
     session = TuningSession(config, profile, get_space(config.search.space), job="synthetic", source=SOURCE,
                             plan_out=storage.removeprefix("sqlite:///") + ".plan.json", profile_out="")
-    steps = lambda i, trial: 100.0 if i == 0 else plan_ms  # noqa: E731
+    steps = lambda i, trial: 100.0 if trial.plan.is_default_for(profile) else plan_ms  # noqa: E731
     if plan_ms <= 80.0:
         drive_tune(session, steps, ratio=plan_ms / 100.0)
     else:
