@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,14 @@ from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.knobs import KNOBS, Knob, Scope
 from planner.artifacts.plan import Plan, Source
 from planner.errors import PlanMismatchError, TensorParallelError, UnsupportedPlanError
+from runtime import knob_state
 from runtime.accumulation import set_accumulation
 from runtime.post_optim import post_optim_event_setter
 from runtime.ranks.torch_private import (
     TESTED_ADVICE,
     collective_dtypes,
     data_parallel_mesh,
+    reduce_scatter_max_input_buffers_setter,
     separate_reduce_scatter_group_setter,
     set_reshard_after_forward_ranks,
     unshard_async_op_setter,
@@ -139,10 +142,12 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
     (not recursive); then each knob's setter (``planner.artifacts.knobs.KNOBS``:
     on the root, on every FSDP module, or per module with its own value),
     through :data:`ROOT_SETTERS` where FSDP2's setter needs a wrapper (keyed by knob). Every
-    setter the running torch has is called, with FSDP2's default where the
-    plan leaves a knob, so applying a plan replaces the previous one entirely;
-    a plan read back from a model (``runtime.current_plan``) leaves alone the
-    knobs it could not read (``provenance.unknown_knobs``). An integer
+    knob the running torch has is set, to FSDP2's default where the
+    plan leaves it, so applying a plan replaces the previous one entirely, before the first forward or between
+    any two steps; a setter whose value FSDP2 already acts on is not called (``runtime.knob_state``).
+    A plan read back from a model (``runtime.current_plan``) leaves alone the
+    knobs it could not read (``provenance.unknown_knobs``), and a knob the model's own comms block is left as the
+    model has it, with one log line ([Note: What blocks a knob] in ``runtime.knob_state``). An integer
     ``reshard_after_forward`` reshards to that many ranks, as
     ``fully_shard(reshard_after_forward=int)`` does
     (``runtime.ranks.torch_private.set_reshard_after_forward_ranks``).
@@ -194,25 +199,50 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
         if set_value is None:  # torch lacks it and the plan keeps FSDP2's default, or the plan could not read it
             continue
         if k.scope is Scope.ROOT:
-            set_value(model, plan.knobs[k.name])
-        else:
-            for fqn, module in modules.items():
-                if k.scope is Scope.EVERY_MODULE:
-                    set_value(module, plan.knobs[k.name])
-                elif fqn in plan.modules:
-                    set_value(module, plan.modules[fqn].knobs[k.name])
+            value = plan.knobs[k.name]
+            if not _left_alone(model, k, list(modules.values()), value) and (
+                    knob_state.plan_value(k, model, list(modules.items())) != value):
+                set_value(model, value)
+            continue
+        for fqn, module in modules.items():
+            if k.scope is Scope.MODULE and fqn not in plan.modules:
+                continue
+            value = plan.knobs[k.name] if k.scope is Scope.EVERY_MODULE else plan.modules[fqn].knobs[k.name]
+            if not _left_alone(model, k, [module], value) and not knob_state.unchanged(k, module, value):
+                set_value(module, value)
+
+
+# root model -> the (knob, reason) pairs already logged as left alone: one line per model and knob, not one per
+# plan switch of a race.
+_LOGGED: weakref.WeakKeyDictionary[nn.Module, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
+
+
+def _left_alone(model: nn.Module, k: Knob, modules: list[nn.Module], value: Any) -> bool:
+    """Whether knob ``k`` is blocked from taking ``value`` on ``modules`` ([Note: What blocks a knob] in
+    ``runtime.knob_state``); logs why, once per model and knob."""
+    why = knob_state.blocked(k, modules, value)
+    if why is None:
+        return False
+    logged = _LOGGED.setdefault(model, set())
+    if (k.name, why) not in logged:
+        logged.add((k.name, why))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info(f"apply_plan: {k.name} left as the model has it: {why}")
+    return True
 
 
 ROOT_SETTERS: dict[str, Callable[[nn.Module], Callable[[Any], None]]] = {
     "unshard_async_op": unshard_async_op_setter,
+    "reduce_scatter_max_input_buffers": reduce_scatter_max_input_buffers_setter,
     "separate_reduce_scatter_group": separate_reduce_scatter_group_setter,
     "reshard_after_backward": lambda model: functools.partial(set_accumulation, model),
     "post_optim_event": post_optim_event_setter,
 }
 """The knobs (by ``Knob.name``) applied on the root through ``runtime``'s own wrappers instead of the bare
-``Knob.setter``: the private async-op setter, a reduce-scatter group made once per model, the per-microbatch
-resharding of gradient accumulation (:func:`runtime.accumulation.prepare_microbatch` sets it before each microbatch
-but the last), and the post-optimizer event handed to FSDP2 after every optimizer step (:mod:`runtime.post_optim`)."""
+``Knob.setter``: the private async-op setter, the reduce-scatter buffers set where FSDP2 reads them after its lazy
+init too (the root's comm context), a reduce-scatter group made once per model, the per-microbatch resharding of
+gradient accumulation (:func:`runtime.accumulation.prepare_microbatch` sets it before each microbatch but the last),
+and the post-optimizer event handed to FSDP2 after every optimizer step (:mod:`runtime.post_optim`)."""
 
 
 def _values(plan: Plan, k: Knob) -> list[Any]:

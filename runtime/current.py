@@ -18,30 +18,20 @@ unknown too: no plan can hold it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS, Knob, KnobValues, knob
+from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS, KnobValues, knob
 from planner.artifacts.plan import ModulePlan, Plan, Provenance, Source
 from planner.errors import NotShardedError
-from runtime.accumulation import reshard_after_backward
+from runtime import knob_state
 from runtime.apply import apply_plan, model_fingerprint
-from runtime.post_optim import hands_events
 from runtime.ranks import torch_private
 from runtime.workload import fsdp_modules
 
 logger = logging.getLogger(__name__)
-
-WRAPPER_GETTERS: dict[str, Callable[[nn.Module], Any]] = {
-    "reshard_after_backward": reshard_after_backward,
-    "post_optim_event": hands_events,
-}
-"""The readers of the knobs whose value lives in ``runtime``'s own wrapper of the setter (``Knob.getter`` is
-``None``; ``runtime.apply.ROOT_SETTERS`` writes them): called on the root."""
-
 
 def current_plan(model: nn.Module) -> Plan:
     """The plan ``model`` has now ([Note: The plan a model arrived with]), of provenance ``user``.
@@ -71,7 +61,7 @@ def current_plan(model: nn.Module) -> Plan:
     unknown: list[str] = []
     module_values: dict[str, dict[str, Any]] = {fqn: {} for fqn, _ in modules}
     for k in MODULE_KNOBS:
-        values = _read(k, modules)
+        values = knob_state.module_values(k, modules)
         if values is None:
             unknown.append(k.name)
             continue
@@ -79,7 +69,7 @@ def current_plan(model: nn.Module) -> Plan:
             module_values[fqn][k.name] = k.default if value is None else value
     plan_values: dict[str, Any] = {}
     for k in PLAN_KNOBS:
-        value = _plan_value(k, model, modules)
+        value = knob_state.plan_value(k, model, modules)
         if value is None:
             unknown.append(k.name)
         else:
@@ -92,30 +82,6 @@ def current_plan(model: nn.Module) -> Plan:
                               KnobValues(module_values[fqn], module=True))
     return Plan(model_fingerprint(model), out, KnobValues(plan_values),
                 Provenance(source=Source.USER, unknown_knobs=tuple(unknown) or None))
-
-
-def _read(k: Knob, modules: list[tuple[str, nn.Module]]) -> dict[str, Any] | None:
-    """Knob ``k``'s value on every FSDP module (``None`` for one without parameters of its own); ``None`` where the
-    running torch holds no such state."""
-    reader = getattr(torch_private, k.getter)
-    try:
-        return {fqn: reader(m) for fqn, m in modules}
-    except AttributeError:  # the state this reader needs is not in this torch
-        return None
-
-
-def _plan_value(k: Knob, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> Any:
-    """A plan knob's one value: its wrapper's on the root, else the value every module with parameters agrees on
-    (FSDP2's default where none has parameters); ``None``: unknown (no state, or modules that disagree)."""
-    if k.getter is None:
-        return WRAPPER_GETTERS[k.name](model)
-    values = _read(k, modules)
-    if values is None:
-        return None
-    seen = {v for v in values.values() if v is not None}
-    if len(seen) > 1:
-        return None
-    return k.check(seen.pop() if seen else k.default)
 
 
 def fsdp2_default(model: nn.Module) -> Plan:

@@ -28,8 +28,9 @@ from runtime.ranks.torch_private import TESTED_ADVICE
 
 # model -> its optimizer step post-hook, while its plan sets post_optim_event.
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
-# Every hook registered, with its model: a hook whose model is gone is removed at the next setter call, never from
-# inside a hook (the optimizer iterates over the hooks while it runs them).
+# Every hook registered, with its model: a hook whose model is gone is removed when the next plan is applied (the
+# setter is made for every plan, its call skipped where the value is unchanged), never from inside a hook (the
+# optimizer iterates over the hooks while it runs them).
 _REGISTERED: list[tuple[weakref.ref, RemovableHandle]] = []
 
 
@@ -43,9 +44,9 @@ def post_optim_event_setter(model: nn.Module) -> Callable[[bool], None]:
     if not hasattr(model, "set_post_optim_event"):
         raise UnsupportedPlanError(f"the plan sets post_optim_event, but torch {torch.__version__} has no "
                                    f"FSDPModule.set_post_optim_event ({TESTED_ADVICE} or use a plan without it)")
+    _remove_orphans()
 
     def set_post_optim_event(enable: bool) -> None:
-        _remove_orphans()
         handle = _HOOKS.pop(model, None)
         if handle is not None:
             handle.remove()
@@ -72,7 +73,7 @@ def _remove_orphans() -> None:
 
 def _hand_event(model_ref: weakref.ref) -> Callable[[Any, Any, Any], None]:
     """The hook: after an optimizer step, an event on the model's current stream, handed to FSDP2; nothing once the
-    model is gone (the next setter call removes the hook)."""
+    model is gone (the next plan applied removes the hook)."""
 
     def hand_event(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
         model = model_ref()

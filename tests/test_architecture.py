@@ -7,7 +7,7 @@
   and ``planner`` never imports ``search_spaces`` (it is handed the spaces), not even inside a function.
 - No source file over 500 lines (split by concept, never squeezed); no function with more than 12 parameters.
 - No state attached to frozen objects: no ``object.__setattr__`` in ``planner/`` or ``search_spaces/``.
-- Private torch attributes are reached only through ``runtime/ranks/torch_private.py``: any ``._name`` attribute that
+- Private torch attributes are reached only through ``runtime/ranks/torch_private/``: any ``._name`` attribute that
   our own sources do not define is someone else's private API, and is flagged anywhere else (no allow-list).
 """
 
@@ -23,7 +23,7 @@ PACKAGES = ("planner", "runtime", "search_spaces", "jobs", "bench")
 MAX_LINES = 500
 MAX_PARAMETERS = 12
 # The module, and its test (which checks the attributes themselves still exist).
-PRIVATE_API_FILES = {ROOT / "runtime" / "ranks" / "torch_private.py",
+PRIVATE_API_FILES = {*(ROOT / "runtime" / "ranks" / "torch_private").glob("*.py"),
                      ROOT / "tests" / "runtime" / "ranks" / "test_torch_private.py"}
 
 
@@ -370,7 +370,7 @@ def private_api_offenders(sources: dict[str, str]) -> list[str]:
 
 
 def test_private_torch_apis_only_through_one_module():
-    """Every private attribute or module of torch (or any library) is reached through runtime/ranks/torch_private.py
+    """Every private attribute or module of torch (or any library) is reached through runtime/ranks/torch_private/
     (tests and benches too)."""
     sources = {str(p.relative_to(ROOT)): p.read_text() for p in _sources(*PACKAGES, "tests")
                if p not in PRIVATE_API_FILES}
@@ -438,8 +438,10 @@ def test_names_in_code_ignores_comments_docstrings_and_fsdp2_setters():
 
 @pytest.mark.parametrize("knob", COUNTED_KNOBS)
 def test_a_knob_is_named_in_few_product_files(knob):
-    files = [str(p.relative_to(ROOT)) for p in _sources(*PRODUCT) if names_in_code(ast.parse(p.read_text()), knob)]
-    assert len(files) <= KNOB_FILES, files
+    # the private-API package is one place, split by concept (its __init__ re-exports its modules' names)
+    files = {str(p.relative_to(ROOT)) if p.parent.name != "torch_private" else "runtime/ranks/torch_private/"
+             for p in _sources(*PRODUCT) if names_in_code(ast.parse(p.read_text()), knob)}
+    assert len(files) <= KNOB_FILES, sorted(files)
 
 
 def test_no_product_function_over_the_limit():

@@ -56,7 +56,11 @@ def sharded_llama(shape: dict, cpu: bool, folder: str) -> LlamaForCausalLM:
     """A Llama of ``shape`` (seed 0) saved to ``folder`` by rank 0, then loaded on every rank FSDP2-sharded over
     the world by transformers (``DistributedConfig``)."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if cpu else "nccl")
+        # each rank on its own GPU before NCCL starts (the barrier below would otherwise put every rank on cuda:0)
+        device = None if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if device is not None:
+            torch.cuda.set_device(device)
+        dist.init_process_group("gloo" if cpu else "nccl", device_id=device)
     if dist.get_rank() == 0 and not os.path.exists(os.path.join(folder, "config.json")):
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)

@@ -11,6 +11,7 @@ shortens every stage of the tuning (a demo, not a verdict to trust).
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -50,10 +51,11 @@ def main() -> None:
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    # each rank on its own GPU before NCCL starts: torchrun's LOCAL_RANK, and device_id binds the communicator to it
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     torch.manual_seed(0)
     model = Classifier().to(device)
     for layer in model.layers:

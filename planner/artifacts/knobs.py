@@ -99,7 +99,7 @@ class Knob:
         getter: the reader of its value on one FSDP module, a function of ``runtime.ranks.torch_private`` by this
             name (FSDP2 has no getters: it reads the state the setter writes), which ``runtime.current_plan``
             calls; ``None`` where the value lives in ``runtime``'s own wrapper of the setter, which reads it
-            (``runtime.current.WRAPPER_GETTERS``). A torch without that state leaves the knob unknown, never
+            (``runtime.knob_state.WRAPPER_GETTERS``). A torch without that state leaves the knob unknown, never
             guessed.
         scope: see :class:`Scope`.
         choices: the values a search space samples, FSDP2's default first (int

@@ -86,12 +86,14 @@ def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Alloc
     if allocator is not None:
         check_rank_allocator(allocator)
     device = "cuda" if backend == Backend.NCCL else "cpu"
+    device_id = None
     if device == "cpu":
         torch.set_num_threads(1)
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:  # the rank's GPU before NCCL starts; device_id binds the communicator to it (no rank lands on cuda:0)
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device_id)
     if not dist.is_initialized():
-        dist.init_process_group(str(backend), timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(str(backend), timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
     if mesh is None:
         return init_device_mesh(device, (dist.get_world_size(),))
     check_mesh(mesh, dist.get_world_size())

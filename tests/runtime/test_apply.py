@@ -262,8 +262,9 @@ def _held(plan):
 @pytest.mark.parametrize("seed", range(5))
 def test_current_plan_reads_back_the_plan_applied_and_applying_it_changes_nothing(mesh, monkeypatch, seed):
     """``current_plan`` after ``apply_plan``: the plan applied, every prefetch list, resharding and knob read from
-    FSDP2's state, of provenance ``user``; applying what it read makes the same setter calls as the plan itself,
-    and reads back the same."""
+    FSDP2's state, of provenance ``user``; applying what it read makes the same prefetch and resharding calls as the
+    plan itself on a fresh model and calls no knob's setter (FSDP2 acts on each value already), and reads back the
+    same."""
     from planner.artifacts.plan import Plan, Source
     from runtime.current import current_plan
 
@@ -274,7 +275,11 @@ def test_current_plan_reads_back_the_plan_applied_and_applying_it_changes_nothin
     assert read.behaviour_key() == _held(plan).behaviour_key()
     assert read.provenance.source == Source.USER and read.provenance.unknown_knobs is None
     other = mlp(mesh, dim=16, layers=3).model
-    assert _configuration(model, read, monkeypatch) == _configuration(other, plan, monkeypatch)
+    again, fresh = _configuration(model, read, monkeypatch), _configuration(other, plan, monkeypatch)
+    structure = {"set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "set_reshard_after_forward"}
+    assert [c for c in again if c[1] in structure] == [c for c in fresh if c[1] in structure]
+    assert [c for c in again if c[1] not in structure] == []
+    assert {c[1] for c in fresh if c[1] not in structure} >= {k.name for k in KNOBS if k.name in ROOT_SETTERS}
     assert current_plan(model).behaviour_key() == read.behaviour_key()
     for m in (model, other):  # FSDP2's default again: no optimizer hook left behind
         apply_plan(m, Plan(model_fingerprint(m), {}))
@@ -360,3 +365,38 @@ def test_a_separate_reduce_scatter_group_the_model_set_itself_is_read_and_switch
     assert separate_reduce_scatter_group(model.blocks[0]) is False
     apply_plan(model, users)
     assert reduce_scatter_group(model.blocks[0]) is own
+
+
+class _GlooAllGather:
+    """A custom all-gather (FSDP2's ``AllGather`` protocol: ``allocate`` and the call) that runs on gloo."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        import torch.distributed as dist
+
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def test_a_custom_all_gather_is_left_in_place_and_every_plan_still_applies(mesh, caplog):
+    """[Note: What blocks a knob]: a model whose blocks all-gather through their own comm (``set_custom_all_gather``).
+    FSDP2's default and a plan setting ``allocate_memory_from_process_group_for_comm`` apply without raising (FSDP2
+    asserts when that setter meets a custom comm); the knob is left alone with one log line per model, the steps
+    run, and ``current_plan`` marks the knob unknown (at world size 1 FSDP2 calls no all-gather)."""
+    from runtime.current import current_plan, fsdp2_default
+
+    workload = mlp(mesh, dim=16, layers=3)
+    model = workload.model
+    comm = _GlooAllGather()
+    for block in model.blocks:
+        block.set_custom_all_gather(comm)
+    default = fsdp2_default(model)
+    with caplog.at_level(logging.INFO, logger="runtime.apply"):
+        for plan in (default, default.with_knobs(allocate_memory_from_process_group_for_comm=True), default):
+            apply_plan(model, plan)
+            workload.loss_fn(model, workload.make_batch(0)).backward()
+    lines = [r.message for r in caplog.records if "allocate_memory_from_process_group_for_comm" in r.message]
+    assert lines == ["apply_plan: allocate_memory_from_process_group_for_comm left as the model has it: its comms "
+                     "are not FSDP2's own (_GlooAllGather)"]
+    assert "allocate_memory_from_process_group_for_comm" in current_plan(model).provenance.unknown_knobs

@@ -161,3 +161,131 @@ def test_profiler_allocations_and_marks_share_one_clock():
     between = [size for t, size, _ in allocations if marks[0][0] <= t <= marks[1][0]]
     after = [size for t, size, _ in allocations if marks[1][0] <= t <= marks[2][0]]
     assert 1 << 20 in between and -(1 << 20) in after  # the MiB allocated between the first two, freed after
+
+
+# What FSDP2 itself acts on for each knob, read from its own state (not through torch_private's readers): the
+# value the next step uses. ``apply_plan`` must make it the plan's, before the first forward and after it.
+def _groups(model):
+    return [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+
+
+def _one(values):
+    assert len(set(values)) == 1, values
+    return values[0]
+
+
+FSDP2_STATE = {
+    "unshard_async_op": lambda model: _one([g.unshard_async_op for g in _groups(model)]),
+    # post_backward reads the comm context's cap, set once at the root's lazy init (_init_shared_state)
+    "reduce_scatter_max_input_buffers": lambda model: (
+        model._get_fsdp_state()._comm_ctx.reduce_scatter_max_input_buffers),
+    # prepare_microbatch sets it on every group before a microbatch that is not the step's last
+    "reshard_after_backward": lambda model: _one([g.reshard_after_backward for g in _groups(model)]),
+    "separate_reduce_scatter_group": lambda model: _one(
+        [g._reduce_scatter_process_group is not g.mesh_info.shard_process_group for g in _groups(model)]),
+    "unshard_in_backward": lambda model: model.blocks[0]._get_fsdp_state()._fsdp_param_groups[0].unshard_in_backward,
+    "allocate_memory_from_process_group_for_comm": lambda model: _one(
+        [type(g._all_gather_comm).__name__ == "ProcessGroupAllocAllGather" for g in _groups(model)]),
+    # the root hands the event to its all-gather streams at the next forward (FSDPState._root_pre_forward)
+    "post_optim_event": lambda model: model._get_fsdp_state()._state_ctx.post_optim_event is not None,
+}
+
+
+@pytest.mark.parametrize("first_forward", ["before", "after"])
+@pytest.mark.parametrize("name", list(FSDP2_STATE))
+def test_every_knob_applied_is_what_fsdp2_acts_on(mesh, monkeypatch, name, first_forward):
+    """A plan setting one knob away from FSDP2's default, applied before the model's first forward or after a step,
+    then a step: FSDP2's own state holds the plan's value, ``current_plan`` reads that value, and FSDP2's default
+    applied after puts FSDP2's back. (A module knob's state is read at each pre-backward, so the step after it is
+    a forward: ``unshard_in_backward = False`` on a block whose backward needs its parameters cannot run one.)"""
+    import dataclasses
+
+    import runtime.post_optim as post_optim
+    from planner.artifacts.knobs import KNOBS, Scope, knob
+    from runtime.accumulation import prepare_microbatch
+    from runtime.apply import apply_plan
+    from runtime.current import current_plan, fsdp2_default
+    from runtime.reference_workloads import mlp
+
+    assert set(FSDP2_STATE) == {k.name for k in KNOBS}  # a knob added to the registry is added here
+    k = knob(name)
+    other = next(v for v in k.choices if v != k.default)
+    monkeypatch.setattr(post_optim, "event_after_step", lambda m: object())  # a CPU device records no event
+    workload = mlp(mesh, dim=16, layers=3)
+    model, optimizer = workload.model, workload.optimizer
+    backward = k.scope is not Scope.MODULE
+
+    def step():
+        loss = workload.loss_fn(model, workload.make_batch(0))
+        if backward:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        prepare_microbatch(model, 0, 2)  # what the next microbatch of an accumulating step would run with
+
+    if first_forward == "after":
+        step()
+    default = fsdp2_default(model)
+    if k.scope is Scope.MODULE:
+        block = default.modules["blocks.0"].with_knobs(**{name: other})
+        plan = dataclasses.replace(default, modules={**default.modules, "blocks.0": block})
+    else:
+        plan = default.with_knobs(**{name: other})
+    apply_plan(model, plan)
+    step()
+    assert FSDP2_STATE[name](model) == other
+    read = current_plan(model)
+    assert (read.modules["blocks.0"].knobs if k.scope is Scope.MODULE else read.knobs)[name] == other
+    apply_plan(model, default)
+    step()
+    assert FSDP2_STATE[name](model) == (k.default if name != "reshard_after_backward" else True)
+    model.set_requires_gradient_sync(True)
+
+
+def test_the_public_setter_alone_changes_nothing_fsdp2_acts_on_after_its_lazy_init(model):
+    """[torch 2.13, 2.14] ``set_reduce_scatter_max_input_buffers`` after the first forward writes the parameter
+    groups, which FSDP2 no longer reads: the reader reads what FSDP2 acts on (1), and the project's setter sets it."""
+    _step(model)
+    model.set_reduce_scatter_max_input_buffers(2)
+    assert _one([g.reduce_scatter_max_input_buffers for g in _groups(model)]) == 2
+    assert model._get_fsdp_state()._comm_ctx.reduce_scatter_max_input_buffers == 1
+    assert torch_private.reduce_scatter_max_input_buffers(model.blocks[1]) == 1
+    torch_private.reduce_scatter_max_input_buffers_setter(model)(2)
+    assert torch_private.reduce_scatter_max_input_buffers(model.blocks[1]) == 2
+    _step(model)
+    assert model._get_fsdp_state()._comm_ctx.reduce_scatter_max_input_buffers == 2
+
+
+def test_a_module_with_several_parameter_groups_is_read_and_planned(mesh):
+    """Per-parameter meshes (``shard_placement_fn`` putting the blocks' 64-row weights on a mesh of their own
+    process group): each block holds 2 parameter groups. ``current_plan`` reads FSDP2's default, a plan with every
+    plan knob changed applies to both groups and reads back, and the recorder's one-group accessor refuses the
+    module in one line instead of FSDP2's assertion."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    from planner.artifacts.knobs import PLAN_KNOBS
+    from runtime.apply import apply_plan
+    from runtime.current import current_plan, fsdp2_default
+
+    experts = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0]), "cpu"), shard_mesh_dim=0)
+    torch.manual_seed(0)
+    m = MLPStack(dim=16, layers=2)
+    for block in m.blocks:
+        fully_shard(block, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), experts)
+                    if p.dim() == 2 and p.shape[0] == 64 else None)
+    fully_shard(m, mesh=mesh)
+    assert [len(torch_private.param_groups(b)) for b in m.blocks] == [2, 2]
+    default = fsdp2_default(m)
+    assert current_plan(m).behaviour_key() == default.behaviour_key()
+    changed = default.with_knobs(**{k.name: next(v for v in k.choices if v != k.default) for k in PLAN_KNOBS
+                                    if k.name != "reshard_after_backward"})  # only with microbatches
+    apply_plan(m, changed)
+    _step(m)
+    assert current_plan(m).knobs == changed.knobs
+    assert [g.unshard_async_op for g in _groups(m)] == [True] * 5
+    apply_plan(m, default)
+    with pytest.raises(torch_private.SeveralParamGroupsError, match="2 parameter groups"):
+        torch_private.param_group(m.blocks[0])
