@@ -150,13 +150,23 @@ class _Problem:
         self.simulator = Simulator(profile, base)
         self.plans: list[CompiledPlan] = [self.simulator.compile(o.plan) for o in observations]
         self.measured = [o.measured_ms for o in observations]
+        # (family, observations) -> the fit: the nested cross-validation fits each set with two observations left
+        # out twice (i then j, j then i), on the same observations in the same order
+        self._fits: dict[tuple[tuple[str, ...], tuple[int, ...]], SimParams] = {}
 
     def relative_errors(self, params: SimParams, which: list[int]) -> list[float]:
         """``predicted / measured - 1`` of the observations ``which`` under ``params``."""
         return [self.simulator.run(self.plans[i], params).step_ms / self.measured[i] - 1.0 for i in which]
 
     def fit(self, names: tuple[str, ...], which: list[int]) -> SimParams:
-        """Regularized least squares over the parameters ``names`` on the observations ``which``."""
+        """Regularized least squares over the parameters ``names`` on the observations ``which`` (each set fitted
+        once)."""
+        key = (names, tuple(which))
+        if key not in self._fits:
+            self._fits[key] = self._fit(names, which)
+        return self._fits[key]
+
+    def _fit(self, names: tuple[str, ...], which: list[int]) -> SimParams:
         from scipy.optimize import least_squares
 
         lower = np.array([PARAMETERS[n][0] for n in names])

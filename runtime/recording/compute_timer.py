@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from planner.artifacts.rank_measurements import COMPUTE_FIELDS
+from runtime.ranks import torch_private
 from runtime.recording.mark_memory import MarkMemory, backward_peaks, walk_marks
 from runtime.workload import Workload, own_parameters
 
@@ -152,7 +153,7 @@ class ComputeTimer:
         for fqn, m in modules:
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True, prepend=hooks_first))
             self.handles.append(m.register_forward_hook(self._post_hook(fqn), prepend=hooks_first))
-            if fqn == root:
+            if fqn == root or torch_private.compiled_wrapper(m):  # a compiled block's inside runs as its graphs
                 continue
             for child in m.children():
                 if id(child) not in fsdp:

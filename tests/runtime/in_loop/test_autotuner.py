@@ -407,3 +407,24 @@ def test_out_of_memory_where_the_tuner_caused_it_skips_one_step_and_the_job_goes
     passed = r["isolated_pass"]
     assert passed["raised"] is None and passed["final_phase"] == "done" and passed["plan_is_default"]
     assert passed["skipped"] is not None and None not in passed["losses"]
+
+
+@pytest.mark.slow
+def test_blocks_compiled_before_fully_shard_tune_with_the_loss_untouched(tmp_path):
+    """torchtitan's order: each block ``torch.compile(block, fullgraph=True)`` (inductor), then ``fully_shard``. With
+    the tuner built before the first step, the losses are bitwise the compiled loop's without it; the tuner gets past
+    tuning; the blocks compiled once, with its hooks in place, and never again; every block has a compute time, and
+    the activation bytes, orders and parameters of the eager model; a plan saved on the eager model applies."""
+    run_ranks("compiled_blocks.py", str(tmp_path), json.dumps(KEYS), "50")
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["with"] == r["without"] and len(set(r["without"])) == 50
+    assert r["final_phase"] in ("done", "watching") and "racing" in r["phases"]
+    assert r["graphs_with"] == 1 and r["graphs_without"] == 0  # the blocks share one graph, compiled once
+    eager, compiled = (Profile.load(tmp_path / f"{name}.profile.json") for name in ("eager", "compiled"))
+    assert compiled.fingerprint.module_fqns == eager.fingerprint.module_fqns
+    assert compiled.fingerprint.param_numels == eager.fingerprint.param_numels
+    assert compiled.post_forward_order == eager.post_forward_order
+    for fqn, m in compiled.modules.items():
+        assert m.fwd_ms > 0 and m.bwd_ms > 0, fqn
+        assert m.activation_bytes == eager.modules[fqn].activation_bytes > 0, fqn
+    assert r["refused"] is None and r["applied"]["blocks.0"] == ["blocks.1"]
