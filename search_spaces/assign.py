@@ -108,7 +108,8 @@ class AssignSpace(BaseSpace):
                 profile, members)}, module=True)
             for f in members:
                 forward[f], backward[f], resharding[f], module_knobs[f] = fwd, bwd, keep, own
-        plan_knobs = knobs.sample(trial, profile.fingerprint.device_type, profile.microbatches)
+        plan_knobs = knobs.sample(trial, profile.fingerprint.device_type, profile.microbatches,
+                                   torch_version=profile.fingerprint.torch_version)
         return build(profile, forward, backward, resharding, plan_knobs, module_knobs)
 
     def grid(self, profile: Profile) -> list[TrialParams]:
@@ -132,7 +133,8 @@ class AssignSpace(BaseSpace):
         names = [name for name, _ in groups(profile)]
         device_type, microbatches = profile.fingerprint.device_type, profile.microbatches
         return [_params(profile, names, g["forward_depth"], g["backward_depth"],
-                        knobs.from_params(g, device_type, microbatches, SpaceName.UNIFORM),
+                        knobs.from_params(g, device_type, microbatches, SpaceName.UNIFORM,
+                                          profile.fingerprint.torch_version),
                         [g["reshard_after_forward"]] * len(names)) for g in UniformSpace().grid(profile)]
 
 
@@ -144,14 +146,16 @@ def _params(profile: Profile, names: list[str], fwd: int, bwd: int, plan_knobs: 
     params.update({f"{k.param}:{n}": k.default for n, members in groups(profile)
                    for k in _module_knobs(profile, members)})
     params.update({name: plan_knobs[name]
-                   for name in knobs.default_params(profile.fingerprint.device_type, profile.microbatches)})
+                   for name in knobs.default_params(profile.fingerprint.device_type, profile.microbatches,
+                                                     torch_version=profile.fingerprint.torch_version)})
     return params
 
 
 def _module_knobs(profile: Profile, members: list[str]) -> list[Knob]:
     """The module knobs sampled for a parameter group (``planner.artifacts.knobs.sampled``)."""
     return [k for k in knobs.MODULE_KNOBS if knobs.sampled(k, profile.fingerprint.device_type, profile.microbatches,
-                                                             _skippable(profile, members))]
+                                                             _skippable(profile, members),
+                                                             torch_version=profile.fingerprint.torch_version)]
 
 
 def _skippable(profile: Profile, members: list[str]) -> bool:

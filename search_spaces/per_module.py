@@ -76,7 +76,8 @@ class PerModuleSpace(BaseSpace):
             for f in members:
                 forward[f], backward[f] = fwd, bwd
         return build(profile, forward, backward,
-                     knob_registry.sample(trial, profile.fingerprint.device_type, profile.microbatches, self.name))
+                     knob_registry.sample(trial, profile.fingerprint.device_type, profile.microbatches, self.name,
+                                          profile.fingerprint.torch_version))
 
     def grid(self, profile: Profile) -> list[TrialParams]:
         """The uniform grid written in this space's parameters, FSDP2's default first."""
@@ -88,7 +89,7 @@ class PerModuleSpace(BaseSpace):
             params: TrialParams = {f"fwd:{n}": g["forward_depth"] for n in names}
             params.update({f"bwd:{n}": g["backward_depth"] for n in names})
             params.update({name: g[name] for name in knob_registry.default_params(
-                profile.fingerprint.device_type, profile.microbatches, self.name)})
+                profile.fingerprint.device_type, profile.microbatches, self.name, profile.fingerprint.torch_version)})
             out.append(params)
         return out
 

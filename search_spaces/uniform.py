@@ -55,13 +55,15 @@ class UniformSpace(BaseSpace):
         """Draw a plan from ``trial`` (an ``optuna.Trial``)."""
         forward_depth = trial.suggest_int("forward_depth", 0, MAX_DEPTH)
         backward_depth = trial.suggest_int("backward_depth", 1, MAX_DEPTH)
-        plan_knobs = knob_registry.sample(trial, profile.fingerprint.device_type, profile.microbatches, self.name)
+        plan_knobs = knob_registry.sample(trial, profile.fingerprint.device_type, profile.microbatches, self.name,
+                                          profile.fingerprint.torch_version)
         reshard = trial.suggest_categorical("reshard_after_forward", [True, False])
         return build(profile, forward_depth, backward_depth, plan_knobs, reshard)
 
     def grid(self, profile: Profile) -> list[TrialParams]:
         """Every parameter set of the space, FSDP2's default first."""
-        knob_grid = knob_registry.grid_params(profile.fingerprint.device_type, profile.microbatches, self.name)
+        knob_grid = knob_registry.grid_params(profile.fingerprint.device_type, profile.microbatches, self.name,
+                                              profile.fingerprint.torch_version)
         return [
             {"forward_depth": f, "backward_depth": b, **k, "reshard_after_forward": r}
             for r, k, f, b in itertools.product([True, False], knob_grid, range(MAX_DEPTH + 1),

@@ -112,6 +112,9 @@ class Knob:
         param: the search spaces' parameter prefix of a ``MODULE`` knob.
         spaces: the search spaces that sample it (``assign``, which searches every knob, by default); the others
             keep FSDP2's default.
+        since: the first torch release line (``"2.13"``) whose FSDP2 has the setter; a profile recorded on an
+            older torch never samples it (the knob is unknown there: ``runtime.knob_state``). ``None``: every
+            release this project runs on (2.11 and later).
     """
 
     name: str
@@ -127,6 +130,7 @@ class Knob:
     minimum: int | None = None
     param: str | None = None
     spaces: frozenset[SpaceName] = frozenset({SpaceName.ASSIGN})
+    since: str | None = None
 
     @property
     def kind(self) -> type:
@@ -157,14 +161,14 @@ KNOBS: tuple[Knob, ...] = (
          shown=True, written=Written.REQUIRED, spaces=frozenset(SpaceName)),
     Knob(name="reduce_scatter_max_input_buffers", default=1, setter="set_reduce_scatter_max_input_buffers",
          getter="reduce_scatter_max_input_buffers", scope=Scope.ROOT, choices=(1, 2), sampled_when=SampledWhen.GPU,
-         text="{value} reduce-scatter input buffers", written=Written.ALWAYS, minimum=1),
+         text="{value} reduce-scatter input buffers", written=Written.ALWAYS, minimum=1, since="2.13"),
     Knob(name="reshard_after_backward", default=True, setter="set_reshard_after_backward",
          getter=None, scope=Scope.ROOT, choices=(True, False),
          sampled_when=SampledWhen.MICROBATCHES, text="no reshard after backward between microbatches",
          written=Written.ALWAYS),
     Knob(name="separate_reduce_scatter_group", default=False, setter="set_separate_reduce_scatter_group",
          getter="separate_reduce_scatter_group", scope=Scope.ROOT, choices=(False, True),
-         sampled_when=SampledWhen.ALWAYS, text="reduce-scatter on its own process group"),
+         sampled_when=SampledWhen.ALWAYS, text="reduce-scatter on its own process group", since="2.13"),
     Knob(name="unshard_in_backward", default=True, setter="set_unshard_in_backward", getter="unshard_in_backward",
          scope=Scope.MODULE, choices=(True, False), sampled_when=SampledWhen.SKIPPABLE,
          text="no all-gather in backward", param="uib"),
@@ -302,12 +306,29 @@ def _rebuild(changed: dict[str, KnobValue], module: bool) -> KnobValues:
     return KnobValues(changed, module=module)
 
 
+def release_line(torch_version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a torch version string (``"2.11.0+cu130"`` -> ``(2, 11)``); ``None`` for a string
+    that names no release (a synthetic profile's)."""
+    parts = torch_version.split("+")[0].split(".")
+    if len(parts) < 2 or not parts[0].isdigit() or not parts[1][:1].isdigit():
+        return None
+    return int(parts[0]), int("".join(itertools.takewhile(str.isdigit, parts[1])))
+
+
+def available(k: Knob, torch_version: str | None) -> bool:
+    """Whether a torch of ``torch_version`` has knob ``k``'s setter (:attr:`Knob.since`); a version that names no
+    release, or ``None``: assumed so."""
+    line = None if torch_version is None or k.since is None else release_line(torch_version)
+    return line is None or line >= release_line(k.since)
+
+
 def sampled(k: Knob, device_type: str, microbatches: int, skippable: bool = False,
-            space: SpaceName = SpaceName.ASSIGN) -> bool:
-    """Whether search space ``space`` samples ``k`` for a profile (:attr:`Knob.spaces`, :class:`SampledWhen`)."""
-    return space in k.spaces and {SampledWhen.ALWAYS: True, SampledWhen.GPU: device_type != "cpu",
-                                  SampledWhen.MICROBATCHES: microbatches > 1,
-                                  SampledWhen.SKIPPABLE: skippable}[k.sampled_when]
+            space: SpaceName = SpaceName.ASSIGN, torch_version: str | None = None) -> bool:
+    """Whether search space ``space`` samples ``k`` for a profile (:attr:`Knob.spaces`, :class:`SampledWhen`), recorded
+    on ``torch_version`` (:func:`available`)."""
+    return space in k.spaces and available(k, torch_version) and {
+        SampledWhen.ALWAYS: True, SampledWhen.GPU: device_type != "cpu", SampledWhen.MICROBATCHES: microbatches > 1,
+        SampledWhen.SKIPPABLE: skippable}[k.sampled_when]
 
 
 def suggest(trial: Any, k: Knob, param: str | None = None) -> KnobValue:
@@ -318,30 +339,37 @@ def suggest(trial: Any, k: Knob, param: str | None = None) -> KnobValue:
     return trial.suggest_int(param or k.name, min(k.choices), max(k.choices))
 
 
-def _sampled_plan_knobs(device_type: str, microbatches: int, space: SpaceName) -> list[Knob]:
-    return [k for k in PLAN_KNOBS if sampled(k, device_type, microbatches, space=space)]
+def _sampled_plan_knobs(device_type: str, microbatches: int, space: SpaceName, torch_version: str | None
+                        ) -> list[Knob]:
+    return [k for k in PLAN_KNOBS if sampled(k, device_type, microbatches, space=space, torch_version=torch_version)]
 
 
-def sample(trial: Any, device_type: str, microbatches: int, space: SpaceName = SpaceName.ASSIGN) -> KnobValues:
-    """The plan knobs ``space`` samples for a profile (``trial``: an ``optuna.Trial``)."""
-    return KnobValues({k.name: suggest(trial, k) for k in _sampled_plan_knobs(device_type, microbatches, space)})
+def sample(trial: Any, device_type: str, microbatches: int, space: SpaceName = SpaceName.ASSIGN,
+           torch_version: str | None = None) -> KnobValues:
+    """The plan knobs ``space`` samples for a profile recorded on ``torch_version`` (``trial``: an
+    ``optuna.Trial``)."""
+    return KnobValues({k.name: suggest(trial, k)
+                       for k in _sampled_plan_knobs(device_type, microbatches, space, torch_version)})
 
 
-def default_params(device_type: str, microbatches: int, space: SpaceName = SpaceName.ASSIGN
-                   ) -> dict[str, KnobValue]:
+def default_params(device_type: str, microbatches: int, space: SpaceName = SpaceName.ASSIGN,
+                   torch_version: str | None = None) -> dict[str, KnobValue]:
     """FSDP2's default plan knobs as the parameters :func:`sample` would draw for a profile."""
-    return {k.name: k.default for k in _sampled_plan_knobs(device_type, microbatches, space)}
+    return {k.name: k.default for k in _sampled_plan_knobs(device_type, microbatches, space, torch_version)}
 
 
-def grid_params(device_type: str, microbatches: int, space: SpaceName) -> list[dict[str, KnobValue]]:
+def grid_params(device_type: str, microbatches: int, space: SpaceName, torch_version: str | None = None
+                ) -> list[dict[str, KnobValue]]:
     """Every combination of the plan knobs ``space`` samples for a profile, as parameters; FSDP2's default first,
     the first declared knob varying slowest (int knobs: every value between their bounds)."""
-    knobs = _sampled_plan_knobs(device_type, microbatches, space)
+    knobs = _sampled_plan_knobs(device_type, microbatches, space, torch_version)
     values = [k.choices if k.kind is bool else tuple(range(min(k.choices), max(k.choices) + 1)) for k in knobs]
     return [dict(zip((k.name for k in knobs), combo, strict=True)) for combo in itertools.product(*values)]
 
 
-def from_params(params: Mapping[str, Any], device_type: str, microbatches: int, space: SpaceName) -> KnobValues:
+def from_params(params: Mapping[str, Any], device_type: str, microbatches: int, space: SpaceName,
+                torch_version: str | None = None) -> KnobValues:
     """The plan knobs ``space`` samples, read from a trial's parameters (FSDP2's default where absent)."""
-    return KnobValues({k.name: params[k.name] for k in _sampled_plan_knobs(device_type, microbatches, space)
+    return KnobValues({k.name: params[k.name]
+                       for k in _sampled_plan_knobs(device_type, microbatches, space, torch_version)
                        if k.name in params})

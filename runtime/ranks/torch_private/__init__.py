@@ -14,27 +14,6 @@ torch upgrade that renames or removes one fails that test by name instead of cor
 range; CI runs the private-API test on each).
 """
 
-from runtime.ranks.torch_private.state import (
-    CollectiveDtypes,
-    DataParallelMesh,
-    SeveralParamGroupsError,
-    all_gather_issued,
-    clear_unsharded_grads,
-    collective_dtypes,
-    data_parallel_mesh,
-    fsdp_state,
-    group_dtypes,
-    is_sharded,
-    param_group,
-    param_group_unsharded_bytes,
-    param_groups,
-    prefetch_counts,
-    prefetch_states,
-    reshard_after_forward,
-    reshard_after_forward_setting,
-    set_reshard_after_forward_ranks,
-    watching_unshard_and_reshard,
-)
 from runtime.ranks.torch_private.knobs import (
     UnknownState,
     allocates_from_process_group,
@@ -58,5 +37,26 @@ from runtime.ranks.torch_private.process import (
     profiler_mark,
     profiler_marks,
     profiler_running,
+)
+from runtime.ranks.torch_private.state import (
+    CollectiveDtypes,
+    DataParallelMesh,
+    SeveralParamGroupsError,
+    all_gather_issued,
+    clear_unsharded_grads,
+    collective_dtypes,
+    data_parallel_mesh,
+    fsdp_state,
+    group_dtypes,
+    is_sharded,
+    param_group,
+    param_group_unsharded_bytes,
+    param_groups,
+    prefetch_counts,
+    prefetch_states,
+    reshard_after_forward,
+    reshard_after_forward_setting,
+    set_reshard_after_forward_ranks,
+    watching_unshard_and_reshard,
 )
 from runtime.ranks.torch_private.versions import TESTED_ADVICE, TESTED_TORCH

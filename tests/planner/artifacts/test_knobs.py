@@ -95,3 +95,21 @@ def test_positions_index_the_scope_the_kernel_reads():
     assert [position(k.name) for k in PLAN_KNOBS] == list(range(len(PLAN_KNOBS)))
     assert [position(k.name) for k in MODULE_KNOBS] == list(range(len(MODULE_KNOBS)))
     assert {k.name for k in KNOBS} == {k.name for k in (*PLAN_KNOBS, *MODULE_KNOBS)}
+
+
+def test_a_knob_newer_than_the_profiles_torch_is_never_sampled():
+    """``Knob.since``: FSDP2 in torch 2.11 (the GPU machines') has no ``set_reduce_scatter_max_input_buffers`` nor
+    ``set_separate_reduce_scatter_group``; a profile recorded there never samples them, one from 2.13 does."""
+    from planner.artifacts.knobs import KNOBS, available, grid_params, release_line, sampled
+    from planner.artifacts.names import SpaceName
+
+    assert release_line("2.11.0+cu130") == (2, 11) and release_line("2.14.1") == (2, 14)
+    assert release_line("test") is None  # a synthetic profile's: every knob available
+    newer = {k.name for k in KNOBS if not available(k, "2.11.0+cu130")}
+    assert newer == {"reduce_scatter_max_input_buffers", "separate_reduce_scatter_group"}
+    for k in KNOBS:
+        assert available(k, "2.13.0") and available(k, None)
+        assert not sampled(k, "cuda", 2, True, SpaceName.ASSIGN, "2.11.0+cu130") or k.name not in newer
+    old = {name for params in grid_params("cuda", 2, SpaceName.ASSIGN, "2.11.0+cu130") for name in params}
+    new = {name for params in grid_params("cuda", 2, SpaceName.ASSIGN, "2.13.0") for name in params}
+    assert old == new - newer and newer <= new
