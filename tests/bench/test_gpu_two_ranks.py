@@ -1,5 +1,6 @@
 """The two-ranks-on-one-GPU script's GPU-free parts: NCCL's route by version, the memory cap, the stages' order and
-time limits, and the files they run."""
+time limits, the files they run, the env stage's one-line failure and the summary. The whole script runs on CPU with
+``--rehearse`` (bench/gpu_two_ranks.sh), by hand: it builds a 3 GB environment."""
 
 from __future__ import annotations
 
@@ -58,9 +59,52 @@ def test_the_stages_run_in_a_fixed_order_within_six_minutes(tmp_path):
     assert all(limit <= 55 for _, limit, _ in _dry_run(tmp_path, "60"))
 
 
-def test_the_study_is_world_size_2_on_nccl():
+def test_the_study_is_world_size_2_on_nccl_and_its_rehearsal_the_same_on_gloo():
     config = load_study_config(ROOT / "bench" / "llama-gpu-two-ranks.toml")
     assert config.launch.backend == "nccl" and config.launch.nproc_per_node == 2
+    rehearsal = load_study_config(ROOT / "bench" / "llama-two-ranks-rehearsal.toml")
+    assert rehearsal.launch.backend == "gloo" and rehearsal.launch.nproc_per_node == 2
+    assert (rehearsal.search, rehearsal.measure) == (config.search, config.measure)
+    assert rehearsal.workload.factory == config.workload.factory
+
+
+def test_the_env_stage_names_what_is_missing_in_one_line(tmp_path, monkeypatch, capsys):
+    """A module a later stage imports is missing (a wheel left out): one line naming it, exit 2, nothing else run."""
+    import bench.gpu_env as gpu_env
+
+    monkeypatch.setattr(gpu_env, "STAGE_IMPORTS", ("json", "no_such_dependency", "planner"))
+    assert gpu_env.main(["--wheels", str(tmp_path), "--site", str(tmp_path / "site")]) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no_such_dependency: ModuleNotFoundError"), lines
+    assert "bench/gpu_wheels.sh" in lines[0]
+
+
+def test_the_env_stage_reports_the_knobs_this_torch_lacks(tmp_path, capsys):
+    import bench.gpu_env as gpu_env
+
+    assert gpu_env.main(["--wheels", str(tmp_path), "--site", str(tmp_path / "site")]) == 0
+    out = capsys.readouterr().out
+    assert "knobs this torch lacks (unknown, never sampled here): none" in out  # the tested torch has them all
+    assert "no GPU: gloo on CPU" in out or "NCCL" in out
+
+
+def test_the_summary_says_what_each_stage_left(tmp_path):
+    """From a stage table and a plan only: the figures it has, and the stages that left nothing said so."""
+    from bench.gpu_summary import markdown, summarize
+    from planner.artifacts.plan import Plan
+    from planner.testing import synthetic_profile
+
+    (tmp_path / "stages.tsv").write_text("env\t0\t6\t20\nprofile\t124\t50\t50\n")
+    profile = synthetic_profile(n_blocks=2)
+    profile.to_json(tmp_path / "profile.json")
+    Plan.default(profile).with_provenance(verdict="faster", measured_ratio=0.9, ratio_ci95=(0.85, 0.95),
+                                          launches=2).to_json(tmp_path / "plan.json")
+    text = markdown(summarize(tmp_path))
+    assert "| b0 | 5.000 | 3.000 |" in text
+    assert "Verdict: faster; ratio 0.900 [0.850, 0.950], 2 launch(es)" in text
+    assert "Step: no measured default trial." in text and "Peak: no peak run." in text
+    assert "No in-loop stage log." in text and "| profile | 124 | 50 | 50 |" in text
+    assert "Stages took 56 s in all." in text
 
 
 @pytest.mark.slow
