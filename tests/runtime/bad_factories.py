@@ -1,4 +1,4 @@
-"""Workload factories that are wrong on purpose (imported by rank processes)."""
+"""Workload factories that are wrong on purpose, or slowed on purpose (imported by rank processes)."""
 
 import torch
 
@@ -55,4 +55,25 @@ def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
             raise RuntimeError("CUDA out of memory (simulated on rank 1)")
 
     blocks[1].register_forward_pre_hook(fail)
+    return workload
+
+
+def mlp_slow_default(mesh, slow_ms=40.0, **kwargs):
+    """The test MLP whose steps under FSDP2's default each take ``slow_ms`` more (a sleep before the root's forward,
+    on every rank): every other plan is faster by far more than the noise, so a tuning job's outcome is the test's,
+    not the machine's (its race keeps a survivor, its confirmation finds it faster)."""
+    import time
+
+    from runtime.current import current_plan, fsdp2_default
+    from runtime.reference_workloads import mlp
+
+    workload = mlp(mesh, **kwargs)
+    model = workload.model
+    default = fsdp2_default(model).behaviour_key()
+
+    def slower_under_the_default(module, args):
+        if current_plan(model).behaviour_key() == default:
+            time.sleep(slow_ms / 1000)
+
+    model.register_forward_pre_hook(slower_under_the_default)
     return workload
