@@ -21,7 +21,7 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
     (tmp_path / "studies").mkdir()
     toml = tmp_path / "studies" / "e2e.toml"
     # tune calibrates the cluster where it has none (here 2 launches, too few to stand: the CPU prior stays). FSDP2's
-    # default is made 40 ms a step slower, so that the race keeps a survivor and the confirmation runs whatever the
+    # default is made 20 ms a step slower, so that the race keeps a survivor and the confirmation runs whatever the
     # machine's speed: the path under test is the test's choice, not the timing's.
     slowed = STUDY.format(space="per_module").replace('"runtime.reference_workloads:mlp"',
                                                       '"tests.runtime.bad_factories:mlp_slow_default"')

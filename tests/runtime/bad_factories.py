@@ -58,7 +58,7 @@ def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
     return workload
 
 
-def mlp_slow_default(mesh, slow_ms=40.0, **kwargs):
+def mlp_slow_default(mesh, slow_ms=20.0, **kwargs):
     """The test MLP whose steps under FSDP2's default each take ``slow_ms`` more (a sleep before the root's forward,
     on every rank): every other plan is faster by far more than the noise, so a tuning job's outcome is the test's,
     not the machine's (its race keeps a survivor, its confirmation finds it faster)."""
