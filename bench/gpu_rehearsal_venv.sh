@@ -12,14 +12,17 @@
 # below or as pip resolves them.
 set -euo pipefail
 venv=${1:?usage: bash bench/gpu_rehearsal_venv.sh VENV}
-packages=(torch==2.11.0 numpy scipy numba click tqdm filelock pyyaml packaging markupsafe accelerate==1.15.0
+packages=(torch==2.11.0 numpy==2.5.2 scipy numba click tqdm filelock pyyaml packaging markupsafe accelerate==1.15.0
           transformers==5.17.0 tokenizers==0.23.2 safetensors==0.8.0)
 recipe="${packages[*]}"
 if [ -f "$venv/recipe" ] && [ "$(cat "$venv/recipe")" = "$recipe" ]; then
     exit 0
 fi
-python=$(command -v python3.12 || ls "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
-if [ -z "$python" ] || ! "$python" --version >/dev/null 2>&1; then
+python=
+for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+    if "$candidate" --version >/dev/null 2>&1; then python=$candidate; break; fi  # a pyenv shim may not run
+done
+if [ -z "$python" ]; then
     echo "error: no Python 3.12 here (the GPU image's); install one (pyenv install 3.12) to rehearse" >&2
     exit 2
 fi

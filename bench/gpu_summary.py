@@ -6,10 +6,10 @@ Each section says where its figures come from; a stage that left nothing is said
 
 - the 2-rank profile (``profile.json``, the ``profile`` stage): per FSDP module, the all-gather and reduce-scatter
   times (ms, max across the ranks) and bytes (unsharded and sharded parameter bytes);
-- the ``tune`` verdict and its ratio (``plan.json``'s provenance);
+- the ``tune`` verdict and its ratio (the study's recommendation and its job's confirmation, ``two-ranks.db``);
 - FSDP2's default step, predicted against measured (the ``tune`` study's FSDP2's default trial: its simulated step
   and its race median, ms), and its peak, predicted against measured (``peak-memory.json``, the ``peak`` stage);
-- how the in-loop tuner ended (the last ``AutoTuner: done`` line of the ``in-loop`` stage's log);
+- how the in-loop tuner ended (the line ``docs/examples/plain_loop.py`` prints at the end, in the stage's log);
 - each stage's exit status and seconds (``stages.tsv``).
 """
 
@@ -34,14 +34,19 @@ def _profile(out: Path) -> list[dict[str, Any]] | None:
 
 
 def _tune(out: Path) -> dict[str, Any] | None:
-    from planner.artifacts.plan import Plan
+    from planner.errors import StudyNotFoundError
+    from planner.study.queries import best_plan
 
-    path = out / "plan.json"
-    if not path.exists():
+    db = out / "two-ranks.db"
+    if not db.exists():
         return None
-    pv = Plan.load(path).provenance
-    return {"verdict": str(pv.verdict) if pv.verdict else "FSDP2's default kept", "ratio": pv.measured_ratio,
-            "ci95": list(pv.ratio_ci95) if pv.ratio_ci95 else None, "launches": pv.launches}
+    try:
+        best = best_plan(f"sqlite:///{db}", _study_name(out))
+    except StudyNotFoundError:  # the job stopped before it concluded
+        return None
+    c = best.recommendation.confirmation
+    return {"line": best.line(_study_name(out)), "verdict": str(c.verdict) if c else None,
+            "ratio": c.ratio if c else None, "ci95": list(c.ci95) if c else None, "launches": c.launches if c else None}
 
 
 def _default_step(out: Path) -> dict[str, Any] | None:
@@ -85,8 +90,8 @@ def _in_loop(out: Path) -> str | None:
     log = out / "stages" / "in-loop.log"
     if not log.exists():
         return None
-    done = [line.strip() for line in log.read_text().splitlines() if "AutoTuner: done" in line]
-    return done[-1] if done else "no 'AutoTuner: done' line (see stages/in-loop.log)"
+    done = [line.strip() for line in log.read_text().splitlines() if line.startswith("phase ")]
+    return done[-1] if done else "the loop printed no final phase (see stages/in-loop.log)"
 
 
 def _stages(out: Path) -> list[dict[str, Any]]:
@@ -121,10 +126,10 @@ def markdown(s: dict[str, Any]) -> str:
                   for m in s["profile"]]
     lines += ["", "## `tune`", ""]
     t = s["tune"]
-    lines.append("No plan written." if t is None else
-                 f"Verdict: {t['verdict']}; ratio {t['ratio'] if t['ratio'] is None else format(t['ratio'], '.3f')}"
-                 + (f" [{t['ci95'][0]:.3f}, {t['ci95'][1]:.3f}]" if t["ci95"] else "")
-                 + (f", {t['launches']} launch(es)" if t["launches"] else ""))
+    lines.append("No study decided." if t is None else
+                 (f"Verdict: {t['verdict']}; ratio {t['ratio']:.3f} [{t['ci95'][0]:.3f}, {t['ci95'][1]:.3f}], "
+                  f"{t['launches']} launch(es)." if t["verdict"] else "No survivor: the race dropped every candidate.")
+                 + f" The study: {t['line']}")
     lines += ["", "## FSDP2's default, predicted against measured", ""]
     d, p = s["default_step"], s["default_peak"]
     lines.append("Step: no measured default trial." if d is None else

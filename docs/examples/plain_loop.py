@@ -76,7 +76,10 @@ def main() -> None:
             optimizer.zero_grad()
     # --8<-- [end:loop]
     if dist.get_rank() == 0:
-        print(f"phase {tuner.phase}; steps spent tuning {tuner.steps_tuning}; confirmation {tuner.confirmation}")
+        c = tuner.confirmation
+        print(f"phase {tuner.phase}; steps spent tuning {tuner.steps_tuning}; "
+              + (f"{c.verdict}: ratio {c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}], {c.launches} launch(es)"
+                 if c is not None else "nothing confirmed"))
     dist.destroy_process_group()
 
 

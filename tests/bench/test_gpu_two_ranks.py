@@ -89,20 +89,26 @@ def test_the_env_stage_reports_the_knobs_this_torch_lacks(tmp_path, capsys):
 
 
 def test_the_summary_says_what_each_stage_left(tmp_path):
-    """From a stage table and a plan only: the figures it has, and the stages that left nothing said so."""
+    """From a stage table, a profile and a tune study whose survivor was confirmed faster: the figures it has, and
+    the stages that left nothing said so."""
+    import sqlite3
+
     from bench.gpu_summary import markdown, summarize
-    from planner.artifacts.plan import Plan
-    from planner.testing import synthetic_profile
+    from planner.testing import make_study_db, synthetic_profile
+    from search_spaces import get_space
 
     (tmp_path / "stages.tsv").write_text("env\t0\t6\t20\nprofile\t124\t50\t50\n")
     profile = synthetic_profile(n_blocks=2)
     profile.to_json(tmp_path / "profile.json")
-    Plan.default(profile).with_provenance(verdict="faster", measured_ratio=0.9, ratio_ci95=(0.85, 0.95),
-                                          launches=2).to_json(tmp_path / "plan.json")
+    (tmp_path / "study-name").write_text("s\n")
+    (tmp_path / "made").mkdir()
+    made = make_study_db(tmp_path / "made", profile, 10, get_space("uniform")).removeprefix("sqlite:///")
+    with sqlite3.connect(made) as source, sqlite3.connect(tmp_path / "two-ranks.db") as target:
+        source.backup(target)  # the study where the tune stage leaves it
     text = markdown(summarize(tmp_path))
     assert "| b0 | 5.000 | 3.000 |" in text
-    assert "Verdict: faster; ratio 0.900 [0.850, 0.950], 2 launch(es)" in text
-    assert "Step: no measured default trial." in text and "Peak: no peak run." in text
+    assert "Verdict: faster; ratio 0.800 [" in text and "1 launch(es). The study: trial " in text
+    assert "Step: predicted " in text and "measured 100.00 ms" in text and "Peak: no peak run." in text
     assert "No in-loop stage log." in text and "| profile | 124 | 50 | 50 |" in text
     assert "Stages took 56 s in all." in text
 
