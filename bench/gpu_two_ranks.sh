@@ -56,6 +56,7 @@ log=$out/gpu-two-ranks.log
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OMP_NUM_THREADS=1
 work=${TMPDIR:-/tmp}/gpu-two-ranks  # the installed wheels and the traces: not brought back with OUT
 site=$work/site
+[ $mode = dry ] || rm -rf "$work/traces"  # an earlier run's traces would hold the same steps again
 study=bench/llama-gpu-two-ranks.toml
 scale=1
 py=python3
