@@ -13,8 +13,6 @@ launches.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from jobs.confirm import rounds_on_own_models
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
@@ -38,8 +36,8 @@ from planner.study.cluster_spread import (
 from planner.study.in_loop import same_job
 from runtime.apply import model_fingerprint
 from runtime.current import fsdp2_default
-from runtime.ranks.collectives import broadcast_from_rank0, control_group
-from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
+from runtime.ranks.collectives import broadcast_from_rank0
+from runtime.ranks.rank import check_runnable, job_rank
 from runtime.timing import StepCounter
 from runtime.workload import build_study_workload, load_factory
 from search_spaces import get_space
@@ -87,34 +85,31 @@ class CalibrateJob:
             StepFailed: a step raised on this rank.
         """
         launch = self.config.launch
-        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
-        group = control_group(launch.timeout_s)
-        rank0 = dist.get_rank() == 0
-        ended = False
-        try:
-            models = [build_study_workload(self.config.workload, mesh) for _ in range(2)]
-            fingerprint = model_fingerprint(models[0].model)
-            default = fsdp2_default(models[0].model)  # every module's: a factory's own prefetch undone
-            payload = None
-            if rank0:
-                try:
-                    payload = self._pair(fingerprint, default)
-                except PlannerError as e:
-                    payload = {"error": str(e)}
-            payload = broadcast_from_rank0(payload, group)
-            if isinstance(payload, dict):
-                raise PlannerError(payload["error"])
-            pair, other, orders = payload
-            times = rounds_on_own_models(models, [other, default], orders, max(2, self.config.measure.warmup_steps),
-                                         StepCounter(), group)
-            models = None
-            ended = True
-            if rank0:
-                return self._record(fingerprint, pair, ConfirmLaunch(times[0], times[1]))
-            return None
-        finally:
-            models = None
-            shutdown_rank(together=ended)
+        with job_rank(launch) as rank:
+            mesh, group, rank0 = rank.mesh, rank.group, rank.rank0
+            try:
+                models = [build_study_workload(self.config.workload, mesh) for _ in range(2)]
+                fingerprint = model_fingerprint(models[0].model)
+                default = fsdp2_default(models[0].model)  # every module's: a factory's own prefetch undone
+                payload = None
+                if rank0:
+                    try:
+                        payload = self._pair(fingerprint, default)
+                    except PlannerError as e:
+                        payload = {"error": str(e)}
+                payload = broadcast_from_rank0(payload, group)
+                if isinstance(payload, dict):
+                    raise PlannerError(payload["error"])
+                pair, other, orders = payload
+                times = rounds_on_own_models(models, [other, default], orders, max(2, self.config.measure.warmup_steps),
+                                             StepCounter(), group)
+                models = None
+                rank.ended = True
+                if rank0:
+                    return self._record(fingerprint, pair, ConfirmLaunch(times[0], times[1]))
+                return None
+            finally:
+                models = None
 
     def _pair(self, fingerprint, default: Plan) -> tuple[str, Plan, list[list[int]]]:
         """Rank 0: this launch's pair, its plan (``default``'s copy, or an unselected plan), and the rounds'

@@ -26,8 +26,8 @@ from planner.storages import check_writable
 from planner.study.confirmation import pending, record_launch
 from runtime.apply import apply_plan
 from runtime.measuring.measure import measure_rounds, timed_step, warm_up
-from runtime.ranks.collectives import broadcast_from_rank0, control_group, gather_max
-from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
+from runtime.ranks.collectives import broadcast_from_rank0, gather_max
+from runtime.ranks.rank import check_runnable, job_rank
 from runtime.timing import StepCounter
 from runtime.workload import Workload, build_study_workload, load_factory
 
@@ -71,47 +71,44 @@ class ConfirmJob:
             StepFailed: a step raised on this rank.
         """
         launch = self.config.launch
-        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
-        group = control_group(launch.timeout_s)
-        rank0 = dist.get_rank() == 0
-        ended = False
-        try:
-            workload = build_study_workload(self.config.workload, mesh)
-            payload = None
-            if rank0:
-                try:
-                    p = pending(self.config, self.job)
-                    # the order of each pair of rounds is drawn here, once, and every rank runs it
-                    rounds = self.rounds or (p.rounds if p is not None else 0)
-                    payload = None if p is None else (p.survivor, p.baseline, confirmation_orders((0, 1), rounds))
-                except PlannerError as e:
-                    payload = {"error": str(e)}
-            payload = broadcast_from_rank0(payload, group)
-            if isinstance(payload, dict):
-                raise PlannerError(payload["error"])
-            if payload is None:
-                ended = True
-                return 0 if rank0 else None
-            survivor, baseline, orders = payload
-            plans = [survivor, baseline]
-            for plan in plans:
-                apply_plan(workload.model, plan, check=True)
-            steps = StepCounter()
-            warmup = max(2, self.config.measure.warmup_steps)
-            if self.config.measure.confirm_model_per_plan:
-                models = [workload, build_study_workload(self.config.workload, mesh)]
-                times = rounds_on_own_models(models, plans, orders, warmup, steps, group)
-                models = None
-            else:
-                warm_up(workload, plans, warmup, steps)
-                times = measure_rounds(workload, plans, orders, steps, group)
-            ended = True
-            if rank0:
-                return record_launch(self.config, survivor.provenance.trial, ConfirmLaunch(times[0], times[1]))
-            return None
-        finally:
-            workload = None
-            shutdown_rank(together=ended)
+        with job_rank(launch) as rank:
+            mesh, group, rank0 = rank.mesh, rank.group, rank.rank0
+            try:
+                workload = build_study_workload(self.config.workload, mesh)
+                payload = None
+                if rank0:
+                    try:
+                        p = pending(self.config, self.job)
+                        # the order of each pair of rounds is drawn here, once, and every rank runs it
+                        rounds = self.rounds or (p.rounds if p is not None else 0)
+                        payload = None if p is None else (p.survivor, p.baseline, confirmation_orders((0, 1), rounds))
+                    except PlannerError as e:
+                        payload = {"error": str(e)}
+                payload = broadcast_from_rank0(payload, group)
+                if isinstance(payload, dict):
+                    raise PlannerError(payload["error"])
+                if payload is None:
+                    rank.ended = True
+                    return 0 if rank0 else None
+                survivor, baseline, orders = payload
+                plans = [survivor, baseline]
+                for plan in plans:
+                    apply_plan(workload.model, plan, check=True)
+                steps = StepCounter()
+                warmup = max(2, self.config.measure.warmup_steps)
+                if self.config.measure.confirm_model_per_plan:
+                    models = [workload, build_study_workload(self.config.workload, mesh)]
+                    times = rounds_on_own_models(models, plans, orders, warmup, steps, group)
+                    models = None
+                else:
+                    warm_up(workload, plans, warmup, steps)
+                    times = measure_rounds(workload, plans, orders, steps, group)
+                rank.ended = True
+                if rank0:
+                    return record_launch(self.config, survivor.provenance.trial, ConfirmLaunch(times[0], times[1]))
+                return None
+            finally:
+                workload = None
 
 
 def rounds_on_own_models(models: list[Workload], plans: list[Plan], orders: list[list[int]], warmup: int,

@@ -7,7 +7,6 @@ FSDP2's default, as a profile claims, and its own plan is read back and handed o
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from jobs.outputs import check_output_folders
 from jobs.process_state import load_tune_modules
@@ -16,7 +15,7 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.simulation.parameters import simulate
 from runtime.current import current_plan, record_under_fsdp2_default
-from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
+from runtime.ranks.rank import check_runnable, job_rank
 from runtime.recording.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory, train_step
 
@@ -68,28 +67,26 @@ class ProfileJob:
         """
         load_tune_modules()  # [Note: Record in tune's process state]
 
-        launch = self.config.launch
-        mesh = init_rank(launch.backend, allocator=launch.allocator, mesh=launch.mesh)
-        workload: Workload | None = None
-        ended = False
-        try:
-            workload = build_study_workload(self.config.workload, mesh)
-            own = record_under_fsdp2_default(workload.model)
-            measure = self.config.measure
-            profile = record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
-                                     repeats=measure.profile_repeats)
-            if self.torch_trace:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                    train_step(workload, 0)
-                if dist.get_rank() == 0:
-                    prof.export_chrome_trace(self.torch_trace)
-            ended = True
-            if dist.get_rank() != 0:
-                return None
-            profile.to_json(self.output)
-            if self.own_plan_out:
-                (own or current_plan(workload.model)).to_json(self.own_plan_out)
-            return profile, simulate(profile, Plan.default(profile)).step_ms, own
-        finally:
-            workload = None
-            shutdown_rank(together=ended)
+        with job_rank(self.config.launch) as rank:
+            mesh = rank.mesh
+            workload: Workload | None = None
+            try:
+                workload = build_study_workload(self.config.workload, mesh)
+                own = record_under_fsdp2_default(workload.model)
+                measure = self.config.measure
+                profile = record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
+                                         repeats=measure.profile_repeats)
+                if self.torch_trace:
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                        train_step(workload, 0)
+                    if rank.rank0:
+                        prof.export_chrome_trace(self.torch_trace)
+                rank.ended = True
+                if not rank.rank0:
+                    return None
+                profile.to_json(self.output)
+                if self.own_plan_out:
+                    (own or current_plan(workload.model)).to_json(self.own_plan_out)
+                return profile, simulate(profile, Plan.default(profile)).step_ms, own
+            finally:
+                workload = None

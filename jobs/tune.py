@@ -28,9 +28,8 @@ from planner.study.session import TuneOutcome, TuningSession
 from runtime.apply import model_fingerprint
 from runtime.current import own_plan, record_under_fsdp2_default
 from runtime.measuring.protocol import measured_round
-from runtime.ranks.collectives import control_group
 from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
-from runtime.ranks.rank import check_runnable, init_rank, shutdown_rank
+from runtime.ranks.rank import check_runnable, job_rank
 from runtime.recording.recorder import record_profile
 from runtime.workload import Workload, build_study_workload, load_factory
 from search_spaces.session import open_session, optuna_quiet
@@ -99,38 +98,35 @@ class TuneJob:
 
     def _run(self) -> TuneOutcome | None:
         launch = self.config.launch
-        mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
-        group = control_group(launch.timeout_s)
-        rank0 = dist.get_rank() == 0
-        workload: Workload | None = None
-        ended = False
-        try:
-            with interrupts_raise():
-                try:
-                    workload = build_study_workload(self.config.workload, mesh)
-                    user_plan = own_plan(workload.model)  # the race's baseline where the factory sets a plan
-                    profile = self._record(workload)
-                    if rank0:
-                        self.session = self._session(profile)
-                        self.session.user_plan = user_plan
-                    result = self._measure(workload, group, rank0)
-                    outcome = self.session.finish(result.plans_measured, result.failed) if rank0 else None
-                    ended = True
-                    return outcome
-                except BaseException as e:
-                    # No trial of this job stays RUNNING, whatever stopped it (Ctrl-C, SIGTERM, a lost rank,
-                    # a storage error), also one created before the round was handed out. Inside
-                    # interrupts_raise, so torchrun's follow-up SIGTERM cannot cut this short.
-                    if self.session is not None:
-                        with contextlib.suppress(Exception):
-                            self.session.fail_held(f"interrupted: {one_line(e)}", FailKind.INTERRUPTED)
-                    raise
-        finally:
-            workload = None
-            if self.session is not None:
-                self.session.close()
-                self.session.save_profile()  # once, calibrated if the round got that far
-            shutdown_rank(together=ended)
+        with job_rank(launch) as rank:
+            mesh, group, rank0 = rank.mesh, rank.group, rank.rank0
+            workload: Workload | None = None
+            try:
+                with interrupts_raise():
+                    try:
+                        workload = build_study_workload(self.config.workload, mesh)
+                        user_plan = own_plan(workload.model)  # the race's baseline where the factory sets a plan
+                        profile = self._record(workload)
+                        if rank0:
+                            self.session = self._session(profile)
+                            self.session.user_plan = user_plan
+                        result = self._measure(workload, group, rank0)
+                        outcome = self.session.finish(result.plans_measured, result.failed) if rank0 else None
+                        rank.ended = True
+                        return outcome
+                    except BaseException as e:
+                        # No trial of this job stays RUNNING, whatever stopped it (Ctrl-C, SIGTERM, a lost rank,
+                        # a storage error), also one created before the round was handed out. Inside
+                        # interrupts_raise, so torchrun's follow-up SIGTERM cannot cut this short.
+                        if self.session is not None:
+                            with contextlib.suppress(Exception):
+                                self.session.fail_held(f"interrupted: {one_line(e)}", FailKind.INTERRUPTED)
+                        raise
+            finally:
+                workload = None
+                if self.session is not None:
+                    self.session.close()
+                    self.session.save_profile()  # once, calibrated if the round got that far
 
     def _record(self, workload: Workload) -> Profile:
         if self.profile_in is not None:

@@ -107,8 +107,9 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
     from planner.statistics.schedule import confirmation_orders
     from runtime.apply import apply_plan, load_plan
     from runtime.ranks.collectives import broadcast_from_rank0, gather_max, gather_objects
+    from runtime.ranks.device import device_of
     from runtime.ranks.rank import init_rank, shutdown_rank
-    from runtime.timing import StepCounter, device_type_of, timed_ms
+    from runtime.timing import StepCounter, device_type_of
     from runtime.workload import build_study_workload, train_step
 
     launch = config.launch
@@ -119,12 +120,12 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
         plan = load_plan(plan_path)
         models = [build_study_workload(config.workload, mesh), build_study_workload(config.workload, mesh)]
         apply_plan(models[0].model, plan)  # the other stays as fully_shard wrapped it: FSDP2's default
-        device = device_type_of(models[0])
+        timed_ms = device_of(device_type_of(models[0])).timed_ms
         steps = StepCounter()
 
         def step(index: int) -> float:
             workload = models[index]
-            return timed_ms(lambda: train_step(workload, steps.next()), device)
+            return timed_ms(lambda: train_step(workload, steps.next()))
 
         for _ in range(WARMUP_STEPS):
             step(0)

@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from planner.errors import UnsupportedPlanError
+from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import TESTED_ADVICE
 
 # model -> its optimizer step post-hook, while its plan sets post_optim_event.
@@ -88,5 +89,5 @@ def _hand_event(model_ref: weakref.ref) -> Callable[[Any, Any, Any], None]:
 
 def event_after_step(model: nn.Module) -> torch.Event | None:
     """An event recorded now on the current stream of ``model``'s device; ``None`` on a CPU device (no events)."""
-    device = next(model.parameters()).device
-    return torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+    where = next(model.parameters()).device
+    return device_of(where.type).stream_event(where)

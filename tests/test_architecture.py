@@ -484,3 +484,45 @@ def test_no_product_file_quotes_a_machine():
     quoted = [f"{p.relative_to(ROOT)}:{n}" for p in _sources(*PRODUCT)
               for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(MACHINE_WORDS, line)]
     assert quoted == []
+
+
+# What only the device module may do (runtime/ranks/device.py): read the clock, wait for the device, take a barrier,
+# record an event, read the allocator's counters.
+DEVICE_FILE = ROOT / "runtime" / "ranks" / "device.py"
+DEVICE_CALLS = {"perf_counter", "synchronize", "barrier", "monitored_barrier", "Event", "record_event",
+                "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "memory_reserved",
+                "max_memory_reserved", "mem_get_info"}
+
+
+def device_call_offenders(sources: dict[str, str]) -> list[str]:
+    """``path:line name`` of every call in ``sources`` (path -> text) of a :data:`DEVICE_CALLS` attribute (``time.
+    perf_counter()``, ``dist.barrier(...)``, ``torch.cuda.Event(...)``): the device module's work done elsewhere.
+    The device module's own methods (``device.synchronize()``) are calls on a ``Device``, named the same: a call is
+    flagged when made on ``time``, ``torch``, ``torch.cuda``, ``dist`` or ``torch.distributed``."""
+    owners = {"time", "torch", "cuda", "dist", "distributed"}
+    offenders = []
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in DEVICE_CALLS
+                    and isinstance(node.func.value, (ast.Name, ast.Attribute))
+                    and (node.func.value.id if isinstance(node.func.value, ast.Name) else node.func.value.attr)
+                    in owners):
+                offenders.append(f"{path}:{node.lineno} {node.func.attr}")
+    return offenders
+
+
+def test_the_device_module_alone_reads_clocks_synchronizes_and_takes_barriers():
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in _sources("runtime") if p != DEVICE_FILE}
+    assert device_call_offenders(sources) == []
+    assert device_call_offenders({"device.py": DEVICE_FILE.read_text()})  # the checker sees the real calls
+
+
+def test_the_device_check_catches_a_planted_second_timer():
+    planted = ("import time\nimport torch\nimport torch.distributed as dist\n"
+               "def step(run):\n    dist.barrier()\n    torch.cuda.synchronize()\n    t0 = time.perf_counter()\n"
+               "    run()\n    return torch.cuda.max_memory_allocated(), time.perf_counter() - t0\n")
+    assert device_call_offenders({"planted.py": planted}) == [
+        "planted.py:5 barrier", "planted.py:6 synchronize", "planted.py:7 perf_counter",
+        "planted.py:9 max_memory_allocated", "planted.py:9 perf_counter"]
+    ours = "def f(device):\n    device.synchronize()\n    return device.clock()\n"
+    assert device_call_offenders({"ours.py": ours}) == []

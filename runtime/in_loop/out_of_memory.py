@@ -19,6 +19,7 @@ from torch import nn
 
 from planner.artifacts.memory_budget import MemoryBudget, device_budget
 from runtime.ranks.collectives import gather_objects
+from runtime.ranks.device import device_of
 
 # The CPU allocator's words for an allocation it could not make (c10's DefaultCPUAllocator); on CUDA the error is
 # torch.OutOfMemoryError.
@@ -53,6 +54,7 @@ def cuda_budget(group: Any) -> MemoryBudget:
     """The in-loop tuner's default budget on this rank's CUDA device, the smallest across ranks (collective on
     ``group``): :func:`~planner.artifacts.memory_budget.device_budget` of the device's free and total bytes and
     this process's reserved bytes."""
-    free, total = torch.cuda.mem_get_info()
-    local = device_budget(free, torch.cuda.memory_reserved(), total)
+    cuda = device_of("cuda")
+    free, total = cuda.free_and_total()
+    local = device_budget(free, cuda.reserved(), total)
     return min(gather_objects(local, group), key=lambda b: b.value)

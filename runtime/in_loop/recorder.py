@@ -26,7 +26,6 @@ them here ([Note: Tuning on the user's steps] in :mod:`planner.study.in_loop`):
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,12 +41,12 @@ from planner.artifacts.rank_measurements import IsolatedMeasurements, RankMeasur
 from planner.errors import PlannerError
 from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
+from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import profiler_allocations, reshard_after_forward
 from runtime.recording.compute_timer import tensors_in
 from runtime.recording.consolidation import consolidate, merge_isolated
 from runtime.recording.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
 from runtime.recording.recorder import isolated_measurements, optimizer_state_bytes
-from runtime.timing import synchronize
 from runtime.workload import Workload, fsdp_modules, parameter_rows
 
 
@@ -103,9 +102,10 @@ class PeakMeter:
     def begin(self) -> None:
         """Before the step."""
         self.measuring = True
-        synchronize(self.device)
-        if self.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        device = device_of(self.device)
+        device.synchronize()
+        if device.type == "cuda":
+            device.reset_peak()
             return
         self._start_bytes = bytes_alive(self.model, self.optimizers)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -115,9 +115,10 @@ class PeakMeter:
     def end(self) -> tuple[int, int]:
         """After the step: ``(peak bytes, bytes the optimizer step allocated at its peak)`` (GPU: the second is 0)."""
         self.measuring = False
-        synchronize(self.device)
-        if self.device == "cuda":
-            return torch.cuda.max_memory_allocated(), 0
+        device = device_of(self.device)
+        device.synchronize()
+        if device.type == "cuda":
+            return device.peak_allocated(), 0
         with stderr_silenced():
             self._prof.__exit__(None, None, None)
         prof, self._prof = self._prof, None
@@ -168,16 +169,18 @@ class LoopRecorder:
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not any(o is optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
-        synchronize(self.device)
+        device = device_of(self.device)
+        device.synchronize()
         if self._opt_start is None:
-            self._opt_start = time.perf_counter()
+            self._opt_start = device.clock()
         if self.meter.profiling and self._opt_block is None:
             self._opt_block = record_function(OPTIMIZER_BLOCK)
             self._opt_block.__enter__()
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        synchronize(self.device)
-        self._opt_end = time.perf_counter()
+        device = device_of(self.device)
+        device.synchronize()
+        self._opt_end = device.clock()
 
     def begin_step(self, peak: bool) -> None:
         """Before a user's step (every rank); ``peak``: measure its peak memory (the step is then not timed)."""
@@ -222,7 +225,8 @@ class LoopRecorder:
             PlannerError: a single module does not fit under the budget; as :meth:`isolated`; the passes disagree
                 on the post-forward order.
         """
-        t0 = time.perf_counter()
+        clock = device_of(self.device).clock
+        t0 = clock()
         if self.passes is None:  # the same on every rank: every figure in it is
             default_peak = max(max(p) for p in gather(self.peaks))
             fp = model_fingerprint(self.model)
@@ -230,7 +234,7 @@ class LoopRecorder:
             self.passes = isolation_groups(config, default_peak, modules, sum(fp.param_bytes) // fp.world_size)
         held = self.passes[len(self.parts)]
         self.parts.append(self.isolated(only=None if len(self.passes) == 1 else held, collectives=not self.parts))
-        self._isolation_s += time.perf_counter() - t0
+        self._isolation_s += clock() - t0
         if len(self.parts) < len(self.passes):
             return None
         try:

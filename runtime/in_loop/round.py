@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from planner.study.predicted import predicted_for
 from planner.study.records import confirmation_attrs, confirmation_from
 from runtime.measuring.round import MeasuredRound, RoundStep
 from runtime.ranks.collectives import broadcast_from_rank0
+from runtime.ranks.device import device_of
 from search_spaces.session import open_session, optuna_quiet
 
 logger = logging.getLogger("runtime.in_loop.autotuner")
@@ -187,14 +187,15 @@ class InLoopRound:
             session.user_plan = self.user_plan
             return session
 
-        t0 = time.perf_counter()
+        clock = device_of("cpu").clock  # the host's: a search runs on the host
+        t0 = clock()
         with optuna_quiet():  # not a line per simulated trial in the user's log
             self.measured.ask(open_stage)
         steps = self.measured.apply_everywhere(self.model)
         if steps is None:
             raise PlannerError(f"the baseline plan failed to apply ({self.measured.failed[0]})")
         baseline = baseline_name(self.user_plan is not None) + (" (the baseline)" if self.user_plan else "")
-        self._log(f"AutoTuner: searched in {time.perf_counter() - t0:.1f} s between two steps: {baseline} and "
+        self._log(f"AutoTuner: searched in {clock() - t0:.1f} s between two steps: {baseline} and "
                   f"{len(self.measured.kept) - 1} candidate(s) to race")
         return steps
 

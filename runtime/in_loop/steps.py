@@ -5,10 +5,8 @@ each step is (a :class:`~runtime.measuring.round.RoundStep`); :class:`StepSide` 
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -18,7 +16,7 @@ from runtime.apply import apply_plan
 from runtime.in_loop.recorder import LoopRecorder, PeakMeter
 from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP
 from runtime.measuring.round import PEAK, TIMED, RoundStep
-from runtime.timing import synchronize
+from runtime.ranks.device import device_of
 from runtime.workload import fsdp_modules
 
 RECORDING = (RECORD_WARMUP, RECORD, RECORD_PEAK)
@@ -95,17 +93,19 @@ class StepSide:
             self.meter.begin()
         if order.kind not in (RECORD, TIMED):
             return None
-        dist.barrier(group=self.group)
-        synchronize(self.device)
-        return time.perf_counter()
+        device = device_of(self.device)
+        device.barrier(self.group)  # the control group's ([Note: Which group a barrier uses])
+        device.synchronize()
+        return device.clock()
 
     def after(self, order: RoundStep, t0: float | None, peaks: list[list[int]]) -> None:
         """After the user's step: its ms (timed steps), a plan's parameters resharded after the last microbatch,
         the recorder or meter ended (a peak step's peak appended to ``peaks[order.plan]``)."""
         ms = None
         if t0 is not None:
-            synchronize(self.device)
-            ms = (time.perf_counter() - t0) * 1e3
+            device = device_of(self.device)
+            device.synchronize()
+            ms = (device.clock() - t0) * 1e3
         if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
             for _, m in fsdp_modules(self.model):
                 m.reshard()

@@ -10,7 +10,6 @@ next step.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ from planner.artifacts.plan import Plan
 from planner.statistics.watch import Watch, WatchState, WatchStep
 from runtime.apply import apply_plan
 from runtime.ranks.collectives import broadcast_from_rank0
-from runtime.timing import synchronize
+from runtime.ranks.device import device_of
 from runtime.workload import fsdp_modules
 
 # Steps between the watch's log lines of its running ratio.
@@ -73,14 +72,16 @@ class WatchedSteps:
             apply_plan(self.model, self.default, check=False)
         elif step is WatchStep.PLAN_WASHOUT:
             apply_plan(self.model, self.plan, check=False)
-        synchronize(self.device)
-        self._t0 = time.perf_counter()
+        device = device_of(self.device)
+        device.synchronize()
+        self._t0 = device.clock()
 
     def after(self) -> WatchState | None:
         """After a step: its time kept when it is timed; at a block's end, rank 0's decision on every rank (the
         state, once per block; ``None`` within a block)."""
-        synchronize(self.device)
-        ms = (time.perf_counter() - self._t0) * 1e3
+        device = device_of(self.device)
+        device.synchronize()
+        ms = (device.clock() - self._t0) * 1e3
         if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
             for _, m in fsdp_modules(self.model):
                 m.reshard()

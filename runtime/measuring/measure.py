@@ -16,14 +16,15 @@ from planner.artifacts.plan import Plan
 from planner.statistics.schedule import Phase
 from runtime.apply import apply_plan
 from runtime.measuring.round import PEAK, TIMED, MeasuredRound, RoundStep, Scheduler, StepFailure
+from runtime.ranks.device import device_of
 from runtime.recording.peak_memory import measure_peak
-from runtime.timing import StepCounter, StepFailed, device_type_of, timed_ms
+from runtime.timing import StepCounter, StepFailed, device_type_of
 from runtime.workload import Workload, train_step
 
 
 def timed_step(workload: Workload, step: int) -> float:
-    """Run one training step after a barrier; return this rank's wall time in ms (:func:`timed_ms`)."""
-    return timed_ms(lambda: train_step(workload, step), device_type_of(workload))
+    """Run one training step after a barrier; return this rank's wall time in ms (``Device.timed_ms``)."""
+    return device_of(device_type_of(workload)).timed_ms(lambda: train_step(workload, step))
 
 
 def warm_up(

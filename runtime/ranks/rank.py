@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planner.artifacts.names import Allocator, Backend
+from planner.artifacts.tables import LaunchTable
 from planner.errors import StudyConfigError
 from runtime.ranks.allocator import check_rank_allocator, jemalloc_library
+from runtime.ranks.device import device_of
 
 
 def check_runnable(backend: Backend | str, ranks_per_node: int,
@@ -121,8 +125,45 @@ def shutdown_rank(together: bool = True) -> None:
         return
     if together:
         with contextlib.suppress(Exception):  # a peer that is gone: nothing to wait for
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-            else:
-                dist.barrier()
+            device_of("cpu").monitored_barrier(30.0)  # the host waits: no device work is queued at shutdown
     dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class JobRank:
+    """One rank of a job that :func:`job_rank` started.
+
+    Attributes:
+        mesh: the device mesh the workload shards over (1-D, or HSDP's ``[replicate, shard]``).
+        group: the gloo control group over every rank (``runtime.ranks.collectives.control_group``): the job's own
+            collectives, apart from training's.
+        rank0: whether this is rank 0, which speaks to the study and the user.
+        ended: set by the job once every rank ended its work together; the shutdown then meets the other ranks at a
+            barrier first (:func:`shutdown_rank`).
+    """
+
+    mesh: DeviceMesh
+    group: Any
+    rank0: bool
+    ended: bool = False
+
+
+@contextlib.contextmanager
+def job_rank(launch: LaunchTable) -> Iterator[JobRank]:
+    """A rank of a job that ``[launch]`` describes (``tune``, ``profile``, ``confirm``, ``calibrate``, ``verify``):
+    the process group and mesh (:func:`init_rank` with the study's backend, timeout, allocator and mesh), the control
+    group, then, on leaving, :func:`shutdown_rank` (together when the job set :attr:`JobRank.ended`). The job drops
+    its references to its workloads inside the block, so that they are freed before the process group goes.
+
+    Raises:
+        StudyConfigError: as :func:`init_rank`.
+    """
+    from runtime.ranks.collectives import control_group
+
+    mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
+    rank = JobRank(mesh, None, dist.get_rank() == 0)
+    try:
+        rank.group = control_group(launch.timeout_s)
+        yield rank
+    finally:
+        shutdown_rank(together=rank.ended)

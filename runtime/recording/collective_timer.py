@@ -12,9 +12,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.rank_measurements import CollectiveMeasurements, OverlapTimings
+from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import collective_dtypes
 from runtime.recording.overlap_timer import overlap_timings
-from runtime.timing import timed_ms
 from runtime.workload import own_parameters
 
 # [Note: Collectives timed in rounds]
@@ -88,20 +88,21 @@ def collective_rounds(modules: list[tuple[str, FSDPModule]], unsharded_numels: d
         moved = collective_dtypes(by_fqn[fqn])
         dtype = moved.reduce_scatter if moved is not None else own[0].dtype if own else torch.float32
         sizes[fqn] = (-(-unsharded_numels[fqn] // world) * world, dtype)
+    timed = device_of(device).timed_ms
     all_gathers: dict[str, list[float]] = {fqn: [] for fqn in fqns}
     reduce_scatters: dict[str, list[float]] = {fqn: [] for fqn in fqns}
     for r in range(repeats + 1):
         for k in range(len(fqns)):
             fqn = fqns[(r + k) % len(fqns)]
             module = by_fqn[fqn]
-            all_gather = timed_ms(module.unshard, device)
+            all_gather = timed(module.unshard)
             module.reshard()
             if sizes[fqn] not in buffers:
                 padded, dtype = sizes[fqn]
                 buffers[sizes[fqn]] = (torch.zeros(padded, dtype=dtype, device=device),
                                        torch.empty(padded // world, dtype=dtype, device=device))
             inp, out = buffers[sizes[fqn]]
-            reduce_scatter_time = timed_ms(functools.partial(reduce_scatter, out, inp), device)
+            reduce_scatter_time = timed(functools.partial(reduce_scatter, out, inp))
             if r:
                 all_gathers[fqn].append(all_gather)
                 reduce_scatters[fqn].append(reduce_scatter_time)

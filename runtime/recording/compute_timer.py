@@ -6,7 +6,6 @@ communication in the window (``runtime.recording.recorder``).
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from planner.artifacts.rank_measurements import COMPUTE_FIELDS
 from runtime.ranks import torch_private
+from runtime.ranks.device import device_of
 from runtime.recording.mark_memory import MarkMemory, backward_peaks, walk_marks
 from runtime.workload import Workload, own_parameters
 
@@ -105,7 +105,7 @@ class ComputeTimer:
     then never returns. Each submodule forward that returns in it marks ``rtick``; one no ``rend`` closes ends at
     its last ``rtick``.
 
-    On CPU a mark is ``time.perf_counter()``; on GPU the hooks run ahead of
+    A mark is ``Device.mark``: on CPU the host clock; on GPU the hooks run ahead of
     the kernels they launch, so a mark is a CUDA event recorded on the current
     stream, turned into seconds (``Event.elapsed_time``) after the run.
 
@@ -125,6 +125,7 @@ class ComputeTimer:
         self.root = root
         self.after_backward = after_backward
         self.cuda = device == "cuda"
+        self.device = device_of(device)
         self.marks: list[tuple[Any, str, str]] = []
         self.live: list[str] = []  # forward stack, for activation attribution
         self.act_bytes: dict[str, int] = defaultdict(int)
@@ -164,12 +165,7 @@ class ComputeTimer:
                             self.handles.append(deeper.register_forward_hook(self._recompute_bytes_hook(fqn)))
 
     def mark(self, kind: str, fqn: str) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append((event, kind, fqn))
-        else:
-            self.marks.append((time.perf_counter(), kind, fqn))
+        self.marks.append((self.device.mark(), kind, fqn))
         if self.reading_memory:
             self.memory.at_mark()
             if kind == "benter" and self.root_grad_pre_bytes is None:
@@ -178,10 +174,8 @@ class ComputeTimer:
                     (g.to_local() if isinstance(g, DTensor) else g).untyped_storage().nbytes() for g in grads)
 
     def _marks_to_seconds(self) -> None:
-        if self.cuda and self.marks:
-            torch.cuda.synchronize()
-            first = self.marks[0][0]
-            self.marks = [(first.elapsed_time(e) / 1e3, kind, fqn) for e, kind, fqn in self.marks]
+        seconds = self.device.seconds([m for m, _, _ in self.marks])
+        self.marks = [(s, kind, fqn) for s, (_, kind, fqn) in zip(seconds, self.marks, strict=True)]
 
     def _once(self, kind: str, fqn: str):
         fired = [False]

@@ -14,9 +14,9 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
+from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import profiler_allocations, profiler_mark, profiler_marks, profiler_running
 from runtime.recording.peak_memory import stderr_silenced
 
@@ -44,7 +44,7 @@ class MarkMemory:
             try:
                 yield
             finally:
-                torch.cuda.reset_peak_memory_stats()
+                device_of("cuda").reset_peak()
             return
         if profiler_running():
             yield
@@ -64,8 +64,9 @@ class MarkMemory:
     def at_mark(self) -> None:
         """Called at each mark, inside :meth:`reading`."""
         if self.cuda and self.levels is not None:
-            self.levels.append((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
-            torch.cuda.reset_peak_memory_stats()
+            cuda = device_of("cuda")
+            self.levels.append((cuda.allocated(), cuda.peak_allocated()))
+            cuda.reset_peak()
         elif self._profiling:
             with profiler_mark(f"{MARK}{self._marks}"):
                 pass

@@ -21,14 +21,14 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.rank_measurements import OverlapTimings
-from runtime.timing import timed_ms
+from runtime.ranks.device import device_of
 
 # The compute beside the all-gather: (rows x inner) @ (inner x inner) float32 matrix multiplies.
 _ROWS, _INNER = 64, 1024
 
 
 def _cpu_ms(run: Callable[[], object]) -> float:
-    return timed_ms(run, "cpu")
+    return device_of("cpu").timed_ms(run)
 
 
 def _matmuls(count: int, a: torch.Tensor, b: torch.Tensor) -> None:

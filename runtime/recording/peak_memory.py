@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import profiler_allocations
-from runtime.timing import device_type_of, synchronize
+from runtime.timing import device_type_of
 from runtime.workload import Workload, forward_backward
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
@@ -140,23 +141,22 @@ def measure_peak(workload: Workload, step: int) -> PeakMemory:
     written out so that the optimizer step's own peak is read apart. All
     ranks call this together (the step runs collectives).
     """
-    device = device_type_of(workload)
+    device = device_of(device_type_of(workload))
     optimizer = workload.optimizer
     optimizer.zero_grad(set_to_none=True)
-    synchronize(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
+    device.synchronize()
+    if device.type == "cuda":
+        device.reset_peak()
+        start = device.allocated()
         forward_backward(workload, step)
-        synchronize(device)
-        peak, before, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated(), \
-            torch.cuda.max_memory_reserved()
-        torch.cuda.reset_peak_memory_stats()
+        device.synchronize()
+        peak, before, reserved = device.peak_allocated(), device.allocated(), device.peak_reserved()
+        device.reset_peak()
         optimizer.step()
-        synchronize(device)
-        optimizer_peak = torch.cuda.max_memory_allocated()
+        device.synchronize()
+        optimizer_peak = device.peak_allocated()
         return PeakMemory(max(peak, optimizer_peak), start, optimizer_peak - before,
-                          max(reserved, torch.cuda.max_memory_reserved()))
+                          max(reserved, device.peak_reserved()))
     start = bytes_alive(workload.model, [optimizer])
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with stderr_silenced():  # [Note: Kineto's start and stop lines]

@@ -34,7 +34,6 @@ What it records and how (docs/architecture.md, "Measurement"):
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Collection
 
@@ -55,29 +54,31 @@ from planner.artifacts.rank_measurements import (
 from runtime.apply import model_fingerprint
 from runtime.ranks.allocator import loaded_allocator
 from runtime.ranks.collectives import gather_objects
+from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import clear_unsharded_grads, reshard_after_forward, unshard_async_op_setter
 from runtime.recording.collective_timer import module_collectives
 from runtime.recording.compute_timer import ComputeTimer
 from runtime.recording.consolidation import consolidate, merge_isolated
 from runtime.recording.peak_memory import PEAK_STEPS, measure_peak
 from runtime.recording.process_usage import process_usage
-from runtime.timing import device_type_of, synchronize
+from runtime.timing import device_type_of
 from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, parameter_rows, train_step
 
 
 def _timed_step(workload: Workload, step: int, device: str) -> tuple[float, float]:
     """One training step after a barrier: ``(step ms, optimizer ms)``."""
     optimizer = workload.optimizer
-    dist.barrier()
-    synchronize(device)
-    t0 = time.perf_counter()
+    d = device_of(device)
+    d.barrier()  # no control group here: the default group's ([Note: Which group a barrier uses])
+    d.synchronize()
+    t0 = d.clock()
     optimizer.zero_grad(set_to_none=True)
     forward_backward(workload, step)
-    synchronize(device)
-    t1 = time.perf_counter()
+    d.synchronize()
+    t1 = d.clock()
     optimizer.step()
-    synchronize(device)
-    t2 = time.perf_counter()
+    d.synchronize()
+    t2 = d.clock()
     return (t2 - t0) * 1e3, (t2 - t1) * 1e3
 
 

@@ -35,12 +35,12 @@ def test_the_profile_job_records_after_importing_what_tune_imports(monkeypatch):
 
     order = []
 
-    def init_rank(backend, allocator=None, mesh=None):
+    def job_rank(launch):
         order.append("init_rank")
         raise _Stop
 
     monkeypatch.setattr(jobs.profile, "load_tune_modules", lambda: order.append("load_tune_modules"))
-    monkeypatch.setattr(jobs.profile, "init_rank", init_rank)
+    monkeypatch.setattr(jobs.profile, "job_rank", job_rank)
     launch = SimpleNamespace(backend="gloo", allocator="system", mesh=None)
     job = jobs.profile.ProfileJob(SimpleNamespace(launch=launch), "unused.json")
     with pytest.raises(_Stop):

@@ -62,7 +62,7 @@ def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in
     own_time = {fqn: 10.0 * (k + 1) for k, fqn in enumerate(numels)}
     order: list[str] = []
 
-    def timed(run, device):
+    def timed(run, group=None):
         run()
         fqn = current[0]
         order.append(fqn)
@@ -73,7 +73,7 @@ def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in
     real_unshard = {fqn: m.unshard for fqn, m in modules}
     for fqn, m in modules:
         monkeypatch.setattr(m, "unshard", lambda fqn=fqn, real=real_unshard[fqn]: (current.__setitem__(0, fqn), real()))
-    monkeypatch.setattr(collective_timer, "timed_ms", timed)
+    monkeypatch.setattr(collective_timer, "device_of", lambda device: type("Timed", (), {"timed_ms": timed}))
     figures = collective_timer.collective_rounds(modules, numels, 3, "cpu")
 
     fqns = list(numels)

@@ -1,0 +1,195 @@
+"""The device a rank runs on: the one place in ``runtime`` that reads the clock, waits for the device, takes a
+barrier, records events and reads the allocator's memory counters.
+
+Every timing and memory figure the runtime produces (the recorder's, the measured rounds', the in-loop tuner's)
+goes through a :class:`Device`, so that a step's ms and a peak's bytes mean the same wherever they were taken, and
+so that GPU-true timing (CUDA events on the right stream, no synchronization of the user's steps) changes one file.
+``tests/test_architecture.py`` fails if ``time.perf_counter``, ``torch.cuda.synchronize``, ``torch.cuda.Event``,
+a ``barrier`` or the allocator's counters appear anywhere else in ``runtime/``.
+
+[Note: Which group a barrier uses]
+A timed step starts on every rank together: a barrier, then the device synchronized, then the clock. The barrier
+is on the group the caller passes: the tuner's gloo control group (``runtime.ranks.collectives``) wherever one
+exists, never training's default group. On GPUs the default group is NCCL, whose ``barrier`` is an all-reduce
+queued on a CUDA stream: it returns before the peers arrive unless the device is synchronized after it, and it
+costs a kernel in the user's stream. Gloo's barrier returns when every rank reached it, on the host, with nothing
+queued on the GPU. The default group is used only where no control group exists yet (a rank's set-up, a
+recorder run outside a job), and then the device is synchronized after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Device:
+    """A rank's device: ``"cpu"`` (compute synchronous, memory read by the profiler elsewhere) or ``"cuda"``.
+
+    Build one with :func:`device_of`. Times are host seconds (:meth:`clock`) or ms (:meth:`timed_ms`); memory is
+    bytes of the caching allocator (CUDA only; 0 on CPU, whose peaks ``runtime.recording`` reads from the
+    profiler).
+    """
+
+    type = "cpu"
+
+    def clock(self) -> float:
+        """The host clock, s (``time.perf_counter``)."""
+        return time.perf_counter()
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (a no-op on CPU, where compute is synchronous)."""
+
+    def barrier(self, group: Any = None) -> None:
+        """Wait for every rank of ``group`` (``None``: training's default group) ([Note: Which group a barrier
+        uses])."""
+        dist.barrier(group=group)
+
+    def monitored_barrier(self, timeout_s: float) -> None:
+        """Wait for every rank of the default group, at most ``timeout_s``; gloo names a rank that did not come
+        (``monitored_barrier``), other backends take a plain barrier.
+
+        Raises:
+            RuntimeError: a rank did not arrive in time (gloo).
+        """
+        import datetime
+
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            dist.barrier()
+
+    def mark(self) -> Any:
+        """A point in time on the device's clock: host seconds on CPU, a recorded CUDA event on GPU (read back by
+        :meth:`seconds`)."""
+        return self.clock()
+
+    def seconds(self, marks: list[Any]) -> list[float]:
+        """The :meth:`mark` s as seconds since the first (waits for the device on GPU)."""
+        return [m - marks[0] for m in marks] if marks else []
+
+    def stream_event(self, where: torch.device) -> Any:
+        """An event recorded now on the current stream of ``where`` (what FSDP2's ``set_post_optim_event`` waits
+        on); ``None`` on CPU, which has no events."""
+        return None
+
+    def reset_peak(self) -> None:
+        """Start a new peak of the allocator's bytes (CUDA)."""
+
+    def allocated(self) -> int:
+        """Bytes the allocator holds for tensors now (CUDA; 0 on CPU)."""
+        return 0
+
+    def peak_allocated(self) -> int:
+        """The most bytes the allocator held since :meth:`reset_peak` (CUDA; 0 on CPU)."""
+        return 0
+
+    def reserved(self) -> int:
+        """Bytes the allocator reserved from the device now (CUDA; 0 on CPU)."""
+        return 0
+
+    def peak_reserved(self) -> int:
+        """The most bytes the allocator reserved since :meth:`reset_peak` (CUDA; 0 on CPU)."""
+        return 0
+
+    def free_and_total(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the device's memory (CUDA: ``mem_get_info``, other processes counted).
+
+        Raises:
+            NotImplementedError: on CPU, which has no device memory of its own.
+        """
+        raise NotImplementedError("a CPU has no device memory to read")
+
+    def timed_ms(self, run: Callable[[], object], group: Any = None) -> float:
+        """This rank's wall time of ``run()``, ms: every rank of ``group`` starts together (a barrier, then the
+        device synchronized), and the device is synchronized at the end, so on GPU the kernels ``run`` queued are
+        in the time."""
+        self.barrier(group)
+        self.synchronize()
+        t0 = self.clock()
+        run()
+        self.synchronize()
+        return (self.clock() - t0) * 1e3
+
+
+class CUDADevice(Device):
+    """The current CUDA device (``torch.cuda``)."""
+
+    type = "cuda"
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, marks: list[Any]) -> list[float]:
+        if not marks:
+            return []
+        torch.cuda.synchronize()
+        return [marks[0].elapsed_time(m) / 1e3 for m in marks]
+
+    def stream_event(self, where: torch.device) -> Any:
+        return torch.cuda.current_stream(where).record_event()
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated()
+
+    def peak_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved()
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved()
+
+    def free_and_total(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info()
+        return int(free), int(total)
+
+
+_DEVICES = {"cpu": Device(), "cuda": CUDADevice()}
+
+
+def device_of(device_type: str) -> Device:
+    """The :class:`Device` of ``device_type`` (``"cpu"`` or ``"cuda"``; any other type times as the CPU does).
+
+    The devices hold no state: one of each serves every caller.
+    """
+    return _DEVICES.get(device_type, _DEVICES["cpu"])
+
+
+@dataclass
+class CountingDevice(Device):
+    """A CPU device that counts what it is asked to do, for tests: ``calls["barrier"]``, ``calls["synchronize"]``
+    and so on, and the groups its barriers took (``groups``)."""
+
+    type: str = "cpu"
+    calls: dict[str, int] = field(default_factory=dict)
+    groups: list[Any] = field(default_factory=list)
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def clock(self) -> float:
+        self._count("clock")
+        return super().clock()
+
+    def synchronize(self) -> None:
+        self._count("synchronize")
+
+    def barrier(self, group: Any = None) -> None:
+        self._count("barrier")
+        self.groups.append(group)
+        super().barrier(group)
