@@ -9,13 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).parents[1]
 CAPTURED = ROOT / "docs" / "captured"
 
 
-@pytest.mark.slow
 def test_the_captured_output_is_what_the_code_prints_now():
     proc = subprocess.run([sys.executable, "docs/capture.py", "--check"], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200)

@@ -76,7 +76,6 @@ def test_no_product_file_points_at_a_results_diary_or_a_date():
     assert not offenders
 
 
-@pytest.mark.slow
 def test_the_wheel_carries_its_dependencies_entry_point_and_type_markers(tmp_path):
     pytest.importorskip("build")
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path)],
