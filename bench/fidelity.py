@@ -139,7 +139,7 @@ def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = Fal
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
-    from runtime.apply import apply_plan
+    from runtime.apply import configure_plan
     from runtime.measuring.measure import measure_plans
     from runtime.ranks.collectives import gather_max
     from runtime.ranks.rank import init_rank, shutdown_rank
@@ -168,7 +168,7 @@ def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = Fal
     step_ms = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1, on_step=progress)
     peaks = []
     for n in names:
-        apply_plan(workload.model, plans[n], check=False)
+        configure_plan(workload.model, plans[n], check=False)
         with UnshardedBytesTracker() as tracker:
             train_step(workload, 0)
         peaks.append(tracker.peak_bytes)

@@ -57,7 +57,7 @@ def rank_main(study: str, out: str | None) -> None:
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
-    from runtime.apply import apply_plan
+    from runtime.apply import configure_plan
     from runtime.ranks.collectives import gather_objects
     from runtime.ranks.rank import init_rank, shutdown_rank
     from runtime.recording.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
@@ -71,7 +71,7 @@ def rank_main(study: str, out: str | None) -> None:
     plans = plans_for(profile)
     local = []
     for plan in plans.values():
-        apply_plan(workload.model, plan, check=False)
+        configure_plan(workload.model, plan, check=False)
         train_step(workload, 0)
         local.append([measure_peak(workload, 1 + s).peak_bytes for s in range(PEAK_STEPS)])
     gathered = gather_objects(local)

@@ -99,7 +99,7 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.schedule import confirmation_orders
-    from runtime.apply import apply_plan, load_plan
+    from runtime.apply import configure_plan, load_plan
     from runtime.measuring.measure import timed_step
     from runtime.ranks.collectives import broadcast_from_rank0, gather_max
     from runtime.ranks.rank import init_rank, shutdown_rank
@@ -110,9 +110,9 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     mesh = init_rank(config.launch.backend, allocator=config.launch.allocator, mesh=config.launch.mesh)
     plan = load_plan(plan_path)
     tuned = build_study_workload(config.workload, mesh)
-    apply_plan(tuned.model, plan)
+    configure_plan(tuned.model, plan)
     default = build_study_workload(config.workload, mesh)
-    apply_plan(default.model, Plan(plan.fingerprint, {}))  # leaves every module as wrapped: FSDP2's default
+    configure_plan(default.model, Plan(plan.fingerprint, {}))  # leaves every module as wrapped: FSDP2's default
     steps = StepCounter()
     for w in (tuned, default, tuned, default):  # warm-up
         timed_step(w, steps.next())

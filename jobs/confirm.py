@@ -24,7 +24,7 @@ from planner.statistics.launches import ConfirmLaunch
 from planner.statistics.schedule import confirmation_orders
 from planner.storages import check_writable
 from planner.study.confirmation import pending, record_launch
-from runtime.apply import apply_plan
+from runtime.apply import configure_plan
 from runtime.measuring.measure import measure_rounds, timed_step, warm_up
 from runtime.ranks.collectives import broadcast_from_rank0, gather_max
 from runtime.ranks.rank import check_runnable, job_rank
@@ -93,7 +93,7 @@ class ConfirmJob:
                 survivor, baseline, orders = payload
                 plans = [survivor, baseline]
                 for plan in plans:
-                    apply_plan(workload.model, plan, check=True)
+                    configure_plan(workload.model, plan, check=True)
                 steps = StepCounter()
                 warmup = max(2, self.config.measure.warmup_steps)
                 if self.config.measure.confirm_model_per_plan:
@@ -119,7 +119,7 @@ def rounds_on_own_models(models: list[Workload], plans: list[Plan], orders: list
         On rank 0, per plan, its steps' max across ranks, ms (the other ranks get them too).
     """
     for model, plan in zip(models, plans, strict=True):
-        apply_plan(model.model, plan, check=True)
+        configure_plan(model.model, plan, check=True)
     for _ in range(warmup):
         for model in models:
             timed_step(model, steps.next())

@@ -105,7 +105,7 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
     import torch.distributed as dist
 
     from planner.statistics.schedule import confirmation_orders
-    from runtime.apply import apply_plan, load_plan
+    from runtime.apply import configure_plan, load_plan
     from runtime.ranks.collectives import broadcast_from_rank0, gather_max, gather_objects
     from runtime.ranks.device import device_of
     from runtime.ranks.rank import init_rank, shutdown_rank
@@ -119,7 +119,7 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
     try:
         plan = load_plan(plan_path)
         models = [build_study_workload(config.workload, mesh), build_study_workload(config.workload, mesh)]
-        apply_plan(models[0].model, plan)  # the other stays as fully_shard wrapped it: FSDP2's default
+        configure_plan(models[0].model, plan)  # the other stays as fully_shard wrapped it: FSDP2's default
         timed_ms = device_of(device_type_of(models[0])).timed_ms
         steps = StepCounter()
 

@@ -95,6 +95,11 @@ class StorageError(PlannerError):
     """The storage URL cannot be opened."""
 
 
+class SwitchError(PlannerError):
+    """``PREFETCH_PLANNER`` holds a value that is neither on nor off (:mod:`planner.switch`); the message names the
+    accepted spellings."""
+
+
 class TrialFailedError(PlannerError):
     """A rank raised while measuring a trial: the trial is recorded FAIL and the job stops (CLI exit 3).
 

@@ -17,6 +17,7 @@ _SIZE = re.compile(r"^\s*(\d*\.?\d+)\s*([KMGT]i?B|B)\s*$")
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]?)(bit|B)/s\s*$")
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ns|us|ms|s)\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+SIZE_UNITS = "B; KB, MB, GB, TB (powers of 1000); KiB, MiB, GiB, TiB (powers of 1024)"
 _PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -31,7 +32,8 @@ def parse_bytes(text: str) -> int:
 
     m = _SIZE.match(text) if isinstance(text, str) else None
     if m is None:
-        raise ValueError(f"{text!r} is not a size: write a number with its unit, e.g. '1.5GiB' or '150MB'")
+        raise ValueError(f"{text!r} is not a size: write a number with its unit, e.g. '1.5GiB' or '150MB'; units "
+                         f"are case-sensitive: {SIZE_UNITS}")
     return int(TypeAdapter(ByteSize).validate_python(f"{m.group(1)}{m.group(2)}"))
 
 
@@ -44,7 +46,7 @@ def parse_rate(text: str) -> float:
     m = _RATE.match(text) if isinstance(text, str) else None
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"bandwidth {text!r}: write a positive number with its unit, e.g. '1Gbit/s', '400Mbit/s' or "
-                         "'25GB/s'")
+                         "'25GB/s'; units are case-sensitive: bit/s or B/s, after K, M, G or T (powers of 1000)")
     return float(m.group(1)) * _PREFIX[m.group(2)] / (8.0 if m.group(3) == "bit" else 1.0)
 
 
@@ -56,7 +58,8 @@ def parse_seconds(text: str) -> float:
     """
     m = _TIME.match(text)
     if not m:
-        raise ValueError(f"latency {text!r}: write a number with its unit, e.g. '50us', '2ms'")
+        raise ValueError(f"latency {text!r}: write a number with its unit, e.g. '50us', '2ms'; units are "
+                         "case-sensitive: ns, us, ms or s")
     return float(m.group(1)) * _SECONDS[m.group(2)]
 
 
@@ -70,6 +73,11 @@ def parse_percent(text: str) -> float:
     if not m or not 0 <= float(m.group(1)) < 100:
         raise ValueError(f"spread {text!r}: write a percentage from 0 to 100, e.g. '10%'")
     return float(m.group(1)) / 100
+
+
+def count(n: int, noun: str) -> str:
+    """``count(1, "rank")`` -> ``"1 rank"``, ``count(4, "rank")`` -> ``"4 ranks"`` (nouns whose plural adds an s)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def mib(n: int | float | None, digits: int = 1, unit: bool = True) -> str:

@@ -21,6 +21,7 @@ from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.knobs import KNOBS, Knob, Scope
 from planner.artifacts.plan import Plan, Source
 from planner.errors import PlanMismatchError, TensorParallelError, UnsupportedPlanError
+from planner.switch import off_line, switched_off
 from runtime import knob_state
 from runtime.accumulation import set_accumulation
 from runtime.post_optim import post_optim_event_setter
@@ -65,13 +66,19 @@ def load_best_plan(storage_url: str, study_name: str, model: nn.Module) -> Plan:
         The plan; FSDP2's default is a plan that changes nothing (every module
         as wrapped, synchronous unshard): :func:`apply_plan` takes either.
 
+    With ``PREFETCH_PLANNER=off`` no storage is opened: the plan that changes nothing, and one line on rank 0.
+
     Raises:
         planner.StudyNotFoundError: no database or no such study.
         planner.StorageError: the storage cannot be opened.
+        planner.SwitchError: ``PREFETCH_PLANNER`` is neither on nor off.
     """
     from planner.study import best_plan_for  # the study driver (Optuna) only for the jobs that ask it
 
     fingerprint = model_fingerprint(model)
+    if switched_off():
+        _log_rank0(logging.WARNING, off_line("load_best_plan"))
+        return Plan(fingerprint, {})
     plan, why = best_plan_for(storage_url, study_name, fingerprint)
     if plan is None:
         logger.info(f"load_best_plan: FSDP2's default: {why}")
@@ -135,7 +142,43 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
 
 
 def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
-    """Configure FSDP2 on ``model`` as ``plan`` says.
+    """Configure FSDP2 on ``model`` as ``plan`` says (:func:`configure_plan`), unless ``PREFETCH_PLANNER=off``: then
+    nothing is applied and rank 0 logs one line (:mod:`planner.switch`; set it on every node, [Note: The ranks agree
+    on the switch]). The entry point of a training script; the tuner's own work calls :func:`configure_plan`.
+
+    Raises:
+        SwitchError: ``PREFETCH_PLANNER`` is neither on nor off.
+        PlanMismatchError, UnsupportedPlanError: as :func:`configure_plan`.
+    """
+    if switched_off():
+        _log_rank0(logging.WARNING, off_line("apply_plan"))
+        return
+    configure_plan(model, plan, check)
+    _log_rank0(logging.WARNING, f"apply_plan: {plan_name(plan)} applied")
+
+
+def plan_name(plan: Plan) -> str:
+    """A plan in a few words, for the one line a user sees when it is applied: its study and trial, what made it,
+    or the plan that changes nothing."""
+    p = plan.provenance
+    if not plan.modules:
+        return "the plan that changes nothing (every module as wrapped)"
+    if p.study is not None and p.trial is not None:
+        return f"study {p.study!r}'s trial {p.trial}"
+    return {Source.DEFAULT: "FSDP2's default", Source.USER: "a plan read back from a model",
+            Source.PREDICTED: f"a plan predicted for {p.target or 'another cluster'}, not measured"}.get(
+                p.source, f"a {p.source} plan")
+
+
+def _log_rank0(level: int, line: str) -> None:
+    """``line`` at ``level`` on rank 0 (every process without a process group): one line per job, not per rank."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.log(level, line)
+
+
+def configure_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
+    """Configure FSDP2 on ``model`` as ``plan`` says, whatever ``PREFETCH_PLANNER`` holds (the tuner's own work and
+    the commands a user runs by hand; a training script calls :func:`apply_plan`).
 
     Calls, per FSDP module: ``set_modules_to_forward_prefetch``,
     ``set_modules_to_backward_prefetch`` and ``set_reshard_after_forward``

@@ -27,7 +27,7 @@ from planner.artifacts.knobs import MODULE_KNOBS, PLAN_KNOBS, KnobValues, knob
 from planner.artifacts.plan import ModulePlan, Plan, Provenance, Source
 from planner.errors import NotShardedError
 from runtime import knob_state
-from runtime.apply import apply_plan, model_fingerprint
+from runtime.apply import configure_plan, model_fingerprint
 from runtime.ranks import torch_private
 from runtime.workload import fsdp_modules
 
@@ -110,7 +110,7 @@ def record_under_fsdp2_default(model: nn.Module) -> Plan | None:
     if own is None:
         return None
     default = fsdp2_default(model)
-    apply_plan(model, default, check=False)
+    configure_plan(model, default, check=False)
     if not dist.is_initialized() or dist.get_rank() == 0:
         changed = sum(1 for fqn, m in own.modules.items() if m != default.modules.get(fqn))
         logger.info(f"the model arrives with a plan of its own ({changed} FSDP modules set other than FSDP2's "

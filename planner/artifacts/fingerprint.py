@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pydantic import with_config
 
 from planner.artifacts.schema import STRICT
+from planner.units import count
 
 # Bytes per element of the floating dtypes FSDP2 all-gathers and reduce-scatters in (``torch.dtype.itemsize``).
 _DTYPE_BYTES = {"torch.float64": 8, "torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
@@ -152,7 +153,7 @@ class Fingerprint:
         size ([Note: Plans travel] in :mod:`planner.artifacts.plan`); ``None`` when the world sizes match."""
         if (self.world_size, self.mesh) == (other.world_size, other.mesh):
             return None
-        here, there = f"{self.world_size} ranks", f"{other.world_size}"
+        here, there = count(self.world_size, "rank"), f"{other.world_size}"
         if self.mesh != other.mesh:
             here, there = f"{here} ({self.mesh_text})", f"{there} ({other.mesh_text})"
         return (f"plan tuned on {here}, applied on {there}: its modules are named by FQN and apply as they are, but "

@@ -63,7 +63,7 @@ from pydantic import (
 
 from planner.artifacts.nccl_tests import BusBandwidthCurve, read_nccl_tests
 from planner.errors import TargetError
-from planner.units import parse_percent, parse_rate, parse_seconds
+from planner.units import count, parse_percent, parse_rate, parse_seconds
 
 RECORDED = "recorded"
 
@@ -285,7 +285,7 @@ class Target(BaseModel):
     def describe(self) -> str:
         """``4 ranks (2 per node), gloo, HSDP [2, 2]; shard group on 1 node (intra-node recorded), replicate
         group across 2 nodes (inter-node 1Gbit/s, latency 50us)``."""
-        text = f"{self.world_size} ranks ({self.ranks_per_node} per node), {self.backend}"
+        text = f"{count(self.world_size, 'rank')} ({self.ranks_per_node} per node), {self.backend}"
         text += f", HSDP {list(self.mesh)}" if self.mesh is not None else ""
         parts = []
         for group in self.groups:
@@ -302,7 +302,7 @@ PRESETS_DIR = "presets"  # package data of ``planner``: one TOML per preset
 
 
 def presets() -> dict[str, str]:
-    """The shipped presets: name -> the first line of its ``source`` (``planner/presets/*.toml``)."""
+    """The shipped presets: name -> its ``source`` (``planner/presets/*.toml``) as one paragraph."""
     from importlib.resources import files
 
     from planner.artifacts.config import read_toml
@@ -311,7 +311,7 @@ def presets() -> dict[str, str]:
     for entry in sorted(files("planner").joinpath(PRESETS_DIR).iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".toml"):
             raw = read_toml(Path(str(entry)), "preset", TargetError)
-            out[entry.name.removesuffix(".toml")] = str(raw.get("source", "")).strip().splitlines()[0]
+            out[entry.name.removesuffix(".toml")] = " ".join(str(raw.get("source", "")).split())
     return out
 
 

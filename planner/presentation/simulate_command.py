@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from pathlib import Path
 
 import click
@@ -110,5 +111,5 @@ def presets_command() -> None:
 
     for name, source in presets().items():
         click.echo(f"{name:<20} {load_target(name).describe().split(': ', 1)[1]}")
-        click.echo(f"{'':<20} {source}")
+        click.echo(textwrap.fill(source, width=120, initial_indent=" " * 21, subsequent_indent=" " * 21))
 

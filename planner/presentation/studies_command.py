@@ -1,5 +1,5 @@
-"""``prefetch-planner studies``: query the studies in a database (list, show, best, pareto, export). They never
-import torch."""
+"""``prefetch-planner studies``: query the studies in a database (list, show, best, pareto, export), and forget one.
+They never import torch."""
 
 from __future__ import annotations
 
@@ -244,3 +244,19 @@ def studies_export(name, output, storage) -> None:
     except OSError as e:
         raise PlannerError(f"cannot write {output!r}: {e.strerror}") from None
     click.echo(f"wrote {output} (trial {plan.provenance.trial}, race median {ms(plan.provenance.measured_ms)} ms)")
+
+
+@studies.command("forget")
+@click.argument("name")
+@click.option("--storage", help="SQLAlchemy URL (default: sqlite:///studies/NAME.db).")
+@click.option("--yes", is_flag=True, help="Remove it (without: say what would go, remove nothing, exit 2).")
+def studies_forget(name, storage, yes) -> None:
+    """Forget a study, so that no later start applies its recommendation: its measured and simulated trials, its
+    predicted plans and the planner's rows of them go; the cluster's calibration launches stay. The next
+    AutoTuner tunes afresh; PREFETCH_PLANNER=off runs the model's own plan without tuning."""
+    from planner.study import forget_study
+
+    forgotten = forget_study(_storage_for(name, storage), name, dry_run=not yes)
+    if not yes:
+        raise PlannerError(forgotten.line(done=False))
+    click.echo(forgotten.line(done=True))

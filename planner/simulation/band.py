@@ -41,6 +41,7 @@ from planner.artifacts.profile import Profile
 from planner.artifacts.target import Target
 from planner.simulation.simulator import SimParams
 from planner.statistics.launches import prior_for
+from planner.units import count
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def step_band(profile: Profile, target: Target, plan: Plan | None = None, params
         shift = compute * sigma * (blom_score(target.world_size) - blom_score(recorded))
         parts.append(BandPart("rank skew", max(0.0, -shift), max(0.0, shift),
                               f"compute spread {sigma:.1%} across the {recorded} recorded ranks, {recorded} -> "
-                              f"{target.world_size} ranks"))
+                              f"{count(target.world_size, 'rank')}"))
     device = profile.fingerprint.device_type
     prior = prior_for(device)
     parts.append(BandPart("level", base * prior.spread.tau, base * prior.spread.tau,

@@ -22,6 +22,7 @@ from planner.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from planner.study.candidates import Candidate, distinct_plans, plan_key, select_candidates
+    from planner.study.forget import Forgotten, forget_study
     from planner.study.heartbeat import Heartbeat
     from planner.study.measured import MeasuredStage, MeasuredTrial
     from planner.study.queries import (
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     **dict.fromkeys(["Candidate", "distinct_plans", "plan_key", "select_candidates"], "planner.study.candidates"),
+    **dict.fromkeys(["Forgotten", "forget_study"], "planner.study.forget"),
     "Heartbeat": "planner.study.heartbeat",
     **dict.fromkeys(["MeasuredStage", "MeasuredTrial"], "planner.study.measured"),
     **dict.fromkeys(["BestPlan", "StudyOverview", "best_plan", "best_plan_for",

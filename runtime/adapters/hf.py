@@ -41,18 +41,23 @@ class PrefetchTuningCallback(TrainerCallback):
         storage: the study's SQLAlchemy URL (``None``: ``sqlite:///studies/NAME.db``), as :class:`runtime.AutoTuner`'s.
         memory_budget: the per-rank peak a plan may reach (``"+20%"``, ``"1.5GiB"``), as
             :class:`runtime.AutoTuner`'s.
+        enable: build the tuner (``False``: the callback does nothing, the Trainer trains as it would without it).
         **keys: :class:`runtime.AutoTuner`'s other keywords (``plan_out=``, ``recheck=``, any study key).
 
     Attributes:
-        tuner: the :class:`runtime.AutoTuner` from the first step on (``None`` before).
+        tuner: the :class:`runtime.AutoTuner` from the first step on (``None`` before, and with ``enable=False``).
     """
 
-    def __init__(self, study: str, storage: str | None = None, memory_budget: str | None = None, **keys: Any):
+    def __init__(self, study: str, storage: str | None = None, memory_budget: str | None = None,
+                 enable: bool = True, **keys: Any):
         self.study, self.storage, self.memory_budget, self.keys = study, storage, memory_budget, keys
+        self.enable = enable
         self.tuner: AutoTuner | None = None
         self._step: Any = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if not self.enable:
+            return
         if self.tuner is None:  # Accelerate shards the model after on_train_begin: the first step sees it sharded
             self.tuner = AutoTuner(sharded_model(args, model), self.study, self.storage, self.memory_budget,
                                    **self.keys)
@@ -61,7 +66,8 @@ class PrefetchTuningCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step, self._step = self._step, None
-        step.__exit__(None, None, None)
+        if step is not None:
+            step.__exit__(None, None, None)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.tuner is not None:

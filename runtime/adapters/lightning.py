@@ -37,23 +37,27 @@ class PrefetchTuning(Callback):
             :class:`runtime.AutoTuner`'s.
         **keys: :class:`runtime.AutoTuner`'s other keywords (``plan_out=``, ``recheck=``, any study key).
         module_of: the root FSDP module of the ``LightningModule`` (default: its outermost ``fully_shard`` module).
+        enable: build the tuner (``False``: the callback does nothing, the Trainer trains as it would without it).
 
     Attributes:
-        tuner: the :class:`runtime.AutoTuner` once training started (``None`` before).
+        tuner: the :class:`runtime.AutoTuner` once training started (``None`` before, and with ``enable=False``).
     """
 
     def __init__(self, study: str, storage: str | None = None, memory_budget: str | None = None,
-                 module_of: Callable[[Any], nn.Module] = root_fsdp_module, **keys: Any):
+                 module_of: Callable[[Any], nn.Module] = root_fsdp_module, enable: bool = True, **keys: Any):
         self.study, self.storage, self.memory_budget, self.keys = study, storage, memory_budget, keys
         self.module_of = module_of
+        self.enable = enable
         self.tuner: AutoTuner | None = None
         self._step: Any = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.tuner = AutoTuner(self.module_of(pl_module), self.study, self.storage, self.memory_budget, **self.keys)
+        if self.enable:
+            self.tuner = AutoTuner(self.module_of(pl_module), self.study, self.storage, self.memory_budget,
+                                   **self.keys)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx % trainer.accumulate_grad_batches == 0:
+        if self.tuner is not None and batch_idx % trainer.accumulate_grad_batches == 0:
             self._step = self.tuner.step()
             self._step.__enter__()
 

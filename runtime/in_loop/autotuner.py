@@ -10,28 +10,11 @@
             optimizer.step()
             optimizer.zero_grad()
 
-Every rank constructs the tuner and enters ``tuner.step()`` for the same
-steps. The phases (:class:`planner.study.in_loop.TunerPhase`):
-
-1. recording: FSDP2's default; the profile is recorded on the user's steps (:mod:`runtime.in_loop.recorder`),
-   the isolated passes between steps (under a memory budget, a few modules at a time, one pass per step);
-2. searching: rank 0's tuning session (``planner.study.session``, the one
-   ``prefetch-planner tune`` runs) runs the simulated stage under
-   ``sim_timeout_s`` and picks the candidates, between two steps; they are
-   broadcast and applied (checked) on every rank;
-3. racing: each plan's warm-up steps (its peak memory measured on them; a
-   plan over the memory budget is dropped at once and never runs again), then
-   the race's blocks, one plan per step in the balanced order, switched at
-   the same step on every rank;
-4. confirming: the race's survivor against the baseline on fresh rounds;
-5. watching: a survivor faster on this process's fresh rounds, but not yet
-   across processes, runs for the rest of the process, two steps in each
-   block of K running the baseline (:mod:`runtime.in_loop.watching`); it is reverted
-   to the baseline the first time an always-valid test finds it slower in
-   total ([Note: The watch] in :mod:`planner.statistics.watch`);
-6. done: the study's recommendation stays applied (the baseline if
-   nothing was confirmed faster across processes and nothing is watched);
-   the tuner's hooks are gone and ``tuner.step()`` does nothing.
+Every rank constructs the tuner and enters ``tuner.step()`` for the same steps; :class:`AutoTuner` lists its
+phases (:class:`planner.study.in_loop.TunerPhase`). Recording: the profile on the user's steps
+(:mod:`runtime.in_loop.recorder`). Searching: rank 0's tuning session (``planner.study.session``, the one
+``prefetch-planner tune`` runs), between two steps. Racing and confirming: :mod:`runtime.in_loop.steps`. Watching:
+:mod:`runtime.in_loop.watching` ([Note: The watch] in :mod:`planner.statistics.watch`).
 
 The baseline is the plan the model arrived with (``runtime.current_plan``),
 or FSDP2's default where it had none ([Note: The user's plan is the
@@ -74,7 +57,7 @@ from planner.statistics.watch import COST, Watch, WatchState, watch_every
 from planner.study.in_loop import TunerPhase, in_loop_config, record_watch
 from planner.units import mib
 from runtime.accumulation import holds_between_microbatches
-from runtime.apply import apply_plan, model_fingerprint
+from runtime.apply import configure_plan, model_fingerprint
 from runtime.current import current_plan, fsdp2_default, own_plan
 from runtime.in_loop.out_of_memory import cuda_budget, recover, recoverable
 from runtime.in_loop.recorder import LoopRecorder
@@ -84,6 +67,7 @@ from runtime.in_loop.watching import WatchedSteps
 from runtime.measuring.round import WARMUP, RoundStep
 from runtime.ranks.collectives import control_group, gather_objects
 from runtime.recording.peak_memory import PEAK_STEPS
+from runtime.switch import agreed_off
 from runtime.workload import fsdp_modules
 
 logger = logging.getLogger(__name__)
@@ -95,8 +79,12 @@ class AutoTuner:
     Every rank builds it and enters :meth:`step` on the same steps. Its phases, in order: recording (FSDP2's
     default while the profile is recorded), searching (the simulated study, between two steps), racing (one plan a
     step, switched at the same step on every rank), confirming (the survivor against the baseline on fresh
-    rounds), done (the confirmed plan, or the baseline, stays applied; :meth:`step` does nothing). The baseline is
-    the plan the model arrived with, else FSDP2's default.
+    rounds), watching (the survivor, faster on this process's rounds but not yet across fresh launches, applied for
+    the rest of the process and watched against the baseline, reverted if slower in total), done (the confirmed
+    plan, or the baseline, stays applied; :meth:`step` does nothing). The baseline is the plan the model arrived
+    with, else FSDP2's default. With ``PREFETCH_PLANNER=off`` on any rank the tuner is done from the start and
+    changes nothing (:mod:`planner.switch`). Applying, reverting or keeping a plan without tuning is one line at
+    WARNING on rank 0, which Python shows without any logging set-up; the rest is INFO.
 
     Args:
         model: the root module, already wrapped with ``fully_shard`` (per block, then the root), on every rank
@@ -153,6 +141,7 @@ class AutoTuner:
         PlanFormatError: ``start_from`` cannot be read as a plan.
         PlanMismatchError: ``start_from`` is a plan of another model, or carries no search-space parameters.
         PlannerError: no process group is initialized.
+        SwitchError: a rank's ``PREFETCH_PLANNER`` is neither on nor off.
     """
 
     def __init__(self, model: nn.Module, study: str, storage: str | None = None, memory_budget: str | None = None,
@@ -195,6 +184,10 @@ class AutoTuner:
         self._queue: deque[RoundStep] = deque()
         self._phase_started = 0
         self.device = next(model.parameters()).device.type
+        if (off := agreed_off(self._group, "AutoTuner")) is not None:  # [Note: The ranks agree on the switch]
+            self._announce(off)
+            self.phase = TunerPhase.DONE
+            return
         if memory_budget is None and self.device == "cuda":  # a full GPU is the job's: never risk it
             budget = cuda_budget(self._group)
             self.config = self.config.model_copy(update={"search": self.config.search.model_copy(
@@ -224,14 +217,14 @@ class AutoTuner:
 
     def _start(self, recheck: bool, start_from: str | None) -> None:
         start = self._round.start(self.fingerprint, recheck, start_from if self.rank0 else None)
-        self._log(f"AutoTuner: {start.why}")
+        (self._log if start.tune else self._announce)(f"AutoTuner: {start.why}")
         if not start.tune:
             plan = Plan.from_json(start.plan_json) if start.plan_json else self._kept()
-            apply_plan(self.model, plan, check=True)
+            configure_plan(self.model, plan, check=True)
             self._finish_with(plan)
             return
         if self.own_plan is not None:  # [Note: The user's plan is the baseline] in planner.study.session
-            apply_plan(self.model, self.default, check=False)
+            configure_plan(self.model, self.default, check=False)
             self._log("AutoTuner: the model arrives with a plan of its own: the profile is recorded under FSDP2's "
                       "default, as a profile is; the plan it arrived with is the race's baseline, what every verdict "
                       "compares against, and it is applied again, exactly, unless a plan is confirmed faster than it")
@@ -325,7 +318,7 @@ class AutoTuner:
             return False
         recover(self.model)
         kept = self._kept()
-        apply_plan(self.model, kept, check=False)
+        configure_plan(self.model, kept, check=False)
         if self._watching.state.blocks:
             self._store_watch(self._watching.state)
         self._finish_with(kept)
@@ -404,10 +397,10 @@ class AutoTuner:
         self.confirmation = end.confirmation
         if end.keeps_baseline and not end.applies_here:  # the plan the model had, exactly as it was
             end = dataclasses.replace(end, plan=self._kept())
-        apply_plan(self.model, end.plan, check=False)
+        configure_plan(self.model, end.plan, check=False)
         what = f"; {'across processes the study says: ' if end.applies_here else ''}{end.line}" if end.line else ""
-        self._log(f"AutoTuner: done after {self.steps_tuning} tuning steps ({self.steps_tuning - self._phase_started}"
-                  f" confirming){what}")
+        confirming = self.steps_tuning - self._phase_started
+        self._announce(f"AutoTuner: done after {self.steps_tuning} tuning steps ({confirming} confirming){what}")
         if end.applies_here:
             self._watch(end)
             return
@@ -418,25 +411,24 @@ class AutoTuner:
         the process that measured it] in :mod:`planner.statistics.watch`)."""
         plan, trial = end.survivor
         every = watch_every(end.here.ratio)
-        apply_plan(self.model, plan, check=False)
+        configure_plan(self.model, plan, check=False)
         self.plan, self.phase, self._queue = plan, TunerPhase.WATCHING, deque()
         self._watched_trial = trial
         self._watching = WatchedSteps(self.model, self.device, self._group, plan, self._kept(),
                                       Watch(every, seed=trial), self.rank0, self._steps.microbatches)
-        self._log(f"AutoTuner: applied trial {trial}'s plan for the rest of this process: {end.here.line()} (the "
-                  f"study keeps it provisional until fresh launches confirm it); watching it against "
-                  f"{self._baseline_name()} twice in every {every} steps (under {100 * COST:.0f}% of the run's time at "
-                  "that ratio), "
-                  "reverted if it is slower in total")
+        self._announce(f"AutoTuner: applied trial {trial}'s plan for the rest of this process: {end.here.line()} (the "
+                       f"study keeps it provisional until fresh launches confirm it); watching it against "
+                       f"{self._baseline_name()} twice in every {every} steps (under {100 * COST:.0f}% of the run's "
+                       "time at that ratio), reverted if it is slower in total")
 
     def _watched(self, state: WatchState) -> None:
         """After a watch block: a revert, or every so often the running ratio (logged and stored on rank 0)."""
         if state.reverted:
-            self._log(f"AutoTuner: the watch reverted trial {self._watched_trial}'s plan after {state.steps} steps: "
-                      f"{state.line()}")
+            self._announce(f"AutoTuner: the watch reverted trial {self._watched_trial}'s plan after {state.steps} "
+                           f"steps: {state.line()}")
             self._store_watch(state)
             kept = self._kept()
-            apply_plan(self.model, kept, check=False)
+            configure_plan(self.model, kept, check=False)
             self._finish_with(kept)
         elif self._watching.due_for_log():
             self._log(f"AutoTuner: watching trial {self._watched_trial}'s plan: {state.line()}")
@@ -476,15 +468,15 @@ class AutoTuner:
 
     def _abandon(self, reason: str) -> None:
         kept = self._kept()
-        apply_plan(self.model, kept, check=False)
+        configure_plan(self.model, kept, check=False)
         what = "the plan the model arrived with applied again" if self.own_plan else "FSDP2's default applied"
-        self._log(f"AutoTuner: stopped tuning after {self.steps_tuning} steps, {what}: {reason}")
+        self._announce(f"AutoTuner: stopped tuning after {self.steps_tuning} steps, {what}: {reason}")
         self._finish_with(kept)
 
     def close(self) -> None:
         """Stop tuning where it stands (e.g. the loop ends early): the trials still held are FAIL (interrupted,
-        measured again by the next tuner), FSDP2's default is applied. A watched plan stays applied, its watch
-        stored in the study."""
+        measured again by the next tuner), and the baseline is applied again (the plan the model arrived with, else
+        FSDP2's default). A watched plan stays applied, its watch stored in the study."""
         if self.phase == TunerPhase.DONE:
             return
         if self.phase == TunerPhase.WATCHING:
@@ -498,3 +490,9 @@ class AutoTuner:
     def _log(self, line: str) -> None:
         if self.rank0:
             logger.info(line)
+
+    def _announce(self, line: str) -> None:
+        """A line the user sees without configuring logging (WARNING, rank 0): a plan applied, reverted or kept
+        without tuning, the tuning stopped, the switch off. Every other line is INFO."""
+        if self.rank0:
+            logger.warning(line)

@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from planner.artifacts.plan import Plan
 from runtime.accumulation import set_microbatch_resharding
-from runtime.apply import apply_plan
+from runtime.apply import configure_plan
 from runtime.in_loop.recorder import LoopRecorder, PeakMeter
 from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP
 from runtime.measuring.round import PEAK, TIMED, RoundStep
@@ -85,7 +85,7 @@ class StepSide:
         started together (a barrier, the device synchronized) and the clock read."""
         self._microbatch = 0
         if order.plan != self.applied:
-            apply_plan(self.model, self.plans[order.plan], check=False)
+            configure_plan(self.model, self.plans[order.plan], check=False)
             self.applied = order.plan
         if order.kind in RECORDING:
             self.recorder.begin_step(peak=order.kind == RECORD_PEAK)

@@ -17,7 +17,7 @@ from torch import nn
 
 from planner.artifacts.plan import Plan
 from planner.statistics.watch import Watch, WatchState, WatchStep
-from runtime.apply import apply_plan
+from runtime.apply import configure_plan
 from runtime.ranks.collectives import broadcast_from_rank0
 from runtime.ranks.device import device_of
 from runtime.workload import fsdp_modules
@@ -69,9 +69,9 @@ class WatchedSteps:
             self._plan_ms, self._plan_steps, self._default_ms = 0.0, 0, 0.0
         step = self._block[self._at]
         if step is WatchStep.DEFAULT_WASHOUT:
-            apply_plan(self.model, self.default, check=False)
+            configure_plan(self.model, self.default, check=False)
         elif step is WatchStep.PLAN_WASHOUT:
-            apply_plan(self.model, self.plan, check=False)
+            configure_plan(self.model, self.plan, check=False)
         device = device_of(self.device)
         device.synchronize()
         self._t0 = device.clock()
@@ -99,7 +99,7 @@ class WatchedSteps:
             payload = self.watch.record(self._plan_ms, self._plan_steps, self._default_ms)
         self.state = broadcast_from_rank0(payload, self.group)
         if self.state.reverted:
-            apply_plan(self.model, self.default, check=False)
+            configure_plan(self.model, self.default, check=False)
         return self.state
 
     @property

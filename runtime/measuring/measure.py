@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from planner.artifacts.plan import Plan
 from planner.statistics.schedule import Phase
-from runtime.apply import apply_plan
+from runtime.apply import configure_plan
 from runtime.measuring.round import PEAK, TIMED, MeasuredRound, RoundStep, Scheduler, StepFailure
 from runtime.ranks.device import device_of
 from runtime.recording.peak_memory import measure_peak
@@ -42,7 +42,7 @@ def warm_up(
     index = 0
     try:
         for index, plan in enumerate(plans):  # noqa: B007 - the except clause names the plan by its index
-            apply_plan(workload.model, plan, check=False)
+            configure_plan(workload.model, plan, check=False)
             for _ in range(warmup_steps):
                 train_step(workload, steps.next())
                 if on_step is not None:
@@ -70,7 +70,7 @@ def run_steps(
     for step in steps:
         try:
             if step.plan != applied:
-                apply_plan(workload.model, round_.plans[step.plan], check=False)
+                configure_plan(workload.model, round_.plans[step.plan], check=False)
                 applied = step.plan
             if step.kind == PEAK:
                 round_.peaks[step.plan].append(measure_peak(workload, counter.next()).peak_bytes)

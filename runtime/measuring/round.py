@@ -61,7 +61,7 @@ from planner.artifacts.plan import Plan
 from planner.errors import FailKind, PlannerError, TrialFailedError, one_line
 from planner.statistics.schedule import Phase
 from planner.study.in_loop import block_times, step_orders
-from runtime.apply import apply_plan
+from runtime.apply import configure_plan
 from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
 from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
 
@@ -243,11 +243,11 @@ class MeasuredRound(Generic[TrialT]):
         here = []
         for plan in self.plans:
             try:
-                apply_plan(model, plan, check=True)
+                configure_plan(model, plan, check=True)
                 here.append(None)
             except Exception as e:  # noqa: BLE001 - any exception fails this plan, not the round
                 here.append(one_line(e))
-        apply_plan(model, self.plans[0], check=False)
+        configure_plan(model, self.plans[0], check=False)
         outcomes = gather_objects(here, self.group)
         self.kept = [i for i in range(len(self.plans)) if all(o[i] is None for o in outcomes)]
         for i in range(len(self.plans)):

@@ -35,6 +35,14 @@ def test_sizes_are_read_by_pydantic_bytesize_with_the_unit_matched_exactly():
     for bad in ("1500", "1.5Gb", "1.5gib", "1.5GiBs", "GiB", "-1GiB", "1e3MB"):  # "1.5Gb" is a gigabit to some
         with pytest.raises(ValueError, match="is not a size"):
             parse_bytes(bad)
+    # a unit written in another case is refused, and the error names every accepted spelling
+    with pytest.raises(ValueError, match=r"'10gb' is not a size: .*units are case-sensitive: B; KB, MB, GB, TB "
+                                         r"\(powers of 1000\); KiB, MiB, GiB, TiB \(powers of 1024\)$"):
+        parse_bytes("10gb")
+    with pytest.raises(ValueError, match="case-sensitive: bit/s or B/s, after K, M, G or T"):
+        parse_rate("1gbit/s")
+    with pytest.raises(ValueError, match="case-sensitive: ns, us, ms or s$"):
+        parse_seconds("2MS")
 
 
 def test_a_target_reads_and_describes_itself(tmp_path):

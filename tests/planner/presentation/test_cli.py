@@ -95,3 +95,45 @@ def test_query_and_simulate_commands_run_without_torch(study_db, tmp_path, make_
                  ["simulate", str(profile), "--json"]):
         proc = subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr
+
+
+def test_studies_forget_says_what_would_go_then_removes_it_and_keeps_the_clusters_calibration(tmp_path, make_profile):
+    """Without --yes: one line naming what would go, exit 2, nothing removed. With it: the study, its simulated
+    stage and the planner's rows are gone (``studies best`` finds no study, as the next start would), the
+    calibration launches stay; another study in the same database is untouched."""
+    import sqlalchemy as sa
+
+    from planner.storages.models import CalibrationLaunchRow
+
+    url = make_study_db(tmp_path, make_profile(n_blocks=2), sim_trials=10, space=get_space("uniform"))
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(CalibrationLaunchRow).values(
+            device_type="cpu", backend="gloo", world_size=2, mesh="", pair="default/default", study_name="s",
+            launch_json="{}"))
+    before = {t: _count(engine, t) for t in ("planner_plans", "planner_measured_runs", "planner_calibration_launches")}
+    assert before["planner_plans"] == 3 and before["planner_measured_runs"] == 3
+
+    code, out, err = _invoke(["studies", "forget", "s", "--storage", url])
+    assert_one_line_error(code, err, "study 's': 3 measured and 10 simulated trials, ")
+    assert "would be removed; pass --yes to remove them" in err
+    assert {t: _count(engine, t) for t in before} == before  # nothing removed
+    assert _invoke(["studies", "best", "s", "--storage", url])[0] == 0
+
+    code, out, _ = _invoke(["studies", "forget", "s", "--storage", url, "--yes"])
+    assert code == 0 and out.startswith("forgot study 's': 3 measured and 10 simulated trials")
+    assert _count(engine, "planner_plans") == 0 and _count(engine, "planner_measured_runs") == 0
+    assert _count(engine, "planner_calibration_launches") == before["planner_calibration_launches"]
+    assert_one_line_error(*_invoke(["studies", "best", "s", "--storage", url])[::2], "no study 's'")
+    import optuna
+
+    assert optuna.get_all_study_names(url) == []
+    assert_one_line_error(*_invoke(["studies", "forget", "s", "--storage", url, "--yes"])[::2], "no study 's'")
+    engine.dispose()
+
+
+def _count(engine, table: str) -> int:
+    import sqlalchemy as sa
+
+    with engine.connect() as conn:
+        return conn.execute(sa.text(f"select count(*) from {table}")).scalar_one()

@@ -92,3 +92,37 @@ def test_torchtitan_trainer_end_to_end(tmp_path):
     for mode in ("bare", "tune"):
         run_ranks("torchtitan_e2e.py", mode, str(tmp_path), "60")
     _same_losses_and_done(tmp_path, "torchtitan", 60)
+
+
+def test_enable_false_turns_each_trainer_callback_into_nothing():
+    """``enable=False``: the callback builds no tuner and adds nothing to a step; the same calls with the tuner on
+    build one, and fail here on a model that is not sharded (the contrast that shows the switch acts)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from planner.errors import NotShardedError
+    from runtime.adapters.hf import PrefetchTuningCallback
+    from runtime.adapters.lightning import PrefetchTuning
+
+    model, args, trainer = nn.Linear(2, 2), SimpleNamespace(fsdp=None), SimpleNamespace(accumulate_grad_batches=1)
+    hf = PrefetchTuningCallback("s", enable=False)
+    for _ in range(2):
+        hf.on_step_begin(args, None, None, model=model)
+        hf.on_step_end(args, None, None)
+    hf.on_train_end(args, None, None)
+    assert hf.tuner is None
+    with pytest.raises(NotShardedError):
+        PrefetchTuningCallback("s").on_step_begin(args, None, None, model=model)
+
+    lightning = PrefetchTuning("s", enable=False)
+    lightning.on_train_start(trainer, model)
+    for i in range(2):
+        lightning.on_train_batch_start(trainer, model, None, i)
+        lightning.on_train_batch_end(trainer, model, None, None, i)
+    lightning.on_train_end(trainer, model)
+    assert lightning.tuner is None
+    with pytest.raises(NotShardedError):
+        PrefetchTuning("s").on_train_start(trainer, model)
