@@ -115,6 +115,7 @@ from planner.artifacts.profile import Profile
 from planner.artifacts.target import Group, Target
 from planner.errors import TargetError
 from planner.simulation.resharding import collective_bytes, reshard, shard_bytes
+from planner.units import count
 
 Kind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
@@ -320,8 +321,8 @@ class Extrapolation:
     def describe(self) -> str:
         """One line: the world size against the recorded one, the nodes, the bytes per call against the fit's."""
         scale = self.world_size / self.recorded_world_size
-        text = (f"from a profile of {self.recorded_world_size} ranks to {self.world_size} on {self.nodes} node"
-                f"{'s' if self.nodes > 1 else ''} (x{scale:g}); shards over {self.shard}"
+        text = (f"from a profile of {count(self.recorded_world_size, 'rank')} to {self.world_size} on "
+                f"{count(self.nodes, 'node')} (x{scale:g}); shards over {self.shard}"
                 + (f", replicas {self.replicate}" if self.replicate > 1 else "")
                 + f"; all-gather {self.wire_bytes / 1e6:.2f} MB on the wire per call, "
                 f"{self.recorded_wire_bytes / 1e6:.2f} MB recorded (fitted {self.fitted_wire_bytes[0] / 1e6:.2f}-"
