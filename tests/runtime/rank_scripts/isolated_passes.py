@@ -6,7 +6,8 @@ Every real all-gather (``FSDPParamGroup.unshard`` of a sharded group) is made ``
 window that held another module's all-gather would show it. After two training steps of FSDP2's default (the
 second leaves its gradients in place: no ``zero_grad`` after it), rank 0 writes {"fqns": [...], "full":
 figures, "grouped": figures merged from one pass per module, "full_peak"/"grouped_peaks"/"default_peak": bytes,
-"module_bytes": {fqn: unsharded bytes}, "grads_kept": whether the sharded gradients are bitwise what they were}.
+"module_bytes": {fqn: unsharded bytes}, "grads_kept": whether the sharded gradients are bitwise what they were,
+"full_all_gathers": the real all-gathers while every module was held at once}.
 Figures are ``runtime.recording.recorder.isolated_measurements``'s, the overlap microbenchmark left out; the collectives
 are timed
 in one grouped pass (``LoopRecorder.isolate_next`` times them in the first; here the last, so that the other passes'
@@ -47,12 +48,14 @@ default_peak = meter.end()[0]
 grads = [p.grad.to_local().clone() for p in model.parameters()]  # the user's, which the passes must leave alone
 
 unsharded: set[int] = set()
+all_gathers = [0]  # the real all-gathers so far
 
 
 def slow_all_gather(group) -> None:
     if id(group) not in unsharded:  # a real all-gather (a no-op unshard of an unsharded group returns at once)
         time.sleep(SLOW_MS / 1e3)
         unsharded.add(id(group))
+        all_gathers[0] += 1
 
 
 fingerprint = model_fingerprint(model)
@@ -74,6 +77,7 @@ def resharded(group) -> None:
 
 with watching_unshard_and_reshard(slow_all_gather, resharded):
     full, full_peak = figures(None, False)
+    full_all_gathers = all_gathers[0]  # every module held at once: the hold's own, one per module
     parts, peaks = [], []
     for i, (fqn, _) in enumerate(modules):
         part, peak = figures((fqn,), i == len(modules) - 1)
@@ -93,5 +97,5 @@ if dist.get_rank() == 0:
                    "full_peak": max(p[1] for p in peaks_everywhere),
                    "grouped_peaks": [max(p[2][i] for p in peaks_everywhere) for i in range(len(modules))],
                    "module_bytes": dict(zip(fingerprint.module_fqns, fingerprint.param_bytes, strict=True)),
-                   "grads_kept": kept, "slow_ms": SLOW_MS}, f)
+                   "grads_kept": kept, "slow_ms": SLOW_MS, "full_all_gathers": full_all_gathers}, f)
 shutdown_rank()
