@@ -6,6 +6,9 @@
                                       # output and its database become the committed ones
     python docs/capture.py --check    # regenerate into a temporary folder and compare (tests/test_docs_output.py)
 
+The pages hold the captures themselves (``docs/inline.py``: GitHub renders no include), so writing the captures
+writes the pages' copies too, and ``--check`` checks both.
+
 Every output is the command's stdout, run from a scratch folder holding the files under the names the docs use,
 so nothing of this machine's paths gets in. The what-if outputs are deterministic (seeded search, committed
 profiles): ``--check`` compares them byte for byte. A real tune is not (its race is timed): ``--check`` regenerates
@@ -22,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import inline  # docs/inline.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURED = ROOT / "docs" / "captured"
@@ -153,7 +158,7 @@ def check() -> list[str]:
     tuned = [line for line in (CAPTURED / "tune.txt").read_text().splitlines() if line.startswith("best plan: ")]
     if not tuned or best not in tuned[-1]:
         problems.append("docs/captured/tune.txt does not end with the plan `studies best` names from quickstart.db")
-    return problems
+    return problems + inline.check()
 
 
 def main() -> None:
@@ -167,7 +172,7 @@ def main() -> None:
         print("\n".join(problems) or "docs/captured: up to date")
         sys.exit(1 if problems else 0)
     capture(CAPTURED, a.tune)
-    print(f"wrote {CAPTURED}")
+    print(f"wrote {CAPTURED}" + "".join(f", {p.relative_to(ROOT)}" for p in inline.write()))
 
 
 if __name__ == "__main__":

@@ -38,3 +38,27 @@ def test_the_documented_queries_answer_from_a_real_study_database():
     assert sum(d for d, _ in plans) == 1 and all(ms > 0 for _, ms in plans) and len(plans) >= 2
     assert studies["quickstart"] == len(plans) and studies["quickstart.sim"] > 0
     assert len(verdicts) == 1 and verdicts[0][0] in ("faster", "provisional", "no significant difference", "slower")
+
+
+def _inline():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_inline", ROOT / "docs" / "inline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pages_read_whole_where_they_are_linked():
+    """GitHub renders no ``--8<--`` include and runs no MkDocs hook: every page but the changelog (which the README
+    does not link: it links CHANGELOG.md) holds its captures and the TOML reference itself, and they are their
+    sources' text; an inlined part edited by hand is caught."""
+    inline = _inline()
+    assert inline.check() == []
+    for page in inline.pages():
+        if page.name != "changelog.md":
+            assert "--8<--" not in page.read_text(), page
+    assert "| `sim_trials` |" in (ROOT / "docs" / "toml-reference.md").read_text()
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    edited = page.replace("exposed comm ", "exposed comms", 1)
+    assert edited != page and inline.inlined(edited) == page  # the edit is undone by the source's text
