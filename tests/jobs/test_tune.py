@@ -90,9 +90,11 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
     assert got["async"] == [plan.unshard_async_op]
     assert all(x == x for x in got["losses"])  # finite steps ran
     assert "FSDP module count: plan has 5, model has 4" in got["errors"]["model"]
-    assert got["travelled"] == [  # [Note: Plans travel]: applied as it is, one warning
+    travel, applied = got["travelled"]  # [Note: Plans travel]: applied as it is, one warning, then the plan's line
+    assert travel == (
         "plan tuned on 4 ranks, applied on 2: its modules are named by FQN and apply as they are, but its gain was "
-        "confirmed on 4 ranks, not here; confirm it on this job (tune, or the AutoTuner on its study)"]
+        "confirmed on 4 ranks, not here; confirm it on this job (tune, or the AutoTuner on its study)")
+    assert applied.startswith("apply_plan: ") and applied.endswith(" applied")
     assert got["travelled_applied"] == expected
 
 

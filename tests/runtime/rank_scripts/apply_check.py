@@ -30,7 +30,7 @@ try:
     apply_plan(other.model, plan)
 except PlanMismatchError as e:
     errors["model"] = str(e)
-travelled = []  # a plan from another world size applies, with one warning on rank 0
+travelled = []  # a plan from another world size applies, with one warning on rank 0, then the applied plan's line
 
 
 class Kept(logging.Handler):
