@@ -10,16 +10,17 @@ import sqlite3
 
 import pytest
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.knobs import KNOBS, Scope
 from planner.errors import UnsupportedPlanError
 from planner.testing import make_study_db, synthetic_profile
 from runtime.apply import ROOT_SETTERS, apply_plan, load_best_plan, model_fingerprint
 from runtime.ranks.torch_private import prefetch_counts, unshard_async_op
-from runtime.reference_workloads import MLPStack, mlp
+from runtime.reference_workloads import mlp
 from runtime.workload import fsdp_modules
 from search_spaces import get_space
+from tests.runtime.models import sharded_mlp
 
 
 def _other(k):
@@ -70,12 +71,7 @@ def test_a_knob_the_running_torch_lacks_is_refused_before_anything_is_applied(me
 
 
 def _model(mesh, layers):
-    torch.manual_seed(0)
-    m = MLPStack(dim=16, layers=layers)
-    for block in m.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    return m
+    return sharded_mlp(mesh, layers)
 
 
 def test_the_best_faster_plan_for_this_model_then_the_default_for_another(mesh, tmp_path, caplog):

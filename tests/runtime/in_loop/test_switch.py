@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.fsdp import fully_shard
 
 import runtime.switch as switch_module
 from planner.errors import SwitchError
@@ -20,18 +19,14 @@ from runtime import AutoTuner
 from runtime.apply import apply_plan, load_best_plan
 from runtime.current import current_plan, fsdp2_default
 from runtime.ranks.torch_private import prefetch_counts, unshard_async_op
-from runtime.reference_workloads import MLPStack
+from tests.runtime.models import sharded_mlp
 
 ROOT = Path(__file__).parents[3]
 
 
 def _hand_set(mesh):
     """A model whose user set a forward prefetch by hand: the plan the switch must leave alone."""
-    torch.manual_seed(0)
-    m = MLPStack(dim=16, layers=3)
-    for block in m.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(m, mesh=mesh)
+    m = sharded_mlp(mesh)
     m.blocks[0].set_modules_to_forward_prefetch([m.blocks[1]])
     return m
 

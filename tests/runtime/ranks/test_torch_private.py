@@ -14,16 +14,12 @@ from torch.distributed.fsdp import fully_shard
 from runtime.ranks import torch_private
 from runtime.recording.memory import UnshardedBytesTracker
 from runtime.reference_workloads import MLPStack
+from tests.runtime.models import sharded_mlp
 
 
 @pytest.fixture
 def model(mesh):
-    torch.manual_seed(0)
-    m = MLPStack(dim=16, layers=3)
-    for block in m.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    return m
+    return sharded_mlp(mesh)
 
 
 def _step(model):
