@@ -1,5 +1,6 @@
-"""The tool on an emulated two-node cluster: two network namespaces joined by a veth pair shaped to each rate of
-:data:`bench.cluster.RATES`, one gloo rank per node, ``torchrun --nnodes 2`` with the c10d rendezvous.
+"""The tool on an emulated two-node cluster: two network namespaces joined by a veth pair shaped with ``tc tbf`` (to
+1 Gbit/s; the link sweep runs the other rates of :data:`bench.cluster.RATES`), one gloo rank per node,
+``torchrun --nnodes 2`` with the c10d rendezvous.
 
 The model is small so that the suite stays within CI's time; the link sweep (``python -m bench.link_sweep``) runs
 the reference workloads.
@@ -12,7 +13,6 @@ import json
 
 import pytest
 
-from bench.cluster import RATES
 from planner import Plan, Profile
 from tests.jobs.study import STUDY
 from tests.multirank import RANK_SCRIPTS, rank_env
@@ -31,7 +31,10 @@ def run(cluster, args, tmp_path, timeout=600, rdzv_id="cluster", nproc_per_node=
     return codes, launch.output()
 
 
-@pytest.mark.parametrize("two_nodes", RATES, indirect=True)
+# The loss does not depend on the link's rate, and the rates' timings are the link sweep's
+# (python -m bench.link_sweep): the tests run on the shaped 1 Gbit/s link, which takes every path the unshaped one
+# does, plus tc's shaping (tests/bench/test_cluster.py reads every rate of bench.cluster.RATES as tc writes it).
+@pytest.mark.parametrize("two_nodes", ["1gbit"], indirect=True)
 def test_tune_across_two_nodes_keeps_the_loss_bitwise(two_nodes, tmp_path):
     """``prefetch-planner tune`` as two nodes records, races and confirms over the link; every plan it raced and the
     one it wrote train with the default's losses, bitwise, on both nodes."""
@@ -59,7 +62,7 @@ def test_tune_across_two_nodes_keeps_the_loss_bitwise(two_nodes, tmp_path):
     assert Plan.load(tmp_path / "e2e.plan.json").fingerprint == profile.fingerprint
 
 
-@pytest.mark.parametrize("two_nodes", ["none", "1gbit"], indirect=True)
+@pytest.mark.parametrize("two_nodes", ["1gbit"], indirect=True)
 def test_the_in_loop_tuner_across_two_nodes(two_nodes, tmp_path):
     """The plain loop with ``AutoTuner``'s lines, one rank a node: losses bitwise the loop's without the tuner, on
     the unshaped link and the slowest (4 Gbit/s lies between; the HSDP test runs the loop at 1 Gbit/s on 2 x 2
