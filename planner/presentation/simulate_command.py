@@ -35,8 +35,8 @@ def simulate(profile_json, plan_json, as_json, trace_out, png_out, **what_if) ->
     travelled = plan.check_matches(scenario.profile)
     if travelled is not None:
         click.echo(f"warning: {travelled}", err=True)
-    band = scenario.band(plan)
-    r = scenario.simulator().run(plan, trace=bool(trace_out or png_out))
+    priced = scenario.price(plan, trace=bool(trace_out or png_out))
+    r, band = priced.result, priced.band
     title = f"{Path(plan_json).name if plan_json else 'FSDP2 default'} on {Path(profile_json).name}"
     if trace_out:
         from planner.simulation.trace import write_chrome_trace

@@ -11,6 +11,9 @@ One pipeline, in one order, for every caller (``simulate``, ``tune --target``, t
 4. band: the step's band on the target (:func:`planner.simulation.band.step_band`);
 5. simulate the re-targeted profile with the parameters of step 1.
 
+:meth:`Scenario.price` is the one way a plan is priced (``simulate`` and ``check``): one answer for one profile,
+plan and cluster.
+
 :class:`WhatIf` is the question as a user writes it (``--target``, ``--world-size``, ``--mesh``, ``--depth``,
 ``--blocks``); :meth:`WhatIf.apply` answers it with a :class:`Scenario`.
 """
@@ -29,7 +32,7 @@ if TYPE_CHECKING:  # importing the what-if compiles nothing: the simulator comes
     from planner.simulation.band import Band
     from planner.simulation.depth import Deepened
     from planner.simulation.link import Retargeted
-    from planner.simulation.simulator import SimParams, Simulator
+    from planner.simulation.simulator import SimParams, SimResult, Simulator
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,19 @@ class WhatIf:
         """
         self.check()
         return Scenario.of(recorded, self.load_target(), self.depth, self.blocks)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A plan priced on a :class:`Scenario` (:meth:`Scenario.price`).
+
+    Attributes:
+        result: the simulator's run (step, exposed communication, peak, lower bound; the timeline when traced).
+        band: the step's band on the target; ``None`` without a target (the cluster recorded on).
+    """
+
+    result: SimResult
+    band: Band | None = None
 
 
 @dataclass(frozen=True)
@@ -144,3 +160,11 @@ class Scenario:
         if self.target is None:
             return None
         return step_band(self.profile, self.target, plan, self.params, self.recorded)
+
+    def price(self, plan: Plan, trace: bool = False) -> Priced:
+        """``plan`` simulated on this scenario, with its band on the target; ``trace``: keep the timeline.
+
+        Raises:
+            PlannerError: the simulator cannot run the plan (e.g. an integer ``reshard_after_forward``).
+        """
+        return Priced(self.simulator().run(plan, trace=trace), self.band(plan))

@@ -29,7 +29,6 @@ class PricedPlan:
         label: ``"yours"``, ``"FSDP2 default"``, ``"the study's recommendation (trial 7)"``.
         plan: the plan.
         step_ms: the predicted step, ms; ``None`` when it could not be simulated (:attr:`why_not`).
-        band_ms: ``(low, high)`` around it, ms; ``None`` without a band.
         exposed_comm_ms: step time not covered by compute, ms.
         peak_bytes: the predicted peak per rank, bytes.
         why_not: why it was not priced, one line.
@@ -38,17 +37,15 @@ class PricedPlan:
     label: str
     plan: Plan
     step_ms: float | None = None
-    band_ms: tuple[float, float] | None = None
     exposed_comm_ms: float | None = None
     peak_bytes: int | None = None
     why_not: str | None = None
 
     def line(self) -> str:
-        """``yours            812.4 ms [790.1, 836.0], exposed communication 120.3 ms, peak 1.2 GiB``."""
+        """``yours            812.4 ms, exposed communication 120.3 ms, peak 1.2 GiB``."""
         if self.step_ms is None:
             return f"{self.label:<36} not priced: {self.why_not}"
-        band = f" [{self.band_ms[0]:.1f}, {self.band_ms[1]:.1f}]" if self.band_ms else ""
-        return (f"{self.label:<36} {self.step_ms:8.1f} ms{band}, exposed communication {self.exposed_comm_ms:.1f} ms, "
+        return (f"{self.label:<36} {self.step_ms:8.1f} ms, exposed communication {self.exposed_comm_ms:.1f} ms, "
                 f"peak {mib(self.peak_bytes)}")
 
 
@@ -75,7 +72,8 @@ class CheckReport:
         if self.unknown_knobs:
             out.append(f"  unknown (no state to read in this torch): {', '.join(self.unknown_knobs)}")
         out += summary_lines(self.findings)
-        out.append("simulated on the profile's own cluster (predicted step [band], exposed communication, peak):")
+        out.append("simulated on the profile's own cluster, as `simulate PROFILE PLAN` (predicted step, exposed "
+                   "communication, peak):")
         out += [f"  {p.line()}" for p in self.priced]
         out += difference_lines(self.priced)
         return out
@@ -87,7 +85,7 @@ class CheckReport:
             "unknown_knobs": list(self.unknown_knobs),
             "findings": [{"pattern": str(f.pattern), "modules": list(f.modules), "detail": f.detail,
                           "source": f.source, "fix": f.fix} for f in self.findings],
-            "priced": [{"label": p.label, "step_ms": p.step_ms, "band_ms": list(p.band_ms) if p.band_ms else None,
+            "priced": [{"label": p.label, "step_ms": p.step_ms,
                         "exposed_comm_ms": p.exposed_comm_ms, "peak_bytes": p.peak_bytes, "why_not": p.why_not}
                        for p in self.priced],
         }
@@ -147,36 +145,16 @@ def difference_lines(priced: Sequence[PricedPlan]) -> list[str]:
 
 
 def price(label: str, plan: Plan, profile: Profile) -> PricedPlan:
-    """``plan`` on ``profile``'s simulator with its band on the profile's own cluster; a plan the simulator refuses
-    (an integer ``reshard_after_forward``) comes back unpriced with the reason."""
-    from planner.simulation.parameters import simulator_for
+    """``plan`` on the cluster ``profile`` was recorded on, priced as ``simulate PROFILE PLAN`` prices it
+    (:meth:`planner.simulation.what_if.Scenario.price`: one answer for one profile and plan); a plan the simulator
+    refuses (an integer ``reshard_after_forward``) comes back unpriced with the reason."""
+    from planner.simulation.what_if import Scenario
 
     try:
-        result = simulator_for(profile).run(plan)
+        result = Scenario.of(profile).price(plan).result
     except PlannerError as e:
         return PricedPlan(label, plan, why_not=one_line(e))
-    band = _band(profile, plan)
-    step = band[0] if band else result.step_ms
-    return PricedPlan(label, plan, step, band[1] if band else None, result.exposed_comm_ms, result.peak_bytes)
-
-
-def _band(profile: Profile, plan: Plan) -> tuple[float, tuple[float, float]] | None:
-    """The predicted step on the profile's own cluster with its band; ``None`` where no band can be made (one
-    rank: no collective to fit)."""
-    from planner.artifacts.target import Link, Links, Target
-    from planner.simulation.band import step_band
-
-    fp = profile.fingerprint
-    if fp.world_size < 2:
-        return None
-    own = Target(world_size=fp.world_size, ranks_per_node=fp.world_size,
-                 backend="gloo" if fp.device_type == "cpu" else "nccl", mesh=fp.mesh,
-                 link=Links(intra_node=Link(bandwidth="recorded")))
-    try:
-        band = step_band(profile, own, plan)
-    except PlannerError:
-        return None
-    return band.step_ms, (band.low_ms, band.high_ms)
+    return PricedPlan(label, plan, result.step_ms, result.exposed_comm_ms, result.peak_bytes)
 
 
 def check_plan(plan: Plan, profile: Profile, recommended: Plan | None = None, recommended_label: str | None = None,

@@ -166,3 +166,28 @@ def test_check_only_prices_the_plan_on_the_studys_stored_profile_of_this_job(tmp
     storage.engine.dispose()
     priced = "\n".join(check_in_study(config, profile.fingerprint, plan))
     assert "yours against FSDP2 default" in priced and "not priced" not in priced
+
+
+def test_check_and_simulate_give_one_answer_for_one_profile_and_plan():
+    """``check`` prices a plan as ``simulate PROFILE PLAN`` does (``Scenario.price``): the same step, exposed
+    communication and peak for the hand-set plan and for FSDP2's default, on the committed 2-rank Llama profile."""
+    import json
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from planner.artifacts.profile import Profile
+    from planner.presentation.cli import main
+
+    captured = Path(__file__).parents[3] / "docs" / "captured"
+    profile_json = captured / "llama-cpu-hand-set.profile.json"
+    plan_json = captured / "llama-cpu-hand-set.own.plan.json"
+    profile = Profile.load(profile_json)
+    assert profile.fingerprint.world_size == 2
+    yours, default = check_plan(Plan.load(plan_json), profile).priced
+    for priced, args in ((yours, [str(profile_json), str(plan_json)]), (default, [str(profile_json)])):
+        result = CliRunner().invoke(main, ["simulate", *args, "--json"], catch_exceptions=False)
+        simulated = json.loads(result.stdout)
+        assert (priced.step_ms, priced.exposed_comm_ms, priced.peak_bytes) == (
+            simulated["step_ms"], simulated["exposed_comm_ms"], simulated["peak_bytes"])
+    assert yours.step_ms != default.step_ms
