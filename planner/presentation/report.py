@@ -96,12 +96,17 @@ def _baseline(outcome: TuneOutcome) -> str:
 
 
 def design_line(d: ConfirmDesign) -> str:
-    """``4 fresh launches of 10 rounds (80 steps), 81% power for a 3.0% gain at the cluster's spread``."""
+    """``4 fresh launches of 10 rounds (80 steps), 81% power for a 3.0% gain at the cluster's spread 4.5% and the
+    race's noise 2.1% a round``: the power the design was sized for, before any launch, and the spread and noise it
+    assumed (:func:`power_line` says what the launches then measured, through the same
+    :func:`planner.statistics.verdict.power`)."""
     where = f"{d.launches} fresh launch(es)" if d.launches else "this process, then a fresh launch at each later start"
     reach = "" if d.resolves else " (no design of up to 6 launches reaches 80%: the cluster's spread dominates)"
+    assumed = f" {100 * d.tau:.1f}%" if d.tau == d.tau else ""
+    noise = f" and the race's noise {100 * d.sigma:.1f}% a round" if d.sigma == d.sigma else ""
     return (f"{where} of {d.rounds} rounds ({d.steps()} steps), {100 * d.power:.0f}% power for a "
-            f"{100 * d.resolve:.1f}% gain at the cluster's spread{reach}; the chain looks up to {d.horizon} fresh "
-            "launch(es)")
+            f"{100 * d.resolve:.1f}% gain at the cluster's spread{assumed}{noise}{reach}; the chain looks up to "
+            f"{d.horizon} fresh launch(es)")
 
 
 def power_line(c: Confirmation) -> str:
@@ -115,8 +120,9 @@ def power_line(c: Confirmation) -> str:
         return ("      power: none in this process: its race picked the survivor, so only a fresh launch can call it "
                 "faster (the next start or `tune` job adds one)")
     return (f"      power: {fresh} fresh launch(es) of {c.rounds // max(1, c.launches)} rounds call a total-time gain "
-            f"of {100 * gain:.1f}% faster with 80% power (between-launch spread {100 * c.tau:.1f}%"
-            f"{', the floor' if c.df is None and c.fresh is not None else ''})")
+            f"of {100 * gain:.1f}% faster with 80% power at what these launches measured (between-launch spread "
+            f"{100 * c.tau:.1f}%{', the floor' if c.df is None and c.fresh is not None else ''}, noise "
+            f"{100 * c.noise_sigma():.1f}% a round), where the design assumed the race's")
 
 
 def conclusion_report(confirmation: Confirmation | None, best: BestPlan, study: str, plan_out: str) -> list[str]:

@@ -45,6 +45,8 @@ class ConfirmDesign:
         horizon: the fresh launches the chain plans for (:attr:`Looks.horizon`).
         power: the chance the chain's last look calls a plan ``resolve`` faster at the floor's spread.
         resolve: the gain it was sized for (0.03 = 3%).
+        sigma: the per-round noise it was sized at (log ratio; the race's), ``nan`` unknown.
+        tau: the between-launch spread it was sized at (log scale): the study's, never below the cluster's floor.
     """
 
     launches: int
@@ -52,6 +54,8 @@ class ConfirmDesign:
     horizon: int
     power: float
     resolve: float
+    sigma: float = float("nan")
+    tau: float = float("nan")
 
     @property
     def resolves(self) -> bool:
@@ -95,7 +99,7 @@ def confirmation_design(sigma: float, resolve: float = 0.03, bounds: tuple[int, 
         looks = Looks(horizon=count)
         rounds = confirmation_rounds(sigma, resolve, bounds, count, spread, floor, looks, tau)
         found = power(count, rounds, resolve, sigma, spread, looks, tau, floor) if sigma == sigma else 0.0
-        return ConfirmDesign(count if launches != 0 else 0, rounds, count, found, resolve)
+        return ConfirmDesign(count if launches != 0 else 0, rounds, count, found, resolve, sigma, tau)
 
     if launches:
         return sized(launches)

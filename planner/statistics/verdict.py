@@ -148,16 +148,26 @@ class Confirmation:
             text += f" (median round {self.median_ratio:.3f}, descriptive)"
         return text
 
+    def noise_sigma(self) -> float:
+        """The per-round noise (standard deviation of a round's log ratio) the within-launch interval implies;
+        ``nan`` for an older confirmation, which has none."""
+        if self.within_ci95 is None:
+            return float("nan")
+        launches = max(1, self.launches)
+        per_launch = max(MIN_ROUNDS, self.rounds // launches)
+        se0 = math.log(self.within_ci95[1] / self.within_ci95[0]) / (2 * _t_quantile(self.rounds - launches))
+        return se0 * math.sqrt(launches * per_launch)
+
     def detectable(self) -> float:
         """The total-time gain (0.07 = 7%) a confirmation of as many fresh launches and rounds calls faster with 80%
-        power, at the within-launch noise and the spread this one used (:func:`detectable_gain`); ``nan`` for an
-        older confirmation, which has neither."""
+        power, at the within-launch noise (:meth:`noise_sigma`) and the spread this one used
+        (:func:`detectable_gain`, through :func:`power` as the design's); ``nan`` for an older confirmation, which
+        has neither."""
         if self.tau is None or self.within_ci95 is None:
             return float("nan")
         launches, fresh = max(1, self.launches), max(1, self.fresh_launches)
         per_launch = max(MIN_ROUNDS, self.rounds // launches)
-        se0 = math.log(self.within_ci95[1] / self.within_ci95[0]) / (2 * _t_quantile(self.rounds - launches))
-        sigma = se0 * math.sqrt(launches * per_launch)  # the per-round noise the within-launch interval implies
+        sigma = self.noise_sigma()
         floor = DEFAULT_SPREAD.tau if self.floor is None else self.floor
         # the study's spread before this confirmation's own launches, which power() adds back
         spread = Spread(self.tau, max(0.0, self.df - (fresh - 1))) if self.df is not None else Spread(floor, 0.0)

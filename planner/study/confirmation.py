@@ -111,7 +111,8 @@ def design_for(config: StudyConfig, waiting: PendingConfirmation) -> tuple[Confi
         looks = Looks(horizon=max(1, launches))
         found = power(max(1, launches), waiting.rounds, settings.resolve, float("nan"), spread, looks,
                       floor=cluster.floor)
-        return ConfirmDesign(launches, waiting.rounds, max(1, launches), found, settings.resolve), cluster
+        return ConfirmDesign(launches, waiting.rounds, max(1, launches), found, settings.resolve,
+                             tau=max(cluster.floor, spread.tau)), cluster
     return settings.design(waiting.sigma), cluster
 
 
