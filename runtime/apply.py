@@ -154,20 +154,7 @@ def apply_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
         _log_rank0(logging.WARNING, off_line("apply_plan"))
         return
     configure_plan(model, plan, check)
-    _log_rank0(logging.WARNING, f"apply_plan: {plan_name(plan)} applied")
-
-
-def plan_name(plan: Plan) -> str:
-    """A plan in a few words, for the one line a user sees when it is applied: its study and trial, what made it,
-    or the plan that changes nothing."""
-    p = plan.provenance
-    if not plan.modules:
-        return "the plan that changes nothing (every module as wrapped)"
-    if p.study is not None and p.trial is not None:
-        return f"study {p.study!r}'s trial {p.trial}"
-    return {Source.DEFAULT: "FSDP2's default", Source.USER: "a plan read back from a model",
-            Source.PREDICTED: f"a plan predicted for {p.target or 'another cluster'}, not measured"}.get(
-                p.source, f"a {p.source} plan")
+    _log_rank0(logging.WARNING, f"apply_plan: {plan.name()} applied")
 
 
 def _log_rank0(level: int, line: str) -> None:
@@ -221,12 +208,12 @@ def configure_plan(model: nn.Module, plan: Plan, check: bool = True) -> None:
         if difference is not None:
             raise PlanMismatchError(f"plan does not match this model: {difference}; tune a plan for this model")
         note = plan.fingerprint.travel_note(fingerprint)
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0  # one line, not one per rank
-        if note is not None and rank0:
-            logger.warning(note)
-        if plan.provenance.source == Source.PREDICTED and rank0:
-            logger.warning(f"plan predicted for {plan.provenance.target or 'another cluster'}, not measured: confirm "
-                           "it here (AutoTuner(..., start_from=PLAN_JSON) races it against FSDP2's default)")
+        if note is not None:
+            _log_rank0(logging.WARNING, note)
+        if plan.provenance.source == Source.PREDICTED:
+            _log_rank0(logging.WARNING, f"plan predicted for {plan.provenance.target or 'another cluster'}, not "
+                       "measured: confirm it here (AutoTuner(..., start_from=PLAN_JSON) races it against FSDP2's "
+                       "default)")
     for fqn, module in modules.items():
         mp = plan.modules.get(fqn)
         if mp is None:
@@ -269,8 +256,7 @@ def _left_alone(model: nn.Module, k: Knob, modules: list[nn.Module], value: Any)
     logged = _LOGGED.setdefault(model, set())
     if (k.name, why) not in logged:
         logged.add((k.name, why))
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.info(f"apply_plan: {k.name} left as the model has it: {why}")
+        _log_rank0(logging.INFO, f"apply_plan: {k.name} left as the model has it: {why}")
     return True
 
 

@@ -245,6 +245,18 @@ class Plan:
             raise PlanMismatchError(f"plan does not match the profile: {difference}; tune a plan for this model")
         return self.fingerprint.travel_note(profile.fingerprint)
 
+    def name(self) -> str:
+        """The plan in a few words, for the line a user sees when it is applied: its study and trial, what made it,
+        or the plan that changes nothing."""
+        p = self.provenance
+        if not self.modules:
+            return "the plan that changes nothing (every module as wrapped)"
+        if p.study is not None and p.trial is not None:
+            return f"study {p.study!r}'s trial {p.trial}"
+        return {Source.DEFAULT: "FSDP2's default", Source.USER: "a plan read back from a model",
+                Source.PREDICTED: f"a plan predicted for {p.target or 'another cluster'}, not measured"}.get(
+                    p.source, f"a {p.source} plan")
+
     def is_default_for(self, profile: Profile) -> bool:
         """Whether this plan behaves like :meth:`default` for ``profile``."""
         return self.behaviour_key() == Plan.default(profile).behaviour_key()

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from planner.storages.models import ConfirmationRow, MeasuredRunRow, PlanRow, ProfileRow, WatchRow
 from planner.study.predicted import PREDICTED_SUFFIX
-from planner.study.queries import _load
+from planner.study.queries import load_study
 from planner.study.simulated import SIM_SUFFIX
 
 # children before parents: a measured run refers to its plan, a plan to its profile
@@ -64,7 +64,7 @@ def forget_study(url: str, name: str, dry_run: bool = False) -> Forgotten:
         StudyNotFoundError: no database at ``url``, or no study ``name`` in it (the message lists those there).
         StorageError: the storage cannot be opened.
     """
-    study, storage = _load(url, name)
+    study, storage = load_study(url, name)
     all_names = set(optuna.get_all_study_names(storage))
     names = tuple(n for n in (name, name + SIM_SUFFIX, name + PREDICTED_SUFFIX) if n in all_names)
     simulated = (len(optuna.load_study(study_name=name + SIM_SUFFIX, storage=storage).trials)

@@ -56,7 +56,13 @@ def _open_existing(url: str) -> optuna.storages.RDBStorage:
     return open_storage(url)
 
 
-def _load(url: str, name: str, read_only: bool = False) -> tuple[optuna.Study, optuna.storages.RDBStorage]:
+def load_study(url: str, name: str, read_only: bool = False) -> tuple[optuna.Study, optuna.storages.RDBStorage]:
+    """Study ``name`` at ``url`` and its storage (``read_only``: opened so nothing is written).
+
+    Raises:
+        StudyNotFoundError: no database at ``url``, or no such study (the message lists the studies there).
+        StorageError: the storage cannot be opened.
+    """
     storage = open_storage_read_only(url) if read_only else _open_existing(url)
     try:
         return optuna.load_study(study_name=name, storage=storage), storage
@@ -123,7 +129,7 @@ def study_trials(url: str, name: str) -> StudyTrials:
     Raises:
         StudyNotFoundError: no such study.
     """
-    study, storage = _load(url, name)
+    study, storage = load_study(url, name)
     measured = measured_records(storage, study)
     try:
         sim = optuna.load_study(study_name=name + SIM_SUFFIX, storage=storage)
@@ -221,7 +227,7 @@ def best_plan(url: str, name: str, fingerprint: Fingerprint | None = None) -> Be
     Raises:
         StudyNotFoundError: no such study, or no job of it has concluded (for that fingerprint).
     """
-    study, storage = _load(url, name)
+    study, storage = load_study(url, name)
     best = best_in(storage, study, name, fingerprint)
     if best is None:
         raise StudyNotFoundError(f"study {name!r} has no concluded tuning job yet; run `prefetch-planner tune` on it")
@@ -257,7 +263,7 @@ def recommendation_for(url: str, name: str, fingerprint: Fingerprint) -> BestPla
         StudyNotFoundError: no database or no such study.
         StorageError: the storage cannot be opened.
     """
-    study, storage = _load(url, name, read_only=True)
+    study, storage = load_study(url, name, read_only=True)
     try:
         return best_in(storage, study, name, fingerprint)
     finally:

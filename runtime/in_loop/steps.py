@@ -93,19 +93,12 @@ class StepSide:
             self.meter.begin()
         if order.kind not in (RECORD, TIMED):
             return None
-        device = device_of(self.device)
-        device.barrier(self.group)  # the control group's ([Note: Which group a barrier uses])
-        device.synchronize()
-        return device.clock()
+        return device_of(self.device).start(self.group)  # the control group's ([Note: Which group a barrier uses])
 
     def after(self, order: RoundStep, t0: float | None, peaks: list[list[int]]) -> None:
         """After the user's step: its ms (timed steps), a plan's parameters resharded after the last microbatch,
         the recorder or meter ended (a peak step's peak appended to ``peaks[order.plan]``)."""
-        ms = None
-        if t0 is not None:
-            device = device_of(self.device)
-            device.synchronize()
-            ms = (device.clock() - t0) * 1e3
+        ms = None if t0 is None else device_of(self.device).elapsed_ms(t0)
         if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
             for _, m in fsdp_modules(self.model):
                 m.reshard()

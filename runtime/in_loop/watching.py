@@ -72,16 +72,12 @@ class WatchedSteps:
             configure_plan(self.model, self.default, check=False)
         elif step is WatchStep.PLAN_WASHOUT:
             configure_plan(self.model, self.plan, check=False)
-        device = device_of(self.device)
-        device.synchronize()
-        self._t0 = device.clock()
+        self._t0 = device_of(self.device).start(together=False)  # no barrier (the module docstring says why)
 
     def after(self) -> WatchState | None:
         """After a step: its time kept when it is timed; at a block's end, rank 0's decision on every rank (the
         state, once per block; ``None`` within a block)."""
-        device = device_of(self.device)
-        device.synchronize()
-        ms = (device.clock() - self._t0) * 1e3
+        ms = device_of(self.device).elapsed_ms(self._t0)
         if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
             for _, m in fsdp_modules(self.model):
                 m.reshard()

@@ -105,16 +105,26 @@ class Device:
         """
         raise NotImplementedError("a CPU has no device memory to read")
 
-    def timed_ms(self, run: Callable[[], object], group: Any = None) -> float:
-        """This rank's wall time of ``run()``, ms: every rank of ``group`` starts together (a barrier, then the
-        device synchronized), and the device is synchronized at the end, so on GPU the kernels ``run`` queued are
-        in the time."""
-        self.barrier(group)
+    def start(self, group: Any = None, together: bool = True) -> float:
+        """The clock at the start of a timed stretch, s: every rank of ``group`` there first (``together``: a
+        barrier), then the device synchronized, so nothing queued before is in the time."""
+        if together:
+            self.barrier(group)
         self.synchronize()
-        t0 = self.clock()
-        run()
+        return self.clock()
+
+    def elapsed_ms(self, t0: float) -> float:
+        """Ms since :meth:`start` returned ``t0``, the device synchronized first, so on GPU the kernels queued
+        since are in the time."""
         self.synchronize()
         return (self.clock() - t0) * 1e3
+
+    def timed_ms(self, run: Callable[[], object], group: Any = None) -> float:
+        """This rank's wall time of ``run()``, ms, every rank of ``group`` starting together (:meth:`start`,
+        :meth:`elapsed_ms`)."""
+        t0 = self.start(group)
+        run()
+        return self.elapsed_ms(t0)
 
 
 class CUDADevice(Device):
