@@ -26,6 +26,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -133,6 +134,20 @@ def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profil
                                in_step=dataclasses.replace(profile.in_step, overlap=overlap))
 
 
+def _round_lines(plans: int, shown: bool) -> Callable[[], None]:
+    """A progress callback per step that prints a line per round (``shown``: rank 0): where a long run is, and how
+    fast steps go."""
+    started, done = time.perf_counter(), [0]
+
+    def progress() -> None:
+        done[0] += 1
+        if shown and done[0] % plans == 0:
+            print(f"  {done[0]} steps ({done[0] // plans} rounds incl. warm-up), {time.perf_counter() - started:.0f} s",
+                  flush=True)
+
+    return progress
+
+
 def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = False, only: bool = False) -> None:
     """Every rank: record (and, ``after_passes``, the collectives again after the isolated passes), measure the
     plans interleaved and their unsharded bytes; rank 0 reports (``only``: the uncalibrated line alone)."""
@@ -157,15 +172,8 @@ def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = Fal
     variant = collectives_after_passes(workload, profile, config.measure.profile_repeats) if after_passes else None
     plans = fidelity_plans(profile)
     names = list(plans)
-    started, done = time.perf_counter(), [0]
-
-    def progress() -> None:  # a line per round: where a long run is, and how fast steps go
-        done[0] += 1
-        if dist.get_rank() == 0 and done[0] % len(names) == 0:
-            print(f"  {done[0]} steps ({done[0] // len(names)} rounds incl. warm-up), "
-                  f"{time.perf_counter() - started:.0f} s", flush=True)
-
-    step_ms = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1, on_step=progress)
+    step_ms = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1,
+                            on_step=_round_lines(len(names), dist.get_rank() == 0))
     peaks = []
     for n in names:
         configure_plan(workload.model, plans[n], check=False)

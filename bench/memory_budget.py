@@ -165,26 +165,28 @@ class BudgetBench:
     def peaks(self, plans: dict[str, Plan]) -> dict[str, int]:
         """Each plan's peak bytes per rank (``runtime.recording.peak_memory``: median over steps of the max across
         ranks)."""
-        from runtime.measuring.measure import run_steps
-        from runtime.measuring.round import MeasuredRound, warm_up_steps
+        from runtime.measuring.round import warm_up_steps
         from runtime.ranks.collectives import gather_objects
         from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
+        from runtime.recording.steps import WorkloadSteps
 
-        round_ = MeasuredRound.of_plans(list(plans.values()), self.group)
-        _, failure = run_steps(self.workload, round_, warm_up_steps(round_.kept, PEAK_STEPS + 1), self.steps)
+        peaks: list[list[int]] = [[] for _ in plans]
+        runner = WorkloadSteps(self.workload, list(plans.values()), self.group, self.steps)
+        _, failure = runner.run(warm_up_steps(range(len(plans)), PEAK_STEPS + 1), peaks)
         if failure is not None:
             raise RuntimeError(f"a peak step of plan {failure.plan} raised: {failure.error}")
-        reports = gather_objects(round_.peaks, self.group)
+        reports = gather_objects(peaks, self.group)
         return {n: peak_of_steps([rep[i] for rep in reports]) for i, n in enumerate(plans)}
 
     def interleaved(self, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:
         """``rounds`` rounds of the plans, Williams orders; on rank 0 each plan's step times (max across ranks)."""
         from planner.statistics.race import balanced_orders
         from runtime.measuring.measure import measure_rounds
+        from runtime.recording.steps import WorkloadSteps
 
         orders = balanced_orders(len(plans))
         block = [orders[r % len(orders)] for r in range(rounds)]
-        step_ms = measure_rounds(self.workload, list(plans.values()), block, self.steps, self.group)
+        step_ms = measure_rounds(WorkloadSteps(self.workload, list(plans.values()), self.group, self.steps), block)
         return dict(zip(plans, step_ms, strict=True)) if self.rank0 else {}
 
     def budget_stages(self) -> None:

@@ -76,7 +76,7 @@ def rank_main(study: str, plans_path: str, rounds: int, out: str) -> None:
     from planner.statistics.race import balanced_orders
     from runtime.measuring.measure import measure_rounds, warm_up
     from runtime.ranks.rank import init_rank, shutdown_rank
-    from runtime.timing import StepCounter
+    from runtime.recording.steps import WorkloadSteps
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
@@ -84,11 +84,11 @@ def rank_main(study: str, plans_path: str, rounds: int, out: str) -> None:
     named = {name: Plan.from_dict(d) for name, d in json.loads(Path(plans_path).read_text()).items()}
     workload = build_study_workload(config.workload, mesh)
     plans = list(named.values())
-    steps = StepCounter()
-    warm_up(workload, plans, WARMUP_STEPS, steps)
+    runner = WorkloadSteps(workload, plans)
+    warm_up(runner, WARMUP_STEPS)
     design = balanced_orders(len(plans))
     block = [design[r % len(design)] for r in range(rounds)]
-    step_ms = measure_rounds(workload, plans, block, steps)
+    step_ms = measure_rounds(runner, block)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(dict(zip(named, step_ms, strict=True))))
     del workload

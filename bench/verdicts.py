@@ -57,7 +57,7 @@ def aa_main(study: str, races: int, out: str) -> None:
     from runtime.measuring.measure import run_schedule, warm_up
     from runtime.ranks.rank import init_rank, shutdown_rank
     from runtime.recording.recorder import record_profile
-    from runtime.timing import StepCounter
+    from runtime.recording.steps import WorkloadSteps
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
@@ -69,9 +69,9 @@ def aa_main(study: str, races: int, out: str) -> None:
     for race in range(races):
         schedule = Schedule(2, config.measure.race_settings(), config.measure.confirm_settings(launches=0))
         t0 = time.monotonic()
-        steps = StepCounter()
-        warm_up(workload, [default, default], config.measure.warmup_steps, steps)
-        run_schedule(workload, [default, default], schedule if dist.get_rank() == 0 else None, steps)
+        runner = WorkloadSteps(workload, [default, default])
+        warm_up(runner, config.measure.warmup_steps)
+        run_schedule(runner, schedule if dist.get_rank() == 0 else None)
         if dist.get_rank() == 0:
             c = schedule.confirmation
             if c is None:  # the race dropped the candidate, FSDP2's default itself: a false drop (<= alpha)
@@ -96,35 +96,25 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     """Every rank: two model instances (FSDP2's default, the plan), ``rounds`` interleaved rounds; rank 0 reports."""
     import torch.distributed as dist
 
+    from jobs.confirm import rounds_on_own_models
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.schedule import confirmation_orders
-    from runtime.apply import configure_plan, load_plan
-    from runtime.measuring.measure import timed_step
-    from runtime.ranks.collectives import broadcast_from_rank0, gather_max
+    from runtime.apply import load_plan
+    from runtime.ranks.collectives import broadcast_from_rank0
     from runtime.ranks.rank import init_rank, shutdown_rank
-    from runtime.timing import StepCounter
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend, allocator=config.launch.allocator, mesh=config.launch.mesh)
     plan = load_plan(plan_path)
-    tuned = build_study_workload(config.workload, mesh)
-    configure_plan(tuned.model, plan)
-    default = build_study_workload(config.workload, mesh)
-    configure_plan(default.model, Plan(plan.fingerprint, {}))  # leaves every module as wrapped: FSDP2's default
-    steps = StepCounter()
-    for w in (tuned, default, tuned, default):  # warm-up
-        timed_step(w, steps.next())
-    local: dict[str, list[float]] = {"tuned": [], "default": []}
-    runs = {0: ("tuned", tuned), 1: ("default", default)}
-    for order in broadcast_from_rank0(confirmation_orders((0, 1), rounds) if dist.get_rank() == 0 else None, None):
-        for name, w in (runs[i] for i in order):
-            local[name].append(timed_step(w, steps.next()))
-    maxed, _ = gather_max(local["tuned"] + local["default"])
+    models = [build_study_workload(config.workload, mesh), build_study_workload(config.workload, mesh)]
+    orders = broadcast_from_rank0(confirmation_orders((0, 1), rounds) if dist.get_rank() == 0 else None, None)
+    # the second model keeps every module as wrapped: FSDP2's default
+    tuned, default = rounds_on_own_models(models, [plan, Plan(plan.fingerprint, {})], orders, 2, None)
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"tuned": maxed[:rounds], "default": maxed[rounds:]}))
-    del tuned, default
+        Path(out).write_text(json.dumps({"tuned": tuned, "default": default}))
+    del models
     shutdown_rank()
 
 

@@ -38,7 +38,6 @@ from runtime.apply import model_fingerprint
 from runtime.current import fsdp2_default
 from runtime.ranks.collectives import broadcast_from_rank0
 from runtime.ranks.rank import check_runnable, job_rank
-from runtime.timing import StepCounter
 from runtime.workload import build_study_workload, load_factory
 from search_spaces import get_space
 
@@ -102,7 +101,7 @@ class CalibrateJob:
                     raise PlannerError(payload["error"])
                 pair, other, orders = payload
                 times = rounds_on_own_models(models, [other, default], orders, max(2, self.config.measure.warmup_steps),
-                                             StepCounter(), group)
+                                             group)
                 models = None
                 rank.ended = True
                 if rank0:

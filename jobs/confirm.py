@@ -25,10 +25,11 @@ from planner.statistics.schedule import confirmation_orders
 from planner.storages import check_writable
 from planner.study.confirmation import pending, record_launch
 from runtime.apply import configure_plan
-from runtime.measuring.measure import measure_rounds, timed_step, warm_up
+from runtime.measuring.measure import measure_rounds, warm_up
 from runtime.ranks.collectives import broadcast_from_rank0, gather_max
 from runtime.ranks.rank import check_runnable, job_rank
-from runtime.timing import StepCounter
+from runtime.recording.steps import WorkloadSteps
+from runtime.timing import TIMED, WARMUP, RoundStep, StepCounter, StepFailed
 from runtime.workload import Workload, build_study_workload, load_factory
 
 
@@ -94,15 +95,15 @@ class ConfirmJob:
                 plans = [survivor, baseline]
                 for plan in plans:
                     configure_plan(workload.model, plan, check=True)
-                steps = StepCounter()
                 warmup = max(2, self.config.measure.warmup_steps)
                 if self.config.measure.confirm_model_per_plan:
                     models = [workload, build_study_workload(self.config.workload, mesh)]
-                    times = rounds_on_own_models(models, plans, orders, warmup, steps, group)
+                    times = rounds_on_own_models(models, plans, orders, warmup, group)
                     models = None
                 else:
-                    warm_up(workload, plans, warmup, steps)
-                    times = measure_rounds(workload, plans, orders, steps, group)
+                    runner = WorkloadSteps(workload, plans, group)
+                    warm_up(runner, warmup)
+                    times = measure_rounds(runner, orders)
                 rank.ended = True
                 if rank0:
                     return record_launch(self.config, survivor.provenance.trial, ConfirmLaunch(times[0], times[1]))
@@ -112,20 +113,35 @@ class ConfirmJob:
 
 
 def rounds_on_own_models(models: list[Workload], plans: list[Plan], orders: list[list[int]], warmup: int,
-                          steps: StepCounter, group: dist.ProcessGroup) -> list[list[float]]:
-    """Plan ``i`` applied once to ``models[i]``; ``warmup`` untimed steps each, then the rounds ``orders``.
+                         group: dist.ProcessGroup) -> list[list[float]]:
+    """Plan ``i`` applied once to ``models[i]``; ``warmup`` untimed steps each, then the rounds ``orders``, every
+    step through the one step runner (``runtime.recording.steps.WorkloadSteps``, one per model, one step counter).
 
     Returns:
         On rank 0, per plan, its steps' max across ranks, ms (the other ranks get them too).
+
+    Raises:
+        StepFailed: a step raised on this rank.
     """
     for model, plan in zip(models, plans, strict=True):
         configure_plan(model.model, plan, check=True)
+    counter = StepCounter()
+    runners = [WorkloadSteps(model, [plan], group, counter, applied=0)
+               for model, plan in zip(models, plans, strict=True)]
+
+    def step(i: int, kind: str) -> None:
+        try:
+            runners[i].step(RoundStep(kind, 0))
+        except Exception as e:
+            runners[i].side.abandon()
+            raise StepFailed(i, e) from e
+
     for _ in range(warmup):
-        for model in models:
-            timed_step(model, steps.next())
-    local: list[list[float]] = [[] for _ in plans]
+        for i in range(len(models)):
+            step(i, WARMUP)
     for order in orders:
         for i in order:
-            local[i].append(timed_step(models[i], steps.next()))
+            step(i, TIMED)
+    local = [runner.side.take_times() for runner in runners]
     maxed, _ = gather_max(local[0] + local[1], group)
     return [maxed[:len(orders)], maxed[len(orders):]]

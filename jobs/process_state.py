@@ -17,7 +17,7 @@ TUNE_MODULES = (
     "tqdm.contrib.logging",
     "planner.storages",
     "planner.study.session",
-    "runtime.measuring.protocol",
+    "runtime.measuring.measure",
     "runtime.measuring.round",
     "runtime.ranks.interrupts",
     "search_spaces.session",

@@ -27,7 +27,7 @@ from planner.study.model_summary import allocator_mismatch
 from planner.study.session import TuneOutcome, TuningSession
 from runtime.apply import model_fingerprint
 from runtime.current import own_plan, record_under_fsdp2_default
-from runtime.measuring.protocol import measured_round
+from runtime.measuring.measure import measured_round
 from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
 from runtime.ranks.rank import check_runnable, job_rank
 from runtime.recording.recorder import record_profile

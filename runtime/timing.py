@@ -1,9 +1,55 @@
-"""A step on every rank: which device it runs on, the step counter, a failed step. Timing is
-:class:`runtime.ranks.device.Device`'s (``timed_ms``), the one place that reads the clock and waits for the device."""
+"""A step on every rank: what kind of step it is and which plan it runs (``RoundStep``), which device it runs on,
+the step counter, a failed step. The step runner is :mod:`runtime.recording.steps`; timing is
+:class:`runtime.ranks.device.Device`'s, the one place that reads the clock and waits for the device."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from planner.errors import one_line
 from runtime.workload import Workload
+
+# What a step of the round is: WARMUP untimed, PEAK untimed with this rank's peak memory measured, TIMED timed.
+WARMUP, PEAK, TIMED = "warmup", "peak", "timed"
+# The in-loop recording's steps (FSDP2's default, plan 0), run by the same step runner
+# (runtime.recording.steps.StepSide): RECORD_WARMUP untimed, RECORD timed, RECORD_PEAK measuring peak memory.
+RECORD_WARMUP, RECORD, RECORD_PEAK = "record-warmup", "record", "record-peak"
+# The in-loop watch's steps (runtime.in_loop.watching): timed on this rank alone, no barrier.
+WATCHED = "watched"
+
+
+@dataclass(frozen=True)
+class RoundStep:
+    """One training step a round, a recording or a watch asks for: its kind and its plan (an index into the step
+    runner's plans; in a round ``runtime.measuring.round.MeasuredRound.plans``, 0 the baseline: FSDP2's default,
+    or the plan the model arrived with)."""
+
+    kind: str
+    plan: int
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """A step that raised on this rank.
+
+    Attributes:
+        plan: the index of the plan it ran.
+        error: the exception in one line.
+        victim: the exception is a collective failing because of another rank (a timeout, a closed peer).
+    """
+
+    plan: int
+    error: str
+    victim: bool
+
+    @classmethod
+    def of(cls, plan: int, error: BaseException) -> StepFailure:
+        """The failure of a step of ``plan`` that raised ``error``."""
+        victim = (isinstance(error, getattr(dist, "DistError", ())) or "Timed out" in str(error)
+                  or "Connection" in str(error))
+        return cls(plan, one_line(error), victim)
 
 
 def device_type_of(workload: Workload) -> str:

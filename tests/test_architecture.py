@@ -247,7 +247,7 @@ def measured_round_offenders(sources: dict[str, str]) -> list[str]:
 
 
 def test_the_measured_round_has_one_copy():
-    """The tune job's ranks (``runtime.measuring.protocol``) and the in-loop tuner (``runtime.in_loop``) drive one
+    """The tune job's ranks (``runtime.measuring.measure``) and the in-loop tuner (``runtime.in_loop``) drive one
     measured round, ``runtime.measuring.round.MeasuredRound``: no other runtime or job module applies the round's
     plans on every rank, checks their peaks against the budget, fails a trial for its error or feeds the schedule."""
     sources = {str(p.relative_to(ROOT)): p.read_text() for p in _sources("runtime", "jobs")
@@ -526,3 +526,57 @@ def test_the_device_check_catches_a_planted_second_timer():
         "planted.py:9 max_memory_allocated", "planted.py:9 perf_counter"]
     ours = "def f(device):\n    device.synchronize()\n    return device.clock()\n"
     assert device_call_offenders({"ours.py": ours}) == []
+
+
+# One step runner (runtime/recording/steps.py): the only code that both runs a training step and times it. A
+# function that calls the step (``train_step``, ``forward_backward``) and reads a clock or times a stretch is a second
+# runner. One is left, for its reason: verify's ranks stand for a user's process and may load nothing of the tuner
+# (``jobs.verify.TUNER_MODULES``: ``runtime.recording`` and ``runtime.measuring`` among them).
+STEP_CALLS = {"train_step", "forward_backward"}
+CLOCK_CALLS = {"clock", "elapsed_ms", "timed_ms", "perf_counter", "monotonic", "time"}
+SECOND_RUNNERS_LEFT = {"jobs/verify.py:step"}
+
+
+def _own_calls(node: ast.AST) -> set[str]:
+    """The names a function calls in its own body: its lambdas included, its nested functions not (each is checked
+    on its own)."""
+    called, stack = set(), list(ast.iter_child_nodes(node))
+    while stack:
+        child = stack.pop()
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(child, ast.Call):
+            called.add(_called(child))
+        stack.extend(ast.iter_child_nodes(child))
+    return called
+
+
+def step_runner_offenders(sources: dict[str, str]) -> list[str]:
+    """``path:function`` of every function or method in ``sources`` (path -> text) that runs a training step and
+    reads a clock in its own body (its lambdas included)."""
+    offenders = []
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                called = _own_calls(node)
+                if called & STEP_CALLS and called & CLOCK_CALLS:
+                    offenders.append(f"{path}:{node.name}")
+    return sorted(offenders)
+
+
+def test_one_step_runner_times_the_training_steps():
+    """The tune job's ranks and its recorder, its launches, ``confirm``, the benches and the in-loop tuner run every
+    timed step through ``runtime.recording.steps`` (``StepSide``, fed the user's step or the workload's)."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in _sources("runtime", "jobs", "bench")}
+    assert set(step_runner_offenders(sources)) == SECOND_RUNNERS_LEFT
+
+
+def test_the_step_runner_check_catches_a_planted_second_runner():
+    planted = ("def timed_step(workload, step, device):\n    t0 = device.clock()\n"
+               "    train_step(workload, step)\n    return device.clock() - t0\n"
+               "class Bench:\n    def rounds(self, w):\n        return [self.device.timed_ms(lambda: train_step(w, i))"
+               " for i in range(3)]\n"
+               "def untimed(workload):\n    def progress():\n        print(time.perf_counter())\n"
+               "    train_step(workload, 0)\n")
+    assert step_runner_offenders({"bench/planted.py": planted}) == ["bench/planted.py:rounds",
+                                                                   "bench/planted.py:timed_step"]

@@ -1,9 +1,9 @@
 """The in-loop tuner: tuning on the user's own training steps.
 
 :mod:`~runtime.in_loop.autotuner` (``AutoTuner``, its face: ``tuner.step()`` around each of the user's steps),
-:mod:`~runtime.in_loop.steps` (what happens around one step, on every rank: the plan switched, the step timed),
 :mod:`~runtime.in_loop.round` (what happens between two steps: the tuning session on rank 0, and the measured
-round, ``runtime.measuring.round``, driven with the user's steps) and :mod:`~runtime.in_loop.recorder` (the
+round, ``runtime.measuring.round``, driven with the user's steps through the one step runner,
+``runtime.recording.steps``) and :mod:`~runtime.in_loop.recorder` (the
 profile recorded on the user's steps). Its decisions are torch-free, in :mod:`planner.study.in_loop`; the tuning
 session is opened as ``tune`` opens it
 (:func:`search_spaces.session.open_session`).

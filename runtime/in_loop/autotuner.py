@@ -13,7 +13,8 @@
 Every rank constructs the tuner and enters ``tuner.step()`` for the same steps; :class:`AutoTuner` lists its
 phases (:class:`planner.study.in_loop.TunerPhase`). Recording: the profile on the user's steps
 (:mod:`runtime.in_loop.recorder`). Searching: rank 0's tuning session (``planner.study.session``, the one
-``prefetch-planner tune`` runs), between two steps. Racing and confirming: :mod:`runtime.in_loop.steps`. Watching:
+``prefetch-planner tune`` runs), between two steps. Racing and confirming: :mod:`runtime.recording.steps`, the
+one step runner, which the tune job's ranks use too. Watching:
 :mod:`runtime.in_loop.watching` ([Note: The watch] in :mod:`planner.statistics.watch`).
 
 The baseline is the plan the model arrived with (``runtime.current_plan``),
@@ -61,13 +62,13 @@ from runtime.apply import configure_plan, model_fingerprint
 from runtime.current import current_plan, fsdp2_default, own_plan
 from runtime.in_loop.out_of_memory import cuda_budget, recover, recoverable
 from runtime.in_loop.recorder import LoopRecorder
-from runtime.in_loop.round import RECORD, RECORD_PEAK, RECORD_WARMUP, InLoopRound, RoundEnd
-from runtime.in_loop.steps import StepSide
+from runtime.in_loop.round import InLoopRound, RoundEnd
 from runtime.in_loop.watching import WatchedSteps
-from runtime.measuring.round import WARMUP, RoundStep
 from runtime.ranks.collectives import control_group, gather_objects
 from runtime.recording.peak_memory import PEAK_STEPS
+from runtime.recording.steps import StepSide
 from runtime.switch import agreed_off
+from runtime.timing import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, RoundStep
 from runtime.workload import fsdp_modules
 
 logger = logging.getLogger(__name__)
@@ -414,8 +415,8 @@ class AutoTuner:
         configure_plan(self.model, plan, check=False)
         self.plan, self.phase, self._queue = plan, TunerPhase.WATCHING, deque()
         self._watched_trial = trial
-        self._watching = WatchedSteps(self.model, self.device, self._group, plan, self._kept(),
-                                      Watch(every, seed=trial), self.rank0, self._steps.microbatches)
+        self._steps.race([plan, self._kept()])  # the survivor applied just now (runtime.in_loop.watching)
+        self._watching = WatchedSteps(self._steps, Watch(every, seed=trial), self.rank0)
         self._announce(f"AutoTuner: applied trial {trial}'s plan for the rest of this process: {end.here.line()} (the "
                        f"study keeps it provisional until fresh launches confirm it); watching it against "
                        f"{self._baseline_name()} twice in every {every} steps (under {100 * COST:.0f}% of the run's "

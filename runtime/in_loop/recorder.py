@@ -32,21 +32,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
-from planner.artifacts.rank_measurements import IsolatedMeasurements, RankMeasurements, StepMeasurements
+from planner.artifacts.rank_measurements import IsolatedMeasurements, RankMeasurements
 from planner.errors import PlannerError
 from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
 from runtime.ranks.device import device_of
-from runtime.ranks.torch_private import profiler_allocations, reshard_after_forward
+from runtime.ranks.torch_private import reshard_after_forward
 from runtime.recording.compute_timer import tensors_in
 from runtime.recording.consolidation import consolidate, merge_isolated
-from runtime.recording.peak_memory import OPTIMIZER_BLOCK, bytes_alive, stderr_silenced, step_peak
-from runtime.recording.recorder import isolated_measurements, optimizer_state_bytes
+from runtime.recording.recorder import isolated_measurements
+from runtime.recording.step_figures import StepFigures
 from runtime.workload import Workload, fsdp_modules, parameter_rows
 
 
@@ -75,59 +73,9 @@ def surrogate_loss(output: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in tensors)
 
 
-class PeakMeter:
-    """One rank's peak memory in a user's step, as :func:`runtime.recording.peak_memory.measure_peak` measures it.
-
-    CPU: the step runs under ``torch.profiler.profile(profile_memory=True)``; the peak is the bytes alive at its
-    start (parameters, gradients, the state of ``optimizers``) plus the profiler's peak above that. GPU:
-    ``max_memory_allocated`` after ``reset_peak_memory_stats``. Such a step is never a timed one.
-
-    Args:
-        model: the root FSDP module.
-        optimizers: the optimizers seen so far (a list the caller keeps filling).
-    """
-
-    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]):
-        self.model, self.optimizers = model, optimizers
-        self.device = next(model.parameters()).device.type
-        self.measuring = False
-        self._prof: Any = None
-        self._start_bytes = 0
-
-    @property
-    def profiling(self) -> bool:
-        """The CPU profiler runs (an optimizer step may mark its block)."""
-        return self._prof is not None
-
-    def begin(self) -> None:
-        """Before the step."""
-        self.measuring = True
-        device = device_of(self.device)
-        device.synchronize()
-        if device.type == "cuda":
-            device.reset_peak()
-            return
-        self._start_bytes = bytes_alive(self.model, self.optimizers)
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.recording.peak_memory
-            self._prof.__enter__()
-
-    def end(self) -> tuple[int, int]:
-        """After the step: ``(peak bytes, bytes the optimizer step allocated at its peak)`` (GPU: the second is 0)."""
-        self.measuring = False
-        device = device_of(self.device)
-        device.synchronize()
-        if device.type == "cuda":
-            return device.peak_allocated(), 0
-        with stderr_silenced():
-            self._prof.__exit__(None, None, None)
-        prof, self._prof = self._prof, None
-        return (self._start_bytes + step_peak(profiler_allocations(prof)),
-                step_peak(profiler_allocations(prof, within=OPTIMIZER_BLOCK)))
-
-
-class LoopRecorder:
-    """Hooks on the user's model and optimizers while FSDP2's default runs, and the isolated passes between steps.
+class LoopRecorder(StepFigures):
+    """The step figures of the user's steps while FSDP2's default runs (:class:`~runtime.recording.step_figures.
+    StepFigures`), the first step's inputs, and the isolated passes between steps.
 
     Args:
         model: the root FSDP module.
@@ -135,80 +83,20 @@ class LoopRecorder:
     """
 
     def __init__(self, model: nn.Module, repeats: int):
-        self.model, self.repeats = model, repeats
-        self.device = next(model.parameters()).device.type
+        super().__init__(model)
+        self.repeats = repeats
         self.inputs: tuple[tuple, dict] | None = None
         self.autocast: tuple[bool, torch.dtype] | None = None
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.forwards = 0
-        self.microbatches: list[int] = []
-        self.step_ms: list[float] = []
-        self.optimizer_ms: list[float] = []
-        self.peaks: list[int] = []
-        self.optimizer_temp: list[int] = []
-        self._opt_start: float | None = None
-        self._opt_end: float | None = None
-        self._opt_block: Any = None
-        self.meter = PeakMeter(model, self.optimizers)
         self.passes: list[tuple[str, ...]] | None = None  # the isolated passes' modules, once decided
         self.parts: list[IsolatedMeasurements] = []  # this rank's figures of the passes run so far
         self._isolation_s = 0.0
-        self._handles = [
-            model.register_forward_pre_hook(self._root_forward, with_kwargs=True),
-            register_optimizer_step_pre_hook(self._optimizer_pre),
-            register_optimizer_step_post_hook(self._optimizer_post),
-        ]
 
     def _root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.forwards += 1
+        super()._root_forward(module, args, kwargs)
         if self.inputs is None:
             self.inputs = (_detached(args), _detached(kwargs))
             kind = "cuda" if self.device == "cuda" else "cpu"
             self.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-
-    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not any(o is optimizer for o in self.optimizers):
-            self.optimizers.append(optimizer)
-        device = device_of(self.device)
-        device.synchronize()
-        if self._opt_start is None:
-            self._opt_start = device.clock()
-        if self.meter.profiling and self._opt_block is None:
-            self._opt_block = record_function(OPTIMIZER_BLOCK)
-            self._opt_block.__enter__()
-
-    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        device = device_of(self.device)
-        device.synchronize()
-        self._opt_end = device.clock()
-
-    def begin_step(self, peak: bool) -> None:
-        """Before a user's step (every rank); ``peak``: measure its peak memory (the step is then not timed)."""
-        self.forwards = 0
-        self._opt_start = self._opt_end = None
-        if peak:
-            self.meter.begin()
-
-    def end_step(self, step_ms: float | None) -> None:
-        """After a user's step: ``step_ms`` this rank's time of a timed step, ``None`` for an untimed one."""
-        self.microbatches.append(self.forwards)
-        if self._opt_block is not None:
-            self._opt_block.__exit__(None, None, None)
-            self._opt_block = None
-        if step_ms is not None:
-            self.step_ms.append(step_ms)
-            if self._opt_start is not None and self._opt_end is not None:
-                self.optimizer_ms.append((self._opt_end - self._opt_start) * 1e3)
-        if self.meter.measuring:
-            peak, optimizer_temp = self.meter.end()
-            self.peaks.append(peak)
-            self.optimizer_temp.append(optimizer_temp)
-
-    def remove(self) -> None:
-        """Remove every hook (the recording is over)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> IsolatedMeasurements | None:
         """The next isolated pass (collective: every rank calls it, between two steps): this rank's isolated
@@ -291,12 +179,7 @@ class LoopRecorder:
         Raises:
             PlannerError: no timed step or no peak was recorded, or the ranks disagree on the post-forward order.
         """
-        if not self.step_ms or not self.peaks:
-            raise PlannerError("the in-loop recorder has no timed step or no peak-memory step")
-        steps = StepMeasurements(step_ms=statistics.median(self.step_ms),
-                                 optimizer_ms=statistics.median(self.optimizer_ms) if self.optimizer_ms else 0.0,
-                                 peak_bytes=tuple(self.peaks), optimizer_temp_bytes=max(self.optimizer_temp, default=0),
-                                 optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self.optimizers))
+        steps = self.measurements()
         local = RankMeasurements(dist.get_rank(), steps, isolated)
         modules = fsdp_modules(self.model)
         resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}

@@ -2,7 +2,7 @@
 
 The round is :class:`runtime.measuring.round.MeasuredRound` ([Note: Rank
 protocol of a measured round] there), the one the tune job's ranks drive
-(``runtime.measuring.protocol``); here the user's loop runs its steps
+(``runtime.measuring.measure``); here the user's loop runs its steps
 (``runtime.in_loop.autotuner``) and this module calls it between two of them.
 What is the in-loop tuner's own: the decision at construction, the session it
 opens on the recorded profile, the recording's step kinds, and the end (the
@@ -34,17 +34,13 @@ from planner.storages import check_writable
 from planner.study.in_loop import SOURCE, StartDecision, plan_at_start, predicted_start, recheck_config
 from planner.study.predicted import predicted_for
 from planner.study.records import confirmation_attrs, confirmation_from
-from runtime.measuring.round import MeasuredRound, RoundStep
+from runtime.measuring.round import MeasuredRound
 from runtime.ranks.collectives import broadcast_from_rank0
 from runtime.ranks.device import device_of
+from runtime.timing import RoundStep
 from search_spaces.session import open_session, optuna_quiet
 
 logger = logging.getLogger("runtime.in_loop.autotuner")
-
-# The recording's steps (FSDP2's default, plan 0), besides the round's (runtime.measuring.round): RECORD_WARMUP is
-# untimed, RECORD timed, RECORD_PEAK measures peak memory (untimed).
-RECORD_WARMUP, RECORD, RECORD_PEAK = "record-warmup", "record", "record-peak"
-
 
 @dataclass(frozen=True)
 class RoundEnd:

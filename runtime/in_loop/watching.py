@@ -2,8 +2,9 @@
 twice, the first a washout ([Note: The watch] in :mod:`planner.statistics.watch`), on every rank.
 
 Every rank holds a :class:`~planner.statistics.watch.Watch` with the same seed, so the default's step falls at the
-same step everywhere. Each watched step is timed inside ``tuner.step()`` (the device synchronized at its ends, no
-barrier: a data-parallel step's wall time is the slowest rank's on every rank). At a block's end rank 0 records it,
+same step everywhere. Each watched step is timed inside ``tuner.step()`` by the tuner's step runner (a ``WATCHED``
+step: the device synchronized at its ends, no barrier: a data-parallel step's wall time is the slowest rank's on
+every rank). At a block's end rank 0 records it,
 decides, and broadcasts the decision on the control group: a revert applies FSDP2's default on every rank before the
 next step.
 """
@@ -11,76 +12,62 @@ next step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from torch import nn
-
-from planner.artifacts.plan import Plan
 from planner.statistics.watch import Watch, WatchState, WatchStep
-from runtime.apply import configure_plan
 from runtime.ranks.collectives import broadcast_from_rank0
-from runtime.ranks.device import device_of
-from runtime.workload import fsdp_modules
+from runtime.recording.steps import StepSide
+from runtime.timing import WATCHED, RoundStep
 
 # Steps between the watch's log lines of its running ratio.
 LOG_EVERY_STEPS = 500
+# The watched steps' plans on the step runner: the survivor, and the plan kept without it (FSDP2's default, or the
+# plan the model arrived with).
+PLAN, KEPT = 0, 1
 
 
 @dataclass
 class WatchedSteps:
-    """The watch's side of each of the user's steps (every rank).
+    """The watch's side of each of the user's steps (every rank), run by the tuner's step runner.
 
     Args:
-        model: the root FSDP module.
-        device: ``"cpu"`` or ``"cuda"``.
-        group: the control group.
-        plan: the plan applied (the survivor).
-        default: FSDP2's default.
+        side: the tuner's step runner (``runtime.recording.steps.StepSide``, its microbatch hook still on); from
+            now on its plans are the survivor (applied) and the plan kept.
         watch: this rank's watch (same seed on every rank).
         rank0: whether this rank decides.
-        microbatches: the user's root forwards per step (a plan's parameters resharded after the last).
     """
 
-    model: nn.Module
-    device: str
-    group: Any
-    plan: Plan
-    default: Plan
+    side: StepSide
     watch: Watch
     rank0: bool
-    microbatches: int = 1
     state: WatchState | None = None
     _block: list[WatchStep] | None = None
     _at: int = 0
     _plan_ms: float = 0.0
     _plan_steps: int = 0
     _default_ms: float = 0.0
-    _t0: float = 0.0
+    _t0: float | None = None
     _logged_at: int = 0
 
     def __post_init__(self) -> None:
         self.state = self.watch.state()  # no block yet
 
+    def _order(self) -> RoundStep:
+        step = self._block[self._at]
+        return RoundStep(WATCHED, KEPT if step in (WatchStep.DEFAULT_WASHOUT, WatchStep.DEFAULT) else PLAN)
+
     def before(self) -> None:
-        """Before a step: the plan it runs applied at a switch ([Note: The watch]: FSDP2's default twice, the first
-        a washout), the clock read."""
+        """Before a step: the plan it runs (applied at a switch: [Note: The watch], the baseline twice, the first a
+        washout), the clock read on this rank alone (the module docstring says why)."""
         if self._block is None:
             self._block, self._at = self.watch.next_block(), 0
             self._plan_ms, self._plan_steps, self._default_ms = 0.0, 0, 0.0
-        step = self._block[self._at]
-        if step is WatchStep.DEFAULT_WASHOUT:
-            configure_plan(self.model, self.default, check=False)
-        elif step is WatchStep.PLAN_WASHOUT:
-            configure_plan(self.model, self.plan, check=False)
-        self._t0 = device_of(self.device).start(together=False)  # no barrier (the module docstring says why)
+        self._t0 = self.side.before(self._order())
 
     def after(self) -> WatchState | None:
         """After a step: its time kept when it is timed; at a block's end, rank 0's decision on every rank (the
         state, once per block; ``None`` within a block)."""
-        ms = device_of(self.device).elapsed_ms(self._t0)
-        if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
-            for _, m in fsdp_modules(self.model):
-                m.reshard()
+        self.side.after(self._order(), self._t0, [])
+        [ms] = self.side.take_times()
         step = self._block[self._at]
         if step is WatchStep.DEFAULT:
             self._default_ms = ms
@@ -93,9 +80,9 @@ class WatchedSteps:
         payload = None
         if self.rank0:
             payload = self.watch.record(self._plan_ms, self._plan_steps, self._default_ms)
-        self.state = broadcast_from_rank0(payload, self.group)
+        self.state = broadcast_from_rank0(payload, self.side.group)
         if self.state.reverted:
-            configure_plan(self.model, self.default, check=False)
+            self.side.apply(KEPT)
         return self.state
 
     @property

@@ -1,88 +1,54 @@
-"""Timing real training steps: one step, several plans interleaved, and the blocks of a schedule on every rank.
+"""The workload's drivers of a measured round: the tune job's (:func:`measured_round`, the study's trials) and a
+round of fixed plans (:func:`run_schedule`: a confirmation launch, ``confirm``, the benches), their steps the
+workload's own training steps through the one step runner (``runtime.recording.steps.WorkloadSteps``).
 
 Step ms for a plan is the median over measured steps of the max across ranks
 (docs/architecture.md, "Measurement"). Plans are interleaved in one run so
 that machine noise hits them alike; a schedule (``planner.statistics.schedule``)
-decides the order, on rank 0 (:func:`run_schedule`).
+decides the order, on rank 0.
+
+The round itself (who asks, applies, checks the budget, schedules and fails
+what) is :class:`runtime.measuring.round.MeasuredRound` ([Note: Rank protocol
+of a measured round] there), the one the in-loop tuner drives with the user's
+steps (``runtime.in_loop.round``). A step that raised is reported at the next
+collective, and every rank raises :class:`planner.TrialFailedError`.
+
+On a rank that died, Ctrl-C, SIGTERM or a storage error, the job
+(``jobs.tune.TuneJob``) records every trial its session still holds FAIL
+``FailKind.INTERRUPTED`` with the reason (``TuningSession.fail_held``: trials
+created before the round was handed out too; ``runtime.ranks.interrupts`` holds
+a signal back while rank 0 writes the study). SIGKILL leaves them RUNNING
+until their heartbeat goes stale and the next job re-queues them
+(``MeasuredStage.claim_retries``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from planner.artifacts.plan import Plan
 from planner.statistics.schedule import Phase
-from runtime.apply import configure_plan
-from runtime.measuring.round import PEAK, TIMED, MeasuredRound, RoundStep, Scheduler, StepFailure
-from runtime.ranks.device import device_of
-from runtime.recording.peak_memory import measure_peak
-from runtime.timing import StepCounter, StepFailed, device_type_of
-from runtime.workload import Workload, train_step
+from runtime.measuring.round import MeasuredRound, RoundStage, Scheduler, TrialT
+from runtime.ranks.interrupts import interrupts_deferred
+from runtime.recording.steps import WorkloadSteps
+from runtime.timing import WARMUP, RoundStep
+from runtime.workload import Workload
 
 
-def timed_step(workload: Workload, step: int) -> float:
-    """Run one training step after a barrier; return this rank's wall time in ms (``Device.timed_ms``)."""
-    return device_of(device_type_of(workload)).timed_ms(lambda: train_step(workload, step))
-
-
-def warm_up(
-    workload: Workload,
-    plans: Sequence[Plan],
-    warmup_steps: int,
-    steps: StepCounter,
-    on_step: Callable[[], None] | None = None,
-) -> None:
-    """Apply each plan (checked before) and run ``warmup_steps`` untimed steps with it.
+def warm_up(runner: WorkloadSteps, warmup_steps: int, on_step: Callable[[], None] | None = None) -> None:
+    """Each of the runner's plans in turn, ``warmup_steps`` untimed steps each (the plans were checked before).
 
     Raises:
         StepFailed: a step raised; names the plan.
     """
-    index = 0
-    try:
-        for index, plan in enumerate(plans):  # noqa: B007 - the except clause names the plan by its index
-            configure_plan(workload.model, plan, check=False)
-            for _ in range(warmup_steps):
-                train_step(workload, steps.next())
-                if on_step is not None:
-                    on_step()
-    except Exception as e:
-        raise StepFailed(index, e) from e
-
-
-def run_steps(
-    workload: Workload,
-    round_: MeasuredRound,
-    steps: Sequence[RoundStep],
-    counter: StepCounter,
-    on_step: Callable[[], None] | None = None,
-) -> tuple[list[float], StepFailure | None]:
-    """Run ``steps`` as training steps of ``workload`` (all ranks call this with the same steps): each step's plan
-    switched in first, a peak step's peak appended to ``round_.peaks``, a timed step timed (:func:`timed_step`).
-
-    Returns:
-        This rank's timed steps' ms, in step order, and the step that raised (``None``: none did; the steps after
-        it did not run).
-    """
-    times: list[float] = []
-    applied = None
-    for step in steps:
-        try:
-            if step.plan != applied:
-                configure_plan(workload.model, round_.plans[step.plan], check=False)
-                applied = step.plan
-            if step.kind == PEAK:
-                round_.peaks[step.plan].append(measure_peak(workload, counter.next()).peak_bytes)
-            elif step.kind == TIMED:
-                times.append(timed_step(workload, counter.next()))
-            else:
-                train_step(workload, counter.next())
-        except Exception as e:  # noqa: BLE001 - reported at the round's next collective, where the cause is named
-            return times, StepFailure.of(step.plan, e)
-        if on_step is not None:
-            on_step()
-    return times, None
+    for index in range(len(runner.side.plans)):
+        for _ in range(warmup_steps):
+            runner.run_all([RoundStep(WARMUP, index)])
+            if on_step is not None:
+                on_step()
 
 
 class OneBlock:
@@ -104,16 +70,10 @@ class OneBlock:
         """Nothing to decide: :func:`run_schedule` returns the times."""
 
 
-def measure_rounds(
-    workload: Workload,
-    plans: Sequence[Plan],
-    block: list[list[int]],
-    steps: StepCounter,
-    group: dist.ProcessGroup | None = None,
-    on_step: Callable[[], None] | None = None,
-) -> list[list[float]]:
-    """Every rank: one fixed block of rounds (per round, the plan indices in running order), through
-    :func:`run_schedule`, the study's own measured round.
+def measure_rounds(runner: WorkloadSteps, block: list[list[int]],
+                   on_step: Callable[[], None] | None = None) -> list[list[float]]:
+    """Every rank: one fixed block of rounds (per round, the plan indices in running order) over the runner's plans,
+    through :func:`run_schedule`, the study's own measured round.
 
     Returns:
         Per plan, each of its steps' max across ranks, ms.
@@ -121,8 +81,7 @@ def measure_rounds(
     Raises:
         TrialFailedError: a step raised on a rank, or a rank did not report.
     """
-    scheduler = OneBlock(block) if dist.get_rank() == 0 else None
-    step_ms, _ = run_schedule(workload, plans, scheduler, steps, group, on_step)
+    step_ms, _ = run_schedule(runner, OneBlock(block) if dist.get_rank() == 0 else None, on_step)
     return step_ms
 
 
@@ -138,25 +97,22 @@ def measure_plans(
     Returns:
         ``step_ms[i]``: plan ``i``'s step times, max across ranks, ms.
     """
-    steps = StepCounter()
-    warm_up(workload, plans, warmup_steps, steps, on_step)
-    return measure_rounds(workload, plans, [list(range(len(plans)))] * rounds, steps, on_step=on_step)
+    runner = WorkloadSteps(workload, plans)
+    warm_up(runner, warmup_steps, on_step)
+    return measure_rounds(runner, [list(range(len(plans)))] * rounds, on_step)
 
 
 def run_schedule(
-    workload: Workload,
-    plans: Sequence[Plan],
+    runner: WorkloadSteps,
     scheduler: Scheduler | None,
-    counter: StepCounter,
-    group: dist.ProcessGroup | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> tuple[list[list[float]], list[list[list[float]]]]:
-    """Every rank: run the blocks of rounds rank 0's ``scheduler`` hands out over fixed ``plans`` (warmed up before),
-    until it says it is done: a :class:`~runtime.measuring.round.MeasuredRound` of these plans with no study.
+    """Every rank: run the blocks of rounds rank 0's ``scheduler`` hands out over the runner's fixed plans (warmed
+    up before), until it says it is done: a :class:`~runtime.measuring.round.MeasuredRound` of these plans with no
+    study, its timed steps' barriers on the runner's group.
 
     Args:
         scheduler: rank 0's (``planner.statistics.schedule.Schedule``); ``None`` on the other ranks.
-        group: the group of the round's collectives (``runtime.ranks.collectives.control_group``).
 
     Returns:
         Per plan: every step's max across ranks, ms, and per rank that rank's own times, ms.
@@ -165,8 +121,66 @@ def run_schedule(
         PlannerError: rank 0's scheduler raised (every rank raises it).
         TrialFailedError: a step raised on a rank, or a rank did not report.
     """
-    round_ = MeasuredRound.of_plans(plans, group)
+    round_ = MeasuredRound.of_plans(runner.side.plans, runner.side.group)
     todo = round_.begin(lambda: scheduler)
     while todo is not None:
-        todo = round_.record(*run_steps(workload, round_, todo, counter, on_step))
+        todo = round_.record(*runner.run(todo, round_.peaks, on_step))
     return round_.step_ms, round_.per_rank
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a measured round left: measured plans (rank 0 only) and failed trial numbers."""
+
+    plans_measured: list[Plan]
+    failed: dict[int, str]
+
+
+def measured_round(
+    workload: Workload,
+    stage: RoundStage[TrialT] | None,
+    warmup_steps: int,
+    group: dist.ProcessGroup,
+    on_step: Callable[[], None] | None = None,
+    on_warm_up: Callable[[int], None] | None = None,
+) -> RoundResult:
+    """One measured round on every rank, its steps run as training steps of ``workload``.
+
+    Args:
+        workload: this rank's workload.
+        stage: rank 0: the study's side of the round (its ``prepare`` is the round's first step);
+            ``None`` on other ranks.
+        warmup_steps: untimed steps per plan before the first block.
+        group: the control group (``runtime.ranks.collectives.control_group``).
+        on_step: progress callback per step.
+        on_warm_up: progress callback, called once before the warm-up with its steps (every plan that applied
+            everywhere, ``runtime.measuring.round.warm_up_steps``).
+
+    Returns:
+        :class:`RoundResult` (``plans_measured`` empty on ranks other than 0, and when the baseline failed to
+        apply).
+
+    Raises:
+        PlannerError: rank 0 could not ask the study (bad storage, ...) or
+            could not go on with the schedule.
+        TrialFailedError: a rank raised inside a step (the round's trials
+            are recorded FAIL first), or a rank did not report (the caller
+            fails them: ``TuningSession.fail_held``).
+    """
+    round_ = MeasuredRound(group, stage, warmup_steps)
+    round_.ask()
+    todo = round_.apply_everywhere(workload.model)
+    if todo is None:  # the baseline (FSDP2's default, or the plan the model arrived with): nothing to compare with
+        return RoundResult([], round_.failed_trials())
+    if on_warm_up is not None:
+        on_warm_up(len(todo))
+    runner = WorkloadSteps(workload, round_.plans, group, applied=0)  # apply_everywhere ends on the baseline
+    _, failure = runner.run(todo, round_.peaks, on_step)
+    todo = round_.start(failure)
+    while todo is not None:
+        todo = round_.record(*runner.run(todo, round_.peaks, on_step))
+    if not round_.rank0:
+        return RoundResult([], {})
+    with interrupts_deferred():  # a Ctrl-C during the writes waits until every trial is told
+        plans_measured = round_.tell()
+    return RoundResult(plans_measured, round_.failed_trials())

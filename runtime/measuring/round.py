@@ -51,7 +51,6 @@ at all), the gather fails on the others (``TrialFailedError``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch.distributed as dist
@@ -64,40 +63,7 @@ from planner.study.in_loop import block_times, step_orders
 from runtime.apply import configure_plan
 from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
 from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
-
-# What a step of the round is: WARMUP untimed, PEAK untimed with this rank's peak memory measured, TIMED timed.
-WARMUP, PEAK, TIMED = "warmup", "peak", "timed"
-
-
-@dataclass(frozen=True)
-class RoundStep:
-    """One training step the round asks for: its kind and its plan (an index into :attr:`MeasuredRound.plans`;
-    0 is the baseline: FSDP2's default, or the plan the model arrived with)."""
-
-    kind: str
-    plan: int
-
-
-@dataclass(frozen=True)
-class StepFailure:
-    """A step that raised on this rank.
-
-    Attributes:
-        plan: the index of the plan it ran.
-        error: the exception in one line.
-        victim: the exception is a collective failing because of another rank (a timeout, a closed peer).
-    """
-
-    plan: int
-    error: str
-    victim: bool
-
-    @classmethod
-    def of(cls, plan: int, error: BaseException) -> StepFailure:
-        """The failure of a step of ``plan`` that raised ``error``."""
-        victim = (isinstance(error, getattr(dist, "DistError", ())) or "Timed out" in str(error)
-                  or "Connection" in str(error))
-        return cls(plan, one_line(error), victim)
+from runtime.timing import PEAK, TIMED, WARMUP, RoundStep, StepFailure
 
 
 class RoundTrial(Protocol):

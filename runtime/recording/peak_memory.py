@@ -26,14 +26,15 @@ import statistics
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import profiler_allocations
-from runtime.timing import device_type_of
-from runtime.workload import Workload, forward_backward
+from runtime.workload import Workload, train_step
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
 # some steps of the same plan peak one block's unsharded bytes higher than most, on either rank, whatever the
@@ -133,40 +134,103 @@ def stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def measure_peak(workload: Workload, step: int) -> PeakMemory:
-    """Run training step ``step`` and measure this rank's peak.
+class PeakMeter:
+    """One rank's peak memory in one training step, bytes: the one meter of the tune job's and the in-loop tuner's
+    peak steps (:class:`runtime.recording.steps.StepSide` begins and ends it around the step).
 
-    The step is ``runtime.workload.train_step``'s (``zero_grad(set_to_none=True)``,
-    ``forward_backward`` (every microbatch), ``optimizer.step()``),
-    written out so that the optimizer step's own peak is read apart. All
-    ranks call this together (the step runs collectives).
+    CPU: the step runs under ``torch.profiler.profile(profile_memory=True)``; the peak is the bytes alive at its
+    start (parameters, gradients, the state of ``optimizers``: :func:`bytes_alive`) plus the profiler's peak above
+    that, and the optimizer steps run inside a ``record_function(OPTIMIZER_BLOCK)`` block (opened by a global
+    optimizer pre-hook, ``register_optimizer_step_pre_hook``), whose own peak is the optimizer's temporaries. GPU:
+    ``max_memory_allocated`` after ``reset_peak_memory_stats``, the peak read and reset again before the first
+    optimizer step (the allocator's counters are the host's: no synchronization needed). Such a step is never a
+    timed one. The profiler does not count frees of tensors allocated before it started, so a step whose
+    gradients are freed inside it (``zero_grad`` first) starts with them freed (``runtime.recording.steps``).
+
+    Args:
+        model: the root FSDP module.
+        optimizers: the optimizers whose state counts (a list the caller may keep filling).
     """
-    device = device_of(device_type_of(workload))
-    optimizer = workload.optimizer
-    optimizer.zero_grad(set_to_none=True)
-    device.synchronize()
-    if device.type == "cuda":
-        device.reset_peak()
-        start = device.allocated()
-        forward_backward(workload, step)
-        device.synchronize()
-        peak, before, reserved = device.peak_allocated(), device.allocated(), device.peak_reserved()
-        device.reset_peak()
-        optimizer.step()
-        device.synchronize()
-        optimizer_peak = device.peak_allocated()
-        return PeakMemory(max(peak, optimizer_peak), start, optimizer_peak - before,
-                          max(reserved, device.peak_reserved()))
-    start = bytes_alive(workload.model, [optimizer])
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with stderr_silenced():  # [Note: Kineto's start and stop lines]
-        prof.__enter__()
-    try:
-        forward_backward(workload, step)
-        with record_function(OPTIMIZER_BLOCK):
-            optimizer.step()
-    finally:
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]):
+        self.model, self.optimizers = model, optimizers
+        self.device = device_of(next(model.parameters()).device.type)
+        self.measuring = False
+        self._prof: Any = None
+        self._block: Any = None
+        self._hooks: list[Any] = []
+        self._start_bytes = 0
+        self._before_optimizer: tuple[int, int, int] | None = None  # GPU: (peak, allocated, reserved) before it
+
+    def begin(self) -> None:
+        """Before the step."""
+        self.measuring = True
+        self._before_optimizer = None
+        self.device.synchronize()
+        self._hooks = [register_optimizer_step_pre_hook(self._optimizer_pre)]
+        if self.device.type == "cuda":
+            self.device.reset_peak()
+            self._start_bytes = self.device.allocated()
+            return
+        self._start_bytes = bytes_alive(self.model, self.optimizers)
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with stderr_silenced():  # [Note: Kineto's start and stop lines]
+            self._prof.__enter__()
+
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.device.type == "cuda":
+            if self._before_optimizer is None:
+                d = self.device
+                self._before_optimizer = (d.peak_allocated(), d.allocated(), d.peak_reserved())
+                d.reset_peak()
+        elif self._block is None:
+            self._block = record_function(OPTIMIZER_BLOCK)
+            self._block.__enter__()
+
+    def end(self) -> PeakMemory:
+        """After the step: this rank's :class:`PeakMemory` (``optimizer_temp_bytes`` 0 where no optimizer ran)."""
+        self.measuring = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        d = self.device
+        d.synchronize()
+        if d.type == "cuda":
+            peak, reserved = d.peak_allocated(), d.peak_reserved()
+            if self._before_optimizer is None:
+                return PeakMemory(peak, self._start_bytes, 0, reserved)
+            before_peak, before, before_reserved = self._before_optimizer
+            return PeakMemory(max(peak, before_peak), self._start_bytes, peak - before, max(reserved, before_reserved))
+        if self._block is not None:
+            self._block.__exit__(None, None, None)
+            self._block = None
         with stderr_silenced():
-            prof.__exit__(None, None, None)
-    return PeakMemory(start + step_peak(profiler_allocations(prof)), start,
-                      step_peak(profiler_allocations(prof, within=OPTIMIZER_BLOCK)))
+            self._prof.__exit__(None, None, None)
+        prof, self._prof = self._prof, None
+        return PeakMemory(self._start_bytes + step_peak(profiler_allocations(prof)), self._start_bytes,
+                          step_peak(profiler_allocations(prof, within=OPTIMIZER_BLOCK)))
+
+
+    def abandon(self) -> None:
+        """A step that raised: the meter stopped if it runs (on CPU its profiler would run on), its figure
+        dropped."""
+        if self.measuring:
+            with contextlib.suppress(Exception):  # the step's own error is the one the caller reports
+                self.end()
+
+
+def measure_peak(workload: Workload, step: int) -> PeakMemory:
+    """Run training step ``step`` (``runtime.workload.train_step``) under a :class:`PeakMeter`: this rank's peak.
+
+    The gradients are freed first (``zero_grad(set_to_none=True)``, which the step runs first anyway), so that the
+    meter starts without them. All ranks call this together (the step runs collectives).
+    """
+    workload.optimizer.zero_grad(set_to_none=True)
+    meter = PeakMeter(workload.model, [workload.optimizer])
+    meter.begin()
+    try:
+        train_step(workload, step)
+    except BaseException:
+        meter.abandon()
+        raise
+    return meter.end()

@@ -4,9 +4,10 @@ What it records and how (docs/architecture.md, "Measurement"):
 
 - Gradient accumulation: the workload's microbatches per step (``Profile.microbatches``); the module figures below are
   per microbatch, the step figures per step (every microbatch and the optimizer).
-- Peak memory, step ms and optimizer ms of FSDP2's default plan, after everything else: the peak of
-  :data:`runtime.recording.peak_memory.PEAK_STEPS` untimed steps, and what the optimizer step allocates on top
-  (:func:`runtime.recording.peak_memory.measure_peak`); then the median over timed steps, last of all, when the run has
+- Peak memory, step ms and optimizer ms of FSDP2's default plan, after everything else, each step through the one
+  step runner (:mod:`runtime.recording.steps`, its figures read by :mod:`runtime.recording.step_figures`): the peak
+  of :data:`runtime.recording.peak_memory.PEAK_STEPS` untimed steps, and what the optimizer step allocates on top
+  (:class:`runtime.recording.peak_memory.PeakMeter`); then the median over timed steps, last of all, when the run has
   settled (the first steps after the model is built run far slower: [Note: Why the isolated figures are not
   enough] in :mod:`planner.simulation.in_step`; the steps just after the isolated passes and the profiled peak
   steps too: [Note: The default's step is timed last]).
@@ -37,7 +38,6 @@ import statistics
 from collections import defaultdict
 from collections.abc import Collection
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -52,35 +52,19 @@ from planner.artifacts.rank_measurements import (
     StepMeasurements,
 )
 from runtime.apply import model_fingerprint
+from runtime.current import fsdp2_default
 from runtime.ranks.allocator import loaded_allocator
 from runtime.ranks.collectives import gather_objects
-from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import clear_unsharded_grads, reshard_after_forward, unshard_async_op_setter
 from runtime.recording.collective_timer import module_collectives
 from runtime.recording.compute_timer import ComputeTimer
 from runtime.recording.consolidation import consolidate, merge_isolated
-from runtime.recording.peak_memory import PEAK_STEPS, measure_peak
+from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.recording.process_usage import process_usage
-from runtime.timing import device_type_of
-from runtime.workload import Workload, forward_backward, fsdp_modules, own_parameters, parameter_rows, train_step
-
-
-def _timed_step(workload: Workload, step: int, device: str) -> tuple[float, float]:
-    """One training step after a barrier: ``(step ms, optimizer ms)``."""
-    optimizer = workload.optimizer
-    d = device_of(device)
-    d.barrier()  # no control group here: the default group's ([Note: Which group a barrier uses])
-    d.synchronize()
-    t0 = d.clock()
-    optimizer.zero_grad(set_to_none=True)
-    forward_backward(workload, step)
-    d.synchronize()
-    t1 = d.clock()
-    optimizer.step()
-    d.synchronize()
-    t2 = d.clock()
-    return (t2 - t0) * 1e3, (t2 - t1) * 1e3
-
+from runtime.recording.step_figures import StepFigures
+from runtime.recording.steps import WorkloadSteps
+from runtime.timing import RECORD, RECORD_PEAK, TIMED, RoundStep, device_type_of
+from runtime.workload import Workload, fsdp_modules, own_parameters, parameter_rows, train_step
 
 # [Note: The async default, timed in turn with the default]
 # On a CPU device the simulator's overlap slowdown is solved from FSDP2's default plan with unshard_async_op
@@ -101,38 +85,41 @@ ASYNC_PAIRS = 5
 # tried and rejected (docs/decisions/anchor-guard.md).
 
 
-def _default_plan_steps(workload: Workload, steps: int, device: str) -> StepMeasurements:
-    """FSDP2's default plan, in this order: its peak memory; on CPU at world size 2 or more, the async default's step
-    over the default's ([Note: The async default, timed in turn with the default]); then its median step ms and
-    optimizer ms over ``steps`` timed steps ([Note: The default's step is timed last]), with their mean page faults
-    and kernel CPU ms a step and the allocator the rank runs under ([Note: The allocator's share of the anchor] in
-    planner/simulation/in_step.py)."""
-    peaks = [measure_peak(workload, steps + s) for s in range(PEAK_STEPS)]
-    async_ratio = None
-    if device == "cpu" and dist.get_world_size() > 1:
-        set_async_op = unshard_async_op_setter(workload.model)
-        ratios = []
-        for s in range(max(steps, ASYNC_PAIRS)):
-            timed = {}
-            for async_op in (False, True) if s % 2 == 0 else (True, False):
-                set_async_op(async_op)
-                timed[async_op] = _timed_step(workload, steps + 2 * s + async_op, device)[0]
-            ratios.append(timed[True] / timed[False])
-        set_async_op(False)
-        async_ratio = statistics.median(ratios)
-    step_ms, opt_ms = [], []
-    before = process_usage()
-    for s in range(steps):
-        step, opt = _timed_step(workload, s, device)
-        step_ms.append(step)
-        opt_ms.append(opt)
-    usage = process_usage() - before  # the barriers' waits are user-space spins or sleeps, not faults
-    return StepMeasurements(step_ms=statistics.median(step_ms), optimizer_ms=statistics.median(opt_ms),
-                            peak_bytes=tuple(p.peak_bytes for p in peaks),
-                            optimizer_temp_bytes=max(p.optimizer_temp_bytes for p in peaks),
-                            optimizer_state_bytes=optimizer_state_bytes(workload.optimizer), async_ratio=async_ratio,
-                            step_faults=usage.faults // steps, step_kernel_ms=usage.system_ms / steps,
-                            allocator=str(loaded_allocator()))
+def _default_plan_steps(workload: Workload, steps: int) -> StepMeasurements:
+    """FSDP2's default plan through the step runner (:class:`runtime.recording.steps.WorkloadSteps`, its figures
+    read by :class:`runtime.recording.step_figures.StepFigures`), in this order: its peak memory; on CPU at world
+    size 2 or more, the async default's step over the default's ([Note: The async default, timed in turn with the
+    default]); then its median step ms and optimizer ms over ``steps`` timed steps ([Note: The default's step is
+    timed last]), with their mean page faults and kernel CPU ms a step and the allocator the rank runs under
+    ([Note: The allocator's share of the anchor] in planner/simulation/in_step.py).
+
+    Raises:
+        StepFailed: a step raised.
+    """
+    figures = StepFigures(workload.model, [workload.optimizer])
+    runner = WorkloadSteps(workload, [fsdp2_default(workload.model)], applied=0)  # as wrapped: nothing applied
+    runner.side.recorder = figures
+    try:
+        runner.run_all([RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS)
+        async_ratio = None
+        if runner.side.device == "cpu" and dist.get_world_size() > 1:
+            set_async_op = unshard_async_op_setter(workload.model)
+            ratios = []
+            for s in range(max(steps, ASYNC_PAIRS)):
+                timed = {}
+                for async_op in (False, True) if s % 2 == 0 else (True, False):
+                    set_async_op(async_op)
+                    [timed[async_op]] = runner.run_all([RoundStep(TIMED, 0)])
+                ratios.append(timed[True] / timed[False])
+            set_async_op(False)
+            async_ratio = statistics.median(ratios)
+        before = process_usage()
+        runner.run_all([RoundStep(RECORD, 0)] * steps)
+        usage = process_usage() - before  # the barriers' waits are user-space spins or sleeps, not faults
+    finally:
+        figures.remove()
+    return figures.measurements(async_ratio=async_ratio, step_faults=usage.faults // steps,
+                                step_kernel_ms=usage.system_ms / steps, allocator=str(loaded_allocator()))
 
 
 def _hold_unsharded(model: nn.Module, modules: list[tuple[str, nn.Module]], held: set[str], every: bool) -> None:
@@ -283,19 +270,9 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
                                    for i, (fqn, _) in enumerate(modules)])
     else:
         isolated = isolated_measurements(workload, fingerprint, repeats, device, resharding)
-    local = RankMeasurements(dist.get_rank(), _default_plan_steps(workload, steps, device), isolated)
+    local = RankMeasurements(dist.get_rank(), _default_plan_steps(workload, steps), isolated)
     return consolidate(gather_objects(local), fingerprint, resharding, isolated.calls, workload.microbatches,
                        parameter_rows(modules))
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of ``optimizer``'s state tensors on this rank (DTensors: their local shard)."""
-    return sum(
-        (v.to_local() if hasattr(v, "to_local") else v).numel() * v.element_size()
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    )
 
 
 def isolated_measurements(workload: Workload, fingerprint: Fingerprint, repeats: int, device: str,

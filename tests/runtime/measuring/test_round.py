@@ -1,7 +1,7 @@
 """runtime.measuring.round.MeasuredRound on a real one-rank FSDP2 model: what each driver hands it and what it
 records (a plan that does not apply, a peak over the budget, a step that raised, a step that raised because of a
 peer), without the study: a stage that notes every call. And the tune job's driver
-(``runtime.measuring.protocol.measured_round``): the warm-up's step count it announces is the number of steps it runs
+(``runtime.measuring.measure.measured_round``): the warm-up's step count it announces is the number of steps it runs
 before the schedule's first block (``jobs.tune`` draws the progress bar's total from it)."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from planner.artifacts.plan import ModulePlan, Plan
 from planner.errors import FailKind, TrialFailedError
 from planner.statistics.schedule import Phase
 from runtime.apply import model_fingerprint
-from runtime.measuring.measure import run_steps
-from runtime.measuring.protocol import measured_round
-from runtime.measuring.round import PEAK, TIMED, WARMUP, MeasuredRound, RoundStep, StepFailure, warm_up_steps
+from runtime.measuring.measure import measured_round
+from runtime.measuring.round import MeasuredRound, warm_up_steps
 from runtime.ranks.torch_private import reshard_after_forward
 from runtime.recording.peak_memory import PEAK_STEPS
+from runtime.recording.steps import WorkloadSteps
 from runtime.reference_workloads import mlp
-from runtime.timing import StepCounter
+from runtime.timing import PEAK, TIMED, WARMUP, RoundStep, StepFailure
 from runtime.workload import fsdp_modules
 
 
@@ -105,19 +105,18 @@ def test_a_round_runs_warm_ups_then_blocks_and_tells_each_kept_plan_its_times(wo
     plans = _plans(workload)
     stage = _Stage(plans, rounds=2)
     round_ = MeasuredRound(dist.group.WORLD, stage, warmup_steps=PEAK_STEPS + 1)
-    counter = StepCounter()
-
     assert round_.ask() == plans
+    runner = WorkloadSteps(workload, plans, dist.group.WORLD)
     todo = round_.apply_everywhere(workload.model)
     assert todo == [RoundStep(WARMUP, 0)] + [RoundStep(PEAK, 0)] * PEAK_STEPS + [RoundStep(WARMUP, 1)] + [
         RoundStep(PEAK, 1)] * PEAK_STEPS
-    _, failure = run_steps(workload, round_, todo, counter)
+    _, failure = runner.run(todo, round_.peaks)
     assert failure is None and all(len(p) == PEAK_STEPS and min(p) > 0 for p in round_.peaks)
     todo = round_.start()
     assert len(stage.peaks) == 2 and todo == [RoundStep(TIMED, 0), RoundStep(TIMED, 1)]
     blocks = 0
     while todo is not None:
-        todo = round_.record(*run_steps(workload, round_, todo, counter))
+        todo = round_.record(*runner.run(todo, round_.peaks))
         blocks += 1
     assert blocks == 2 and len(stage.schedule.recorded) == 2
     assert [len(t) for t in round_.step_ms] == [2, 2] and round_.per_rank[1][0] == round_.step_ms[1]
@@ -150,7 +149,7 @@ def test_a_plan_over_the_budget_is_left_out_with_the_stages_reason(workload):
     stage = _Stage(plans, over={1: "measured peak 9 MiB over the memory budget 8 MiB"}, rounds=1)
     round_ = MeasuredRound(dist.group.WORLD, stage, warmup_steps=1)
     round_.ask()
-    run_steps(workload, round_, round_.apply_everywhere(workload.model), StepCounter())
+    WorkloadSteps(workload, plans).run(round_.apply_everywhere(workload.model), round_.peaks)
     assert round_.start() == [RoundStep(TIMED, 0)]
     assert round_.kept == [0] and round_.failed_trials() == {11: "measured peak 9 MiB over the memory budget 8 MiB"}
 
@@ -161,7 +160,7 @@ def test_a_step_that_raised_fails_its_trial_and_interrupts_the_rest(workload, vi
     stage = _Stage(plans)
     round_ = MeasuredRound(dist.group.WORLD, stage, warmup_steps=1)
     round_.ask()
-    run_steps(workload, round_, round_.apply_everywhere(workload.model), StepCounter())
+    WorkloadSteps(workload, plans).run(round_.apply_everywhere(workload.model), round_.peaks)
     round_.start()
     error = TimeoutError("Timed out waiting for rank 1") if victim else RuntimeError("boom")
     failure = StepFailure.of(1, error)
@@ -173,9 +172,8 @@ def test_a_step_that_raised_fails_its_trial_and_interrupts_the_rest(workload, vi
     assert stage.failed[1][1].startswith("not measured: trial 11 failed in the same round (rank 0: ")
 
 
-def test_run_steps_reports_the_step_that_raised_and_runs_none_after_it(workload):
+def test_the_step_runner_reports_the_step_that_raised_and_runs_none_after_it(workload):
     plans = _plans(workload)
-    round_ = MeasuredRound.of_plans(plans, dist.group.WORLD)
     seen = []
     broken = workload.model.forward
 
@@ -186,8 +184,8 @@ def test_run_steps_reports_the_step_that_raised_and_runs_none_after_it(workload)
 
     workload.model.forward = fail_under_plan_1
     try:
-        times, failure = run_steps(workload, round_, [RoundStep(TIMED, 0), RoundStep(TIMED, 1), RoundStep(TIMED, 0)],
-                                   StepCounter(), on_step=lambda: seen.append(1))
+        times, failure = WorkloadSteps(workload, plans, dist.group.WORLD).run(
+            [RoundStep(TIMED, 0), RoundStep(TIMED, 1), RoundStep(TIMED, 0)], on_step=lambda: seen.append(1))
     finally:
         del workload.model.forward
     assert len(times) == 1 and failure == StepFailure(1, "RuntimeError: the step raised", False)

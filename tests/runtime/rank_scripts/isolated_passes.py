@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from planner.artifacts.rank_measurements import RankMeasurements, StepMeasurements
 from runtime.apply import model_fingerprint
-from runtime.in_loop.recorder import PeakMeter
 from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.ranks.torch_private import is_sharded, reshard_after_forward, watching_unshard_and_reshard
 from runtime.recording.consolidation import merge_isolated
+from runtime.recording.peak_memory import PeakMeter
 from runtime.recording.recorder import isolated_measurements
 from runtime.workload import build_workload, fsdp_modules
 
@@ -44,7 +44,7 @@ for step in range(2):
     workload.loss_fn(model, workload.make_batch(step)).backward()
     if step == 0:
         optimizer.step()
-default_peak = meter.end()[0]
+default_peak = meter.end().peak_bytes
 grads = [p.grad.to_local().clone() for p in model.parameters()]  # the user's, which the passes must leave alone
 
 unsharded: set[int] = set()
@@ -67,7 +67,7 @@ def figures(only, collectives):
     meter.begin()
     result = isolated_measurements(workload, fingerprint, 2, "cpu", resharding, zero_grad=False, only=only,
                                    collectives=collectives)
-    return result, meter.end()[0]
+    return result, meter.end().peak_bytes
 
 
 def resharded(group) -> None:

@@ -3,10 +3,15 @@ times them."""
 
 from __future__ import annotations
 
+import itertools
+
 import runtime.recording.collective_timer as collective_timer
 import runtime.recording.recorder as recorder
 from runtime.apply import model_fingerprint
+from runtime.ranks.device import Device
 from runtime.ranks.torch_private import reshard_after_forward
+from runtime.recording import step_figures, steps
+from runtime.recording.peak_memory import PeakMeter
 from runtime.reference_workloads import mlp
 from runtime.workload import fsdp_modules, train_step
 
@@ -100,22 +105,33 @@ def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mes
     def setter(model):
         return lambda value: async_on.__setitem__(0, value)
 
-    def timed_step(workload, step, device):
-        after_peak = events[events.index("peak") + recorder.PEAK_STEPS:] if "peak" in events else []
-        stretch = 2 * recorder.ASYNC_PAIRS  # after the isolated passes, and after the profiled peak steps
-        slow = 3.0 if sum(e != "peak" for e in events) < stretch or len(after_peak) < stretch else 1.0
-        events.append("async" if async_on[0] else "default")
-        return 100.0 * slow * (0.8 if async_on[0] else 1.0), 5.0
+    class Scripted(Device):
+        """The step runner's and the step figures' device: a timed step's ms as scripted (a slow stretch), and the
+        optimizer's 5 ms (its pre-hook's clock, then its post-hook's)."""
 
-    def peak(workload, step, real=recorder.measure_peak):
-        events.append("peak")
-        return real(workload, step)
+        ticks = itertools.cycle([0.0, 0.005])
 
-    monkeypatch.setattr(recorder, "_timed_step", timed_step)
+        def clock(self):
+            return next(self.ticks)
+
+        def start(self, group=None, together=True):
+            return 0.0
+
+        def elapsed_ms(self, t0):
+            after_peak = events[events.index("peak") + recorder.PEAK_STEPS:] if "peak" in events else []
+            stretch = 2 * recorder.ASYNC_PAIRS  # after the isolated passes, and after the profiled peak steps
+            slow = 3.0 if sum(e != "peak" for e in events) < stretch or len(after_peak) < stretch else 1.0
+            events.append("async" if async_on[0] else "default")
+            return 100.0 * slow * (0.8 if async_on[0] else 1.0)
+
+    scripted = Scripted()
+    begin = PeakMeter.begin
+    monkeypatch.setattr(steps, "device_of", lambda _type: scripted)
+    monkeypatch.setattr(step_figures, "device_of", lambda _type: scripted)
+    monkeypatch.setattr(PeakMeter, "begin", lambda meter: (events.append("peak"), begin(meter))[1])
     monkeypatch.setattr(recorder, "unshard_async_op_setter", setter)
-    monkeypatch.setattr(recorder, "measure_peak", peak)
     monkeypatch.setattr(recorder.dist, "get_world_size", lambda *args, **kwargs: 2)
-    figures = recorder._default_plan_steps(workload, 5, "cpu")
+    figures = recorder._default_plan_steps(workload, 5)
 
     assert figures.step_ms == 100.0 and figures.optimizer_ms == 5.0
     pairs = slice(recorder.PEAK_STEPS, recorder.PEAK_STEPS + 2 * recorder.ASYNC_PAIRS)

@@ -1,0 +1,121 @@
+"""The figures a profile takes from FSDP2's default steps, for the tune job's recorder and the in-loop tuner's alike:
+a recorder of the one step runner (``runtime.recording.steps.StepSide``, which begins and ends it around each step).
+
+- step ms: a timed step's, as the step runner times it (every rank started together, to the step's end);
+- optimizer ms: from the first ``optimizer.step()`` of a timed step to the last one's end (global optimizer hooks,
+  ``register_optimizer_step_pre_hook``, the device synchronized at each);
+- microbatches: the root's forwards in each step (gradient accumulation);
+- peak bytes and the optimizer step's temporaries: a peak step's, through the one peak meter
+  (:class:`runtime.recording.peak_memory.PeakMeter`); such a step is not timed;
+- optimizer state bytes: the optimizers the steps ran (each seen by its hook), at the end.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from planner.artifacts.rank_measurements import StepMeasurements
+from planner.errors import PlannerError
+from runtime.ranks.device import device_of
+from runtime.recording.peak_memory import PeakMeter
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s state tensors on this rank (DTensors: their local shard)."""
+    return sum(
+        (v.to_local() if hasattr(v, "to_local") else v).numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+class StepFigures:
+    """Hooks on the model and the optimizers while FSDP2's default runs, and the step figures they read.
+
+    Args:
+        model: the root FSDP module.
+        optimizers: the optimizers known already (a workload's); those the steps run are added as their hooks see
+            them.
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()):
+        self.model = model
+        self.device = next(model.parameters()).device.type
+        self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
+        self.forwards = 0
+        self.microbatches: list[int] = []
+        self.step_ms: list[float] = []
+        self.optimizer_ms: list[float] = []
+        self.peaks: list[int] = []
+        self.optimizer_temp: list[int] = []
+        self._opt_start: float | None = None
+        self._opt_end: float | None = None
+        self.meter = PeakMeter(model, self.optimizers)
+        self._handles = [
+            model.register_forward_pre_hook(self._root_forward, with_kwargs=True),
+            register_optimizer_step_pre_hook(self._optimizer_pre),
+            register_optimizer_step_post_hook(self._optimizer_post),
+        ]
+
+    def _root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.forwards += 1
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not any(o is optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+        device = device_of(self.device)
+        device.synchronize()
+        if self._opt_start is None:
+            self._opt_start = device.clock()
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        device = device_of(self.device)
+        device.synchronize()
+        self._opt_end = device.clock()
+
+    def begin_step(self, peak: bool) -> None:
+        """Before a step (every rank); ``peak``: measure its peak memory (the step is then not timed)."""
+        self.forwards = 0
+        self._opt_start = self._opt_end = None
+        if peak:
+            self.meter.begin()
+
+    def end_step(self, step_ms: float | None) -> None:
+        """After a step: ``step_ms`` this rank's time of a timed step, ``None`` for an untimed one."""
+        self.microbatches.append(self.forwards)
+        if step_ms is not None:
+            self.step_ms.append(step_ms)
+            if self._opt_start is not None and self._opt_end is not None:
+                self.optimizer_ms.append((self._opt_end - self._opt_start) * 1e3)
+        if self.meter.measuring:
+            peak = self.meter.end()
+            self.peaks.append(peak.peak_bytes)
+            self.optimizer_temp.append(peak.optimizer_temp_bytes)
+
+    def remove(self) -> None:
+        """Remove every hook (the recording is over)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def measurements(self, **more: Any) -> StepMeasurements:
+        """This rank's step figures: the medians of the timed steps' ms and optimizer ms, every peak step's peak,
+        the optimizer step's largest temporaries, the optimizers' state; ``more``: the other
+        :class:`~planner.artifacts.rank_measurements.StepMeasurements` fields (the async ratio, page faults, ...).
+
+        Raises:
+            PlannerError: no timed step or no peak step was recorded.
+        """
+        if not self.step_ms or not self.peaks:
+            raise PlannerError("the recorder has no timed step or no peak-memory step")
+        return StepMeasurements(step_ms=statistics.median(self.step_ms),
+                                optimizer_ms=statistics.median(self.optimizer_ms) if self.optimizer_ms else 0.0,
+                                peak_bytes=tuple(self.peaks), optimizer_temp_bytes=max(self.optimizer_temp, default=0),
+                                optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self.optimizers), **more)

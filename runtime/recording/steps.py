@@ -1,0 +1,239 @@
+"""The one step runner: what happens around each training step, on every rank, for the tune job's ranks, its recorder
+and the in-loop tuner alike.
+
+A step is a :class:`~runtime.timing.RoundStep` (its kind and its plan). :class:`StepSide` runs it around
+the step itself: the plan switched, the recorder or the peak meter begun and ended, the step timed (every rank
+started together on the caller's group, [Note: Which group a barrier uses] in ``runtime.ranks.device``), the
+microbatches counted. What the step itself is differs, and only that:
+
+- the in-loop tuner (``runtime.in_loop.autotuner.AutoTuner``) calls :meth:`StepSide.before` and
+  :meth:`StepSide.after` around the user's own code in ``tuner.step()``;
+- the tune job, its recorder's steps of FSDP2's default, its confirmation and calibration launches, ``confirm`` and
+  the benches feed it the workload's own training step (``runtime.workload.train_step``) through
+  :class:`WorkloadSteps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from planner.artifacts.plan import Plan
+from runtime.accumulation import set_microbatch_resharding
+from runtime.apply import configure_plan
+from runtime.ranks.device import device_of
+from runtime.recording.peak_memory import PeakMeter
+from runtime.timing import (
+    PEAK,
+    RECORD,
+    RECORD_PEAK,
+    RECORD_WARMUP,
+    TIMED,
+    WATCHED,
+    RoundStep,
+    StepCounter,
+    StepFailed,
+    StepFailure,
+    device_type_of,
+)
+from runtime.workload import Workload, fsdp_modules, train_step
+
+RECORDING = (RECORD_WARMUP, RECORD, RECORD_PEAK)
+
+
+class StepRecorder(Protocol):
+    """What the step runner asks of a recorder (``runtime.recording.step_figures.StepFigures``, and the in-loop
+    recorder built on it)."""
+
+    optimizers: list[Any]
+
+    def begin_step(self, peak: bool) -> None:
+        """Before a step; ``peak``: measure its peak memory."""
+
+    def end_step(self, step_ms: float | None) -> None:
+        """After a step: its ms if it was timed."""
+
+    def remove(self) -> None:
+        """Its hooks out."""
+
+
+class StepSide:
+    """Runs each of the tuner's steps around the user's code (every rank, the same steps).
+
+    Attributes:
+        plans: the plans a step may run (0: FSDP2's default); the one applied now is ``plans[applied]``.
+        recorder: the recorder while the profile is recorded; ``None`` after.
+        meter: the peak meter of the race's peak steps, once the recording is over.
+        times: the ms of the timed steps since :meth:`take_times`.
+        microbatches: the user's root forwards per step, as recorded.
+    """
+
+    def __init__(self, model: nn.Module, device: str, group: Any, default: Plan):
+        self.model, self.device, self.group = model, device, group
+        self.plans: list[Plan] = [default]
+        self.applied: int | None = 0
+        self.recorder: StepRecorder | None = None
+        self.meter: PeakMeter | None = None
+        self.times: list[float] = []
+        self.microbatches = 1
+        self.optimizers: list[Any] = []
+        self._microbatch = 0  # this step's root forwards so far
+        self._hooks: list[Any] = []
+
+    def hook_microbatches(self) -> None:
+        """Count the root's forwards in each step and set ``reshard_after_backward`` for each microbatch."""
+        self._hooks.append(self.model.register_forward_pre_hook(self._before_microbatch))
+
+    def watch_optimizers(self) -> None:
+        """Note each optimizer the user's steps run (the peak meter counts their state), then meter the peaks."""
+        self._hooks.append(register_optimizer_step_pre_hook(self._seen_optimizer))
+        self.meter = PeakMeter(self.model, self.optimizers)
+
+    def race(self, plans: list[Plan], applied: int | None = 0) -> None:
+        """From now on a step may run any of ``plans``; ``applied``: the index of the one applied now (``None``:
+        unknown, the first step applies its plan); the times of the steps before are dropped."""
+        self.plans, self.applied, self.times = list(plans), applied, []
+
+    def recorded(self, microbatches: int) -> None:
+        """The recording is over: its recorder's hooks go, the peak meter counts its optimizers."""
+        if self.recorder is not None:
+            self.meter = PeakMeter(self.model, self.recorder.optimizers)
+            self.recorder.remove()
+            self.recorder = None
+        self.microbatches = microbatches
+
+    def apply(self, index: int) -> None:
+        """Apply ``plans[index]`` now, between two steps."""
+        configure_plan(self.model, self.plans[index], check=False)
+        self.applied = index
+
+    def take_times(self) -> list[float]:
+        """The timed steps' ms so far, and a fresh list for the next block."""
+        times, self.times = self.times, []
+        return times
+
+    def remove(self) -> None:
+        """Take every hook out (the tuner is done)."""
+        if self.recorder is not None:
+            self.recorder.remove()
+            self.recorder = None
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def before(self, order: RoundStep) -> float | None:
+        """Before the user's step: its plan applied, the recorder or meter begun; for a timed step, every rank
+        started together (a barrier, the device synchronized) and the clock read."""
+        self._microbatch = 0
+        if order.plan != self.applied:
+            self.apply(order.plan)
+        if order.kind in RECORDING:
+            self.recorder.begin_step(peak=order.kind == RECORD_PEAK)
+        elif order.kind == PEAK:
+            self.meter.begin()
+        if order.kind == WATCHED:  # this rank alone: runtime.in_loop.watching says why
+            return device_of(self.device).start(together=False)
+        if order.kind not in (RECORD, TIMED):
+            return None
+        return device_of(self.device).start(self.group)  # the control group's ([Note: Which group a barrier uses])
+
+    def after(self, order: RoundStep, t0: float | None, peaks: list[list[int]]) -> None:
+        """After the user's step: its ms (timed steps), a plan's parameters resharded after the last microbatch,
+        the recorder or meter ended (a peak step's peak appended to ``peaks[order.plan]``)."""
+        ms = None if t0 is None else device_of(self.device).elapsed_ms(t0)
+        if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
+            for _, m in fsdp_modules(self.model):
+                m.reshard()
+        if order.kind in RECORDING:
+            self.recorder.end_step(ms)
+        elif order.kind == PEAK:
+            peaks[order.plan].append(self.meter.end().peak_bytes)
+        elif order.kind in (TIMED, WATCHED):
+            self.times.append(ms)
+
+    def abandon(self) -> None:
+        """A step that raised: the peak meter it began is stopped (on CPU its profiler would run on), its figure
+        dropped."""
+        if self.meter is not None:
+            self.meter.abandon()
+
+    def _before_microbatch(self, module: nn.Module, args: Any) -> None:
+        """Root pre-forward: a plan's ``reshard_after_backward`` for every microbatch but the step's last
+        (``runtime.accumulation``; the recorded microbatch count tells which is last)."""
+        n = self.microbatches
+        if n > 1:
+            last = self._microbatch >= n - 1
+            set_microbatch_resharding(self.model, last)
+        self._microbatch += 1
+
+    def _seen_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not any(o is optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+
+
+class WorkloadSteps:
+    """The step runner fed by a workload's own training step (``runtime.workload.train_step``): the tune job's
+    ranks, its confirmation and calibration launches, ``confirm`` and the benches.
+
+    Args:
+        workload: this rank's workload.
+        plans: the plans a step may run (:class:`StepSide`'s; which one is applied now is not assumed).
+        group: the group a timed step's barrier takes (the control group where there is one; ``None``: training's
+            default group, [Note: Which group a barrier uses] in ``runtime.ranks.device``).
+        counter: the global step index every rank counts alike (each step draws ``make_batch(index)``).
+        applied: the index of the plan applied now; ``None``: unknown (the first step applies its plan).
+    """
+
+    def __init__(self, workload: Workload, plans: Sequence[Plan], group: Any = None,
+                 counter: StepCounter | None = None, applied: int | None = None):
+        self.workload = workload
+        self.side = StepSide(workload.model, device_type_of(workload), group, plans[0])
+        self.side.race(list(plans), applied)
+        self.side.meter = PeakMeter(workload.model, [workload.optimizer])
+        self.counter = counter or StepCounter()
+
+    def step(self, order: RoundStep, peaks: list[list[int]] | None = None) -> None:
+        """One training step as ``order`` says (a peak step's peak appended to ``peaks[order.plan]``, a timed
+        step's ms kept for :meth:`StepSide.take_times`); all ranks call this together. A peak step frees the
+        gradients first (what ``train_step`` does first anyway), so that the meter starts without them
+        (``runtime.recording.peak_memory.PeakMeter``)."""
+        if order.kind in (PEAK, RECORD_PEAK):
+            self.workload.optimizer.zero_grad(set_to_none=True)
+        t0 = self.side.before(order)
+        train_step(self.workload, self.counter.next())
+        self.side.after(order, t0, peaks if peaks is not None else [[] for _ in self.side.plans])
+
+    def run(self, steps: Sequence[RoundStep], peaks: list[list[int]] | None = None,
+            on_step: Callable[[], None] | None = None) -> tuple[list[float], StepFailure | None]:
+        """Run ``steps`` in order (:meth:`step`; ``on_step`` after each).
+
+        Returns:
+            This rank's timed steps' ms, in step order, and the step that raised (``None``: none did; the steps
+            after it did not run).
+        """
+        for order in steps:
+            try:
+                self.step(order, peaks)
+            except Exception as e:  # noqa: BLE001 - reported at the round's next collective, where the cause is named
+                self.side.abandon()
+                return self.side.take_times(), StepFailure.of(order.plan, e)
+            if on_step is not None:
+                on_step()
+        return self.side.take_times(), None
+
+    def run_all(self, steps: Sequence[RoundStep]) -> list[float]:
+        """Run ``steps`` in order (:meth:`step`); this rank's timed steps' ms, in step order.
+
+        Raises:
+            StepFailed: a step raised (names the index of its plan); the steps after it did not run.
+        """
+        for order in steps:
+            try:
+                self.step(order)
+            except Exception as e:
+                self.side.abandon()
+                raise StepFailed(order.plan, e) from e
+        return self.side.take_times()
