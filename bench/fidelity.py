@@ -107,13 +107,13 @@ def without_reshard(profile: Profile, plan: Plan) -> Plan:
 def collectives_after_passes(workload, profile: Profile, repeats: int) -> Profile:
     """``profile`` with its collectives and overlap timings timed again just after the isolated compute passes, the
     recorder's earlier order ([Note: The collectives are timed before the isolated passes] in
-    ``runtime/recording/recorder.py``); all ranks call it. Max across ranks, as the recorder consolidates (the overlap
+    ``runtime/recording/isolated.py``); all ranks call it. Max across ranks, as the recorder consolidates (the overlap
     timings: mean)."""
     from planner.artifacts.profile import OverlapTimings
     from runtime.ranks.collectives import gather_objects
     from runtime.ranks.torch_private import reshard_after_forward
     from runtime.recording.collective_timer import module_collectives
-    from runtime.recording.recorder import isolated_measurements
+    from runtime.recording.isolated import isolated_measurements
     from runtime.timing import device_type_of
     from runtime.workload import fsdp_modules
 

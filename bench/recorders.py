@@ -3,11 +3,12 @@
     python -m bench.recorders [studies/llama-cpu.toml bench/plain-loop-cpu.toml] [--launches 2] [--json out.json]
     python -m bench.recorders --refit out.json        # a saved run reported again, no ranks
 
-Two recorders build a :class:`planner.Profile` today: ``runtime.recording.recorder.record_profile`` (what ``tune``
-and ``profile`` run, on a workload factory's steps) and ``runtime.in_loop.recorder.LoopRecorder`` (what
-``AutoTuner`` runs, on the user's own steps inside ``with tuner.step()``). Both share the isolated passes
-(``isolated_measurements``) and the consolidation; they differ in how the steps of FSDP2's default are run, timed
-and measured for peak memory. Before one of them goes, this bench shows whether they give the same profile.
+The one recorder (``runtime.recording.recorder.Recorder``) builds a :class:`planner.Profile` on two schedules:
+``record_profile`` (what ``tune`` and ``profile`` run, on a workload factory's steps and loss) and the in-loop
+tuner's (what ``AutoTuner`` runs, on the user's own steps inside ``with tuner.step()``, with a surrogate loss). They
+share the step runner, the step figures, the isolated passes and the consolidation; they differ in when FSDP2's
+default steps are timed and in the loss the isolated backward runs. This bench shows whether they give the same
+profile.
 
 Each launch is a fresh ``torchrun`` process that records one profile with one recorder, ``[measure] steps`` timed
 steps of FSDP2's default (the study's warm-up steps and profile repeats too); the launches alternate between the

@@ -580,3 +580,21 @@ def test_the_step_runner_check_catches_a_planted_second_runner():
                "    train_step(workload, 0)\n")
     assert step_runner_offenders({"bench/planted.py": planted}) == ["bench/planted.py:rounds",
                                                                    "bench/planted.py:timed_step"]
+
+
+def profile_builders(sources: dict[str, str]) -> list[str]:
+    """``path:line`` of every call in ``sources`` (path -> text) that merges ranks' figures into a ``Profile``
+    (``consolidate``) or runs the isolated passes (``isolated_measurements``): a recorder's two jobs."""
+    return [f"{path}:{node.lineno} {_called(node)}" for path, text in sources.items()
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Call) and _called(node) in ("consolidate", "isolated_measurements")]
+
+
+def test_one_recorder_serves_tune_and_the_in_loop_tuner():
+    """``runtime.recording.recorder.Recorder`` alone runs the isolated passes and builds the profile, for ``record_
+    profile`` (``tune``, ``profile``) and for ``AutoTuner``; benches may time the passes again, no runtime module."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in _sources("runtime", "jobs")
+               if p.name not in ("isolated.py", "consolidation.py")}
+    assert {found.split(":")[0] for found in profile_builders(sources)} == {"runtime/recording/recorder.py"}
+    second = "def profile(self, gather):\n    return consolidate(gather(self.local), self.fp, {}, {}, 1, [])\n"
+    assert profile_builders({"runtime/in_loop/recorder.py": second}) == ["runtime/in_loop/recorder.py:2 consolidate"]

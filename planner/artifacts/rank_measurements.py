@@ -54,7 +54,7 @@ COMPUTE_FIELDS = ("fwd_ms", "bwd_ms", "fwd_pre_ms", "bwd_pre_ms", "recompute_ms"
 @dataclass(frozen=True)
 class ComputeMeasurements:
     """One module's compute with every module it waits on unsharded and no communication
-    (``runtime.recording.recorder.compute_unsharded``): exclusive ms per phase (``*_pre_ms``: before its first child),
+    (``runtime.recording.isolated.compute_unsharded``): exclusive ms per phase (``*_pre_ms``: before its first child),
     and
     what it keeps alive, bytes.
 
@@ -101,7 +101,7 @@ class ModuleMeasurements:
 
 @dataclass(frozen=True)
 class IsolatedMeasurements:
-    """One rank's figures measured outside a training step (``runtime.recording.recorder.isolated_measurements``).
+    """One rank's figures measured outside a training step (``runtime.recording.isolated.isolated_measurements``).
 
     Attributes:
         overlap: the CPU overlap microbenchmark; ``None`` on CUDA, or not run in this pass.
@@ -134,7 +134,8 @@ class IsolatedMeasurements:
 
 @dataclass(frozen=True)
 class StepMeasurements:
-    """One rank's steps of FSDP2's default plan (``runtime.recording.recorder``, ``runtime.in_loop.recorder``).
+    """One rank's steps of FSDP2's default plan (``runtime.recording.recorder.Recorder``, for ``tune`` and the
+    in-loop tuner).
 
     Attributes:
         step_ms, optimizer_ms: medians over the timed steps.

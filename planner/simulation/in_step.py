@@ -8,7 +8,7 @@ slower than they add up to, for three reasons:
 - collectives in a step do not take what the same collectives take alone
   after a barrier (FSDP2's copy-in and copy-out, rank skew; the recorder
   times them after a step, with the allocator as a step leaves it: [Note:
-  The collectives are timed before the isolated passes] in runtime/recording/recorder.py).
+  The collectives are timed before the isolated passes] in runtime/recording/isolated.py).
   The default plan on CPU overlaps nothing, so its step time is
   ``compute + comm_scale * comm``, and ``comm_scale`` is solved from it;
 - with ``unshard_async_op=True``, gloo's threads and the compute share the

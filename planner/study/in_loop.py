@@ -303,7 +303,7 @@ def isolation_groups(config: StudyConfig, default_peak_bytes: int, module_bytes:
     """The FSDP modules the recorder's isolated passes hold unsharded together: all at once, or a few at a time.
 
     A pass holds its modules' parameters unsharded, and with gradient sync off their unsharded gradients too
-    (``runtime.recording.recorder.compute_unsharded``), beside the user's sharded gradients (the passes run between two
+    (``runtime.recording.isolated.compute_unsharded``), beside the user's sharded gradients (the passes run between two
     steps): at most the default step's peak plus the sharded gradients plus twice the held modules' unsharded
     bytes, per rank (an upper bound: the default step already holds some modules unsharded, and its peak may
     come with the gradients alive). The first pass also times the collectives: one module unsharded at a time,

@@ -12,9 +12,9 @@
 
 Every rank constructs the tuner and enters ``tuner.step()`` for the same steps; :class:`AutoTuner` lists its
 phases (:class:`planner.study.in_loop.TunerPhase`). Recording: the profile on the user's steps
-(:mod:`runtime.in_loop.recorder`). Searching: rank 0's tuning session (``planner.study.session``, the one
-``prefetch-planner tune`` runs), between two steps. Racing and confirming: :mod:`runtime.recording.steps`, the
-one step runner, which the tune job's ranks use too. Watching:
+(``runtime.recording.recorder.Recorder``, the one ``tune`` records with). Searching: rank 0's tuning session
+(``planner.study.session``, the one ``prefetch-planner tune`` runs), between two steps. Racing and confirming:
+:mod:`runtime.recording.steps`, the one step runner, which the tune job's ranks use too. Watching:
 :mod:`runtime.in_loop.watching` ([Note: The watch] in :mod:`planner.statistics.watch`).
 
 The baseline is the plan the model arrived with (``runtime.current_plan``),
@@ -61,11 +61,11 @@ from runtime.accumulation import holds_between_microbatches
 from runtime.apply import configure_plan, model_fingerprint
 from runtime.current import current_plan, fsdp2_default, own_plan
 from runtime.in_loop.out_of_memory import cuda_budget, recover, recoverable
-from runtime.in_loop.recorder import LoopRecorder
 from runtime.in_loop.round import InLoopRound, RoundEnd
 from runtime.in_loop.watching import WatchedSteps
 from runtime.ranks.collectives import control_group, gather_objects
 from runtime.recording.peak_memory import PEAK_STEPS
+from runtime.recording.recorder import Recorder
 from runtime.recording.steps import StepSide
 from runtime.switch import agreed_off
 from runtime.timing import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, RoundStep
@@ -234,7 +234,7 @@ class AutoTuner:
             self._start_recheck(start.recheck)
             return
         m = self.config.measure
-        self._steps.recorder = LoopRecorder(self.model, m.profile_repeats)
+        self._steps.recorder = Recorder(self.model, m.profile_repeats)
         self._queue.extend([RoundStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps) + [RoundStep(RECORD, 0)] * m.steps
                            + [RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS)
 
@@ -375,7 +375,7 @@ class AutoTuner:
 
     def _recorded(self) -> Profile | None:
         """The profile of the recording steps, after the isolated passes (every rank); ``None`` while passes of a
-        few modules each remain (``LoopRecorder.isolate_next``): one more step of FSDP2's default is queued."""
+        few modules each remain (``Recorder.isolate_next``): one more step of FSDP2's default is queued."""
         recorder = self._steps.recorder
         isolated = recorder.isolate_next(self.config, lambda local: gather_objects(local, self._group))
         if isolated is None:

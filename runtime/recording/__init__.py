@@ -7,6 +7,6 @@ The timers (:mod:`~runtime.recording.compute_timer`, :mod:`~runtime.recording.co
 :mod:`~runtime.recording.steps` is the one step runner (``StepSide``: every step of the tune job, its launches
 and the in-loop tuner, timed and metered), :mod:`~runtime.recording.step_figures` reads FSDP2's default steps for
 a profile, :mod:`~runtime.recording.recorder` runs them on a study's ranks, and
-:mod:`~runtime.recording.consolidation` merges the ranks into a ``Profile``. The in-loop tuner's recorder, on the
-user's own steps, is :mod:`runtime.in_loop.recorder`.
+:mod:`~runtime.recording.consolidation` merges the ranks into a ``Profile``. The recorder
+(:class:`~runtime.recording.recorder.Recorder`) serves the in-loop tuner, on the user's own steps, too.
 """

@@ -21,7 +21,7 @@ from runtime.recording.peak_memory import peak_of_steps
 
 
 def merge_isolated(parts: list[IsolatedMeasurements]) -> IsolatedMeasurements:
-    """One rank's :func:`runtime.recording.recorder.isolated_measurements` from passes of a few modules each: each
+    """One rank's :func:`runtime.recording.isolated.isolated_measurements` from passes of a few modules each: each
     module's measurements from the parts that hold them; orders and forward calls from the first part (the same in
     every pass); the overlap microbenchmark from the part that ran it.
 

@@ -1,4 +1,8 @@
-"""The recorder: measure a Profile from real training steps on every rank.
+"""The one recorder: a Profile from real training steps on every rank, for ``tune`` and ``profile`` (a workload
+factory's steps, :func:`record_profile`) and for the in-loop tuner (the user's own steps inside ``tuner.step()``)
+alike: :class:`Recorder`. The two differ only in their schedule and in the loss the isolated backward runs (the
+workload's where there is one; in a user's loop, which hands the tuner no loss, the sum of the model's outputs on
+the first step's inputs, ``surrogate_loss``).
 
 What it records and how (docs/architecture.md, "Measurement"):
 
@@ -35,36 +39,33 @@ What it records and how (docs/architecture.md, "Measurement"):
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Callable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
-from planner.artifacts.rank_measurements import (
-    COMPUTE_FIELDS,
-    ComputeMeasurements,
-    IsolatedMeasurements,
-    ModuleMeasurements,
-    RankMeasurements,
-    StepMeasurements,
-)
+from planner.artifacts.rank_measurements import IsolatedMeasurements, RankMeasurements
+from planner.errors import PlannerError
+from planner.study.in_loop import isolation_groups
 from runtime.apply import model_fingerprint
 from runtime.current import fsdp2_default
 from runtime.ranks.allocator import loaded_allocator
 from runtime.ranks.collectives import gather_objects
-from runtime.ranks.torch_private import clear_unsharded_grads, reshard_after_forward, unshard_async_op_setter
-from runtime.recording.collective_timer import module_collectives
-from runtime.recording.compute_timer import ComputeTimer
+from runtime.ranks.device import device_of
+from runtime.ranks.torch_private import reshard_after_forward, unshard_async_op_setter
+from runtime.recording.compute_timer import tensors_in
 from runtime.recording.consolidation import consolidate, merge_isolated
+from runtime.recording.isolated import isolated_measurements
 from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.recording.process_usage import process_usage
 from runtime.recording.step_figures import StepFigures
 from runtime.recording.steps import WorkloadSteps
-from runtime.timing import RECORD, RECORD_PEAK, TIMED, RoundStep, device_type_of
-from runtime.workload import Workload, fsdp_modules, own_parameters, parameter_rows, train_step
+from runtime.timing import RECORD, RECORD_PEAK, TIMED, RoundStep
+from runtime.workload import Workload, fsdp_modules, parameter_rows, train_step
 
 # [Note: The async default, timed in turn with the default]
 # On a CPU device the simulator's overlap slowdown is solved from FSDP2's default plan with unshard_async_op
@@ -85,156 +86,190 @@ ASYNC_PAIRS = 5
 # tried and rejected (docs/decisions/anchor-guard.md).
 
 
-def _default_plan_steps(workload: Workload, steps: int) -> StepMeasurements:
-    """FSDP2's default plan through the step runner (:class:`runtime.recording.steps.WorkloadSteps`, its figures
-    read by :class:`runtime.recording.step_figures.StepFigures`), in this order: its peak memory; on CPU at world
-    size 2 or more, the async default's step over the default's ([Note: The async default, timed in turn with the
-    default]); then its median step ms and optimizer ms over ``steps`` timed steps ([Note: The default's step is
-    timed last]), with their mean page faults and kernel CPU ms a step and the allocator the rank runs under
-    ([Note: The allocator's share of the anchor] in planner/simulation/in_step.py).
+def _default_plan_steps(workload: Workload, steps: int, figures: StepFigures) -> dict[str, Any]:
+    """FSDP2's default plan through the step runner (:class:`runtime.recording.steps.WorkloadSteps`), its figures
+    read by ``figures``, in this order: its peak memory; on CPU at world size 2 or more, the async default's step
+    over the default's ([Note: The async default, timed in turn with the default]); then ``steps`` timed steps
+    ([Note: The default's step is timed last]).
+
+    Returns:
+        The step figures ``figures`` does not read: the async ratio, the timed steps' mean page faults and kernel
+        CPU ms a step, and the allocator the rank runs under ([Note: The allocator's share of the anchor] in
+        planner/simulation/in_step.py), as :class:`~planner.artifacts.rank_measurements.StepMeasurements` fields.
 
     Raises:
         StepFailed: a step raised.
     """
-    figures = StepFigures(workload.model, [workload.optimizer])
     runner = WorkloadSteps(workload, [fsdp2_default(workload.model)], applied=0)  # as wrapped: nothing applied
     runner.side.recorder = figures
-    try:
-        runner.run_all([RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS)
-        async_ratio = None
-        if runner.side.device == "cpu" and dist.get_world_size() > 1:
-            set_async_op = unshard_async_op_setter(workload.model)
-            ratios = []
-            for s in range(max(steps, ASYNC_PAIRS)):
-                timed = {}
-                for async_op in (False, True) if s % 2 == 0 else (True, False):
-                    set_async_op(async_op)
-                    [timed[async_op]] = runner.run_all([RoundStep(TIMED, 0)])
-                ratios.append(timed[True] / timed[False])
-            set_async_op(False)
-            async_ratio = statistics.median(ratios)
-        before = process_usage()
-        runner.run_all([RoundStep(RECORD, 0)] * steps)
-        usage = process_usage() - before  # the barriers' waits are user-space spins or sleeps, not faults
-    finally:
-        figures.remove()
-    return figures.measurements(async_ratio=async_ratio, step_faults=usage.faults // steps,
-                                step_kernel_ms=usage.system_ms / steps, allocator=str(loaded_allocator()))
+    runner.run_all([RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS)
+    async_ratio = None
+    if runner.side.device == "cpu" and dist.get_world_size() > 1:
+        set_async_op = unshard_async_op_setter(workload.model)
+        ratios = []
+        for s in range(max(steps, ASYNC_PAIRS)):
+            timed = {}
+            for async_op in (False, True) if s % 2 == 0 else (True, False):
+                set_async_op(async_op)
+                [timed[async_op]] = runner.run_all([RoundStep(TIMED, 0)])
+            ratios.append(timed[True] / timed[False])
+        set_async_op(False)
+        async_ratio = statistics.median(ratios)
+    before = process_usage()
+    runner.run_all([RoundStep(RECORD, 0)] * steps)
+    usage = process_usage() - before  # the barriers' waits are user-space spins or sleeps, not faults
+    return {"async_ratio": async_ratio, "step_faults": usage.faults // steps,
+            "step_kernel_ms": usage.system_ms / steps, "allocator": str(loaded_allocator())}
 
 
-def _hold_unsharded(model: nn.Module, modules: list[tuple[str, nn.Module]], held: set[str], every: bool) -> None:
-    """Unshard the ``held`` modules and keep them so, with gradient sync off (:func:`compute_unsharded`): every
-    module at once, or each held one with an explicit prefetch of itself in place of its implicit backward
-    prefetch."""
-    model.set_requires_gradient_sync(False)
-    if every:
-        model.set_reshard_after_forward(False)
-        model.set_reshard_after_backward(False)
-    for fqn, m in modules:
-        if fqn not in held:
-            continue
-        if not every:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.set_reshard_after_backward(False, recurse=False)
-            m.set_modules_to_backward_prefetch([m])
-        m.unshard()
+def _detached(obj: Any) -> Any:
+    """``obj`` with every tensor detached and cloned (lists, tuples and dicts rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _detached(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(v) for v in obj)
+    return obj
 
 
-def _release(model: nn.Module, modules: list[tuple[str, nn.Module]], held: set[str], resharding: dict[str, bool],
-             every: bool) -> None:
-    """Undo :func:`_hold_unsharded`: gradient sync on, each module's ``reshard_after_forward`` as ``resharding`` says,
-    FSDP2's implicit backward prefetch back, unsharded gradients freed, every module resharded."""
-    model.set_requires_gradient_sync(True)
-    model.set_reshard_after_backward(True)
-    for fqn, m in modules:
-        m.set_reshard_after_forward(resharding[fqn], recurse=False)
-        if not every and fqn in held:
-            m.set_modules_to_backward_prefetch([])
-        clear_unsharded_grads(m)
-        m.reshard()
+def surrogate_loss(output: Any) -> torch.Tensor:
+    """The sum of every floating-point output tensor that requires grad, in float32: a backward pass as long as the
+    user's (the same graph), for the isolated compute windows of a user's loop, which hands the tuner no loss.
 
-
-def compute_unsharded(workload: Workload, repeats: int, device: str, resharding: dict[str, bool],
-                      zero_grad: bool = True, only: Collection[str] | None = None) -> IsolatedMeasurements:
-    """Compute ms per module and phase, orders and activation bytes, with every module unsharded, no communication
-    (the figures without collectives or overlap).
-
-    Gradient sync is off in the window (nothing is reduced into the sharded gradients); each module's unsharded
-    gradients are freed when its backward ends, as FSDP2's reduce-scatter frees them in a step ([Note: The
-    isolated backward frees each module's gradients]), again after the window, and every module is resharded
-    with ``resharding``'s ``reshard_after_forward``. ``zero_grad``: also
-    ``optimizer.zero_grad(set_to_none=True)`` (the in-loop tuner leaves the user's gradients alone).
-
-    ``only``: hold only these modules unsharded (``planner.study.in_loop.isolation_groups``, under a memory
-    budget); the others run as in FSDP2's default (all-gather in pre-forward and pre-backward, reshard after),
-    and the timer's hooks run before FSDP2's, so their all-gathers stay in their own windows. A held module's
-    implicit backward prefetch (of the next module in backward, in its own window) is turned off by an explicit
-    prefetch of itself, a no-op (``FSDPParamGroup.unshard`` returns at once on an unsharded group); FSDP2's
-    default (implicit) is restored after. Only the held modules' figures are clean: the caller keeps theirs
-    (``times``, ``activation_bytes``, ``needs_parameters_in_backward``, ``recompute_bytes``, ``backward_peak``
-    hold only theirs). The warm-up repeat, dropped from the times, reads the memory alive at each mark:
-    ``backward_peak``, and ``root_grad_pre_bytes`` (``None``: the root not held) ([Note: Backward temporaries] in
-    :mod:`runtime.recording.compute_timer`); every run reads ``root_activation_post_bytes`` (``None``: the root not
-    held;
-    [Note: The root's saved tensors in two parts] there).
+    Raises:
+        PlannerError: the forward returned no tensor that requires grad.
     """
-    model = workload.model
-    modules = fsdp_modules(model)
-    held = {fqn for fqn, _ in modules} if only is None else set(only)
-    _hold_unsharded(model, modules, held, every=only is None)
-    by_fqn = dict(modules)
-
-    def free_gradients(fqn: str) -> None:  # [Note: The isolated backward frees each module's gradients]
-        clear_unsharded_grads(by_fqn[fqn])
-
-    timer = ComputeTimer(modules, modules[0][0], device, hooks_first=only is not None, after_backward=free_gradients)
-    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    needs: dict[str, bool] = {}
-    try:
-        for r in range(repeats + 1):  # the first repeat warms up and is dropped
-            timer.run(workload, r, memory=r == 0)
-            times, pre_order, post_order, calls = timer.attribute()
-            if r == 0:  # a held module registers its unsharded parameters
-                for fqn in held:
-                    own = [p.untyped_storage().data_ptr() for p in own_parameters(modules, fqn)]
-                    needs[fqn] = not own or any(ptr in timer.saved_parameter_storages for ptr in own)
-                    # a checkpointed block saves no parameter, yet its recompute reads them all
-                    needs[fqn] = needs[fqn] or fqn in timer.recomputing
-                continue
-            for fqn, _ in modules:
-                for key in COMPUTE_FIELDS:
-                    samples[fqn][key].append(times.get(fqn, {}).get(key, 0.0))
-    finally:
-        timer.remove()
-        _release(model, modules, held, resharding, every=only is None)
-        if zero_grad:
-            workload.optimizer.zero_grad(set_to_none=True)
-    root = modules[0][0]
-    figures = {fqn: ModuleMeasurements(ComputeMeasurements(
-        **{k: statistics.median(samples[fqn][k]) for k in COMPUTE_FIELDS},
-        activation_bytes=timer.act_bytes.get(fqn, 0), recompute_activation_bytes=timer.recompute_bytes.get(fqn, 0),
-        backward_peak_bytes=timer.backward_peak.get(fqn, 0), needs_parameters_in_backward=needs[fqn],
-        grad_pre_bytes=timer.root_grad_pre_bytes if fqn == root else None,
-        activation_post_bytes=timer.root_activation_post_bytes if fqn == root else None))
-        for fqn, _ in modules if fqn in held}
-    return IsolatedMeasurements(None, tuple(pre_order), tuple(post_order), calls, figures)
+    tensors = [t for t in tensors_in(output) if t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        raise PlannerError("the model's forward returned no floating-point tensor that requires grad; the in-loop "
+                           "recorder cannot run a backward pass on it")
+    return sum(t.float().sum() for t in tensors)
 
 
-# [Note: The collectives are timed before the isolated passes]
-# On CPU each collective allocates its output afresh, and memory the allocator gave back to the kernel is faulted in
-# again. The isolated passes hold every module unsharded and free it all at the end, so collectives timed just after
-# them reuse faulted-in memory that a step's collectives do not find, and read low against a step's
-# (docs/decisions/collectives-in-rounds.md). So they are timed first, after a step (the warm-up steps,
-# or the user's step in the loop). On GPU the caching allocator keeps its blocks either way.
+class Recorder(StepFigures):
+    """The step figures of FSDP2's default (:class:`~runtime.recording.step_figures.StepFigures`) and the isolated
+    passes between steps, into a :class:`Profile`.
 
+    Args:
+        model: the root FSDP module.
+        repeats: repeats of each isolated measurement (medians; one warm-up repeat dropped).
+        workload: the workload whose batches and loss the isolated passes run (``tune``, ``profile``); ``None``:
+            a user's loop, whose first step's inputs are kept and run with :func:`surrogate_loss`, the user's
+            gradients, random-number generators and buffers left as they were.
+    """
 
-# [Note: The isolated backward frees each module's gradients]
-# With gradient sync off, FSDP2 leaves each module's gradients on its unsharded parameters until they are cleared.
-# Kept until the end of the isolated pass, every module's backward wrote its gradients into memory no earlier
-# module had freed; in a step, FSDP2's post-backward reduce-scatters them and frees them (``foreach_reduce``), and
-# the next module's gradients reuse that memory. So the timer frees them when each module's backward ends (its
-# ``after_backward``, after its window is marked), as the step does; kept to the end of the pass, every backward
-# pays for fresh memory and reads above a traced step's.
+    def __init__(self, model: nn.Module, repeats: int, workload: Workload | None = None):
+        super().__init__(model, [workload.optimizer] if workload is not None else ())
+        self.repeats, self.workload = repeats, workload
+        self.inputs: tuple[tuple, dict] | None = None
+        self.autocast: tuple[bool, torch.dtype] | None = None
+        self.passes: list[tuple[str, ...]] | None = None  # the isolated passes' modules, once decided
+        self.parts: list[IsolatedMeasurements] = []  # this rank's figures of the passes run so far
+        self._isolation_s = 0.0
+
+    def _root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        super()._root_forward(module, args, kwargs)
+        if self.workload is None and self.inputs is None:
+            self.inputs = (_detached(args), _detached(kwargs))
+            kind = "cuda" if self.device == "cuda" else "cpu"
+            self.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
+    def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> IsolatedMeasurements | None:
+        """The next isolated pass (collective: every rank calls it, between two steps): this rank's isolated
+        figures of every module once the last pass has run (:func:`runtime.recording.consolidation.merge_isolated`),
+        else ``None``. The first call decides the passes from the recorded peaks and the memory budget
+        (:func:`planner.study.in_loop.isolation_groups`: all modules at once, or a few at a time, one pass between
+        two steps) and also times the collectives.
+
+        Args:
+            config: the in-loop study (its memory budget).
+            gather: every rank's object, by rank (``runtime.ranks.collectives.gather_objects`` on the control group).
+
+        Raises:
+            PlannerError: a single module does not fit under the budget; as :meth:`isolated`; the passes disagree
+                on the post-forward order.
+        """
+        clock = device_of(self.device).clock
+        t0 = clock()
+        if self.passes is None:  # the same on every rank: every figure in it is
+            default_peak = max(max(p) for p in gather(self.peaks))
+            fp = model_fingerprint(self.model)
+            modules = list(zip(fp.module_fqns, fp.param_bytes, strict=True))
+            self.passes = isolation_groups(config, default_peak, modules, sum(fp.param_bytes) // fp.world_size)
+        held = self.passes[len(self.parts)]
+        self.parts.append(self.isolated(only=None if len(self.passes) == 1 else held, collectives=not self.parts))
+        self._isolation_s += clock() - t0
+        if len(self.parts) < len(self.passes):
+            return None
+        try:
+            return merge_isolated(self.parts)
+        except ValueError as e:
+            raise PlannerError(str(e)) from None
+
+    @property
+    def isolation(self) -> str:
+        """What the isolated passes cost, for the log: seconds between steps, and how many passes."""
+        passes = self.passes or []
+        return f"isolated passes {self._isolation_s:.1f} s between steps" + (
+            f", {len(passes)} passes of at most {max(map(len, passes))} module(s) each (the memory budget)"
+            if len(passes) > 1 else "")
+
+    def isolated(self, only: tuple[str, ...] | None = None, collectives: bool = True) -> IsolatedMeasurements:
+        """This rank's isolated figures (collective: every rank calls it, between two steps;
+        :func:`runtime.recording.isolated.isolated_measurements`, ``only`` and ``collectives`` as it takes them).
+
+        Raises:
+            PlannerError: a user's loop: no forward was seen yet, or the forward returns nothing to backpropagate.
+        """
+        resharding = {fqn: reshard_after_forward(m) for fqn, m in fsdp_modules(self.model)}
+        fingerprint = model_fingerprint(self.model, dist.get_world_size())
+        if self.workload is not None:
+            return isolated_measurements(self.workload, fingerprint, self.repeats, self.device, resharding,
+                                         only=only, collectives=collectives)
+        if self.inputs is None:
+            raise PlannerError("the in-loop recorder saw no forward of the root module inside tuner.step()")
+        args, kwargs = self.inputs
+        enabled, dtype = self.autocast
+
+        def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+            with torch.autocast("cuda" if self.device == "cuda" else "cpu", dtype=dtype, enabled=enabled):
+                return surrogate_loss(model(*batch[0], **batch[1]))
+
+        workload = Workload(self.model, self.optimizers[0] if self.optimizers else None, lambda s: (args, kwargs),
+                            loss_fn)
+        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        devices = [torch.cuda.current_device()] if self.device == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            figures = isolated_measurements(workload, fingerprint, self.repeats, self.device, resharding,
+                                            zero_grad=False, only=only, collectives=collectives)
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                b.copy_(buffers[name])
+        return figures
+
+    def profile(self, isolated: IsolatedMeasurements, gather: Callable[[Any], list[Any]],
+                microbatches: int | None = None, **more: Any) -> Profile:
+        """The profile from this rank's steps and ``isolated`` figures and every other rank's (collective).
+
+        Args:
+            gather: every rank's object, by rank (``runtime.ranks.collectives.gather_objects``).
+            microbatches: the workload's microbatches per step; ``None``: the root's forwards per step, as counted.
+            more: the step figures the recorder does not read itself (:func:`_default_plan_steps`).
+
+        Raises:
+            PlannerError: no timed step or no peak was recorded, or the ranks disagree on the post-forward order.
+        """
+        local = RankMeasurements(dist.get_rank(), self.measurements(**more), isolated)
+        modules = fsdp_modules(self.model)
+        resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
+        if microbatches is None:
+            microbatches = max(1, statistics.median_low(self.microbatches))
+        try:
+            return consolidate(gather(local), model_fingerprint(self.model, dist.get_world_size()), resharding,
+                               isolated.calls, microbatches, parameter_rows(modules))
+        except RuntimeError as e:
+            raise PlannerError(str(e)) from None
 
 
 def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, repeats: int = 3,
@@ -257,56 +292,16 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         The consolidated profile (the same on every rank). Times in ms,
         sizes in bytes.
     """
-    model = workload.model
-    modules = fsdp_modules(model)
-    device = device_type_of(workload)
-    fingerprint = model_fingerprint(model, dist.get_world_size())
-    for s in range(warmup_steps):  # the optimizer state exists before its bytes are counted
-        train_step(workload, s)
-    resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
-    if per_module:
-        isolated = merge_isolated([isolated_measurements(workload, fingerprint, repeats, device, resharding,
-                                                         only=(fqn,), collectives=i == 0)
-                                   for i, (fqn, _) in enumerate(modules)])
-    else:
-        isolated = isolated_measurements(workload, fingerprint, repeats, device, resharding)
-    local = RankMeasurements(dist.get_rank(), _default_plan_steps(workload, steps), isolated)
-    return consolidate(gather_objects(local), fingerprint, resharding, isolated.calls, workload.microbatches,
-                       parameter_rows(modules))
-
-
-def isolated_measurements(workload: Workload, fingerprint: Fingerprint, repeats: int, device: str,
-                          resharding: dict[str, bool], zero_grad: bool = True, only: Collection[str] | None = None,
-                          collectives: bool = True) -> IsolatedMeasurements:
-    """This rank's figures measured outside a training step (collective: all ranks call it, after a step).
-
-    Per FSDP module: all-gather and reduce-scatter ms in isolation (:mod:`runtime.recording.collective_timer`), sharded
-    bytes and, on a CPU device, the overlap microbenchmark (:mod:`runtime.recording.overlap_timer`), timed first ([Note:
-    The collectives are timed before the isolated passes]); then forward and backward compute with every module
-    unsharded and no communication (:func:`compute_unsharded`), activation bytes, whether backward needs its
-    parameters. Times in ms, sizes in bytes.
-
-    Args:
-        workload: its ``make_batch(r)`` and ``loss_fn`` drive the compute windows (``repeats + 1`` passes).
-        resharding: each module's ``reshard_after_forward`` to restore after the window.
-        zero_grad: passed to :func:`compute_unsharded`.
-        only: the compute figures of these modules alone, held unsharded while the others run as in FSDP2's
-            default (:func:`compute_unsharded`); ``None``: every module, held at once.
-        collectives: also the all-gather, reduce-scatter and overlap figures of every module (one module
-            unsharded at a time).
-
-    Returns:
-        The figures :func:`consolidate` reads; passes of a few modules each make one with :func:`merge_isolated`.
-    """
-    modules = fsdp_modules(workload.model)
-    collective_measurements, overlap = {}, None
-    # first, where the last step left the allocator: [Note: The collectives are timed before the isolated passes]
-    if collectives:
-        collective_measurements, overlap = module_collectives(modules, fingerprint, repeats, device)
-    compute = compute_unsharded(workload, repeats, device, resharding, zero_grad=zero_grad, only=only)
-    collectives_only = {fqn: ModuleMeasurements(collectives=c) for fqn, c in collective_measurements.items()}
-    measured = IsolatedMeasurements(overlap, compute.pre_forward_order, compute.post_forward_order, compute.calls,
-                                    collectives_only)
-    return measured.merged(compute)
-
-
+    recorder = Recorder(workload.model, repeats, workload)
+    try:
+        for s in range(warmup_steps):  # the optimizer state exists before its bytes are counted
+            train_step(workload, s)
+        if per_module:
+            isolated = merge_isolated([recorder.isolated(only=(fqn,), collectives=i == 0)
+                                       for i, (fqn, _) in enumerate(fsdp_modules(workload.model))])
+        else:
+            isolated = recorder.isolated()
+        more = _default_plan_steps(workload, steps, recorder)
+    finally:
+        recorder.remove()
+    return recorder.profile(isolated, gather_objects, workload.microbatches, **more)

@@ -45,8 +45,8 @@ RECORDING = (RECORD_WARMUP, RECORD, RECORD_PEAK)
 
 
 class StepRecorder(Protocol):
-    """What the step runner asks of a recorder (``runtime.recording.step_figures.StepFigures``, and the in-loop
-    recorder built on it)."""
+    """What the step runner asks of a recorder (``runtime.recording.step_figures.StepFigures``, and the recorder
+    built on it, ``runtime.recording.recorder.Recorder``)."""
 
     optimizers: list[Any]
 

@@ -8,9 +8,9 @@ second leaves its gradients in place: no ``zero_grad`` after it), rank 0 writes 
 figures, "grouped": figures merged from one pass per module, "full_peak"/"grouped_peaks"/"default_peak": bytes,
 "module_bytes": {fqn: unsharded bytes}, "grads_kept": whether the sharded gradients are bitwise what they were,
 "full_all_gathers": the real all-gathers while every module was held at once}.
-Figures are ``runtime.recording.recorder.isolated_measurements``'s, the overlap microbenchmark left out; the collectives
+Figures are ``runtime.recording.isolated.isolated_measurements``'s, the overlap microbenchmark left out; the collectives
 are timed
-in one grouped pass (``LoopRecorder.isolate_next`` times them in the first; here the last, so that the other passes'
+in one grouped pass (``Recorder.isolate_next`` times them in the first; here the last, so that the other passes'
 peaks are the compute's alone).
 """
 
@@ -26,8 +26,8 @@ from runtime.apply import model_fingerprint
 from runtime.ranks.rank import init_rank, shutdown_rank
 from runtime.ranks.torch_private import is_sharded, reshard_after_forward, watching_unshard_and_reshard
 from runtime.recording.consolidation import merge_isolated
+from runtime.recording.isolated import isolated_measurements
 from runtime.recording.peak_memory import PeakMeter
-from runtime.recording.recorder import isolated_measurements
 from runtime.workload import build_workload, fsdp_modules
 
 SLOW_MS = 60.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import runtime.recording.collective_timer as collective_timer
+import runtime.recording.isolated as isolated
 import runtime.recording.recorder as recorder
 from runtime.apply import model_fingerprint
 from runtime.ranks.device import Device
@@ -37,9 +38,9 @@ def test_the_collectives_are_timed_after_the_step_and_before_the_isolated_passes
 
     for name in ("collective_rounds", "overlap_timings"):
         monkeypatch.setattr(collective_timer, name, logged(name, getattr(collective_timer, name)))
-    monkeypatch.setattr(recorder, "compute_unsharded", logged("compute_unsharded", recorder.compute_unsharded))
+    monkeypatch.setattr(isolated, "compute_unsharded", logged("compute_unsharded", isolated.compute_unsharded))
     resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
-    figures = recorder.isolated_measurements(workload, model_fingerprint(workload.model), 1, "cpu", resharding)
+    figures = isolated.isolated_measurements(workload, model_fingerprint(workload.model), 1, "cpu", resharding)
     assert calls == ["collective_rounds", "overlap_timings", "compute_unsharded"]
     assert rounds == [collective_timer.COLLECTIVE_ROUNDS]
     assert figures.overlap is not None
@@ -49,7 +50,7 @@ def test_the_collectives_are_timed_after_the_step_and_before_the_isolated_passes
         assert values.collectives.sharded_bytes > 0 and values.compute is not None
 
     calls.clear()
-    only = recorder.isolated_measurements(workload, model_fingerprint(workload.model), 1, "cpu", resharding,
+    only = isolated.isolated_measurements(workload, model_fingerprint(workload.model), 1, "cpu", resharding,
                                           collectives=False)
     assert calls == ["compute_unsharded"] and only.overlap is None
     assert all(values.collectives is None for values in only.modules.values())
@@ -131,7 +132,10 @@ def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mes
     monkeypatch.setattr(PeakMeter, "begin", lambda meter: (events.append("peak"), begin(meter))[1])
     monkeypatch.setattr(recorder, "unshard_async_op_setter", setter)
     monkeypatch.setattr(recorder.dist, "get_world_size", lambda *args, **kwargs: 2)
-    figures = recorder._default_plan_steps(workload, 5)
+    one = recorder.Recorder(workload.model, 1, workload)
+    more = recorder._default_plan_steps(workload, 5, one)
+    one.remove()
+    figures = one.measurements(**more)
 
     assert figures.step_ms == 100.0 and figures.optimizer_ms == 5.0
     pairs = slice(recorder.PEAK_STEPS, recorder.PEAK_STEPS + 2 * recorder.ASYNC_PAIRS)
