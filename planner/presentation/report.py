@@ -1,4 +1,4 @@
-"""What the CLI prints after a tuning job: the race, the confirmation and its verdict, the calibration."""
+"""What the CLI prints after a tuning job: the race, the confirmation and its verdict, the simulator's fit."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def tune_report(outcome: TuneOutcome, study: str) -> list[str]:
     c = outcome.calibration
     if c is not None:
         saved = "saved with the profile for later runs" if c.accepted else "not saved"
-        lines.append(f"calibration on these {len(outcome.plans_measured)} measured plans: {c.reason}; {saved}")
+        lines.append(f"the simulator's fit to these {len(outcome.plans_measured)} measured plans: {c.reason}; {saved}")
     lines.append(f"profile written to {outcome.profile_out}")
     return lines
 
@@ -122,7 +122,7 @@ def power_line(c: Confirmation) -> str:
     return (f"      power: {fresh} fresh launch(es) of {c.rounds // max(1, c.launches)} rounds call a total-time gain "
             f"of {100 * gain:.1f}% faster with 80% power at what these launches measured (between-launch spread "
             f"{100 * c.tau:.1f}%{', the floor' if c.df is None and c.fresh is not None else ''}, noise "
-            f"{100 * c.noise_sigma():.1f}% a round), where the design assumed the race's")
+            f"{100 * c.noise_sigma():.1f}% a round); the design's line above assumed the race's noise")
 
 
 def conclusion_report(confirmation: Confirmation | None, best: BestPlan, study: str, plan_out: str) -> list[str]:

@@ -280,7 +280,7 @@ def calibrate(profile: Profile, observations: list[Observation], families: tuple
     if not allowed:
         return CalibrationResult(
             None, None, None, uncalibrated,
-            f"not fitted: {len(observations)} measured plans, a calibration needs at least "
+            f"not fitted: {len(observations)} measured plans, a fit needs at least "
             f"{min_observations(families[0])} (twice its {len(families[0])} parameters, plus 2)")
     _, family = problem.choose(allowed, everyone)
     params = problem.fit(family, everyone)
@@ -292,12 +292,13 @@ def calibrate(profile: Profile, observations: list[Observation], families: tuple
     floor = noise_floor_pct(error, len(observations))
     if not uncalibrated - nested > floor:
         return CalibrationResult(None, family, nested, uncalibrated,
-                                 f"rejected: cross-validated error {nested:.1f}% does not beat the uncalibrated "
-                                 f"model's {uncalibrated:.1f}% by more than the measurement noise at "
+                                 f"rejected: cross-validated error {nested:.1f}% does not beat the in-step "
+                                 f"parameters' {uncalibrated:.1f}% by more than the measurement noise at "
                                  f"{len(observations)} plans ({floor:.1f} points)")
     return CalibrationResult(params, family, nested, uncalibrated,
-                             f"accepted: cross-validated error {nested:.1f}%, uncalibrated {uncalibrated:.1f}%, a "
-                             f"gain above the measurement noise at {len(observations)} plans ({floor:.1f} points)")
+                             f"accepted: cross-validated error {nested:.1f}%, in-step parameters "
+                             f"{uncalibrated:.1f}%, a gain above the measurement noise at {len(observations)} plans "
+                             f"({floor:.1f} points)")
 
 
 def fit(profile: Profile, observations: list[Observation]) -> SimParams:

@@ -1,7 +1,7 @@
 """The candidates of the measured stage: which simulated plans are worth racing against the baseline.
 
 [Note: Candidates worth racing]
-The race can only confirm what it is given, and the uncalibrated model ties
+The race can only confirm what it is given, and the model before any fit ties
 plans that behave differently on the ranks. So the candidates are: the best plan
 of the uniform grid (FSDP2's usual hand-set knobs), always, so a per-module
 plan has to beat it on the real ranks; then, among plans predicted within

@@ -187,7 +187,7 @@ class TuningSession:
             if stored:
                 self.profile = dataclasses.replace(self.profile, calibration=stored)
                 self.simulator = simulator_for(self.profile)
-                logger.info("      using the calibration of an earlier run of this study: "
+                logger.info("      using the simulator's fit from an earlier run of this study: "
                             + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
             logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
             sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
@@ -234,7 +234,8 @@ class TuningSession:
                     f"({m.warmup_steps} warm-up step each, then rounds in balanced order, at most {m.max_rounds}; "
                     f"a candidate significantly slower than the leader is dropped at alpha {m.alpha:g}), then the "
                     f"survivor against the baseline on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds "
-                    + (f"in each of {self.confirm_launches} fresh launches; " if self.confirm_launches else
+                    + ("in fresh launches, as many as the design chooses; " if self.confirm_launches is None else
+                       f"in each of {self.confirm_launches} fresh launches; " if self.confirm_launches else
                        "in this process; ")
                     + f"trials {', '.join(str(a.number) for a in asked)} (job {self.job})")
         return asked

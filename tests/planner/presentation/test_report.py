@@ -35,7 +35,7 @@ def _outcome(verdict: str, ratio: float, ci: tuple[float, float]):
                   2: [130.0, 128.0, 131.0, 129.0]}, {2: 4})
     written = tuned if verdict == "faster" else default  # only "faster" is applied
     calibration = CalibrationResult(
-        None, None, None, 12.0, "not fitted: 3 measured plans, a calibration needs at least 6"
+        None, None, None, 12.0, "not fitted: 3 measured plans, a fit needs at least 6"
     )
     within = (ratio * 0.98, ratio * 1.02) if verdict != "provisional" else (ratio - 0.02, 0.99)
     confirmation = Confirmation(ratio, ci, 12, 6.5, Verdict(verdict), 1, ratio, 0.045, within)
@@ -63,7 +63,7 @@ def test_report_of_a_faster_plan():
             "95% CI [0.780, 0.820] over 12 fresh rounds in 1 launch; written to s.plan.json") in text
     power = "      power: 1 fresh launch(es) of 12 rounds call a total-time gain of"
     assert any(line.startswith(power) for line in lines)
-    assert ("calibration on these 3 measured plans: not fitted: 3 measured plans, a calibration needs at least 6; "
+    assert ("the simulator's fit to these 3 measured plans: not fitted: 3 measured plans, a fit needs at least 6; "
             "not saved") in lines
     assert lines[-1] == "profile written to s.profile.json"
 
@@ -76,7 +76,7 @@ def test_report_when_the_confirmation_cannot_tell():
     assert "would find" not in text
     # the spread and the noise the power rests on, as these launches measured them
     assert "with 80% power at what these launches measured (between-launch spread 4.5%, noise " in text
-    assert "% a round), where the design assumed the race's" in text
+    assert "% a round); the design's line above assumed the race's noise" in text
 
 
 def test_report_of_a_provisional_plan():

@@ -101,7 +101,7 @@ def test_holdout_like_case_saves_no_calibration(make_profile):
     obs = _noisy(p, [Plan.default(p), *tied], SimParams(compute_scale=1.25), 0.03, seed=1)
     result = calibrate(p, obs)
     assert not result.accepted and result.params is None
-    assert result.reason.startswith("not fitted: 5 measured plans, a calibration needs at least 6")
+    assert result.reason.startswith("not fitted: 5 measured plans, a fit needs at least 6")
     assert result.apply(calibrated(p, SimParams(comm_scale=2.0))).calibration is None  # nothing to save or reuse
 
 
@@ -143,7 +143,7 @@ def test_a_fit_that_does_not_beat_the_uncalibrated_model_is_rejected(make_profil
     obs = _noisy(p, _plans(p)[:8], SimParams(), 0.04, seed=3)
     result = calibrate(p, obs)
     assert not result.accepted
-    assert "does not beat the uncalibrated model's" in result.reason and "measurement noise at 8 plans" in result.reason
+    assert "does not beat the in-step parameters'" in result.reason and "measurement noise at 8 plans" in result.reason
     assert result.uncalibrated_error_pct - result.loo_error_pct <= noise_floor_pct(3.0, 8)
 
 

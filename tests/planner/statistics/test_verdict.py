@@ -164,6 +164,10 @@ def test_the_boundaries_are_the_published_group_sequential_ones():
     1.999 (its default design); the looks spend 2.5% together, checked on 200 000 normal chains."""
     assert boundaries((1, 2, 3), gamma=-4.0) == pytest.approx((3.0107, 2.5465, 1.9992), abs=2e-3)
     z = boundaries((1, 2, 3))
+    # the boundaries the statistics page quotes (gamma -2): looks at 1, 2, 3 of 3 launches; a first look at 2 of 3;
+    # one look at the horizon spends the whole 2.5%
+    assert z == pytest.approx((2.68, 2.39, 2.06), abs=0.005) and boundaries((2, 3))[0] == pytest.approx(2.29, abs=0.005)
+    assert boundaries((3,)) == pytest.approx((1.96,), abs=0.005)
     rng = np.random.default_rng(0)
     sums = rng.normal(size=(200_000, 3)).cumsum(axis=1) / np.sqrt([1, 2, 3])
     assert (sums > np.array(z)).any(axis=1).mean() == pytest.approx(0.025, abs=0.002)

@@ -481,3 +481,17 @@ def test_a_survivor_is_confirmed_in_fresh_launches_then_recommended(tmp_path, pr
     assert confirmation.ci95[0] < confirmation.ratio < confirmation.ci95[1] < 1
     assert best.plan.provenance.launches == 2 and pending(session.config, "j1") is None
     assert Plan.load(tmp_path / "t.plan.json") == best.plan
+
+
+@pytest.mark.parametrize("launches, where", [(0, "in this process"), (2, "in each of 2 fresh launches"),
+                                             (None, "in fresh launches, as many as the design chooses")])
+def test_the_measured_stage_line_says_where_the_survivor_is_confirmed(tmp_path, profile, caplog, launches, where):
+    """``tune``'s [3/3] line names where the confirmation runs: this process (``confirm_launches = 0``), a fixed
+    number of fresh launches, or as many as the design chooses (``None``, the CLI's default), not this process."""
+    session = _session(tmp_path, profile)
+    session.confirm_launches = launches
+    with caplog.at_level("INFO", logger="planner.study.session"):
+        session.prepare()
+    session.close()
+    line = next(r.getMessage() for r in caplog.records if "[3/3] measured stage" in r.getMessage())
+    assert f"fresh rounds {where}; trials" in line
