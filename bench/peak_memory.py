@@ -9,7 +9,7 @@ bench's plans (``bench.fidelity``) and, from uniform depth 1 with async
 unshard, the plans that keep the last 1, 3 and all blocks unsharded after
 forward; run each plan for one warm-up step and
 :data:`runtime.recording.peak_memory.PEAK_STEPS` measured steps
-(:func:`runtime.recording.peak_memory.measure_peak`): the median over steps of the
+(the step runner's peak steps, ``runtime.recording.steps``): the median over steps of the
 max across ranks (:func:`runtime.recording.peak_memory.peak_of_steps`).
 Prints, per plan, the measured and the predicted peak and the error, and
 the median |error|; the same against each plan's lowest rank-step (a
@@ -57,23 +57,24 @@ def rank_main(study: str, out: str | None) -> None:
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
-    from runtime.apply import configure_plan
     from runtime.ranks.collectives import gather_objects
     from runtime.ranks.rank import init_rank, shutdown_rank
-    from runtime.recording.peak_memory import PEAK_STEPS, measure_peak, peak_of_steps
+    from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
     from runtime.recording.recorder import record_profile
-    from runtime.workload import build_study_workload, train_step
+    from runtime.recording.steps import WorkloadSteps
+    from runtime.timing import PEAK, WARMUP, RoundStep
+    from runtime.workload import build_study_workload
 
     config = load_study_config(study)
     mesh = init_rank(config.launch.backend)
     workload = build_study_workload(config.workload, mesh)
     profile = record_profile(workload, warmup_steps=1, steps=2, repeats=config.measure.profile_repeats)
     plans = plans_for(profile)
-    local = []
-    for plan in plans.values():
-        configure_plan(workload.model, plan, check=False)
-        train_step(workload, 0)
-        local.append([measure_peak(workload, 1 + s).peak_bytes for s in range(PEAK_STEPS)])
+    runner = WorkloadSteps(workload, list(plans.values()))
+    local: list[list[int]] = [[] for _ in plans]  # per plan, this rank's peak in each of its peak steps
+    for i in range(len(plans)):
+        for order in [RoundStep(WARMUP, i)] + [RoundStep(PEAK, i)] * PEAK_STEPS:
+            runner.step(order, local)
     gathered = gather_objects(local)
     if dist.get_rank() == 0:
         run = {"study": config.name, "profile": profile.to_dict(),

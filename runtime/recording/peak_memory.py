@@ -34,7 +34,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import profiler_allocations
-from runtime.workload import Workload, train_step
 
 # A plan's measured peak is the median over this many steps of the max across ranks (peak_of_steps): on CPU
 # some steps of the same plan peak one block's unsharded bytes higher than most, on either rank, whatever the
@@ -210,27 +209,9 @@ class PeakMeter:
         return PeakMemory(self._start_bytes + step_peak(profiler_allocations(prof)), self._start_bytes,
                           step_peak(profiler_allocations(prof, within=OPTIMIZER_BLOCK)))
 
-
     def abandon(self) -> None:
         """A step that raised: the meter stopped if it runs (on CPU its profiler would run on), its figure
         dropped."""
         if self.measuring:
             with contextlib.suppress(Exception):  # the step's own error is the one the caller reports
                 self.end()
-
-
-def measure_peak(workload: Workload, step: int) -> PeakMemory:
-    """Run training step ``step`` (``runtime.workload.train_step``) under a :class:`PeakMeter`: this rank's peak.
-
-    The gradients are freed first (``zero_grad(set_to_none=True)``, which the step runs first anyway), so that the
-    meter starts without them. All ranks call this together (the step runs collectives).
-    """
-    workload.optimizer.zero_grad(set_to_none=True)
-    meter = PeakMeter(workload.model, [workload.optimizer])
-    meter.begin()
-    try:
-        train_step(workload, step)
-    except BaseException:
-        meter.abandon()
-        raise
-    return meter.end()

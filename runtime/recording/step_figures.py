@@ -99,6 +99,11 @@ class StepFigures:
             self.peaks.append(peak.peak_bytes)
             self.optimizer_temp.append(peak.optimizer_temp_bytes)
 
+    def abandon(self) -> None:
+        """A step that raised: a peak step's meter stopped, its figure dropped (the step's microbatches and times
+        are not kept either)."""
+        self.meter.abandon()
+
     def remove(self) -> None:
         """Remove every hook (the recording is over)."""
         for h in self._handles:

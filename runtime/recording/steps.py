@@ -56,6 +56,9 @@ class StepRecorder(Protocol):
     def end_step(self, step_ms: float | None) -> None:
         """After a step: its ms if it was timed."""
 
+    def abandon(self) -> None:
+        """A step that raised: a peak step's meter stopped, its figure dropped."""
+
     def remove(self) -> None:
         """Its hooks out."""
 
@@ -155,10 +158,12 @@ class StepSide:
             self.times.append(ms)
 
     def abandon(self) -> None:
-        """A step that raised: the peak meter it began is stopped (on CPU its profiler would run on), its figure
-        dropped."""
+        """A step that raised: the peak meter it began, the race's or the recorder's, is stopped (on CPU its
+        profiler would run on), its figure dropped."""
         if self.meter is not None:
             self.meter.abandon()
+        if self.recorder is not None:
+            self.recorder.abandon()
 
     def _before_microbatch(self, module: nn.Module, args: Any) -> None:
         """Root pre-forward: a plan's ``reshard_after_backward`` for every microbatch but the step's last
