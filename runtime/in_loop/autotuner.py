@@ -52,6 +52,7 @@ from planner.artifacts.config import default_storage
 from planner.artifacts.memory_budget import DEVICE_MARGIN
 from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
+from planner.artifacts.rank_measurements import IsolatedMeasurements
 from planner.errors import NotShardedError, PlannerError, StudyConfigError, one_line
 from planner.statistics.verdict import Confirmation
 from planner.statistics.watch import COST, Watch, WatchState, watch_every
@@ -183,6 +184,7 @@ class AutoTuner:
         self._watching: WatchedSteps | None = None
         self._watched_trial: int | None = None
         self._queue: deque[RoundStep] = deque()
+        self._isolated: IsolatedMeasurements | None = None  # the isolated passes' figures, once all have run
         self._phase_started = 0
         self.device = next(model.parameters()).device.type
         if (off := agreed_off(self._group, "AutoTuner")) is not None:  # [Note: The ranks agree on the switch]
@@ -235,7 +237,8 @@ class AutoTuner:
             return
         m = self.config.measure
         self._steps.recorder = Recorder(self.model, m.profile_repeats)
-        self._queue.extend([RoundStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps) + [RoundStep(RECORD, 0)] * m.steps
+        # record_profile's order: warm-up, peak steps, the isolated passes, the timed steps last (_recorded)
+        self._queue.extend([RoundStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps)
                            + [RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS)
 
     def _start_recheck(self, microbatches: int) -> None:
@@ -374,13 +377,22 @@ class AutoTuner:
         self._queue.extend(steps)
 
     def _recorded(self) -> Profile | None:
-        """The profile of the recording steps, after the isolated passes (every rank); ``None`` while passes of a
-        few modules each remain (``Recorder.isolate_next``): one more step of FSDP2's default is queued."""
+        """The profile of the recording steps (every rank), in ``record_profile``'s order: warm-up and peak steps,
+        the isolated passes, then the timed steps, last and warm, in the process state the race then runs in.
+
+        ``None`` while steps remain: one more step of FSDP2's default while passes of a few modules each remain
+        (``Recorder.isolate_next``); after the last pass, an untimed step (what a pass leaves behind washes out)
+        and the timed steps.
+        """
         recorder = self._steps.recorder
-        isolated = recorder.isolate_next(self.config, lambda local: gather_objects(local, self._group))
-        if isolated is None:
-            self._queue.append(RoundStep(RECORD_WARMUP, 0))
+        if self._isolated is None:
+            self._isolated = recorder.isolate_next(self.config, lambda local: gather_objects(local, self._group))
+            after = [RoundStep(RECORD_WARMUP, 0)]
+            if self._isolated is not None:
+                after += [RoundStep(RECORD, 0)] * self.config.measure.steps
+            self._queue.extend(after)
             return None
+        isolated, self._isolated = self._isolated, None
         self.phase = TunerPhase.SEARCHING
         profile = recorder.profile(isolated, lambda local: gather_objects(local, self._group))
         self._steps.recorded(profile.microbatches)
