@@ -52,7 +52,6 @@ from planner.artifacts.config import default_storage
 from planner.artifacts.memory_budget import DEVICE_MARGIN
 from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
-from planner.artifacts.rank_measurements import IsolatedMeasurements
 from planner.errors import NotShardedError, PlannerError, StudyConfigError, one_line
 from planner.statistics.verdict import Confirmation
 from planner.statistics.watch import COST, Watch, WatchState, watch_every
@@ -65,11 +64,10 @@ from runtime.in_loop.out_of_memory import cuda_budget, recover, recoverable
 from runtime.in_loop.round import InLoopRound, RoundEnd
 from runtime.in_loop.watching import WatchedSteps
 from runtime.ranks.collectives import control_group, gather_objects
-from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.recording.recorder import Recorder
 from runtime.recording.steps import StepSide
 from runtime.switch import agreed_off
-from runtime.timing import RECORD, RECORD_PEAK, RECORD_WARMUP, WARMUP, RoundStep
+from runtime.timing import WARMUP, RoundStep
 from runtime.workload import fsdp_modules
 
 logger = logging.getLogger(__name__)
@@ -184,7 +182,6 @@ class AutoTuner:
         self._watching: WatchedSteps | None = None
         self._watched_trial: int | None = None
         self._queue: deque[RoundStep] = deque()
-        self._isolated: IsolatedMeasurements | None = None  # the isolated passes' figures, once all have run
         self._phase_started = 0
         self.device = next(model.parameters()).device.type
         if (off := agreed_off(self._group, "AutoTuner")) is not None:  # [Note: The ranks agree on the switch]
@@ -237,9 +234,7 @@ class AutoTuner:
             return
         m = self.config.measure
         self._steps.recorder = Recorder(self.model, m.profile_repeats)
-        # record_profile's order: warm-up, peak steps, the isolated passes, the timed steps last (_recorded)
-        self._queue.extend([RoundStep(RECORD_WARMUP, 0)] * max(1, m.warmup_steps)
-                           + [RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS)
+        self._queue.extend(Recorder.loop_steps(self.config))
 
     def _start_recheck(self, microbatches: int) -> None:
         """``recheck=True`` on a study that recommends a plan: race it against FSDP2's default on the study's stored
@@ -377,24 +372,14 @@ class AutoTuner:
         self._queue.extend(steps)
 
     def _recorded(self) -> Profile | None:
-        """The profile of the recording steps (every rank), in ``record_profile``'s order: warm-up and peak steps,
-        the isolated passes, then the timed steps, last and warm, in the process state the race then runs in.
-
-        ``None`` while steps remain: one more step of FSDP2's default while passes of a few modules each remain
-        (``Recorder.isolate_next``); after the last pass, an untimed step (what a pass leaves behind washes out)
-        and the timed steps.
-        """
+        """The profile of the recording steps (every rank); ``None`` while the recording has steps to run
+        (``Recorder.loop_next``: the isolated passes between steps, then the timed steps, last), which are queued."""
         recorder = self._steps.recorder
-        if self._isolated is None:
-            self._isolated = recorder.isolate_next(self.config, lambda local: gather_objects(local, self._group))
-            after = [RoundStep(RECORD_WARMUP, 0)]
-            if self._isolated is not None:
-                after += [RoundStep(RECORD, 0)] * self.config.measure.steps
-            self._queue.extend(after)
+        if steps := recorder.loop_next(self.config, lambda local: gather_objects(local, self._group)):
+            self._queue.extend(steps)
             return None
-        isolated, self._isolated = self._isolated, None
         self.phase = TunerPhase.SEARCHING
-        profile = recorder.profile(isolated, lambda local: gather_objects(local, self._group))
+        profile = recorder.profile(recorder.isolated_figures, lambda local: gather_objects(local, self._group))
         self._steps.recorded(profile.microbatches)
         self._log(f"AutoTuner: recorded FSDP2's default on {self.steps_tuning} steps (step "
                   f"{profile.measured_step_ms:.1f} ms, {profile.microbatches} microbatch(es)); {recorder.isolation}")

@@ -64,7 +64,7 @@ from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.recording.process_usage import process_usage
 from runtime.recording.step_figures import StepFigures
 from runtime.recording.steps import WorkloadSteps
-from runtime.timing import RECORD, RECORD_PEAK, TIMED, RoundStep
+from runtime.timing import RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, RoundStep
 from runtime.workload import Workload, fsdp_modules, parameter_rows, train_step
 
 # [Note: The async default, timed in turn with the default]
@@ -166,6 +166,7 @@ class Recorder(StepFigures):
         self.autocast: tuple[bool, torch.dtype] | None = None
         self.passes: list[tuple[str, ...]] | None = None  # the isolated passes' modules, once decided
         self.parts: list[IsolatedMeasurements] = []  # this rank's figures of the passes run so far
+        self.isolated_figures: IsolatedMeasurements | None = None  # every pass's, once the last has run
         self._isolation_s = 0.0
 
     def _root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -174,6 +175,27 @@ class Recorder(StepFigures):
             self.inputs = (_detached(args), _detached(kwargs))
             kind = "cuda" if self.device == "cuda" else "cpu"
             self.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
+    @staticmethod
+    def loop_steps(config: StudyConfig) -> list[RoundStep]:
+        """A user's loop's first recording steps, in :func:`record_profile`'s order: warm-up steps (the optimizer
+        state exists before its bytes are counted), then the peak steps (the isolated passes' budget reads them)."""
+        warmup = max(1, config.measure.warmup_steps)
+        return [RoundStep(RECORD_WARMUP, 0)] * warmup + [RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS
+
+    def loop_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> list[RoundStep]:
+        """A user's loop, its queued recording steps run (collective: every rank, between two steps): the steps to
+        run next, ``[]`` once the profile's figures are all in (:meth:`profile` of :attr:`isolated_figures`).
+
+        In :func:`record_profile`'s order: the next isolated pass (:meth:`isolate_next`), then one untimed step while
+        passes remain; after the last, one untimed step (what a pass leaves behind washes out) and the timed steps of
+        FSDP2's default, last and warm, in the process state the race then runs in.
+        """
+        if self.isolated_figures is not None:
+            return []
+        self.isolated_figures = self.isolate_next(config, gather)
+        timed = [RoundStep(RECORD, 0)] * config.measure.steps if self.isolated_figures is not None else []
+        return [RoundStep(RECORD_WARMUP, 0)] + timed
 
     def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> IsolatedMeasurements | None:
         """The next isolated pass (collective: every rank calls it, between two steps): this rank's isolated

@@ -144,3 +144,26 @@ def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mes
     assert events[pairs.stop:] == ["default"] * 5
     assert abs(figures.async_ratio - 0.8) < 1e-12
     assert len(figures.peak_bytes) == recorder.PEAK_STEPS and not async_on[0]
+
+
+def test_a_users_loop_records_in_record_profiles_order(tmp_path, monkeypatch):
+    """The in-loop recording runs warm-up and peak steps, then an isolated pass between two steps with an untimed
+    step after each while passes remain, then one untimed step and the timed steps last; the profile's figures are
+    in once those ran."""
+    from torch import nn
+
+    from planner.testing import study_config
+    from runtime.timing import RECORD, RECORD_PEAK, RECORD_WARMUP
+
+    config = study_config(tmp_path, warmup_steps=2, steps=3)
+    assert [s.kind for s in recorder.Recorder.loop_steps(config)] == [RECORD_WARMUP] * 2 + [RECORD_PEAK] * 3
+    loop = recorder.Recorder(nn.Linear(2, 2), repeats=1)
+    figures = object()
+    passes = iter([None, figures])  # two passes of a few modules each
+    monkeypatch.setattr(loop, "isolate_next", lambda config, gather: next(passes))
+    try:
+        kinds = [[s.kind for s in loop.loop_next(config, None)] for _ in range(3)]
+    finally:
+        loop.remove()
+    assert kinds == [[RECORD_WARMUP], [RECORD_WARMUP] + [RECORD] * 3, []]
+    assert loop.isolated_figures is figures
