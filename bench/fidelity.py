@@ -157,44 +157,47 @@ def rank_main(study: str, rounds: int, out: str | None, after_passes: bool = Fal
     from runtime.apply import configure_plan
     from runtime.measuring.measure import measure_plans
     from runtime.ranks.collectives import gather_max
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.recording.memory import UnshardedBytesTracker
     from runtime.recording.recorder import record_profile
+    from runtime.recording.steps import WorkloadSteps
     from runtime.workload import build_study_workload, train_step
 
     as_tune_ranks()
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
-    workload = build_study_workload(config.workload, mesh)
-    profile = record_profile(
-        workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats
-    )
-    variant = collectives_after_passes(workload, profile, config.measure.profile_repeats) if after_passes else None
-    plans = fidelity_plans(profile)
-    names = list(plans)
-    step_ms = measure_plans(workload, [plans[n] for n in names], rounds, warmup_steps=1,
-                            on_step=_round_lines(len(names), dist.get_rank() == 0))
-    peaks = []
-    for n in names:
-        configure_plan(workload.model, plans[n], check=False)
-        with UnshardedBytesTracker() as tracker:
-            train_step(workload, 0)
-        peaks.append(tracker.peak_bytes)
-    peaks, _ = gather_max(peaks)
-    if dist.get_rank() == 0:
-        run = {"study": config.name, "rounds": rounds, "profile": profile.to_dict(),
-               "profile_collectives_after_passes": variant.to_dict() if variant else None,
-               "rows": [{"plan": n, "plan_json": plans[n].to_dict(), "steps_ms": t, "measured_unsharded_bytes": b}
-                        for n, t, b in zip(names, step_ms, peaks, strict=True)]}
-        if out:  # first: the report's calibration fits take minutes, and the measurements are what took the ranks
-            Path(out).write_text(json.dumps(run, indent=1))
-        if only:  # the uncalibrated line alone; the calibration fits left to --refit on the JSON
-            print(f"\n{config.name}, {len(names)} plans x {rounds} rounds, uncalibrated: "
-                  f"{_errors(profile, [plans[n] for n in names], step_ms)}")
-        else:
-            report(run)
-    del workload
-    shutdown_rank()
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        workload = build_study_workload(config.workload, mesh)
+        profile = record_profile(
+            workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats
+        )
+        variant = collectives_after_passes(workload, profile, config.measure.profile_repeats) if after_passes else None
+        plans = fidelity_plans(profile)
+        names = list(plans)
+        runner = WorkloadSteps(workload, [plans[n] for n in names])
+        progress = _round_lines(len(names), dist.get_rank() == 0)
+        step_ms = measure_plans(runner, [list(range(len(names)))] * rounds, 1, progress)
+        peaks = []
+        for n in names:
+            configure_plan(workload.model, plans[n], check=False)
+            with UnshardedBytesTracker() as tracker:
+                train_step(workload, 0)
+            peaks.append(tracker.peak_bytes)
+        peaks, _ = gather_max(peaks)
+        if dist.get_rank() == 0:
+            run = {"study": config.name, "rounds": rounds, "profile": profile.to_dict(),
+                   "profile_collectives_after_passes": variant.to_dict() if variant else None,
+                   "rows": [{"plan": n, "plan_json": plans[n].to_dict(), "steps_ms": t, "measured_unsharded_bytes": b}
+                            for n, t, b in zip(names, step_ms, peaks, strict=True)]}
+            if out:  # first: the report's calibration fits take minutes, and the measurements are what took the ranks
+                Path(out).write_text(json.dumps(run, indent=1))
+            if only:  # the uncalibrated line alone; the calibration fits left to --refit on the JSON
+                print(f"\n{config.name}, {len(names)} plans x {rounds} rounds, uncalibrated: "
+                      f"{_errors(profile, [plans[n] for n in names], step_ms)}")
+            else:
+                report(run)
+        del workload
+        rank.ended = True
 
 
 def _splits(plans: list[Plan], count: int = 40, seed: int = 0) -> list[set[int]]:

@@ -42,66 +42,68 @@ def rank_main(study: str, arm: str, steps: int, overhead_rounds: int, out: str) 
 
     from planner.artifacts.config import load_study_config
     from runtime import AutoTuner
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.workload import build_study_workload
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
-    workload = build_study_workload(config.workload, mesh)
-    model, optimizer, loss_fn, make_batch = workload.model, workload.optimizer, workload.loss_fn, workload.make_batch
-    tmp = tempfile.mkdtemp(prefix="payback-")
-    tuner = None
-    if arm == "with":
-        tuner = AutoTuner(model, study=config.name, storage=f"sqlite:///{tmp}/cold.db" if dist.get_rank() == 0
-                          else None, plan_out=f"{tmp}/plan.json" if dist.get_rank() == 0 else None)
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        workload = build_study_workload(config.workload, mesh)
+        model, optimizer = workload.model, workload.optimizer
+        loss_fn, make_batch = workload.loss_fn, workload.make_batch
+        tmp = tempfile.mkdtemp(prefix="payback-")
+        tuner = None
+        if arm == "with":
+            tuner = AutoTuner(model, study=config.name, storage=f"sqlite:///{tmp}/cold.db" if dist.get_rank() == 0
+                              else None, plan_out=f"{tmp}/plan.json" if dist.get_rank() == 0 else None)
 
-    def one_step(step: int) -> None:
-        optimizer.zero_grad()
-        loss_fn(model, make_batch(step)).backward()
-        optimizer.step()
+        def one_step(step: int) -> None:
+            optimizer.zero_grad()
+            loss_fn(model, make_batch(step)).backward()
+            optimizer.step()
 
-    step_ms, phases = [], []
-    dist.barrier()
-    start = time.perf_counter()
-    for step in range(steps):
-        t0 = time.perf_counter()
-        phases.append(str(tuner.phase) if tuner else "none")
-        with tuner.step() if tuner else contextlib.nullcontext():
-            one_step(step)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-    dist.barrier()
-    wall_s = time.perf_counter() - start
-    overhead: list[tuple[float, float]] = []
-    if tuner is not None and str(tuner.phase) == "done":  # a tuner still tuning would go on tuning here
-        for r in range(overhead_rounds):
-            pair = {}
-            for inside in ((True, False) if r % 2 == 0 else (False, True)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                with tuner.step() if inside else contextlib.nullcontext():
-                    one_step(steps + 2 * r + int(inside))
-                pair[inside] = (time.perf_counter() - t0) * 1e3
-            overhead.append((pair[True], pair[False]))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"step_ms": step_ms, "overhead": overhead})
-    if dist.get_rank() == 0:
-        c = tuner.confirmation if tuner else None
-        result = {
-            "arm": arm, "wall_s": wall_s, "phases": phases,
-            "step_ms": [max(v) for v in zip(*(g["step_ms"] for g in gathered), strict=True)],
-            "overhead": [[max(g["overhead"][i][0] for g in gathered), max(g["overhead"][i][1] for g in gathered)]
-                         for i in range(len(overhead))],
-            "steps_tuning": tuner.steps_tuning if tuner else 0,
-            "watch": None if tuner is None or tuner.watch is None else {
-                "checks": tuner.watch.blocks, "steps": tuner.watch.steps, "ratio": tuner.watch.ratio,
-                "reverted": tuner.watch.reverted},
-            "confirmation": None if c is None else {"ratio": c.ratio, "ci95": list(c.ci95), "rounds": c.rounds,
-                                                    "verdict": str(c.verdict)},
-        }
-        Path(out).write_text(json.dumps(result))
-    del workload
-    shutdown_rank()
+        step_ms, phases = [], []
+        dist.barrier()
+        start = time.perf_counter()
+        for step in range(steps):
+            t0 = time.perf_counter()
+            phases.append(str(tuner.phase) if tuner else "none")
+            with tuner.step() if tuner else contextlib.nullcontext():
+                one_step(step)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+        dist.barrier()
+        wall_s = time.perf_counter() - start
+        overhead: list[tuple[float, float]] = []
+        if tuner is not None and str(tuner.phase) == "done":  # a tuner still tuning would go on tuning here
+            for r in range(overhead_rounds):
+                pair = {}
+                for inside in ((True, False) if r % 2 == 0 else (False, True)):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    with tuner.step() if inside else contextlib.nullcontext():
+                        one_step(steps + 2 * r + int(inside))
+                    pair[inside] = (time.perf_counter() - t0) * 1e3
+                overhead.append((pair[True], pair[False]))
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {"step_ms": step_ms, "overhead": overhead})
+        if dist.get_rank() == 0:
+            c = tuner.confirmation if tuner else None
+            result = {
+                "arm": arm, "wall_s": wall_s, "phases": phases,
+                "step_ms": [max(v) for v in zip(*(g["step_ms"] for g in gathered), strict=True)],
+                "overhead": [[max(g["overhead"][i][0] for g in gathered), max(g["overhead"][i][1] for g in gathered)]
+                             for i in range(len(overhead))],
+                "steps_tuning": tuner.steps_tuning if tuner else 0,
+                "watch": None if tuner is None or tuner.watch is None else {
+                    "checks": tuner.watch.blocks, "steps": tuner.watch.steps, "ratio": tuner.watch.ratio,
+                    "reverted": tuner.watch.reverted},
+                "confirmation": None if c is None else {"ratio": c.ratio, "ci95": list(c.ci95), "rounds": c.rounds,
+                                                        "verdict": str(c.verdict)},
+            }
+            Path(out).write_text(json.dumps(result))
+        del workload
+        rank.ended = True
 
 
 def break_even(with_ms: list[float], without_ms: list[float]) -> int | None:

@@ -181,12 +181,12 @@ class BudgetBench:
     def interleaved(self, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:
         """``rounds`` rounds of the plans, Williams orders; on rank 0 each plan's step times (max across ranks)."""
         from planner.statistics.race import balanced_orders
-        from runtime.measuring.measure import measure_rounds
+        from runtime.measuring.measure import measure_plans
         from runtime.recording.steps import WorkloadSteps
 
         orders = balanced_orders(len(plans))
         block = [orders[r % len(orders)] for r in range(rounds)]
-        step_ms = measure_rounds(WorkloadSteps(self.workload, list(plans.values()), self.group, self.steps), block)
+        step_ms = measure_plans(WorkloadSteps(self.workload, list(plans.values()), self.group, self.steps), block)
         return dict(zip(plans, step_ms, strict=True)) if self.rank0 else {}
 
     def budget_stages(self) -> None:
@@ -248,30 +248,32 @@ def rank_main(study: str, settings: BudgetSettings, json_out: str | None) -> Non
 
     from planner.artifacts.config import load_study_config
     from planner.simulation.in_step import in_step_params
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.recording.recorder import record_profile
     from runtime.timing import StepCounter
     from runtime.workload import build_study_workload
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
-    workload = build_study_workload(config.workload, mesh)
-    profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps,
-                             repeats=config.measure.profile_repeats)
-    bench = BudgetBench(study, settings, workload, profile,
-                        in_step_params(profile) if profile.in_step is not None else None, StepCounter(),
-                        dist.group.WORLD, {"study": config.name, "profile": profile.to_dict(), "share": settings.share})
-    if not settings.blocks_only:
-        bench.budget_stages()
-    if not settings.skip_blocks:
-        bench.kept_blocks()
-    if bench.rank0:
-        report(bench.run)
-        if json_out:
-            Path(json_out).write_text(json.dumps(bench.run, indent=1))
-    del workload, bench
-    shutdown_rank()
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        workload = build_study_workload(config.workload, mesh)
+        profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps,
+                                 repeats=config.measure.profile_repeats)
+        bench = BudgetBench(study, settings, workload, profile,
+                            in_step_params(profile) if profile.in_step is not None else None, StepCounter(),
+                            dist.group.WORLD,
+                            {"study": config.name, "profile": profile.to_dict(), "share": settings.share})
+        if not settings.blocks_only:
+            bench.budget_stages()
+        if not settings.skip_blocks:
+            bench.kept_blocks()
+        if bench.rank0:
+            report(bench.run)
+            if json_out:
+                Path(json_out).write_text(json.dumps(bench.run, indent=1))
+        del workload, bench
+        rank.ended = True
 
 
 @click.command(help=__doc__)

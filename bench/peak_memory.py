@@ -58,7 +58,7 @@ def rank_main(study: str, out: str | None) -> None:
 
     from planner.artifacts.config import load_study_config
     from runtime.ranks.collectives import gather_objects
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
     from runtime.recording.recorder import record_profile
     from runtime.recording.steps import WorkloadSteps
@@ -66,26 +66,27 @@ def rank_main(study: str, out: str | None) -> None:
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
-    workload = build_study_workload(config.workload, mesh)
-    profile = record_profile(workload, warmup_steps=1, steps=2, repeats=config.measure.profile_repeats)
-    plans = plans_for(profile)
-    runner = WorkloadSteps(workload, list(plans.values()))
-    local: list[list[int]] = [[] for _ in plans]  # per plan, this rank's peak in each of its peak steps
-    for i in range(len(plans)):
-        for order in [RoundStep(WARMUP, i)] + [RoundStep(PEAK, i)] * PEAK_STEPS:
-            runner.step(order, local)
-    gathered = gather_objects(local)
-    if dist.get_rank() == 0:
-        run = {"study": config.name, "profile": profile.to_dict(),
-               "rows": [{"plan": n, "plan_json": plans[n].to_dict(),
-                         "measured_peak_bytes": peak_of_steps([g[i] for g in gathered]),
-                         "per_rank_peak_bytes": [g[i] for g in gathered]} for i, n in enumerate(plans)]}
-        report(run)
-        if out:
-            Path(out).write_text(json.dumps(run, indent=1))
-    del workload
-    shutdown_rank()
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        workload = build_study_workload(config.workload, mesh)
+        profile = record_profile(workload, warmup_steps=1, steps=2, repeats=config.measure.profile_repeats)
+        plans = plans_for(profile)
+        runner = WorkloadSteps(workload, list(plans.values()))
+        local: list[list[int]] = [[] for _ in plans]  # per plan, this rank's peak in each of its peak steps
+        for i in range(len(plans)):
+            for order in [RoundStep(WARMUP, i)] + [RoundStep(PEAK, i)] * PEAK_STEPS:
+                runner.step(order, local)
+        gathered = gather_objects(local)
+        if dist.get_rank() == 0:
+            run = {"study": config.name, "profile": profile.to_dict(),
+                   "rows": [{"plan": n, "plan_json": plans[n].to_dict(),
+                             "measured_peak_bytes": peak_of_steps([g[i] for g in gathered]),
+                             "per_rank_peak_bytes": [g[i] for g in gathered]} for i, n in enumerate(plans)]}
+            report(run)
+            if out:
+                Path(out).write_text(json.dumps(run, indent=1))
+        del workload
+        rank.ended = True
 
 
 def lowest_step_errors(rows: list[tuple[int, list[list[int]]]]) -> list[float]:

@@ -74,25 +74,24 @@ def rank_main(study: str, plans_path: str, rounds: int, out: str) -> None:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.race import balanced_orders
-    from runtime.measuring.measure import measure_rounds, warm_up
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.measuring.measure import measure_plans
+    from runtime.ranks.rank import job_rank
     from runtime.recording.steps import WorkloadSteps
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend, config.launch.timeout_s, config.launch.allocator, config.launch.mesh)
-    named = {name: Plan.from_dict(d) for name, d in json.loads(Path(plans_path).read_text()).items()}
-    workload = build_study_workload(config.workload, mesh)
-    plans = list(named.values())
-    runner = WorkloadSteps(workload, plans)
-    warm_up(runner, WARMUP_STEPS)
-    design = balanced_orders(len(plans))
-    block = [design[r % len(design)] for r in range(rounds)]
-    step_ms = measure_rounds(runner, block)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(dict(zip(named, step_ms, strict=True))))
-    del workload
-    shutdown_rank()
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        named = {name: Plan.from_dict(d) for name, d in json.loads(Path(plans_path).read_text()).items()}
+        workload = build_study_workload(config.workload, mesh)
+        plans = list(named.values())
+        design = balanced_orders(len(plans))
+        step_ms = measure_plans(WorkloadSteps(workload, plans), [design[r % len(design)] for r in range(rounds)],
+                                WARMUP_STEPS)
+        if dist.get_rank() == 0:
+            Path(out).write_text(json.dumps(dict(zip(named, step_ms, strict=True))))
+        del workload
+        rank.ended = True
 
 
 def report(config, plans: dict, launches: list[dict], profile) -> list[dict]:

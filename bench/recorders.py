@@ -84,24 +84,25 @@ def rank_main(study: str, recorder: str, out: str) -> None:
     import torch.distributed as dist
 
     from planner.artifacts.config import load_study_config
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.workload import build_study_workload
 
     as_tune_ranks()
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
-    workload = build_study_workload(config.workload, mesh)
-    measure = config.measure
-    if recorder == "tune":
-        from runtime.recording.recorder import record_profile
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        workload = build_study_workload(config.workload, mesh)
+        measure = config.measure
+        if recorder == "tune":
+            from runtime.recording.recorder import record_profile
 
-        profile = record_profile(workload, warmup_steps=measure.warmup_steps, steps=measure.steps,
-                                 repeats=measure.profile_repeats)
-    else:
-        profile = _in_loop_profile(workload, measure)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(profile.to_dict()))
-    shutdown_rank()
+            profile = record_profile(workload, warmup_steps=measure.warmup_steps, steps=measure.steps,
+                                     repeats=measure.profile_repeats)
+        else:
+            profile = _in_loop_profile(workload, measure)
+        if dist.get_rank() == 0:
+            Path(out).write_text(json.dumps(profile.to_dict()))
+        rank.ended = True
 
 
 def _in_loop_profile(workload: Any, measure: Any) -> Any:

@@ -46,53 +46,56 @@ def rank_main(study: str, steps: int, out: str | None, per_module: bool = False,
 
     from planner.artifacts.config import load_study_config
     from runtime.ranks.collectives import gather_objects
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload, train_step
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
-    workload = build_study_workload(config.workload, mesh)
-    recorded = record_profile(workload, warmup_steps=config.measure.warmup_steps, steps=config.measure.steps,
-                              repeats=config.measure.profile_repeats)
-    # the same model again, its isolated passes one module at a time
-    per_module_profile = record_profile(workload, warmup_steps=1, steps=config.measure.steps,
-                                        repeats=config.measure.profile_repeats, per_module=True) if per_module else None
-    del workload
-    gc.collect()  # FSDP2's states hold reference cycles: else the recorded model stays in the traced step's memory
-    user = build_study_workload(config.workload, mesh)  # the user's job: a fresh model, the plain loop
-    for s in range(2):
-        train_step(user, s)
-    folder = gather_objects((traces or tempfile.mkdtemp(prefix="traces-")) if dist.get_rank() == 0 else None)[0]
-    # [Note: Several traces of one rank] in planner.traces.trace_profile: one file per rank and cycle (as a GPU user
-    # traces: the kernels too, on their streams)
-    cycles = -(-steps // active)
-    schedule = torch.profiler.schedule(wait=1, warmup=1, active=active, repeat=cycles)
-    with user_profiler(mesh.device_type, folder, schedule) as prof:
-        for s in range(cycles * (2 + active)):
-            train_step(user, 2 + s)
-            prof.step()
-    dist.barrier()
-    # the recorder again, minutes later, on the traced model: how far the recorder moves from itself here
-    again = record_profile(user, warmup_steps=config.measure.warmup_steps, steps=config.measure.steps,
-                           repeats=config.measure.profile_repeats) if recorder_again else None
-    if dist.get_rank() == 0:
-        from planner.traces.trace_profile import profile_from_traces
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        workload = build_study_workload(config.workload, mesh)
+        recorded = record_profile(workload, warmup_steps=config.measure.warmup_steps, steps=config.measure.steps,
+                                  repeats=config.measure.profile_repeats)
+        # the same model again, its isolated passes one module at a time
+        per_module_profile = None if not per_module else record_profile(
+            workload, warmup_steps=1, steps=config.measure.steps, repeats=config.measure.profile_repeats,
+            per_module=True)
+        del workload
+        gc.collect()  # FSDP2's states hold reference cycles: else the recorded model stays in the traced step's memory
+        user = build_study_workload(config.workload, mesh)  # the user's job: a fresh model, the plain loop
+        for s in range(2):
+            train_step(user, s)
+        folder = gather_objects((traces or tempfile.mkdtemp(prefix="traces-")) if dist.get_rank() == 0 else None)[0]
+        # [Note: Several traces of one rank] in planner.traces.trace_profile: one file per rank and cycle (as a GPU user
+        # traces: the kernels too, on their streams)
+        cycles = -(-steps // active)
+        schedule = torch.profiler.schedule(wait=1, warmup=1, active=active, repeat=cycles)
+        with user_profiler(mesh.device_type, folder, schedule) as prof:
+            for s in range(cycles * (2 + active)):
+                train_step(user, 2 + s)
+                prof.step()
+        dist.barrier()
+        # the recorder again, minutes later, on the traced model: how far the recorder moves from itself here
+        again = record_profile(user, warmup_steps=config.measure.warmup_steps, steps=config.measure.steps,
+                               repeats=config.measure.profile_repeats) if recorder_again else None
+        if dist.get_rank() == 0:
+            from planner.traces.trace_profile import profile_from_traces
 
-        traced = profile_from_traces([folder], recorded.fingerprint)
-        parsed = steps_and_calls([folder])  # the decomposition's and the bare reduce-scatters' view of the traces
-        run = {"study": config.name, "steps": steps, "active": active, "traces": folder, "recorded": recorded.to_dict(),
-               "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
-               "missing": [m.line() for m in traced.missing], "rank_skew_ms": traced.rank_skew_ms,
-               "outside_ms": traced.outside_ms, "decomposition": decompose(parsed),
-               "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None,
-               "recorded_again": again.to_dict() if again else None,
-               "bare_reduce_scatter_ms": bare_reduce_scatters(parsed[1]) if mesh.device_type == "cpu" else None}
-        report(run)
-        if out:
-            Path(out).write_text(json.dumps(run))
-    del user
-    shutdown_rank()
+            traced = profile_from_traces([folder], recorded.fingerprint)
+            parsed = steps_and_calls([folder])  # the decomposition's and the bare reduce-scatters' view of the traces
+            run = {"study": config.name, "steps": steps, "active": active, "traces": folder,
+                   "recorded": recorded.to_dict(),
+                   "traced": traced.profile.to_dict(), "ranks": list(traced.ranks), "traced_steps": traced.steps,
+                   "missing": [m.line() for m in traced.missing], "rank_skew_ms": traced.rank_skew_ms,
+                   "outside_ms": traced.outside_ms, "decomposition": decompose(parsed),
+                   "recorded_per_module": per_module_profile.to_dict() if per_module_profile else None,
+                   "recorded_again": again.to_dict() if again else None,
+                   "bare_reduce_scatter_ms": bare_reduce_scatters(parsed[1]) if mesh.device_type == "cpu" else None}
+            report(run)
+            if out:
+                Path(out).write_text(json.dumps(run))
+        del user
+        rank.ended = True
 
 
 def _error(a: float, b: float) -> float:

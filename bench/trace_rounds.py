@@ -56,54 +56,56 @@ def rank_main(study: str, rounds: int, steps: int, active: int, out: str | None,
 
     from planner.artifacts.config import load_study_config
     from runtime.ranks.collectives import gather_objects
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.recording.recorder import record_profile
     from runtime.workload import build_study_workload, train_step
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend)
-    workload = build_study_workload(config.workload, mesh)
-    for s in range(2):
-        train_step(workload, s)
-    folder = gather_objects((traces or tempfile.mkdtemp(prefix="trace-rounds-")) if dist.get_rank() == 0 else None)[0]
-    cycles = -(-steps // active)
-    schedule = torch.profiler.schedule(wait=1, warmup=1, active=active, repeat=cycles)
-    recorded, step = [], 2
-    for r in range(rounds):
-        for part in ("record", "trace") if r % 2 == 0 else ("trace", "record"):
-            if part == "record":
-                recorded.append(record_profile(workload, warmup_steps=config.measure.warmup_steps,
-                                               steps=config.measure.steps, repeats=config.measure.profile_repeats))
-                continue
-            # ProfilerStep#N counts from the profiler's step_num: the rounds' steps numbered apart, as one job's
-            offset = r * cycles * (2 + active)
-            profiler = user_profiler(mesh.device_type, f"{folder}/round{r}",
-                                     lambda n, offset=offset: schedule(max(0, n - offset)))
-            profiler.step_num = offset
-            with profiler as prof:
-                for _ in range(cycles * (2 + active)):
-                    train_step(workload, step)
-                    step += 1
-                    prof.step()
-            dist.barrier()
-    if dist.get_rank() == 0:
-        from planner.traces.trace_profile import profile_from_traces
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        workload = build_study_workload(config.workload, mesh)
+        for s in range(2):
+            train_step(workload, s)
+        mine = (traces or tempfile.mkdtemp(prefix="trace-rounds-")) if dist.get_rank() == 0 else None
+        folder = gather_objects(mine)[0]
+        cycles = -(-steps // active)
+        schedule = torch.profiler.schedule(wait=1, warmup=1, active=active, repeat=cycles)
+        recorded, step = [], 2
+        for r in range(rounds):
+            for part in ("record", "trace") if r % 2 == 0 else ("trace", "record"):
+                if part == "record":
+                    recorded.append(record_profile(workload, warmup_steps=config.measure.warmup_steps,
+                                                   steps=config.measure.steps, repeats=config.measure.profile_repeats))
+                    continue
+                # ProfilerStep#N counts from the profiler's step_num: the rounds' steps numbered apart, as one job's
+                offset = r * cycles * (2 + active)
+                profiler = user_profiler(mesh.device_type, f"{folder}/round{r}",
+                                         lambda n, offset=offset: schedule(max(0, n - offset)))
+                profiler.step_num = offset
+                with profiler as prof:
+                    for _ in range(cycles * (2 + active)):
+                        train_step(workload, step)
+                        step += 1
+                        prof.step()
+                dist.barrier()
+        if dist.get_rank() == 0:
+            from planner.traces.trace_profile import profile_from_traces
 
-        subs = [f"{folder}/round{r}" for r in range(rounds)]
-        fingerprint = recorded[0].fingerprint
-        pooled = profile_from_traces(subs, fingerprint)
-        per_round = [steps_and_calls([s])[1] for s in subs]  # each round's steps and calls, parsed once
-        run = {"study": config.name, "rounds": rounds, "steps": steps, "active": active, "traces": folder,
-               "recorded_rounds": [p.to_dict() for p in recorded],
-               "traced_rounds": [profile_from_traces([s], fingerprint).profile.to_dict() for s in subs],
-               "traced": pooled.profile.to_dict(), "missing": [m.line() for m in pooled.missing],
-               "bare_reduce_scatter_ms": bare_reduce_scatters([step for r in per_round for step in r]),
-               "bare_reduce_scatter_rounds_ms": [bare_reduce_scatters(r) for r in per_round]}
-        report(run)
-        if out:
-            Path(out).write_text(json.dumps(run))
-    del workload
-    shutdown_rank()
+            subs = [f"{folder}/round{r}" for r in range(rounds)]
+            fingerprint = recorded[0].fingerprint
+            pooled = profile_from_traces(subs, fingerprint)
+            per_round = [steps_and_calls([s])[1] for s in subs]  # each round's steps and calls, parsed once
+            run = {"study": config.name, "rounds": rounds, "steps": steps, "active": active, "traces": folder,
+                   "recorded_rounds": [p.to_dict() for p in recorded],
+                   "traced_rounds": [profile_from_traces([s], fingerprint).profile.to_dict() for s in subs],
+                   "traced": pooled.profile.to_dict(), "missing": [m.line() for m in pooled.missing],
+                   "bare_reduce_scatter_ms": bare_reduce_scatters([step for r in per_round for step in r]),
+                   "bare_reduce_scatter_rounds_ms": [bare_reduce_scatters(r) for r in per_round]}
+            report(run)
+            if out:
+                Path(out).write_text(json.dumps(run))
+        del workload
+        rank.ended = True
 
 
 def median_profile(profiles: list):

@@ -54,42 +54,42 @@ def aa_main(study: str, races: int, out: str) -> None:
     from planner.artifacts.config import load_study_config
     from planner.artifacts.plan import Plan
     from planner.statistics.schedule import Schedule
-    from runtime.measuring.measure import run_schedule, warm_up
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.measuring.measure import measure_plans
+    from runtime.ranks.rank import job_rank
     from runtime.recording.recorder import record_profile
     from runtime.recording.steps import WorkloadSteps
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend, allocator=config.launch.allocator, mesh=config.launch.mesh)
-    workload = build_study_workload(config.workload, mesh)
-    profile = record_profile(workload, warmup_steps=1, steps=2, repeats=1)
-    default = Plan.default(profile)
-    results = []
-    for race in range(races):
-        schedule = Schedule(2, config.measure.race_settings(), config.measure.confirm_settings(launches=0))
-        t0 = time.monotonic()
-        runner = WorkloadSteps(workload, [default, default])
-        warm_up(runner, config.measure.warmup_steps)
-        run_schedule(runner, schedule if dist.get_rank() == 0 else None)
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        workload = build_study_workload(config.workload, mesh)
+        profile = record_profile(workload, warmup_steps=1, steps=2, repeats=1)
+        default = Plan.default(profile)
+        results = []
+        for race in range(races):
+            schedule = Schedule(2, config.measure.race_settings(), config.measure.confirm_settings(launches=0))
+            t0 = time.monotonic()
+            measure_plans(WorkloadSteps(workload, [default, default]), schedule if dist.get_rank() == 0 else None,
+                          config.measure.warmup_steps)
+            if dist.get_rank() == 0:
+                c = schedule.confirmation
+                if c is None:  # the race dropped the candidate, FSDP2's default itself: a false drop (<= alpha)
+                    results.append({"race": race, "verdict": "dropped", "race_rounds": len(schedule.race.rounds),
+                                    "noise_pct": schedule.race.noise_pct(), "seconds": time.monotonic() - t0})
+                    print(f"A/A race {race + 1}/{races}: the candidate was dropped in the race", flush=True)
+                    continue
+                row = {"race": race, "verdict": str(c.verdict), "ratio": c.ratio, "ci95": list(c.ci95),
+                       "rounds": c.rounds, "race_rounds": len(schedule.race.rounds), "noise_pct": c.noise_pct,
+                       "seconds": time.monotonic() - t0}
+                results.append(row)
+                print(f"A/A race {race + 1}/{races}: {c.verdict}, ratio {c.ratio:.3f} "
+                      f"[{c.ci95[0]:.3f}, {c.ci95[1]:.3f}] over {c.rounds} rounds (race {row['race_rounds']} rounds), "
+                      f"noise {c.noise_pct:.1f}%, {row['seconds']:.0f} s", flush=True)
         if dist.get_rank() == 0:
-            c = schedule.confirmation
-            if c is None:  # the race dropped the candidate, FSDP2's default itself: a false drop (<= alpha)
-                results.append({"race": race, "verdict": "dropped", "race_rounds": len(schedule.race.rounds),
-                                "noise_pct": schedule.race.noise_pct(), "seconds": time.monotonic() - t0})
-                print(f"A/A race {race + 1}/{races}: the candidate was dropped in the race", flush=True)
-                continue
-            row = {"race": race, "verdict": str(c.verdict), "ratio": c.ratio, "ci95": list(c.ci95),
-                   "rounds": c.rounds, "race_rounds": len(schedule.race.rounds), "noise_pct": c.noise_pct,
-                   "seconds": time.monotonic() - t0}
-            results.append(row)
-            print(f"A/A race {race + 1}/{races}: {c.verdict}, ratio {c.ratio:.3f} [{c.ci95[0]:.3f}, {c.ci95[1]:.3f}]"
-                  f" over {c.rounds} rounds (race {row['race_rounds']} rounds), noise {c.noise_pct:.1f}%, "
-                  f"{row['seconds']:.0f} s", flush=True)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results, indent=1))
-    del workload
-    shutdown_rank()
+            Path(out).write_text(json.dumps(results, indent=1))
+        del workload
+        rank.ended = True
 
 
 def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
@@ -102,20 +102,21 @@ def remeasure_main(study: str, plan_path: str, rounds: int, out: str) -> None:
     from planner.statistics.schedule import confirmation_orders
     from runtime.apply import load_plan
     from runtime.ranks.collectives import broadcast_from_rank0
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.workload import build_study_workload
 
     config = load_study_config(study)
-    mesh = init_rank(config.launch.backend, allocator=config.launch.allocator, mesh=config.launch.mesh)
-    plan = load_plan(plan_path)
-    models = [build_study_workload(config.workload, mesh), build_study_workload(config.workload, mesh)]
-    orders = broadcast_from_rank0(confirmation_orders((0, 1), rounds) if dist.get_rank() == 0 else None, None)
-    # the second model keeps every module as wrapped: FSDP2's default
-    tuned, default = rounds_on_own_models(models, [plan, Plan(plan.fingerprint, {})], orders, 2, None)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"tuned": tuned, "default": default}))
-    del models
-    shutdown_rank()
+    with job_rank(config.launch) as rank:
+        mesh = rank.mesh
+        plan = load_plan(plan_path)
+        models = [build_study_workload(config.workload, mesh), build_study_workload(config.workload, mesh)]
+        orders = broadcast_from_rank0(confirmation_orders((0, 1), rounds) if dist.get_rank() == 0 else None, None)
+        # the second model keeps every module as wrapped: FSDP2's default
+        tuned, default = rounds_on_own_models(models, [plan, Plan(plan.fingerprint, {})], orders, 2, None)
+        if dist.get_rank() == 0:
+            Path(out).write_text(json.dumps({"tuned": tuned, "default": default}))
+        del models
+        rank.ended = True
 
 
 def _launch(args: list[str], launch: LaunchTable) -> None:

@@ -17,10 +17,9 @@ from jobs.confirm import rounds_on_own_models
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
-from planner.errors import PlannerError
 from planner.statistics.launches import ConfirmLaunch
 from planner.statistics.schedule import confirmation_orders
-from planner.storages import check_writable, open_storage, storage_errors
+from planner.storages import open_storage, storage_errors
 from planner.storages.archive import stored_profiles
 from planner.study.candidates import plan_key
 from planner.study.cluster_spread import (
@@ -36,9 +35,9 @@ from planner.study.cluster_spread import (
 from planner.study.in_loop import same_job
 from runtime.apply import model_fingerprint
 from runtime.current import fsdp2_default
-from runtime.ranks.collectives import broadcast_from_rank0
-from runtime.ranks.rank import check_runnable, job_rank
-from runtime.workload import build_study_workload, load_factory
+from runtime.ranks.collectives import from_rank0
+from runtime.ranks.rank import job_rank
+from runtime.workload import build_study_workload
 from search_spaces import get_space
 
 # Plans of the search space no race picked, beside FSDP2's default against a copy of itself.
@@ -59,23 +58,6 @@ class CalibrateJob:
     def __init__(self, config: StudyConfig, launch: int, launches: int, profile_in: str | None = None):
         self.config, self.launch, self.launches, self.profile_in = config, launch, launches, profile_in
 
-    @staticmethod
-    def check_before_launch(config: StudyConfig, profile_in: str | None = None) -> None:
-        """What the launching process checks before it starts any rank; writes nothing.
-
-        Raises:
-            ProfileFormatError: ``profile_in`` cannot be read as a profile.
-            WorkloadError: the factory cannot be imported.
-            StudyConfigError: this machine cannot run the study's ranks.
-            StorageError: the storage is unreachable.
-        """
-        if profile_in is not None:
-            Profile.load(profile_in)
-        load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
-                       config.launch.mesh)
-        check_writable(config.storage_url)
-
     def run(self) -> ClusterSpread | None:
         """Run this rank's part; rank 0 returns the cluster's spread after this launch, the other ranks ``None``.
 
@@ -90,16 +72,7 @@ class CalibrateJob:
                 models = [build_study_workload(self.config.workload, mesh) for _ in range(2)]
                 fingerprint = model_fingerprint(models[0].model)
                 default = fsdp2_default(models[0].model)  # every module's: a factory's own prefetch undone
-                payload = None
-                if rank0:
-                    try:
-                        payload = self._pair(fingerprint, default)
-                    except PlannerError as e:
-                        payload = {"error": str(e)}
-                payload = broadcast_from_rank0(payload, group)
-                if isinstance(payload, dict):
-                    raise PlannerError(payload["error"])
-                pair, other, orders = payload
+                pair, other, orders = from_rank0(lambda: self._pair(fingerprint, default), group)
                 times = rounds_on_own_models(models, [other, default], orders, max(2, self.config.measure.warmup_steps),
                                              group)
                 models = None

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from jobs.launching import exit_with_ranks, handed_over, study_config
+from jobs.outputs import check_before_launch
 from planner.artifacts.config import StudyConfig, default_storage
 
 
@@ -65,12 +66,11 @@ def check(inputs, study_name, storage, memory_budget, reentrant, as_json, valida
 def _profile_and_own_plan(study_toml: str, config: StudyConfig) -> tuple[str, str]:
     """``check STUDY_TOML``: the study's ranks record a profile under FSDP2's default and read back the plan the
     model arrives with; both are written beside the study (``NAME.profile.json``, ``NAME.own.plan.json``)."""
-    from jobs.profile import ProfileJob
     from runtime.ranks.launch import launch_ranks
 
     profile_json = config.default_output(".profile.json")
     plan_json = config.default_output(".own.plan.json")
-    ProfileJob.check_before_launch(config, profile_json, plan_json)
+    check_before_launch(config, profile_json, plan_json, storage=False)
     with handed_over(config) as handover:
         code = launch_ranks(["profile", study_toml, *handover, "-o", profile_json, "--own-plan-out", plan_json],
                             config.launch)

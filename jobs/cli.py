@@ -21,6 +21,7 @@ import click
 
 from jobs.check_command import check
 from jobs.launching import exit_on_rank_error, exit_with_ranks, handed_over, log_rank0_progress, study_config
+from jobs.outputs import check_before_launch
 from planner.artifacts.config import StudyConfig
 from planner.errors import PlannerError
 from planner.presentation.options import CONTEXT_SETTINGS, PlannerGroup, what_if_options
@@ -106,7 +107,7 @@ def tune(study_toml, plan_out, profile_out, profile_in, no_progress, job, confir
             for line in tune_report(outcome, config.name):
                 click.echo(line)
         return
-    TuneJob.check_before_launch(config, plan_out, profile_out, profile_in=profile_in)
+    check_before_launch(config, plan_out, profile_out, profile_in=profile_in)
     job = job_name()
     args = ["--plan-out", plan_out, "--profile-out", profile_out, "--job", job,
             "--confirm-launches", "auto" if config.measure.confirm_launches is None
@@ -201,7 +202,7 @@ def confirm(study_toml, storage, job, rounds, validated_config) -> None:
         if launches:
             click.echo(f"      launch measured; the survivor now has {launches} launch(es)")
         return
-    ConfirmJob.check_before_launch(config)
+    check_before_launch(config)
     with handed_over(config) as handover:
         exit_with_ranks(launch_ranks(["confirm", study_toml, *handover, "--job", job,
                                        *(["--rounds", str(rounds)] if rounds else [])], config.launch),
@@ -236,7 +237,7 @@ def calibrate(study_toml, storage, launches, profile_in, launch, validated_confi
             click.echo(f"[calibrate {(launch or 0) + 1}/{launches}] {describe_pair(result.last_pair)} measured; "
                        f"{result.line()}")
         return
-    CalibrateJob.check_before_launch(config, profile_in)
+    check_before_launch(config, profile_in=profile_in)
     with handed_over(config) as handover:
         _calibrate(study_toml, config, launches, handover, profile_in)
     _report_cluster(config)
@@ -298,7 +299,7 @@ def profile(inputs, output, torch_trace, from_trace, model, model_kwargs, own_pl
                            + (f", written to {own_plan_out}" if own_plan_out else "")
                            + (" (`prefetch-planner check` prices it)" if own else ""))
         return
-    ProfileJob.check_before_launch(config, output, torch_trace, own_plan_out)
+    check_before_launch(config, output, torch_trace, own_plan_out, storage=False)
     with handed_over(config) as handover:
         code = launch_ranks(["profile", study_toml, *handover, "-o", output]
                             + (["--torch-trace", torch_trace] if torch_trace else [])

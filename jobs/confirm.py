@@ -19,18 +19,16 @@ import torch.distributed as dist
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
-from planner.errors import PlannerError
 from planner.statistics.launches import ConfirmLaunch
 from planner.statistics.schedule import confirmation_orders
-from planner.storages import check_writable
 from planner.study.confirmation import pending, record_launch
 from runtime.apply import configure_plan
-from runtime.measuring.measure import measure_rounds, warm_up
-from runtime.ranks.collectives import broadcast_from_rank0, gather_max
-from runtime.ranks.rank import check_runnable, job_rank
+from runtime.measuring.measure import measure_plans
+from runtime.ranks.collectives import from_rank0, gather_max
+from runtime.ranks.rank import job_rank
 from runtime.recording.steps import WorkloadSteps
 from runtime.timing import TIMED, WARMUP, RoundStep, StepCounter, StepFailed
-from runtime.workload import Workload, build_study_workload, load_factory
+from runtime.workload import Workload, build_study_workload
 
 
 class ConfirmJob:
@@ -48,20 +46,6 @@ class ConfirmJob:
         self.job = job
         self.rounds = rounds
 
-    @staticmethod
-    def check_before_launch(config: StudyConfig) -> None:
-        """What the launching process checks before it starts any rank; writes nothing.
-
-        Raises:
-            WorkloadError: the factory cannot be imported.
-            StudyConfigError: this machine cannot run the study's ranks.
-            StorageError: the storage is unreachable.
-        """
-        load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
-                       config.launch.mesh)
-        check_writable(config.storage_url)
-
     def run(self) -> int | None:
         """Run this rank's part; rank 0 returns the launches the survivor now has (``0``: nothing awaited
         confirmation), the other ranks ``None``.
@@ -76,18 +60,14 @@ class ConfirmJob:
             mesh, group, rank0 = rank.mesh, rank.group, rank.rank0
             try:
                 workload = build_study_workload(self.config.workload, mesh)
-                payload = None
-                if rank0:
-                    try:
-                        p = pending(self.config, self.job)
-                        # the order of each pair of rounds is drawn here, once, and every rank runs it
-                        rounds = self.rounds or (p.rounds if p is not None else 0)
-                        payload = None if p is None else (p.survivor, p.baseline, confirmation_orders((0, 1), rounds))
-                    except PlannerError as e:
-                        payload = {"error": str(e)}
-                payload = broadcast_from_rank0(payload, group)
-                if isinstance(payload, dict):
-                    raise PlannerError(payload["error"])
+
+                def launch_rounds() -> tuple | None:
+                    p = pending(self.config, self.job)
+                    # the order of each pair of rounds is drawn here, once, and every rank runs it
+                    rounds = self.rounds or (p.rounds if p is not None else 0)
+                    return None if p is None else (p.survivor, p.baseline, confirmation_orders((0, 1), rounds))
+
+                payload = from_rank0(launch_rounds, group)
                 if payload is None:
                     rank.ended = True
                     return 0 if rank0 else None
@@ -101,9 +81,7 @@ class ConfirmJob:
                     times = rounds_on_own_models(models, plans, orders, warmup, group)
                     models = None
                 else:
-                    runner = WorkloadSteps(workload, plans, group)
-                    warm_up(runner, warmup)
-                    times = measure_rounds(runner, orders)
+                    times = measure_plans(WorkloadSteps(workload, plans, group), orders, warmup)
                 rank.ended = True
                 if rank0:
                     return record_launch(self.config, survivor.provenance.trial, ConfirmLaunch(times[0], times[1]))

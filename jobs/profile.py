@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from jobs.outputs import check_output_folders
 from jobs.process_state import load_tune_modules
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.simulation.parameters import simulate
 from runtime.current import current_plan, record_under_fsdp2_default
-from runtime.ranks.rank import check_runnable, job_rank
+from runtime.ranks.rank import job_rank
 from runtime.recording.recorder import record_profile
-from runtime.workload import Workload, build_study_workload, load_factory, train_step
+from runtime.workload import Workload, build_study_workload, train_step
 
 
 class ProfileJob:
@@ -39,20 +38,6 @@ class ProfileJob:
         self.output = output
         self.torch_trace = torch_trace
         self.own_plan_out = own_plan_out
-
-    @staticmethod
-    def check_before_launch(config: StudyConfig, *outputs: str | None) -> None:
-        """What the launching process checks before it starts any rank; writes nothing.
-
-        Raises:
-            WorkloadError: the factory cannot be imported.
-            StudyConfigError: this machine cannot run the study's ranks.
-            PlannerError: an output's folder does not exist.
-        """
-        load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
-                       config.launch.mesh)
-        check_output_folders(*outputs)
 
     def run(self) -> tuple[Profile, float, Plan | None] | None:
         """Run this rank's part (every rank calls it).

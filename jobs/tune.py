@@ -17,11 +17,9 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jobs import PROGRESS_LOGGERS
-from jobs.outputs import check_output_folders
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlanMismatchError, one_line
-from planner.storages import check_writable
 from planner.study.measured import MeasuredTrial
 from planner.study.model_summary import allocator_mismatch
 from planner.study.session import TuneOutcome, TuningSession
@@ -29,9 +27,9 @@ from runtime.apply import model_fingerprint
 from runtime.current import own_plan, record_under_fsdp2_default
 from runtime.measuring.measure import measured_round
 from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
-from runtime.ranks.rank import check_runnable, job_rank
+from runtime.ranks.rank import job_rank
 from runtime.recording.recorder import record_profile
-from runtime.workload import Workload, build_study_workload, load_factory
+from runtime.workload import Workload, build_study_workload
 from search_spaces.session import open_session, optuna_quiet
 
 logger = logging.getLogger(__name__)
@@ -65,25 +63,6 @@ class TuneJob:
         self._bar: tqdm | None = None
         self._bar_blocks = 0  # the schedule's blocks the bar's total was set at
         self._warm_up_steps: int | None = None  # the measured round's warm-up steps, once it says
-
-    @staticmethod
-    def check_before_launch(config: StudyConfig, *outputs: str, profile_in: str | None = None) -> None:
-        """What the launching process checks before it starts any rank; writes nothing.
-
-        Raises:
-            ProfileFormatError: ``profile_in`` cannot be read as a profile.
-            WorkloadError: the factory cannot be imported.
-            StudyConfigError: this machine cannot run the study's ranks.
-            StorageError: the storage is unreachable, its driver missing, or locked.
-            PlannerError: an output's folder does not exist.
-        """
-        load_factory(config.workload.factory)
-        check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
-                       config.launch.mesh)
-        check_writable(config.storage_url)
-        check_output_folders(*outputs)
-        if profile_in is not None:
-            Profile.load(profile_in)
 
     def run(self) -> TuneOutcome | None:
         """Run this rank's part (every rank calls it); rank 0 returns the outcome, the others ``None``.

@@ -74,15 +74,12 @@ def check_before_launch(config: StudyConfig, plan_path: str) -> Plan:
         StudyConfigError: this machine cannot run the study's ranks.
         PlanMismatchError: the plan was made for another model.
     """
+    from jobs.outputs import check_before_launch as check_launch
     from runtime.apply import load_plan
     from runtime.fake_world import workload_fingerprint
-    from runtime.ranks.rank import check_runnable
-    from runtime.workload import load_factory
 
     plan = load_plan(plan_path)
-    load_factory(config.workload.factory)
-    check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator,
-                   config.launch.mesh)
+    check_launch(config, storage=False)
     model = workload_fingerprint(config.workload.factory, config.workload.kwargs, config.launch.nproc_per_node)
     difference = plan.fingerprint.model_difference(model)
     if difference is not None:
@@ -108,40 +105,37 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
     from runtime.apply import configure_plan, load_plan
     from runtime.ranks.collectives import broadcast_from_rank0, gather_max, gather_objects
     from runtime.ranks.device import device_of
-    from runtime.ranks.rank import init_rank, shutdown_rank
+    from runtime.ranks.rank import job_rank
     from runtime.timing import StepCounter, device_type_of
     from runtime.workload import build_study_workload, train_step
 
-    launch = config.launch
-    mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
-    models = []
-    ended = False
-    try:
-        plan = load_plan(plan_path)
-        models = [build_study_workload(config.workload, mesh), build_study_workload(config.workload, mesh)]
-        configure_plan(models[0].model, plan)  # the other stays as fully_shard wrapped it: FSDP2's default
-        timed_ms = device_of(device_type_of(models[0])).timed_ms
-        steps = StepCounter()
-
-        def step(index: int) -> float:
-            workload = models[index]
-            return timed_ms(lambda: train_step(workload, steps.next()))
-
-        for _ in range(WARMUP_STEPS):
-            step(0)
-            step(1)
-        orders = broadcast_from_rank0(confirmation_orders((0, 1), rounds) if dist.get_rank() == 0 else None, None)
-        local: list[list[float]] = [[], []]
-        for order in orders:
-            for index in order:
-                local[index].append(step(index))
-        maxed, _ = gather_max(local[0] + local[1])
-        loaded = gather_objects([m for m in TUNER_MODULES if m in sys.modules], None)
-        ended = True
-        if dist.get_rank() != 0:
-            return None
-        return LaunchTimes(maxed[:rounds], maxed[rounds:], sorted({m for rank in loaded for m in rank}),
-                           dist.get_world_size())
-    finally:
+    with job_rank(config.launch) as rank:
         models = []
-        shutdown_rank(together=ended)
+        try:
+            plan = load_plan(plan_path)
+            models = [build_study_workload(config.workload, rank.mesh) for _ in range(2)]
+            configure_plan(models[0].model, plan)  # the other stays as fully_shard wrapped it: FSDP2's default
+            timed_ms = device_of(device_type_of(models[0])).timed_ms
+            steps = StepCounter()
+
+            def step(index: int) -> float:
+                workload = models[index]
+                return timed_ms(lambda: train_step(workload, steps.next()))
+
+            for _ in range(WARMUP_STEPS):
+                step(0)
+                step(1)
+            orders = broadcast_from_rank0(confirmation_orders((0, 1), rounds) if rank.rank0 else None, rank.group)
+            local: list[list[float]] = [[], []]
+            for order in orders:
+                for index in order:
+                    local[index].append(step(index))
+            maxed, _ = gather_max(local[0] + local[1], rank.group)
+            loaded = gather_objects([m for m in TUNER_MODULES if m in sys.modules], rank.group)
+            rank.ended = True
+            if not rank.rank0:
+                return None
+            return LaunchTimes(maxed[:rounds], maxed[rounds:], sorted({m for r in loaded for m in r}),
+                               dist.get_world_size())
+        finally:
+            models = []

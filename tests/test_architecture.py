@@ -598,3 +598,25 @@ def test_one_recorder_serves_tune_and_the_in_loop_tuner():
     assert {found.split(":")[0] for found in profile_builders(sources)} == {"runtime/recording/recorder.py"}
     second = "def profile(self, gather):\n    return consolidate(gather(self.local), self.fp, {}, {}, 1, [])\n"
     assert profile_builders({"runtime/in_loop/recorder.py": second}) == ["runtime/in_loop/recorder.py:2 consolidate"]
+
+
+def rank_set_ups(sources: dict[str, str]) -> list[str]:
+    """``path:line`` of every call in ``sources`` (path -> text) that starts a rank's process group by itself
+    (``init_rank``, ``init_process_group``) rather than through ``runtime.ranks.rank.job_rank``."""
+    return [f"{path}:{node.lineno} {_called(node)}" for path, text in sources.items()
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Call) and _called(node) in ("init_rank", "init_process_group")]
+
+
+# The one rank set-up's own file, the fake world a plan's fingerprint is built on (one process, no job), and the
+# link sweep's collectives part (ranks on the emulated cluster's namespaces with no study, timing bare collectives).
+RANK_SET_UP_LEFT = {"runtime/ranks/rank.py", "runtime/ranks/torch_private/process.py", "bench/link_sweep.py"}
+
+
+def test_every_command_and_bench_starts_its_ranks_through_one_set_up():
+    """``tune``, ``profile``, ``confirm``, ``calibrate``, ``verify`` and the benches start their ranks with
+    ``job_rank`` (the study's ``[launch]``: backend, timeout, allocator and mesh, the control group, the shutdown)."""
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in _sources("runtime", "jobs", "bench")}
+    assert {found.split(":")[0] for found in rank_set_ups(sources)} == RANK_SET_UP_LEFT
+    planted = "def rank_main(config):\n    mesh = init_rank(config.launch.backend)\n"
+    assert rank_set_ups({"bench/planted.py": planted}) == ["bench/planted.py:2 init_rank"]

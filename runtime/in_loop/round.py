@@ -13,7 +13,6 @@ between ranks is a collective on the control group.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from planner import errors
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan, baseline_name
@@ -35,7 +33,6 @@ from planner.study.in_loop import SOURCE, StartDecision, plan_at_start, predicte
 from planner.study.predicted import predicted_for
 from planner.study.records import confirmation_attrs, confirmation_from
 from runtime.measuring.round import MeasuredRound
-from runtime.ranks.collectives import broadcast_from_rank0
 from runtime.ranks.device import device_of
 from runtime.timing import RoundStep
 from search_spaces.session import open_session, optuna_quiet
@@ -133,35 +130,27 @@ class InLoopRound:
                 ``PlanFormatError`` or ``PlanMismatchError`` for a ``start_from`` file that is no plan of this
                 model's, or carries no search-space parameters).
         """
-        payload: Any = None
-        if self.rank0:
-            try:
-                begin = plan_at_start(self.config, fingerprint, recheck)
-                decision = begin.decision
-                if start_from is not None:
-                    self.start_from = predicted_start(start_from, fingerprint)
-                    if not decision.tune:  # the study has a plan: race the predicted one against it and the default
-                        decision = StartDecision(True, f"{decision.why.split(':')[0]}; start_from={start_from!r}: "
-                                                       "racing it against the study's plan and FSDP2's default")
-                elif decision.tune and not decision.recheck:
-                    self.start_from = predicted_for(self.config.storage_url, self.config.name, fingerprint)
-                if self.start_from is not None and not decision.recheck:
-                    decision = StartDecision(True, decision.why + f"; the plan predicted for "
-                                                                  f"{self.start_from.provenance.target or 'a target'} "
-                                                                  "races first")
-                if decision.tune:
-                    check_writable(self.config.storage_url)
-                begin = dataclasses.replace(begin, decision=decision)
-                payload = TunerStart(begin.decision.tune, begin.decision.why,
-                                     begin.plan.to_json() if begin.plan else None,
-                                     begin.profile.microbatches if begin.profile else None)
-                self.stored_profile = begin.profile
-            except PlannerError as e:
-                payload = {"raise": type(e).__name__, "message": str(e)}
-        payload = broadcast_from_rank0(payload, self.group)
-        if isinstance(payload, dict):
-            raise getattr(errors, payload["raise"], PlannerError)(payload["message"])
-        return payload
+        def decide() -> TunerStart:
+            begin = plan_at_start(self.config, fingerprint, recheck)
+            decision = begin.decision
+            if start_from is not None:
+                self.start_from = predicted_start(start_from, fingerprint)
+                if not decision.tune:  # the study has a plan: race the predicted one against it and the default
+                    decision = StartDecision(True, f"{decision.why.split(':')[0]}; start_from={start_from!r}: "
+                                                   "racing it against the study's plan and FSDP2's default")
+            elif decision.tune and not decision.recheck:
+                self.start_from = predicted_for(self.config.storage_url, self.config.name, fingerprint)
+            if self.start_from is not None and not decision.recheck:
+                decision = StartDecision(True, decision.why + f"; the plan predicted for "
+                                                              f"{self.start_from.provenance.target or 'a target'} "
+                                                              "races first")
+            if decision.tune:
+                check_writable(self.config.storage_url)
+            self.stored_profile = begin.profile
+            return TunerStart(decision.tune, decision.why, begin.plan.to_json() if begin.plan else None,
+                              begin.profile.microbatches if begin.profile else None)
+
+        return self.everywhere(decide)
 
     def search(self, profile: Profile | None, recheck: bool = False) -> list[RoundStep]:
         """The simulated stage and the candidates (rank 0), applied and checked everywhere; their warm-up steps.

@@ -1,5 +1,5 @@
 """The workload's drivers of a measured round: the tune job's (:func:`measured_round`, the study's trials) and a
-round of fixed plans (:func:`run_schedule`: a confirmation launch, ``confirm``, the benches), their steps the
+round of fixed plans (:func:`measure_plans`: a confirmation launch, ``confirm``, the benches), their steps the
 workload's own training steps through the one step runner (``runtime.recording.steps.WorkloadSteps``).
 
 Step ms for a plan is the median over measured steps of the max across ranks
@@ -24,7 +24,7 @@ until their heartbeat goes stale and the next job re-queues them
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -38,21 +38,10 @@ from runtime.timing import WARMUP, RoundStep
 from runtime.workload import Workload
 
 
-def warm_up(runner: WorkloadSteps, warmup_steps: int, on_step: Callable[[], None] | None = None) -> None:
-    """Each of the runner's plans in turn, ``warmup_steps`` untimed steps each (the plans were checked before).
+class _OneBlock:
+    """A :class:`Scheduler` that hands out one fixed block of rounds, then is done."""
 
-    Raises:
-        StepFailed: a step raised; names the plan.
-    """
-    for index in range(len(runner.side.plans)):
-        for _ in range(warmup_steps):
-            runner.run_all([RoundStep(WARMUP, index)])
-            if on_step is not None:
-                on_step()
-
-
-class OneBlock:
-    """A :class:`Scheduler` that hands out one fixed block of rounds, then is done (what a bench measures)."""
+    phase = Phase.RACE  # one block, nothing confirmed
 
     def __init__(self, block: list[list[int]]) -> None:
         self._block: list[list[int]] | None = block
@@ -61,71 +50,42 @@ class OneBlock:
         block, self._block = self._block, None
         return block
 
-    @property
-    def phase(self) -> Phase:
-        """Always the race: one block, nothing confirmed."""
-        return Phase.RACE
-
     def record(self, block: list[dict[int, float]]) -> None:
-        """Nothing to decide: :func:`run_schedule` returns the times."""
+        """Nothing to decide: :func:`measure_plans` returns the times."""
 
 
-def measure_rounds(runner: WorkloadSteps, block: list[list[int]],
-                   on_step: Callable[[], None] | None = None) -> list[list[float]]:
-    """Every rank: one fixed block of rounds (per round, the plan indices in running order) over the runner's plans,
-    through :func:`run_schedule`, the study's own measured round.
-
-    Returns:
-        Per plan, each of its steps' max across ranks, ms.
-
-    Raises:
-        TrialFailedError: a step raised on a rank, or a rank did not report.
-    """
-    step_ms, _ = run_schedule(runner, OneBlock(block) if dist.get_rank() == 0 else None, on_step)
-    return step_ms
-
-
-def measure_plans(
-    workload: Workload,
-    plans: Sequence[Plan],
-    rounds: int,
-    warmup_steps: int = 1,
-    on_step: Callable[[], None] | None = None,
-) -> list[list[float]]:
-    """Every rank: warm each plan up (:func:`warm_up`), then ``rounds`` rounds A B C ... (:func:`measure_rounds`).
-
-    Returns:
-        ``step_ms[i]``: plan ``i``'s step times, max across ranks, ms.
-    """
-    runner = WorkloadSteps(workload, plans)
-    warm_up(runner, warmup_steps, on_step)
-    return measure_rounds(runner, [list(range(len(plans)))] * rounds, on_step)
-
-
-def run_schedule(
-    runner: WorkloadSteps,
-    scheduler: Scheduler | None,
-    on_step: Callable[[], None] | None = None,
-) -> tuple[list[list[float]], list[list[list[float]]]]:
-    """Every rank: run the blocks of rounds rank 0's ``scheduler`` hands out over the runner's fixed plans (warmed
-    up before), until it says it is done: a :class:`~runtime.measuring.round.MeasuredRound` of these plans with no
-    study, its timed steps' barriers on the runner's group.
+def measure_plans(runner: WorkloadSteps, rounds: Scheduler | list[list[int]] | None, warmup_steps: int = 0,
+                  on_step: Callable[[], None] | None = None) -> list[list[float]]:
+    """Every rank: each of the runner's plans warmed up in turn (``warmup_steps`` untimed steps each), then its
+    rounds: a :class:`~runtime.measuring.round.MeasuredRound` of these fixed plans with no study, its timed steps'
+    barriers on the runner's group (a confirmation launch, ``confirm``, the benches).
 
     Args:
-        scheduler: rank 0's (``planner.statistics.schedule.Schedule``); ``None`` on the other ranks.
+        rounds: one fixed block of rounds (per round, the plan indices in running order; every rank the same), or
+            rank 0's scheduler (``planner.statistics.schedule.Schedule``; ``None`` on the other ranks), whose blocks
+            run until it says it is done.
+        on_step: progress callback per step.
 
     Returns:
-        Per plan: every step's max across ranks, ms, and per rank that rank's own times, ms.
+        Per plan, each of its timed steps' max across ranks, ms.
 
     Raises:
+        StepFailed: a warm-up step raised (names the plan).
         PlannerError: rank 0's scheduler raised (every rank raises it).
-        TrialFailedError: a step raised on a rank, or a rank did not report.
+        TrialFailedError: a timed step raised on a rank, or a rank did not report.
     """
+    for index in range(len(runner.side.plans)):
+        for _ in range(warmup_steps):
+            runner.run_all([RoundStep(WARMUP, index)])
+            if on_step is not None:
+                on_step()
+    if isinstance(rounds, list):
+        rounds = _OneBlock(rounds) if dist.get_rank() == 0 else None
     round_ = MeasuredRound.of_plans(runner.side.plans, runner.side.group)
-    todo = round_.begin(lambda: scheduler)
+    todo = round_.begin(lambda: rounds)
     while todo is not None:
         todo = round_.record(*runner.run(todo, round_.peaks, on_step))
-    return round_.step_ms, round_.per_rank
+    return round_.step_ms
 
 
 @dataclass(frozen=True)

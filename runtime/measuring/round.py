@@ -57,11 +57,11 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.artifacts.plan import Plan
-from planner.errors import FailKind, PlannerError, TrialFailedError, one_line
+from planner.errors import FailKind, TrialFailedError, one_line
 from planner.statistics.schedule import Phase
 from planner.study.in_loop import block_times, step_orders
 from runtime.apply import configure_plan
-from runtime.ranks.collectives import broadcast_from_rank0, gather_objects, max_across_ranks
+from runtime.ranks.collectives import from_rank0, gather_objects, max_across_ranks
 from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
 from runtime.timing import PEAK, TIMED, WARMUP, RoundStep, StepFailure
 
@@ -164,21 +164,13 @@ class MeasuredRound(Generic[TrialT]):
         return round_
 
     def everywhere(self, compute: Callable[[], Any]) -> Any:
-        """``compute()`` on rank 0, its result on every rank; a planner error there raises on every rank.
+        """``compute()`` on rank 0, its result on every rank (``runtime.ranks.collectives.from_rank0`` on the
+        control group).
 
         Raises:
-            PlannerError: ``compute`` raised one on rank 0 (its message); another exception there is named as
-                the round's own failure.
+            PlannerError: ``compute`` raised on rank 0 (every rank raises it).
         """
-        payload: Any = None
-        if self.rank0:
-            try:
-                payload = compute()
-            except PlannerError as e:
-                payload = {"error": one_line(e)}
-            except Exception as e:  # noqa: BLE001 - a bug on rank 0 must not leave its peers waiting
-                payload = {"error": f"the measured round failed on rank 0: {one_line(e)}"}
-        return broadcast_from_rank0(payload, self.group)
+        return from_rank0(compute, self.group)
 
     # -- 1 and 2: ask, apply -----------------------------------------------------------------------------------
 

@@ -10,12 +10,13 @@ between ranks outside the training step itself (docs/architecture.md,
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from planner.artifacts.plan import Plan
+from planner import errors
 from planner.errors import PlannerError, TrialFailedError, one_line
 
 
@@ -43,17 +44,35 @@ def broadcast_from_rank0(payload: Any, group: dist.ProcessGroup | None = None) -
     return box[0]
 
 
-def broadcast_plans(plans: Sequence[Plan] | PlannerError | None, group: dist.ProcessGroup | None = None) -> list[Plan]:
-    """Rank 0's plans on every rank (``plans`` on rank 0, ``None`` elsewhere); an error on rank 0 raises everywhere.
+def from_rank0(compute: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
+    """``compute()``, called on rank 0 alone, its result on every rank (collective: every rank calls it): what rank 0
+    decides (a round's plans, a launch's rounds) and every rank acts on.
 
     Raises:
-        PlannerError: rank 0 passed one (its message).
+        PlannerError: ``compute`` raised one on rank 0: every rank raises its class and message; another
+            exception there is named as rank 0's failure and raised as a ``PlannerError`` on every rank (rank 0
+            too: a bug there must not leave its peers waiting).
     """
-    if isinstance(plans, PlannerError):
-        payload: Any = {"error": str(plans)}
-    else:
-        payload = [p.to_dict() for p in plans] if plans is not None else None
-    return [Plan.from_dict(d) for d in broadcast_from_rank0(payload, group)]
+    payload: Any = None
+    if dist.get_rank() == 0:
+        try:
+            payload = compute()
+        except PlannerError as e:
+            payload = _Raised(type(e).__name__, str(e))
+        except Exception as e:  # noqa: BLE001 - raised on every rank below, named
+            payload = _Raised("PlannerError", f"rank 0 failed: {one_line(e)}")
+    payload = broadcast_from_rank0(payload, group)
+    if isinstance(payload, _Raised):
+        raise getattr(errors, payload.name, PlannerError)(payload.message)
+    return payload
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """What :func:`from_rank0` sends for an exception on rank 0: its ``planner.errors`` class name and message."""
+
+    name: str
+    message: str
 
 
 def gather_objects(local: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
