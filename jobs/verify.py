@@ -103,7 +103,7 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
 
     from planner.statistics.schedule import confirmation_orders
     from runtime.apply import configure_plan, load_plan
-    from runtime.ranks.collectives import broadcast_from_rank0, gather_max, gather_objects
+    from runtime.ranks.collectives import from_rank0, gather_max, gather_objects
     from runtime.ranks.device import device_of
     from runtime.ranks.rank import job_rank
     from runtime.timing import StepCounter, device_type_of
@@ -125,7 +125,7 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
             for _ in range(WARMUP_STEPS):
                 step(0)
                 step(1)
-            orders = broadcast_from_rank0(confirmation_orders((0, 1), rounds) if rank.rank0 else None, rank.group)
+            orders = from_rank0(lambda: confirmation_orders((0, 1), rounds), rank.group)
             local: list[list[float]] = [[], []]
             for order in orders:
                 for index in order:

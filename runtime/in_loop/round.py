@@ -14,7 +14,6 @@ between ranks is a collective on the control group.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ from planner.study.in_loop import SOURCE, StartDecision, plan_at_start, predicte
 from planner.study.predicted import predicted_for
 from planner.study.records import confirmation_attrs, confirmation_from
 from runtime.measuring.round import MeasuredRound
+from runtime.ranks.collectives import from_rank0
 from runtime.ranks.device import device_of
 from runtime.timing import RoundStep
 from search_spaces.session import open_session, optuna_quiet
@@ -115,10 +115,6 @@ class InLoopRound:
         """Rank 0's tuning session once the search opened it (``None`` before, and on other ranks)."""
         return self.measured.stage
 
-    def everywhere(self, compute: Callable[[], Any]) -> Any:
-        """``compute()`` on rank 0, its result on every rank (:meth:`MeasuredRound.everywhere`)."""
-        return self.measured.everywhere(compute)
-
     def start(self, fingerprint: Fingerprint, recheck: bool, start_from: str | None = None) -> TunerStart:
         """What the tuner does at construction (``planner.study.in_loop.plan_at_start``, read on rank 0), on every
         rank; rank 0 keeps the stored profile a recheck runs on (:attr:`stored_profile`) and the predicted plan to
@@ -150,7 +146,7 @@ class InLoopRound:
             return TunerStart(decision.tune, decision.why, begin.plan.to_json() if begin.plan else None,
                               begin.profile.microbatches if begin.profile else None)
 
-        return self.everywhere(decide)
+        return from_rank0(decide, self.group)
 
     def search(self, profile: Profile | None, recheck: bool = False) -> list[RoundStep]:
         """The simulated stage and the candidates (rank 0), applied and checked everywhere; their warm-up steps.
@@ -224,7 +220,7 @@ class InLoopRound:
                                                            plans_measured[survivor].provenance.trial),
                     "here": here, "keeps_baseline": outcome.best is None or outcome.best.keeps_baseline}
 
-        payload = self.everywhere(finish)
+        payload = from_rank0(finish, self.group)
         c = payload["confirmation"]
         survivor = payload["survivor"]
         return RoundEnd(Plan.from_dict(payload["plan"]), None if c is None else confirmation_from(c), payload["line"],
