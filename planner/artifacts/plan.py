@@ -23,10 +23,9 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, create_model, with_config
+from pydantic import BaseModel, Field, create_model, with_config
 
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.json_types import JsonObject
@@ -36,8 +35,8 @@ from planner.artifacts.schema import (
     SCHEMA_VERSION,
     STRICT,
     Document,
+    JsonFile,
     ReshardAfterForward,
-    dump_checked,
     knob_fields,
     load_checked,
 )
@@ -183,7 +182,7 @@ PlanDocument = create_model("PlanDocument", __base__=_PlanLayout,
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(JsonFile):
     """A prefetch plan for one model on one world size.
 
     Attributes:
@@ -201,6 +200,9 @@ class Plan:
     knobs: KnobValues = DEFAULT_PLAN_KNOBS
     provenance: Provenance = field(default_factory=Provenance)
     schema_version: int = PLAN_SCHEMA_VERSION
+
+    WHAT: ClassVar[str] = "plan"
+    ERROR: ClassVar[type[Exception]] = PlanFormatError
 
     def __getattr__(self, name: str) -> Any:
         """A plan knob's value: ``plan.unshard_async_op`` is ``plan.knobs["unshard_async_op"]``."""
@@ -294,28 +296,10 @@ class Plan:
                            if k not in _WRITTEN_WHEN_SET or v is not None},  # older files keep their bytes
         }
 
-    def to_json(self, path: str | Path | None = None) -> str:
-        """Serialize; write to ``path`` when given. Returns the JSON text.
-
-        The text is checked against :data:`PlanDocument` first: a plan this planner
-        could not read back is never written.
-
-        Raises:
-            PlanFormatError: the plan does not fit its schema (e.g. a field of the wrong type).
-        """
-        text = dump_checked(PlanDocument, self.to_dict(), PlanFormatError, "plan")
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
     @classmethod
-    def from_dict(cls, d: Any) -> Plan:
-        """Build from a parsed JSON object (validated as JSON) and check it against its fingerprint.
-
-        Raises:
-            PlanFormatError: see :meth:`from_json`.
-        """
-        return cls.from_json(json.dumps(d))
+    def document(cls) -> type[BaseModel]:
+        """:data:`PlanDocument`."""
+        return PlanDocument
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -355,13 +339,4 @@ class Plan:
                     raise PlanFormatError(
                         f"module {fqn!r} prefetches {target!r}, which is not an FSDP module of its fingerprint"
                     )
-
-    @classmethod
-    def load(cls, path: str | Path) -> Plan:
-        """Read a plan JSON file. Raises :class:`PlanFormatError`."""
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise PlanFormatError(f"cannot read plan {str(path)!r}: {e.strerror}") from None
-        return cls.from_json(text)
 

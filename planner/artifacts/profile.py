@@ -8,10 +8,8 @@ versioned (:data:`PROFILE_SCHEMA_VERSION`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, ClassVar, Literal
 
 from annotated_types import Ge, Gt
 from pydantic import Field, with_config
@@ -19,7 +17,7 @@ from pydantic import Field, with_config
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.rank_measurements import OverlapTimings, RankMeasurements, RankMeasurementsDocument
-from planner.artifacts.schema import SCHEMA_VERSION, STRICT, Document, dump_checked, load_checked
+from planner.artifacts.schema import SCHEMA_VERSION, STRICT, Document, JsonFile, document_of, load_checked
 from planner.errors import ProfileFormatError
 
 PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
@@ -180,33 +178,8 @@ class InStepTimings:
         return self.default_step_kernel_ms / self.default_step_ms
 
 
-class ProfileDocument(Document):
-    """A Profile JSON file: a :class:`Profile` with its modules as a list and each rank's figures flat
-    (:class:`planner.artifacts.rank_measurements.RankMeasurementsDocument`)."""
-
-    schema_version: Literal[1]
-    fingerprint: Fingerprint
-    pre_forward_order: tuple[str, ...]
-    post_forward_order: tuple[str, ...]
-    modules: list[ModuleProfile]
-    optimizer_ms: float
-    optimizer_state_bytes: int = 0
-    optimizer_temp_bytes: int = 0
-    measured_step_ms: float | None = None
-    measured_peak_bytes: int | None = None
-    per_rank: list[RankMeasurementsDocument] = Field(default_factory=list)
-    consolidation: str = "max"
-    microbatches: int = Field(1, ge=1)
-    calibration: dict[str, float] | None = None
-    in_step: InStepTimings | None = None
-    source: Literal["recorder", "trace"] = "recorder"
-    estimated: tuple[str, ...] = ()
-    outside_ms: float = Field(0.0, ge=0)
-    post_optimizer_ms: float = Field(0.0, ge=0)
-
-
 @dataclass(frozen=True)
-class Profile:
+class Profile(JsonFile):
     """A recorded profile of one training step (docs/architecture.md, "Artifacts").
 
     Attributes:
@@ -264,14 +237,17 @@ class Profile:
     measured_peak_bytes: int | None = None
     per_rank: list[RankMeasurements] = field(default_factory=list)
     consolidation: str = "max"
-    microbatches: int = 1
+    microbatches: Annotated[int, Ge(1)] = 1
     calibration: dict[str, float] | None = None
     in_step: InStepTimings | None = None
-    source: str = "recorder"
+    source: Literal["recorder", "trace"] = "recorder"
     estimated: tuple[str, ...] = ()
-    outside_ms: float = 0.0
-    post_optimizer_ms: float = 0.0
+    outside_ms: Annotated[float, Ge(0)] = 0.0
+    post_optimizer_ms: Annotated[float, Ge(0)] = 0.0
     schema_version: int = PROFILE_SCHEMA_VERSION
+
+    WHAT: ClassVar[str] = "profile"
+    ERROR: ClassVar[type[Exception]] = ProfileFormatError
 
     @property
     def root_fqn(self) -> str:
@@ -279,7 +255,7 @@ class Profile:
         return self.pre_forward_order[0]
 
     def to_dict(self) -> JsonObject:
-        """The Profile JSON object (:class:`ProfileDocument`): modules as a list.
+        """The Profile JSON object (:data:`ProfileDocument`): modules as a list.
         ``source``, ``estimated`` and ``outside_ms`` are written only for a trace profile, ``post_optimizer_ms``
         only where set, and the
         :data:`OPTIONAL_FIELDS` only where not 0, so a profile without them is the file release 0.1.0 wrote, byte
@@ -299,32 +275,14 @@ class Profile:
             d["in_step"] = {k: v for k, v in d["in_step"].items() if v is not None or k == "overlap"}
         return d
 
-    def to_json(self, path: str | Path | None = None) -> str:
-        """Serialize; write to ``path`` when given. Returns the JSON text.
-
-        The text is checked against :class:`ProfileDocument` first: a profile this
-        planner could not read back is never written.
-
-        Raises:
-            ProfileFormatError: the profile does not fit its schema (e.g. a field of the wrong type).
-        """
-        text = dump_checked(ProfileDocument, self.to_dict(), ProfileFormatError, "profile")
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
     @classmethod
-    def from_dict(cls, d: Any) -> Profile:
-        """Build from a parsed JSON object (validated as JSON).
-
-        Raises:
-            ProfileFormatError: see :meth:`from_json`.
-        """
-        return cls.from_json(json.dumps(d))
+    def document(cls) -> type[Document]:
+        """:data:`ProfileDocument`."""
+        return ProfileDocument
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
-        """Parse Profile JSON text (strictly: :class:`ProfileDocument`).
+        """Parse Profile JSON text (strictly: :data:`ProfileDocument`).
 
         Raises:
             ProfileFormatError: not JSON, not an object, an unknown schema version, a missing, unknown or
@@ -341,12 +299,9 @@ class Profile:
             raise ProfileFormatError(f"post_forward_order names modules with no figures: {sorted(unknown)}")
         return profile
 
-    @classmethod
-    def load(cls, path: str | Path) -> Profile:
-        """Read a profile JSON file. Raises :class:`ProfileFormatError`."""
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ProfileFormatError(f"cannot read profile {str(path)!r}: {e.strerror}") from None
-        return cls.from_json(text)
 
+ProfileDocument = document_of(
+    "ProfileDocument", "A Profile JSON file: a :class:`Profile`'s declaration, its modules as a list and each rank's "
+    "figures flat (:data:`planner.artifacts.rank_measurements.RankMeasurementsDocument`).", [Profile], __name__,
+    layout={"schema_version": (Literal[1], Field()), "modules": (list[ModuleProfile], Field()),
+            "per_rank": (list[RankMeasurementsDocument], Field(default_factory=list))})

@@ -14,14 +14,13 @@ them: :meth:`RankMeasurements.to_json` and :meth:`RankMeasurements.from_document
 from __future__ import annotations
 
 import dataclasses
-import typing
+from collections.abc import Collection
 from dataclasses import dataclass
 
-import pydantic
 from pydantic import BaseModel, Field, with_config
 
 from planner.artifacts.json_types import JsonObject
-from planner.artifacts.schema import STRICT, Document
+from planner.artifacts.schema import STRICT, document_of
 
 
 @with_config(STRICT)
@@ -210,55 +209,28 @@ READ_WITH_DEFAULT = frozenset(("needs_parameters_in_backward",))
 """Release fields that profiles written before them lack: read with their declaration's default."""
 
 
-def _module_document() -> type[Document]:
-    """The flat document of a module's figures, made from :class:`ComputeMeasurements` and
-    :class:`CollectiveMeasurements`' declarations: :data:`RELEASE_MODULE_FIELDS` first, required but for
-    :data:`READ_WITH_DEFAULT`, then the later fields in their declaration's order, with its defaults (a file writes
-    them only where not 0 or null)."""
-    parts = (ComputeMeasurements, CollectiveMeasurements)
-    types = {name: hint for part in parts for name, hint in typing.get_type_hints(part).items()}
-    defaults = {f.name: f.default for part in parts for f in dataclasses.fields(part)}
-    order = [*RELEASE_MODULE_FIELDS, *(name for name in types if name not in RELEASE_MODULE_FIELDS)]
-    required = set(RELEASE_MODULE_FIELDS) - READ_WITH_DEFAULT
-    return pydantic.create_model(
-        "ModuleMeasurementsDocument", __base__=Document, __module__=__name__,
-        __doc__="One module of a rank's figures in a Profile file, flat: its :class:`ComputeMeasurements` and "
-                ":class:`CollectiveMeasurements` in one object.",
-        **{name: (types[name], ... if name in required else defaults[name]) for name in order})
+ModuleMeasurementsDocument = document_of(
+    "ModuleMeasurementsDocument", "One module of a rank's figures in a Profile file, flat: its "
+    ":class:`ComputeMeasurements` and :class:`CollectiveMeasurements` in one object (a file writes the fields after "
+    ":data:`RELEASE_MODULE_FIELDS` only where not 0 or null).", [ComputeMeasurements, CollectiveMeasurements],
+    __name__, first=RELEASE_MODULE_FIELDS, read_with_default=READ_WITH_DEFAULT)
+
+FIRST_RANK_FIELDS = ("rank", "step_ms", "optimizer_ms", "peak_bytes", "optimizer_temp_bytes", "overlap",
+                     "optimizer_state_bytes", "pre_forward_order", "post_forward_order", "modules")
+"""The fields of a rank's figures release 0.1.0 wrote, in its order: always written, and required but for those
+older files lack (``optimizer_temp_bytes``, ``overlap``, ``optimizer_state_bytes``)."""
+
+RankMeasurementsDocument = document_of(
+    "RankMeasurementsDocument", "One rank's figures in a Profile file's ``per_rank``, flat: its "
+    ":class:`IsolatedMeasurements` and :class:`StepMeasurements` in one object, :data:`FIRST_RANK_FIELDS` first, "
+    "then the later ones (written only where set).", [IsolatedMeasurements, StepMeasurements], __name__,
+    first=FIRST_RANK_FIELDS, read_with_default=("optimizer_temp_bytes", "overlap", "optimizer_state_bytes"),
+    layout={"rank": (int, Field()), "overlap": (OverlapTimings | None, Field(None)),
+            "modules": (dict[str, ModuleMeasurementsDocument], Field()),
+            "calls": (dict[str, int], Field(default_factory=dict))})
 
 
-ModuleMeasurementsDocument = _module_document()
-
-
-class RankMeasurementsDocument(Document):
-    """One rank's figures in a Profile file's ``per_rank``, flat (its :class:`StepMeasurements` and
-    :class:`IsolatedMeasurements` in one object): the fields release 0.1.0 wrote first, in its order, then the later
-    ones (written only where set)."""
-
-    rank: int
-    step_ms: float
-    optimizer_ms: float
-    peak_bytes: list[int] | None
-    optimizer_temp_bytes: int = 0
-    overlap: OverlapTimings | None = None
-    optimizer_state_bytes: int = 0
-    pre_forward_order: tuple[str, ...]
-    post_forward_order: tuple[str, ...]
-    modules: dict[str, ModuleMeasurementsDocument]
-    calls: dict[str, int] = Field(default_factory=dict)
-    async_ratio: float | None = None
-    step_faults: int | None = None
-    step_kernel_ms: float | None = None
-    allocator: str | None = None
-
-
-FIRST_RANK_FIELDS = frozenset(("rank", "step_ms", "optimizer_ms", "peak_bytes", "optimizer_temp_bytes", "overlap",
-                               "optimizer_state_bytes", "pre_forward_order", "post_forward_order", "modules"))
-"""The fields of a rank's figures release 0.1.0 wrote: always written."""
-
-
-
-def _written(values: JsonObject, document: type[BaseModel], always: frozenset[str]) -> JsonObject:
+def _written(values: JsonObject, document: type[BaseModel], always: Collection[str]) -> JsonObject:
     """``values`` in ``document``'s field order: those in ``always``, and the others where set (not None, 0 or
     empty)."""
     return {k: values[k] for k in document.model_fields

@@ -5,20 +5,26 @@ the wrong type (``"false"`` where a bool belongs, ``"3"`` where a number does),
 a missing field or an unknown one is refused with one line that names the
 field (:func:`describe`), instead of being coerced. The frozen dataclasses are
 validated themselves (each carries :data:`STRICT`, ``pydantic.with_config``);
-a file's layout where it differs from the dataclass (a plan's knobs written
-flat, a profile's modules as a list, a rank's figures flat) is declared once,
-beside its dataclass (``PlanDocument`` in ``planner.artifacts.plan``,
-``ProfileDocument`` in ``planner.artifacts.profile``, ``RankMeasurementsDocument``
-in ``planner.artifacts.rank_measurements``). Optional fields that later releases
-added have defaults, so files written before them read as they always did;
-``schema_version`` stays 1.
+a file's document is made from its dataclasses' declarations (:func:`document_of`),
+with only where its layout differs written beside it (a plan's knobs written
+flat, a profile's modules as a list, a rank's figures flat: ``PlanDocument`` in
+``planner.artifacts.plan``, ``ProfileDocument`` in ``planner.artifacts.profile``,
+``RankMeasurementsDocument`` in ``planner.artifacts.rank_measurements``), and a
+file is written and read through one helper (:class:`JsonFile`). Optional
+fields that later releases added have defaults, so files written before them
+read as they always did; ``schema_version`` stays 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Annotated, TypeVar
+import typing
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, TypeVar
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
@@ -37,6 +43,38 @@ class Document(BaseModel):
     """A JSON object of an artifact whose layout is not its dataclass's: strict types, no unknown keys."""
 
     model_config = STRICT
+
+
+def document_of(name: str, doc: str, parts: Sequence[type], module: str, first: Sequence[str] = (),
+                read_with_default: Collection[str] = (),
+                layout: Mapping[str, tuple[object, FieldInfo]] | None = None) -> type[Document]:
+    """A strict :class:`Document` of one JSON object, made from the dataclasses ``parts``' own declarations, so a
+    field added to a dataclass is read and written with no second declaration.
+
+    Each field is typed (``Annotated`` bounds kept) and defaulted as its dataclass declares it, in declaration order
+    after ``first``: the fields release 0.1.0 wrote, in its order, required but for ``read_with_default`` (those
+    older files lack).
+
+    Args:
+        name, doc, module: the document's class name, docstring and module.
+        layout: per field, its ``(type, pydantic.Field(...))`` where the file's layout differs from the dataclass (a
+            profile's modules as a list, a rank's figures as a flat document), or a field no dataclass has
+            (``Field()``: required).
+    """
+    fields: dict[str, tuple[object, FieldInfo]] = {}
+    for part in parts:
+        types = typing.get_type_hints(part, include_extras=True)
+        for f in dataclasses.fields(part):
+            fields[f.name] = (types[f.name], Field(f.default) if f.default is not dataclasses.MISSING
+                              else Field(default_factory=f.default_factory)
+                              if f.default_factory is not dataclasses.MISSING else Field())
+    fields.update(layout or {})
+    for key in first:
+        if key not in read_with_default:
+            fields[key] = (fields[key][0], Field())
+    order = [*first, *(key for key in fields if key not in first)]
+    return pydantic.create_model(name, __base__=Document, __module__=module, __doc__=doc,
+                                 **{key: fields[key] for key in order})
 
 
 def _bool_or_ranks(value: object) -> bool | int:
@@ -137,3 +175,62 @@ def load_checked(document: type[D], text: str, error: type[Exception], what: str
         return document.model_validate_json(text)
     except ValidationError as e:
         raise error(f"{describe(e, what)}; {ill_typed}") from None
+
+
+class JsonFile:
+    """What every artifact written as a JSON file shares (:class:`planner.artifacts.plan.Plan`,
+    :class:`planner.artifacts.profile.Profile`): written only after it is checked against its document, read
+    strictly from JSON text, a parsed object or a path.
+
+    A subclass sets :attr:`WHAT` (its name in messages) and :attr:`ERROR` (what it raises), and defines
+    :meth:`document`, ``to_dict`` and ``from_json``.
+    """
+
+    WHAT: ClassVar[str]
+    ERROR: ClassVar[type[Exception]]
+
+    @classmethod
+    def document(cls) -> type[BaseModel]:
+        """The strict document its JSON object is checked against."""
+        raise NotImplementedError
+
+    def to_dict(self) -> JsonObject:
+        """Its JSON object."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_json(cls, text: str) -> Any:
+        """Parse its JSON text strictly (raises :attr:`ERROR`)."""
+        raise NotImplementedError
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialize; write to ``path`` when given. Returns the JSON text.
+
+        The text is checked against :meth:`document` first: a file this planner could not read back is never
+        written.
+
+        Raises:
+            ERROR: it does not fit its schema (the field named: e.g. a field of the wrong type).
+        """
+        text = dump_checked(self.document(), self.to_dict(), self.ERROR, self.WHAT)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Any:
+        """Build from a parsed JSON object, validated as its JSON text is (:meth:`from_json`)."""
+        return cls.from_json(json.dumps(d))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Any:
+        """Read its JSON file (:meth:`from_json`).
+
+        Raises:
+            ERROR: the file cannot be read (named), or as :meth:`from_json`.
+        """
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise cls.ERROR(f"cannot read {cls.WHAT} {str(path)!r}: {e.strerror}") from None
+        return cls.from_json(text)

@@ -300,9 +300,10 @@ def confirm_launches(launches: Sequence[ConfirmLaunch], noise_pct: float, spread
     within = (math.exp(mu0 - q0 * se0), math.exp(mu0 + q0 * se0))
     verdict = verdict_of(ci95 if level > 0 else (ci95[0], max(ci95[1], 1.0)), within, len(fresh), looks.horizon)
     logs = np.concatenate([np.log(np.asarray(x.plan_ms, float) / np.asarray(x.default_ms, float)) for x in launches])
-    return Confirmation(math.exp(mu), ci95, len(logs), noise_pct, verdict, len(every),
-                        math.exp(float(np.median(logs))), used.tau, within, len(fresh), used.df, level, floor.tau,
-                        looks.horizon)
+    return Confirmation(ratio=math.exp(mu), ci95=ci95, rounds=len(logs), noise_pct=noise_pct, verdict=verdict,
+                        launches=len(every), median_ratio=math.exp(float(np.median(logs))), tau=used.tau,
+                        within_ci95=within, fresh=len(fresh), df=used.df, level=level, floor=floor.tau,
+                        horizon=looks.horizon)
 
 
 def power(launches: int, rounds: int, gain: float, sigma: float, spread: Spread = DEFAULT_SPREAD,

@@ -91,28 +91,31 @@ RACE_ATTRS = {"rounds": "race_rounds", "noise_pct": "race_noise_pct", "ratio": "
 """Each :class:`RaceMeasurements` field's user attribute (``survivor`` stored only when true)."""
 
 
+CONFIRMATION_ATTRS = {"ratio": "measured_ratio", "ci95": "ratio_ci95", "rounds": "rounds", "noise_pct": "noise_pct",
+                      "launches": "launches", "median_ratio": "median_ratio", "tau": "tau",
+                      "within_ci95": "within_ci95", "fresh": "fresh_launches", "df": "spread_df", "level": "look_level",
+                      "floor": "spread_floor", "horizon": "chain_horizon", "verdict": "verdict"}
+"""Each :class:`Confirmation` field's trial attribute, in the order they are written: the verdict last (Optuna
+writes them in order; a reader takes a confirmation as whole once its verdict is there)."""
+
+
 def confirmation_attrs(c: Confirmation) -> JsonObject:
-    """A confirmation as trial attributes, the verdict last (Optuna writes them in order; a reader takes a
-    confirmation as whole once its verdict is there). Confirmations before the total-time estimand have no
-    ``tau``: their ``measured_ratio`` is a median per-round ratio."""
-    attrs: JsonObject = dict(measured_ratio=c.ratio, ratio_ci95=list(c.ci95), rounds=c.rounds, noise_pct=c.noise_pct,
-                             launches=c.launches)
-    if c.tau is not None:
-        attrs.update(median_ratio=c.median_ratio, tau=c.tau,
-                     within_ci95=list(c.within_ci95) if c.within_ci95 is not None else None,
-                     fresh_launches=c.fresh, spread_df=c.df, look_level=c.level, spread_floor=c.floor,
-                     chain_horizon=c.horizon)
-    attrs["verdict"] = str(c.verdict)
-    return {key: value for key, value in attrs.items() if value is not None}
+    """A confirmation as trial attributes, by :data:`CONFIRMATION_ATTRS`, those not set left out (confirmations
+    before the total-time estimand have no ``tau``: their ``measured_ratio`` is a median per-round ratio)."""
+    values = {key: getattr(c, name) for name, key in CONFIRMATION_ATTRS.items()}
+    return {key: list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Verdict) else v
+            for key, v in values.items() if v is not None}
 
 
 def confirmation_from(a: Mapping[str, JsonValue]) -> Confirmation:
-    """The confirmation :func:`confirmation_attrs` wrote (or an older one)."""
-    within = a.get("within_ci95")
-    return Confirmation(a["measured_ratio"], tuple(a["ratio_ci95"]), a["rounds"], a.get("noise_pct", float("nan")),
-                        Verdict(a["verdict"]), a.get("launches", 1), a.get("median_ratio"), a.get("tau"),
-                        tuple(within) if within is not None else None, a.get("fresh_launches"), a.get("spread_df"),
-                        a.get("look_level"), a.get("spread_floor"), a.get("chain_horizon"))
+    """The confirmation :func:`confirmation_attrs` wrote (or an older one: a field it lacks takes its default, and a
+    missing ``noise_pct`` is NaN)."""
+    values = {name: a[key] for name, key in CONFIRMATION_ATTRS.items() if key in a}
+    values.setdefault("noise_pct", float("nan"))
+    for name in ("ci95", "within_ci95"):
+        if values.get(name) is not None:
+            values[name] = tuple(values[name])
+    return Confirmation(**{**values, "verdict": Verdict(a["verdict"])})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,6 +72,21 @@ def test_files_the_previous_release_wrote_read_and_write_back_byte_for_byte():
     assert plan.provenance.verdict == "faster" and plan.unshard_async_op
 
 
+def test_files_this_version_wrote_read_and_write_back_byte_for_byte():
+    """The profiles and plans the docs capture, written by this version with the later fields set (a rank's async
+    ratio, faults and allocator after its calls): every field read back from its declaration and written in the
+    file's order."""
+    captured = sorted((ROOT / "docs" / "captured").glob("*.json"))
+    profiles = [p for p in captured if p.name.endswith(".profile.json")]
+    assert profiles and any('"allocator"' in p.read_text() for p in profiles)
+    for path in captured:
+        text = path.read_text()
+        artifact = Profile if path.name.endswith(".profile.json") else Plan if path.name.endswith(".plan.json") \
+            else None
+        if artifact is not None:
+            assert artifact.from_json(text).to_json() == text.rstrip("\n"), path.name
+
+
 def _plan_dict() -> dict:
     return json.loads((RELEASE_0_1_0 / "llama-cpu.plan.json").read_text())
 
@@ -158,3 +173,27 @@ def test_a_ranks_module_figures_are_read_through_the_measurements_own_declaratio
         ModuleMeasurementsDocument.model_validate({**row, "fwd_ms": "1"})  # strict: no string read as a number
     with pytest.raises(ValueError, match="extra"):
         ModuleMeasurementsDocument.model_validate({**row, "fwd_msec": 1.0})
+
+
+def test_a_profile_and_a_ranks_figures_are_read_through_their_dataclasses_declarations():
+    """The Profile file's document and a rank's flat one are made from :class:`Profile`'s, :class:`StepMeasurements`'
+    and :class:`IsolatedMeasurements`' declarations: the same fields, each with its declared bounds (no second list
+    to keep in step); release 0.1.0's rank fields first, in its order."""
+    import dataclasses
+
+    from planner.artifacts.profile import ProfileDocument
+    from planner.artifacts.rank_measurements import (
+        FIRST_RANK_FIELDS,
+        IsolatedMeasurements,
+        RankMeasurementsDocument,
+        StepMeasurements,
+    )
+
+    assert list(ProfileDocument.model_fields) == [f.name for f in dataclasses.fields(Profile)]
+    declared = {f.name for part in (StepMeasurements, IsolatedMeasurements) for f in dataclasses.fields(part)}
+    assert set(RankMeasurementsDocument.model_fields) == declared | {"rank"}
+    assert list(RankMeasurementsDocument.model_fields)[:len(FIRST_RANK_FIELDS)] == list(FIRST_RANK_FIELDS)
+    profile = _profile_dict()
+    for key, value in (("microbatches", 0), ("outside_ms", -1.0), ("source", "guess")):
+        with pytest.raises(ProfileFormatError, match=f"profile field {key} "):
+            Profile.from_json(json.dumps({**profile, key: value}))

@@ -277,6 +277,27 @@ def test_candidates_worth_racing(make_profile, tmp_path):
     assert len({c.plan.behaviour_key() for c in candidates}) == len(candidates)
 
 
+def test_a_confirmation_is_stored_and_read_by_name_every_field_of_it():
+    """Every :class:`Confirmation` field has its trial attribute (a field added there and not here fails), a full
+    confirmation reads back equal, and an older one (no ``tau``, no ``noise_pct``) reads with the defaults."""
+    import dataclasses
+    import math
+
+    from planner.statistics.verdict import Confirmation, Verdict
+    from planner.study.records import CONFIRMATION_ATTRS, confirmation_attrs, confirmation_from
+
+    assert list(CONFIRMATION_ATTRS)[-1] == "verdict"
+    assert set(CONFIRMATION_ATTRS) == {f.name for f in dataclasses.fields(Confirmation)}
+    full = Confirmation(ratio=0.9, ci95=(0.85, 0.95), rounds=24, noise_pct=3.0, verdict=Verdict.PROVISIONAL,
+                        launches=3, median_ratio=0.91, tau=0.01, within_ci95=(0.88, 0.92), fresh=2, df=1.0,
+                        level=0.02, floor=0.005, horizon=4)
+    attrs = confirmation_attrs(full)
+    assert list(attrs)[-1] == "verdict" and attrs["fresh_launches"] == 2 and attrs["ratio_ci95"] == [0.85, 0.95]
+    assert confirmation_from(attrs) == full
+    old = confirmation_from({"measured_ratio": 0.9, "ratio_ci95": [0.8, 1.0], "rounds": 6, "verdict": "faster"})
+    assert old.tau is None and old.launches == 1 and math.isnan(old.noise_pct) and old.ci95 == (0.8, 1.0)
+
+
 def test_a_half_written_trial_reads_without_its_confirmation():
     """Trials written before verdicts were stored apart hold their confirmation as attributes, which Optuna stored one
     at a time while another job read the study (``tests/runtime/ranks/test_cluster.py``): every prefix of such a
