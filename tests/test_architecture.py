@@ -5,7 +5,8 @@
 - Inside ``runtime/`` and ``planner/`` the rooms (sub-packages) import one way: ``ROOMS`` orders them.
 - Data flows one way: ``planner`` and ``search_spaces`` never import ``runtime``, ``jobs`` or ``bench``,
   and ``planner`` never imports ``search_spaces`` (it is handed the spaces), not even inside a function.
-- No source file over 500 lines (split by concept, never squeezed); no function with more than 12 parameters.
+- No source file over 500 lines (split by concept, never squeezed); no function with more than 12 parameters; no
+  class of the study driver (``planner/study/``) over 200 lines.
 - No state attached to frozen objects: no ``object.__setattr__`` in ``planner/`` or ``search_spaces/``.
 - Private torch attributes are reached only through ``runtime/ranks/torch_private/``: any ``._name`` attribute that
   our own sources do not define is someone else's private API, and is flagged anywhere else (no allow-list).
@@ -310,6 +311,16 @@ def test_no_source_file_over_the_limit():
         str(p.relative_to(ROOT)): n for p in _sources(*PACKAGES) if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+MAX_STUDY_CLASS_LINES = 200  # the study driver is read most: one concept a class, as FSDP2's _fully_shard/ is
+
+
+def test_no_class_of_the_study_driver_over_the_limit():
+    long = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+            for p in _sources("planner/study") for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_STUDY_CLASS_LINES]
+    assert long == []
 
 
 def test_no_function_with_too_many_parameters():

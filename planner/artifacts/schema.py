@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.knobs import Knob, Written
+from planner.errors import PlannerError
 
 SCHEMA_VERSION = 1
 
@@ -211,10 +212,14 @@ class JsonFile:
 
         Raises:
             ERROR: it does not fit its schema (the field named: e.g. a field of the wrong type).
+            PlannerError: ``path`` cannot be written.
         """
         text = dump_checked(self.document(), self.to_dict(), self.ERROR, self.WHAT)
         if path is not None:
-            Path(path).write_text(text)
+            try:
+                Path(path).write_text(text)
+            except OSError as e:
+                raise PlannerError(f"cannot write {str(path)!r}: {e.strerror}") from None
         return text
 
     @classmethod

@@ -231,6 +231,16 @@ class MeasureTable(Table):
                                self.confirm_launches if launches is None else launches, spread, floor,
                                self.launch_cost_steps)
 
+    def protocol_text(self, confirm_launches: int | None) -> str:
+        """The race and the confirmation these keys run, in words (``tune``'s [3/3] line); ``confirm_launches``:
+        the session's (``0``: this process; ``None``: as many as the design chooses)."""
+        where = ("in fresh launches, as many as the design chooses" if confirm_launches is None else
+                 f"in each of {confirm_launches} fresh launches" if confirm_launches else "in this process")
+        return (f"({self.warmup_steps} warm-up step each, then rounds in balanced order, at most {self.max_rounds}; "
+                f"a candidate significantly slower than the leader is dropped at alpha {self.alpha:g}), then the "
+                f"survivor against the baseline on {self.confirm_min_rounds}-{self.confirm_max_rounds} fresh rounds "
+                f"{where}")
+
     def calibration_launches_for(self, device_type: str) -> int:
         """The calibration launches ``tune`` runs where the cluster has none (:attr:`calibration_launches`,
         unset: 12 on CUDA, 0 elsewhere)."""

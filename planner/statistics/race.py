@@ -249,6 +249,15 @@ class Race:
         """Step-to-step noise of the race, %: ``verdict.step_noise_pct`` over every plan's steps."""
         return step_noise_pct([self.step_ms(p) for p in range(self.n_plans)])
 
+    def median_error_pct(self) -> float | None:
+        """Relative standard error of one plan's race median, %: ``sqrt(pi/2) sigma / sqrt(rounds)``, ``sigma`` the
+        race's step noise (IQR / 1.349) and ``rounds`` the median rounds a plan ran; ``None`` when unknown (what
+        calibration weighs a measured plan's error by: ``planner.simulation.calibrate``)."""
+        noise, rounds = self.noise_pct(), [len(self.step_ms(p)) for p in range(self.n_plans)]
+        if not noise == noise or not rounds:
+            return None
+        return math.sqrt(math.pi / 2) * noise / 1.349 / math.sqrt(float(np.median(rounds)))
+
     def ratio_sigma(self) -> float:
         """Standard deviation of the per-round log ratios of the candidates alive to the default (pooled)."""
         pieces = [self.log_ratios(c, self.default) for c in self.candidates]

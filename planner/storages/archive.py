@@ -6,7 +6,9 @@ SQL answers questions about a study. Every write is one transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +21,8 @@ from planner.artifacts.profile import Profile
 from planner.errors import PlannerError
 from planner.storages.engine import session
 from planner.storages.models import ConfirmationRow, MeasuredRunRow, PlanRow, ProfileRow, WatchRow
+
+logger = logging.getLogger(__name__)
 
 
 def save_profile(engine: sa.Engine, study_name: str, profile: Profile) -> int:
@@ -125,6 +129,17 @@ def latest_calibration(engine: sa.Engine, study_name: str, profile: Profile) -> 
         if stored.calibration and stored.fingerprint.first_difference(profile.fingerprint) is None:
             return stored.calibration
     return None
+
+
+def with_stored_calibration(engine: sa.Engine, study_name: str, profile: Profile) -> Profile:
+    """``profile`` with the newest calibration stored for it (:func:`latest_calibration`), logged; as it is where
+    there is none."""
+    stored = latest_calibration(engine, study_name, profile)
+    if not stored:
+        return profile
+    logger.info("      using the simulator's fit from an earlier run of this study: "
+                + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
+    return dataclasses.replace(profile, calibration=stored)
 
 
 def stored_plan(engine: sa.Engine, study_name: str, trial: int) -> Plan | None:

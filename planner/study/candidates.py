@@ -13,17 +13,24 @@ with the lowest predicted peak memory; then the next best by prediction.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.artifacts.plan import Plan
+from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.study.records import SimulatedTrialRecord
 from planner.study.search_space import SearchSpace, TrialParams
 from planner.study.simulated import complete_trials
+
+if TYPE_CHECKING:
+    from planner.study.earlier_jobs import EarlierJobs
+    from planner.study.measured import MeasuredTrial
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,40 @@ class Candidate:
     reconfirms: int | None = None
     predicted_for: str | None = None
     user_plan: bool = False
+
+
+def candidate(plan: Plan, simulator: Any = None, params: TrialParams | None = None,
+              distributions: dict[str, optuna.distributions.BaseDistribution] | None = None, *,
+              prediction: tuple[float, int] | None = None, budget: int | None = None, **marks: Any) -> Candidate | None:
+    """The one way a :class:`Candidate` is made: ``plan`` with its predicted step and peak, the search-space
+    parameters it was built from (none: the plan the model arrived with), and ``marks`` (``reconfirms``,
+    ``predicted_for``, ``user_plan``).
+
+    Args:
+        simulator: predicts the plan (``Simulator.run``: step ms, peak bytes) where ``prediction`` is not given.
+        prediction: ``(step ms, peak bytes)`` a simulated trial predicted already.
+        budget: the memory budget, bytes per rank: a plan predicted over it is no candidate (``None``); ``None``:
+            no budget.
+    """
+    if prediction is None:
+        result = simulator.run(plan)
+        prediction = (result.step_ms, result.peak_bytes)
+    step_ms, peak_bytes = prediction
+    if budget is not None and peak_bytes > budget:
+        return None
+    return Candidate(dict(params or {}), dict(distributions or {}), plan, step_ms, peak_bytes, **marks)
+
+
+def trial_candidate(trial: optuna.trial.FrozenTrial, profile: Profile, space: SearchSpace, simulator: Any, *,
+                    budget: int | None = None, **marks: Any) -> Candidate | None:
+    """A trial's plan, rebuilt from its parameters for ``profile``, as a :func:`candidate` (``None``: over
+    ``budget``).
+
+    Raises:
+        SpaceParamsError: its parameters build no plan in ``space`` for this profile.
+    """
+    plan = space.build(trial.params, profile)
+    return candidate(plan, simulator, trial.params, trial.distributions, budget=budget, **marks)
 
 
 # [Note: The round's candidates in order]
@@ -84,6 +125,45 @@ def in_round_order(default: Candidate | None, simulated: list[Candidate], *, use
     return out
 
 
+def round_candidates(earlier: EarlierJobs, sim_study: optuna.Study, budget: int | None, retries: list[MeasuredTrial], *,
+                     user_plan: Plan | None = None, start_from: Plan | None = None) -> list[Candidate]:
+    """A job's candidates in the order of [Note: The round's candidates in order], the re-queued ``retries`` (trials
+    already) aside: the plans a stopped job left unmeasured first within ``[search] measured_trials``, then the
+    simulated stage's picks ([Note: Candidates worth racing]), the study's recommendation raced again, the plan
+    predicted for this cluster (``start_from``) and the plan the model arrived with (``user_plan``); none
+    predicted over ``budget`` (bytes per rank) but the user's, the baseline.
+
+    Raises:
+        PlanMismatchError: ``user_plan`` or ``start_from`` is not a plan of this model (or ``start_from`` has no
+            search-space parameters).
+        StorageError: the study cannot be read.
+    """
+    stage = earlier.stage
+    profile, space, config = stage.profile, stage.space, stage.config
+    settled = earlier.settled_keys()
+    resumed = earlier.interrupted(settled, budget)[:config.search.measured_trials]  # the round's slots first
+    if resumed:
+        logger.info(f"      resuming: {len(resumed)} plan(s) of interrupted trials race again")
+    picks = select_candidates(sim_study, profile, space, config.search.measured_trials - len(resumed),
+                              exclude=settled | {plan_key(c.plan) for c in resumed},
+                              band_pct=config.search.candidate_band_pct, memory_budget_bytes=budget)
+    default = next((c for c in picks if c.plan.is_default_for(profile)), None)
+    recommended = earlier.recommended(budget)
+    if recommended is not None:
+        logger.info(f"      trial {recommended.reconfirms}'s plan (the study's recommendation, or its provisional "
+                    "plan) races again: it is applied only if this job confirms it (or a plan that beats it) "
+                    "faster across processes")
+    predicted = None
+    if start_from is not None:
+        predicted = predicted_candidate(start_from, profile, space, stage.simulator)
+        logger.info(f"      the predicted plan ({predicted.predicted_for}) races first: kept only if it is "
+                    f"confirmed faster than {baseline_name(user_plan is not None)} here")
+    user = None if user_plan is None else user_candidate(user_plan, profile, stage.simulator)
+    return in_round_order(default, [c for c in picks if c is not default], user=user, predicted=predicted,
+                          recommended=recommended, resumed=resumed,
+                          default_retried=any(r.plan.is_default_for(profile) for r in retries))
+
+
 def user_candidate(plan: Plan, profile: Profile, simulator: Any) -> Candidate:
     """The plan the model arrived with as the round's baseline ([Note: The user's plan is the baseline] in
     ``planner.study.session``), predicted by ``simulator``.
@@ -98,8 +178,7 @@ def user_candidate(plan: Plan, profile: Profile, simulator: Any) -> Candidate:
     if difference is not None or unknown:
         raise PlanMismatchError("the plan the model arrived with is not of the profile's model: "
                                 + (difference or f"modules {', '.join(unknown[:3])} are not in its post-forward order"))
-    result = simulator.run(plan)
-    return Candidate({}, {}, plan, result.step_ms, result.peak_bytes, user_plan=True)
+    return candidate(plan, simulator, user_plan=True)
 
 
 def check_start_plan(plan: Plan, fingerprint: Fingerprint, what: str = "start_from plan") -> None:
@@ -137,8 +216,7 @@ def predicted_candidate(plan: Plan, profile: Profile, space: SearchSpace, simula
     except SpaceParamsError as e:
         raise PlanMismatchError(f"start_from plan's parameters do not build a plan in this study's space ({e}); "
                                 "predict it with this study's TOML (tune --target)") from None
-    result = simulator.run(built)
-    return Candidate(dict(params), space.distributions(params, profile), built, result.step_ms, result.peak_bytes,
+    return candidate(built, simulator, params, space.distributions(params, profile),
                      predicted_for=plan.provenance.target or "a predicted plan")
 
 
@@ -208,7 +286,8 @@ def select_candidates(
         for t, p in rest:  # fewer kinds than slots: the next best by prediction
             if len(chosen) < k and all(t is not c for c, _ in chosen):
                 chosen.append((t, p))
-    return [_candidate(t, p) for t, p in ([default] if default else []) + chosen[:k]]
+    return [candidate(p, params=t.params, distributions=t.distributions, prediction=(t.values[0], _peak(t)))
+            for t, p in ([default] if default else []) + chosen[:k]]
 
 
 def _what_it_does(trial: optuna.trial.FrozenTrial, plan: Plan, best_ms: float) -> tuple:
@@ -222,7 +301,3 @@ def _what_it_does(trial: optuna.trial.FrozenTrial, plan: Plan, best_ms: float) -
 def _peak(trial: optuna.trial.FrozenTrial) -> int:
     """A simulated trial's predicted peak, bytes per rank."""
     return SimulatedTrialRecord.from_trial(trial).predicted_peak_bytes or 0
-
-
-def _candidate(trial: optuna.trial.FrozenTrial, plan: Plan) -> Candidate:
-    return Candidate(trial.params, trial.distributions, plan, trial.values[0], _peak(trial))

@@ -20,7 +20,7 @@ import optuna
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.plan import Plan
-from planner.errors import PlannerError, StudyNotFoundError
+from planner.errors import StudyNotFoundError
 from planner.statistics.design import ConfirmDesign
 from planner.statistics.launches import DEFAULT_SPREAD
 from planner.statistics.looks import Looks
@@ -167,7 +167,7 @@ def conclude(config: StudyConfig, job: str, plan_out: str,
     except StudyNotFoundError:
         raise StudyNotFoundError(f"job {job!r}: no confirmation launch measured its race survivor, and no earlier "
                                  f"job of study {config.name!r} concluded; run `prefetch-planner tune` again") from None
-    write_plan(plan_out, best.plan)
+    best.plan.to_json(plan_out)
     return confirmation, best
 
 
@@ -176,16 +176,3 @@ def _cluster(storage: optuna.storages.RDBStorage, config: StudyConfig, baseline:
     if baseline is None:  # no stored plan to read the cluster from: the most conservative prior
         return ClusterSpread(ClusterKey("cpu", str(config.launch.backend), 0), DEFAULT_SPREAD, False, "the CPU prior")
     return cluster_spread(storage.engine, ClusterKey.of(baseline.fingerprint, config.launch.backend))
-
-
-def write_plan(path: str, plan: Plan) -> None:
-    """Write ``plan`` as Plan JSON to ``path``.
-
-    Raises:
-        PlannerError: the file cannot be written.
-    """
-    try:
-        with open(path, "w") as f:
-            f.write(plan.to_json())
-    except OSError as e:
-        raise PlannerError(f"cannot write {path!r}: {e.strerror}") from None

@@ -22,11 +22,16 @@ Torch-free: built from trial records.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
+from planner.artifacts.plan import Plan
+from planner.artifacts.tables import MeasureTable
 from planner.statistics.launches import DEFAULT_SPREAD, ConfirmLaunch, Spread, launch_estimate
 from planner.statistics.looks import MAX_LAUNCHES, Looks
+from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Chain, Verdict
+from planner.study.candidates import plan_key
+from planner.study.cluster_spread import ClusterSpread
 from planner.study.records import MeasuredTrialRecord
 
 
@@ -76,3 +81,28 @@ def chain_of(by_number: Mapping[int, MeasuredTrialRecord], reconfirms: int | Non
         elif not reconfirming and c.fresh_launches > (earlier[-1] if earlier else 0):
             earlier.append(c.fresh_launches)
     return Chain(tuple(launches), Looks(tuple(earlier), reconfirming, seen, horizon or MAX_LAUNCHES))
+
+
+def round_schedule(records: Iterable[MeasuredTrialRecord], kept: list[tuple[Plan, int | None]],
+                   measure: MeasureTable, confirm_launches: int | None, cluster: ClusterSpread,
+                   on_drop: Callable[[int, int], None] | None = None) -> Schedule:
+    """The schedule of a round's race and confirmation (``planner.statistics.schedule``) on the study's evidence:
+    the spread between launches it has seen (:func:`study_spread`, the cluster's floor under it), and each
+    re-confirmed plan's chain of earlier launches (:func:`chain_of`).
+
+    Args:
+        records: every trial of the study.
+        kept: the round's plans that applied and fit, the baseline first, each with the trial it re-confirms
+            (``None``: none).
+        confirm_launches: the fresh launches the survivor is confirmed in (``TuningSession``'s).
+        on_drop: called with a dropped plan's position and the rounds run.
+    """
+    records = list(records)
+    by_number = {r.number: r for r in records if r.number is not None}
+    chains = {j: chain_of(by_number, reconfirms) for j, (_, reconfirms) in enumerate(kept)}
+    # The plan re-confirmed here adds its own launches to its confirmation: the study's spread leaves them out.
+    again = next((plan for plan, reconfirms in kept if reconfirms is not None), None)
+    spread = study_spread(records, plan_key(again) if again is not None else None, cluster.spread)
+    confirm = measure.confirm_settings(confirm_launches, spread, cluster.floor)
+    return Schedule(len(kept), measure.race_settings(), confirm, on_drop=on_drop,
+                    earlier={j: chain for j, chain in chains.items() if chain.launches})

@@ -34,13 +34,11 @@ tune``. The tests drive it with synthetic step times (``planner.testing``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner.artifacts.config import StudyConfig
-from planner.artifacts.memory_budget import check_feasible
 from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError
@@ -52,19 +50,19 @@ from planner.statistics.race import Race
 from planner.statistics.schedule import Schedule
 from planner.statistics.verdict import Confirmation
 from planner.storages import open_storage, storage_errors
-from planner.storages.archive import latest_calibration
-from planner.study.candidates import in_round_order, plan_key, predicted_candidate, select_candidates, user_candidate
+from planner.storages.archive import with_stored_calibration
+from planner.study.budget import fail_over_budget, job_budget
+from planner.study.candidates import round_candidates
 from planner.study.cluster_spread import ClusterKey, ClusterSpread, cluster_spread
-from planner.study.confirmation import write_plan
-from planner.study.evidence import chain_of, study_spread
+from planner.study.earlier_jobs import EarlierJobs
+from planner.study.evidence import round_schedule
 from planner.study.measured import MeasuredStage, MeasuredTrial
 from planner.study.model_summary import model_summary
 from planner.study.provenance import measured_plans
 from planner.study.queries import BestPlan
 from planner.study.records import Failure
 from planner.study.search_space import SearchSpace
-from planner.study.simulated import simulated_stage, smallest_peak
-from planner.units import mib
+from planner.study.simulated import simulated_stage
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +155,7 @@ class TuningSession:
         self.simulator: Simulator | None = None
         self.memory_budget_bytes: int | None = None
         self.stage: MeasuredStage | None = None
+        self.earlier: EarlierJobs | None = None
         self.cluster: ClusterSpread | None = None
         self.schedule: Schedule | None = None
         self._started: list[MeasuredTrial] = []
@@ -177,119 +176,42 @@ class TuningSession:
         self.simulator = simulator_for(self.profile)
         self._log_model()
         # before the storage is opened: a refused budget writes nothing
-        self.memory_budget_bytes = self._memory_budget()
+        self.memory_budget_bytes = job_budget(config, self.profile, self.simulator, self.space)
         storage = open_storage(config.storage_url, config)
         with storage_errors(config.storage_url):  # Optuna's writes here raise its StorageInternalError
             self.cluster = cluster_spread(storage.engine, ClusterKey.of(self.profile.fingerprint,
                                                                         config.launch.backend))
             logger.info(f"      {self.cluster.line()}")
-            stored = latest_calibration(storage.engine, config.name, self.profile)
-            if stored:
-                self.profile = dataclasses.replace(self.profile, calibration=stored)
-                self.simulator = simulator_for(self.profile)
-                logger.info("      using the simulator's fit from an earlier run of this study: "
-                            + ", ".join(f"{k} {v:.3g}" for k, v in stored.items()))
+            self.profile = with_stored_calibration(storage.engine, config.name, self.profile)
+            self.simulator = simulator_for(self.profile)
             logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
             sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
                                   memory_budget_bytes=self.memory_budget_bytes)
         self.stage = MeasuredStage(config, storage, self.simulator, self.job, self.space, self.source)
+        self.earlier = EarlierJobs(self.stage)
         with self.critical():  # trials created RUNNING are held by the stage (fail_held)
-            retries = self.stage.claim_retries()
-        if retries:
-            logger.info(f"      resuming: {len(retries)} plan(s) of stale trials re-queued "
-                        f"(trials {', '.join(str(r.retry_of) for r in retries)})")
-        settled = self.stage.settled_keys()
-        budget = self.memory_budget_bytes
-        resumed = [c for c in self.stage.interrupted(settled) if not budget or c.predicted_peak_bytes <= budget]
-        resumed = resumed[:config.search.measured_trials]  # they take the round's slots first
-        if resumed:
-            logger.info(f"      resuming: {len(resumed)} plan(s) of interrupted trials race again")
-        picks = select_candidates(sim, self.profile, self.space, config.search.measured_trials - len(resumed),
-                                  exclude=settled | {plan_key(c.plan) for c in resumed},
-                                  band_pct=config.search.candidate_band_pct, memory_budget_bytes=budget)
-        default = next((c for c in picks if c.plan.is_default_for(self.profile)), None)
-        recommended = self.stage.recommended()
-        if recommended is not None and budget and recommended.predicted_peak_bytes > budget:
-            recommended = None
-        if recommended is not None:
-            logger.info(f"      trial {recommended.reconfirms}'s plan (the study's recommendation, or its provisional "
-                        "plan) races again: it is applied only if this job confirms it (or a plan that beats it) "
-                        "faster across processes")
-        predicted = None
-        if self.start_from is not None:
-            predicted = predicted_candidate(self.start_from, self.profile, self.space, self.simulator)
-            logger.info(f"      the predicted plan ({predicted.predicted_for}) races first: kept only if it is "
-                        f"confirmed faster than {self.baseline_name()} here")
-        user = None if self.user_plan is None else user_candidate(self.user_plan, self.profile, self.simulator)
-        candidates = in_round_order(default, [c for c in picks if c is not default], user=user, predicted=predicted,
-                                    recommended=recommended, resumed=resumed,
-                                    default_retried=any(r.plan.is_default_for(self.profile) for r in retries))
+            retries = self.earlier.claim_retries()
+        candidates = round_candidates(self.earlier, sim, self.memory_budget_bytes, retries, user_plan=self.user_plan,
+                                      start_from=self.start_from)
         with self.critical():
             asked = retries + self.stage.ask(candidates)
-            asked.sort(key=lambda a: not self._is_baseline(a))  # the baseline first: every verdict compares with it
+            # the baseline first: every verdict compares with it
+            asked.sort(key=lambda a: not a.is_baseline(self.profile, self.user_plan is not None))
             self.stage.mark_baseline(asked)
-        m = config.measure
-        logger.info(f"[3/3] measured stage: a race of {self.baseline_name()} (the baseline) and {len(asked) - 1} "
-                    "candidate(s) "
-                    f"({m.warmup_steps} warm-up step each, then rounds in balanced order, at most {m.max_rounds}; "
-                    f"a candidate significantly slower than the leader is dropped at alpha {m.alpha:g}), then the "
-                    f"survivor against the baseline on {m.confirm_min_rounds}-{m.confirm_max_rounds} fresh rounds "
-                    + ("in fresh launches, as many as the design chooses; " if self.confirm_launches is None else
-                       f"in each of {self.confirm_launches} fresh launches; " if self.confirm_launches else
-                       "in this process; ")
-                    + f"trials {', '.join(str(a.number) for a in asked)} (job {self.job})")
+        baseline = baseline_name(self.user_plan is not None)
+        logger.info(f"[3/3] measured stage: a race of {baseline} (the baseline) and {len(asked) - 1} "
+                    f"candidate(s) {config.measure.protocol_text(self.confirm_launches)}; trials "
+                    f"{', '.join(str(a.number) for a in asked)} (job {self.job})")
         return asked
-
-    def _is_baseline(self, trial: MeasuredTrial) -> bool:
-        """Whether ``trial`` is the round's baseline: the user's plan where the model arrived with one, else
-        FSDP2's default."""
-        return trial.user_plan if self.user_plan is not None else trial.plan.is_default_for(self.profile)
-
-    def baseline_name(self) -> str:
-        """The round's baseline, in words."""
-        return baseline_name(self.user_plan is not None)
 
     def _log_model(self) -> None:
         for line in model_summary(self.profile, self.simulator.run(Plan.default(self.profile)), self.simulator.params):
             logger.info(line)
 
-    def _memory_budget(self) -> int | None:
-        """``[search] memory_budget`` in bytes per rank, checked against the smallest predicted peak; ``None``: unset.
-
-        Raises:
-            MemoryBudgetError: relative without a measured default peak, or below every plan's predicted peak.
-        """
-        budget = self.config.search.budget()
-        if budget is None:
-            return None
-        memory_budget_bytes = budget.resolve(self.profile.measured_peak_bytes)
-        check_feasible(memory_budget_bytes, smallest_peak(self.simulator, self.space), budget.text)
-        logger.info(f"      memory budget {budget.text}: {mib(memory_budget_bytes)} per rank (FSDP2's default measured "
-                    f"{mib(self.profile.measured_peak_bytes)}, predicted "
-                    f"{mib(self.simulator.run(Plan.default(self.profile)).peak_bytes)})")
-        return memory_budget_bytes
-
     def over_budget(self, kept: list[MeasuredTrial], peak_bytes: list[int]) -> dict[int, str]:
-        """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
-
-        Args:
-            kept: the round's trials that applied on every rank, the baseline first.
-            peak_bytes: their measured peaks, bytes per rank (max across ranks).
-
-        Returns:
-            Position in ``kept`` -> the reason recorded. The baseline is never failed: it is what the job runs
-            without the tuner (a budget below every predicted peak is refused earlier: ``check_feasible``).
-        """
-        out: dict[int, str] = {}
-        if self.memory_budget_bytes is None:
-            return out
-        for j, (a, peak) in enumerate(zip(kept, peak_bytes, strict=True)):
-            if j == 0 or peak <= self.memory_budget_bytes:
-                continue
-            out[j] = (f"measured peak {mib(peak)} exceeds the memory budget {mib(self.memory_budget_bytes)} "
-                      f"(predicted {mib(a.predicted_peak_bytes)})")
-            self.stage.fail([a], Failure(out[j], FailKind.ERROR), measured_peak_bytes=peak)
-        return out
+        """Record FAIL each candidate of ``kept`` whose measured peak (``peak_bytes``, max across ranks) exceeds the
+        budget; position in ``kept`` -> the reason (``planner.study.budget.fail_over_budget``)."""
+        return fail_over_budget(self.stage, kept, peak_bytes, self.memory_budget_bytes)
 
     def start(self, kept: list[MeasuredTrial], peak_bytes: list[int] | None = None) -> Schedule:
         """The schedule of the round's race and confirmation over ``kept`` (the baseline first).
@@ -300,29 +222,15 @@ class TuningSession:
         Raises:
             PlannerError: the first trial is not the baseline.
         """
-        if not kept or not self._is_baseline(kept[0]):
-            raise PlannerError(f"a measured round starts with its baseline, {self.baseline_name()}")
+        if not kept or not kept[0].is_baseline(self.profile, self.user_plan is not None):
+            raise PlannerError("a measured round starts with its baseline, "
+                               + baseline_name(self.user_plan is not None))
         self._started = list(kept)
         self._peaks = list(peak_bytes) if peak_bytes is not None else []
-        on_drop = None
-        if self.on_drop is not None:
-            on_drop = self._dropped
-        measure = self.config.measure
-        records = self.stage.records()
-        by_number = {r.number: r for r in records if r.number is not None}
-        chains = {j: chain_of(by_number, a.reconfirms) for j, a in enumerate(kept)}
-        # The plan re-confirmed here adds its own launches to its confirmation: the study's spread leaves them out.
-        again = next((a.plan for a in kept if a.reconfirms is not None), None)
-        cluster = self.cluster
-        spread = study_spread(records, plan_key(again) if again is not None else None, cluster.spread)
-        self.schedule = Schedule(len(kept), measure.race_settings(),
-                                 measure.confirm_settings(self.confirm_launches, spread, cluster.floor),
-                                 on_drop=on_drop,
-                                 earlier={j: chain for j, chain in chains.items() if chain.launches})
+        self.schedule = round_schedule(self.stage.records(), [(a.plan, a.reconfirms) for a in kept],
+                                       self.config.measure, self.confirm_launches, self.cluster,
+                                       None if self.on_drop is None else lambda j, n: self.on_drop(self._started[j], n))
         return self.schedule
-
-    def _dropped(self, plan: int, rounds: int) -> None:
-        self.on_drop(self._started[plan], rounds)
 
     def tell(self, asked: list[MeasuredTrial], step_ms: list[list[float]],
              per_rank: list[list[list[float]]]) -> list[Plan]:
@@ -373,13 +281,13 @@ class TuningSession:
         candidate = plans_measured[survivor] if survivor is not None else None
         best = None
         if schedule.confirmation is not None or candidate is None:  # this job is decided: the study's recommendation
-            best = self.stage.recommendation()
+            best = self.earlier.recommendation()
             written = best.plan
         else:  # confirmed in fresh launches: planner.study.confirmation.conclude writes the recommendation then
             written = plans_measured[0]
-        write_plan(self.plan_out, written)
+        written.to_json(self.plan_out)
         calibration = calibrate(self.profile, [Observation(p, p.provenance.measured_ms) for p in plans_measured],
-                                measurement_error_pct=_median_error_pct(schedule.race))
+                                measurement_error_pct=schedule.race.median_error_pct())
         if calibration.accepted:
             self.profile = calibration.apply(self.profile)
             self.stage.save_calibration(self.profile)
@@ -391,31 +299,11 @@ class TuningSession:
                            cluster=self.cluster)
 
     def save_profile(self) -> None:
-        """Write the profile as it stands (calibrated once :meth:`finish` accepted a calibration) to ``profile_out``.
-
-        Raises:
-            PlannerError: the file cannot be written.
-        """
-        try:
-            with open(self.profile_out, "w") as f:
-                f.write(self.profile.to_json())
-        except OSError as e:
-            raise PlannerError(f"cannot write {self.profile_out!r}: {e.strerror}") from None
+        """Write the profile as it stands (calibrated once :meth:`finish` accepted a calibration) to ``profile_out``
+        (raises ``PlannerError`` where it cannot)."""
+        self.profile.to_json(self.profile_out)
 
     def close(self) -> None:
         """Stop the measured stage's heartbeat (trials still held stay RUNNING until stale: :meth:`fail_held`)."""
         if self.stage is not None:
             self.stage.close()
-
-
-
-def _median_error_pct(race: Race) -> float | None:
-    """Relative standard error of one plan's race median, %: ``sqrt(pi/2) sigma / sqrt(rounds)``, ``sigma`` the
-    race's step noise (IQR / 1.349) and ``rounds`` the median rounds a plan ran; ``None`` when unknown."""
-    import math
-    import statistics
-
-    noise, rounds = race.noise_pct(), [len(race.step_ms(p)) for p in range(race.n_plans)]
-    if not noise == noise or not rounds:
-        return None
-    return math.sqrt(math.pi / 2) * noise / 1.349 / math.sqrt(statistics.median(rounds))

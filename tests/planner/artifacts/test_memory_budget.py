@@ -14,6 +14,7 @@ from planner.presentation.cli import main
 from planner.simulation.parameters import simulator_for
 from planner.storages import open_storage
 from planner.study import MeasuredStage, pareto_front, smallest_peak, study_trials
+from planner.study.earlier_jobs import EarlierJobs
 from planner.study.records import PEAK_OVER_BUDGET, SimulatedTrialRecord
 from planner.study.session import TuningSession
 from planner.testing import drive_round, study_config
@@ -79,7 +80,7 @@ def test_candidates_fit_the_budget_and_over_budget_trials_fail(make_profile, tmp
     assert failed.failure.kind == FailKind.ERROR
     stage = MeasuredStage(config, open_storage(config.storage_url, config), simulator_for(profile), "next",
                           get_space("assign"))
-    assert failed.plan_key in stage.settled_keys()
+    assert failed.plan_key in EarlierJobs(stage).settled_keys()
     stage.close()
 
 

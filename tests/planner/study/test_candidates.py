@@ -1,8 +1,11 @@
-"""planner.study.candidates.in_round_order: the round's candidates in one stated order, each plan once."""
+"""planner.study.candidates: the one candidate constructor (the budget inside it), and in_round_order: the round's
+candidates in one stated order, each plan once."""
 
 from __future__ import annotations
 
-from planner.study.candidates import Candidate, in_round_order
+import dataclasses
+
+from planner.study.candidates import Candidate, candidate, in_round_order
 from search_spaces import uniform
 
 
@@ -25,3 +28,22 @@ def test_the_round_order_is_user_default_predicted_recommended_resumed_simulated
     assert [c.params["d"] for c in alone] == [0, 1, 2, 3]
     assert in_round_order(default, [_candidate(p, 2)], default_retried=True) == [_candidate(p, 2)]
     assert in_round_order(None, [], predicted=predicted) == [predicted]
+
+
+def test_one_constructor_predicts_a_candidate_and_applies_the_budget(make_profile):
+    """``candidate`` simulates the plan (or takes a trial's prediction) and is ``None`` for a plan predicted over the
+    budget: the sites that race a stored trial again (interrupted, the recommendation) leave such a plan out by it."""
+    from planner.simulation.parameters import simulator_for
+
+    p = make_profile(n_blocks=4)
+    simulator = simulator_for(p)
+    plan = uniform.build(p, 2, 1)
+    predicted = simulator.run(plan)
+    c = candidate(plan, simulator, {"d": 2}, reconfirms=5)
+    assert (c.predicted_ms, c.predicted_peak_bytes, c.params, c.reconfirms) == (
+        predicted.step_ms, predicted.peak_bytes, {"d": 2}, 5)
+    assert candidate(plan, simulator, budget=predicted.peak_bytes) == dataclasses.replace(c, params={},
+                                                                                         reconfirms=None)
+    assert candidate(plan, simulator, budget=predicted.peak_bytes - 1) is None
+    assert candidate(plan, prediction=(1.0, 10), budget=10).predicted_ms == 1.0  # a trial's own prediction
+    assert candidate(plan, prediction=(1.0, 11), budget=10) is None

@@ -361,7 +361,7 @@ def test_the_next_session_races_first_what_a_stopped_job_left_unmeasured(tmp_pat
     third.close()
     fourth = _session(tmp_path, faster_ag, max_retry=1, job="fourth")
     fourth.prepare()
-    assert not fourth.stage.interrupted(set())  # interrupted three times: left to the search
+    assert not fourth.earlier.interrupted(set())  # interrupted three times: left to the search
     fourth.close()
     fresh = _session(tmp_path, faster_ag, name="fresh")  # the same profile on a study without that history
     assert {a.plan.behaviour_key() for a in fresh.prepare()[1:]} != set(keys)
@@ -377,7 +377,7 @@ def test_a_plan_measured_since_its_interruption_is_not_raced_again(tmp_path, pro
     assert {a.plan.behaviour_key() for a in measured[1:]} == {a.plan.behaviour_key() for a in left}
     session = _session(tmp_path, profile, job="next")
     asked, _ = drive_round(session, lambda i, trial: 100.0 if i == 0 else 95.0)
-    assert not session.stage.interrupted(session.stage.settled_keys())  # each such plan has a COMPLETE trial
+    assert not session.earlier.interrupted(session.earlier.settled_keys())  # each such plan has a COMPLETE trial
     again = {a.plan.behaviour_key() for a in asked if a.reconfirms is None} & {a.plan.behaviour_key() for a in left}
     assert not again  # only the recommendation, raced by every job, may be one of them
 

@@ -21,6 +21,7 @@ from planner.study import (
     simulated_stage,
     study_trials,
 )
+from planner.study.earlier_jobs import EarlierJobs
 from planner.study.records import Failure, MeasuredTrialRecord, SimulatedTrialRecord
 from planner.testing import conclude_launches, run_round, study_config
 from search_spaces import get_space
@@ -139,21 +140,22 @@ def test_a_second_job_skips_settled_plans(make_profile, config):
         simulator_for(profile), config, storage, get_space(config.search.space), show_progress_bar=False
     )
     first = _stage(config, storage, profile, "a")
-    asked = first.ask(select_candidates(sim, profile, get_space(config.search.space), 3, exclude=first.settled_keys()))
+    asked = first.ask(select_candidates(sim, profile, get_space(config.search.space), 3,
+                                        exclude=EarlierJobs(first).settled_keys()))
     run_round(first, asked[:2], [100.0, 90.0])  # default + one plan measured
     first.fail(asked[2:3], Failure("RuntimeError: boom", FailKind.ERROR))  # failed on a rank: not again
     # asked[3] stays RUNNING: job "a" is still measuring it
     second = _stage(config, storage, profile, "b")
     again = second.ask(
-        select_candidates(sim, profile, get_space(config.search.space), 3, exclude=second.settled_keys())
+        select_candidates(sim, profile, get_space(config.search.space), 3, exclude=EarlierJobs(second).settled_keys())
     )
     keys_first = {a.plan.behaviour_key() for a in asked[1:]}
     assert again[0].plan.is_default_for(profile)
     assert not keys_first & {a.plan.behaviour_key() for a in again[1:]}
     assert len({a.number for a in asked} | {a.number for a in again}) == len(asked) + len(again)
     first.fail(asked[3:], Failure("KeyboardInterrupt: SIGINT", FailKind.INTERRUPTED))  # interrupted: measured again
-    assert plan_key(asked[3].plan) not in second.settled_keys()
-    assert plan_key(asked[2].plan) in second.settled_keys()
+    assert plan_key(asked[3].plan) not in EarlierJobs(second).settled_keys()
+    assert plan_key(asked[2].plan) in EarlierJobs(second).settled_keys()
     for stage in (first, second):
         stage.close()
 
@@ -183,12 +185,12 @@ def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_retried(make_pr
     asked = dead.ask(select_candidates(sim, profile, get_space(config.search.space), 1))
     dead.close()
     early = _stage(config, storage, profile, "early")
-    assert not early.claim_retries()
+    assert not EarlierJobs(early).claim_retries()
     assert {early.study.trials[a.number].state.name for a in asked} == {"RUNNING"}
     early.close()
     time.sleep(2.5)
     job = _stage(config, storage, profile, "next")
-    retries = job.claim_retries()
+    retries = EarlierJobs(job).claim_retries()
     assert sorted(r.retry_of for r in retries) == sorted(a.number for a in asked)
     assert {job.study.trials[a.number].state.name for a in asked} == {"FAIL"}
     run_round(job, retries, [100.0, 80.0])
@@ -205,11 +207,11 @@ def test_stale_trial_is_failed_and_its_plan_retried(make_profile, config):
     dead.close()  # the job dies: its heartbeat stops, `other` stays RUNNING
     time.sleep(3.5)
     job = _stage(config, storage, profile, "next")
-    [retry] = job.claim_retries()
+    [retry] = EarlierJobs(job).claim_retries()
     assert retry.retry_of == other.number and retry.number != other.number
     assert retry.plan.behaviour_key() == other.plan.behaviour_key()
     assert job.study.trials[other.number].state.name == "FAIL"
-    assert not _stage(config, storage, profile, "third").claim_retries()  # claimed once only
+    assert not EarlierJobs(_stage(config, storage, profile, "third")).claim_retries()  # claimed once only
     [baseline] = job.ask(
         select_candidates(sim, profile, get_space(config.search.space), 0)
     )  # every round has the default
@@ -230,7 +232,8 @@ def test_fail_held_leaves_no_trial_of_the_stage_running(make_profile, config):
     other = _stage(config, storage, profile, "other")
     [theirs] = other.ask(select_candidates(sim, profile, get_space(config.search.space), 0))
     stage = _stage(config, storage, profile, "stopping")
-    asked = stage.ask(select_candidates(sim, profile, get_space(config.search.space), 2, exclude=stage.settled_keys()))
+    asked = stage.ask(select_candidates(sim, profile, get_space(config.search.space), 2,
+                                        exclude=EarlierJobs(stage).settled_keys()))
     run_round(stage, asked[:1], [100.0])
     failed = stage.fail_held("interrupted: KeyboardInterrupt: SIGINT")
     assert failed == [a.number for a in asked[1:]]

@@ -1,0 +1,79 @@
+"""The memory budget of a tuning job: resolved and checked before the storage is touched, then each candidate's
+measured peak held against it.
+
+``[search] memory_budget`` (``planner.artifacts.memory_budget``: ``"1.5GiB"``,
+``"+150MiB"``, ``"+10%"`` of FSDP2's default's measured peak) bounds every plan
+the job may recommend, per rank. The simulated stage leaves out plans predicted
+over it (Optuna's constraint), and the candidates come from those
+(``planner.study.candidates.candidate``); the race's peak steps then measure
+each candidate, and one measured over it is FAIL (:func:`fail_over_budget`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from planner.artifacts.config import StudyConfig
+from planner.artifacts.memory_budget import check_feasible
+from planner.artifacts.plan import Plan
+from planner.artifacts.profile import Profile
+from planner.errors import FailKind
+from planner.simulation.simulator import Simulator
+from planner.study.measured import MeasuredTrial
+from planner.study.records import Failure
+from planner.study.search_space import SearchSpace
+from planner.study.simulated import smallest_peak
+from planner.units import mib
+
+logger = logging.getLogger(__name__)
+
+
+class FailsTrials(Protocol):
+    """What records a trial FAIL (``planner.study.measured.MeasuredStage``)."""
+
+    def fail(self, asked: list[MeasuredTrial], failure: Failure, measured_peak_bytes: int | None = None) -> None:
+        """Record the trials FAIL, the peak that failed them stored with them."""
+
+
+def job_budget(config: StudyConfig, profile: Profile, simulator: Simulator, space: SearchSpace) -> int | None:
+    """``[search] memory_budget`` in bytes per rank, checked against the smallest predicted peak in ``space``;
+    ``None``: unset.
+
+    Raises:
+        MemoryBudgetError: relative without a measured default peak, or below every plan's predicted peak.
+    """
+    budget = config.search.budget()
+    if budget is None:
+        return None
+    budget_bytes = budget.resolve(profile.measured_peak_bytes)
+    check_feasible(budget_bytes, smallest_peak(simulator, space), budget.text)
+    predicted = simulator.run(Plan.default(profile)).peak_bytes
+    logger.info(f"      memory budget {budget.text}: {mib(budget_bytes)} per rank (FSDP2's default measured "
+                f"{mib(profile.measured_peak_bytes)}, predicted {mib(predicted)})")
+    return budget_bytes
+
+
+def fail_over_budget(stage: FailsTrials, kept: list[MeasuredTrial], peak_bytes: list[int],
+                     budget_bytes: int | None) -> dict[int, str]:
+    """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
+
+    Args:
+        kept: the round's trials that applied on every rank, the baseline first.
+        peak_bytes: their measured peaks, bytes per rank (max across ranks).
+        budget_bytes: the job's budget, bytes per rank (:func:`job_budget`); ``None``: none.
+
+    Returns:
+        Position in ``kept`` -> the reason recorded. The baseline is never failed: it is what the job runs without
+        the tuner (a budget below every predicted peak is refused earlier: ``check_feasible``).
+    """
+    out: dict[int, str] = {}
+    if budget_bytes is None:
+        return out
+    for j, (a, peak) in enumerate(zip(kept, peak_bytes, strict=True)):
+        if j == 0 or peak <= budget_bytes:
+            continue
+        out[j] = (f"measured peak {mib(peak)} exceeds the memory budget {mib(budget_bytes)} "
+                  f"(predicted {mib(a.predicted_peak_bytes)})")
+        stage.fail([a], Failure(out[j], FailKind.ERROR), measured_peak_bytes=peak)
+    return out
