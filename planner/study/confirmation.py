@@ -57,16 +57,25 @@ class PendingConfirmation:
     sigma: float = float("nan")
 
 
-def _job(storage: optuna.storages.RDBStorage, study: optuna.Study, job: str) -> JobVerdict | None:
-    return next((v for v in job_verdicts(measured_records(storage, study)) if v.job == job), None)
-
-
 def _study(config: StudyConfig) -> tuple[optuna.Study, optuna.storages.RDBStorage]:
     storage = open_storage(config.storage_url, config)
     try:
         return optuna.load_study(study_name=config.name, storage=storage), storage
     except KeyError:
         raise StudyNotFoundError(f"no study {config.name!r} in {config.storage_url}") from None
+
+
+def _job(config: StudyConfig, job: str) -> tuple[JobVerdict, optuna.Study, optuna.storages.RDBStorage]:
+    """Job ``job``'s verdict, the study and its storage (call inside ``storage_errors``).
+
+    Raises:
+        StudyNotFoundError: no such study, or no job ``job`` in it that measured its baseline.
+    """
+    study, storage = _study(config)
+    verdict = next((v for v in job_verdicts(measured_records(storage, study)) if v.job == job), None)
+    if verdict is None:
+        raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured its baseline")
+    return verdict, study, storage
 
 
 def pending(config: StudyConfig, job: str) -> PendingConfirmation | None:
@@ -77,10 +86,7 @@ def pending(config: StudyConfig, job: str) -> PendingConfirmation | None:
         StudyNotFoundError: no such study, or no job ``job`` in it that measured its baseline.
     """
     with storage_errors(config.storage_url):
-        study, storage = _study(config)
-        verdict = _job(storage, study, job)
-        if verdict is None:
-            raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured its baseline")
+        verdict, study, storage = _job(config, job)
         s = verdict.survivor
         if s is None or s.confirmation is not None or s.confirm_rounds is None:
             return None
@@ -145,10 +151,7 @@ def conclude(config: StudyConfig, job: str, plan_out: str,
     """
     confirmation = None
     with storage_errors(config.storage_url):
-        study, storage = _study(config)
-        verdict = _job(storage, study, job)
-        if verdict is None:
-            raise StudyNotFoundError(f"study {config.name!r} has no job {job!r} that measured its baseline")
+        verdict, study, storage = _job(config, job)
         s = verdict.survivor
         baseline = stored_plan(storage.engine, config.name, verdict.baseline.number)
         if s is not None and s.confirmation is None and s.confirm_launches:
