@@ -28,10 +28,12 @@ if TYPE_CHECKING:
     from planner.study.queries import (
         BestPlan,
         StudyOverview,
+        TrialView,
         best_plan,
         best_plan_for,
         list_studies,
         pareto_front,
+        read_trial,
         study_trials,
     )
     from planner.study.recommendation import JobVerdict, Recommendation, confirmation_history, job_verdicts, recommend
@@ -43,8 +45,8 @@ _EXPORTS = {
     **dict.fromkeys(["Forgotten", "forget_study"], "planner.study.forget"),
     "Heartbeat": "planner.study.heartbeat",
     **dict.fromkeys(["MeasuredStage", "MeasuredTrial"], "planner.study.measured"),
-    **dict.fromkeys(["BestPlan", "StudyOverview", "best_plan", "best_plan_for",
-                     "list_studies", "pareto_front", "study_trials"], "planner.study.queries"),
+    **dict.fromkeys(["BestPlan", "StudyOverview", "TrialView", "best_plan", "best_plan_for",
+                     "list_studies", "pareto_front", "read_trial", "study_trials"], "planner.study.queries"),
     **dict.fromkeys(["JobVerdict", "Recommendation", "confirmation_history", "job_verdicts", "recommend"],
                     "planner.study.recommendation"),
     "SearchSpace": "planner.study.search_space",

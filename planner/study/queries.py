@@ -16,7 +16,7 @@ from planner.errors import StudyNotFoundError
 from planner.statistics.looks import MAX_LAUNCHES
 from planner.statistics.verdict import Confirmation, Verdict, confirmation_text
 from planner.storages import check_exists, open_storage, open_storage_read_only
-from planner.storages.archive import confirmation_rows, stored_plan
+from planner.storages.archive import MeasuredSteps, confirmation_rows, measured_steps, stored_plan
 from planner.study.predicted import PREDICTED_SUFFIX
 from planner.study.provenance import with_confirmation
 from planner.study.recommendation import JobVerdict, Recommendation, recommend
@@ -83,6 +83,41 @@ def measured_records(storage: optuna.storages.RDBStorage, study: optuna.Study) -
         r = MeasuredTrialRecord.from_trial(t)
         out.append(r.with_confirmation_rows(*rows[t.number]) if t.number in rows else r)
     return out
+
+
+@dataclass(frozen=True)
+class TrialView:
+    """One trial of a measured study, read whole (:func:`read_trial`).
+
+    Attributes:
+        record: what the trial carries (parameters, prediction, race figures, failure), its confirmation's launches
+            and verdict included (``planner_confirmations``: :func:`measured_records`).
+        plan: the plan as measured, provenance filled in but for the verdict (``planner_plans``); ``None``: not
+            measured (a trial that failed or is running).
+        steps: each round it was measured in, every step's time, ms (``planner_measured_runs``); empty: none.
+    """
+
+    record: MeasuredTrialRecord
+    plan: Plan | None
+    steps: list[MeasuredSteps]
+
+
+def read_trial(url: str, name: str, number: int) -> TrialView:
+    """Trial ``number`` of the measured study ``name`` at ``url``, read whole in one call: its record, its verdict,
+    its plan and its steps, each from the one table that stores it (docs/studies.md, "Querying a study with SQL").
+    Opened read-only.
+
+    Raises:
+        StudyNotFoundError: no such study, or no trial ``number`` in it.
+        StorageError: the storage cannot be opened.
+    """
+    study, storage = load_study(url, name, read_only=True)
+    record = next((r for r in measured_records(storage, study) if r.number == number), None)
+    if record is None:
+        raise StudyNotFoundError(f"study {name!r} has no trial {number}; `prefetch-planner studies show {name}` "
+                                 "lists its trials")
+    return TrialView(record, stored_plan(storage.engine, name, number),
+                     [s for s in measured_steps(storage.engine, name) if s.trial == number])
 
 
 def list_studies(url: str) -> list[StudyOverview]:

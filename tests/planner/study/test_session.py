@@ -111,6 +111,26 @@ def test_a_verdict_reached_in_the_jobs_process_is_stored_once(tmp_path, profile)
     assert best == Plan.load(tmp_path / "t.plan.json") and best.provenance.verdict == "faster"
 
 
+def test_a_trial_is_read_whole_in_one_call(tmp_path, profile):
+    """``read_trial``: the record with its verdict, the plan as measured and the round's steps, each from the table
+    that stores it; a trial the study lacks is one line naming the study and the command that lists its trials."""
+    from planner.errors import StudyNotFoundError
+    from planner.study import read_trial
+
+    asked, outcome = drive_round(_session(tmp_path, profile, measured_trials=1), [100.0, 80.0], ranks=2)
+    url, trial = f"sqlite:///{tmp_path}/t.db", outcome.candidate.provenance.trial
+    view = read_trial(url, "t", trial)
+    assert view.record.number == trial and view.record.confirmation.verdict == Verdict.FASTER
+    assert view.plan.behaviour_key() == outcome.candidate.behaviour_key() and view.plan.provenance.trial == trial
+    [steps] = view.steps
+    assert len(steps.per_rank_ms) == 2 and float(np.median(steps.step_ms[:view.record.race.rounds])) == \
+        pytest.approx(view.plan.provenance.measured_ms)
+    baseline = read_trial(url, "t", asked[0].number)
+    assert baseline.record.confirmation is None and baseline.plan.is_default_for(profile)
+    with pytest.raises(StudyNotFoundError, match="study 't' has no trial 99; `prefetch-planner studies show t`"):
+        read_trial(url, "t", 99)
+
+
 def test_a_survivor_picked_among_candidates_is_provisional_in_its_own_process(tmp_path, profile):
     """Two candidates: the race picked the survivor in this process, so this process cannot call it faster
     ([Note: The race's own process]); FSDP2's default is written and the plan is pending, named on the last line."""
