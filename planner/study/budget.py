@@ -12,7 +12,6 @@ each candidate, and one measured over it is FAIL (:func:`fail_over_budget`).
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.memory_budget import check_feasible
@@ -20,20 +19,13 @@ from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind
 from planner.simulation.simulator import Simulator
-from planner.study.measured import MeasuredTrial
+from planner.study.measured import MeasuredStage, MeasuredTrial
 from planner.study.records import Failure
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import smallest_peak
 from planner.units import mib
 
 logger = logging.getLogger(__name__)
-
-
-class FailsTrials(Protocol):
-    """What records a trial FAIL (``planner.study.measured.MeasuredStage``)."""
-
-    def fail(self, asked: list[MeasuredTrial], failure: Failure, measured_peak_bytes: int | None = None) -> None:
-        """Record the trials FAIL, the peak that failed them stored with them."""
 
 
 def job_budget(config: StudyConfig, profile: Profile, simulator: Simulator, space: SearchSpace) -> int | None:
@@ -54,7 +46,7 @@ def job_budget(config: StudyConfig, profile: Profile, simulator: Simulator, spac
     return budget_bytes
 
 
-def fail_over_budget(stage: FailsTrials, kept: list[MeasuredTrial], peak_bytes: list[int],
+def fail_over_budget(stage: MeasuredStage, kept: list[MeasuredTrial], peak_bytes: list[int],
                      budget_bytes: int | None) -> dict[int, str]:
     """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
 

@@ -182,8 +182,9 @@ class TuningSession:
             self.cluster = cluster_spread(storage.engine, ClusterKey.of(self.profile.fingerprint,
                                                                         config.launch.backend))
             logger.info(f"      {self.cluster.line()}")
-            self.profile = with_stored_calibration(storage.engine, config.name, self.profile)
-            self.simulator = simulator_for(self.profile)
+            calibrated = with_stored_calibration(storage.engine, config.name, self.profile)
+            if calibrated is not self.profile:  # a stored fit: the simulator runs on it
+                self.profile, self.simulator = calibrated, simulator_for(calibrated)
             logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
             sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
                                   memory_budget_bytes=self.memory_budget_bytes)
