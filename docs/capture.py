@@ -70,8 +70,8 @@ WHAT_IF = [
 # The queries docs/studies.md shows, run against the quickstart study's database.
 QUERIES = [
     ("the plans measured on the ranks: predicted and race-median step, ms (FSDP2's default flagged)",
-     "SELECT trial_number, is_default, round(predicted_ms, 1), round(measured_ms, 1) FROM planner_plans "
-     "ORDER BY id;"),
+     "SELECT trial_number, is_default, round(predicted_ms, 1), round(race_median_ms, 1) FROM planner_trials "
+     "WHERE study_name = 'quickstart' ORDER BY trial_number;"),
     ("Optuna's tables: each study's trials by state, and the best value (ms)",
      "SELECT s.study_name, t.state, count(*), round(min(v.value), 1) FROM trials t JOIN studies s USING (study_id) "
      "LEFT JOIN trial_values v ON v.trial_id = t.trial_id AND v.objective = 0 "

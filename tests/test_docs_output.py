@@ -30,7 +30,8 @@ def test_the_documented_queries_answer_from_a_real_study_database():
     """The study database the docs query is a real tune's: FSDP2's default and its candidates measured, the
     simulated study beside them, one survivor's confirmation."""
     with sqlite3.connect(CAPTURED / "quickstart.db") as db:
-        plans = db.execute("SELECT is_default, measured_ms FROM planner_plans").fetchall()
+        plans = db.execute("SELECT is_default, race_median_ms FROM planner_trials "
+                           "WHERE study_name = 'quickstart'").fetchall()
         studies = dict(db.execute("SELECT s.study_name, count(*) FROM trials t JOIN studies s USING (study_id) "
                                   "GROUP BY s.study_name").fetchall())
         verdicts = db.execute("SELECT json_extract(confirmation_json, '$.verdict') FROM planner_confirmations "

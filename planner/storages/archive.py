@@ -58,11 +58,11 @@ def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, pla
                         defaults: Sequence[bool], step_ms: Sequence[list[float]],
                         per_rank: Sequence[list[list[float]]],
                         confirmations: Sequence[tuple[list[JsonObject], JsonObject | None]]) -> None:
-    """Store each measured plan (provenance filled in: its trial, predicted and measured ms), its measured run and
-    the confirmation reached on it, in one transaction.
+    """Store each measured plan, its measured run and the confirmation reached on it, in one transaction.
 
     Args:
-        plans: the measured plans.
+        plans: the measured plans as stored (``planner.study.provenance.as_stored``: its trial named, the figures
+            its trial stores and its verdict left out).
         defaults: per plan, whether it is FSDP2's default.
         step_ms: per plan, every step's max across ranks, ms.
         per_rank: per plan, per rank, that rank's step times, ms.
@@ -73,9 +73,8 @@ def save_measured_plans(engine: sa.Engine, study_name: str, profile_id: int, pla
         for plan, default, times, ranks, (launches, verdict) in zip(plans, defaults, step_ms, per_rank, confirmations,
                                                                     strict=True):
             pv = plan.provenance
-            row = PlanRow(study_name=study_name, trial_number=pv.trial, profile_id=profile_id,
-                          is_default=default, predicted_ms=pv.predicted_ms, measured_ms=pv.measured_ms,
-                          predicted_peak_bytes=pv.predicted_peak_bytes, json=plan.to_json())
+            row = PlanRow(study_name=study_name, trial_number=pv.trial, profile_id=profile_id, is_default=default,
+                          json=plan.to_json())
             s.add(row)
             s.flush()
             s.add(MeasuredRunRow(plan_id=row.id, study_name=study_name, step_ms_json=json.dumps(times),

@@ -19,7 +19,7 @@ from planner.storages.engine import (
     time_lock_waits,
     use_sqlite_pragmas,
 )
-from planner.storages.models import Base
+from planner.storages.models import Base, create_trials_view
 
 if TYPE_CHECKING:
     from planner.artifacts.config import StudyConfig
@@ -34,7 +34,7 @@ else:  # pragma: no cover - Optuna 4.x
 
 
 def open_storage(url: str, config: StudyConfig | None = None) -> optuna.storages.RDBStorage:
-    """Optuna's RDB storage at ``url``, its tables and the planner's created.
+    """Optuna's RDB storage at ``url``, its tables, the planner's and the ``planner_trials`` view created.
 
     The one SQLAlchemy engine of this URL is the storage's (``.engine``):
     the planner's tables (:mod:`planner.storages.models`) are created on it
@@ -65,6 +65,7 @@ def open_storage(url: str, config: StudyConfig | None = None) -> optuna.storages
         use_sqlite_pragmas(storage.engine)
         time_lock_waits(storage.engine)
         create_racing(lambda: Base.metadata.create_all(storage.engine))
+        create_racing(lambda: create_trials_view(storage.engine))
         return storage
     except Exception as e:  # noqa: BLE001 - SQLAlchemy/driver errors of every kind
         raise StorageError(describe_storage_error(url, e, waited_s=time.monotonic() - started)) from None

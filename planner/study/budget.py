@@ -66,6 +66,6 @@ def fail_over_budget(stage: MeasuredStage, kept: list[MeasuredTrial], peak_bytes
         if j == 0 or peak <= budget_bytes:
             continue
         out[j] = (f"measured peak {mib(peak)} exceeds the memory budget {mib(budget_bytes)} "
-                  f"(predicted {mib(a.predicted_peak_bytes)})")
+                  f"(predicted {mib(a.candidate.predicted_peak_bytes)})")
         stage.fail([a], Failure(out[j], FailKind.ERROR), measured_peak_bytes=peak)
     return out

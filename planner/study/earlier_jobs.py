@@ -77,8 +77,11 @@ class EarlierJobs:
                 except SpaceParamsError as e:
                     self.stage.fail_one(t.number, trial_id, Failure(f"cannot rebuild the plan: {e}", FailKind.ERROR))
                     continue
-                retry_of = MeasuredTrialRecord.from_trial(t).retry_of
-                out.append(MeasuredTrial(t.number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes, retry_of))
+                # The prediction it is raced on, on this job's profile (the attributes Optuna copied are the first
+                # trial's).
+                self.stage.record(trial_id, MeasuredTrialRecord(predicted_ms=c.predicted_ms,
+                                                                predicted_peak_bytes=c.predicted_peak_bytes))
+                out.append(MeasuredTrial(t.number, trial_id, c, MeasuredTrialRecord.from_trial(t).retry_of))
         if out:
             logger.info(f"      resuming: {len(out)} plan(s) of stale trials re-queued "
                         f"(trials {', '.join(str(r.retry_of) for r in out)})")

@@ -31,7 +31,7 @@ from planner.storages import storage_errors
 from planner.storages.archive import save_measured_plans, save_profile, update_profile
 from planner.study.candidates import Candidate, plan_key
 from planner.study.heartbeat import Heartbeat
-from planner.study.provenance import OBJECTIVE, MeasuredPlan, with_confirmation
+from planner.study.provenance import OBJECTIVE, MeasuredPlan, as_stored
 from planner.study.records import Failure, MeasuredTrialRecord, StudyRecord
 from planner.study.search_space import SearchSpace
 from planner.study.simulated import name_objective
@@ -51,33 +51,31 @@ def job_name() -> str:
 
 @dataclass(frozen=True)
 class MeasuredTrial:
-    """A RUNNING trial of the measured study and the plan it measures.
+    """A RUNNING trial of the measured study and the candidate it measures.
 
     Attributes:
         number: the Optuna trial number.
         trial_id: the storage's trial id (heartbeats).
-        plan: the plan, built from the trial's parameters for this profile.
-        predicted_ms: the simulated step time, ms.
-        predicted_peak_bytes: the simulated peak memory, bytes.
+        candidate: what it measures: the plan, built from the trial's parameters for this profile, and its
+            prediction and marks (:class:`~planner.study.candidates.Candidate`).
         retry_of: for a re-queued stale trial, the number of the trial first
             failed (Optuna's ``failed_trial`` system attribute), else ``None``.
-        reconfirms: for the study's recommendation raced again, the trial that recommended it.
-        user_plan: the plan the model arrived with, the round's baseline (``Candidate.user_plan``).
     """
 
     number: int
     trial_id: int
-    plan: Plan
-    predicted_ms: float
-    predicted_peak_bytes: int
+    candidate: Candidate
     retry_of: int | None = None
-    reconfirms: int | None = None
-    user_plan: bool = False
+
+    @property
+    def plan(self) -> Plan:
+        """The plan it measures (the candidate's)."""
+        return self.candidate.plan
 
     def is_baseline(self, profile: Profile, users: bool) -> bool:
         """Whether it is the round's baseline: the plan the model arrived with where the model had one (``users``),
         else FSDP2's default for ``profile``."""
-        return self.user_plan if users else self.plan.is_default_for(profile)
+        return self.candidate.user_plan if users else self.plan.is_default_for(profile)
 
 
 class MeasuredStage:
@@ -152,8 +150,7 @@ class MeasuredStage:
                 trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)
                 self.heartbeat.add(trial_id)
                 number = self.storage.get_trial_number_from_id(trial_id)
-                out.append(MeasuredTrial(number, trial_id, c.plan, c.predicted_ms, c.predicted_peak_bytes,
-                                         reconfirms=c.reconfirms, user_plan=c.user_plan))
+                out.append(MeasuredTrial(number, trial_id, c))
         return out
 
     def mark_baseline(self, asked: list[MeasuredTrial]) -> None:
@@ -178,10 +175,10 @@ class MeasuredStage:
             step_ms: per trial, every step's max across ranks, ms.
             per_rank: per trial, per rank, that rank's step times, ms.
         """
-        # Each figure in one store: the plan as measured in planner_plans, its steps in planner_measured_runs, its
-        # confirmation in planner_confirmations (where fresh launches add theirs after the trial finished), and the
-        # figures made from them on the trial.
-        plans = [with_confirmation(m.plan, None) for m in measured]
+        # Each figure in one store: the plan as measured in planner_plans (without the figures and the verdict), its
+        # steps in planner_measured_runs, its confirmation in planner_confirmations (where fresh launches add theirs
+        # after the trial finished), and its prediction and the figures made from its steps on the trial.
+        plans = [as_stored(m.plan) for m in measured]
         with self.storage_errors():
             # Our rows first, then Optuna's state: a reader that sees a COMPLETE trial finds its plan and verdict.
             save_measured_plans(self.storage.engine, self.config.name, self.profile_id, plans,

@@ -31,14 +31,40 @@ def provenance_of(confirmation: Confirmation) -> dict:
 
 def with_confirmation(plan: Plan, confirmation: Confirmation | None) -> Plan:
     """``plan`` with ``confirmation``'s fields in its provenance (:func:`provenance_of`); ``None``: with none of
-    them, the plan as measured. A stored plan is kept without them: its verdict lives in ``planner_confirmations``
-    alone, and a reader puts it back (``planner.study.queries``)."""
+    them."""
     if confirmation is not None:
         return plan.with_provenance(**provenance_of(confirmation))
     return plan.with_provenance(**dict.fromkeys(_CONFIRMED_FIELDS))
 
 
 _CONFIRMED_FIELDS = ("verdict", "measured_ratio", "ratio_ci95", "rounds", "launches", "noise_pct", "ratio_of")
+
+# The provenance fields its trial stores (:func:`trial_figures`).
+_TRIAL_FIGURES = ("predicted_ms", "measured_ms", "default_measured_ms", "predicted_peak_bytes", "measured_peak_bytes")
+
+
+def as_stored(plan: Plan) -> Plan:
+    """``plan`` as ``planner_plans`` keeps it: its trial named, but neither its verdict (``planner_confirmations``
+    stores it) nor the figures its trial stores (:func:`trial_figures`). Each figure is stored once;
+    :func:`as_measured` puts them back."""
+    return with_confirmation(plan, None).with_provenance(**dict.fromkeys(_TRIAL_FIGURES))
+
+
+def trial_figures(record: MeasuredTrialRecord, baseline: MeasuredTrialRecord | None) -> dict:
+    """The provenance figures a measured trial stores (its prediction, race median and peaks; the race's baseline's
+    median is its baseline trial's), those it lacks left out."""
+    figures = dict(predicted_ms=record.predicted_ms, measured_ms=record.race_ms,
+                   default_measured_ms=baseline.race_ms if baseline is not None else None,
+                   predicted_peak_bytes=record.predicted_peak_bytes, measured_peak_bytes=record.measured_peak_bytes)
+    return {key: value for key, value in figures.items() if value is not None}
+
+
+def as_measured(stored: Plan, record: MeasuredTrialRecord, baseline: MeasuredTrialRecord | None) -> Plan:
+    """A plan read from ``planner_plans`` with what its trial ``record`` stores put back: the figures
+    (:func:`trial_figures`; ``baseline``: the trial of its race's baseline) and the verdict. A plan stored by
+    release 0.2.0 and earlier kept its figures: a figure its trial lacks stays as the plan has it."""
+    plan = stored.with_provenance(**trial_figures(record, baseline))
+    return with_confirmation(plan, record.confirmation) if record.confirmation is not None else plan
 
 
 @dataclass(frozen=True)

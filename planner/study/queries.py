@@ -18,7 +18,7 @@ from planner.statistics.verdict import Confirmation, Verdict, confirmation_text
 from planner.storages import check_exists, open_storage, open_storage_read_only
 from planner.storages.archive import MeasuredSteps, confirmation_rows, measured_steps, stored_plan
 from planner.study.predicted import PREDICTED_SUFFIX
-from planner.study.provenance import with_confirmation
+from planner.study.provenance import as_measured
 from planner.study.recommendation import JobVerdict, Recommendation, recommend
 from planner.study.records import MeasuredTrialRecord, SimulatedTrialRecord
 from planner.study.simulated import SIM_SUFFIX
@@ -92,8 +92,8 @@ class TrialView:
     Attributes:
         record: what the trial carries (parameters, prediction, race figures, failure), its confirmation's launches
             and verdict included (``planner_confirmations``: :func:`measured_records`).
-        plan: the plan as measured, provenance filled in but for the verdict (``planner_plans``); ``None``: not
-            measured (a trial that failed or is running).
+        plan: the plan as measured (``planner_plans``), its provenance's figures and verdict read from the trial
+            (``provenance.as_measured``); ``None``: not measured (a trial that failed or is running).
         steps: each round it was measured in, every step's time, ms (``planner_measured_runs``); empty: none.
     """
 
@@ -112,11 +112,14 @@ def read_trial(url: str, name: str, number: int) -> TrialView:
         StorageError: the storage cannot be opened.
     """
     study, storage = load_study(url, name, read_only=True)
-    record = next((r for r in measured_records(storage, study) if r.number == number), None)
+    records = measured_records(storage, study)
+    record = next((r for r in records if r.number == number), None)
     if record is None:
         raise StudyNotFoundError(f"study {name!r} has no trial {number}; `prefetch-planner studies show {name}` "
                                  "lists its trials")
-    return TrialView(record, stored_plan(storage.engine, name, number),
+    stored = stored_plan(storage.engine, name, number)
+    baseline = next((r for r in reversed(records) if r.job == record.job and r.is_baseline), None)
+    return TrialView(record, None if stored is None else as_measured(stored, record, baseline),
                      [s for s in measured_steps(storage.engine, name) if s.trial == number])
 
 
@@ -227,13 +230,14 @@ def provenance_text(pv: Provenance) -> str:
                              total_time=pv.ratio_of == "total time")
 
 
-def _stored_plan(storage: optuna.storages.RDBStorage, name: str, record: MeasuredTrialRecord) -> Plan:
-    """The plan stored for ``record``'s trial with its confirmation in its provenance (a plan is stored as measured;
-    its verdict is the record's, from ``planner_confirmations``)."""
+def _stored_plan(storage: optuna.storages.RDBStorage, name: str, record: MeasuredTrialRecord,
+                 job: JobVerdict) -> Plan:
+    """The plan stored for ``record``'s trial of ``job``, with the figures and the verdict its trial stores
+    (``provenance.as_measured``)."""
     plan = stored_plan(storage.engine, name, record.number)
     if plan is None:
         raise StudyNotFoundError(f"study {name!r} trial {record.number} has no stored plan")
-    return with_confirmation(plan, record.confirmation) if record.confirmation is not None else plan
+    return as_measured(plan, record, job.baseline)
 
 
 def best_in(storage: optuna.storages.RDBStorage, study: optuna.Study, name: str,
@@ -252,8 +256,8 @@ def best_in(storage: optuna.storages.RDBStorage, study: optuna.Study, name: str,
     if r is None:
         return None
     survivor = r.job.survivor
-    return BestPlan(_stored_plan(storage, name, r.trial), r,
-                    _stored_plan(storage, name, survivor) if survivor is not None and r.keeps_baseline else None)
+    return BestPlan(_stored_plan(storage, name, r.trial, r.job), r,
+                    _stored_plan(storage, name, survivor, r.job) if survivor is not None and r.keeps_baseline else None)
 
 
 def best_plan(url: str, name: str, fingerprint: Fingerprint | None = None) -> BestPlan:

@@ -228,7 +228,7 @@ class TuningSession:
                                + baseline_name(self.user_plan is not None))
         self._started = list(kept)
         self._peaks = list(peak_bytes) if peak_bytes is not None else []
-        self.schedule = round_schedule(self.stage.records(), [(a.plan, a.reconfirms) for a in kept],
+        self.schedule = round_schedule(self.stage.records(), [(a.plan, a.candidate.reconfirms) for a in kept],
                                        self.config.measure, self.confirm_launches, self.cluster,
                                        None if self.on_drop is None else lambda j, n: self.on_drop(self._started[j], n))
         return self.schedule
@@ -250,7 +250,7 @@ class TuningSession:
         """
         if self.schedule is None or [a.number for a in asked] != [a.number for a in self._started]:
             raise PlannerError("tell the trials the round was started with (TuningSession.start)")
-        trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
+        trials = [(a.number, a.plan, a.candidate.predicted_ms, a.candidate.predicted_peak_bytes) for a in asked]
         measured = measured_plans(self.config.name, trials, self.schedule, self._peaks,
                                   self.memory_budget_bytes, user_baseline=self.user_plan is not None)
         self.stage.tell(asked, measured, step_ms, per_rank)

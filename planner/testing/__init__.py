@@ -164,7 +164,7 @@ def run_round(stage: MeasuredStage, asked: list[MeasuredTrial], step_ms: Sequenc
     schedule = Schedule(len(asked), measure.race_settings(), measure.confirm_settings(launches=launches),
                         clock=lambda: 0.0)
     times, per_rank = _run_schedule(schedule, asked, _step_time(step_ms), ranks)
-    trials = [(a.number, a.plan, a.predicted_ms, a.predicted_peak_bytes) for a in asked]
+    trials = [(a.number, a.plan, a.candidate.predicted_ms, a.candidate.predicted_peak_bytes) for a in asked]
     measured = measured_plans(stage.config.name, trials, schedule, peak_bytes)
     stage.tell(asked, measured, times, per_rank)
     return [m.plan for m in measured]
@@ -184,7 +184,7 @@ def drive_round(session: TuningSession, step_ms: Sequence[float] | StepTime, pea
         The trials the session asked for, and its outcome.
     """
     asked = session.prepare()
-    peaks = list(peak_bytes) if peak_bytes is not None else [a.predicted_peak_bytes for a in asked]
+    peaks = list(peak_bytes) if peak_bytes is not None else [a.candidate.predicted_peak_bytes for a in asked]
     over = session.over_budget(asked, peaks)
     keep = [i for i in range(len(asked)) if i not in over]
     kept = [asked[i] for i in keep]

@@ -72,8 +72,8 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
     assert plan.provenance.measured_ms > 0 and plan.provenance.predicted_ms > 0
     assert plan.provenance.default_measured_ms > 0
     rows = sqlite3.connect(tmp_path / "studies" / "e2e.db").execute(
-        "select is_default, measured_ms from planner_plans").fetchall()
-    assert len(rows) == 3 and sum(r[0] for r in rows) == 1
+        "select is_default, race_median_ms from planner_trials where study_name = 'e2e'").fetchall()
+    assert len(rows) == 3 and sum(r[0] for r in rows) == 1 and all(ms > 0 for _, ms in rows)
     best = cli("studies", "best", "e2e", cwd=tmp_path)
     assert best.returncode == 0 and "FSDP2's default" in best.stdout
     last = [line for line in out.splitlines() if line.startswith("best plan: ")][-1]

@@ -66,7 +66,7 @@ def test_candidates_fit_the_budget_and_over_budget_trials_fail(make_profile, tmp
     assert session.memory_budget_bytes == budget
     trials = study_trials(config.storage_url, "b")
     assert any(t.predicted_peak_bytes > budget for t in trials.simulated)  # the search saw plans over it ...
-    assert all(a.predicted_peak_bytes <= budget for a in asked[1:])  # ... none is raced
+    assert all(a.candidate.predicted_peak_bytes <= budget for a in asked[1:])  # ... none is raced
     sim = optuna.load_study(study_name="b.sim", storage=config.storage_url)
     assert sum(f"constraints:{PEAK_OVER_BUDGET}" in t.system_attrs for t in sim.trials) == 80  # Optuna's constraint
     # the default is the baseline: never failed; the candidate over the budget is FAIL, not measured again

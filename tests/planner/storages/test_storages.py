@@ -252,7 +252,25 @@ def test_create_racing_retries_a_lock_refused_at_once_not_one_held_for_the_timeo
 def test_models_are_the_planner_tables():
     assert set(Base.metadata.tables) == {"planner_profiles", "planner_plans", "planner_measured_runs",
                                          "planner_confirmations", "planner_calibration_launches", "planner_watches"}
-    assert PlanRow.__table__.c.predicted_peak_bytes.type.python_type is int
+    # each figure stored once: a measured plan's figures are its trial's (the planner_trials view reads them)
+    assert not {"predicted_ms", "measured_ms", "predicted_peak_bytes"} & set(PlanRow.__table__.c.keys())
+
+
+def test_the_trials_view_reads_each_figure_from_its_trial(url):
+    storage = open_storage(url)
+    study = optuna.create_study(study_name="s", storage=storage)
+    attrs = {"predicted_ms": 90.5, "race_median_ms": 101.25, "predicted_peak_bytes": 3 * 2**33,
+             "is_default": True, "baseline": False, "job": "job-1"}
+    study.add_trial(optuna.trial.create_trial(value=95.0, user_attrs=attrs))
+    study.add_trial(optuna.trial.create_trial(value=120.0, user_attrs={"is_default": False}))  # an older trial
+    open_storage(url)  # a second open finds the view there
+    with storage.engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT trial_number, state, objective_ms, predicted_ms, race_median_ms, predicted_peak_bytes, "
+            "measured_peak_bytes, is_default, baseline, job FROM planner_trials WHERE study_name = 's' "
+            "ORDER BY trial_number").all()
+    assert [tuple(r) for r in rows] == [(0, "COMPLETE", 95.0, 90.5, 101.25, 3 * 2**33, None, True, False, "job-1"),
+                                        (1, "COMPLETE", 120.0, None, 120.0, None, None, False, None, None)]
 
 
 def test_read_only_storage_reads_and_cannot_write(url):

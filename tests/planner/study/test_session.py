@@ -17,6 +17,7 @@ from planner.simulation.simulator import SimParams
 from planner.statistics.verdict import Verdict
 from planner.study import study_trials
 from planner.study.provenance import OBJECTIVE
+from planner.study.records import MeasuredTrialRecord
 from planner.study.session import TuningSession
 from planner.testing import drive_round, drive_tune, study_config
 from search_spaces import get_space
@@ -90,12 +91,13 @@ def test_a_candidate_confirmed_faster_is_written(tmp_path, profile):
     assert study.metric_names == [OBJECTIVE] and "confirmed" in OBJECTIVE and "race median" in OBJECTIVE
 
 
-def test_a_verdict_reached_in_the_jobs_process_is_stored_once(tmp_path, profile):
-    """In ``planner_confirmations``, beside the verdicts fresh launches reach: not on the trial, not in the stored
-    plan; ``best_plan`` puts it back on the plan, as the plan file has it."""
+def test_a_verdict_and_the_figures_are_stored_once(tmp_path, profile):
+    """The verdict in ``planner_confirmations``, beside the verdicts fresh launches reach: not on the trial, not in
+    the stored plan; the prediction, race median and peaks on the trial, not in the stored plan. ``best_plan`` and
+    ``read_trial`` put both back on the plan, as the plan file has them."""
     from planner.storages import open_storage
     from planner.storages.archive import confirmation_rows, stored_plan
-    from planner.study import best_plan
+    from planner.study import best_plan, read_trial
 
     asked, outcome = drive_round(_session(tmp_path, profile, measured_trials=1), [100.0, 80.0])
     trial, url = outcome.candidate.provenance.trial, f"sqlite:///{tmp_path}/t.db"
@@ -107,8 +109,27 @@ def test_a_verdict_reached_in_the_jobs_process_is_stored_once(tmp_path, profile)
     attrs = optuna.load_study(study_name="t", storage=url).trials[trial].user_attrs
     assert not {"verdict", "measured_ratio", "ratio_ci95", "confirm_launches"} & set(attrs)
     assert stored.provenance.verdict is None and stored.provenance.measured_ratio is None
+    figures = ("predicted_ms", "measured_ms", "default_measured_ms", "predicted_peak_bytes", "measured_peak_bytes")
+    assert all(getattr(stored.provenance, f) is None for f in figures) and stored.provenance.trial == trial
     best = best_plan(url, "t").plan
     assert best == Plan.load(tmp_path / "t.plan.json") and best.provenance.verdict == "faster"
+    pv, measured = best.provenance, outcome.candidate.provenance
+    assert [getattr(pv, f) for f in figures] == [getattr(measured, f) for f in figures]
+    assert (pv.measured_ms, pv.default_measured_ms) == (80.0, 100.0) and pv.predicted_ms == attrs["predicted_ms"]
+    assert read_trial(url, "t", trial).plan == best
+
+
+def test_a_plan_stored_by_an_older_release_keeps_the_figures_its_trial_lacks(profile):
+    """Release 0.2.0 and earlier stored the figures in the plan too, and older trials lack some of them
+    (``race_median_ms``, peaks): what the trial has wins, what it lacks stays as the plan has it."""
+    from planner.study.provenance import as_measured, as_stored
+
+    old = Plan.default(profile).with_provenance(trial=3, predicted_ms=90.0, measured_ms=101.0,
+                                                default_measured_ms=100.0, measured_peak_bytes=7)
+    record = MeasuredTrialRecord(number=3, measured_ms=99.0, predicted_ms=91.0)  # no race median, no peaks
+    pv = as_measured(old, record, None).provenance
+    assert (pv.predicted_ms, pv.measured_ms, pv.default_measured_ms, pv.measured_peak_bytes) == (91.0, 99.0, 100.0, 7)
+    assert as_measured(as_stored(old), record, None).provenance.default_measured_ms is None
 
 
 def test_a_trial_is_read_whole_in_one_call(tmp_path, profile):
@@ -220,8 +241,8 @@ def test_the_plan_the_model_arrived_with_is_the_baseline_and_kept_when_nothing_b
     plan confirmed faster than it, so the study recommends it and it is written back exactly."""
     own = _hand_set(profile)
     session = _arrived_with(_session(tmp_path, profile, measured_trials=1), own)
-    asked, outcome = drive_round(session, lambda i, trial: 90.0 if trial.user_plan else 100.0)
-    assert asked[0].user_plan and asked[0].plan == own and asked[1].plan.is_default_for(profile)
+    asked, outcome = drive_round(session, lambda i, trial: 90.0 if trial.candidate.user_plan else 100.0)
+    assert asked[0].candidate.user_plan and asked[0].plan == own and asked[1].plan.is_default_for(profile)
     assert len({a.plan.behaviour_key() for a in asked}) == len(asked)
     written = Plan.load(tmp_path / "t.plan.json")
     assert written.behaviour_key() == own.behaviour_key() and written.provenance.source == Source.USER
@@ -267,7 +288,7 @@ def test_a_later_job_never_re_queues_another_jobs_user_plan(tmp_path, profile):
     time.sleep(3.5)
     session = _arrived_with(_session(tmp_path, profile, **fields), _hand_set(profile))
     asked, _ = drive_round(session, lambda i, trial: 100.0)
-    assert asked[0].user_plan and asked[0].retry_of is None and sum(a.user_plan for a in asked) == 1
+    assert asked[0].candidate.user_plan and asked[0].retry_of is None and sum(a.candidate.user_plan for a in asked) == 1
     states = [t.state.name for t in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured]
     assert states.count("RUNNING") == 0
 
@@ -303,7 +324,7 @@ def test_nothing_measured_writes_no_plan(tmp_path, profile):
 def test_an_accepted_calibration_is_saved_and_the_next_session_starts_from_it(tmp_path, profile):
     """Six measured plans, each 25% slower than predicted: a fit explains it; the next job of the study uses it."""
     first = _session(tmp_path, profile, measured_trials=5)
-    _, outcome = drive_round(first, lambda i, trial: 1.25 * trial.predicted_ms)
+    _, outcome = drive_round(first, lambda i, trial: 1.25 * trial.candidate.predicted_ms)
     assert len(outcome.plans_measured) == 6 and outcome.calibration.accepted, outcome.calibration.reason
     assert outcome.profile.calibration is not None
     first.save_profile()
@@ -326,7 +347,7 @@ def test_an_accepted_calibration_is_saved_and_the_next_session_starts_from_it(tm
 def test_a_calibration_that_gains_nothing_is_not_saved(tmp_path, profile):
     """Measured as predicted: no fit beats the uncalibrated model, so none is kept for later jobs."""
     first = _session(tmp_path, profile, measured_trials=5)
-    _, outcome = drive_round(first, lambda i, trial: trial.predicted_ms)
+    _, outcome = drive_round(first, lambda i, trial: trial.candidate.predicted_ms)
     assert not outcome.calibration.accepted and "does not beat" in outcome.calibration.reason
     assert outcome.profile.calibration is None
     again = _session(tmp_path, profile)
@@ -346,12 +367,16 @@ def test_the_next_session_measures_again_what_a_dead_job_left_running(tmp_path, 
     fields = {"heartbeat_interval_s": 1, "grace_period_s": 2, "max_retry": 1}
     dead = _session(tmp_path, profile, **fields)
     left = dead.prepare()
+    for a in left:  # as predicted on another profile
+        dead.stage.storage.set_trial_user_attr(a.trial_id, "predicted_ms", 1.0)
     dead.close()  # the job dies: its heartbeat stops, its trials stay RUNNING
     time.sleep(3.5)
     asked, outcome = drive_round(_session(tmp_path, profile, **fields), lambda i, trial: 100.0 if i == 0 else 90.0)
     assert len(asked) == 5  # the dead job's default and two candidates, re-queued; two new candidates
     retried = [a for a in asked if a.retry_of is not None]
     assert sorted(a.retry_of for a in retried) == sorted(a.number for a in left)
+    records = {t.number: t for t in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured}
+    assert all(records[a.number].predicted_ms == a.candidate.predicted_ms != 1.0 for a in retried)  # this job's
     assert asked[0].plan.is_default_for(profile)  # the re-queued default is the baseline, not measured twice
     assert len({a.plan.behaviour_key() for a in asked}) == len(asked)
     states = [t.state.name for t in study_trials(f"sqlite:///{tmp_path}/t.db", "t").measured]
@@ -398,7 +423,8 @@ def test_a_plan_measured_since_its_interruption_is_not_raced_again(tmp_path, pro
     session = _session(tmp_path, profile, job="next")
     asked, _ = drive_round(session, lambda i, trial: 100.0 if i == 0 else 95.0)
     assert not session.earlier.interrupted(session.earlier.settled_keys())  # each such plan has a COMPLETE trial
-    again = {a.plan.behaviour_key() for a in asked if a.reconfirms is None} & {a.plan.behaviour_key() for a in left}
+    again = ({a.plan.behaviour_key() for a in asked if a.candidate.reconfirms is None}
+             & {a.plan.behaviour_key() for a in left})
     assert not again  # only the recommendation, raced by every job, may be one of them
 
 

@@ -94,7 +94,7 @@ def test_tell_best_and_queries(make_profile, config):
     # plain SQL answers without Python objects
     db = config.storage_url.removeprefix("sqlite:///")
     got = sqlite3.connect(db).execute(
-        "select measured_ms from planner_plans where is_default = 1").fetchall()
+        "select race_median_ms from planner_trials where study_name = 't' and is_default").fetchall()
     assert got == [(100.0,)]
 
 
