@@ -41,10 +41,9 @@ from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
-from planner.errors import PlannerError, StudyConfigError, StudyModelMismatchError
+from planner.errors import StudyConfigError, StudyModelMismatchError
 from planner.statistics.looks import MAX_LAUNCHES
 from planner.statistics.watch import WatchState
-from planner.units import mib
 
 SOURCE = "in-loop"  # trial attribute ``source`` of the trials the in-loop tuner measures
 FACTORY = "<in-loop>"  # [workload] factory of an in-loop study: the user's loop builds the model, no factory
@@ -296,59 +295,6 @@ def plan_at_start(config: StudyConfig, fingerprint: Fingerprint, recheck: bool =
     if decision.tune or best is None or best.keeps_baseline:
         return StartPlan(decision)
     return StartPlan(decision, best.plan)
-
-
-def isolation_groups(config: StudyConfig, default_peak_bytes: int, module_bytes: Sequence[tuple[str, int]],
-                     grad_bytes: int = 0) -> list[tuple[str, ...]]:
-    """The FSDP modules the recorder's isolated passes hold unsharded together: all at once, or a few at a time.
-
-    A pass holds its modules' parameters unsharded, and with gradient sync off their unsharded gradients too
-    (``runtime.recording.isolated.compute_unsharded``), beside the user's sharded gradients (the passes run between two
-    steps): at most the default step's peak plus the sharded gradients plus twice the held modules' unsharded
-    bytes, per rank (an upper bound: the default step already holds some modules unsharded, and its peak may
-    come with the gradients alive). The first pass also times the collectives: one module unsharded at a time,
-    and on CPU the overlap microbenchmark's matrices (4.3 MiB). The modules outside the pass run as in FSDP2's
-    default, their gradients cleared after their post-backward. Without a budget, or when every module fits,
-    one pass holds them all; else the modules, in ``module_bytes``'s order, fill passes in turn (greedy), each
-    within the budget, one pass between two steps.
-
-    Args:
-        config: the in-loop study (its ``[search] memory_budget``).
-        default_peak_bytes: FSDP2's default step's measured peak, bytes per rank (max across ranks).
-        module_bytes: ``(fqn, unsharded parameter bytes)`` of every FSDP module, the root first.
-        grad_bytes: the sharded gradients' bytes per rank (the unsharded bytes over the world size).
-
-    Returns:
-        The passes, each a tuple of FQNs; together every module once.
-
-    Raises:
-        PlannerError: a single module does not fit under the budget: no pass can hold it.
-    """
-    everything = [tuple(fqn for fqn, _ in module_bytes)]
-    budget = config.search.budget()
-    if budget is None:
-        return everything
-    limit = budget.resolve(default_peak_bytes)
-    base = default_peak_bytes + grad_bytes
-    if base + 2 * sum(b for _, b in module_bytes) <= limit:
-        return everything
-    groups: list[tuple[str, ...]] = []
-    group: list[str] = []
-    held = 0
-    for fqn, nbytes in module_bytes:
-        if base + 2 * nbytes > limit:
-            raise PlannerError(
-                f"the recorder's isolated passes hold a module unsharded with its gradient ({fqn!r}: up to "
-                f"{mib(base + 2 * nbytes)} per rank), over the memory budget {budget.text} "
-                f"({mib(limit)}); raise memory_budget, or record the profile where memory allows "
-                "(`prefetch-planner profile`) and tune with `prefetch-planner tune`")
-        if group and base + 2 * (held + nbytes) > limit:
-            groups.append(tuple(group))
-            group, held = [], 0
-        group.append(fqn)
-        held += nbytes
-    groups.append(tuple(group))
-    return groups
 
 
 def predicted_start(path: str, fingerprint: Fingerprint) -> Plan:

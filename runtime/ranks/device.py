@@ -27,6 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.artifacts.memory_budget import device_budget
+from planner.study.isolation import device_memory_cap
+
 
 class Device:
     """A rank's device: ``"cpu"`` (compute synchronous, memory read by the profiler elsewhere) or ``"cuda"``.
@@ -105,6 +108,16 @@ class Device:
         """
         raise NotImplementedError("a CPU has no device memory to read")
 
+    def capacity_bytes(self) -> int | None:
+        """The bytes this rank may reach, for the recorder's isolated passes ([Note: Profiling within the device's
+        memory] in ``planner.study.isolation``): on CPU the cap ``PREFETCH_PLANNER_DEVICE_MEMORY`` sets, else
+        ``None``.
+
+        Raises:
+            PlannerError: the setting is not a size.
+        """
+        return device_memory_cap()
+
     def start(self, group: Any = None, together: bool = True) -> float:
         """The clock at the start of a timed stretch, s: every rank of ``group`` there first (``together``: a
         barrier), then the device synchronized, so nothing queued before is in the time."""
@@ -167,6 +180,14 @@ class CUDADevice(Device):
     def free_and_total(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info()
         return int(free), int(total)
+
+    def capacity_bytes(self) -> int | None:
+        """What the caching allocator holds plus what the device has free, less a margin
+        (``planner.artifacts.memory_budget.device_budget``); the setting's cap where it is tighter."""
+        free, total = self.free_and_total()
+        reachable = int(device_budget(free, self.reserved(), total).value)
+        cap = device_memory_cap()
+        return reachable if cap is None else min(reachable, cap)
 
 
 _DEVICES = {"cpu": Device(), "cuda": CUDADevice()}

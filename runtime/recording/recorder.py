@@ -8,10 +8,12 @@ What it records and how (docs/architecture.md, "Measurement"):
 
 - Gradient accumulation: the workload's microbatches per step (``Profile.microbatches``); the module figures below are
   per microbatch, the step figures per step (every microbatch and the optimizer).
-- Peak memory, step ms and optimizer ms of FSDP2's default plan, after everything else, each step through the one
-  step runner (:mod:`runtime.recording.steps`, its figures read by :mod:`runtime.recording.step_figures`): the peak
-  of :data:`runtime.recording.peak_memory.PEAK_STEPS` untimed steps, and what the optimizer step allocates on top
-  (:class:`runtime.recording.peak_memory.PeakMeter`); then the median over timed steps, last of all, when the run has
+- Peak memory, step ms and optimizer ms of FSDP2's default plan, each step through the one step runner
+  (:mod:`runtime.recording.steps`, its figures read by :mod:`runtime.recording.step_figures`): first the peak of
+  :data:`runtime.recording.peak_memory.PEAK_STEPS` untimed steps, and what the optimizer step allocates on top
+  (:class:`runtime.recording.peak_memory.PeakMeter`), which the isolated passes' memory rule reads ([Note:
+  Profiling within the device's memory] in :mod:`planner.study.isolation`); then the median over timed steps,
+  last of all, when the run has
   settled (the first steps after the model is built run far slower: [Note: Why the isolated figures are not
   enough] in :mod:`planner.simulation.in_step`; the steps just after the isolated passes and the profiled peak
   steps too: [Note: The default's step is timed last]).
@@ -47,10 +49,11 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.artifacts.config import StudyConfig
+from planner.artifacts.memory_budget import MemoryBudget
 from planner.artifacts.profile import Profile
 from planner.artifacts.rank_measurements import IsolatedMeasurements, RankMeasurements
 from planner.errors import PlannerError
-from planner.study.in_loop import isolation_groups
+from planner.study.isolation import isolation_groups, isolation_limit
 from runtime.apply import model_fingerprint
 from runtime.current import fsdp2_default
 from runtime.ranks.allocator import loaded_allocator
@@ -86,16 +89,9 @@ ASYNC_PAIRS = 5
 # tried and rejected (docs/decisions/anchor-guard.md).
 
 
-def _default_plan_steps(workload: Workload, steps: int, figures: StepFigures) -> dict[str, Any]:
-    """FSDP2's default plan through the step runner (:class:`runtime.recording.steps.WorkloadSteps`), its figures
-    read by ``figures``, in this order: its peak memory; on CPU at world size 2 or more, the async default's step
-    over the default's ([Note: The async default, timed in turn with the default]); then ``steps`` timed steps
-    ([Note: The default's step is timed last]).
-
-    Returns:
-        The step figures ``figures`` does not read: the async ratio, the timed steps' mean page faults and kernel
-        CPU ms a step, and the allocator the rank runs under ([Note: The allocator's share of the anchor] in
-        planner/simulation/in_step.py), as :class:`~planner.artifacts.rank_measurements.StepMeasurements` fields.
+def _peak_steps(workload: Workload, figures: StepFigures) -> WorkloadSteps:
+    """FSDP2's default's peak steps through the step runner, their figures read by ``figures``: the runner, for
+    the default's later steps (:func:`_default_plan_steps`).
 
     Raises:
         StepFailed: a step raised.
@@ -103,9 +99,26 @@ def _default_plan_steps(workload: Workload, steps: int, figures: StepFigures) ->
     runner = WorkloadSteps(workload, [fsdp2_default(workload.model)], applied=0)  # as wrapped: nothing applied
     runner.side.recorder = figures
     runner.run_all([RoundStep(RECORD_PEAK, 0)] * PEAK_STEPS)
+    return runner
+
+
+def _default_plan_steps(runner: WorkloadSteps, steps: int) -> dict[str, Any]:
+    """FSDP2's default's timed steps through the step runner (:class:`runtime.recording.steps.WorkloadSteps`, its
+    figures read by its recorder), after its peak steps and the isolated passes: on CPU at world size 2 or more,
+    the async default's step over the default's ([Note: The async default, timed in turn with the default]); then
+    ``steps`` timed steps ([Note: The default's step is timed last]).
+
+    Returns:
+        The step figures the recorder does not read: the async ratio, the timed steps' mean page faults and kernel
+        CPU ms a step, and the allocator the rank runs under ([Note: The allocator's share of the anchor] in
+        planner/simulation/in_step.py), as :class:`~planner.artifacts.rank_measurements.StepMeasurements` fields.
+
+    Raises:
+        StepFailed: a step raised.
+    """
     async_ratio = None
     if runner.side.device == "cpu" and dist.get_world_size() > 1:
-        set_async_op = unshard_async_op_setter(workload.model)
+        set_async_op = unshard_async_op_setter(runner.workload.model)
         ratios = []
         for s in range(max(steps, ASYNC_PAIRS)):
             timed = {}
@@ -193,35 +206,46 @@ class Recorder(StepFigures):
         """
         if self.isolated_figures is not None:
             return []
-        self.isolated_figures = self.isolate_next(config, gather)
+        self.isolated_figures = self.isolate_next(config.search.budget(), gather)
         timed = [RoundStep(RECORD, 0)] * config.measure.steps if self.isolated_figures is not None else []
         return [RoundStep(RECORD_WARMUP, 0)] + timed
 
-    def isolate_next(self, config: StudyConfig, gather: Callable[[Any], list[Any]]) -> IsolatedMeasurements | None:
-        """The next isolated pass (collective: every rank calls it, between two steps): this rank's isolated
-        figures of every module once the last pass has run (:func:`runtime.recording.consolidation.merge_isolated`),
-        else ``None``. The first call decides the passes from the recorded peaks and the memory budget
-        (:func:`planner.study.in_loop.isolation_groups`: all modules at once, or a few at a time, one pass between
-        two steps) and also times the collectives.
+    def isolate_next(self, budget: MemoryBudget | None,
+                     gather: Callable[[Any], list[Any]]) -> IsolatedMeasurements | None:
+        """The next isolated pass (collective: every rank calls it, after FSDP2's default's peak steps, between two
+        steps): this rank's isolated figures of every module once the last pass has run
+        (:func:`runtime.recording.consolidation.merge_isolated`), else ``None``. The first call decides the passes
+        from the recorded peaks, the tightest rank's device memory and ``budget``
+        (:func:`planner.study.isolation.isolation_groups`: all modules at once, or a few at a time) and also times
+        the collectives.
 
         Args:
-            config: the in-loop study (its memory budget).
+            budget: the study's memory budget (``None``: none).
             gather: every rank's object, by rank (``runtime.ranks.collectives.gather_objects`` on the control group).
 
         Raises:
-            PlannerError: a single module does not fit under the budget; as :meth:`isolated`; the passes disagree
+            PlannerError: a single module does not fit under the limit; as :meth:`isolated`; the passes disagree
                 on the post-forward order.
         """
-        clock = device_of(self.device).clock
-        t0 = clock()
+        device = device_of(self.device)
+        t0 = device.clock()
         if self.passes is None:  # the same on every rank: every figure in it is
-            default_peak = max(max(p) for p in gather(self.peaks))
+            try:  # every rank reaches the gather, a bad setting or not: the ranks raise together
+                mine: tuple[int, int | None, str | None] = (max(self.peaks), device.capacity_bytes(), None)
+            except PlannerError as e:
+                mine = (max(self.peaks), None, str(e))
+            peaks, capacities, errors = zip(*gather(mine), strict=True)
+            if any(errors):
+                raise PlannerError(next(e for e in errors if e))
+            known = [c for c in capacities if c is not None]
+            default_peak = max(peaks)
             fp = model_fingerprint(self.model)
             modules = list(zip(fp.module_fqns, fp.param_bytes, strict=True))
-            self.passes = isolation_groups(config, default_peak, modules, sum(fp.param_bytes) // fp.world_size)
+            limit = isolation_limit(budget, min(known) if known else None, default_peak)
+            self.passes = isolation_groups(limit, default_peak, modules, sum(fp.param_bytes) // fp.world_size)
         held = self.passes[len(self.parts)]
         self.parts.append(self.isolated(only=None if len(self.passes) == 1 else held, collectives=not self.parts))
-        self._isolation_s += clock() - t0
+        self._isolation_s += device.clock() - t0
         if len(self.parts) < len(self.passes):
             return None
         try:
@@ -234,7 +258,7 @@ class Recorder(StepFigures):
         """What the isolated passes cost, for the log: seconds between steps, and how many passes."""
         passes = self.passes or []
         return f"isolated passes {self._isolation_s:.1f} s between steps" + (
-            f", {len(passes)} passes of at most {max(map(len, passes))} module(s) each (the memory budget)"
+            f", {len(passes)} passes of at most {max(map(len, passes))} module(s) each (the memory they may reach)"
             if len(passes) > 1 else "")
 
     def isolated(self, only: tuple[str, ...] | None = None, collectives: bool = True) -> IsolatedMeasurements:
@@ -295,35 +319,46 @@ class Recorder(StepFigures):
 
 
 def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, repeats: int = 3,
-                   per_module: bool = False) -> Profile:
+                   budget: MemoryBudget | None = None, per_module: bool = False) -> Profile:
     """Record a :class:`Profile` on every rank (collective: all ranks call it).
+
+    The steps, in order: ``warmup_steps`` untimed steps; FSDP2's default's peak steps; the isolated passes, as
+    many as the memory they may reach asks for ([Note: Profiling within the device's memory] in
+    ``planner.study.isolation``); one untimed step, which washes out what the passes left; on CPU at world size 2
+    or more, pairs of the default and the async default in turn; the ``steps`` timed steps last
+    (:func:`_default_plan_steps`). The in-loop tuner runs the same order, one pass between two of the user's steps.
 
     Args:
         workload: this rank's workload; its model must not have run a plan
             other than FSDP2's default.
         warmup_steps: untimed default-plan steps first.
-        steps: timed default-plan steps (step ms, optimizer ms), run last; before them the peak steps, then, on
-            CPU at world size 2 or more, as many pairs (at least ``ASYNC_PAIRS``) of the default and the async
-            default in turn.
+        steps: timed default-plan steps (step ms, optimizer ms), run last.
         repeats: repeats of each compute and communication measurement
             (medians are kept; one extra warm-up repeat is dropped).
-        per_module: the isolated compute passes hold one module unsharded at a time, the others as in FSDP2's
-            default (what the in-loop tuner does under a tight memory budget); else every module at once.
+        budget: the study's memory budget (``[search] memory_budget``), which the passes also keep to.
+        per_module: every pass holds one module unsharded, whatever the memory allows (``bench.trace_profile``
+            compares the two).
 
     Returns:
         The consolidated profile (the same on every rank). Times in ms,
         sizes in bytes.
+
+    Raises:
+        PlannerError: a single module does not fit in the memory the passes may reach, or as
+            :meth:`Recorder.isolate_next`.
     """
     recorder = Recorder(workload.model, repeats, workload)
     try:
         for s in range(warmup_steps):  # the optimizer state exists before its bytes are counted
             train_step(workload, s)
+        runner = _peak_steps(workload, recorder)
         if per_module:
-            isolated = merge_isolated([recorder.isolated(only=(fqn,), collectives=i == 0)
-                                       for i, (fqn, _) in enumerate(fsdp_modules(workload.model))])
-        else:
-            isolated = recorder.isolated()
-        more = _default_plan_steps(workload, steps, recorder)
+            recorder.passes = [(fqn,) for fqn, _ in fsdp_modules(workload.model)]
+        isolated = None
+        while isolated is None:
+            isolated = recorder.isolate_next(budget, gather_objects)
+        runner.run_all([RoundStep(RECORD_WARMUP, 0)])
+        more = _default_plan_steps(runner, steps)
     finally:
         recorder.remove()
     return recorder.profile(isolated, gather_objects, workload.microbatches, **more)

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from planner.artifacts.fingerprint import Fingerprint
-from planner.errors import PlannerError, StudyConfigError, StudyModelMismatchError
+from planner.errors import StudyConfigError, StudyModelMismatchError
 from planner.study.in_loop import (
     block_times,
     in_loop_config,
-    isolation_groups,
     plan_at_start,
     recheck_config,
     start_decision,
@@ -72,33 +71,6 @@ def test_block_steps_and_times():
     assert block_times(block, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == [{0: 1.0, 1: 2.0, 2: 3.0}, {2: 4.0, 0: 5.0, 1: 6.0}]
     with pytest.raises(ValueError, match="5 step times for a block of 6 steps"):
         block_times(block, [1.0] * 5)
-
-
-def test_isolation_holds_every_module_at_once_or_a_few_at_a_time_under_the_budget():
-    """A pass needs the default's peak, the sharded gradients and twice its modules' bytes: 100 + 0 + 2 x (10 + 4 x
-    10) = 200 MiB for all five modules at once; under less, the modules fill passes in order; one module over the
-    budget alone is refused."""
-    mib = 1 << 20
-    modules = [("", 10 * mib)] + [(f"layers.{i}", 10 * mib) for i in range(4)]
-    every = [("", "layers.0", "layers.1", "layers.2", "layers.3")]
-    assert isolation_groups(in_loop_config("job", "sqlite://"), 100 * mib, modules) == every  # no budget
-    assert isolation_groups(in_loop_config("job", "sqlite://", "+100%"), 100 * mib, modules) == every  # 200 = 200
-    assert isolation_groups(in_loop_config("job", "sqlite://", "+99%"), 100 * mib, modules) == [
-        ("", "layers.0", "layers.1", "layers.2"), ("layers.3",)]  # 180 fits 199, 200 does not
-    assert isolation_groups(in_loop_config("job", "sqlite://", "+40%"), 100 * mib, modules) == [
-        ("", "layers.0"), ("layers.1", "layers.2"), ("layers.3",)]
-    assert isolation_groups(in_loop_config("job", "sqlite://", "+20%"), 100 * mib, modules) == [
-        ("",), ("layers.0",), ("layers.1",), ("layers.2",), ("layers.3",)]
-    uneven = [("", 30 * mib), ("layers.0", 5 * mib), ("layers.1", 5 * mib)]
-    assert isolation_groups(in_loop_config("job", "sqlite://", "+60%"), 100 * mib, uneven) == [
-        ("",), ("layers.0", "layers.1")]
-    assert isolation_groups(in_loop_config("job", "sqlite://", "+70%"), 100 * mib, uneven) == [
-        ("", "layers.0"), ("layers.1",)]  # 100 + 2 x 35 = 170
-    assert isolation_groups(in_loop_config("job", "sqlite://", "+70%"), 100 * mib, uneven, 1 * mib) == [
-        ("",), ("layers.0", "layers.1")]  # the user's sharded gradients, alive through the passes: 171 > 170
-    with pytest.raises(PlannerError, match=r"a module unsharded with its gradient \('': up to 160.0 MiB per rank\), "
-                                           r"over the memory budget \+59% \(159.0 MiB\)"):
-        isolation_groups(in_loop_config("job", "sqlite://", "+59%"), 100 * mib, uneven)
 
 
 def test_a_recheck_races_the_recommendation_alone_on_the_stored_profile(tmp_path, make_profile):

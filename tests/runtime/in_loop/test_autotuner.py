@@ -276,7 +276,8 @@ def test_isolated_passes_a_module_at_a_time_agree_with_every_module_at_once(tmp_
     bytes and parameter needs as every module at once, no all-gather inside a held module's window, the user's gradients
     untouched, each module's unsharded gradients freed when its backward ends, and each pass's peak within what
     ``isolation_groups`` budgets for it."""
-    from planner.study.in_loop import in_loop_config, isolation_groups
+    from planner.artifacts.memory_budget import MemoryBudget
+    from planner.study.isolation import isolation_groups, isolation_limit
 
     out = tmp_path / "isolated.json"
     factory, kwargs = LLAMA
@@ -312,8 +313,8 @@ def test_isolated_passes_a_module_at_a_time_agree_with_every_module_at_once(tmp_
         assert peak <= r["full_peak"]  # never above every module at once (equal here: freed gradients, above)
     # the budget that holds exactly one block with its gradient asks for one pass per module
     one = r["default_peak"] + grads + 2 * max(module_bytes.values())
-    config = in_loop_config("job", "sqlite://", f"{one}B")
-    assert isolation_groups(config, r["default_peak"], list(module_bytes.items()), grads) == [
+    limit = isolation_limit(MemoryBudget.parse(f"{one}B"), None, r["default_peak"])
+    assert isolation_groups(limit, r["default_peak"], list(module_bytes.items()), grads) == [
         (fqn,) for fqn in module_bytes]
 
 

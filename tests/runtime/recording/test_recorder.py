@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 import runtime.recording.collective_timer as collective_timer
 import runtime.recording.isolated as isolated
 import runtime.recording.recorder as recorder
@@ -94,7 +96,7 @@ def test_a_slow_stretch_moves_no_module_figure_when_the_collectives_are_timed_in
 
 
 def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mesh, monkeypatch):
-    """[Note: The default's step is timed last]: a slow stretch after the isolated passes and the profiled peak steps,
+    """[Note: The default's step is timed last]: a slow stretch after the profiled peak steps and the isolated passes,
     as long as the async pairs, lands on the pairs, whose ratio of neighbours cancels it, and not on the default's
     step ms, the anchor of every prediction. Timed first (an earlier order), the stretch read 3 x; timed
     right after the peak steps (another earlier order), a stretch after them would have."""
@@ -133,7 +135,7 @@ def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mes
     monkeypatch.setattr(recorder, "unshard_async_op_setter", setter)
     monkeypatch.setattr(recorder.dist, "get_world_size", lambda *args, **kwargs: 2)
     one = recorder.Recorder(workload.model, 1, workload)
-    more = recorder._default_plan_steps(workload, 5, one)
+    more = recorder._default_plan_steps(recorder._peak_steps(workload, one), 5)
     one.remove()
     figures = one.measurements(**more)
 
@@ -160,10 +162,47 @@ def test_a_users_loop_records_in_record_profiles_order(tmp_path, monkeypatch):
     loop = recorder.Recorder(nn.Linear(2, 2), repeats=1)
     figures = object()
     passes = iter([None, figures])  # two passes of a few modules each
-    monkeypatch.setattr(loop, "isolate_next", lambda config, gather: next(passes))
+    monkeypatch.setattr(loop, "isolate_next", lambda budget, gather: next(passes))
     try:
         kinds = [[s.kind for s in loop.loop_next(config, None)] for _ in range(3)]
     finally:
         loop.remove()
     assert kinds == [[RECORD_WARMUP], [RECORD_WARMUP] + [RECORD] * 3, []]
     assert loop.isolated_figures is figures
+
+
+def test_a_model_is_profiled_a_few_modules_at_a_time_under_the_device_memory_cap(mesh, monkeypatch):
+    """[Note: Profiling within the device's memory]: ``record_profile`` under ``PREFETCH_PLANNER_DEVICE_MEMORY``
+    smaller than the model unsharded with its gradients holds a few modules per isolated pass, never the whole model,
+    after the default's peak steps (whose peak the rule reads); the figures are those of the whole model at once. A
+    cap no single module fits under is one line naming the setting."""
+    from planner.errors import PlannerError
+    from planner.study.isolation import DEVICE_MEMORY_ENV
+
+    workload = mlp(mesh, dim=128, layers=4)
+    held: list[tuple[str, ...] | None] = []
+    isolated_of = recorder.Recorder.isolated
+
+    def isolated_spy(self, only=None, collectives=True):
+        held.append(only)
+        return isolated_of(self, only, collectives)
+
+    monkeypatch.setattr(recorder.Recorder, "isolated", isolated_spy)
+    whole = recorder.record_profile(workload, warmup_steps=1, steps=1, repeats=1)
+    assert held == [None]  # no cap: every module at once
+    fp = model_fingerprint(workload.model)
+    total, largest = sum(fp.param_bytes), max(fp.param_bytes)
+    # the rule's charge for one pass: the default's peak, the sharded gradients, twice the held modules' bytes
+    cap = whole.measured_peak_bytes + total + 2 * largest + total // 2
+    assert cap < whole.measured_peak_bytes + total + 2 * total  # smaller than the whole model's charge
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, f"{cap}B")
+    held.clear()
+    capped = recorder.record_profile(workload, warmup_steps=1, steps=1, repeats=1)
+    assert len(held) > 1 and None not in held
+    assert sorted(fqn for group in held for fqn in group) == sorted(fp.module_fqns)
+    assert capped.post_forward_order == whole.post_forward_order
+    assert all(capped.modules[f].activation_bytes == whole.modules[f].activation_bytes for f in fp.module_fqns)
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "1KiB")
+    refused = rf"over the device memory the tightest rank can reach .*{DEVICE_MEMORY_ENV}"
+    with pytest.raises(PlannerError, match=refused):
+        recorder.record_profile(workload, warmup_steps=1, steps=1, repeats=1)
