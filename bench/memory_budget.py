@@ -90,13 +90,15 @@ def _sim_study(profile: Profile, study: str, sim_trials: int, memory_budget_byte
     import optuna
 
     from planner.artifacts.config import load_study_config
+    from planner.artifacts.memory_budget import PeakBudget
     from planner.simulation.parameters import simulator_for
     from planner.study import simulated_stage
     from search_spaces import get_space
 
     config = load_study_config(study, space="assign", sim_trials=sim_trials)
+    budget = PeakBudget(memory_budget_bytes) if memory_budget_bytes is not None else None
     return simulated_stage(simulator_for(profile, params), config, optuna.storages.InMemoryStorage(),
-                           get_space("assign"), show_progress_bar=False, memory_budget_bytes=memory_budget_bytes)
+                           get_space("assign"), show_progress_bar=False, budget=budget)
 
 
 def unconstrained_best(profile: Profile, study: str, sim_trials: int, params: SimParams | None) -> Plan:
@@ -111,6 +113,7 @@ def candidates(profile: Profile, study: str, sim_trials: int, memory_budget_byte
                params: SimParams | None) -> dict[str, Plan]:
     """Named candidates predicted within the budget: up to 3 per-module ``assign`` plans, the 2 best uniform."""
 
+    from planner.artifacts.memory_budget import PeakBudget
     from planner.simulation.parameters import simulate
     from planner.study import select_candidates
     from search_spaces import get_space
@@ -120,7 +123,7 @@ def candidates(profile: Profile, study: str, sim_trials: int, memory_budget_byte
     grid = [(g, space.build(g, profile)) for g in space.grid(profile)]
     uniform_keys = {plan.behaviour_key() for _, plan in grid}
     per_module = [c for c in select_candidates(sim, profile, get_space("assign"), 6,
-                                               memory_budget_bytes=memory_budget_bytes)
+                                               budget=PeakBudget(memory_budget_bytes))
                   if c.plan.behaviour_key() not in uniform_keys][:3]
     fitting = []
     for g, plan in grid[1:]:  # FSDP2's default first: not a candidate

@@ -19,6 +19,7 @@ TUNE_MODULES = (
     "planner.study.session",
     "runtime.measuring.measure",
     "runtime.measuring.round",
+    "runtime.ranks.budget",
     "runtime.ranks.interrupts",
     "search_spaces.session",
 )

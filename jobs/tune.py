@@ -26,6 +26,7 @@ from planner.study.session import TuneOutcome, TuningSession
 from runtime.apply import model_fingerprint
 from runtime.current import own_plan, record_under_fsdp2_default
 from runtime.measuring.measure import measured_round
+from runtime.ranks.budget import with_device_budget
 from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
 from runtime.ranks.rank import job_rank
 from runtime.recording.recorder import record_profile
@@ -84,6 +85,10 @@ class TuneJob:
                 with interrupts_raise():
                     try:
                         workload = build_study_workload(self.config.workload, mesh)
+                        device_type = next(workload.model.parameters()).device.type
+                        self.config, line = with_device_budget(self.config, device_type, group)
+                        if line is not None and rank0:
+                            logger.info(line)
                         user_plan = own_plan(workload.model)  # the race's baseline where the factory sets a plan
                         profile = self._record(workload)
                         if rank0:

@@ -66,3 +66,17 @@ def test_the_command_line_loads_none_of_the_tuner_until_a_command_runs():
     assert proc.returncode == 0, proc.stderr
     assert [m for m in json.loads(proc.stdout) if any(m == t or m.startswith(t + ".") for t in TUNER_MODULES)] == []
     assert set(_loaded("import jobs.cli")) & {"torch", "numba", "optuna", "scipy", "sqlalchemy"} == set()
+
+
+def test_a_verify_rank_loads_none_of_the_tuner():
+    """A verify rank runs a plan as a user's job does (``jobs.verify``): the modules it imports to build, apply,
+    time and gather (the device module among them, which reads the device-memory setting) load nothing of
+    ``jobs.verify.TUNER_MODULES``."""
+    from jobs.verify import TUNER_MODULES
+
+    imports = ("import json, sys; import jobs.verify, planner.statistics.schedule, runtime.apply, "
+               "runtime.ranks.collectives, runtime.ranks.device, runtime.ranks.rank, runtime.timing, "
+               "runtime.workload; print(json.dumps(sorted(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [m for m in json.loads(proc.stdout) if any(m == t or m.startswith(t + ".") for t in TUNER_MODULES)] == []

@@ -8,10 +8,13 @@ it and ``planner.simulation.simulator`` predicts it (``SimResult.peak_bytes``).
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from planner.errors import MemoryBudgetError, StudyConfigError
+from planner.errors import MemoryBudgetError, PlannerError, StudyConfigError
 from planner.units import mib, parse_bytes
 
 _PERCENT = re.compile(r"^\s*\+\s*(\d+(?:\.\d+)?)\s*%\s*$")
@@ -101,13 +104,80 @@ def check_feasible(memory_budget_bytes: int, smallest_predicted_bytes: int, text
 DEVICE_MARGIN = 0.10
 
 
-def device_budget(free_bytes: int, reserved_bytes: int, total_bytes: int,
+def device_budget(free_bytes: int, reserved_bytes: int, total_bytes: int, fraction: float = 1.0,
                   margin: float = DEVICE_MARGIN) -> MemoryBudget:
-    """The in-loop tuner's budget on a CUDA device when none is given: what this process can still reach, its
-    caching allocator's reserved bytes plus the device's free bytes (``torch.cuda.mem_get_info``,
-    ``torch.cuda.memory_reserved``), less ``margin`` of the device's total. Absolute, per rank, as every budget is;
-    never below zero. A budget FSDP2's default's own peak exceeds keeps the default: the isolated passes and every
-    candidate are over it, so the tuner stops with the default applied (``planner.study.in_loop.isolation_groups``).
+    """The budget on a CUDA device when none is given (``tune`` and the in-loop tuner alike): what this process can
+    still reach, its caching allocator's reserved bytes plus the device's free bytes (``torch.cuda.mem_get_info``,
+    ``torch.cuda.memory_reserved``), at most the share ``fraction`` of the device's total the process is held to
+    (``torch.cuda.set_per_process_memory_fraction``: the allocator refuses past it), less ``margin`` of the device's
+    total. Absolute, per rank, as every budget is; never below zero. A budget FSDP2's default's own peak exceeds
+    keeps the default: the isolated passes and every candidate are over it, so the tuner stops with the default
+    applied (``planner.study.isolation.isolation_groups``).
     """
-    limit = max(0, int(reserved_bytes + free_bytes - margin * total_bytes))
+    reachable = min(reserved_bytes + free_bytes, fraction * total_bytes)
+    limit = max(0, int(reachable - margin * total_bytes))
     return MemoryBudget(f"{limit}B", float(limit), False, False)
+
+
+# [Note: NCCL's buffers outside the caching allocator]
+# Every NCCL communicator allocates its own device buffers through cudaMalloc, outside PyTorch's caching allocator,
+# so neither the recorder's peaks nor the simulator's see them: per channel and peer, NCCL_BUFFSIZE (4 MiB by
+# default) for the Simple protocol, and smaller LL and LL128 buffers, for ring and tree (NCCL's docs, "Environment
+# Variables": NCCL_BUFFSIZE, NCCL_MAX_NCHANNELS). A plan that adds a communicator (FSDP2's
+# set_separate_reduce_scatter_group: the reduce-scatter's own group, built at the first backward) adds those
+# buffers. The allowance below is stated, not measured: 4 MiB x 2 directions x 32 channels x 2 algorithms. NVLS
+# (Hopper's NVLink SHARP, NCCL_NVLS_ENABLE) allocates more and is not counted: set [search] memory_budget there.
+NCCL_COMMUNICATOR_BYTES = (4 * 2 * 32 * 2) << 20
+
+
+def added_communicators(plan: Any) -> int:
+    """The NCCL communicators a plan builds beyond FSDP2's default's: one where the reduce-scatter has its own
+    process group (``separate_reduce_scatter_group``)."""
+    return 1 if plan.separate_reduce_scatter_group else 0
+
+
+@dataclass(frozen=True)
+class PeakBudget:
+    """What a candidate's predicted peak must fit under, per rank, in bytes ([Note: NCCL's buffers outside the
+    caching allocator]).
+
+    Attributes:
+        limit_bytes: the job's memory budget.
+        error_bytes: the simulator's error on the job's own baseline, what FSDP2's default measured over what it
+            was predicted at (never below zero): added to every candidate's predicted peak.
+        communicator_bytes: the allowance for each NCCL communicator a plan adds (:data:`NCCL_COMMUNICATOR_BYTES`
+            on CUDA; 0 on gloo, whose buffers are host memory the peaks already count).
+    """
+
+    limit_bytes: int
+    error_bytes: int = 0
+    communicator_bytes: int = 0
+
+    def charged(self, plan: Any, peak_bytes: int, predicted: bool = True) -> int:
+        """The bytes ``plan`` is charged at ``peak_bytes`` (predicted, or measured by the caching allocator: then
+        without the simulator's error)."""
+        return peak_bytes + (self.error_bytes if predicted else 0) + self.communicator_bytes * added_communicators(plan)
+
+    def admits(self, plan: Any, peak_bytes: int, predicted: bool = True) -> bool:
+        """Whether ``plan`` at ``peak_bytes`` fits (:meth:`charged` within :attr:`limit_bytes`)."""
+        return self.charged(plan, peak_bytes, predicted) <= self.limit_bytes
+
+
+DEVICE_MEMORY_ENV = "PREFETCH_PLANNER_DEVICE_MEMORY"
+"""The setting that caps the device memory a rank may reach, bytes (``"2GiB"``): on CPU the only device limit the
+isolated passes have, on CUDA the tighter of it and the device's own."""
+
+
+def device_memory_cap(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The cap :data:`DEVICE_MEMORY_ENV` sets, bytes per rank; ``None``: unset.
+
+    Raises:
+        PlannerError: it is set but not a size.
+    """
+    text = environ.get(DEVICE_MEMORY_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise PlannerError(f"{DEVICE_MEMORY_ENV}={text!r}: {e}") from None

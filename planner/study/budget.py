@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from planner.artifacts.config import StudyConfig
-from planner.artifacts.memory_budget import check_feasible
+from planner.artifacts.memory_budget import NCCL_COMMUNICATOR_BYTES, PeakBudget, check_feasible
 from planner.artifacts.plan import Plan
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind
@@ -28,8 +28,11 @@ from planner.units import mib
 logger = logging.getLogger(__name__)
 
 
-def job_budget(config: StudyConfig, profile: Profile, simulator: Simulator, space: SearchSpace) -> int | None:
-    """``[search] memory_budget`` in bytes per rank, checked against the smallest predicted peak in ``space``;
+def job_budget(config: StudyConfig, profile: Profile, simulator: Simulator, space: SearchSpace) -> PeakBudget | None:
+    """``[search] memory_budget`` in bytes per rank, checked against the smallest predicted peak in ``space``, with
+    what each candidate is charged beside its predicted peak: the simulator's error on this job's baseline (FSDP2's
+    default, whose peak the profile measured: its measured peak over its predicted one, never below zero) and, on
+    CUDA, an allowance per NCCL communicator a plan adds ([Note: NCCL's buffers outside the caching allocator]);
     ``None``: unset.
 
     Raises:
@@ -41,31 +44,39 @@ def job_budget(config: StudyConfig, profile: Profile, simulator: Simulator, spac
     budget_bytes = budget.resolve(profile.measured_peak_bytes)
     check_feasible(budget_bytes, smallest_peak(simulator, space), budget.text)
     predicted = simulator.run(Plan.default(profile)).peak_bytes
+    measured = profile.measured_peak_bytes
+    error = max(0, measured - predicted) if measured is not None else 0
+    communicator = NCCL_COMMUNICATOR_BYTES if profile.fingerprint.device_type == "cuda" else 0
     logger.info(f"      memory budget {budget.text}: {mib(budget_bytes)} per rank (FSDP2's default measured "
-                f"{mib(profile.measured_peak_bytes)}, predicted {mib(predicted)})")
-    return budget_bytes
+                f"{mib(measured)}, predicted {mib(predicted)}: each candidate's predicted peak is charged "
+                f"{mib(error)} more" + (f", and {mib(communicator)} per NCCL communicator it adds)" if communicator
+                                        else ")"))
+    return PeakBudget(budget_bytes, error, communicator)
 
 
 def fail_over_budget(stage: MeasuredStage, kept: list[MeasuredTrial], peak_bytes: list[int],
-                     budget_bytes: int | None) -> dict[int, str]:
+                     budget: PeakBudget | None) -> dict[int, str]:
     """Record FAIL (``FailKind.ERROR``: not measured again) each candidate whose measured peak exceeds the budget.
 
     Args:
         kept: the round's trials that applied on every rank, the baseline first.
         peak_bytes: their measured peaks, bytes per rank (max across ranks).
-        budget_bytes: the job's budget, bytes per rank (:func:`job_budget`); ``None``: none.
+        budget: the job's budget (:func:`job_budget`; a measured peak is charged the NCCL allowance, not the
+            simulator's error); ``None``: none.
 
     Returns:
         Position in ``kept`` -> the reason recorded. The baseline is never failed: it is what the job runs without
         the tuner (a budget below every predicted peak is refused earlier: ``check_feasible``).
     """
     out: dict[int, str] = {}
-    if budget_bytes is None:
+    if budget is None:
         return out
     for j, (a, peak) in enumerate(zip(kept, peak_bytes, strict=True)):
-        if j == 0 or peak <= budget_bytes:
+        if j == 0 or budget.admits(a.plan, peak, predicted=False):
             continue
-        out[j] = (f"measured peak {mib(peak)} exceeds the memory budget {mib(budget_bytes)} "
+        charged = budget.charged(a.plan, peak, predicted=False)
+        out[j] = (f"measured peak {mib(peak)}" + (f" ({mib(charged)} with NCCL's buffers)" if charged > peak else "")
+                  + f" exceeds the memory budget {mib(budget.limit_bytes)} "
                   f"(predicted {mib(a.candidate.predicted_peak_bytes)})")
         stage.fail([a], Failure(out[j], FailKind.ERROR), measured_peak_bytes=peak)
     return out

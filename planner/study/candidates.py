@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.memory_budget import PeakBudget
 from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.study.records import SimulatedTrialRecord
@@ -61,7 +62,8 @@ class Candidate:
 
 def candidate(plan: Plan, simulator: Any = None, params: TrialParams | None = None,
               distributions: dict[str, optuna.distributions.BaseDistribution] | None = None, *,
-              prediction: tuple[float, int] | None = None, budget: int | None = None, **marks: Any) -> Candidate | None:
+              prediction: tuple[float, int] | None = None, budget: PeakBudget | None = None,
+              **marks: Any) -> Candidate | None:
     """The one way a :class:`Candidate` is made: ``plan`` with its predicted step and peak, the search-space
     parameters it was built from (none: the plan the model arrived with), and ``marks`` (``reconfirms``,
     ``predicted_for``, ``user_plan``).
@@ -69,20 +71,20 @@ def candidate(plan: Plan, simulator: Any = None, params: TrialParams | None = No
     Args:
         simulator: predicts the plan (``Simulator.run``: step ms, peak bytes) where ``prediction`` is not given.
         prediction: ``(step ms, peak bytes)`` a simulated trial predicted already.
-        budget: the memory budget, bytes per rank: a plan predicted over it is no candidate (``None``); ``None``:
-            no budget.
+        budget: the memory budget: a plan it does not admit at its predicted peak is no candidate (``None``;
+            :meth:`~planner.artifacts.memory_budget.PeakBudget.admits`); ``None``: no budget.
     """
     if prediction is None:
         result = simulator.run(plan)
         prediction = (result.step_ms, result.peak_bytes)
     step_ms, peak_bytes = prediction
-    if budget is not None and peak_bytes > budget:
+    if budget is not None and not budget.admits(plan, peak_bytes):
         return None
     return Candidate(dict(params or {}), dict(distributions or {}), plan, step_ms, peak_bytes, **marks)
 
 
 def trial_candidate(trial: optuna.trial.FrozenTrial, profile: Profile, space: SearchSpace, simulator: Any, *,
-                    budget: int | None = None, **marks: Any) -> Candidate | None:
+                    budget: PeakBudget | None = None, **marks: Any) -> Candidate | None:
     """A trial's plan, rebuilt from its parameters for ``profile``, as a :func:`candidate` (``None``: over
     ``budget``).
 
@@ -125,13 +127,14 @@ def in_round_order(default: Candidate | None, simulated: list[Candidate], *, use
     return out
 
 
-def round_candidates(earlier: EarlierJobs, sim_study: optuna.Study, budget: int | None, retries: list[MeasuredTrial], *,
+def round_candidates(earlier: EarlierJobs, sim_study: optuna.Study, budget: PeakBudget | None,
+                     retries: list[MeasuredTrial], *,
                      user_plan: Plan | None = None, start_from: Plan | None = None) -> list[Candidate]:
     """A job's candidates in the order of [Note: The round's candidates in order], the re-queued ``retries`` (trials
     already) aside: the plans a stopped job left unmeasured first within ``[search] measured_trials``, then the
     simulated stage's picks ([Note: Candidates worth racing]), the study's recommendation raced again, the plan
     predicted for this cluster (``start_from``) and the plan the model arrived with (``user_plan``); none
-    predicted over ``budget`` (bytes per rank) but the user's, the baseline.
+    over ``budget`` (:func:`candidate`) but the user's, the baseline.
 
     Raises:
         PlanMismatchError: ``user_plan`` or ``start_from`` is not a plan of this model (or ``start_from`` has no
@@ -146,7 +149,7 @@ def round_candidates(earlier: EarlierJobs, sim_study: optuna.Study, budget: int 
         logger.info(f"      resuming: {len(resumed)} plan(s) of interrupted trials race again")
     picks = select_candidates(sim_study, profile, space, config.search.measured_trials - len(resumed),
                               exclude=settled | {plan_key(c.plan) for c in resumed},
-                              band_pct=config.search.candidate_band_pct, memory_budget_bytes=budget)
+                              band_pct=config.search.candidate_band_pct, budget=budget)
     default = next((c for c in picks if c.plan.is_default_for(profile)), None)
     recommended = earlier.recommended(budget)
     if recommended is not None:
@@ -245,7 +248,7 @@ def select_candidates(
     k: int,
     exclude: frozenset[str] | set[str] = frozenset(),
     band_pct: float = 5.0,
-    memory_budget_bytes: int | None = None,
+    budget: PeakBudget | None = None,
 ) -> list[Candidate]:
     """FSDP2's default followed by up to ``k`` simulated plans worth racing ([Note: Candidates worth racing]).
 
@@ -257,14 +260,14 @@ def select_candidates(
         band_pct: plans predicted within this many % of the best are "as good
             as the model can tell"; among them the selection prefers plans
             that differ in what they do.
-        memory_budget_bytes: only plans predicted within this peak (bytes per rank)
-            are candidates; ``None``: no budget.
+        budget: only plans it admits at their predicted peak are candidates (:func:`candidate`); ``None``: no
+            budget.
     """
     grid = space.uniform_grid(profile)  # the hand-set baseline: uniform knobs only
     ranked = distinct_plans(sim_study, profile, space)
     default = next(((t, p) for t, p in ranked if p.is_default_for(profile)), None)
     rest = [(t, p) for t, p in ranked if not p.is_default_for(profile) and plan_key(p) not in exclude
-            and (memory_budget_bytes is None or _peak(t) <= memory_budget_bytes)]
+            and (budget is None or budget.admits(p, _peak(t)))]
     chosen: list[tuple[optuna.trial.FrozenTrial, Plan]] = []
     uniform = [(t, p) for t, p in rest if t.params in grid]
     if uniform and k > 0:

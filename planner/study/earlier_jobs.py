@@ -26,6 +26,7 @@ from planner.study.measured import MeasuredStage, MeasuredTrial
 from planner.study.records import Failure, MeasuredTrialRecord
 
 if TYPE_CHECKING:
+    from planner.artifacts.memory_budget import PeakBudget
     from planner.study.queries import BestPlan
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class EarlierJobs:
                 keys.add(r.plan_key)
         return keys
 
-    def interrupted(self, exclude: set[str], budget: int | None = None) -> list[Candidate]:
+    def interrupted(self, exclude: set[str], budget: PeakBudget | None = None) -> list[Candidate]:
         """The plans of trials a stopping job failed as interrupted, to measure again, best predicted first.
 
         A job that stops for any reason but SIGKILL records the trials it held
@@ -137,7 +138,7 @@ class EarlierJobs:
         max_retry + 1`` times, the bound Optuna's retry callback puts on a stale
         plan. FSDP2's default never comes back this way: every round measures
         it. A trial whose parameters no longer build a plan for this profile, or
-        whose plan is predicted over ``budget`` (bytes per rank), is left out.
+        whose plan ``budget`` does not admit (``candidates.candidate``), is left out.
         """
         with self.stage.storage_errors():
             trials = self.stage.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
@@ -177,11 +178,11 @@ class EarlierJobs:
             raise StudyNotFoundError(f"study {self.stage.config.name!r} has no concluded tuning job for this model yet")
         return best
 
-    def recommended(self, budget: int | None = None) -> Candidate | None:
+    def recommended(self, budget: PeakBudget | None = None) -> Candidate | None:
         """The study's recommendation for this profile's model and world size, or its pending plan, as a candidate
         to race again ([Note: One recommendation, re-confirmed by every job]); ``None`` when it is FSDP2's default
-        with nothing pending, there is none yet, its plan no longer builds for this profile, or it is predicted over
-        ``budget`` (bytes per rank)."""
+        with nothing pending, there is none yet, its plan no longer builds for this profile, or ``budget`` does not
+        admit it."""
         from planner.study.queries import best_in
 
         with self.stage.storage_errors():

@@ -9,7 +9,7 @@ passes hold what fits under the tighter of two limits, per rank:
 
 - the device's memory: what the tightest rank can reach (``runtime.ranks.device.Device.capacity_bytes``: on CUDA
   the caching allocator's reserved bytes plus the device's free bytes, less a margin; on CPU the cap a setting
-  gives, :data:`DEVICE_MEMORY_ENV`, else none);
+  gives, ``PREFETCH_PLANNER_DEVICE_MEMORY``, else none);
 - the study's ``[search] memory_budget``, the peak a plan may reach.
 
 A pass is charged FSDP2's default step's measured peak (the plan the model runs while it is recorded), the sharded
@@ -20,31 +20,11 @@ else the modules fill passes in turn (greedy, in the model's order).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from planner.artifacts.memory_budget import MemoryBudget
+from planner.artifacts.memory_budget import DEVICE_MEMORY_ENV, MemoryBudget
 from planner.errors import PlannerError
-from planner.units import mib, parse_bytes
-
-DEVICE_MEMORY_ENV = "PREFETCH_PLANNER_DEVICE_MEMORY"
-"""The setting that caps the device memory a rank may reach, bytes (``"2GiB"``): on CPU the only device limit the
-isolated passes have, on CUDA the tighter of it and the device's own."""
-
-
-def device_memory_cap(environ: Mapping[str, str] = os.environ) -> int | None:
-    """The cap :data:`DEVICE_MEMORY_ENV` sets, bytes per rank; ``None``: unset.
-
-    Raises:
-        PlannerError: it is set but not a size.
-    """
-    text = environ.get(DEVICE_MEMORY_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise PlannerError(f"{DEVICE_MEMORY_ENV}={text!r}: {e}") from None
+from planner.units import mib
 
 
 def isolation_limit(budget: MemoryBudget | None, capacity_bytes: int | None,

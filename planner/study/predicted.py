@@ -23,6 +23,7 @@ import optuna
 
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.fingerprint import Fingerprint
+from planner.artifacts.memory_budget import NCCL_COMMUNICATOR_BYTES, PeakBudget
 from planner.artifacts.plan import Plan, Source
 from planner.errors import MemoryBudgetError, PlannerError, TargetError
 from planner.simulation.what_if import Scenario
@@ -76,6 +77,7 @@ def predict_for_target(config: StudyConfig, scenario: Scenario, space: SearchSpa
             every plan's predicted peak.
     """
     from planner.study.candidates import distinct_plans
+    from planner.study.records import SimulatedTrialRecord
     from planner.study.simulated import simulated_stage
 
     target = scenario.target
@@ -84,19 +86,21 @@ def predict_for_target(config: StudyConfig, scenario: Scenario, space: SearchSpa
     there = scenario.simulated
     simulator = scenario.simulator()
     budget = config.search.budget()
-    limit = None
+    limit, charged = None, None
     if budget is not None:
         if budget.relative:
             raise MemoryBudgetError(f"memory_budget {budget.text!r} is relative to FSDP2's default's measured peak, "
                                     "which is not measured on a target; give an absolute budget, e.g. '70GiB'")
         limit = budget.resolve(None)
+        nccl = NCCL_COMMUNICATOR_BYTES if there.fingerprint.device_type == "cuda" else 0
+        charged = PeakBudget(limit, communicator_bytes=nccl)
     sim = simulated_stage(simulator, config, optuna.storages.InMemoryStorage(), space, show_progress_bar=progress,
-                          memory_budget_bytes=limit)
+                          budget=charged)
     default = Plan.default(there)
     default_result = simulator.run(default)
     best = None
     for trial, plan in distinct_plans(sim, there, space):
-        if limit is None or trial.user_attrs.get("predicted_peak_bytes", 0) <= limit:
+        if charged is None or charged.admits(plan, SimulatedTrialRecord.from_trial(trial).predicted_peak_bytes or 0):
             best = (trial, plan)
             break
     if best is None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner.artifacts.config import StudyConfig
+from planner.artifacts.memory_budget import PeakBudget
 from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.errors import FailKind, PlannerError
@@ -131,7 +132,7 @@ class TuningSession:
     Attributes:
         profile: the profile as it stands (with a stored calibration once :meth:`prepare` found one).
         simulator: the profile's simulator (set by :meth:`prepare`).
-        memory_budget_bytes: the memory budget, bytes per rank (set by :meth:`prepare`; ``None``: none).
+        budget: the memory budget, what a candidate is charged under it (set by :meth:`prepare`; ``None``: none).
         schedule: the round's schedule (set by :meth:`start`).
         start_from: a plan predicted for this cluster (``tune --target``), set before :meth:`prepare`: raced first
             among the candidates ([Note: Predicted plans are raced, never recommended] in
@@ -153,7 +154,7 @@ class TuningSession:
         self.plan_out, self.profile_out, self.progress, self.on_drop = plan_out, profile_out, progress, on_drop
         self.critical = critical
         self.simulator: Simulator | None = None
-        self.memory_budget_bytes: int | None = None
+        self.budget: PeakBudget | None = None
         self.stage: MeasuredStage | None = None
         self.earlier: EarlierJobs | None = None
         self.cluster: ClusterSpread | None = None
@@ -176,7 +177,7 @@ class TuningSession:
         self.simulator = simulator_for(self.profile)
         self._log_model()
         # before the storage is opened: a refused budget writes nothing
-        self.memory_budget_bytes = job_budget(config, self.profile, self.simulator, self.space)
+        self.budget = job_budget(config, self.profile, self.simulator, self.space)
         storage = open_storage(config.storage_url, config)
         with storage_errors(config.storage_url):  # Optuna's writes here raise its StorageInternalError
             self.cluster = cluster_spread(storage.engine, ClusterKey.of(self.profile.fingerprint,
@@ -187,12 +188,12 @@ class TuningSession:
                 self.profile, self.simulator = calibrated, simulator_for(calibrated)
             logger.info(f"[2/3] simulated stage: {config.search.sim_trials} trials ({config.search.space} space)")
             sim = simulated_stage(self.simulator, config, storage, self.space, show_progress_bar=self.progress,
-                                  memory_budget_bytes=self.memory_budget_bytes)
+                                  budget=self.budget)
         self.stage = MeasuredStage(config, storage, self.simulator, self.job, self.space, self.source)
         self.earlier = EarlierJobs(self.stage)
         with self.critical():  # trials created RUNNING are held by the stage (fail_held)
             retries = self.earlier.claim_retries()
-        candidates = round_candidates(self.earlier, sim, self.memory_budget_bytes, retries, user_plan=self.user_plan,
+        candidates = round_candidates(self.earlier, sim, self.budget, retries, user_plan=self.user_plan,
                                       start_from=self.start_from)
         with self.critical():
             asked = retries + self.stage.ask(candidates)
@@ -212,7 +213,7 @@ class TuningSession:
     def over_budget(self, kept: list[MeasuredTrial], peak_bytes: list[int]) -> dict[int, str]:
         """Record FAIL each candidate of ``kept`` whose measured peak (``peak_bytes``, max across ranks) exceeds the
         budget; position in ``kept`` -> the reason (``planner.study.budget.fail_over_budget``)."""
-        return fail_over_budget(self.stage, kept, peak_bytes, self.memory_budget_bytes)
+        return fail_over_budget(self.stage, kept, peak_bytes, self.budget)
 
     def start(self, kept: list[MeasuredTrial], peak_bytes: list[int] | None = None) -> Schedule:
         """The schedule of the round's race and confirmation over ``kept`` (the baseline first).
@@ -252,7 +253,7 @@ class TuningSession:
             raise PlannerError("tell the trials the round was started with (TuningSession.start)")
         trials = [(a.number, a.plan, a.candidate.predicted_ms, a.candidate.predicted_peak_bytes) for a in asked]
         measured = measured_plans(self.config.name, trials, self.schedule, self._peaks,
-                                  self.memory_budget_bytes, user_baseline=self.user_plan is not None)
+                                  self.budget and self.budget.limit_bytes, user_baseline=self.user_plan is not None)
         self.stage.tell(asked, measured, step_ms, per_rank)
         return [m.plan for m in measured]
 

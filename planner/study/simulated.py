@@ -7,6 +7,7 @@ import warnings
 import optuna
 
 from planner.artifacts.config import StudyConfig
+from planner.artifacts.memory_budget import PeakBudget
 from planner.errors import PlannerError, StudyConfigError
 from planner.simulation.simulator import Simulator
 from planner.storages.bulk import add_trials_bulk
@@ -32,7 +33,7 @@ def simulated_stage(
     storage: optuna.storages.BaseStorage,
     space: SearchSpace,
     show_progress_bar: bool = True,
-    memory_budget_bytes: int | None = None,
+    budget: PeakBudget | None = None,
 ) -> optuna.Study:
     """Run ``[search] sim_trials`` simulated trials (fewer if ``sim_timeout_s`` runs out) and store them in study
     ``NAME.sim``.
@@ -59,7 +60,8 @@ def simulated_stage(
         storage: where ``NAME.sim`` lives.
         space: the search space (``search_spaces.get_space(config.search.space)``).
         show_progress_bar: Optuna's progress bar.
-        memory_budget_bytes: the memory budget, bytes per rank; ``None``: none.
+        budget: the memory budget (its constraint: what a plan is charged over the limit,
+            ``PeakBudget.charged``); ``None``: none.
 
     Returns:
         The in-memory study (stored and new trials).
@@ -79,12 +81,13 @@ def simulated_stage(
             study.enqueue_trial(p)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
-        result = simulator.run(space.suggest(trial, profile))
+        plan = space.suggest(trial, profile)
+        result = simulator.run(plan)
         record = SimulatedTrialRecord(predicted_peak_bytes=result.peak_bytes, exposed_comm_ms=result.exposed_comm_ms)
         for key, value in record.to_user_attrs().items():
             trial.set_user_attr(key, value)
-        if memory_budget_bytes is not None:  # Optuna's constraint: <= 0 is feasible; TPE and NSGA-II favour them
-            trial.set_constraint(PEAK_OVER_BUDGET, float(result.peak_bytes - memory_budget_bytes))
+        if budget is not None:  # Optuna's constraint: <= 0 is feasible; TPE and NSGA-II favour them
+            trial.set_constraint(PEAK_OVER_BUDGET, float(budget.charged(plan, result.peak_bytes) - budget.limit_bytes))
         return result.step_ms, float(result.peak_bytes)
 
     with warnings.catch_warnings():  # TPE's multi-objective mode warns on each start

@@ -49,20 +49,19 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from planner.artifacts.config import default_storage
-from planner.artifacts.memory_budget import DEVICE_MARGIN
 from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
 from planner.errors import NotShardedError, PlannerError, StudyConfigError, one_line
 from planner.statistics.verdict import Confirmation
 from planner.statistics.watch import COST, Watch, WatchState, watch_every
 from planner.study.in_loop import TunerPhase, in_loop_config, record_watch
-from planner.units import mib
 from runtime.accumulation import holds_between_microbatches
 from runtime.apply import configure_plan, model_fingerprint
 from runtime.current import current_plan, fsdp2_default, own_plan
-from runtime.in_loop.out_of_memory import cuda_budget, recover, recoverable
+from runtime.in_loop.out_of_memory import recover, recoverable
 from runtime.in_loop.round import InLoopRound, RoundEnd
 from runtime.in_loop.watching import WatchedSteps
+from runtime.ranks.budget import with_device_budget
 from runtime.ranks.collectives import control_group, gather_objects
 from runtime.recording.recorder import Recorder
 from runtime.recording.steps import StepSide
@@ -188,12 +187,9 @@ class AutoTuner:
             self._announce(off)
             self.phase = TunerPhase.DONE
             return
-        if memory_budget is None and self.device == "cuda":  # a full GPU is the job's: never risk it
-            budget = cuda_budget(self._group)
-            self.config = self.config.model_copy(update={"search": self.config.search.model_copy(
-                update={"memory_budget": budget.text})})
-            self._log(f"AutoTuner: memory budget {mib(int(budget.value))} per rank, what the device has free less "
-                      f"{DEVICE_MARGIN:.0%} of it (the smallest across ranks); pass memory_budget to set another")
+        self.config, line = with_device_budget(self.config, self.device, self._group)  # a full GPU is the job's
+        if line is not None:
+            self._log(f"AutoTuner: {line.replace('[search] memory_budget', 'pass memory_budget')}")
         if check_only:
             self._check_only()
             return

@@ -1,25 +1,18 @@
-"""Out of memory around the in-loop tuner: the budget it keeps on a CUDA device, and the recovery when a plan it
-chose runs out of memory anyway.
+"""Out of memory around the in-loop tuner: the recovery when a plan it chose runs out of memory anyway.
 
-Prevent first: without a ``memory_budget``, the tuner's budget on a CUDA device is what the process can still reach
-less a margin (:func:`planner.artifacts.memory_budget.device_budget`), the smallest across ranks so that every rank
-groups its isolated passes alike. Then recover: an out-of-memory error in the tuner's own work (an isolated pass
-between steps) or in a user's step that ran a candidate is the tuner's doing; FSDP2's iteration state is reset
-(``FSDPModule.reset_iter_state``: in-flight collectives waited on, every parameter group resharded, the failed
-iteration's gradient reductions discarded), the partial gradients set to ``None`` and the CUDA cache emptied, so the
-next step starts clean. An out-of-memory error under FSDP2's default is the job's own and is never caught.
+Prevent first: without a ``memory_budget``, the tuner's budget on a CUDA device is what the tightest rank can still
+reach less a margin (:mod:`runtime.ranks.budget`, as ``tune``'s). Then recover: an out-of-memory error in the
+tuner's own work (an isolated pass between steps) or in a user's step that ran a candidate is the tuner's doing;
+FSDP2's iteration state is reset (``FSDPModule.reset_iter_state``: in-flight collectives waited on, every parameter
+group resharded, the failed iteration's gradient reductions discarded), the partial gradients set to ``None`` and
+the CUDA cache emptied, so the next step starts clean. An out-of-memory error under FSDP2's default is the job's
+own and is never caught.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
-
-from planner.artifacts.memory_budget import MemoryBudget, device_budget
-from runtime.ranks.collectives import gather_objects
-from runtime.ranks.device import device_of
 
 # The CPU allocator's words for an allocation it could not make (c10's DefaultCPUAllocator); on CUDA the error is
 # torch.OutOfMemoryError.
@@ -48,13 +41,3 @@ def recover(model: nn.Module) -> None:
     model.zero_grad(set_to_none=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def cuda_budget(group: Any) -> MemoryBudget:
-    """The in-loop tuner's default budget on this rank's CUDA device, the smallest across ranks (collective on
-    ``group``): :func:`~planner.artifacts.memory_budget.device_budget` of the device's free and total bytes and
-    this process's reserved bytes."""
-    cuda = device_of("cuda")
-    free, total = cuda.free_and_total()
-    local = device_budget(free, cuda.reserved(), total)
-    return min(gather_objects(local, group), key=lambda b: b.value)

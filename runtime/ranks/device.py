@@ -27,8 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.artifacts.memory_budget import device_budget
-from planner.study.isolation import device_memory_cap
+from planner.artifacts.memory_budget import device_budget, device_memory_cap
 
 
 class Device:
@@ -108,6 +107,11 @@ class Device:
         """
         raise NotImplementedError("a CPU has no device memory to read")
 
+    def release_cache(self) -> None:
+        """Give back to the device what the allocator caches but no tensor holds (CUDA: ``torch.cuda.empty_cache``;
+        nothing on CPU). After the recorder's isolated passes, whose blocks are sized for modules held unsharded
+        together: the job's next steps take what they need afresh instead of holding those."""
+
     def capacity_bytes(self) -> int | None:
         """The bytes this rank may reach, for the recorder's isolated passes ([Note: Profiling within the device's
         memory] in ``planner.study.isolation``): on CPU the cap ``PREFETCH_PLANNER_DEVICE_MEMORY`` sets, else
@@ -181,11 +185,21 @@ class CUDADevice(Device):
         free, total = torch.cuda.mem_get_info()
         return int(free), int(total)
 
+    def release_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def memory_fraction(self) -> float:
+        """The share of the device's memory this process's allocator is held to
+        (``torch.cuda.set_per_process_memory_fraction``; 1.0 where this torch cannot say)."""
+        read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        return float(read()) if read is not None else 1.0
+
     def capacity_bytes(self) -> int | None:
-        """What the caching allocator holds plus what the device has free, less a margin
-        (``planner.artifacts.memory_budget.device_budget``); the setting's cap where it is tighter."""
+        """What the caching allocator holds plus what the device has free, within the process's memory fraction,
+        less a margin (``planner.artifacts.memory_budget.device_budget``); the setting's cap where it is
+        tighter."""
         free, total = self.free_and_total()
-        reachable = int(device_budget(free, self.reserved(), total).value)
+        reachable = int(device_budget(free, self.reserved(), total, self.memory_fraction()).value)
         cap = device_memory_cap()
         return reachable if cap is None else min(reachable, cap)
 
@@ -219,6 +233,9 @@ class CountingDevice(Device):
 
     def synchronize(self) -> None:
         self._count("synchronize")
+
+    def release_cache(self) -> None:
+        self._count("release_cache")
 
     def barrier(self, group: Any = None) -> None:
         self._count("barrier")

@@ -248,6 +248,7 @@ class Recorder(StepFigures):
         self._isolation_s += device.clock() - t0
         if len(self.parts) < len(self.passes):
             return None
+        device.release_cache()  # the passes' blocks, sized for modules held unsharded together
         try:
             return merge_isolated(self.parts)
         except ValueError as e:

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from planner.artifacts.memory_budget import MemoryBudget, check_feasible
+from planner.artifacts.plan import Plan
 from planner.errors import FailKind, MemoryBudgetError, StudyConfigError
 from planner.presentation.cli import main
 from planner.simulation.parameters import simulator_for
@@ -63,7 +64,7 @@ def test_candidates_fit_the_budget_and_over_budget_trials_fail(make_profile, tmp
     session = TuningSession(config, profile, get_space("assign"), job="test", plan_out=str(tmp_path / "plan.json"),
                             profile_out=str(tmp_path / "profile.json"))
     asked, outcome = drive_round(session, [100.0, 90.0, 95.0], peak_bytes=[budget + 1, budget + 1, budget])
-    assert session.memory_budget_bytes == budget
+    assert session.budget.limit_bytes == budget
     trials = study_trials(config.storage_url, "b")
     assert any(t.predicted_peak_bytes > budget for t in trials.simulated)  # the search saw plans over it ...
     assert all(a.candidate.predicted_peak_bytes <= budget for a in asked[1:])  # ... none is raced
@@ -114,3 +115,41 @@ def test_a_cuda_devices_default_budget_is_what_the_process_can_reach_less_the_ma
     assert MemoryBudget.parse(budget.text).resolve(None) == 64 * gib  # its text is a budget as a user writes one
     assert device_budget(free_bytes=2 * gib, reserved_bytes=75 * gib, total_bytes=80 * gib).resolve(None) == 69 * gib
     assert device_budget(free_bytes=1 * gib, reserved_bytes=0, total_bytes=80 * gib).resolve(None) == 0
+
+
+def test_the_process_memory_fraction_caps_the_cuda_default():
+    """``torch.cuda.set_per_process_memory_fraction`` holds the allocator to a share of the device: the default
+    budget is at most that share, less the margin."""
+    from planner.artifacts.memory_budget import device_budget
+
+    gib = 2 ** 30
+    assert device_budget(free_bytes=60 * gib, reserved_bytes=12 * gib, total_bytes=80 * gib,
+                         fraction=0.5).resolve(None) == 32 * gib  # 40 GiB, less 8
+
+
+def test_a_candidate_is_charged_the_baselines_error_and_nccls_buffers(make_profile, tmp_path):
+    """``PeakBudget``: a predicted peak is charged the simulator's error on the job's baseline and, per NCCL
+    communicator the plan adds, the stated allowance; a measured peak (the caching allocator's) the allowance alone.
+    ``job_budget`` sets the error from the profile's measured default peak, and the allowance on CUDA only."""
+    from planner.artifacts.memory_budget import NCCL_COMMUNICATOR_BYTES, PeakBudget
+    from planner.study.budget import job_budget
+    from search_spaces import uniform
+
+    p = make_profile(n_blocks=4)
+    default, separate = Plan.default(p), uniform.build(p, 1, 1).with_knobs(separate_reduce_scatter_group=True)
+    budget = PeakBudget(100, error_bytes=10, communicator_bytes=30)
+    assert (budget.charged(default, 50), budget.charged(separate, 50)) == (60, 90)
+    assert budget.charged(separate, 50, predicted=False) == 80 and not budget.admits(separate, 71)
+    assert NCCL_COMMUNICATOR_BYTES == 512 * MIB
+    simulator = simulator_for(p)
+    predicted = simulator.run(default).peak_bytes
+    measured = dataclasses.replace(p, measured_peak_bytes=predicted + 700)
+    config = study_config(tmp_path, memory_budget="+100%")
+    cpu = job_budget(config, measured, simulator_for(measured), get_space("assign"))
+    assert (cpu.error_bytes, cpu.communicator_bytes) == (700, 0)
+    under = dataclasses.replace(p, measured_peak_bytes=predicted - 700)  # over-predicted: nothing charged
+    assert job_budget(config, under, simulator_for(under), get_space("assign")).error_bytes == 0
+    cuda = dataclasses.replace(measured, fingerprint=dataclasses.replace(measured.fingerprint, device_type="cuda"))
+    assert job_budget(config, cuda, simulator_for(cuda), get_space("assign")).communicator_bytes == \
+        NCCL_COMMUNICATOR_BYTES
+    assert job_budget(study_config(tmp_path), measured, simulator, get_space("assign")) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from planner.artifacts.memory_budget import PeakBudget
 from planner.study.candidates import Candidate, candidate, in_round_order
 from search_spaces import uniform
 
@@ -42,8 +43,14 @@ def test_one_constructor_predicts_a_candidate_and_applies_the_budget(make_profil
     c = candidate(plan, simulator, {"d": 2}, reconfirms=5)
     assert (c.predicted_ms, c.predicted_peak_bytes, c.params, c.reconfirms) == (
         predicted.step_ms, predicted.peak_bytes, {"d": 2}, 5)
-    assert candidate(plan, simulator, budget=predicted.peak_bytes) == dataclasses.replace(c, params={},
-                                                                                         reconfirms=None)
-    assert candidate(plan, simulator, budget=predicted.peak_bytes - 1) is None
-    assert candidate(plan, prediction=(1.0, 10), budget=10).predicted_ms == 1.0  # a trial's own prediction
-    assert candidate(plan, prediction=(1.0, 11), budget=10) is None
+    assert candidate(plan, simulator, budget=PeakBudget(predicted.peak_bytes)) == dataclasses.replace(
+        c, params={}, reconfirms=None)
+    assert candidate(plan, simulator, budget=PeakBudget(predicted.peak_bytes - 1)) is None
+    assert candidate(plan, prediction=(1.0, 10), budget=PeakBudget(10)).predicted_ms == 1.0  # a trial's own
+    assert candidate(plan, prediction=(1.0, 11), budget=PeakBudget(10)) is None
+    # the simulator's error on the baseline is charged to every prediction; NCCL's buffers to a plan that adds a
+    # communicator (its reduce-scatter's own group)
+    assert candidate(plan, prediction=(1.0, 10), budget=PeakBudget(12, error_bytes=3)) is None
+    separate = plan.with_knobs(separate_reduce_scatter_group=True)
+    assert candidate(plan, prediction=(1.0, 10), budget=PeakBudget(12, communicator_bytes=5)) is not None
+    assert candidate(separate, prediction=(1.0, 10), budget=PeakBudget(12, communicator_bytes=5)) is None

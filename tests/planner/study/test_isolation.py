@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.artifacts.memory_budget import MemoryBudget
+from planner.artifacts.memory_budget import DEVICE_MEMORY_ENV, MemoryBudget, device_memory_cap
 from planner.errors import PlannerError
-from planner.study.isolation import DEVICE_MEMORY_ENV, device_memory_cap, isolation_groups, isolation_limit
+from planner.study.isolation import isolation_groups, isolation_limit
 
 MIB = 1 << 20
 

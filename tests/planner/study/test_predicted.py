@@ -99,3 +99,21 @@ def test_tune_target_writes_a_predicted_plan_and_studies_show_lists_it_apart(tmp
     assert "predicted plans (tune --target; not measured, never recommended" in shown.output
     best = runner.invoke(main, ["studies", "best", "s", "--storage", f"sqlite:///{tmp_path}/s.db"])
     assert best.exit_code != 0 or "FSDP2's default" in best.output  # never the predicted plan
+
+
+def test_a_predicted_plan_fits_the_memory_budget(tmp_path):
+    """Under an absolute budget the plan written for the target is predicted within it; under a budget no plan's
+    predicted peak on the target fits (every plan there holds at least 450 MiB), none is written."""
+    from planner.errors import MemoryBudgetError
+
+    profile = synthetic_profile(n_blocks=4, ag=30.0, unsharded_bytes=100 * 2**20)
+    scenario = Scenario.of(profile, load_target("cpu-emulated-1gbit", **TARGET))
+
+    def plan_under(budget: str) -> Plan:
+        config = study_config(tmp_path, name=budget, sim_trials=60, measured_trials=2, space="per_module",
+                              memory_budget=budget)
+        return predict_for_target(config, scenario, get_space("per_module")).plan
+
+    assert plan_under("460MiB").provenance.predicted_peak_bytes <= 460 * 2**20
+    with pytest.raises(MemoryBudgetError, match="no plan predicted for the target fits the memory budget 400MiB"):
+        plan_under("400MiB")

@@ -176,8 +176,8 @@ def test_a_model_is_profiled_a_few_modules_at_a_time_under_the_device_memory_cap
     smaller than the model unsharded with its gradients holds a few modules per isolated pass, never the whole model,
     after the default's peak steps (whose peak the rule reads); the figures are those of the whole model at once. A
     cap no single module fits under is one line naming the setting."""
+    from planner.artifacts.memory_budget import DEVICE_MEMORY_ENV
     from planner.errors import PlannerError
-    from planner.study.isolation import DEVICE_MEMORY_ENV
 
     workload = mlp(mesh, dim=128, layers=4)
     held: list[tuple[str, ...] | None] = []
@@ -206,3 +206,22 @@ def test_a_model_is_profiled_a_few_modules_at_a_time_under_the_device_memory_cap
     refused = rf"over the device memory the tightest rank can reach .*{DEVICE_MEMORY_ENV}"
     with pytest.raises(PlannerError, match=refused):
         recorder.record_profile(workload, warmup_steps=1, steps=1, repeats=1)
+
+
+def test_the_isolated_passes_give_the_cache_back_after_the_last(mesh, monkeypatch):
+    """The process is left as found: after the last isolated pass, and not before it, the device's cache is given
+    back (``torch.cuda.empty_cache`` on CUDA), so blocks sized for modules held unsharded together are not kept."""
+    from runtime.ranks.device import CountingDevice
+
+    counting = CountingDevice()
+    monkeypatch.setattr(recorder, "device_of", lambda _type: counting)
+    monkeypatch.setattr(recorder, "merge_isolated", lambda parts: ("merged", len(parts)))
+    workload = mlp(mesh, dim=16, layers=2)
+    loop = recorder.Recorder(workload.model, 1, workload)
+    monkeypatch.setattr(loop, "isolated", lambda only=None, collectives=True: only)
+    loop.passes = [("a",), ("b",)]
+    try:
+        assert loop.isolate_next(None, None) is None and "release_cache" not in counting.calls
+        assert loop.isolate_next(None, None) == ("merged", 2) and counting.calls["release_cache"] == 1
+    finally:
+        loop.remove()
