@@ -153,3 +153,24 @@ def test_a_candidate_is_charged_the_baselines_error_and_nccls_buffers(make_profi
     assert job_budget(config, cuda, simulator_for(cuda), get_space("assign")).communicator_bytes == \
         NCCL_COMMUNICATOR_BYTES
     assert job_budget(study_config(tmp_path), measured, simulator, get_space("assign")) is None
+
+
+def test_the_error_charge_reads_the_highest_of_the_defaults_peak_steps(tmp_path):
+    """A profile whose peak steps read one block more in one step (as the reference Llama's do): the charge is set
+    by that step, not by the median the profile keeps."""
+    from pathlib import Path
+
+    from planner.artifacts.profile import Profile
+    from planner.study.budget import highest_default_peak, job_budget
+
+    p = Profile.load(Path(__file__).parents[3] / "docs" / "captured" / "llama-cpu-hand-set.profile.json")
+    low, high = 1189035528, 1240423944
+    ranks = [dataclasses.replace(r, steps=dataclasses.replace(r.steps, peak_bytes=(low, low, high if i else low)))
+             for i, r in enumerate(p.per_rank)]
+    p = dataclasses.replace(p, per_rank=ranks, measured_peak_bytes=low)
+    assert highest_default_peak(p) == high
+    assert highest_default_peak(dataclasses.replace(p, per_rank=[])) == low
+    simulator = simulator_for(p)
+    predicted = simulator.run(Plan.default(p)).peak_bytes
+    budget = job_budget(study_config(tmp_path, memory_budget="+100%"), p, simulator, get_space("assign"))
+    assert budget.error_bytes == high - predicted > low - predicted
