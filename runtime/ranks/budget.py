@@ -9,6 +9,7 @@ each NCCL communicator it adds (``planner.artifacts.memory_budget.PeakBudget``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from planner.artifacts.config import StudyConfig
@@ -16,7 +17,26 @@ from planner.artifacts.memory_budget import DEVICE_MARGIN
 from planner.errors import PlannerError
 from planner.units import mib
 from runtime.ranks.collectives import gather_objects
-from runtime.ranks.device import device_of
+from runtime.ranks.device import Device, device_of
+
+
+def tightest_capacity(device: Device, gather: Callable[[Any], list[Any]]) -> int | None:
+    """The least ``device.capacity_bytes()`` across ranks, bytes (``None``: no rank knows one); collective through
+    ``gather`` (every rank's object, by rank). A bad setting on any rank is raised on every rank, after the gather,
+    so that no rank is left waiting in it.
+
+    Raises:
+        PlannerError: ``PREFETCH_PLANNER_DEVICE_MEMORY`` is set but not a size on some rank.
+    """
+    try:
+        mine: tuple[int | None, str | None] = (device.capacity_bytes(), None)
+    except PlannerError as e:
+        mine = (None, str(e))
+    capacities, errors = zip(*gather(mine), strict=True)
+    if any(errors):
+        raise PlannerError(next(e for e in errors if e))
+    known = [c for c in capacities if c is not None]
+    return min(known) if known else None
 
 
 def with_device_budget(config: StudyConfig, device_type: str, group: Any = None) -> tuple[StudyConfig, str | None]:
@@ -29,14 +49,7 @@ def with_device_budget(config: StudyConfig, device_type: str, group: Any = None)
     """
     if config.search.memory_budget is not None or device_type != "cuda":
         return config, None
-    try:  # every rank reaches the gather, a bad setting or not: the ranks raise together
-        mine: tuple[int | None, str | None] = (device_of("cuda").capacity_bytes(), None)
-    except PlannerError as e:
-        mine = (None, str(e))
-    capacities, errors = zip(*gather_objects(mine, group), strict=True)
-    if any(errors):
-        raise PlannerError(next(e for e in errors if e))
-    reachable = min(c for c in capacities if c is not None)
+    reachable = tightest_capacity(device_of("cuda"), lambda obj: gather_objects(obj, group))
     line = (f"memory budget {mib(reachable)} per rank: what the tightest rank's device can reach (reserved plus "
             f"free, within the process's memory fraction) less {DEVICE_MARGIN:.0%} of it; set [search] memory_budget "
             "for another")

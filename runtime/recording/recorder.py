@@ -57,6 +57,7 @@ from planner.study.isolation import isolation_groups, isolation_limit
 from runtime.apply import model_fingerprint
 from runtime.current import fsdp2_default
 from runtime.ranks.allocator import loaded_allocator
+from runtime.ranks.budget import tightest_capacity
 from runtime.ranks.collectives import gather_objects
 from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import reshard_after_forward, unshard_async_op_setter
@@ -230,18 +231,11 @@ class Recorder(StepFigures):
         device = device_of(self.device)
         t0 = device.clock()
         if self.passes is None:  # the same on every rank: every figure in it is
-            try:  # every rank reaches the gather, a bad setting or not: the ranks raise together
-                mine: tuple[int, int | None, str | None] = (max(self.peaks), device.capacity_bytes(), None)
-            except PlannerError as e:
-                mine = (max(self.peaks), None, str(e))
-            peaks, capacities, errors = zip(*gather(mine), strict=True)
-            if any(errors):
-                raise PlannerError(next(e for e in errors if e))
-            known = [c for c in capacities if c is not None]
-            default_peak = max(peaks)
+            capacity = tightest_capacity(device, gather)
+            default_peak = max(gather(max(self.peaks)))
             fp = model_fingerprint(self.model)
             modules = list(zip(fp.module_fqns, fp.param_bytes, strict=True))
-            limit = isolation_limit(budget, min(known) if known else None, default_peak)
+            limit = isolation_limit(budget, capacity, default_peak)
             self.passes = isolation_groups(limit, default_peak, modules, sum(fp.param_bytes) // fp.world_size)
         held = self.passes[len(self.parts)]
         self.parts.append(self.isolated(only=None if len(self.passes) == 1 else held, collectives=not self.parts))
