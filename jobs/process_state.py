@@ -20,6 +20,7 @@ TUNE_MODULES = (
     "runtime.measuring.measure",
     "runtime.measuring.round",
     "runtime.ranks.budget",
+    "runtime.ranks.failures",
     "runtime.ranks.interrupts",
     "search_spaces.session",
 )

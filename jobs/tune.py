@@ -19,7 +19,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from jobs import PROGRESS_LOGGERS
 from planner.artifacts.config import StudyConfig
 from planner.artifacts.profile import Profile
-from planner.errors import FailKind, PlanMismatchError, one_line
+from planner.errors import FailKind, PlanMismatchError, PlannerError, one_line
 from planner.study.measured import MeasuredTrial
 from planner.study.model_summary import allocator_mismatch
 from planner.study.session import TuneOutcome, TuningSession
@@ -27,9 +27,11 @@ from runtime.apply import model_fingerprint
 from runtime.current import own_plan, record_under_fsdp2_default
 from runtime.measuring.measure import measured_round
 from runtime.ranks.budget import with_device_budget
+from runtime.ranks.failures import FailureBoard
 from runtime.ranks.interrupts import interrupts_deferred, interrupts_raise
 from runtime.ranks.rank import job_rank
 from runtime.recording.recorder import record_profile
+from runtime.timing import step_failure
 from runtime.workload import Workload, build_study_workload
 from search_spaces.session import open_session, optuna_quiet
 
@@ -81,6 +83,7 @@ class TuneJob:
         with job_rank(launch) as rank:
             mesh, group, rank0 = rank.mesh, rank.group, rank.rank0
             workload: Workload | None = None
+            board = FailureBoard.open(group, launch.stuck_after_s)  # [Note: A failed step on some ranks]
             try:
                 with interrupts_raise():
                     try:
@@ -94,11 +97,13 @@ class TuneJob:
                         if rank0:
                             self.session = self._session(profile)
                             self.session.user_plan = user_plan
-                        result = self._measure(workload, group, rank0)
+                        result = self._measure(workload, group, rank0, board)
                         outcome = self.session.finish(result.plans_measured, result.failed) if rank0 else None
                         rank.ended = True
                         return outcome
                     except BaseException as e:
+                        if isinstance(e, Exception) and not isinstance(e, PlannerError):
+                            board.leave(step_failure(None, e))  # a peer left waiting in a collective is stopped
                         # No trial of this job stays RUNNING, whatever stopped it (Ctrl-C, SIGTERM, a lost rank,
                         # a storage error), also one created before the round was handed out. Inside
                         # interrupts_raise, so torchrun's follow-up SIGTERM cannot cut this short.
@@ -107,6 +112,7 @@ class TuneJob:
                                 self.session.fail_held(f"interrupted: {one_line(e)}", FailKind.INTERRUPTED)
                         raise
             finally:
+                board.close()
                 workload = None
                 if self.session is not None:
                     self.session.close()
@@ -144,7 +150,7 @@ class TuneJob:
                             profile_out=self.profile_out, progress=self.progress, on_drop=self._dropped,
                             critical=interrupts_deferred, confirm_launches=self.confirm_launches)
 
-    def _measure(self, workload: Workload, group: dist.ProcessGroup, rank0: bool):
+    def _measure(self, workload: Workload, group: dist.ProcessGroup, rank0: bool, board: FailureBoard):
         """The measured round, its progress bar drawn from the first measured step.
 
         The simulated stage runs inside the round (rank 0, on the first ask), with its own bar and log lines: a
@@ -157,7 +163,7 @@ class TuneJob:
             with logging_redirect_tqdm(loggers=loggers):
                 shown = rank0 and self.progress
                 result = measured_round(workload, self.session, self.config.measure.warmup_steps, group,
-                                        self._stepped if shown else None, self._warming_up if shown else None)
+                                        self._stepped if shown else None, self._warming_up if shown else None, board)
             if self._bar is not None:  # the schedule may end before its worst case: the bar ends full
                 self._bar.total = self._bar.n
             return result

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from planner.errors import one_line
+from planner.failed_steps import StepFailure
+from runtime.out_of_memory import is_out_of_memory
 from runtime.workload import Workload
 
 # What a step of the round is: WARMUP untimed, PEAK untimed with this rank's peak memory measured, TIMED timed.
@@ -30,26 +32,13 @@ class RoundStep:
     plan: int
 
 
-@dataclass(frozen=True)
-class StepFailure:
-    """A step that raised on this rank.
-
-    Attributes:
-        plan: the index of the plan it ran.
-        error: the exception in one line.
-        victim: the exception is a collective failing because of another rank (a timeout, a closed peer).
-    """
-
-    plan: int
-    error: str
-    victim: bool
-
-    @classmethod
-    def of(cls, plan: int, error: BaseException) -> StepFailure:
-        """The failure of a step of ``plan`` that raised ``error``."""
-        victim = (isinstance(error, getattr(dist, "DistError", ())) or "Timed out" in str(error)
-                  or "Connection" in str(error))
-        return cls(plan, one_line(error), victim)
+def step_failure(plan: int | None, error: BaseException) -> StepFailure:
+    """The failure of a step of ``plan`` that raised ``error``: a victim when a collective failed because of a peer
+    (``torch.distributed.DistError``, gloo's timeout or closed connection, an aborted NCCL communicator)."""
+    words = str(error)
+    victim = (isinstance(error, getattr(dist, "DistError", ())) or "Timed out" in words or "Connection" in words
+              or "abort" in words.lower())
+    return StepFailure(plan, one_line(error), victim, is_out_of_memory(error))
 
 
 def device_type_of(workload: Workload) -> str:

@@ -92,6 +92,9 @@ class LaunchTable(Table):
         timeout_s: the longest one rank waits for another, s: the process
             group's timeout (every collective of a training step) and the
             rank protocol's (``runtime.measuring.round``).
+        stuck_after_s: how long a rank may stay inside a step after a peer's step raised, s: then it is stopped
+            (its NCCL communicators aborted, its process ended 10 s later; [Note: A failed step on some ranks] in
+            ``planner.failed_steps``), well before the process group's ``timeout_s`` and NCCL's watchdog.
         allocator: the ranks' CPU memory allocator (:class:`Allocator`):
             ``system`` or ``jemalloc``. Tune under the one you train with:
             on CPU it sets how much of a step is page faults.
@@ -103,6 +106,7 @@ class LaunchTable(Table):
     nproc_per_node: StrictInt = Field(2, ge=1)
     backend: Backend = Backend.GLOO
     timeout_s: StrictInt = Field(900, ge=1)
+    stuck_after_s: StrictInt = Field(60, ge=1)
     allocator: Allocator = Allocator.SYSTEM
     mesh: tuple[Annotated[StrictInt, Field(ge=1)], Annotated[StrictInt, Field(ge=1)]] | None = None
 

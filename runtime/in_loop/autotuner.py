@@ -51,18 +51,20 @@ from torch.distributed.fsdp import FSDPModule
 from planner.artifacts.config import default_storage
 from planner.artifacts.plan import Plan, baseline_name
 from planner.artifacts.profile import Profile
-from planner.errors import NotShardedError, PlannerError, StudyConfigError, one_line
+from planner.errors import NotShardedError, PlannerError, StudyConfigError, TrialFailedError, one_line
 from planner.statistics.verdict import Confirmation
 from planner.statistics.watch import COST, Watch, WatchState, watch_every
 from planner.study.in_loop import TunerPhase, in_loop_config, record_watch
 from runtime.accumulation import holds_between_microbatches
 from runtime.apply import configure_plan, model_fingerprint
 from runtime.current import current_plan, fsdp2_default, own_plan
-from runtime.in_loop.out_of_memory import recover, recoverable
+from runtime.in_loop.failures import FailedSteps
 from runtime.in_loop.round import InLoopRound, RoundEnd
 from runtime.in_loop.watching import WatchedSteps
+from runtime.out_of_memory import recover, recoverable
 from runtime.ranks.budget import with_device_budget
 from runtime.ranks.collectives import control_group, gather_objects
+from runtime.ranks.failures import FailureBoard
 from runtime.recording.recorder import Recorder
 from runtime.recording.steps import StepSide
 from runtime.switch import agreed_off
@@ -72,7 +74,7 @@ from runtime.workload import fsdp_modules
 logger = logging.getLogger(__name__)
 
 
-class AutoTuner:
+class AutoTuner(FailedSteps):
     """Tunes FSDP2's prefetch and resharding on the steps of the user's own training loop.
 
     Every rank builds it and enters :meth:`step` on the same steps. Its phases, in order: recording (FSDP2's
@@ -195,7 +197,9 @@ class AutoTuner:
             return
         self._steps = StepSide(model, self.device, self._group, self.default)
         files = (plan_out or str(Path(self._tmp.name) / "plan.json"), profile_out) if self.rank0 else ("", None)
-        self._round = InLoopRound(model, self.config, self._group, files, self.own_plan)
+        # [Note: A failed step on some ranks] in planner.failed_steps: a step that raises on one rank only
+        self._board = FailureBoard.open(self._group, self.config.launch.stuck_after_s)
+        self._round = InLoopRound(model, self.config, self._group, files, self.own_plan, self._board)
         self._start(recheck, start_from)
 
     # -- construction -----------------------------------------------------------------------------------------
@@ -255,7 +259,14 @@ class AutoTuner:
         """One optimizer step of the user's loop, all its microbatches (every rank enters it for the same steps).
 
         An exception inside propagates unchanged; the trial of the plan that ran is recorded FAIL with the
-        reason, the baseline is applied again and the tuner is done.
+        reason, the baseline is applied again and the tuner is done. The ranks agree first on the failure board
+        ([Note: A failed step on some ranks] in :mod:`planner.failed_steps`): where every rank's step ran out of
+        memory in step under a candidate, every rank skips it (``on_oom="skip"``); a rank whose step did not raise
+        while a peer's did raises :class:`planner.TrialFailedError` at its next step.
+
+        Raises:
+            TrialFailedError: a peer's step raised and the ranks cannot go on together (this rank's step
+                finished: the process groups are out of step, or the ranks' models differ).
         """
         if self.phase == TunerPhase.DONE:
             yield
@@ -268,10 +279,14 @@ class AutoTuner:
                 if self._watched_out_of_memory(e):
                     return  # the step is skipped; training goes on at the next one
                 raise
+            if self._watching.ends_block() and self._board.posted():  # before the block's broadcast
+                self._stop_for_peer()
             state = self._watching.after()
             if state is not None:
                 self._watched(state)
             return
+        if self._board.before_step():
+            self._stop_for_peer()
         order = self._queue.popleft()
         t0 = self._steps.before(order)
         try:
@@ -286,54 +301,13 @@ class AutoTuner:
         if not self._queue:
             self._decide()
 
-    def _skipped_out_of_memory(self, order: RoundStep, e: BaseException) -> bool:
-        """A user's step that ran a candidate (racing or confirming, not FSDP2's default) ran out of memory: the
-        candidate's trial is FAIL with the reason, the plan kept is applied (the model's own, else FSDP2's default),
-        FSDP2's iteration state and the partial gradients are cleared (``runtime.in_loop.out_of_memory.recover``),
-        and the step is skipped with one logged line. ``on_oom="raise"``, any other error, or a step under the
-        baseline (FSDP2's default, or the plan the model arrived with: what the job runs without the tuner):
-        ``False``, and the error propagates."""
-        if (self.on_oom == "raise" or not recoverable(self.model, e) or order.plan == 0
-                or self.phase not in (TunerPhase.RACING, TunerPhase.CONFIRMING)):
-            return False
-        reason = f"out of memory on rank {dist.get_rank()} in a step that ran candidate {order.plan}: {one_line(e)}"
-        self._round.fail(order.plan, reason)
-        self._steps.abandon()
-        recover(self.model)
-        self._abandon(reason)
-        logger.warning(f"AutoTuner: rank {dist.get_rank()} skipped this step (its optimizer step did not run; the "
-                       "failed step's gradients are cleared): the candidate it ran is out of the race")
-        return True
-
-    def _watched_out_of_memory(self, e: BaseException) -> bool:
-        """A watched step that ran the survivor ran out of memory: as :meth:`_skipped_out_of_memory`, the plan kept
-        applied instead for the rest of the process (the study keeps the plan's confirmation; the watch is stored
-        as it stood)."""
-        if self.on_oom == "raise" or not recoverable(self.model, e) or not self._watching.runs_plan:
-            return False
-        recover(self.model)
-        kept = self._kept()
-        configure_plan(self.model, kept, check=False)
-        if self._watching.state.blocks:
-            self._store_watch(self._watching.state)
-        self._finish_with(kept)
-        logger.warning(f"AutoTuner: rank {dist.get_rank()} skipped this step: trial {self._watched_trial}'s plan ran "
-                       f"out of memory ({one_line(e)}); "
-                       + self._baseline_name()
-                       + " is applied for the rest of the process")
-        return True
-
-    def _step_failed(self, order: RoundStep, e: BaseException) -> None:
-        self._steps.abandon()
-        reason = f"a training step raised on rank {dist.get_rank()}: {one_line(e)}"
-        self._round.fail(order.plan if self.phase != TunerPhase.RECORDING else None, reason)
-        self._abandon(f"a step raised inside tuner.step() ({one_line(e)})")
-
     # -- decisions between steps --------------------------------------------------------------------------------
 
     def _decide(self) -> None:
         """The queue ran out: the next phase or block (every rank, together)."""
         round_ = self._round
+        if self._board.posted():  # before any collective of the control group
+            self._stop_for_peer()
         try:
             if self.phase == TunerPhase.RECORDING:
                 if (profile := self._recorded()) is None:
@@ -348,12 +322,19 @@ class AutoTuner:
             if steps is None:
                 self._conclude()
                 return
+        except TrialFailedError:  # the ranks stop (runtime.measuring.round): the round's trials are recorded
+            self._abandon("a peer's step raised")
+            raise
         except PlannerError as e:
             round_.fail(None, one_line(e))
             self._abandon(str(e))
             return
         except BaseException as e:  # the tuner's own work between two steps (an isolated pass, a switch)
-            if self.on_oom == "raise" or not recoverable(self.model, e):
+            agreement = self._agreed(None, e)
+            if (agreement is None or not agreement.go_on or self.on_oom == "raise"
+                    or not recoverable(self.model, e)):
+                round_.fail(None, f"the tuner's work between steps raised: {one_line(e)}")
+                self._abandon(f"the tuner's work between steps raised ({one_line(e)})")
                 raise
             recover(self.model)
             round_.fail(None, f"out of memory in the tuner's work between steps: {one_line(e)}")
@@ -445,6 +426,7 @@ class AutoTuner:
 
     def _finish_with(self, plan: Plan) -> None:
         """Keep ``plan`` applied and take every hook out: from now on ``step()`` does nothing."""
+        self._board.close()
         self.plan = plan
         self.phase = TunerPhase.DONE
         self._queue.clear()

@@ -34,6 +34,7 @@ from planner.study.records import confirmation_attrs, confirmation_from
 from runtime.measuring.round import MeasuredRound
 from runtime.ranks.collectives import from_rank0
 from runtime.ranks.device import device_of
+from runtime.ranks.failures import FailureBoard
 from runtime.timing import RoundStep
 from search_spaces.session import open_session, optuna_quiet
 
@@ -96,17 +97,18 @@ class InLoopRound:
         files: rank 0's ``(plan_out, profile_out)`` paths the session writes; ``profile_out`` ``None``: not written.
         user_plan: the plan the model arrived with, the round's baseline ([Note: The user's plan is the baseline]
             in ``planner.study.session``); ``None``: FSDP2's default is.
+        board: the tuner's failure board (``runtime.ranks.failures``); rank 0's round records what is posted on it.
 
     Attributes:
         measured: the measured round (its plans, the plans kept, the block, the peaks the steps append to).
     """
 
     def __init__(self, model: nn.Module, config: StudyConfig, group: dist.ProcessGroup,
-                 files: tuple[str, str | None], user_plan: Plan | None = None):
+                 files: tuple[str, str | None], user_plan: Plan | None = None, board: FailureBoard | None = None):
         self.model, self.config, self.group, self.files = model, config, group, files
         self.user_plan = user_plan
         self.rank0 = dist.get_rank() == 0
-        self.measured: MeasuredRound = MeasuredRound(group, None, config.measure.warmup_steps)
+        self.measured: MeasuredRound = MeasuredRound(group, None, config.measure.warmup_steps, board)
         self.stored_profile: Profile | None = None
         self.start_from: Plan | None = None
 

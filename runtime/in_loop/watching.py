@@ -85,6 +85,10 @@ class WatchedSteps:
             self.side.apply(KEPT)
         return self.state
 
+    def ends_block(self) -> bool:
+        """Whether the step under way is its block's last (:meth:`after` then broadcasts rank 0's decision)."""
+        return self._block is not None and self._at + 1 >= len(self._block)
+
     @property
     def runs_plan(self) -> bool:
         """Whether the step under way (between :meth:`before` and :meth:`after`) runs the watched plan, not FSDP2's

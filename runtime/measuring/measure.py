@@ -32,6 +32,7 @@ import torch.distributed as dist
 from planner.artifacts.plan import Plan
 from planner.statistics.schedule import Phase
 from runtime.measuring.round import MeasuredRound, RoundStage, Scheduler, TrialT
+from runtime.ranks.failures import FailureBoard
 from runtime.ranks.interrupts import interrupts_deferred
 from runtime.recording.steps import WorkloadSteps
 from runtime.timing import WARMUP, RoundStep
@@ -103,6 +104,7 @@ def measured_round(
     group: dist.ProcessGroup,
     on_step: Callable[[], None] | None = None,
     on_warm_up: Callable[[int], None] | None = None,
+    board: FailureBoard | None = None,
 ) -> RoundResult:
     """One measured round on every rank, its steps run as training steps of ``workload``.
 
@@ -115,6 +117,8 @@ def measured_round(
         on_step: progress callback per step.
         on_warm_up: progress callback, called once before the warm-up with its steps (every plan that applied
             everywhere, ``runtime.measuring.round.warm_up_steps``).
+        board: the job's failure board (``runtime.ranks.failures``): a step that raised is agreed on there, and the
+            ranks go on without its plan where they can ([Note: A failed step on some ranks]).
 
     Returns:
         :class:`RoundResult` (``plans_measured`` empty on ranks other than 0, and when the baseline failed to
@@ -127,14 +131,14 @@ def measured_round(
             are recorded FAIL first), or a rank did not report (the caller
             fails them: ``TuningSession.fail_held``).
     """
-    round_ = MeasuredRound(group, stage, warmup_steps)
+    round_ = MeasuredRound(group, stage, warmup_steps, board)
     round_.ask()
     todo = round_.apply_everywhere(workload.model)
     if todo is None:  # the baseline (FSDP2's default, or the plan the model arrived with): nothing to compare with
         return RoundResult([], round_.failed_trials())
     if on_warm_up is not None:
         on_warm_up(len(todo))
-    runner = WorkloadSteps(workload, round_.plans, group, applied=0)  # apply_everywhere ends on the baseline
+    runner = WorkloadSteps(workload, round_.plans, group, applied=0, board=board)  # apply_everywhere: the baseline
     _, failure = runner.run(todo, round_.peaks, on_step)
     todo = round_.start(failure)
     while todo is not None:

@@ -31,16 +31,18 @@ next as :class:`RoundStep` s, until the schedule is done.
    is done, rank 0 tells each trial its measurements and stores every rank's
    own times (:meth:`MeasuredRound.tell`).
 
-A step that raised on a rank fails the round (:meth:`MeasuredRound.fail`):
-the trial of its plan is FAIL (``FailKind.ERROR``: not tried again) and every
-other trial of the round FAIL ``FailKind.INTERRUPTED`` (measured by the next
-job). The tune job's ranks report the failure at the next collective, where a
-peer that failed only because of it (a collective that timed out) is told
-apart from the cause, and every rank raises :class:`planner.TrialFailedError`:
-the ranks have issued different collectives by then, so the training process
-group cannot be trusted and the job stops (exit 3; running ``prefetch-planner
-tune`` again resumes the study). In the user's loop the step's exception
-propagates from ``tuner.step()``.
+A step that raised goes to the failure board ([Note: A failed step on some ranks] in
+``planner.failed_steps``): the rank posts it on the c10d store before any further collective, rank 0
+records the plan's trial FAIL (``FailKind.ERROR``: not tried again) from the post, and the ranks agree on the store
+at their next safe point (before a step, before a block's gather); a rank stuck in a collective is stopped within
+``[launch] stuck_after_s``. Where every rank's step raised in step (:func:`planner.failed_steps.agree`),
+the ranks go on together: the plan is left out, FSDP2's iteration state reset, the warm-ups not run yet run, and
+the schedule starts afresh over the plans kept (the rounds before are dropped: a schedule's design holds its
+plans from its first block). Otherwise every other trial of the round is FAIL ``FailKind.INTERRUPTED`` (measured
+by the next job) and every rank raises :class:`planner.TrialFailedError`: the training process group cannot be
+trusted and the job stops (exit 3; running ``prefetch-planner tune`` again resumes the study). A round of fixed
+plans (no study, no board) fails at the next gather as a whole. In the user's loop the in-loop tuner acts on the
+agreement (``runtime.in_loop.autotuner``).
 
 The control group's timeout is ``2 * timeout_s + 60`` s: long enough for a
 rank that failed early to wait while its peers time out in a training
@@ -50,6 +52,8 @@ at all), the gather fails on the others (``TrialFailedError``).
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -58,12 +62,17 @@ from torch import nn
 
 from planner.artifacts.plan import Plan
 from planner.errors import FailKind, TrialFailedError, one_line
+from planner.failed_steps import StepFailure
 from planner.statistics.schedule import Phase
 from planner.study.in_loop import block_times, step_orders
 from runtime.apply import configure_plan
+from runtime.out_of_memory import recover
 from runtime.ranks.collectives import from_rank0, gather_objects, max_across_ranks
+from runtime.ranks.failures import FailureBoard
 from runtime.recording.peak_memory import PEAK_STEPS, peak_of_steps
-from runtime.timing import PEAK, TIMED, WARMUP, RoundStep, StepFailure
+from runtime.timing import PEAK, TIMED, WARMUP, RoundStep
+
+logger = logging.getLogger(__name__)
 
 
 class RoundTrial(Protocol):
@@ -130,6 +139,8 @@ class MeasuredRound(Generic[TrialT]):
         stage: rank 0: the study's side of the round; ``None`` on the other ranks, and for a round of fixed
             plans (:meth:`of_plans`).
         warmup_steps: untimed steps per plan before the first block.
+        board: the failure board every rank opened (``runtime.ranks.failures``); ``None``: a step that raised
+            fails the round at the next gather.
 
     Attributes:
         plans: the round's plans (0: the baseline), on every rank once asked.
@@ -142,9 +153,17 @@ class MeasuredRound(Generic[TrialT]):
         per_rank: per kept plan, per rank, that rank's own step times, ms.
     """
 
-    def __init__(self, group: dist.ProcessGroup, stage: RoundStage[TrialT] | None = None, warmup_steps: int = 1):
-        self.group, self.stage, self.warmup_steps = group, stage, warmup_steps
+    def __init__(self, group: dist.ProcessGroup, stage: RoundStage[TrialT] | None = None, warmup_steps: int = 1,
+                 board: FailureBoard | None = None):
+        self.group, self.stage, self.warmup_steps, self.board = group, stage, warmup_steps, board
         self.rank0 = dist.get_rank() == 0
+        self.model: nn.Module | None = None
+        self._fixed = False  # a round of fixed plans (of_plans): a failed step always stops it
+        self.started = False  # a schedule is running (every rank; rank 0 alone holds it)
+        self._told: set[int] = set()  # plans whose trial is recorded FAIL by this round
+        self._lock = threading.Lock()  # rank 0: the board's watcher records beside the main thread
+        if board is not None and self.rank0:
+            board.attach(self._fail_cause, self._stopped)
         self.plans: list[Plan] = []
         self.asked: list[TrialT] = []
         self.kept: list[int] = []
@@ -160,7 +179,7 @@ class MeasuredRound(Generic[TrialT]):
     def of_plans(cls, plans: Sequence[Plan], group: dist.ProcessGroup | None) -> MeasuredRound:
         """A round of fixed plans, all kept, with no study (what a confirmation launch or a bench measures)."""
         round_: MeasuredRound = cls(group)
-        round_.plans, round_.kept = list(plans), list(range(len(plans)))
+        round_.plans, round_.kept, round_._fixed = list(plans), list(range(len(plans))), True
         return round_
 
     def everywhere(self, compute: Callable[[], Any]) -> Any:
@@ -198,6 +217,7 @@ class MeasuredRound(Generic[TrialT]):
             The warm-up steps of the plans kept (:func:`warm_up_steps`); ``None`` when the baseline failed to
             apply (every trial is then FAIL: nothing to compare with).
         """
+        self.model = model
         here = []
         for plan in self.plans:
             try:
@@ -214,7 +234,7 @@ class MeasuredRound(Generic[TrialT]):
                     f"rank {r}: {o[i]}" for r, o in enumerate(outcomes) if o[i] is not None)
         if self.rank0:
             for i in sorted(self.failed):
-                self.stage.fail([self.asked[i]], self.failed[i], FailKind.ERROR)
+                self._fail_cause(i, self.failed[i])
         if 0 not in self.kept:
             if self.rank0:
                 self.stage.fail(self.asked, "not measured: the baseline plan failed to apply, so there is nothing to "
@@ -236,6 +256,8 @@ class MeasuredRound(Generic[TrialT]):
             PlannerError: rank 0 could not start the schedule.
         """
         reports = self._gather({"peaks": [self.peaks[i] for i in self.kept]}, failure)
+        if reports is None:  # the ranks went on from a failed step without its plan
+            return self._go_on()
         peaks = [peak_of_steps([rep["peaks"][j] for rep in reports]) for j in range(len(self.kept))]
 
         def over() -> list[int]:
@@ -254,6 +276,7 @@ class MeasuredRound(Generic[TrialT]):
         """Rank 0's schedule (``schedule()``, called there) over the plans kept; its first block's steps."""
         self.step_ms = [[] for _ in self.kept]
         self.per_rank = [[[] for _ in range(dist.get_world_size())] for _ in self.kept]
+        self.started = True
 
         def first() -> dict:
             self.schedule = schedule()
@@ -269,7 +292,12 @@ class MeasuredRound(Generic[TrialT]):
             TrialFailedError: a step of the block raised on some rank (the round's trials are FAIL).
             PlannerError: rank 0's schedule could not go on.
         """
-        reports = [rep["times"] for rep in self._gather({"times": times}, failure)]
+        if not self.started:  # the warm-ups of a round that went on from a failed step
+            return self.start(failure)
+        gathered = self._gather({"times": times}, failure)
+        if gathered is None:
+            return self._go_on()
+        reports = [rep["times"] for rep in gathered]
         maxed = max_across_ranks(reports)
         for pos, j in enumerate(step_orders(self.block)):
             self.step_ms[j].append(maxed[pos])
@@ -306,28 +334,94 @@ class MeasuredRound(Generic[TrialT]):
 
     def fail(self, plan: int | None, reason: str) -> None:
         """Rank 0: the trial of ``plans[plan]`` FAIL (``FailKind.ERROR``: its step raised; ``None``: no plan's
-        fault) and every other trial of the round FAIL ``FailKind.INTERRUPTED`` (measured by the next job)."""
+        fault) and every other trial of the round FAIL ``FailKind.INTERRUPTED`` (measured by the next job); a trial
+        recorded already is left as it is."""
         if not self.rank0 or self.stage is None or not self.asked:
             return
         others = reason
         if plan is not None and plan < len(self.asked):
-            self.stage.fail([self.asked[plan]], reason, FailKind.ERROR)
+            self._fail_cause(plan, reason)
             others = f"trial {self.asked[plan].number} failed in the same round ({reason})"
-        self.stage.fail([a for i, a in enumerate(self.asked) if i != plan], f"not measured: {others}",
-                        FailKind.INTERRUPTED)
+        self._fail_rest(f"not measured: {others}")
 
-    def _gather(self, report: dict, failure: StepFailure | None) -> list[dict]:
-        """Every rank's ``report``; a step that raised on any rank fails the round (the cause, not its victims)."""
+    def _fail_cause(self, plan: int | None, reason: str) -> None:
+        """Rank 0: the trial of ``plans[plan]`` FAIL ``FailKind.ERROR`` with ``reason``, once."""
+        with self._lock:
+            if plan is None or plan in self._told or self.stage is None or plan >= len(self.asked):
+                return
+            self._told.add(plan)
+            self.failed.setdefault(plan, reason)
+            self.stage.fail([self.asked[plan]], reason, FailKind.ERROR)
+
+    def _fail_rest(self, reason: str) -> None:
+        """Rank 0: every trial of the round not recorded yet FAIL ``FailKind.INTERRUPTED`` with ``reason``."""
+        with self._lock:
+            rest = [i for i in range(len(self.asked)) if i not in self._told]
+            self._told.update(rest)
+            if rest and self.stage is not None:
+                self.stage.fail([self.asked[i] for i in rest], reason, FailKind.INTERRUPTED)
+
+    def _stopped(self, reason: str) -> None:
+        """Rank 0, before the board's watcher ends the process: every trial of the round not recorded, and every
+        other trial the stage holds (``fail_held``), FAIL ``FailKind.INTERRUPTED``."""
+        self._fail_rest(reason)
+        fail_held = getattr(self.stage, "fail_held", None)
+        if fail_held is not None:
+            fail_held(reason, FailKind.INTERRUPTED)
+
+    def _gather(self, report: dict, failure: StepFailure | None) -> list[dict] | None:
+        """Every rank's ``report``; ``None`` when a step raised and the ranks go on without its plan (the board's
+        agreement); a step that raised anywhere otherwise fails the round (the cause, not its victims).
+
+        Raises:
+            TrialFailedError: the ranks stop (the round's trials are FAIL).
+        """
+        if self.board is not None and (failure is not None or self.board.posted()):
+            self._agree(failure)
+            return None
         reports = gather_objects(report if failure is None else {"failure": failure}, self.group)
         failures = [(r, rep["failure"]) for r, rep in enumerate(reports) if "failure" in rep]
         if not failures:
             return reports
         causes = [(r, f) for r, f in failures if not f.victim] or failures
         plan = min(f.plan for _, f in causes)
-        reason = "; ".join(f"rank {r}: {f.error}" for r, f in causes)
+        self._stop(plan, "; ".join(f"rank {r}: {f.error}" for r, f in causes))
+
+    def _agree(self, failure: StepFailure | None) -> None:
+        """The board's agreement on a failed step: the plan left out when the ranks go on (a candidate of a round
+        with a study, every rank's step raised in step), else :meth:`_stop`."""
+        agreement = self.board.agree(failure)
+        plan = agreement.plan
+        if not (agreement.go_on and plan not in (None, 0) and plan in self.kept and not self._fixed):
+            self._stop(plan, agreement.reason, agreement.why_stop)
+        self._fail_cause(plan, agreement.reason)
+        self.failed.setdefault(plan, agreement.reason)
+        self.kept = [i for i in self.kept if i != plan]
+        recover(self.model)  # every rank stopped at the same point: FSDP2's iteration state and gradients reset
+        if self.rank0:
+            what = f"trial {self.asked[plan].number}" if self.asked else f"plan {plan}"
+            logger.warning(f"{what} failed on every rank in the same step ({agreement.reason}); it is FAIL and the "
+                           f"round goes on without it: the race starts again over the {len(self.kept)} plans kept")
+
+    def _go_on(self) -> list[RoundStep] | None:
+        """After the ranks went on from a failed step: the warm-ups still owed (plans with fewer peak steps than
+        :data:`PEAK_STEPS`), else a fresh schedule over the plans kept (:meth:`start`)."""
+        self.started, self.block, self.schedule = False, None, None
+        owed = [i for i in self.kept if len(self.peaks[i]) < PEAK_STEPS]
+        for i in owed:
+            self.peaks[i] = []
+        if owed:
+            return warm_up_steps(owed, self.warmup_steps)
+        return self.start()
+
+    def _stop(self, plan: int | None, reason: str, why: str = "") -> None:
+        """The round's trials FAIL (:meth:`fail`), and every rank raises."""
         self.fail(plan, reason)
-        trial = f"trial {self.asked[plan].number}" if self.rank0 and self.asked else f"plan {plan}"
+        trial = f"trial {self.asked[plan].number}" if self.rank0 and self.asked and plan is not None else (
+            f"plan {plan}" if plan is not None else "a step")
+        because = f" ({why})" if why else ""
         raise TrialFailedError(
-            f"{trial} failed on {reason}; it is recorded as FAIL and this job stops (its ranks' process group "
-            "is out of step after a failure inside a training step): run `prefetch-planner tune` again to go on"
+            f"{trial} failed on {reason}; it is recorded as FAIL and this job stops{because}: the ranks' process "
+            "groups are out of step after a failure inside a training step: run `prefetch-planner tune` again to "
+            "go on"
         )

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from planner.artifacts.plan import Plan
+from planner.failed_steps import StepFailure
 from runtime.accumulation import set_microbatch_resharding
 from runtime.apply import configure_plan
 from runtime.ranks.device import device_of
@@ -36,8 +37,8 @@ from runtime.timing import (
     RoundStep,
     StepCounter,
     StepFailed,
-    StepFailure,
     device_type_of,
+    step_failure,
 )
 from runtime.workload import Workload, fsdp_modules, train_step
 
@@ -190,11 +191,14 @@ class WorkloadSteps:
             default group, [Note: Which group a barrier uses] in ``runtime.ranks.device``).
         counter: the global step index every rank counts alike (each step draws ``make_batch(index)``).
         applied: the index of the plan applied now; ``None``: unknown (the first step applies its plan).
+        board: the failure board (``runtime.ranks.failures``): checked before each step of :meth:`run`, which
+            stops at a failure a peer posted (the round's agreement comes next).
     """
 
     def __init__(self, workload: Workload, plans: Sequence[Plan], group: Any = None,
-                 counter: StepCounter | None = None, applied: int | None = None):
+                 counter: StepCounter | None = None, applied: int | None = None, board: Any = None):
         self.workload = workload
+        self.board = board
         self.side = StepSide(workload.model, device_type_of(workload), group, plans[0])
         self.side.race(list(plans), applied)
         self.side.meter = PeakMeter(workload.model, [workload.optimizer])
@@ -217,14 +221,17 @@ class WorkloadSteps:
 
         Returns:
             This rank's timed steps' ms, in step order, and the step that raised (``None``: none did; the steps
-            after it did not run).
+            after it did not run). A failure a peer posted on the board stops the steps before the next one, with
+            ``None``: the caller's next collective goes to the agreement instead.
         """
         for order in steps:
+            if self.board is not None and self.board.before_step():
+                break
             try:
                 self.step(order, peaks)
             except Exception as e:  # noqa: BLE001 - reported at the round's next collective, where the cause is named
                 self.side.abandon()
-                return self.side.take_times(), StepFailure.of(order.plan, e)
+                return self.side.take_times(), step_failure(order.plan, e)
             if on_step is not None:
                 on_step()
         return self.side.take_times(), None

@@ -40,7 +40,7 @@ def _job(progress: bool) -> TuneJob:
 def _round_that_logs(capsys, seen: dict):
     """A measured round: the simulated stage logs, three steps are measured, the race logs its table."""
 
-    def measured_round(workload, session, warmup_steps, group, on_step, on_warm_up):
+    def measured_round(workload, session, warmup_steps, group, on_step, on_warm_up, board):
         logging.getLogger("planner.study.session").info("[2/3] simulated stage: 30 trials")
         seen["before the first step"] = capsys.readouterr()
         for _ in range(3):
@@ -56,7 +56,7 @@ def test_the_measured_bar_is_drawn_from_the_first_step_and_log_lines_stay_whole(
     rank0_logging()
     seen = {}
     monkeypatch.setattr(tune_module, "measured_round", _round_that_logs(capsys, seen))
-    assert _job(progress=True)._measure(workload=None, group=None, rank0=True) == "round result"
+    assert _job(progress=True)._measure(workload=None, group=None, rank0=True, board=None) == "round result"
     after = capsys.readouterr()
 
     before = seen["before the first step"]
@@ -72,7 +72,7 @@ def test_no_bar_without_progress_or_off_rank0(monkeypatch, capsys, rank0_logging
     rank0_logging()
     seen = {}
     monkeypatch.setattr(tune_module, "measured_round", _round_that_logs(capsys, seen))
-    _job(progress=progress)._measure(workload=None, group=None, rank0=rank0)
+    _job(progress=progress)._measure(workload=None, group=None, rank0=rank0, board=None)
     after = capsys.readouterr()
 
     assert seen["before the first step"].err == "" and after.err == ""
@@ -85,7 +85,7 @@ def _round_on_a_schedule(job: TuneJob, seen: list, descriptions: set):
     before the schedule exists, announced, then its blocks. ``seen``: (n, total) after each step; ``descriptions``:
     the bar's descriptions in the warm-up."""
 
-    def measured_round(workload, session, warmup_steps, group, on_step, on_warm_up):
+    def measured_round(workload, session, warmup_steps, group, on_step, on_warm_up, board):
         schedule = Schedule(4, RaceSettings(max_rounds=24), clock=lambda: 0.0)
         rng = random.Random(0)
         on_warm_up(2 * 4)
@@ -119,7 +119,7 @@ def test_the_measured_bar_total_holds_within_a_block_and_ends_full(monkeypatch, 
     seen: list = []
     warm_up_descriptions: set = set()
     monkeypatch.setattr(tune_module, "measured_round", _round_on_a_schedule(job, seen, warm_up_descriptions))
-    schedule = job._measure(workload=None, group=None, rank0=True)
+    schedule = job._measure(workload=None, group=None, rank0=True, board=None)
     capsys.readouterr()
 
     warm_up, scheduled = seen[:8], seen[8:]

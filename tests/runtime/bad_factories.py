@@ -16,7 +16,7 @@ def unwrapped(mesh, **kwargs):
     )
 
 
-def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
+def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, survivor_hangs=False, **kwargs):
     """The test MLP, but rank 1 raises inside a forward whenever explicit forward prefetch is on, or the first
     block keeps its parameters unsharded after forward (both hold more memory).
 
@@ -25,9 +25,11 @@ def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
     after the second block's all-gather, so rank 0 goes on into the next
     all-gather and waits there for rank 1. With ``first_attempt_only``, only
     in torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): a
-    transient fault that a restart gets past.
+    transient fault that a restart gets past. With ``survivor_hangs``, rank 0 waits at the same place in a fake
+    collective that never returns (NCCL's, before its watchdog's timeout): only the project's own bound ends it.
     """
     import os
+    import threading
 
     from runtime.reference_workloads import mlp
 
@@ -53,6 +55,8 @@ def deep_prefetch_fails_on_rank1(mesh, first_attempt_only=False, **kwargs):
         memory_hungry = configured["depth"] >= 1 or configured["kept"]
         if mesh.get_rank() == 1 and memory_hungry and not (first_attempt_only and restarted):
             raise RuntimeError("CUDA out of memory (simulated on rank 1)")
+        if mesh.get_rank() == 0 and memory_hungry and survivor_hangs:
+            threading.Event().wait()
 
     blocks[1].register_forward_pre_hook(fail)
     return workload

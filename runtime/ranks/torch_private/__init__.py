@@ -6,7 +6,8 @@ What the recorder, the memory tracker and the tests must read lives in ``torch.d
 (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``). Everything else in the project uses public torch.
 
 The package splits them by concept: FSDP2's per-module state (:mod:`.state`), the knobs' setters and readers
-(:mod:`.knobs`), process-wide state (:mod:`.process`); every name is importable from the package itself.
+(:mod:`.knobs`), process-wide state (:mod:`.process`), the process groups' own (:mod:`.groups`); every name is
+importable from the package itself.
 
 ``tests/runtime/ranks/test_torch_private.py`` builds a real FSDP2 model and exercises every function here, so a
 torch upgrade that renames or removes one fails that test by name instead of corrupting a profile.
@@ -14,6 +15,7 @@ torch upgrade that renames or removes one fails that test by name instead of cor
 range; CI runs the private-API test on each).
 """
 
+from runtime.ranks.torch_private.groups import abort_nccl, collective_sequence, default_store, live_groups
 from runtime.ranks.torch_private.knobs import (
     UnknownState,
     allocates_from_process_group,

@@ -40,6 +40,35 @@ def test_lightning_end_to_end(tmp_path):
         assert tuned["phase"] == "done"
 
 
+def _skipped_and_the_rest_bitwise(tmp_path, script: str, *args: str) -> None:
+    """``oom``: an out-of-memory error on every rank in the first batch that runs a candidate, under the trainer's
+    own loop; then ``skip:K``, the same training without the tuner skipping that optimizer step. The tuner skipped
+    it (the trial FAIL, the reason stored), training went on to the end, and every other batch's loss is bitwise
+    the reference's."""
+    run_ranks(script, "oom", str(tmp_path), *args)
+    oom = [json.loads((tmp_path / f"oom-{rank}.json").read_text()) for rank in (0, 1)]
+    skipped = oom[0]["skipped"]
+    assert skipped is not None and oom[1]["skipped"] == skipped
+    assert any("out of memory on every rank" in reason for reason in oom[0]["failed"]), oom[0]["failed"]
+    run_ranks(script, f"skip:{skipped}", str(tmp_path), *args)
+    for rank in (0, 1):
+        reference = json.loads((tmp_path / f"skip:{skipped}-{rank}.json").read_text())
+        assert oom[rank]["losses"] == reference["losses"] and len(reference["losses"]) > 40
+        assert oom[rank]["phase"] == "done"
+
+
+@pytest.mark.slow
+def test_lightning_skips_a_candidates_out_of_memory_step_and_trains_on(tmp_path):
+    pytest.importorskip("lightning")
+    _skipped_and_the_rest_bitwise(tmp_path, "lightning_e2e.py")
+
+
+@pytest.mark.slow
+def test_hugging_face_skips_a_candidates_out_of_memory_step_and_trains_on(tmp_path):
+    pytest.importorskip("transformers.distributed")
+    _skipped_and_the_rest_bitwise(tmp_path, "hf_e2e.py", "60")
+
+
 def _same_losses_and_done(tmp_path, name: str, steps: int) -> None:
     for rank in (0, 1):
         bare = json.loads((tmp_path / f"bare-{rank}.json").read_text())

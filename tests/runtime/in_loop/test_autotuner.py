@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -13,6 +14,7 @@ import pytest
 
 from planner.artifacts.profile import Profile
 from planner.artifacts.target import load_target
+from planner.errors import FailKind
 from planner.simulation.what_if import Scenario
 from planner.study.in_loop import SOURCE, in_loop_config
 from planner.study.predicted import predict_for_target
@@ -185,6 +187,39 @@ def test_a_failing_step_propagates_and_the_next_tuner_goes_on(tmp_path):
     assert any("ValueError: boom at step 8" in r.failure.reason for r in failed)
     assert not any(r.state == optuna.trial.TrialState.RUNNING for r in _measured(storage))
     assert result["second"]["final_phase"] in ("done", "watching") and result["second"]["steps_tuning"] > 0
+
+
+@pytest.mark.slow
+def test_a_step_that_raises_on_one_rank_ends_within_the_bound_and_is_not_raced_again(tmp_path):
+    """Rank 1 runs out of memory in a candidate's step; rank 0 waits at the same place in a fake collective that never
+    returns (gloo's timeout is 300 s). Rank 0's watcher records the trial FAIL with rank 1's cause from the c10d
+    store and ends rank 0 ``stuck_after_s`` later; torchrun ends the job. The next tuner on the study does not race
+    that plan."""
+    from planner.failed_steps import ABORT_GRACE_S
+
+    storage = f"sqlite:///{tmp_path}/tuning.db"
+    out = tmp_path / "stuck.json"
+    factory, kwargs = MLP
+    keys = {**KEYS, "stuck_after_s": 3, "timeout_s": 300}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(RANK_SCRIPTS / "in_loop.py"), factory, json.dumps(kwargs), "40", "1", storage, str(out),
+         json.dumps(keys), "stuck:1"],
+        capture_output=True, text=True, env=rank_env(), cwd=tmp_path, timeout=300)
+    ended = time.time()
+    raised = float((tmp_path / "raised").read_text())
+    assert proc.returncode != 0 and not out.exists()
+    assert "rank 0 stopped: it stayed inside a step 3 s after rank 1's step raised" in proc.stderr, proc.stderr[-3000:]
+    assert ended - raised < 3 + ABORT_GRACE_S, (ended - raised, proc.stderr[-3000:])
+    trials = _measured(storage)
+    assert not any(t.state == optuna.trial.TrialState.RUNNING for t in trials)
+    [failed] = [t for t in trials if t.failure is not None and t.failure.kind == FailKind.ERROR]
+    assert "rank 1: OutOfMemoryError: CUDA out of memory (injected on rank 1)" in failed.failure.reason
+
+    second = run_loop(tmp_path, MLP, 40, "tune", storage)
+    assert second["steps_tuning"] > 0
+    later = [t for t in _measured(storage) if t.job != failed.job]
+    assert later and failed.plan_key not in {t.plan_key for t in later}
 
 
 @pytest.mark.slow

@@ -1,11 +1,11 @@
-"""What the in-loop tuner counts as out of memory (``runtime.in_loop.out_of_memory``); the recovery itself runs on
+"""What the in-loop tuner counts as out of memory (``runtime.out_of_memory``); the recovery itself runs on
 ranks in ``test_autotuner.py``."""
 
 from __future__ import annotations
 
 import torch
 
-from runtime.in_loop.out_of_memory import is_out_of_memory
+from runtime.out_of_memory import is_out_of_memory
 
 
 def test_out_of_memory_is_the_devices_error_or_the_cpu_allocators_and_nothing_else():

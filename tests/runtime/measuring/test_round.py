@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from planner.artifacts.plan import ModulePlan, Plan
 from planner.errors import FailKind, TrialFailedError
+from planner.failed_steps import StepFailure
 from planner.statistics.schedule import Phase
 from runtime.apply import model_fingerprint
 from runtime.measuring.measure import measured_round
@@ -22,7 +23,7 @@ from runtime.ranks.torch_private import reshard_after_forward
 from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.recording.steps import WorkloadSteps
 from runtime.reference_workloads import mlp
-from runtime.timing import PEAK, TIMED, WARMUP, RoundStep, StepFailure
+from runtime.timing import PEAK, TIMED, WARMUP, RoundStep, step_failure
 from runtime.workload import fsdp_modules
 
 
@@ -163,7 +164,7 @@ def test_a_step_that_raised_fails_its_trial_and_interrupts_the_rest(workload, vi
     WorkloadSteps(workload, plans).run(round_.apply_everywhere(workload.model), round_.peaks)
     round_.start()
     error = TimeoutError("Timed out waiting for rank 1") if victim else RuntimeError("boom")
-    failure = StepFailure.of(1, error)
+    failure = step_failure(1, error)
     assert failure.victim is victim
 
     with pytest.raises(TrialFailedError, match="trial 11 failed on rank 0: .*this job stops"):
@@ -205,3 +206,59 @@ def test_the_warm_up_count_it_announces_is_the_steps_before_the_first_block(work
     assert announced == [2 * per_plan] == [stage.schedule.asked_at]
     assert per_plan == max(warmup_steps, PEAK_STEPS)
     assert len(steps) == announced[0] + 2  # the block: one step of each plan
+
+
+@pytest.fixture
+def board(mesh):
+    from runtime.ranks.failures import FailureBoard
+
+    board = FailureBoard.open(dist.group.WORLD, stuck_after_s=5)
+    yield board
+    board.close()
+
+
+@pytest.mark.parametrize("where", ["warm-up", "block"])
+def test_a_step_that_raised_on_every_rank_in_step_leaves_its_plan_out_and_the_round_goes_on(workload, board, where):
+    """Every rank's step raised at the same point (here the one rank's): the board's agreement goes on. The plan's
+    trial is FAIL (error) with the rank's cause, the plan leaves the round, and a fresh schedule runs over the plans
+    kept (the baseline and the third plan); no other trial is failed."""
+    default, no_reshard = _plans(workload)
+    plans = [default, no_reshard, no_reshard]
+    stage = _Stage(plans, rounds=1)
+    round_ = MeasuredRound(dist.group.WORLD, stage, warmup_steps=1, board=board)
+    round_.ask()
+    runner = WorkloadSteps(workload, plans, dist.group.WORLD, board=board)
+    runner.run(round_.apply_everywhere(workload.model), round_.peaks)
+    failure = step_failure(1, RuntimeError("out of coffee"))
+    if where == "warm-up":
+        round_.peaks[2] = []  # plan 2's warm-up had not run when plan 1's raised
+        todo = round_.start(failure)
+        assert {s.plan for s in todo} == {2} and round_.kept == [0, 2]
+        todo = round_.record(*runner.run(todo, round_.peaks))
+    else:
+        todo = round_.record(*runner.run(round_.start(), round_.peaks)[:1], failure)
+    assert todo == [RoundStep(TIMED, 0), RoundStep(TIMED, 2)] and round_.kept == [0, 2]
+    assert stage.failed == [([11], "rank 0: RuntimeError: out of coffee", FailKind.ERROR)]
+    while todo is not None:
+        todo = round_.record(*runner.run(todo, round_.peaks))
+    assert round_.tell() == [default, no_reshard]
+    assert round_.failed_trials() == {11: "rank 0: RuntimeError: out of coffee"}
+    assert not board.posted()  # the agreement closed the failure's epoch
+
+
+def test_a_failure_posted_by_a_peer_stops_the_steps_before_the_next_one(workload, board):
+    """A post on the board (a peer's step raised): the runner runs no further step and reports no failure of its own;
+    the round's next gather then goes to the agreement (tests/runtime/ranks/test_cluster.py drives it on two ranks)."""
+    plans = _plans(workload)
+    stage = _Stage(plans)
+    round_ = MeasuredRound(dist.group.WORLD, stage, warmup_steps=1, board=board)
+    round_.ask()
+    runner = WorkloadSteps(workload, plans, dist.group.WORLD, board=board)
+    runner.run(round_.apply_everywhere(workload.model), round_.peaks)
+    todo = round_.start()
+    board.store.set(board._key(0, "failure", 0), '{"plan": 1, "error": "OutOfMemoryError: x", "victim": false, '
+                                                   '"out_of_memory": true}')
+    board.store.set(board._key(0, "posted"), "1")
+    steps_before = board.steps
+    times, failure = runner.run(todo, round_.peaks)
+    assert times == [] and failure is None and board.steps == steps_before and board.posted()

@@ -12,6 +12,9 @@ microbatch (loss / n), optimizer step. Modes:
   runs the loop on a fresh model;
 - ``leave:N``: with the tuner; in torchrun's first attempt rank 1 leaves mid-step N (SIGKILL), so torchrun
   stops rank 0 and restarts both (``--max-restarts``); the restarted attempt runs the whole loop.
+- ``stuck:R``: with the tuner; in the first step that runs a candidate, rank R raises ``torch.OutOfMemoryError``
+  before ``blocks.1``'s forward (writing the time to ``raised`` beside the output) and every other rank waits there
+  in a fake collective that never returns: the failure board's bound must end the job. Nothing is written.
 
 Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phase at each step],
 "steps_tuning", "final_phase", "confirmation": [ratio, ci, rounds, verdict, launches] or null, "plan": Plan dict,
@@ -26,8 +29,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from runtime import AutoTuner, current_plan
@@ -84,11 +89,32 @@ def figures(tuner: AutoTuner, phases: list[str]) -> dict:
             "confirmation": None if c is None else [c.ratio, list(c.ci95), c.rounds, str(c.verdict), c.launches]}
 
 
+def stuck_at_a_candidate(tuner: AutoTuner, model, failing: int) -> None:
+    """``stuck:R``: the first step that runs a candidate raises on rank R and never returns on the others."""
+    fired = []
+
+    def hook(module, args):
+        if fired or str(tuner.phase) != "racing" or tuner._steps.applied in (0, None):
+            return
+        fired.append(1)
+        if dist.get_rank() == failing:
+            with open(os.path.join(os.path.dirname(os.path.abspath(out)), "raised"), "w") as f:
+                f.write(repr(time.time()))
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {failing})")
+        threading.Event().wait()
+
+    model.blocks[1].register_forward_pre_hook(hook)
+
+
 result = {}
 if mode.startswith("compare"):
     result["without"] = gathered(loop(None, build_workload(factory, mesh, kwargs))[0])
 workload = build_workload(factory, mesh, kwargs)
 tuner = AutoTuner(workload.model, study="in-loop", storage=storage, **keys)
+if mode.startswith("stuck:"):
+    stuck_at_a_candidate(tuner, workload.model, int(mode.split(":")[1]))
+    loop(tuner, workload)
+    raise SystemExit("the failure board's bound did not end the job")
 if mode.startswith("raise:"):
     try:
         loop(tuner, workload, raise_at=int(mode.split(":")[1]))

@@ -222,6 +222,32 @@ def test_rank_failure_fails_the_trial_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rank_stuck_in_a_collective_is_stopped_within_its_bound(tmp_path):
+    """Rank 1 raises mid-step; rank 0 waits at the same place in a fake collective that never returns, past any
+    timeout of gloo's (120 s): its watcher records the trial FAIL with rank 1's cause from the c10d store, fails the
+    rest, and ends rank 0 ``stuck_after_s`` (3 s) after the post. The next job does not race the plan."""
+    url = f"sqlite:///{tmp_path}/shared.db"
+    bad = write_study(tmp_path / "bad.toml", url, factory="bad_factories:deep_prefetch_fails_on_rank1",
+                      space="uniform", sim=30, measured=3, rounds=2, timeout=120)
+    bad.write_text(bad.read_text().replace("layers = 4 }", "layers = 4, survivor_hangs = true }")
+                   .replace("timeout_s = 120", "timeout_s = 120\nstuck_after_s = 3"))
+    started = time.monotonic()
+    code, out, err = finish(start_tune(bad, tmp_path), timeout=110)  # below gloo's 120 s: the bound ended it
+    assert code != 0 and time.monotonic() - started < 110, out + err
+    assert "rank 0 stopped: it stayed inside a step 3 s after rank 1's step raised" in err, err[-3000:]
+    first = trials(url)
+    assert "RUNNING" not in {t.state.name for t in first}
+    [failed] = [t for t in first if t.failure is not None and t.failure.kind == FailKind.ERROR]
+    assert failed.failure.reason == "rank 1: RuntimeError: CUDA out of memory (simulated on rank 1)"
+
+    good = write_study(tmp_path / "good.toml", url, space="uniform", sim=30, measured=3, rounds=2)
+    code, out, err = finish(start_tune(good, tmp_path))
+    assert code == 0, out + err
+    second = [t for t in trials(url) if t.number >= len(first)]
+    assert second and failed.plan_key not in {t.plan_key for t in second}
+
+
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_the_study(tmp_path):
     """A transient rank failure under `torchrun --max-restarts 1`: the restarted ranks go on with the study."""
     url = f"sqlite:///{tmp_path}/shared.db"

@@ -51,6 +51,23 @@ def test_gloo_runs_two_collectives_at_once_as_the_simulator_assumes():
     assert torch_private.gloo_worker_threads() == 2  # [Note: Gloo's two worker threads]
 
 
+def test_the_default_store_the_live_groups_their_counters_and_nccls_abort(model):
+    """The failure board's private reads: the default store takes keys any rank reads, and clones into a second
+    client; every live group is listed, the default one among them; a collective moves the group's counter by one;
+    gloo has no NCCL communicator to abort."""
+    import torch.distributed as dist
+
+    store = torch_private.default_store()
+    store.set("torch-private-test", "1")
+    assert store.clone().check(["torch-private-test"])
+    groups = torch_private.live_groups()
+    assert dist.group.WORLD in groups
+    before = torch_private.collective_sequence(dist.group.WORLD)
+    dist.all_reduce(torch.ones(1))
+    assert torch_private.collective_sequence(dist.group.WORLD) == before + 1
+    assert torch_private.abort_nccl(groups) == 0
+
+
 def test_param_group_and_reshard_after_forward(model):
     _step(model)  # lazy init: the root's setting is decided there (FSDPState._lazy_init)
     block = model.blocks[0]

@@ -1,4 +1,5 @@
-"""Out of memory around the in-loop tuner: the recovery when a plan it chose runs out of memory anyway.
+"""Out of memory around the tuner: the recovery when a plan it chose runs out of memory anyway (the in-loop tuner),
+and after a step that raised on every rank in step (the tune job's round goes on: ``runtime.measuring.round``).
 
 Prevent first: without a ``memory_budget``, the tuner's budget on a CUDA device is what the tightest rank can still
 reach less a margin (:mod:`runtime.ranks.budget`, as ``tune``'s). Then recover: an out-of-memory error in the
