@@ -213,9 +213,10 @@ class FailureBoard:
         poster = store.get(self._key(epoch, "posted")).decode()
         logger.error(f"rank {self.rank}: still inside a step {self.stuck_after_s:g} s after rank {poster}'s step "
                      "raised; aborting its NCCL communicators")
-        if abort_nccl(live_groups()) and self._reaches(epoch, ABORT_GRACE_S):
+        aborted = abort_nccl(live_groups())
+        if aborted and self._reaches(epoch, ABORT_GRACE_S):
             return
-        self._stop(epoch, store, poster)
+        self._stop(epoch, store, poster, aborted > 0)
 
     def _reaches(self, epoch: int, within_s: float) -> bool:
         """Whether the main thread reaches the agreement of ``epoch`` (or is past it) within ``within_s``."""
@@ -226,11 +227,12 @@ class FailureBoard:
             time.sleep(0.05)
         return False
 
-    def _stop(self, epoch: int, store: Any, poster: str) -> None:
+    def _stop(self, epoch: int, store: Any, poster: str, aborted: bool) -> None:
         """End this process: rank 0 records the cause and fails the trials it holds first."""
+        then = (f", then {ABORT_GRACE_S:g} s after its NCCL communicators were aborted" if aborted
+                else " (no NCCL communicator to abort)")
         line = (f"prefetch-planner: rank {self.rank} stopped: it stayed inside a step {self.stuck_after_s:g} s after "
-                f"rank {poster}'s step raised ([launch] stuck_after_s), then {ABORT_GRACE_S:g} s after its NCCL "
-                "communicators were aborted; the failure is recorded in the study")
+                f"rank {poster}'s step raised ([launch] stuck_after_s){then}; the failure is recorded in the study")
         if self.rank == 0:
             self._record_posts(epoch, store, victims_too=True)
             with self._lock:
