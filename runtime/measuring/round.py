@@ -394,8 +394,7 @@ class MeasuredRound(Generic[TrialT]):
         plan = agreement.plan
         if not (agreement.go_on and plan not in (None, 0) and plan in self.kept and not self._fixed):
             self._stop(plan, agreement.reason, agreement.why_stop)
-        self._fail_cause(plan, agreement.reason)
-        self.failed.setdefault(plan, agreement.reason)
+        self.failed.setdefault(plan, agreement.reason)  # rank 0's trial: recorded by the board's agreement
         self.kept = [i for i in self.kept if i != plan]
         recover(self.model)  # every rank stopped at the same point: FSDP2's iteration state and gradients reset
         if self.rank0:
