@@ -32,19 +32,9 @@ def postgres():
     Skipped where no server binaries are installed, except under CI
     (``CI`` set), where ``.ci/run`` installs them and a skip would hide a gap.
     """
-    import importlib.util
-    import os
+    from tests.postgres import server_or_skip
 
-    from tests.postgres import PostgresServer
-
-    try:
-        if importlib.util.find_spec("psycopg2") is None:
-            raise ImportError("psycopg2 is not installed: pip install -e '.[test]'")
-        server = PostgresServer()
-    except (ImportError, FileNotFoundError) as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no PostgreSQL here: {e}")
+    server = server_or_skip()
     server.start()
     counter = iter(range(1_000_000))
     yield lambda: server.create_database(f"planner_{next(counter)}")

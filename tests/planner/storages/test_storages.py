@@ -294,3 +294,25 @@ def test_read_only_storage_needs_the_file(tmp_path):
     with pytest.raises(StudyNotFoundError, match="no database at"):
         open_storage_read_only(f"sqlite:///{tmp_path}/none.db")
     assert not (tmp_path / "none.db").exists()
+
+
+def test_the_test_server_starts_on_another_port_when_its_port_is_taken():
+    """A port taken between the draw and the server's bind (a concurrent test's connection) is drawn again."""
+    import socket
+
+    from tests.postgres import server_or_skip
+
+    server = server_or_skip()
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        try:
+            url = server.start()
+            assert server.port != taken
+            engine = sa.create_engine(url)
+            with engine.connect() as conn:
+                assert conn.exec_driver_sql("SELECT 1").scalar() == 1
+            engine.dispose()
+        finally:
+            server.stop()
