@@ -92,7 +92,8 @@ class PostgresServer:
 
     def stop(self) -> None:
         try:
-            self._run(self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop")
+            if (self.data / "postmaster.pid").exists():
+                self._run(self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 
