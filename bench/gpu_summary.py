@@ -10,6 +10,8 @@ Each section says where its figures come from; a stage that left nothing is said
 - FSDP2's default step, predicted against measured (the ``tune`` study's FSDP2's default trial: its simulated step
   and its race median, ms), and its peak, predicted against measured (``peak-memory.json``, the ``peak`` stage);
 - how the in-loop tuner ended (the line ``docs/examples/plain_loop.py`` prints at the end, in the stage's log);
+- what the watch costs a step (``watch-cost.json``, the ``watch-cost`` stage: watched / plain wall time, its
+  interval within the process);
 - each stage's exit status and seconds (``stages.tsv``).
 """
 
@@ -94,6 +96,11 @@ def _in_loop(out: Path) -> str | None:
     return done[-1] if done else "the loop printed no final phase (see stages/in-loop.log)"
 
 
+def _watch_cost(out: Path) -> dict[str, Any] | None:
+    path = out / "watch-cost.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def _stages(out: Path) -> list[dict[str, Any]]:
     path = out / "stages.tsv"
     rows = []
@@ -106,7 +113,8 @@ def _stages(out: Path) -> list[dict[str, Any]]:
 def summarize(out: Path) -> dict[str, Any]:
     """Every figure of the summary, ``None`` where its stage left nothing."""
     return {"profile": _profile(out), "tune": _tune(out), "default_step": _default_step(out),
-            "default_peak": _default_peak(out), "in_loop": _in_loop(out), "stages": _stages(out),
+            "default_peak": _default_peak(out), "in_loop": _in_loop(out), "watch_cost": _watch_cost(out),
+            "stages": _stages(out),
             "machine": (out / "machine.txt").read_text().strip() if (out / "machine.txt").exists() else None}
 
 
@@ -138,7 +146,12 @@ def markdown(s: dict[str, Any]) -> str:
     lines.append("Peak: no peak run." if p is None else
                  f"Peak: predicted {mib(p['predicted_bytes'])}, measured {mib(p['measured_bytes'])} "
                  f"({p['error_pct']:+.1f}%).")
-    lines += ["", "## The in-loop tuner", "", s["in_loop"] or "No in-loop stage log.", "", "## Stages", "",
+    w = s.get("watch_cost")
+    watch = ("Watch cost: no `watch-cost.json` (the stage did not finish)." if w is None else
+             f"Watch cost: watched / plain {w['ratio']:.3f} [{w['ci95'][0]:.3f}, {w['ci95'][1]:.3f}] over "
+             f"{w['stretches']} stretches of {w['steps_per_stretch']} steps ({w['blocks_read']} blocks of "
+             f"{w['watch_every']} read; two ranks on one GPU test the mechanism, not the speed).")
+    lines += ["", "## The in-loop tuner", "", s["in_loop"] or "No in-loop stage log.", "", watch, "", "## Stages", "",
               "| stage | exit | seconds | limit s |", "|---|---|---|---|"]
     lines += [f"| {r['stage']} | {r['exit']} | {r['seconds']} | {r['limit_s']} |" for r in s["stages"]]
     total = sum(r["seconds"] for r in s["stages"])

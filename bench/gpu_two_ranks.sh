@@ -25,14 +25,17 @@
 #   profile    the recorder's profile on 2 NCCL ranks (per-module all-gather and reduce-scatter times and bytes)
 #   tune       prefetch-planner tune on bench/llama-gpu-two-ranks.toml (race and confirmation on the shared GPU)
 #   in-loop    the in-loop tuner on docs/examples/plain_loop.py --quick
+#   watch-cost what the in-loop watch costs a step: N watched steps against N plain steps of the same plan,
+#              interleaved, their wall-time ratio (bench.watch_cost; two ranks on one GPU test the mechanism, not the
+#              speed)
 #   trace      the trace profile from a 2-rank Kineto trace, checked against the recorder (bench.trace_profile)
 #   peak       world-size-2 peaks, predicted against measured (bench.peak_memory)
 #   hf         transformers.Trainer.train() on a Llama transformers shards with FSDP2 (hf_trainer.py --small), where
 #              accelerate is 1.16 or later
 #   torchtitan the recipe, where torchtitan imports (its dependencies do not fit the 64 MiB a run carries)
 # Then OUT/summary.md and OUT/summary.json (bench/gpu_summary.py): the profile's per-module collectives, the tune
-# verdict and ratio, FSDP2's default step and peak predicted against measured, how the in-loop tuner ended, and each
-# stage's time. The script exits 0 when every stage that ran passed, 1 when one failed, 2 when the env stage did.
+# verdict and ratio, FSDP2's default step and peak predicted against measured, how the in-loop tuner ended, the
+# watch's cost, and each stage's time. The script exits 0 when every stage that ran passed, 1 when one failed, 2 when the env stage did.
 #
 # --rehearse runs every stage on this machine's CPU with gloo, on bench/llama-two-ranks-rehearsal.toml (the same
 # Llama, smaller), in a fresh virtual environment (GPU_REHEARSAL_VENV, default /tmp/gpu-rehearsal-venv) that holds
@@ -119,16 +122,17 @@ device_flags=()
 stage profile 50 "${two[@]}" jobs.cli profile $study -o "$out/profile.json"
 stage tune 100 "${two[@]}" jobs.cli tune $study --storage "sqlite:///$out/two-ranks.db" --plan-out "$out/plan.json" \
     --profile-out "$out/tune-profile.json" --no-progress
-stage in-loop 45 "${two[@]}" docs/examples/plain_loop.py --quick --steps 60 --storage "sqlite:///$out/plain-loop.db"
-stage trace 45 "${two[@]}" bench.trace_profile $study --steps 3 --json "$out/trace-profile.json" \
+stage in-loop 40 "${two[@]}" docs/examples/plain_loop.py --quick --steps 60 --storage "sqlite:///$out/plain-loop.db"
+stage watch-cost 20 "${two[@]}" bench.watch_cost $study --stretches 4 --steps 32 --json "$out/watch-cost.json"
+stage trace 40 "${two[@]}" bench.trace_profile $study --steps 3 --json "$out/trace-profile.json" \
     --traces "$work/traces"
-stage peak 40 "${two[@]}" bench.peak_memory $study --json "$out/peak-memory.json"
+stage peak 35 "${two[@]}" bench.peak_memory $study --json "$out/peak-memory.json"
 # Accelerate before 1.16 (the image's 1.15, with transformers 5.17) puts the model transformers sharded under DDP
 # (Accelerator.prepare_model), which refuses DTensor parameters on GPUs and fails on them on CPU under torch 2.11:
 # the stage would spend its time on a known failure. The suite's Hugging Face test passes with 1.16 and 5.25.
 if [ $mode = dry ] || "$py" -c 'import sys, accelerate, transformers
 sys.exit(tuple(map(int, accelerate.__version__.split(".")[:2])) < (1, 16))' 2>/dev/null; then
-    stage hf 45 "${two[@]}" docs/examples/hf_trainer.py --small --quick "${device_flags[@]}" \
+    stage hf 40 "${two[@]}" docs/examples/hf_trainer.py --small --quick "${device_flags[@]}" \
         --storage "sqlite:///$out/hf.db"
 else
     echo "=== hf: skipped: accelerate $("$py" -c 'import accelerate; print(accelerate.__version__)' 2>/dev/null ||

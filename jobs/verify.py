@@ -115,21 +115,25 @@ def verify_rank(config: StudyConfig, plan_path: str, rounds: int) -> LaunchTimes
             plan = load_plan(plan_path)
             models = [build_study_workload(config.workload, rank.mesh) for _ in range(2)]
             configure_plan(models[0].model, plan)  # the other stays as fully_shard wrapped it: FSDP2's default
-            timed_ms = device_of(device_type_of(models[0])).timed_ms
+            device = device_of(device_type_of(models[0]))
             steps = StepCounter()
-
-            def step(index: int) -> float:
-                workload = models[index]
-                return timed_ms(lambda: train_step(workload, steps.next()))
-
             for _ in range(WARMUP_STEPS):
-                step(0)
-                step(1)
+                for workload in models:
+                    train_step(workload, steps.next())
             orders = from_rank0(lambda: confirmation_orders((0, 1), rounds), rank.group)
-            local: list[list[float]] = [[], []]
+            # As a raced block is timed ([Note: What a step costs the device] in runtime.recording.steps, which this
+            # user-like process does not load): the ranks aligned once, each step between two marks on the device's
+            # clock, the marks read once at the end.
+            timed: list[tuple[int, tuple[object, object]]] = []
+            device.align(rank.group)
             for order in orders:
                 for index in order:
-                    local[index].append(step(index))
+                    start = device.mark()
+                    train_step(models[index], steps.next())
+                    timed.append((index, (start, device.mark())))
+            local: list[list[float]] = [[], []]
+            for (index, _), ms in zip(timed, device.spans_ms([span for _, span in timed]), strict=True):
+                local[index].append(ms)
             maxed, _ = gather_max(local[0] + local[1], rank.group)
             loaded = gather_objects([m for m in TUNER_MODULES if m in sys.modules], rank.group)
             rank.ended = True

@@ -318,7 +318,7 @@ class AutoTuner(FailedSteps):
             elif round_.measured.block is None:
                 steps = round_.start_race()
             else:
-                steps = round_.record_block(self._steps.times)
+                steps = round_.record_block(self._steps.take_times())
             if steps is None:
                 self._conclude()
                 return

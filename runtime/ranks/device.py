@@ -14,7 +14,28 @@ exists, never training's default group. On GPUs the default group is NCCL, whose
 queued on a CUDA stream: it returns before the peers arrive unless the device is synchronized after it, and it
 costs a kernel in the user's stream. Gloo's barrier returns when every rank reached it, on the host, with nothing
 queued on the GPU. The default group is used only where no control group exists yet (a rank's set-up, a
-recorder run outside a job), and then the device is synchronized after it.
+recorder run outside a job), and then the device is synchronized after it. The device is synchronized before the
+barrier as well: a rank whose GPU still runs the previous step's kernels would otherwise pass the barrier with its
+peers and start the clock while that work is still queued.
+
+[Note: Steps on the device's clock]
+A training step is timed by two marks on the device's clock (:meth:`Device.mark`): on a GPU, CUDA events
+(``enable_timing=True``) recorded on the current stream when the step starts and when it ends; on a CPU, the host
+clock. A stream runs its work in order, so the start event completes when the device has finished everything queued
+before the step (the previous step, the user's own work between steps) and the end event when it has finished the
+step. The end event covers the step's collectives: FSDP2's final backward callback makes the current stream wait
+for the last reduce-scatter (``FSDPState._root_post_backward_final_callback``: ``current_stream().wait_event(
+reduce_scatter_state.event)``, ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py`` in torch 2.13), and a
+reduce-scatter issued with ``async_op=False`` makes its stream wait for ProcessGroupNCCL's own stream, so the
+NCCL kernel is before that event; the optimizer step is on the current stream after it. The interval is therefore
+the step's span on the device: the time its kernels kept the device busy, and any gap in which the device waited
+for the host launching them.
+
+Nothing waits for the device while steps run. Marks are read after the fact (:meth:`Device.spans_ms`): a raced
+block's at its end, by one wait on its last end event (``Event.synchronize``, the host waiting for that event, not
+for the whole device); the watch's when :meth:`Device.done` (``Event.query``) says they are complete, never by a
+wait. What each kind of step costs on the device is in ``runtime.recording.steps`` ([Note: What a step costs the
+device]).
 """
 
 from __future__ import annotations
@@ -75,6 +96,39 @@ class Device:
         """The :meth:`mark` s as seconds since the first (waits for the device on GPU)."""
         return [m - marks[0] for m in marks] if marks else []
 
+    def done(self, mark: Any) -> bool:
+        """Whether the device has reached ``mark`` (CUDA: ``Event.query()``, which never waits; always on CPU)."""
+        return True
+
+    def wait(self, mark: Any) -> None:
+        """Block the host until the device reaches ``mark`` (CUDA: ``Event.synchronize()``, that event alone, not
+        the whole device; nothing on CPU)."""
+
+    def spans_ms(self, spans: list[tuple[Any, Any]], wait: bool = True) -> list[float]:
+        """The ms from each ``(start, end)`` pair of :meth:`mark` s to its end ([Note: Steps on the device's
+        clock]).
+
+        The marks of one stream complete in order, so one :meth:`wait` on the last end (``wait``) makes every pair
+        readable; without it the caller must know they are complete (:meth:`done` on the last end).
+
+        Raises:
+            RuntimeError: on GPU, ``wait`` is false and a mark is not complete (CUDA's ``cudaErrorNotReady``).
+        """
+        if spans and wait:
+            self.wait(spans[-1][1])
+        return [self._interval_ms(start, end) for start, end in spans]
+
+    def _interval_ms(self, start: Any, end: Any) -> float:
+        return (end - start) * 1e3
+
+    def align(self, group: Any = None) -> None:
+        """Start a timed stretch on every rank of ``group`` together: the device synchronized (nothing queued before
+        is left), a barrier ([Note: Which group a barrier uses]), the device synchronized again (a barrier on a GPU
+        group is a kernel)."""
+        self.synchronize()
+        self.barrier(group)
+        self.synchronize()
+
     def stream_event(self, where: torch.device) -> Any:
         """An event recorded now on the current stream of ``where`` (what FSDP2's ``set_post_optim_event`` waits
         on); ``None`` on CPU, which has no events."""
@@ -123,11 +177,12 @@ class Device:
         return device_memory_cap()
 
     def start(self, group: Any = None, together: bool = True) -> float:
-        """The clock at the start of a timed stretch, s: every rank of ``group`` there first (``together``: a
-        barrier), then the device synchronized, so nothing queued before is in the time."""
+        """The clock at the start of a timed stretch, s: the device synchronized, so nothing queued before is in
+        the time, and then (``together``) every rank of ``group`` there (:meth:`align`)."""
         if together:
-            self.barrier(group)
-        self.synchronize()
+            self.align(group)
+        else:
+            self.synchronize()
         return self.clock()
 
     def elapsed_ms(self, t0: float) -> float:
@@ -162,6 +217,15 @@ class CUDADevice(Device):
             return []
         torch.cuda.synchronize()
         return [marks[0].elapsed_time(m) / 1e3 for m in marks]
+
+    def done(self, mark: Any) -> bool:
+        return bool(mark.query())
+
+    def wait(self, mark: Any) -> None:
+        mark.synchronize()
+
+    def _interval_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
 
     def stream_event(self, where: torch.device) -> Any:
         return torch.cuda.current_stream(where).record_event()
@@ -233,6 +297,17 @@ class CountingDevice(Device):
 
     def synchronize(self) -> None:
         self._count("synchronize")
+
+    def mark(self) -> Any:
+        self._count("mark")
+        return Device.clock(self)
+
+    def wait(self, mark: Any) -> None:
+        self._count("wait")
+
+    def done(self, mark: Any) -> bool:
+        self._count("done")
+        return True
 
     def release_cache(self) -> None:
         self._count("release_cache")

@@ -1,9 +1,11 @@
 """The figures a profile takes from FSDP2's default steps, for the tune job's recorder and the in-loop tuner's alike:
 a recorder of the one step runner (``runtime.recording.steps.StepSide``, which begins and ends it around each step).
 
-- step ms: a timed step's, as the step runner times it (every rank started together, to the step's end);
-- optimizer ms: from the first ``optimizer.step()`` of a timed step to the last one's end (global optimizer hooks,
-  ``register_optimizer_step_pre_hook``, the device synchronized at each);
+- step ms: a timed step's, as the step runner times it (on the device's clock, its block started together:
+  [Note: What a step costs the device] in ``runtime.recording.steps``);
+- optimizer ms: from the first ``optimizer.step()`` of a timed step to the last one's end, on the device's clock
+  (marks recorded by global optimizer hooks, ``register_optimizer_step_pre_hook``; no synchronization);
+- every mark is read once, when the figures are taken (:meth:`StepFigures.measurements`);
 - microbatches: the root's forwards in each step (gradient accumulation);
 - peak bytes and the optimizer step's temporaries: a peak step's, through the one peak meter
   (:class:`runtime.recording.peak_memory.PeakMeter`); such a step is not timed;
@@ -51,12 +53,12 @@ class StepFigures:
         self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
         self.forwards = 0
         self.microbatches: list[int] = []
-        self.step_ms: list[float] = []
-        self.optimizer_ms: list[float] = []
+        self.step_spans: list[tuple[Any, Any]] = []  # the timed steps' (start, end) marks, read in measurements()
+        self.optimizer_spans: list[tuple[Any, Any]] = []
         self.peaks: list[int] = []
         self.optimizer_temp: list[int] = []
-        self._opt_start: float | None = None
-        self._opt_end: float | None = None
+        self._opt_start: Any = None  # marks on the device's clock (runtime.ranks.device.Device.mark)
+        self._opt_end: Any = None
         self.meter = PeakMeter(model, self.optimizers)
         self._handles = [
             model.register_forward_pre_hook(self._root_forward, with_kwargs=True),
@@ -70,15 +72,11 @@ class StepFigures:
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not any(o is optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
-        device = device_of(self.device)
-        device.synchronize()
         if self._opt_start is None:
-            self._opt_start = device.clock()
+            self._opt_start = device_of(self.device).mark()
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        device = device_of(self.device)
-        device.synchronize()
-        self._opt_end = device.clock()
+        self._opt_end = device_of(self.device).mark()
 
     def begin_step(self, peak: bool) -> None:
         """Before a step (every rank); ``peak``: measure its peak memory (the step is then not timed)."""
@@ -87,13 +85,13 @@ class StepFigures:
         if peak:
             self.meter.begin()
 
-    def end_step(self, step_ms: float | None) -> None:
-        """After a step: ``step_ms`` this rank's time of a timed step, ``None`` for an untimed one."""
+    def end_step(self, span: tuple[Any, Any] | None) -> None:
+        """After a step: ``span`` the start and end marks of a timed step, ``None`` for an untimed one."""
         self.microbatches.append(self.forwards)
-        if step_ms is not None:
-            self.step_ms.append(step_ms)
+        if span is not None:
+            self.step_spans.append(span)
             if self._opt_start is not None and self._opt_end is not None:
-                self.optimizer_ms.append((self._opt_end - self._opt_start) * 1e3)
+                self.optimizer_spans.append((self._opt_start, self._opt_end))
         if self.meter.measuring:
             peak = self.meter.end()
             self.peaks.append(peak.peak_bytes)
@@ -115,12 +113,16 @@ class StepFigures:
         the optimizer step's largest temporaries, the optimizers' state; ``more``: the other
         :class:`~planner.artifacts.rank_measurements.StepMeasurements` fields (the async ratio, page faults, ...).
 
+        Every mark is read here, once: one wait on the last (:meth:`runtime.ranks.device.Device.spans_ms`).
+
         Raises:
             PlannerError: no timed step or no peak step was recorded.
         """
-        if not self.step_ms or not self.peaks:
+        if not self.step_spans or not self.peaks:
             raise PlannerError("the recorder has no timed step or no peak-memory step")
-        return StepMeasurements(step_ms=statistics.median(self.step_ms),
-                                optimizer_ms=statistics.median(self.optimizer_ms) if self.optimizer_ms else 0.0,
+        ms = device_of(self.device).spans_ms(self.optimizer_spans + self.step_spans)  # the last step's end last
+        optimizer_ms, step_ms = ms[:len(self.optimizer_spans)], ms[len(self.optimizer_spans):]
+        return StepMeasurements(step_ms=statistics.median(step_ms),
+                                optimizer_ms=statistics.median(optimizer_ms) if optimizer_ms else 0.0,
                                 peak_bytes=tuple(self.peaks), optimizer_temp_bytes=max(self.optimizer_temp, default=0),
                                 optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in self.optimizers), **more)

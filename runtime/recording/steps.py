@@ -2,15 +2,36 @@
 and the in-loop tuner alike.
 
 A step is a :class:`~runtime.timing.RoundStep` (its kind and its plan). :class:`StepSide` runs it around
-the step itself: the plan switched, the recorder or the peak meter begun and ended, the step timed (every rank
-started together on the caller's group, [Note: Which group a barrier uses] in ``runtime.ranks.device``), the
-microbatches counted. What the step itself is differs, and only that:
+the step itself: the plan switched, the recorder or the peak meter begun and ended, the step timed on the device's
+clock ([Note: Steps on the device's clock] in ``runtime.ranks.device``), the microbatches counted. What the step
+itself is differs, and only that:
 
 - the in-loop tuner (``runtime.in_loop.autotuner.AutoTuner``) calls :meth:`StepSide.before` and
   :meth:`StepSide.after` around the user's own code in ``tuner.step()``;
 - the tune job, its recorder's steps of FSDP2's default, its confirmation and calibration launches, ``confirm`` and
   the benches feed it the workload's own training step (``runtime.workload.train_step``) through
   :class:`WorkloadSteps`.
+
+[Note: What a step costs the device]
+Per kind of step, what the runner asks of the device beyond the step itself (``tests/runtime/recording/
+test_device_clock.py`` holds each line on a fake device whose direct clock, synchronize, barrier and ``.item()``
+fail the test):
+
+- ``WATCHED`` (the watch, for the rest of the job): two events recorded on the current stream; no synchronization,
+  no barrier, no wait. The watch reads a block's events once, when ``Event.query()`` says its last one is
+  complete (``runtime.in_loop.watching``).
+- ``TIMED`` and ``RECORD`` (a race's or a confirmation's block, the recorder's timed steps of FSDP2's default): two
+  events per step and nothing else inside the block. The block, not the step, starts and ends together: before its
+  first step the device is synchronized, the ranks meet at a barrier on the control group and the device is
+  synchronized again (:meth:`runtime.ranks.device.Device.align`: every rank starts from an idle device, at the same
+  moment), and after its last step the host waits once, on that step's end event, to read the block's events
+  (:meth:`StepSide.take_times`). An untimed step between two timed ones makes the next one align again.
+- ``PEAK`` and ``RECORD_PEAK`` (a plan's warm-up, the recording's): untimed; the peak meter synchronizes at the
+  step's two ends to read the allocator's peak (``runtime.recording.peak_memory``).
+- ``WARMUP`` and ``RECORD_WARMUP``: nothing.
+
+The recorder's optimizer ms are events as well, recorded by the optimizer hooks (``runtime.recording.step_figures``)
+and read with the recording's step marks, once, when its figures are taken.
 """
 
 from __future__ import annotations
@@ -54,8 +75,9 @@ class StepRecorder(Protocol):
     def begin_step(self, peak: bool) -> None:
         """Before a step; ``peak``: measure its peak memory."""
 
-    def end_step(self, step_ms: float | None) -> None:
-        """After a step: its ms if it was timed."""
+    def end_step(self, span: tuple[Any, Any] | None) -> None:
+        """After a step: its start and end marks on the device's clock if it was timed (read later, with the
+        recording's other marks: [Note: Steps on the device's clock] in ``runtime.ranks.device``)."""
 
     def abandon(self) -> None:
         """A step that raised: a peak step's meter stopped, its figure dropped."""
@@ -71,7 +93,8 @@ class StepSide:
         plans: the plans a step may run (0: FSDP2's default); the one applied now is ``plans[applied]``.
         recorder: the recorder while the profile is recorded; ``None`` after.
         meter: the peak meter of the race's peak steps, once the recording is over.
-        times: the ms of the timed steps since :meth:`take_times`.
+        spans: the start and end marks of the timed and watched steps not read yet (:meth:`take_times`,
+            :meth:`take_ready`).
         microbatches: the user's root forwards per step, as recorded.
     """
 
@@ -81,7 +104,8 @@ class StepSide:
         self.applied: int | None = 0
         self.recorder: StepRecorder | None = None
         self.meter: PeakMeter | None = None
-        self.times: list[float] = []
+        self.spans: list[tuple[Any, Any]] = []
+        self.aligned = False  # the ranks met and the device idled before this stretch of together-timed steps
         self.microbatches = 1
         self.optimizers: list[Any] = []
         self._microbatch = 0  # this step's root forwards so far
@@ -98,8 +122,8 @@ class StepSide:
 
     def race(self, plans: list[Plan], applied: int | None = 0) -> None:
         """From now on a step may run any of ``plans``; ``applied``: the index of the one applied now (``None``:
-        unknown, the first step applies its plan); the times of the steps before are dropped."""
-        self.plans, self.applied, self.times = list(plans), applied, []
+        unknown, the first step applies its plan); the marks of the steps before are dropped."""
+        self.plans, self.applied, self.spans, self.aligned = list(plans), applied, [], False
 
     def recorded(self, microbatches: int) -> None:
         """The recording is over: its recorder's hooks go, the peak meter counts its optimizers."""
@@ -115,9 +139,26 @@ class StepSide:
         self.applied = index
 
     def take_times(self) -> list[float]:
-        """The timed steps' ms so far, and a fresh list for the next block."""
-        times, self.times = self.times, []
-        return times
+        """The timed and watched steps' ms since the last read, in step order, and a fresh start for the next block:
+        the host waits once, on the last step's end event; the next together-timed step aligns the ranks again
+        ([Note: What a step costs the device])."""
+        spans, self.spans, self.aligned = self.spans, [], False
+        return device_of(self.device).spans_ms(spans)
+
+    def take_ready(self, n: int) -> list[float] | None:
+        """The first ``n`` unread steps' ms if the device has finished the ``n``-th (``Event.query()``, no wait), and
+        those steps' marks dropped; ``None`` while it has not (nothing dropped).
+
+        Raises:
+            ValueError: fewer than ``n`` steps are unread.
+        """
+        if n > len(self.spans):
+            raise ValueError(f"{n} steps asked for, {len(self.spans)} unread")
+        device = device_of(self.device)
+        if n and not device.done(self.spans[n - 1][1]):
+            return None
+        spans, self.spans = self.spans[:n], self.spans[n:]
+        return device.spans_ms(spans, wait=False)
 
     def remove(self) -> None:
         """Take every hook out (the tuner is done)."""
@@ -128,9 +169,10 @@ class StepSide:
             handle.remove()
         self._hooks = []
 
-    def before(self, order: RoundStep) -> float | None:
-        """Before the user's step: its plan applied, the recorder or meter begun; for a timed step, every rank
-        started together (a barrier, the device synchronized) and the clock read."""
+    def before(self, order: RoundStep) -> Any:
+        """Before the user's step: its plan applied, the recorder or meter begun; for a timed or watched step its
+        start mark (the first together-timed step of a stretch aligns the ranks first: [Note: What a step costs the
+        device]); ``None`` for an untimed step."""
         self._microbatch = 0
         if order.plan != self.applied:
             self.apply(order.plan)
@@ -138,29 +180,37 @@ class StepSide:
             self.recorder.begin_step(peak=order.kind == RECORD_PEAK)
         elif order.kind == PEAK:
             self.meter.begin()
+        device = device_of(self.device)
         if order.kind == WATCHED:  # this rank alone: runtime.in_loop.watching says why
-            return device_of(self.device).start(together=False)
+            return device.mark()
         if order.kind not in (RECORD, TIMED):
+            self.aligned = False
             return None
-        return device_of(self.device).start(self.group)  # the control group's ([Note: Which group a barrier uses])
+        if not self.aligned:
+            device.align(self.group)  # the control group's ([Note: Which group a barrier uses])
+            self.aligned = True
+        return device.mark()
 
-    def after(self, order: RoundStep, t0: float | None, peaks: list[list[int]]) -> None:
-        """After the user's step: its ms (timed steps), a plan's parameters resharded after the last microbatch,
-        the recorder or meter ended (a peak step's peak appended to ``peaks[order.plan]``)."""
-        ms = None if t0 is None else device_of(self.device).elapsed_ms(t0)
+    def after(self, order: RoundStep, start: Any, peaks: list[list[int]]) -> None:
+        """After the user's step: its end mark (timed and watched steps; read later, :meth:`take_times`), a plan's
+        parameters resharded after the last microbatch, the recorder or meter ended (a peak step's peak appended to
+        ``peaks[order.plan]``)."""
+        span = None if start is None else (start, device_of(self.device).mark())
         if self.microbatches > 1:  # a plan that kept parameters unsharded after a microbatch
             for _, m in fsdp_modules(self.model):
                 m.reshard()
         if order.kind in RECORDING:
-            self.recorder.end_step(ms)
+            self.recorder.end_step(span)
         elif order.kind == PEAK:
             peaks[order.plan].append(self.meter.end().peak_bytes)
         elif order.kind in (TIMED, WATCHED):
-            self.times.append(ms)
+            self.spans.append(span)
 
     def abandon(self) -> None:
         """A step that raised: the peak meter it began, the race's or the recorder's, is stopped (on CPU its
-        profiler would run on), its figure dropped."""
+        profiler would run on), its figure dropped; the unread steps' marks are dropped (never waited on: a peer's
+        failure may hold them behind a collective) and the next together-timed step aligns the ranks again."""
+        self.spans, self.aligned = [], False
         if self.meter is not None:
             self.meter.abandon()
         if self.recorder is not None:
@@ -222,16 +272,19 @@ class WorkloadSteps:
         Returns:
             This rank's timed steps' ms, in step order, and the step that raised (``None``: none did; the steps
             after it did not run). A failure a peer posted on the board stops the steps before the next one, with
-            ``None``: the caller's next collective goes to the agreement instead.
+            ``None``: the caller's next collective goes to the agreement instead. After a failure, this rank's or
+            a peer's, no time is read (``[]``): a step's end event behind a collective a peer never joins would
+            never complete, and the round drops those rounds anyway.
         """
         for order in steps:
             if self.board is not None and self.board.before_step():
-                break
+                self.side.abandon()
+                return [], None
             try:
                 self.step(order, peaks)
             except Exception as e:  # noqa: BLE001 - reported at the round's next collective, where the cause is named
                 self.side.abandon()
-                return self.side.take_times(), step_failure(order.plan, e)
+                return [], step_failure(order.plan, e)
             if on_step is not None:
                 on_step()
         return self.side.take_times(), None

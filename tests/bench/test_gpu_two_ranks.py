@@ -4,6 +4,7 @@ time limits, the files they run, the env stage's one-line failure and the summar
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from bench.shared_gpu import memory_fraction, shared_gpu_env
 from planner.artifacts.config import load_study_config
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["env", "profile", "tune", "in-loop", "trace", "peak", "hf", "torchtitan"]
+STAGES = ["env", "profile", "tune", "in-loop", "watch-cost", "trace", "peak", "hf", "torchtitan"]
 
 
 def test_nccl_2_28_gets_a_host_id_per_rank_over_loopback():
@@ -110,6 +111,12 @@ def test_the_summary_says_what_each_stage_left(tmp_path):
     assert "Verdict: faster; ratio 0.800 [" in text and "1 launch(es). The study: trial " in text
     assert "Step: predicted " in text and "measured 100.00 ms" in text and "Peak: no peak run." in text
     assert "No in-loop stage log." in text and "| profile | 124 | 50 | 50 |" in text
+    assert "Watch cost: no `watch-cost.json`" in text
+    (tmp_path / "watch-cost.json").write_text(json.dumps({
+        "ratio": 1.004, "ci95": [0.991, 1.017], "stretches": 4, "steps_per_stretch": 32, "watch_every": 16,
+        "blocks_read": 10, "device": "cuda", "world_size": 2}))
+    assert ("Watch cost: watched / plain 1.004 [0.991, 1.017] over 4 stretches of 32 steps (10 blocks of 16 read; "
+            "two ranks on one GPU test the mechanism, not the speed)." in markdown(summarize(tmp_path)))
     assert "Stages took 56 s in all." in text
 
 

@@ -189,7 +189,8 @@ def test_the_step_runner_reports_the_step_that_raised_and_runs_none_after_it(wor
             [RoundStep(TIMED, 0), RoundStep(TIMED, 1), RoundStep(TIMED, 0)], on_step=lambda: seen.append(1))
     finally:
         del workload.model.forward
-    assert len(times) == 1 and failure == StepFailure(1, "RuntimeError: the step raised", False)
+    # no time is read after a failure (a step's end event behind a peer's collective might never complete)
+    assert times == [] and len(seen) == 1 and failure == StepFailure(1, "RuntimeError: the step raised", False)
 
 
 @pytest.mark.parametrize("warmup_steps", [1, PEAK_STEPS, PEAK_STEPS + 2])

@@ -9,13 +9,14 @@ import pytest
 from runtime.ranks.device import CountingDevice, CUDADevice, Device, device_of
 
 
-def test_a_timed_call_starts_after_a_barrier_on_the_group_given_and_waits_for_the_device_at_both_ends(mesh):
+def test_a_timed_call_starts_after_the_device_idles_and_a_barrier_on_the_group_given_and_waits_for_the_device(mesh):
     device = CountingDevice()
     group = object()
     device.barrier = lambda g=None: (device._count("barrier"), device.groups.append(g))  # no second rank here
     ms = device.timed_ms(lambda: time.sleep(0.01), group)
     assert ms >= 10.0
-    assert device.calls == {"barrier": 1, "synchronize": 2, "clock": 2} and device.groups == [group]
+    # synchronized before the barrier (a rank's queued work is not in its peers' time) and after it, then at the end
+    assert device.calls == {"barrier": 1, "synchronize": 3, "clock": 2} and device.groups == [group]
 
 
 def test_the_cpu_device_marks_host_seconds_and_has_no_device_memory():
@@ -26,6 +27,7 @@ def test_the_cpu_device_marks_host_seconds_and_has_no_device_memory():
     assert seconds[0] == 0.0 and seconds[1] >= 0.0 and cpu.seconds([]) == []
     assert (cpu.allocated(), cpu.peak_allocated(), cpu.reserved(), cpu.peak_reserved()) == (0, 0, 0, 0)
     assert cpu.stream_event(None) is None
+    assert cpu.done(marks[1]) and cpu.spans_ms([(marks[0], marks[1])]) == [(marks[1] - marks[0]) * 1e3]
     with pytest.raises(NotImplementedError, match="no device memory"):
         cpu.free_and_total()
 

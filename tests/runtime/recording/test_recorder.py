@@ -110,23 +110,38 @@ def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mes
 
     class Scripted(Device):
         """The step runner's and the step figures' device: a timed step's ms as scripted (a slow stretch), and the
-        optimizer's 5 ms (its pre-hook's clock, then its post-hook's)."""
+        optimizer's 5 ms (its pre-hook's mark, then its post-hook's). A mark holds the script's state when it was
+        taken; a span of two marks in a row is the optimizer's, a longer one a step's."""
 
-        ticks = itertools.cycle([0.0, 0.005])
+        n = 0
 
-        def clock(self):
-            return next(self.ticks)
+        def mark(self):
+            self.n += 1
+            return self.n, list(events), async_on[0]
 
-        def start(self, group=None, together=True):
-            return 0.0
+        def align(self, group=None):
+            pass
 
-        def elapsed_ms(self, t0):
-            after_peak = events[events.index("peak") + recorder.PEAK_STEPS:] if "peak" in events else []
-            stretch = 2 * recorder.ASYNC_PAIRS  # after the isolated passes, and after the profiled peak steps
-            slow = 3.0 if sum(e != "peak" for e in events) < stretch or len(after_peak) < stretch else 1.0
+        def spans_ms(self, spans, wait=True):
+            out = []
+            for (n0, before, on), (n1, _, _) in spans:
+                if n1 - n0 == 1:
+                    out.append(5.0)
+                    continue
+                after_peak = before[before.index("peak") + recorder.PEAK_STEPS:] if "peak" in before else []
+                stretch = 2 * recorder.ASYNC_PAIRS  # after the isolated passes, and after the profiled peak steps
+                slow = 3.0 if sum(e != "peak" for e in before) < stretch or len(after_peak) < stretch else 1.0
+                out.append(100.0 * slow * (0.8 if on else 1.0))
+            return out
+
+    side_after = steps.StepSide.after
+
+    def after(side, order, start, peaks):
+        if start is not None:
             events.append("async" if async_on[0] else "default")
-            return 100.0 * slow * (0.8 if async_on[0] else 1.0)
+        return side_after(side, order, start, peaks)
 
+    monkeypatch.setattr(steps.StepSide, "after", after)
     scripted = Scripted()
     begin = PeakMeter.begin
     monkeypatch.setattr(steps, "device_of", lambda _type: scripted)

@@ -42,8 +42,9 @@ def test_each_kind_of_step_asks_the_device_for_what_it_needs(workload, monkeypat
         seen[kind] = (dict(device.calls), list(device.groups), len(times), len(peaks[0]))
     assert seen == {
         WARMUP: ({}, [], 0, 0),
-        TIMED: ({"barrier": 1, "synchronize": 2, "clock": 2}, [group], 1, 0),  # every rank together, on the group
-        WATCHED: ({"synchronize": 2, "clock": 2}, [], 1, 0),  # this rank alone: no barrier
+        # the block starts together (the device idle, a barrier on the group), its marks are read once at its end
+        TIMED: ({"barrier": 1, "synchronize": 2, "mark": 2, "wait": 1}, [group], 1, 0),
+        WATCHED: ({"mark": 2, "wait": 1}, [], 1, 0),  # this rank alone: no barrier, nothing synchronized
         PEAK: ({}, [], 0, 1),  # untimed; the peak meter's figure appended
     }
 
