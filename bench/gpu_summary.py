@@ -5,7 +5,8 @@
 Each section says where its figures come from; a stage that left nothing is said so, never filled in:
 
 - the 2-rank profile (``profile.json``, the ``profile`` stage): per FSDP module, the all-gather and reduce-scatter
-  times (ms, max across the ranks) and bytes (unsharded and sharded parameter bytes);
+  times (ms; on a GPU the transfer on NCCL's clock, the wait for late ranks beside it) and bytes (unsharded and
+  sharded parameter bytes);
 - the ``tune`` verdict and its ratio (the study's recommendation and its job's confirmation, ``two-ranks.db``);
 - FSDP2's default step, predicted against measured (the ``tune`` study's FSDP2's default trial: its simulated step
   and its race median, ms), and its peak, predicted against measured (``peak-memory.json``, the ``peak`` stage);
@@ -30,8 +31,11 @@ def _profile(out: Path) -> list[dict[str, Any]] | None:
     if not path.exists():
         return None
     profile = Profile.load(path)
+    steps = profile.in_step.collective_steps if profile.in_step is not None else None
     return [{"module": fqn or "(root)", "all_gather_ms": m.all_gather_ms, "reduce_scatter_ms": m.reduce_scatter_ms,
-             "unsharded_bytes": m.unsharded_bytes, "sharded_bytes": m.sharded_bytes}
+             "unsharded_bytes": m.unsharded_bytes, "sharded_bytes": m.sharded_bytes,
+             "all_gather_wait_ms": m.all_gather_wait_ms, "reduce_scatter_wait_ms": m.reduce_scatter_wait_ms,
+             "traced_steps": steps}
             for fqn, m in profile.modules.items()]
 
 
@@ -127,10 +131,15 @@ def markdown(s: dict[str, Any]) -> str:
     if s["profile"] is None:
         lines.append("No profile: the stage left no `profile.json`.")
     else:
-        lines += ["| module | all-gather ms | reduce-scatter ms | unsharded MiB | sharded MiB |",
-                  "|---|---|---|---|---|"]
+        steps = s["profile"][0].get("traced_steps")
+        lines += [f"Collectives: the transfer on NCCL's clock in {steps} traced steps, the least across ranks; the "
+                  "wait for late ranks apart." if steps else "Collectives: timed in isolation (`unshard()`, a bare "
+                  "reduce-scatter).", ""]
+        lines += ["| module | all-gather ms | reduce-scatter ms | unsharded MiB | sharded MiB | all-gather wait ms | "
+                  "reduce-scatter wait ms |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {m['module']} | {m['all_gather_ms']:.3f} | {m['reduce_scatter_ms']:.3f} | "
-                  f"{mib(m['unsharded_bytes'], 2, unit=False)} | {mib(m['sharded_bytes'], 2, unit=False)} |"
+                  f"{mib(m['unsharded_bytes'], 2, unit=False)} | {mib(m['sharded_bytes'], 2, unit=False)} | "
+                  f"{m.get('all_gather_wait_ms', 0.0):.3f} | {m.get('reduce_scatter_wait_ms', 0.0):.3f} |"
                   for m in s["profile"]]
     lines += ["", "## `tune`", ""]
     t = s["tune"]

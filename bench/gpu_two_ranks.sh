@@ -10,8 +10,8 @@
 # What it measures: whether each stage of the project runs with two NCCL ranks sharing one GPU, and the figures
 # those stages print. The two ranks time-slice one GPU and talk over NCCL's own transport to itself, so the step
 # times and the verdict are not a cluster's; the collectives are real NCCL kernels on FSDP2's streams, and their
-# times are what the recorder reads around them on the host (runtime/recording/collective_timer.py), not CUDA
-# events on NCCL's stream.
+# times are the kernels' own on NCCL's stream, read from a Kineto trace of two recorded steps (runtime/recording/
+# collective_trace.py; the rehearsal keeps the CPU's isolated figures).
 #
 # For the GPU machines' own Python 3.12 and torch 2.11 (NCCL 2.28.9: per-rank NCCL_HOSTID; NCCL 2.30+:
 # NCCL_MULTI_RANK_GPU_ENABLE). The project goes on PYTHONPATH, not installed; the wheels in .whl/ install first into

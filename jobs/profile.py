@@ -60,7 +60,8 @@ class ProfileJob:
                 own = record_under_fsdp2_default(workload.model)
                 measure = self.config.measure
                 profile = record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
-                                         repeats=measure.profile_repeats, budget=self.config.search.budget())
+                                         repeats=measure.profile_repeats, budget=self.config.search.budget(),
+                                         collectives=measure.collectives)
                 if self.torch_trace:
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                         train_step(workload, 0)

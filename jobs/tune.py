@@ -125,7 +125,8 @@ class TuneJob:
         logger.info(f"[1/3] recording a profile on {dist.get_world_size()} ranks ({self.config.workload.factory})")
         record_under_fsdp2_default(workload.model)  # a factory's own plan: the profile is FSDP2's default's
         return record_profile(workload, warmup_steps=max(1, measure.warmup_steps), steps=measure.steps,
-                              repeats=measure.profile_repeats, budget=self.config.search.budget())
+                              repeats=measure.profile_repeats, budget=self.config.search.budget(),
+                              collectives=measure.collectives)
 
     def _given_profile(self, workload: Workload) -> Profile:
         """The ``profile_in`` profile, checked against the model on every rank.

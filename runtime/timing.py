@@ -15,9 +15,10 @@ from runtime.workload import Workload
 
 # What a step of the round is: WARMUP untimed, PEAK untimed with this rank's peak memory measured, TIMED timed.
 WARMUP, PEAK, TIMED = "warmup", "peak", "timed"
-# The in-loop recording's steps (FSDP2's default, plan 0), run by the same step runner
-# (runtime.recording.steps.StepSide): RECORD_WARMUP untimed, RECORD timed, RECORD_PEAK measuring peak memory.
-RECORD_WARMUP, RECORD, RECORD_PEAK = "record-warmup", "record", "record-peak"
+# The recording's steps (FSDP2's default, plan 0), run by the same step runner (runtime.recording.steps.StepSide):
+# RECORD_WARMUP untimed, RECORD timed, RECORD_PEAK measuring peak memory, RECORD_TRACE untimed under a Kineto trace
+# that reads the collectives on the transfer's own clock (runtime.recording.collective_trace).
+RECORD_WARMUP, RECORD, RECORD_PEAK, RECORD_TRACE = "record-warmup", "record", "record-peak", "record-trace"
 # The in-loop watch's steps (runtime.in_loop.watching): timed on this rank alone, no barrier.
 WATCHED = "watched"
 

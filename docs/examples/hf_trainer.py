@@ -96,6 +96,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train()
     print(f"rank {dist.get_rank()}: phase {callback.tuner.phase}", flush=True)
+    dist.destroy_process_group()  # the process group started above, ended before the interpreter tears down
 
 
 if __name__ == "__main__":

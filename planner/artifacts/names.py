@@ -1,4 +1,5 @@
-"""The names a study chooses from: the ranks' backend and allocator, the search space, the sampler.
+"""The names a study chooses from: the ranks' backend and allocator, how collectives are timed, the search space, the
+sampler.
 
 Shared by the study config (which validates them), the search spaces and the
 sampler registry (keyed by them) and the runtime (the backend), so this module
@@ -28,6 +29,20 @@ class Allocator(enum.StrEnum):
 
     SYSTEM = "system"
     JEMALLOC = "jemalloc"
+
+
+class CollectiveTiming(enum.StrEnum):
+    """``[measure] collectives``: where the recorder times each module's all-gather and reduce-scatter.
+
+    ``in-step``: inside a few traced steps of FSDP2's default, the transfer on its own clock (NCCL's kernel on a
+    GPU), the wait for late ranks apart ([Note: Collectives on NCCL's clock] in
+    ``planner.traces.in_step_collectives``). ``isolated``: one ``unshard()`` and one bare reduce-scatter at a time,
+    every rank together (``runtime.recording.collective_timer``). ``auto``: in-step on a GPU, isolated on CPU.
+    """
+
+    AUTO = "auto"
+    IN_STEP = "in-step"
+    ISOLATED = "isolated"
 
 
 class SpaceName(enum.StrEnum):

@@ -26,7 +26,8 @@ PROFILE_SCHEMA_VERSION = SCHEMA_VERSION
 # written only where not 0 (a checkpointed module; a backward that allocates temporaries), so a profile without
 # them is the file release 0.1.0 wrote
 OPTIONAL_FIELDS = ("recompute_ms", "recompute_activation_bytes", "backward_temp_bytes", "backward_post_grad_bytes",
-                   "activation_post_bytes", "parameter_rows", "all_gather_link_ms", "reduce_scatter_link_ms")
+                   "activation_post_bytes", "parameter_rows", "all_gather_link_ms", "reduce_scatter_link_ms",
+                   "all_gather_wait_ms", "reduce_scatter_wait_ms")
 
 
 @with_config(STRICT)
@@ -88,6 +89,11 @@ class ModuleProfile:
             cluster's link adds beyond the hosts' own work as recorded (a re-targeted profile's, ms:
             :func:`planner.simulation.link.retarget`); the in-step ``comm_scale`` does not scale it ([Note: The
             in-step scale is the hosts'] in :mod:`planner.simulation.link`). 0: as recorded.
+        all_gather_wait_ms, reduce_scatter_wait_ms: where the collectives were read inside real steps
+            (:attr:`InStepTimings.collective_steps`), the ranks' mean wait for late peers inside each call, apart
+            from ``all_gather_ms`` and ``reduce_scatter_ms``, which are the transfer alone ([Note: Collectives on
+            NCCL's clock] in :mod:`planner.traces.in_step_collectives`); the simulator does not use them. 0: not
+            read in-step.
     """
 
     fqn: str
@@ -112,6 +118,8 @@ class ModuleProfile:
     parameter_rows: tuple[tuple[int, int], ...] = ()
     all_gather_link_ms: Annotated[float, Ge(0)] = 0.0
     reduce_scatter_link_ms: Annotated[float, Ge(0)] = 0.0
+    all_gather_wait_ms: Annotated[float, Ge(0)] = 0.0
+    reduce_scatter_wait_ms: Annotated[float, Ge(0)] = 0.0
 
 
 def root_activation_pre_bytes(root: ModuleProfile) -> int:
@@ -161,6 +169,10 @@ class InStepTimings:
             max across ranks; ``None``: not measured. On a CPU device under glibc this is mostly page faults, and
             the simulator does not model it: it is in ``default_step_ms``, hence in ``comm_scale`` ([Note: The
             allocator's share of the anchor] in :mod:`planner.simulation.in_step`).
+        collective_steps: the traced steps of FSDP2's default whose all-gathers and reduce-scatters gave the module
+            figures' collective times, the transfer on its own clock ([Note: Collectives on NCCL's clock] in
+            :mod:`planner.traces.in_step_collectives`); ``None``: they were timed in isolation
+            (``runtime.recording.collective_timer``).
     """
 
     default_step_ms: float
@@ -169,6 +181,7 @@ class InStepTimings:
     allocator: Literal["system", "jemalloc"] | None = None
     default_step_faults: Annotated[int, Ge(0)] | None = None
     default_step_kernel_ms: Annotated[float, Ge(0)] | None = None
+    collective_steps: Annotated[int, Ge(1)] | None = None
 
     def kernel_share(self) -> float | None:
         """``default_step_kernel_ms`` over ``default_step_ms`` (0..1, more where several threads fault at once);

@@ -24,7 +24,7 @@ from pydantic import (
 
 from planner.artifacts.json_types import JsonObject
 from planner.artifacts.memory_budget import MemoryBudget
-from planner.artifacts.names import Allocator, Backend, SamplerName, SpaceName
+from planner.artifacts.names import Allocator, Backend, CollectiveTiming, SamplerName, SpaceName
 from planner.statistics.launches import DEFAULT_SPREAD, Spread
 from planner.statistics.race import RaceSettings
 from planner.statistics.schedule import ConfirmSettings
@@ -162,6 +162,9 @@ class MeasureTable(Table):
         warmup_steps: untimed steps per plan before measuring.
         steps: timed steps of FSDP2's default plan when recording the profile.
         profile_repeats: repeats of each recorder measurement.
+        collectives: where the recorder times the all-gathers and reduce-scatters (:class:`CollectiveTiming`):
+            ``"auto"`` inside traced steps on a GPU (the transfer on NCCL's clock, the wait for late ranks apart),
+            in isolation on CPU; ``"in-step"`` or ``"isolated"`` either way.
         alpha: the race drops a candidate significantly slower than the
             leader; the chance of ever dropping the true best is at most this.
         min_rounds: race rounds before its first look, rounded up to whole cycles of its balanced design.
@@ -195,6 +198,7 @@ class MeasureTable(Table):
     warmup_steps: StrictInt = Field(1, ge=0)
     steps: StrictInt = Field(5, ge=1)
     profile_repeats: StrictInt = Field(3, ge=1)
+    collectives: CollectiveTiming = CollectiveTiming.AUTO
     alpha: StrictFloat = Field(0.05, gt=0.0, le=0.5)
     min_rounds: StrictInt = Field(4, ge=2)
     block_rounds: StrictInt = Field(2, ge=1)

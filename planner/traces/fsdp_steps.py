@@ -79,6 +79,10 @@ class Collective:
             ms; 0 on GPU. ``call_copy_ms`` plus the transfer is what a bare call of the collective on preallocated
             buffers times, without FSDP2's copies around it (the recorder's reduce-scatter,
             ``runtime.recording.collective_timer.collective_rounds``).
+        kernel_ms: the transfer's own time on its own clock, waiting for peers included, ms: on GPU the NCCL
+            kernel's start to end on NCCL's stream (no copy, no time queued behind another collective), on CPU the
+            gloo work's span on its thread ([Note: Collectives on NCCL's clock] in
+            :mod:`planner.traces.in_step_collectives`).
     """
 
     module: str
@@ -91,6 +95,7 @@ class Collective:
     end_us: float = 0.0
     host_ms: float = 0.0
     call_copy_ms: float = 0.0
+    kernel_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -303,13 +308,14 @@ def _collectives(trace: KinetoTrace, labels: list[_Label]) -> list[Collective]:
             _gloo_collective(trace, lb.event, kind, until, claimed)
         if found is None:
             continue
-        (start, end), nbytes, dtype_bytes, host_ms, call_copy_ms = found
+        (start, end), nbytes, dtype_bytes, host_ms, call_copy_ms, kernel_ms = found
         if copy is not None:  # on CPU its part after the transfer: an async all-gather's copy-out first waits for it
             copy_outs[lb.fqn].remove(copy)
             host_ms += trace.gpu_ms_launched_in(copy) if trace.device_type == "cuda" else \
                 max(0.0, copy.end - max(copy.ts, end)) / 1e3
         out.append(Collective(lb.fqn, kind, count[(lb.fqn, kind)], (end - start) / 1e3 + host_ms, nbytes,
-                              dtype_bytes, start + trace.base_us, end + trace.base_us, host_ms, call_copy_ms))
+                              dtype_bytes, start + trace.base_us, end + trace.base_us, host_ms, call_copy_ms,
+                              kernel_ms))
         count[(lb.fqn, kind)] += 1
     return out
 
@@ -336,7 +342,8 @@ def _gloo_collective(trace: KinetoTrace, label: TraceEvent, kind: str, until: fl
     dims = op.input_dims[0 if kind == "all_gather" else 1] if len(op.input_dims) > 1 else None
     dtype_bytes = DTYPE_BYTES.get(op.input_types[0]) if op.input_types else None
     nbytes = _numel(dims) * dtype_bytes if dims and dtype_bytes else None
-    return span, nbytes, dtype_bytes, host_ms, max(0.0, min(span[0], op.end) - op.ts) / 1e3
+    call_copy_ms = max(0.0, min(span[0], op.end) - op.ts) / 1e3
+    return span, nbytes, dtype_bytes, host_ms, call_copy_ms, (span[1] - span[0]) / 1e3
 
 
 def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
@@ -349,7 +356,8 @@ def _gpu_collective(trace: KinetoTrace, label: TraceEvent, kind: str):
     k = nccl[0]
     dtype_bytes = DTYPE_BYTES.get(k.dtype) if k.dtype else None
     numel = (k.nelems[1] if kind == "all_gather" else k.nelems[0]) if k.nelems else None
-    return span, numel * dtype_bytes if numel and dtype_bytes else None, dtype_bytes, 0.0, 0.0
+    nbytes = numel * dtype_bytes if numel and dtype_bytes else None
+    return span, nbytes, dtype_bytes, 0.0, 0.0, (k.end - k.ts) / 1e3
 
 
 def _numel(dims: tuple[int, ...]) -> int:

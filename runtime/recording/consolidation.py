@@ -3,6 +3,7 @@ rank's consolidated (:func:`consolidate`: max across ranks, as the recorder's mo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 from typing import Any
@@ -17,6 +18,7 @@ from planner.artifacts.rank_measurements import (
     OverlapTimings,
     RankMeasurements,
 )
+from planner.traces.in_step_collectives import InStepCollective
 from runtime.recording.peak_memory import peak_of_steps
 
 
@@ -124,3 +126,20 @@ def _module_profile(fqn: str, unsharded: int, ranks: list[ModuleMeasurements], r
 def _max_of(values: list[Any]) -> Any:
     """The max across ranks; ``None`` where a rank did not measure it (the in-loop recorder)."""
     return None if any(v is None for v in values) else max(values)
+
+
+def with_in_step_collectives(profile: Profile, collectives: dict[tuple[str, str], InStepCollective],
+                             steps: int) -> Profile:
+    """``profile`` with its modules' all-gather and reduce-scatter ms the transfer read inside ``steps`` traced steps,
+    and the wait beside it ([Note: Collectives on NCCL's clock] in :mod:`planner.traces.in_step_collectives`); a
+    module or kind no traced step holds keeps its isolated figure (a root with no parameter of its own, a collective
+    that ran on no rank's every step)."""
+    modules = {}
+    for fqn, m in profile.modules.items():
+        ag, rs = collectives.get((fqn, "all_gather")), collectives.get((fqn, "reduce_scatter"))
+        modules[fqn] = dataclasses.replace(
+            m, all_gather_ms=ag.transfer_ms if ag else m.all_gather_ms, all_gather_wait_ms=ag.wait_ms if ag else 0.0,
+            reduce_scatter_ms=rs.transfer_ms if rs else m.reduce_scatter_ms,
+            reduce_scatter_wait_ms=rs.wait_ms if rs else 0.0)
+    in_step = dataclasses.replace(profile.in_step, collective_steps=steps) if profile.in_step is not None else None
+    return dataclasses.replace(profile, modules=modules, in_step=in_step)

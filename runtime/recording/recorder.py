@@ -40,6 +40,7 @@ What it records and how (docs/architecture.md, "Measurement"):
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -52,8 +53,9 @@ from planner.artifacts.config import StudyConfig
 from planner.artifacts.memory_budget import MemoryBudget
 from planner.artifacts.profile import Profile
 from planner.artifacts.rank_measurements import IsolatedMeasurements, RankMeasurements
-from planner.errors import PlannerError
+from planner.errors import PlannerError, one_line
 from planner.study.isolation import isolation_groups, isolation_limit
+from planner.traces.in_step_collectives import in_step_collectives
 from runtime.apply import model_fingerprint
 from runtime.current import fsdp2_default
 from runtime.ranks.allocator import loaded_allocator
@@ -62,14 +64,17 @@ from runtime.ranks.collectives import gather_objects
 from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import reshard_after_forward, unshard_async_op_setter
 from runtime.recording.compute_timer import tensors_in
-from runtime.recording.consolidation import consolidate, merge_isolated
+from runtime.recording.collective_trace import AUTO, TRACED_STEPS, traces_collectives
+from runtime.recording.consolidation import consolidate, merge_isolated, with_in_step_collectives
 from runtime.recording.isolated import isolated_measurements
 from runtime.recording.peak_memory import PEAK_STEPS
 from runtime.recording.process_usage import process_usage
 from runtime.recording.step_figures import StepFigures
 from runtime.recording.steps import WorkloadSteps
-from runtime.timing import RECORD, RECORD_PEAK, RECORD_WARMUP, TIMED, RoundStep
+from runtime.timing import RECORD, RECORD_PEAK, RECORD_TRACE, RECORD_WARMUP, TIMED, RoundStep
 from runtime.workload import Workload, fsdp_modules, parameter_rows, train_step
+
+logger = logging.getLogger(__name__)
 
 # [Note: The async default, timed in turn with the default]
 # On a CPU device the simulator's overlap slowdown is solved from FSDP2's default plan with unshard_async_op
@@ -103,11 +108,12 @@ def _peak_steps(workload: Workload, figures: StepFigures) -> WorkloadSteps:
     return runner
 
 
-def _default_plan_steps(runner: WorkloadSteps, steps: int) -> dict[str, Any]:
+def _default_plan_steps(runner: WorkloadSteps, steps: int, traced: bool = False) -> dict[str, Any]:
     """FSDP2's default's timed steps through the step runner (:class:`runtime.recording.steps.WorkloadSteps`, its
     figures read by its recorder), after its peak steps and the isolated passes: on CPU at world size 2 or more,
     the async default's step over the default's ([Note: The async default, timed in turn with the default]); then
-    ``steps`` timed steps ([Note: The default's step is timed last]).
+    ``steps`` timed steps ([Note: The default's step is timed last]); then, ``traced``, the collectives' traced steps
+    (``runtime.recording.collective_trace``), untimed.
 
     Returns:
         The step figures the recorder does not read: the async ratio, the timed steps' mean page faults and kernel
@@ -132,6 +138,8 @@ def _default_plan_steps(runner: WorkloadSteps, steps: int) -> dict[str, Any]:
     before = process_usage()
     runner.run_all([RoundStep(RECORD, 0)] * steps)
     usage = process_usage() - before  # the barriers' waits are user-space spins or sleeps, not faults
+    if traced:
+        runner.run_all([RoundStep(RECORD_TRACE, 0)] * TRACED_STEPS)
     return {"async_ratio": async_ratio, "step_faults": usage.faults // steps,
             "step_kernel_ms": usage.system_ms / steps, "allocator": str(loaded_allocator())}
 
@@ -208,7 +216,11 @@ class Recorder(StepFigures):
         if self.isolated_figures is not None:
             return []
         self.isolated_figures = self.isolate_next(config.search.budget(), gather)
-        timed = [RoundStep(RECORD, 0)] * config.measure.steps if self.isolated_figures is not None else []
+        timed = []
+        if self.isolated_figures is not None:
+            timed = [RoundStep(RECORD, 0)] * config.measure.steps
+            if traces_collectives(config.measure.collectives, self.device):
+                timed += [RoundStep(RECORD_TRACE, 0)] * TRACED_STEPS
         return [RoundStep(RECORD_WARMUP, 0)] + timed
 
     def isolate_next(self, budget: MemoryBudget | None,
@@ -302,19 +314,33 @@ class Recorder(StepFigures):
             PlannerError: no timed step or no peak was recorded, or the ranks disagree on the post-forward order.
         """
         local = RankMeasurements(dist.get_rank(), self.measurements(**more), isolated)
+        try:
+            calls = self.read_collectives()
+        except PlannerError as e:  # a trace without the kernels (no CUPTI): the isolated figures stand
+            logger.warning(f"the collectives' trace could not be read ({one_line(e)}); their isolated times stand")
+            calls = None
         modules = fsdp_modules(self.model)
         resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
         if microbatches is None:
             microbatches = max(1, statistics.median_low(self.microbatches))
+        gathered = gather((local, calls))
         try:
-            return consolidate(gather(local), model_fingerprint(self.model, dist.get_world_size()), resharding,
-                               isolated.calls, microbatches, parameter_rows(modules))
+            profile = consolidate([g[0] for g in gathered], model_fingerprint(self.model, dist.get_world_size()),
+                                  resharding, isolated.calls, microbatches, parameter_rows(modules))
         except RuntimeError as e:
             raise PlannerError(str(e)) from None
+        traced = [g[1] for g in gathered]
+        if dist.get_world_size() > 1 and all(traced):
+            try:
+                profile = with_in_step_collectives(profile, in_step_collectives(traced), TRACED_STEPS)
+            except ValueError as e:
+                logger.warning(f"the traced collectives did not pair up across ranks ({e}); their isolated times "
+                               "stand")
+        return profile
 
 
 def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, repeats: int = 3,
-                   budget: MemoryBudget | None = None, per_module: bool = False) -> Profile:
+                   budget: MemoryBudget | None = None, per_module: bool = False, collectives: str = AUTO) -> Profile:
     """Record a :class:`Profile` on every rank (collective: all ranks call it).
 
     The steps, in order: ``warmup_steps`` untimed steps; FSDP2's default's peak steps; the isolated passes, as
@@ -333,6 +359,8 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         budget: the study's memory budget (``[search] memory_budget``), which the passes also keep to.
         per_module: every pass holds one module unsharded, whatever the memory allows (``bench.trace_profile``
             compares the two).
+        collectives: ``[measure] collectives``: where the all-gathers and reduce-scatters are timed (``"auto"``:
+            inside traced steps on a GPU, in isolation on CPU; ``runtime.recording.collective_trace``).
 
     Returns:
         The consolidated profile (the same on every rank). Times in ms,
@@ -353,7 +381,11 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
         while isolated is None:
             isolated = recorder.isolate_next(budget, gather_objects)
         runner.run_all([RoundStep(RECORD_WARMUP, 0)])
-        more = _default_plan_steps(runner, steps)
+        more = _default_plan_steps(runner, steps, traces_collectives(collectives, recorder.device))
+        try:
+            recorder.read_collectives()
+        except PlannerError as e:  # a trace without the kernels (no CUPTI): the isolated figures stand
+            logger.warning(f"the collectives' trace could not be read ({one_line(e)}); their isolated times stand")
     finally:
         recorder.remove()
     return recorder.profile(isolated, gather_objects, workload.microbatches, **more)

@@ -25,6 +25,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from planner.artifacts.rank_measurements import StepMeasurements
 from planner.errors import PlannerError
 from runtime.ranks.device import device_of
+from planner.traces.in_step_collectives import CollectiveCall
+from runtime.recording.collective_trace import CollectiveTrace
 from runtime.recording.peak_memory import PeakMeter
 
 
@@ -60,6 +62,8 @@ class StepFigures:
         self._opt_start: Any = None  # marks on the device's clock (runtime.ranks.device.Device.mark)
         self._opt_end: Any = None
         self.meter = PeakMeter(model, self.optimizers)
+        self.trace = CollectiveTrace(self.device)  # started by the first traced step, if any
+        self.collective_calls: list[CollectiveCall] | None = None  # the traced steps' collectives, once read
         self._handles = [
             model.register_forward_pre_hook(self._root_forward, with_kwargs=True),
             register_optimizer_step_pre_hook(self._optimizer_pre),
@@ -78,16 +82,20 @@ class StepFigures:
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._opt_end = device_of(self.device).mark()
 
-    def begin_step(self, peak: bool) -> None:
-        """Before a step (every rank); ``peak``: measure its peak memory (the step is then not timed)."""
+    def begin_step(self, peak: bool, trace: bool = False) -> None:
+        """Before a step (every rank); ``peak``: measure its peak memory, ``trace``: run it under the collectives'
+        trace (either step is then not timed)."""
         self.forwards = 0
         self._opt_start = self._opt_end = None
         if peak:
             self.meter.begin()
+        if trace:
+            self.trace.begin_step()
 
     def end_step(self, span: tuple[Any, Any] | None) -> None:
         """After a step: ``span`` the start and end marks of a timed step, ``None`` for an untimed one."""
         self.microbatches.append(self.forwards)
+        self.trace.end_step()
         if span is not None:
             self.step_spans.append(span)
             if self._opt_start is not None and self._opt_end is not None:
@@ -99,11 +107,25 @@ class StepFigures:
 
     def abandon(self) -> None:
         """A step that raised: a peak step's meter stopped, its figure dropped (the step's microbatches and times
-        are not kept either)."""
+        are not kept either); a traced step's trace stopped and dropped."""
         self.meter.abandon()
+        self.trace.abandon()
+
+    def read_collectives(self) -> list[CollectiveCall] | None:
+        """The traced steps' collectives on this rank (the trace stopped and read, once); ``None`` where no step was
+        traced.
+
+        Raises:
+            TraceFormatError: the trace holds no whole FSDP2 step.
+        """
+        if self.trace.running:
+            self.collective_calls = self.trace.calls()
+        return self.collective_calls
 
     def remove(self) -> None:
-        """Remove every hook (the recording is over)."""
+        """Remove every hook (the recording is over); a trace still running is stopped and dropped."""
+        if self.trace.running:
+            self.trace.abandon()
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -29,6 +29,8 @@ fail the test):
 - ``PEAK`` and ``RECORD_PEAK`` (a plan's warm-up, the recording's): untimed; the peak meter synchronizes at the
   step's two ends to read the allocator's peak (``runtime.recording.peak_memory``).
 - ``WARMUP`` and ``RECORD_WARMUP``: nothing.
+- ``RECORD_TRACE`` (a few of the recording's, where the collectives are read in-step): untimed, under a Kineto trace
+  (``runtime.recording.collective_trace``), which is read once, after the last.
 
 The recorder's optimizer ms are events as well, recorded by the optimizer hooks (``runtime.recording.step_figures``)
 and read with the recording's step marks, once, when its figures are taken.
@@ -52,6 +54,7 @@ from runtime.timing import (
     PEAK,
     RECORD,
     RECORD_PEAK,
+    RECORD_TRACE,
     RECORD_WARMUP,
     TIMED,
     WATCHED,
@@ -63,7 +66,7 @@ from runtime.timing import (
 )
 from runtime.workload import Workload, fsdp_modules, train_step
 
-RECORDING = (RECORD_WARMUP, RECORD, RECORD_PEAK)
+RECORDING = (RECORD_WARMUP, RECORD, RECORD_PEAK, RECORD_TRACE)
 
 
 class StepRecorder(Protocol):
@@ -72,8 +75,8 @@ class StepRecorder(Protocol):
 
     optimizers: list[Any]
 
-    def begin_step(self, peak: bool) -> None:
-        """Before a step; ``peak``: measure its peak memory."""
+    def begin_step(self, peak: bool, trace: bool = False) -> None:
+        """Before a step; ``peak``: measure its peak memory; ``trace``: run it under the collectives' trace."""
 
     def end_step(self, span: tuple[Any, Any] | None) -> None:
         """After a step: its start and end marks on the device's clock if it was timed (read later, with the
@@ -177,7 +180,7 @@ class StepSide:
         if order.plan != self.applied:
             self.apply(order.plan)
         if order.kind in RECORDING:
-            self.recorder.begin_step(peak=order.kind == RECORD_PEAK)
+            self.recorder.begin_step(peak=order.kind == RECORD_PEAK, trace=order.kind == RECORD_TRACE)
         elif order.kind == PEAK:
             self.meter.begin()
         device = device_of(self.device)

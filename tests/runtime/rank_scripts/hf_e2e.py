@@ -76,3 +76,6 @@ with open(f"{out}/{mode}-{dist.get_rank()}.json", "w") as f:
     json.dump({"losses": losses, "phase": str(tuner.phase) if tuner else None,
                "steps_tuning": tuner.steps_tuning if tuner else None, "skipped": fired[0] if fired else None,
                "failed": failed}, f)
+# The process group ended before the interpreter's teardown: gloo's threads left to the teardown can be destroyed
+# while joinable ("terminate called without an active exception", SIGABRT) after the rank wrote its figures.
+dist.destroy_process_group()

@@ -156,3 +156,21 @@ def test_the_peak_meter_on_a_gpu_reads_the_allocator_around_the_optimizer_step(m
     fake.alloc(60)
     fake.free(60)
     assert meter.end() == PeakMemory(peak_bytes=160, start_bytes=100, optimizer_temp_bytes=0, reserved_bytes=168)
+
+
+def test_the_traced_steps_run_under_one_trace_that_is_read_once(workload):
+    """``RECORD_TRACE`` steps (runtime.recording.collective_trace): one profiler over them, each in its
+    ``ProfilerStep#N`` range, read once into this rank's collectives (none at world size 1: FSDP2 all-gathers
+    nothing there)."""
+    from runtime.timing import RECORD_TRACE
+
+    runner = WorkloadSteps(workload, [fsdp2_default(workload.model)], applied=0)
+    figures = runner.side.recorder = StepFigures(workload.model, [workload.optimizer])
+    try:
+        runner.run_all([RoundStep(RECORD_TRACE, 0)] * 2)
+        assert figures.trace.running and figures.trace.steps == 2
+        assert figures.read_collectives() == [] and not figures.trace.running
+        assert figures.read_collectives() == []
+    finally:
+        figures.remove()
+        runner.side.recorder = None
