@@ -10,6 +10,7 @@ temporary file, is read by :mod:`planner.traces` and removed.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Any
@@ -19,7 +20,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from planner.artifacts.names import CollectiveTiming
 from planner.traces.in_step_collectives import CollectiveCall, rank_calls
 from planner.traces.kineto import read_trace
+from runtime.ranks.torch_private import profiler_running
 from runtime.recording.peak_memory import stderr_silenced
+
+logger = logging.getLogger(__name__)
 
 # Traced steps of FSDP2's default: each module's collectives twice (the median of two calls per rank).
 TRACED_STEPS = 2
@@ -44,6 +48,7 @@ class CollectiveTrace:
     def __init__(self, device_type: str):
         self.device_type = device_type
         self.steps = 0
+        self.refused: str | None = None  # why the profiler did not start (another one runs): nothing traced
         self._prof: Any = None
         self._range: Any = None
 
@@ -54,7 +59,13 @@ class CollectiveTrace:
 
     def begin_step(self) -> None:
         """Before a traced step: the profiler started (the first), the step's ``ProfilerStep#N`` range entered."""
+        if self.refused is not None:
+            return
         if self._prof is None:
+            if profiler_running():  # the user's own profiler: a second would end its session; the isolated stand
+                self.refused = "another torch.profiler session is running"
+                logger.warning(f"the collectives' trace did not start ({self.refused}); their isolated times stand")
+                return
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device_type == "cuda" else [])
             self._prof = profile(activities=activities, record_shapes=True)
             with stderr_silenced():  # [Note: Kineto's start and stop lines] in runtime.recording.peak_memory
@@ -79,7 +90,8 @@ class CollectiveTrace:
         self.steps = 0
 
     def calls(self) -> list[CollectiveCall]:
-        """The profiler stopped and its trace read: this rank's collectives in the traced steps.
+        """The profiler stopped and its trace read: this rank's collectives in the traced steps (call it only while
+        :attr:`running`).
 
         Raises:
             TraceFormatError: the trace holds no whole FSDP2 step (``planner.traces.fsdp_steps.rank_steps``).

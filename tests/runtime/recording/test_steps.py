@@ -174,3 +174,23 @@ def test_the_traced_steps_run_under_one_trace_that_is_read_once(workload):
     finally:
         figures.remove()
         runner.side.recorder = None
+
+
+def test_the_traced_steps_leave_a_users_profiler_alone(workload):
+    """Under the user's own ``torch.profiler`` a second session would end theirs: nothing is traced, theirs goes on,
+    and the collectives keep their isolated figures."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime.ranks.torch_private import profiler_running
+    from runtime.timing import RECORD_TRACE
+
+    runner = WorkloadSteps(workload, [fsdp2_default(workload.model)], applied=0)
+    figures = runner.side.recorder = StepFigures(workload.model, [workload.optimizer])
+    try:
+        with profile(activities=[ProfilerActivity.CPU]):
+            runner.run_all([RoundStep(RECORD_TRACE, 0)] * 2)
+            assert profiler_running() and not figures.trace.running and figures.trace.refused
+        assert figures.read_collectives() is None
+    finally:
+        figures.remove()
+        runner.side.recorder = None
