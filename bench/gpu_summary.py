@@ -132,8 +132,8 @@ def markdown(s: dict[str, Any]) -> str:
         lines.append("No profile: the stage left no `profile.json`.")
     else:
         steps = s["profile"][0].get("traced_steps")
-        lines += [f"Collectives: the transfer on NCCL's clock in {steps} traced steps, the least across ranks; the "
-                  "wait for late ranks apart." if steps else "Collectives: timed in isolation (`unshard()`, a bare "
+        lines += [f"Collectives: the transfer on its own clock (NCCL's kernel on a GPU, gloo's work on CPU) in "
+                  f"{steps} traced steps, the least across ranks; the wait for late ranks apart." if steps else "Collectives: timed in isolation (`unshard()`, a bare "
                   "reduce-scatter).", ""]
         lines += ["| module | all-gather ms | reduce-scatter ms | unsharded MiB | sharded MiB | all-gather wait ms | "
                   "reduce-scatter wait ms |", "|---|---|---|---|---|---|---|"]

@@ -61,10 +61,12 @@ work=${TMPDIR:-/tmp}/gpu-two-ranks  # the installed wheels and the traces: not b
 site=$work/site
 [ $mode = dry ] || rm -rf "$work/traces"  # an earlier run's traces would hold the same steps again
 study=bench/llama-gpu-two-ranks.toml
+watch_study=bench/llama-gpu-watch-cost.toml  # a smaller model: the watch's mechanism, 160 short steps
 scale=1
 py=python3
 if [ $mode = rehearse ]; then
     study=bench/llama-two-ranks-rehearsal.toml
+    watch_study=$study
     scale=${GPU_REHEARSAL_SCALE:-5}
     venv=${GPU_REHEARSAL_VENV:-/tmp/gpu-rehearsal-venv}
     bash bench/gpu_rehearsal_venv.sh "$venv" || exit 2
@@ -123,8 +125,8 @@ stage profile 50 "${two[@]}" jobs.cli profile $study -o "$out/profile.json"
 stage tune 100 "${two[@]}" jobs.cli tune $study --storage "sqlite:///$out/two-ranks.db" --plan-out "$out/plan.json" \
     --profile-out "$out/tune-profile.json" --no-progress
 stage in-loop 40 "${two[@]}" docs/examples/plain_loop.py --quick --steps 60 --storage "sqlite:///$out/plain-loop.db"
-stage watch-cost 20 "${two[@]}" bench.watch_cost $study --stretches 4 --steps 32 --json "$out/watch-cost.json"
-stage trace 40 "${two[@]}" bench.trace_profile $study --steps 3 --json "$out/trace-profile.json" \
+stage watch-cost 25 "${two[@]}" bench.watch_cost $watch_study --stretches 4 --steps 16 --json "$out/watch-cost.json"
+stage trace 35 "${two[@]}" bench.trace_profile $study --steps 3 --json "$out/trace-profile.json" \
     --traces "$work/traces"
 stage peak 35 "${two[@]}" bench.peak_memory $study --json "$out/peak-memory.json"
 # Accelerate before 1.16 (the image's 1.15, with transformers 5.17) puts the model transformers sharded under DDP
