@@ -58,8 +58,8 @@ class _OneBlock:
 def measure_plans(runner: WorkloadSteps, rounds: Scheduler | list[list[int]] | None, warmup_steps: int = 0,
                   on_step: Callable[[], None] | None = None) -> list[list[float]]:
     """Every rank: each of the runner's plans warmed up in turn (``warmup_steps`` untimed steps each), then its
-    rounds: a :class:`~runtime.measuring.round.MeasuredRound` of these fixed plans with no study, its timed steps'
-    barriers on the runner's group (a confirmation launch, ``confirm``, the benches).
+    rounds: a :class:`~runtime.measuring.round.MeasuredRound` of these fixed plans with no study, each block's
+    alignment on the runner's group (a confirmation launch, ``confirm``, the benches).
 
     Args:
         rounds: one fixed block of rounds (per round, the plan indices in running order; every rank the same), or
