@@ -73,7 +73,7 @@ class WatchedSteps:
 
     def before(self) -> None:
         """Before a step: the plan it runs (applied at a switch: [Note: The watch], the baseline twice, the first a
-        washout), the clock read on this rank alone (the module docstring says why)."""
+        washout), its start mark on this rank alone (the module docstring says why)."""
         if self._block is None:
             self._block, self._at = self.watch.next_block(), 0
         self._start = self.side.before(self._order())
