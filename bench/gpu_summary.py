@@ -132,9 +132,10 @@ def markdown(s: dict[str, Any]) -> str:
         lines.append("No profile: the stage left no `profile.json`.")
     else:
         steps = s["profile"][0].get("traced_steps")
-        lines += [f"Collectives: the transfer on its own clock (NCCL's kernel on a GPU, gloo's work on CPU) in "
-                  f"{steps} traced steps, the least across ranks; the wait for late ranks apart." if steps else "Collectives: timed in isolation (`unshard()`, a bare "
-                  "reduce-scatter).", ""]
+        clock = (f"Collectives: the transfer on its own clock (NCCL's kernel on a GPU, gloo's work on CPU) in {steps} "
+                 "traced steps, the least across ranks; the wait for late ranks apart." if steps else
+                 "Collectives: timed in isolation (`unshard()`, a bare reduce-scatter).")
+        lines += [clock, ""]
         lines += ["| module | all-gather ms | reduce-scatter ms | unsharded MiB | sharded MiB | all-gather wait ms | "
                   "reduce-scatter wait ms |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {m['module']} | {m['all_gather_ms']:.3f} | {m['reduce_scatter_ms']:.3f} | "

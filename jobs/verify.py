@@ -7,8 +7,9 @@ faster. ``verify`` keeps that promise's conditions and nothing else: every rank 
 from its factory, applies the plan read from its file to one (``load_plan``, ``apply_plan``: what a training script
 calls) and leaves the other as ``fully_shard`` wrapped it (FSDP2's default, no setter called), warms both up, then
 times interleaved rounds of one step each (each pair of rounds in both orders, which first at random), the ranks
-aligned once before them and each step on the device's clock, its figure the max across ranks. Nothing of the tuner runs or is imported in a rank: no study, no
-simulator, no Optuna, no recorder, no profile (:data:`TUNER_MODULES` are checked absent, and the launch says so).
+aligned once before them and each step on the device's clock, its figure the max across ranks. Nothing of the tuner
+runs or is imported in a rank: no study, no simulator, no Optuna, no recorder, no profile (:data:`TUNER_MODULES`
+are checked absent, and the launch says so).
 Each launch is a fresh ``torch.distributed.run`` of the study's ``[launch]`` ranks; the launches' rounds are combined
 as a confirmation's are (``planner.statistics.verdict.confirm_launches``) and set against the plan's recorded claim
 ([Note: A claim checked against its re-measurement] in :mod:`planner.statistics.agreement`).

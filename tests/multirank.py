@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPTS = ROOT / "tests" / "runtime" / "rank_scripts"
@@ -34,3 +35,24 @@ def run_cli(*args: str, cwd: Path, timeout: float = 900) -> subprocess.Completed
     """Run ``prefetch-planner`` (as ``python -m jobs.cli``) in ``cwd``."""
     return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True, text=True,
                           env=rank_env(), timeout=timeout, cwd=cwd)
+
+
+def end_rank() -> NoReturn:
+    """End an adapter's rank script once its figures are written: the process groups destroyed, the output flushed,
+    and the process left without the interpreter's finalization (``os._exit(0)``).
+
+    A trainer, its model and its device mesh hold the process groups past ``destroy_process_group()``; their C++
+    objects then go during finalization, and gloo's threads holding work with Python references abort the process
+    now and then ("terminate called without an active exception", SIGABRT; pytorch/pytorch#179291 describes the
+    mechanism), after the rank has written its figures, on the plain trainer as on the tuned one.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

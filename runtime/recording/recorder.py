@@ -63,8 +63,8 @@ from runtime.ranks.budget import tightest_capacity
 from runtime.ranks.collectives import gather_objects
 from runtime.ranks.device import device_of
 from runtime.ranks.torch_private import reshard_after_forward, unshard_async_op_setter
-from runtime.recording.compute_timer import tensors_in
 from runtime.recording.collective_trace import AUTO, TRACED_STEPS, traces_collectives
+from runtime.recording.compute_timer import tensors_in
 from runtime.recording.consolidation import consolidate, merge_isolated, with_in_step_collectives
 from runtime.recording.isolated import isolated_measurements
 from runtime.recording.peak_memory import PEAK_STEPS

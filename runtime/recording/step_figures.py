@@ -24,8 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from planner.artifacts.rank_measurements import StepMeasurements
 from planner.errors import PlannerError
-from runtime.ranks.device import device_of
 from planner.traces.in_step_collectives import CollectiveCall
+from runtime.ranks.device import device_of
 from runtime.recording.collective_trace import CollectiveTrace
 from runtime.recording.peak_memory import PeakMeter
 

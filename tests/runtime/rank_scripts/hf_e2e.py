@@ -21,7 +21,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from runtime.adapters.hf import PrefetchTuningCallback, TunedTrainer
-from tests.multirank import ROOT
+from tests.multirank import ROOT, end_rank
 
 spec = importlib.util.spec_from_file_location("hf_trainer", ROOT / "docs" / "examples" / "hf_trainer.py")
 example = importlib.util.module_from_spec(spec)
@@ -76,6 +76,4 @@ with open(f"{out}/{mode}-{dist.get_rank()}.json", "w") as f:
     json.dump({"losses": losses, "phase": str(tuner.phase) if tuner else None,
                "steps_tuning": tuner.steps_tuning if tuner else None, "skipped": fired[0] if fired else None,
                "failed": failed}, f)
-# The process group ended before the interpreter's teardown: gloo's threads left to the teardown can be destroyed
-# while joinable ("terminate called without an active exception", SIGABRT) after the rank wrote its figures.
-dist.destroy_process_group()
+end_rank()

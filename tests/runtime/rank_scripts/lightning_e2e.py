@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 from runtime.adapters.lightning import PrefetchTuning
 from runtime.reference_workloads import MLPStack
+from tests.multirank import end_rank
 
 KEYS = {"sim_trials": 40, "measured_trials": 2, "min_rounds": 2, "max_rounds": 4, "confirm_min_rounds": 6,
         "confirm_max_rounds": 6, "warmup_steps": 1, "steps": 2, "profile_repeats": 1}
@@ -88,3 +89,4 @@ if mode == "oom" and trainer.global_rank == 0:
 with open(f"{out}/{mode}-{trainer.global_rank}.json", "w") as f:
     json.dump({"losses": m.losses, "phase": str(cbs[0].tuner.phase) if cbs else None,
                "skipped": fired[0] if fired else None, "failed": failed}, f)
+end_rank()

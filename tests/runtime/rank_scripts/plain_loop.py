@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from runtime import AutoTuner
+from tests.multirank import end_rank
 
 storage, out, keys, steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo")
@@ -94,4 +95,4 @@ result["log"] = lines
 if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump(result, f)
-dist.destroy_process_group()
+end_rank()

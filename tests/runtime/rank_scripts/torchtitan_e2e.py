@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from tests.multirank import ROOT
+from tests.multirank import ROOT, end_rank
 
 spec = importlib.util.spec_from_file_location("torchtitan_recipe", ROOT / "docs" / "examples" / "torchtitan_recipe.py")
 recipe = importlib.util.module_from_spec(spec)
@@ -49,4 +49,4 @@ tuner = getattr(trainer, "tuner", None)
 with open(f"{out}/{mode}-{torch.distributed.get_rank()}.json", "w") as f:
     json.dump({"losses": losses, "phase": str(tuner.phase) if tuner else None,
                "steps_tuning": tuner.steps_tuning if tuner else None}, f)
-torch.distributed.destroy_process_group()
+end_rank()

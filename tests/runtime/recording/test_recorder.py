@@ -3,8 +3,6 @@ times them."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 import runtime.recording.collective_timer as collective_timer
