@@ -176,13 +176,10 @@ class Device:
         """
         return device_memory_cap()
 
-    def start(self, group: Any = None, together: bool = True) -> float:
-        """The clock at the start of a timed stretch, s: the device synchronized, so nothing queued before is in
-        the time, and then (``together``) every rank of ``group`` there (:meth:`align`)."""
-        if together:
-            self.align(group)
-        else:
-            self.synchronize()
+    def start(self, group: Any = None) -> float:
+        """The clock at the start of a timed stretch, s, every rank of ``group`` there from an idle device
+        (:meth:`align`)."""
+        self.align(group)
         return self.clock()
 
     def elapsed_ms(self, t0: float) -> float:

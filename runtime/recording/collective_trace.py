@@ -18,6 +18,7 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from planner.artifacts.names import CollectiveTiming
+from planner.traces.fsdp_steps import rank_steps
 from planner.traces.in_step_collectives import CollectiveCall, rank_calls
 from planner.traces.kineto import read_trace
 from runtime.ranks.torch_private import profiler_running
@@ -96,8 +97,6 @@ class CollectiveTrace:
         Raises:
             TraceFormatError: the trace holds no whole FSDP2 step (``planner.traces.fsdp_steps.rank_steps``).
         """
-        from planner.traces.fsdp_steps import rank_steps
-
         prof, self._prof = self._prof, None
         with stderr_silenced():
             prof.__exit__(None, None, None)

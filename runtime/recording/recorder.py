@@ -53,7 +53,7 @@ from planner.artifacts.config import StudyConfig
 from planner.artifacts.memory_budget import MemoryBudget
 from planner.artifacts.profile import Profile
 from planner.artifacts.rank_measurements import IsolatedMeasurements, RankMeasurements
-from planner.errors import PlannerError, one_line
+from planner.errors import PlannerError
 from planner.study.isolation import isolation_groups, isolation_limit
 from planner.traces.in_step_collectives import in_step_collectives
 from runtime.apply import model_fingerprint
@@ -314,11 +314,7 @@ class Recorder(StepFigures):
             PlannerError: no timed step or no peak was recorded, or the ranks disagree on the post-forward order.
         """
         local = RankMeasurements(dist.get_rank(), self.measurements(**more), isolated)
-        try:
-            calls = self.read_collectives()
-        except PlannerError as e:  # a trace without the kernels (no CUPTI): the isolated figures stand
-            logger.warning(f"the collectives' trace could not be read ({one_line(e)}); their isolated times stand")
-            calls = None
+        calls = self.read_collectives()
         modules = fsdp_modules(self.model)
         resharding = {fqn: reshard_after_forward(m) for fqn, m in modules}
         if microbatches is None:
@@ -382,10 +378,7 @@ def record_profile(workload: Workload, warmup_steps: int = 2, steps: int = 3, re
             isolated = recorder.isolate_next(budget, gather_objects)
         runner.run_all([RoundStep(RECORD_WARMUP, 0)])
         more = _default_plan_steps(runner, steps, traces_collectives(collectives, recorder.device))
-        try:
-            recorder.read_collectives()
-        except PlannerError as e:  # a trace without the kernels (no CUPTI): the isolated figures stand
-            logger.warning(f"the collectives' trace could not be read ({one_line(e)}); their isolated times stand")
+        recorder.read_collectives()  # before remove(), which drops a trace still running
     finally:
         recorder.remove()
     return recorder.profile(isolated, gather_objects, workload.microbatches, **more)

@@ -14,6 +14,7 @@ a recorder of the one step runner (``runtime.recording.steps.StepSide``, which b
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Iterable
 from typing import Any
@@ -23,11 +24,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from planner.artifacts.rank_measurements import StepMeasurements
-from planner.errors import PlannerError
+from planner.errors import PlannerError, one_line
 from planner.traces.in_step_collectives import CollectiveCall
 from runtime.ranks.device import device_of
 from runtime.recording.collective_trace import CollectiveTrace
 from runtime.recording.peak_memory import PeakMeter
+
+logger = logging.getLogger(__name__)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -113,13 +116,14 @@ class StepFigures:
 
     def read_collectives(self) -> list[CollectiveCall] | None:
         """The traced steps' collectives on this rank (the trace stopped and read, once); ``None`` where no step was
-        traced.
-
-        Raises:
-            TraceFormatError: the trace holds no whole FSDP2 step.
-        """
+        traced, or where the trace could not be read (no FSDP2 step in it, e.g. no kernels without CUPTI: one
+        warning line, and the collectives' isolated figures stand)."""
         if self.trace.running:
-            self.collective_calls = self.trace.calls()
+            try:
+                self.collective_calls = self.trace.calls()
+            except PlannerError as e:
+                logger.warning(f"the collectives' trace could not be read ({one_line(e)}); their isolated times "
+                               "stand")
         return self.collective_calls
 
     def remove(self) -> None:
