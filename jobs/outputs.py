@@ -40,7 +40,8 @@ def check_before_launch(config: StudyConfig, *outputs: str | None, storage: bool
     from runtime.workload import load_factory
 
     load_factory(config.workload.factory)
-    check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator, config.launch.mesh)
+    check_runnable(config.launch.backend, config.launch.nproc_per_node, config.launch.allocator, config.launch.mesh,
+                   config.launch.tensor_parallel)
     if storage:
         check_writable(config.storage_url)
     check_output_folders(*outputs)

@@ -79,8 +79,8 @@ class NotShardedError(PlannerError):
 
 
 class TensorParallelError(PlannerError):
-    """A model whose FSDP modules shard tensor-parallel (DTensor) parameters, FSDP + TP: not tuned yet, and never
-    read as HSDP."""
+    """A tensor-parallel layout the tuner does not plan: HSDP + TP, or FSDP modules on different TP degrees. (FSDP +
+    TP, one dp mesh dim by one TP dim, is tuned.)"""
 
 
 class StudyModelMismatchError(PlannerError):

@@ -33,6 +33,7 @@ from runtime.ranks.torch_private import (
     separate_reduce_scatter_group_setter,
     set_reshard_after_forward_ranks,
     unshard_async_op_setter,
+    unsharded_shapes,
 )
 from runtime.workload import fsdp_modules, own_parameters
 
@@ -93,41 +94,64 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
     Per FSDP module: the parameters it manages itself (not those of nested
     FSDP modules), unsharded numel and bytes at the dtype FSDP2 all-gathers them in (its ``MixedPrecisionPolicy``'s
     ``param_dtype``, read from FSDP2's parameters: ``torch_private.collective_dtypes``); the mesh
-    ``(replicate, shard)`` when FSDP2 shards them as HSDP, read
+    ``(replicate, shard)`` when FSDP2 shards them as HSDP, and the tensor-parallel degree under FSDP + TP, read
     from FSDP2's own mesh info (``torch_private.data_parallel_mesh``), never from a parameter's DTensor mesh,
-    which under FSDP + TP is the (dp, tp) mesh.
+    which under FSDP + TP is the (dp, tp) mesh. Under FSDP + TP a parameter's unsharded numel is its TP-local
+    tensor's, what FSDP2 all-gathers over the dp ranks (``torch_private.unsharded_shapes``).
 
     Raises:
-        TensorParallelError: an FSDP module shards tensor-parallel parameters (FSDP + TP, HSDP + TP).
-        UnsupportedPlanError: FSDP modules cast under different mixed-precision dtypes.
+        TensorParallelError: HSDP + TP, or FSDP modules on different tensor-parallel degrees.
+        UnsupportedPlanError: FSDP modules cast under different mixed-precision dtypes; FSDP2 shards over fewer
+            ranks than the job has and no parameter is tensor-parallel (pipeline parallelism: the FSDP modules are
+            one model part of several); a module's parameters on several meshes (``SeveralParamGroupsError``).
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     modules = fsdp_modules(model)
     numels, nbytes, dtypes, device, mesh, casts = [], [], set(), "cpu", None, set()
+    shards, degrees = set(), set()
     for fqn, m in modules:
         own = own_parameters(modules, fqn)
-        numels.append(sum(p.numel() for p in own))
+        shapes = unsharded_shapes(m)
+        local = [shapes[id(p)].numel() if id(p) in shapes else p.numel() for p in own]
+        numels.append(sum(local))
         moved = collective_dtypes(m)
         cast = moved is not None and (moved.all_gather, moved.reduce_scatter) != (moved.sharded, moved.sharded)
-        nbytes.append(sum(p.numel() * (moved.all_gather.itemsize if cast else p.element_size()) for p in own))
+        itemsize = [moved.all_gather.itemsize if cast else p.element_size() for p in own]
+        nbytes.append(sum(n * size for n, size in zip(local, itemsize, strict=True)))
         if moved is not None:
             casts.add((str(moved.all_gather), str(moved.reduce_scatter)) if cast else None)
         dtypes.update(str(p.dtype) for p in own)
         if own:
             device = own[0].device.type
         dp = data_parallel_mesh(m)
-        if dp is not None and dp.tensor_parallel:
+        if dp is None:
+            continue
+        if dp.tensor_parallel > 1 and dp.replicate_size is not None:
             raise TensorParallelError(
-                f"FSDP module {fqn or 'root'!r} shards tensor-parallel (DTensor) parameters: FSDP with tensor "
-                "parallelism is not tuned yet; tune the same model without tensor parallelism, or keep your plan")
-        if dp is not None and dp.replicate_size is not None:
+                f"FSDP module {fqn or 'root'!r} is sharded as HSDP with tensor parallelism (HSDP + TP): not tuned "
+                "yet (docs/layouts.md); tune FSDP + TP (one dp mesh dim), or keep your plan")
+        if dp.replicate_size is not None:
             mesh = (dp.replicate_size, dp.shard_size)
+        shards.add(dp.shard_size * (dp.replicate_size or 1))
+        if dp.tensor_parallel > 1:
+            degrees.add(dp.tensor_parallel)
     if len(casts) > 1:
         raise UnsupportedPlanError(
             "FSDP modules cast under different mixed-precision dtypes (" + "; ".join(
                 f"{c[0]} all-gather, {c[1]} reduce-scatter" if c else "no cast" for c in sorted(casts, key=str))
             + "): not tuned yet; give every fully_shard call one MixedPrecisionPolicy")
+    if len(degrees) > 1:
+        raise TensorParallelError(f"FSDP modules shard parameters of tensor-parallel degrees {sorted(degrees)}: not "
+                                  "tuned; give every tensor-parallel module one TP mesh")
+    tensor_parallel = next(iter(degrees), None)
+    data_parallel = max(shards, default=world_size)
+    if shards and data_parallel * (tensor_parallel or 1) != world_size:
+        raise UnsupportedPlanError(
+            f"FSDP shards over {data_parallel} of this job's {world_size} ranks"
+            + (f" with tensor-parallel degree {tensor_parallel}" if tensor_parallel else "")
+            + ", so the model is one part of several (pipeline parallelism, or another layout across ranks): not "
+            "tuned; tune one part's layout, FSDP (or FSDP + TP) over every rank of the job")
     return Fingerprint(
         module_fqns=tuple(f for f, _ in modules),
         param_numels=tuple(numels),
@@ -138,6 +162,7 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
         torch_version=torch.__version__,
         mesh=mesh,
         mixed_precision=next(iter(casts), None),  # one policy for every module, or none
+        tensor_parallel=tensor_parallel,
     )
 
 

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from planner.errors import WorkloadError
 from runtime.activation_checkpointing import apply_activation_checkpointing
+from runtime.tensor_parallel import LLAMA_BLOCK_PLAN, data_parallel_rank, parallelize_blocks, split_mesh
 from runtime.workload import Workload
 
 
@@ -69,7 +70,10 @@ def llama(
     final norm and LM head. ``shard_embedding``: the token embedding is an
     FSDP module of its own (as torchtitan wraps it): its backward reads no
     parameter, so ``set_unshard_in_backward(False)`` applies to it. With prefetch set by hand:
-    :func:`llama_hand_set`.
+    :func:`llama_hand_set`. On a ``(dp, tp)`` mesh (``[launch] tensor_parallel``) each block's attention and MLP
+    are tensor-parallel (:data:`runtime.tensor_parallel.LLAMA_BLOCK_PLAN`; ``num_attention_heads`` a multiple of
+    the TP degree) and FSDP shards over the dp ranks; the embedding, final norm and LM head stay whole on every TP
+    rank.
     """
     transformers = _transformers("Llama")
     config = transformers.LlamaConfig(
@@ -86,7 +90,8 @@ def llama(
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     first = [model.model.embed_tokens] if shard_embedding else []
-    return _sharded_lm(mesh, model, first, model.model.layers, lr, vocab_size, batch_size, seq_len, **wrapping)
+    return _sharded_lm(mesh, model, first, model.model.layers, lr, vocab_size, batch_size, seq_len,
+                       tp_plan=LLAMA_BLOCK_PLAN, **wrapping)
 
 
 def llama_hand_set(mesh: Any, forward_prefetch_depth: int = 0, backward_prefetch_depth: int = 0,
@@ -192,21 +197,30 @@ def mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
 
 def _sharded_lm(mesh: Any, model: nn.Module, first: list[nn.Module], blocks: nn.ModuleList, lr: float,
                 vocab_size: int, batch_size: int, seq_len: int, activation_checkpointing: str = "none",
-                mixed_precision: str = "none") -> Workload:
+                mixed_precision: str = "none", tp_plan: dict[str, str] | None = None) -> Workload:
     """``model`` checkpointed per ``activation_checkpointing``, ``fully_shard`` on each of ``first`` (e.g. the
     token embedding), each block, then the root, under ``mp_policy(mixed_precision)``; AdamW; random token batches
-    and the LM loss. The language models' factories pass their ``**wrapping`` keys here: these two.
+    (one per dp rank) and the LM loss. The language models' factories pass their ``**wrapping`` keys here: these
+    two. On a ``(dp, tp)`` mesh the blocks are first made tensor-parallel per ``tp_plan``
+    (:func:`runtime.tensor_parallel.parallelize_blocks`) and ``fully_shard`` runs over the dp mesh.
 
     Raises:
         TypeError: another wrapping key.
+        WorkloadError: a ``(dp, tp)`` mesh for a model with no ``tp_plan``.
     """
     policy = mp_policy(mixed_precision)
+    dp_mesh, tp_mesh = split_mesh(mesh)
+    if tp_mesh is not None:
+        if tp_plan is None:
+            raise WorkloadError(f"{type(model).__name__} has no tensor-parallel plan here; set [launch] "
+                                "tensor_parallel = 1, or use the llama workload")
+        parallelize_blocks(blocks, tp_mesh, tp_plan)
     apply_activation_checkpointing(blocks, activation_checkpointing)
     for module in [*first, *blocks]:
-        fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(module, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    batches = _batch_fn(vocab_size, batch_size, seq_len, mesh.get_rank(), mesh.device_type)
+    batches = _batch_fn(vocab_size, batch_size, seq_len, data_parallel_rank(mesh), mesh.device_type)
     return Workload(model, optimizer, batches, _lm_loss)
 
 

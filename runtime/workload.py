@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from planner.artifacts.json_types import JsonObject
 from planner.errors import WorkloadError
 from runtime.accumulation import prepare_microbatch
+from runtime.ranks.torch_private import unsharded_shapes
 
 
 @dataclass
@@ -111,17 +112,23 @@ def fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
 
 
 def parameter_rows(modules: list[tuple[str, nn.Module]]) -> dict[str, tuple[tuple[int, int], ...]]:
-    """Per FSDP module, ``(dim-0 size, bytes per dim-0 row)`` of each parameter it manages itself, unsharded (a
-    DTensor's global shape): what FSDP2 shards and pads (``FSDPParam._init_sharded_param``).
+    """Per FSDP module, ``(dim-0 size, bytes per dim-0 row)`` of each parameter it manages itself, unsharded: what
+    FSDP2 shards and pads (``FSDPParam._init_sharded_param``), a DTensor's global shape, or under FSDP + TP its
+    tensor-parallel local shape (``torch_private.unsharded_shapes``).
 
     Args:
         modules: :func:`fsdp_modules` of the root.
     """
-    def rows(p: nn.Parameter) -> tuple[int, int]:
-        dim0 = p.shape[0] if p.dim() else 1
-        return int(dim0), int(p.numel() // max(1, dim0) * p.element_size())
+    def rows(p: nn.Parameter, shapes: dict[int, torch.Size]) -> tuple[int, int]:
+        shape = shapes.get(id(p), p.shape)
+        dim0 = shape[0] if len(shape) else 1
+        return int(dim0), int(shape.numel() // max(1, dim0) * p.element_size())
 
-    return {fqn: tuple(rows(p) for p in own_parameters(modules, fqn)) for fqn, _ in modules}
+    out = {}
+    for fqn, m in modules:
+        shapes = unsharded_shapes(m) if isinstance(m, FSDPModule) else {}
+        out[fqn] = tuple(rows(p, shapes) for p in own_parameters(modules, fqn))
+    return out
 
 
 def own_parameters(modules: list[tuple[str, nn.Module]], fqn: str) -> list[nn.Parameter]:

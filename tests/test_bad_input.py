@@ -301,6 +301,16 @@ CASES = {
                                  + "[launch]\nnproc_per_node = 2\nmesh = [2, 3]\n")],
         "[launch] mesh [2, 3] has 6 ranks, this job has 2; write mesh = [replicate, shard]",
         lambda w: check_runnable("gloo", 2, mesh=(2, 3)), StudyConfigError),
+    "hsdp with tensor parallelism": Case(
+        lambda w: ["tune", write(w / "bad.toml", GOOD_TOML.format(factory="runtime.reference_workloads:mlp")
+                                 + "[launch]\nnproc_per_node = 4\nmesh = [2, 2]\ntensor_parallel = 2\n")],
+        "mesh (HSDP) with tensor_parallel > 1 is HSDP + TP, which is not tuned yet",
+        lambda w: load_study_config(w / "bad.toml"), StudyConfigError),
+    "tensor parallel degree that does not divide the ranks": Case(
+        lambda w: ["tune", write(w / "bad.toml", GOOD_TOML.format(factory="runtime.reference_workloads:mlp")
+                                 + "[launch]\nnproc_per_node = 2\ntensor_parallel = 4\n")],
+        "[launch] tensor_parallel = 4 does not divide this job's 2 ranks",
+        lambda w: check_runnable("gloo", 2, tensor_parallel=4), StudyConfigError),
     "traces whose ranks disagree on the order": Case(from_trace("orders disagree")[0],
                                                      "ranks disagree on the post-forward order",
                                                      from_trace("orders disagree")[1], TraceFormatError),

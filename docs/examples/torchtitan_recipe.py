@@ -113,10 +113,11 @@ def write_debug_assets(folder: str) -> None:
             f.write(json.dumps({"text": "".join(rng.choice("abcdefghij klmnop") for _ in range(200))}) + "\n")
 
 
-def debug_config(assets: str, steps: int):
-    """torchtitan's ``llama3_debugmodel`` configuration at a small size: every rank a data-parallel shard,
-    ``seq_len`` 64, local batch 2, ``steps`` steps, seed 0, on :func:`write_debug_assets`'s ``assets``; no
-    checkpoint, validation or metric logs."""
+def debug_config(assets: str, steps: int, tensor_parallel: int = 1):
+    """torchtitan's ``llama3_debugmodel`` configuration at a small size: every rank a data-parallel shard (with
+    ``tensor_parallel`` > 1, FSDP over the world divided by it, each block's attention and MLP tensor-parallel over
+    groups of ``tensor_parallel`` consecutive ranks, torchtitan's 2-D layout), ``seq_len`` 64, local batch 2,
+    ``steps`` steps, seed 0, on :func:`write_debug_assets`'s ``assets``; no checkpoint, validation or metric logs."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
     config = llama3_debugmodel()
     config.hf_assets_path = assets
@@ -124,7 +125,8 @@ def debug_config(assets: str, steps: int):
     config.dataloader.dataset_path = os.path.join(assets, "data")
     config.training.seq_len, config.training.local_batch_size, config.training.steps = 64, 2, steps
     config.training.disable_cuda_graphs = True
-    config.parallelism.data_parallel_shard_degree = -1  # the world
+    config.parallelism.data_parallel_shard_degree = -1  # the world, or what tensor parallelism leaves of it
+    config.parallelism.tensor_parallel_degree = tensor_parallel
     config.parallelism.spmd_backend = "partial_dtensor"  # plain FSDP2 parameters (no DTensor on the data axis)
     config.checkpoint.enable = False
     config.validator.enable = False

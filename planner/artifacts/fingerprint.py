@@ -45,7 +45,9 @@ class Fingerprint:
         param_bytes: unsharded parameter bytes per FSDP module (same order), at the dtype FSDP2 all-gathers them in:
             the ``MixedPrecisionPolicy``'s ``param_dtype`` where it casts (:attr:`mixed_precision`), else the
             parameters' own (``FSDPParam.param_dtype or orig_dtype``, ``foreach_all_gather``).
-        world_size: number of ranks the parameters are sharded over.
+        param_numels, param_bytes: under FSDP + TP, of the tensor-parallel local tensors: what FSDP2 all-gathers
+            over its dp ranks (``FSDPParam._orig_size``), not the global tensors across the TP ranks.
+        world_size: ranks of the job (FSDP's dp ranks times :attr:`tensor_parallel`).
         device_type: ``"cpu"`` or ``"cuda"``.
         param_dtypes: the distinct parameter dtypes, as strings.
         torch_version: ``torch.__version__`` of the recording run.
@@ -53,6 +55,9 @@ class Fingerprint:
         mixed_precision: where FSDP2's ``MixedPrecisionPolicy`` casts, the dtypes of the all-gather (and the unsharded
             parameters and gradients) and of the reduce-scatter's input, as strings (``("torch.bfloat16",
             "torch.float32")``); the sharded parameters and gradients stay in :attr:`param_dtypes`. ``None``: no cast.
+        tensor_parallel: FSDP + TP: the tensor-parallel degree, the ranks of the TP dim of the (dp, tp) mesh the
+            parameters live on (FSDP2's ``FSDPParam._spmd_mesh`` over its dp mesh); FSDP shards over the other
+            ``world_size // tensor_parallel``. ``None``: no tensor parallelism.
     """
 
     module_fqns: tuple[str, ...]
@@ -64,17 +69,20 @@ class Fingerprint:
     torch_version: str
     mesh: tuple[int, int] | None = None
     mixed_precision: tuple[str, str] | None = None
+    tensor_parallel: int | None = None
 
     @property
     def shard_size(self) -> int:
-        """Ranks the parameters are sharded over: the mesh's shard dim, else every rank."""
-        return self.world_size if self.mesh is None else self.mesh[1]
+        """Ranks the parameters are sharded over: the mesh's shard dim, else every rank FSDP runs on (the dp ranks
+        under FSDP + TP)."""
+        return self.world_size // (self.tensor_parallel or 1) if self.mesh is None else self.mesh[1]
 
     def to_dict(self) -> dict:
         """The ``fingerprint`` JSON object; ``mesh`` only where set, so an FSDP fingerprint is the file earlier
         releases wrote."""
         d = dataclasses.asdict(self)
-        for optional in ("mesh", "mixed_precision"):  # written where set: files without them read as before
+        # written where set: files without them read as before
+        for optional in ("mesh", "mixed_precision", "tensor_parallel"):
             if d[optional] is None:
                 del d[optional]
         return d
@@ -89,7 +97,7 @@ class Fingerprint:
         """
         if self.world_size != other.world_size:
             return f"world size: plan was made for {self.world_size} ranks, this run has {other.world_size}"
-        if self.mesh != other.mesh:
+        if (self.mesh, self.tensor_parallel) != (other.mesh, other.tensor_parallel):
             return f"mesh: plan was made for {self.mesh_text}, this run has {other.mesh_text}"
         if self.mixed_precision != other.mixed_precision:
             return (f"mixed precision: plan was made for {self.precision_text}, this run has {other.precision_text}")
@@ -127,7 +135,9 @@ class Fingerprint:
 
     @property
     def mesh_text(self) -> str:
-        """``HSDP [2, 2]`` or ``FSDP``."""
+        """``HSDP [2, 2]``, ``FSDP 2 x TP 2`` (dp ranks by TP degree) or ``FSDP``."""
+        if self.tensor_parallel:
+            return f"FSDP {self.shard_size} x TP {self.tensor_parallel}"
         return "FSDP" if self.mesh is None else f"HSDP {list(self.mesh)}"
 
     def model_difference(self, other: Fingerprint) -> str | None:
@@ -151,10 +161,11 @@ class Fingerprint:
     def travel_note(self, other: Fingerprint) -> str | None:
         """One line when a plan made for this fingerprint is applied on ``other``, the same model at another world
         size ([Note: Plans travel] in :mod:`planner.artifacts.plan`); ``None`` when the world sizes match."""
-        if (self.world_size, self.mesh) == (other.world_size, other.mesh):
+        if (self.world_size, self.mesh, self.tensor_parallel) == (other.world_size, other.mesh,
+                                                                   other.tensor_parallel):
             return None
         here, there = count(self.world_size, "rank"), f"{other.world_size}"
-        if self.mesh != other.mesh:
+        if (self.mesh, self.tensor_parallel) != (other.mesh, other.tensor_parallel):
             here, there = f"{here} ({self.mesh_text})", f"{there} ({other.mesh_text})"
         return (f"plan tuned on {here}, applied on {there}: its modules are named by FQN and apply as they are, but "
                 f"its gain was confirmed on {here}, not here; confirm it on this job (tune, or the AutoTuner on its "

@@ -101,6 +101,10 @@ class LaunchTable(Table):
         mesh: HSDP: ``[replicate, shard]``, the 2-D device mesh the workload is sharded on
             (``init_device_mesh(device, (replicate, shard))``: parameters sharded within a shard group, replicated
             across groups); its product is the job's world size. Unset: FSDP over every rank.
+        tensor_parallel: FSDP + TP: the tensor-parallel degree. The ranks start a 2-D device mesh ``(dp, tp)``
+            (dims named ``"dp"`` and ``"tp"``, the TP ranks consecutive, as torchtitan lays them out within a node);
+            the factory gets it whole, applies tensor parallelism over ``mesh["tp"]`` and ``fully_shard`` over
+            ``mesh["dp"]``. 1: no tensor parallelism. Not with ``mesh`` (HSDP + TP is not tuned).
     """
 
     nproc_per_node: StrictInt = Field(2, ge=1)
@@ -109,6 +113,14 @@ class LaunchTable(Table):
     stuck_after_s: StrictInt = Field(60, ge=1)
     allocator: Allocator = Allocator.SYSTEM
     mesh: tuple[Annotated[StrictInt, Field(ge=1)], Annotated[StrictInt, Field(ge=1)]] | None = None
+    tensor_parallel: StrictInt = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _one_2d_layout(self) -> LaunchTable:
+        if self.mesh is not None and self.tensor_parallel > 1:
+            raise ValueError("mesh (HSDP) with tensor_parallel > 1 is HSDP + TP, which is not tuned yet "
+                             "(docs/clusters.md); set one of them")
+        return self
 
 
 class SearchTable(Table):

@@ -211,6 +211,9 @@ class Target(BaseModel):
             :mod:`planner.simulation.link`).
         mesh: ``(replicate, shard)`` for HSDP (``fully_shard(mesh=init_device_mesh(..., (replicate, shard)))``);
             ``None``: FSDP over every rank, ``(1, world_size)``.
+        tensor_parallel: FSDP + TP's degree: groups of this many consecutive ranks (within a node) split each
+            block, and FSDP shards over the other ``world_size // tensor_parallel`` (a rank's dp group strides by
+            it). ``None``: the profile's own ([Note: A what-if keeps the TP degree]); 1: no tensor parallelism.
         link: the links.
         preset: the preset it starts from (:func:`presets`), its fields overridden by the file's.
         source: where the preset's figures come from (published nccl-tests results, vendor figures).
@@ -224,6 +227,7 @@ class Target(BaseModel):
     ranks_per_node: int = Field(ge=1)
     backend: Literal["gloo", "nccl"]
     mesh: tuple[PositiveInt, PositiveInt] | None = None
+    tensor_parallel: PositiveInt | None = None
     link: Links = Field(default_factory=Links)
 
     @model_validator(mode="after")
@@ -234,6 +238,9 @@ class Target(BaseModel):
         if self.mesh is not None and self.mesh[0] * self.mesh[1] != self.world_size:
             raise ValueError(f"mesh {list(self.mesh)} has {self.mesh[0] * self.mesh[1]} ranks, world_size "
                              f"{self.world_size}: write mesh = [replicate, shard] with replicate x shard = world_size")
+        if self.tp > 1 and (self.mesh is not None or self.ranks_per_node % self.tp):
+            raise ValueError(f"tensor_parallel = {self.tp} needs FSDP (no mesh: HSDP + TP is not tuned) and a "
+                             f"divisor of ranks_per_node ({self.ranks_per_node}): TP's groups sit within a node")
         for group in self.groups:
             if group.link is None and group.size > 1:
                 which = "inter_node" if group.nodes > 1 else "intra_node"
@@ -249,14 +256,20 @@ class Target(BaseModel):
         return self.world_size // self.ranks_per_node
 
     @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1 without)."""
+        return self.tensor_parallel or 1
+
+    @property
     def replicate(self) -> int:
         """Ranks in a replicate group (1 for FSDP)."""
         return 1 if self.mesh is None else self.mesh[0]
 
     @property
     def shard(self) -> int:
-        """Ranks in a shard group: the parameters are sharded over them (the world size for FSDP)."""
-        return self.world_size if self.mesh is None else self.mesh[1]
+        """Ranks in a shard group: the parameters are sharded over them (the world size for FSDP, the dp ranks
+        under FSDP + TP)."""
+        return self.world_size // self.tp if self.mesh is None else self.mesh[1]
 
     @property
     def groups(self) -> tuple[Group, Group]:
@@ -267,7 +280,8 @@ class Target(BaseModel):
         """
         out = []
         node_zero = range(min(self.ranks_per_node, self.world_size))
-        for role, size, stride in (("shard", self.shard, 1), ("replicate", self.replicate, self.shard)):
+        tp = self.tp  # a shard group strides over the TP ranks, a replicate group over a shard group's
+        for role, size, stride in (("shard", self.shard, tp), ("replicate", self.replicate, self.shard * tp)):
             per_node = Counter(k * stride // self.ranks_per_node for k in range(size))
             if len(set(per_node.values())) > 1:
                 raise ValueError(f"the {role} group's {size} ranks sit unevenly on nodes of {self.ranks_per_node} "
@@ -277,7 +291,8 @@ class Target(BaseModel):
             intra, inter = self.link.intra_node, self.link.inter_node
             sharing = 1
             if nodes > 1 and link is not None and link.per == "node":  # [Note: A link per node, shared]
-                sharing = len({r // self.shard if role == "shard" else r % self.shard for r in node_zero})
+                sharing = len({(r // (self.shard * tp), r % tp) if role == "shard" else r % (self.shard * tp)
+                               for r in node_zero})
             out.append(Group(role, size, nodes, link, intra.latency_s if intra else 0.0,
                              inter.latency_s if inter else 0.0, sharing))
         return out[0], out[1]
@@ -287,6 +302,7 @@ class Target(BaseModel):
         group across 2 nodes (inter-node 1Gbit/s, latency 50us)``."""
         text = f"{count(self.world_size, 'rank')} ({self.ranks_per_node} per node), {self.backend}"
         text += f", HSDP {list(self.mesh)}" if self.mesh is not None else ""
+        text += f", FSDP {self.shard} x TP {self.tp}" if self.tp > 1 else ""
         parts = []
         for group in self.groups:
             if group.size == 1:

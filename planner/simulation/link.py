@@ -111,6 +111,7 @@ from typing import Literal
 
 import numpy as np
 
+from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.profile import Profile
 from planner.artifacts.target import Group, Target
 from planner.errors import TargetError
@@ -275,7 +276,7 @@ def fit_link(profile: Profile) -> dict[Kind, LinkFit]:
         raise TargetError(f"the profile was recorded under {fingerprint.mesh_text}: its reduce-scatter times hold the "
                           "all-reduce over the replicas, which the fit cannot tell apart; record the profile with "
                           "FSDP over the shard group's ranks (no [launch] mesh) to predict a target")
-    calls = wire_calls(profile, fingerprint.world_size, recorded_backend(profile))
+    calls = wire_calls(profile, fingerprint.shard_size, recorded_backend(profile))
     if not calls and recorded_backend(profile) == "nccl":  # [Note: A profile of one GPU]
         return {kind: LinkFit(kind, 0.0, 0.0, 0, False) for kind in ("all_gather", "reduce_scatter")}
     if not calls:
@@ -293,7 +294,7 @@ class Extrapolation:
     """How far a target lies from the profile it is predicted from.
 
     Attributes:
-        recorded_world_size: ranks the profile was recorded on (its shard group).
+        recorded_world_size: ranks the profile was recorded on.
         world_size, nodes, replicate, shard: the target's.
         recorded_wire_bytes: median bytes on the wire per all-gather, as recorded.
         wire_bytes: median bytes on the wire per all-gather on the target's shard group.
@@ -364,6 +365,34 @@ def _call_ms(fit: LinkFit, kind: Kind, group: Group, nbytes: int, backend: str, 
             fit.link_ms(w, bandwidth, backend, kind, per_node) + latency)
 
 
+# [Note: A what-if keeps the TP degree]
+# Under FSDP + TP a module's recorded compute holds its share of the block's math and TP's own collectives inside its
+# forward and backward (the all-reduces of the row-wise projections), both at the TP degree it was recorded at; a
+# profile at one degree holds nothing that re-times them at another. So a target keeps the profile's degree (unset:
+# the profile's) and one that names another is refused. What a target may change is FSDP's side: the world size and
+# the links, over the dp group, whose ranks are the world divided by the TP degree and stride by it across the
+# ranks of a node (``Target.groups``).
+
+
+def keep_tensor_parallel(target: Target, fingerprint: Fingerprint) -> Target:
+    """``target`` at the profile's tensor-parallel degree ([Note: A what-if keeps the TP degree]).
+
+    Raises:
+        TargetError: the target names another degree, or the profile's does not divide the target's ranks per node.
+    """
+    recorded = fingerprint.tensor_parallel or 1
+    if target.tensor_parallel is not None and target.tensor_parallel != recorded:
+        raise TargetError(f"the target's tensor_parallel = {target.tensor_parallel}, the profile's {recorded}: a TP "
+                          "degree changes each module's compute and its TP collectives, which the profile holds at "
+                          f"{recorded} only; record the profile at tensor_parallel = {target.tensor_parallel}")
+    if target.tensor_parallel is not None or recorded == 1:
+        return target
+    try:
+        return Target.model_validate({**target.model_dump(), "tensor_parallel": recorded})
+    except ValueError as e:
+        raise TargetError(f"the profile's tensor_parallel = {recorded} on this target: {e}") from None
+
+
 def retarget(profile: Profile, target: Target, spread_sign: int = 0, fit_sign: int = 0,
              recorded_profile: Profile | None = None) -> Retargeted:
     """The profile as one rank of ``target``: re-sharded for its shard group ([Note: What re-sharding changes] in
@@ -385,8 +414,10 @@ def retarget(profile: Profile, target: Target, spread_sign: int = 0, fit_sign: i
 
     Raises:
         TargetError: a target backend other than the one the profile's collectives ran on (their host cost was
-            fitted on that backend: a CPU profile cannot predict NCCL), or a profile with no collective to fit.
+            fitted on that backend: a CPU profile cannot predict NCCL), or a profile with no collective to fit; a
+            target at another tensor-parallel degree than the profile's (:func:`keep_tensor_parallel`).
     """
+    target = keep_tensor_parallel(target, profile.fingerprint)
     backend = recorded_backend(profile)
     if target.backend != backend:
         device = profile.fingerprint.device_type
@@ -422,6 +453,7 @@ def retarget(profile: Profile, target: Target, spread_sign: int = 0, fit_sign: i
         return float(np.median(sizes)) if sizes else 0.0
 
     extrapolation = Extrapolation(recorded, target.world_size, target.nodes, target.replicate, target.shard,
-                                  median_wire(recorded), median_wire(target.shard), fits["all_gather"].wire_bytes,
+                                  median_wire(profile.fingerprint.shard_size), median_wire(target.shard),
+                                  fits["all_gather"].wire_bytes,
                                   all(m.parameter_rows for m in profile.modules.values() if m.unsharded_bytes))
     return Retargeted(dataclasses.replace(resharded, modules=modules), fits, extrapolation)

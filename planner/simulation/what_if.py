@@ -130,15 +130,18 @@ class Scenario:
 
         Raises:
             ProfileFormatError: a bad ``depth`` or ``blocks``.
-            TargetError: as :func:`planner.simulation.link.retarget`.
+            TargetError: as :func:`planner.simulation.link.retarget` (a target at another TP degree than the
+                profile's among them).
         """
         from planner.simulation.depth import deepen
-        from planner.simulation.link import retarget
+        from planner.simulation.link import keep_tensor_parallel, retarget
         from planner.simulation.parameters import profile_params
 
         params = profile_params(recorded)  # solved on the recorded step, before any extension
         deepened = deepen(recorded, depth, blocks) if depth is not None else None
         profile = deepened.profile if deepened is not None else recorded
+        if target is not None:  # the profile's TP degree ([Note: A what-if keeps the TP degree])
+            target = keep_tensor_parallel(target, recorded.fingerprint)
         retargeted = retarget(profile, target, recorded_profile=recorded) if target is not None else None
         return cls(recorded, profile, params, deepened, target, retargeted)
 

@@ -129,8 +129,9 @@ def same_model(a: Fingerprint, b: Fingerprint) -> bool:
 def same_job(a: Fingerprint, b: Fingerprint) -> bool:
     """What a plan and its measurements are good for: the same model on the same world size, device, dtypes and
     torch version."""
-    return same_model(a, b) and (a.world_size, a.mesh, a.device_type, a.param_dtypes, a.torch_version) == (
-        b.world_size, b.mesh, b.device_type, b.param_dtypes, b.torch_version)
+    return same_model(a, b) and (a.world_size, a.mesh, a.tensor_parallel, a.device_type, a.param_dtypes,
+                                 a.torch_version) == (b.world_size, b.mesh, b.tensor_parallel, b.device_type,
+                                                      b.param_dtypes, b.torch_version)
 
 
 def start_decision(study: str, fingerprint: Fingerprint, stored: Sequence[Fingerprint], has_recommendation: bool,

@@ -68,7 +68,9 @@ class TunedTrainer(Trainer):
     Raises:
         UnsupportedPlanError: pipeline parallelism (more than one model part): the tuner takes one FSDP root.
         NotShardedError: the model part is not wrapped with ``fully_shard`` (``data_parallel_shard_degree`` 1).
-        TensorParallelError: the FSDP modules shard tensor-parallel parameters (FSDP + TP is refused, not tuned).
+        TensorParallelError: HSDP + TP (``data_parallel_replicate_degree`` > 1 with ``tensor_parallel_degree`` > 1),
+            not tuned yet. FSDP + TP (``tensor_parallel_degree`` > 1, FSDP over ``data_parallel_shard_degree``) is
+            tuned: every rank of the mesh applies the same plan.
         StudyConfigError, StorageError: as :class:`runtime.AutoTuner`.
     """
 

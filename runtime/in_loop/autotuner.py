@@ -133,9 +133,9 @@ class AutoTuner(FailedSteps):
 
     Raises:
         NotShardedError: ``model`` is not wrapped with ``fully_shard``, or has no FSDP module beyond the root.
-        TensorParallelError: its FSDP modules shard tensor-parallel parameters (FSDP + TP, HSDP + TP), raised
-            before any group or study is opened.
-        UnsupportedPlanError: its FSDP modules cast under different mixed-precision policies.
+        TensorParallelError: HSDP + TP (FSDP + TP is tuned), raised before any group or study is opened.
+        UnsupportedPlanError: its FSDP modules cast under different mixed-precision policies; FSDP shards over part
+            of the job's ranks (pipeline parallelism).
         StudyModelMismatchError: the study was tuned for another model.
         StudyConfigError: a bad key or value, or ``on_oom`` neither ``"skip"`` nor ``"raise"``.
         StorageError: the storage cannot be opened or written.

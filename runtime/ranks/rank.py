@@ -22,7 +22,8 @@ from runtime.ranks.device import device_of
 
 
 def check_runnable(backend: Backend | str, ranks_per_node: int,
-                   allocator: Allocator | str = Allocator.SYSTEM, mesh: Sequence[int] | None = None) -> None:
+                   allocator: Allocator | str = Allocator.SYSTEM, mesh: Sequence[int] | None = None,
+                   tensor_parallel: int = 1) -> None:
     """Refuse a study this machine cannot run, before any rank starts.
 
     ``nccl`` needs one CUDA device per rank on the node; ``gloo`` runs
@@ -35,13 +36,14 @@ def check_runnable(backend: Backend | str, ranks_per_node: int,
             or torchrun's ``LOCAL_WORLD_SIZE``).
         allocator: ``[launch] allocator``.
         mesh: ``[launch] mesh``.
+        tensor_parallel: ``[launch] tensor_parallel``.
 
     Raises:
         StudyConfigError: naming the key and what to set instead.
     """
     if Allocator(allocator) == Allocator.JEMALLOC:
         jemalloc_library()  # refuses a machine without it
-    check_mesh(mesh, ranks_per_node)  # from the launcher, whose job is its nproc_per_node ranks
+    check_mesh(mesh, ranks_per_node, tensor_parallel)  # from the launcher, whose job is its nproc_per_node ranks
     if Backend(backend) != Backend.NCCL:
         return
     if not torch.cuda.is_available():
@@ -57,22 +59,26 @@ def check_runnable(backend: Backend | str, ranks_per_node: int,
         )
 
 
-def check_mesh(mesh: Sequence[int] | None, world_size: int) -> None:
-    """An HSDP mesh ``[replicate, shard]`` must hold every rank of the job.
+def check_mesh(mesh: Sequence[int] | None, world_size: int, tensor_parallel: int = 1) -> None:
+    """An HSDP mesh ``[replicate, shard]`` must hold every rank of the job; a tensor-parallel degree must divide it.
 
     Raises:
-        StudyConfigError: its product is not ``world_size``.
+        StudyConfigError: its product is not ``world_size``; ``tensor_parallel`` does not divide ``world_size``.
     """
+    if world_size % tensor_parallel:
+        raise StudyConfigError(f"[launch] tensor_parallel = {tensor_parallel} does not divide this job's "
+                               f"{world_size} ranks; set a divisor of the ranks per node")
     if mesh is not None and mesh[0] * mesh[1] != world_size:
         raise StudyConfigError(f"[launch] mesh {list(mesh)} has {mesh[0] * mesh[1]} ranks, this job has {world_size}; "
                                "write mesh = [replicate, shard] with replicate x shard = the job's ranks")
 
 
 def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Allocator | str | None = None,
-              mesh: Sequence[int] | None = None) -> DeviceMesh:
-    """Initialize the process group and the device mesh: 1-D over every rank, or HSDP's 2-D ``mesh``
+              mesh: Sequence[int] | None = None, tensor_parallel: int = 1) -> DeviceMesh:
+    """Initialize the process group and the device mesh: 1-D over every rank, HSDP's 2-D ``mesh``
     (``[replicate, shard]``, dims named ``"replicate"`` and ``"shard"``: ``fully_shard`` on it shards within a shard
-    group and replicates across them).
+    group and replicates across them), or under ``tensor_parallel`` > 1 FSDP + TP's ``(dp, tp)`` (dims named
+    ``"dp"`` and ``"tp"``, the TP ranks consecutive: within a node, as torchtitan's ``ParallelDims`` lays them).
 
     ``timeout_s`` bounds every collective of the process group (a rank waits
     at most that long for its peers). On CPU, one compute thread per rank
@@ -83,7 +89,7 @@ def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Alloc
         StudyConfigError: the machine cannot run ``backend`` with this many
             ranks per node (:func:`check_runnable`), the rank runs under
             another allocator (:func:`runtime.ranks.allocator.check_rank_allocator`), or ``mesh`` does not hold
-            every rank (:func:`check_mesh`).
+            every rank, or ``tensor_parallel`` does not divide the ranks (:func:`check_mesh`).
     """
     backend = Backend(backend)
     check_runnable(backend, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -98,9 +104,12 @@ def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Alloc
         torch.cuda.set_device(device_id)
     if not dist.is_initialized():
         dist.init_process_group(str(backend), timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+    check_mesh(mesh, dist.get_world_size(), tensor_parallel)
+    if tensor_parallel > 1:
+        return init_device_mesh(device, (dist.get_world_size() // tensor_parallel, tensor_parallel),
+                                mesh_dim_names=("dp", "tp"))
     if mesh is None:
         return init_device_mesh(device, (dist.get_world_size(),))
-    check_mesh(mesh, dist.get_world_size())
     return init_device_mesh(device, tuple(mesh), mesh_dim_names=("replicate", "shard"))
 
 
@@ -134,7 +143,8 @@ class JobRank:
     """One rank of a job that :func:`job_rank` started.
 
     Attributes:
-        mesh: the device mesh the workload shards over (1-D, or HSDP's ``[replicate, shard]``).
+        mesh: the device mesh the workload shards over (1-D, HSDP's ``[replicate, shard]``, or FSDP + TP's
+            ``(dp, tp)``).
         group: the gloo control group over every rank (``runtime.ranks.collectives.control_group``): the job's own
             collectives, apart from training's.
         rank0: whether this is rank 0, which speaks to the study and the user.
@@ -160,7 +170,7 @@ def job_rank(launch: LaunchTable) -> Iterator[JobRank]:
     """
     from runtime.ranks.collectives import control_group
 
-    mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh)
+    mesh = init_rank(launch.backend, launch.timeout_s, launch.allocator, launch.mesh, launch.tensor_parallel)
     rank = JobRank(mesh, None, dist.get_rank() == 0)
     try:
         rank.group = control_group(launch.timeout_s)

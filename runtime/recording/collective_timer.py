@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from planner.artifacts.fingerprint import Fingerprint
 from planner.artifacts.rank_measurements import CollectiveMeasurements, OverlapTimings
 from runtime.ranks.device import device_of
-from runtime.ranks.torch_private import collective_dtypes
+from runtime.ranks.torch_private import collective_dtypes, data_parallel_groups
 from runtime.recording.overlap_timer import overlap_timings
 from runtime.workload import own_parameters
 
@@ -34,13 +34,13 @@ COLLECTIVE_ROUNDS = 5
 def process_groups(modules: list[tuple[str, FSDPModule]]) -> tuple[dist.ProcessGroup | None,
                                                                     dist.ProcessGroup | None]:
     """The shard group FSDP2 all-gathers and reduce-scatters over, and HSDP's replicate group it all-reduces over
-    (``None``: FSDP), from the parameters' device mesh (a DTensor's ``device_mesh``: 1-D for FSDP, ``(replicate,
-    shard)`` for HSDP). ``None`` for the shard group: the default group (no parameter is a DTensor)."""
+    (``None``: FSDP), from FSDP2's own mesh info (``torch_private.data_parallel_groups``): under FSDP + TP the dp
+    sub-mesh's group, never the parameters' (dp, tp) DTensor mesh. ``None`` for the shard group: the default group
+    (no module manages a parameter)."""
     for _, module in modules:
-        for p in module.parameters():
-            mesh = getattr(p, "device_mesh", None)
-            if mesh is not None:
-                return (mesh.get_group(1), mesh.get_group(0)) if mesh.ndim == 2 else (mesh.get_group(0), None)
+        groups = data_parallel_groups(module)
+        if groups is not None:
+            return groups
     return None, None
 
 

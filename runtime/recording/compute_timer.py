@@ -65,6 +65,19 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage behind ``t``: a DTensor's local tensor's (under FSDP + TP a TP module's unsharded parameters
+    and the tensors its DTensor ops save are DTensors, whose own ``untyped_storage`` is invalid).
+
+    Raises:
+        RuntimeError, NotImplementedError: a tensor with no storage (a fake or functional tensor).
+    """
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            t = t.to_local()
+    return t.untyped_storage()
+
+
 def first_seen(seen: dict[int, weakref.ref], key: int, t: torch.Tensor) -> bool:
     """Whether ``t``'s storage (data pointer ``key``) is seen for the first time; it is noted as seen.
 
@@ -75,7 +88,7 @@ def first_seen(seen: dict[int, weakref.ref], key: int, t: torch.Tensor) -> bool:
     before = seen.get(key)
     if before is not None and (old := before()) is not None and old.data_ptr() == key:
         return False
-    seen[key] = weakref.ref(t.untyped_storage())
+    seen[key] = weakref.ref(storage_of(t))
     return True
 
 
@@ -243,22 +256,27 @@ class ComputeTimer:
     def _new_bytes(self, fqn: str, tensors: list[torch.Tensor]) -> int:
         total = 0
         for t in tensors:
-            key = t.untyped_storage().data_ptr()
+            try:
+                storage = storage_of(t)
+                key = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # a wrapper with no storage of its own, as in _pack
+                continue
             if key not in self.param_storages and first_seen(self.recompute_seen[fqn], key, t):
-                total += t.untyped_storage().nbytes()
+                total += storage.nbytes()
         return total
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
-            key = t.untyped_storage().data_ptr()
+            storage = storage_of(t)
+            key = storage.data_ptr()
         except (RuntimeError, NotImplementedError):
             return t
         if key in self.param_storages:
             self.saved_parameter_storages.add(key)
         elif self.live and first_seen(self.seen_storages, key, t):
-            self.act_bytes[self.live[-1]] += t.untyped_storage().nbytes()
+            self.act_bytes[self.live[-1]] += storage.nbytes()
             if self.live[-1] == self.root and self.child_entered and not self.in_backward:
-                self.root_activation_post_bytes += t.untyped_storage().nbytes()
+                self.root_activation_post_bytes += storage.nbytes()
         return t
 
     def run(self, workload: Workload, step: int, memory: bool = False) -> None:
@@ -284,9 +302,10 @@ class ComputeTimer:
         self.root_activation_post_bytes = 0
         self.child_entered = False
         self.saved_parameter_storages.clear()
-        # the unsharded parameters (a module held sharded registers its DTensor shards: its figures are not kept)
-        self.param_storages = {p.untyped_storage().data_ptr() for p in workload.model.parameters()
-                               if not isinstance(p, DTensor)}
+        # the unsharded parameters (a module held sharded registers its shards: its figures are not kept); under
+        # FSDP + TP a held module's unsharded parameters are DTensors too, on the TP mesh
+        sharded = {key for _, m in self.modules for key in torch_private.unsharded_shapes(m)}
+        self.param_storages = {storage_of(p).data_ptr() for p in workload.model.parameters() if id(p) not in sharded}
         self.mark("enter", self.root)
         self.recompute_depth.clear()
         self.recompute_bytes.clear()

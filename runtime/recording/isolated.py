@@ -19,7 +19,7 @@ from planner.artifacts.rank_measurements import (
 )
 from runtime.ranks.torch_private import clear_unsharded_grads
 from runtime.recording.collective_timer import module_collectives
-from runtime.recording.compute_timer import ComputeTimer
+from runtime.recording.compute_timer import ComputeTimer, storage_of
 from runtime.workload import Workload, fsdp_modules, own_parameters
 
 
@@ -97,7 +97,7 @@ def compute_unsharded(workload: Workload, repeats: int, device: str, resharding:
             times, pre_order, post_order, calls = timer.attribute()
             if r == 0:  # a held module registers its unsharded parameters
                 for fqn in held:
-                    own = [p.untyped_storage().data_ptr() for p in own_parameters(modules, fqn)]
+                    own = [storage_of(p).data_ptr() for p in own_parameters(modules, fqn)]
                     needs[fqn] = not own or any(ptr in timer.saved_parameter_storages for ptr in own)
                     # a checkpointed block saves no parameter, yet its recompute reads them all
                     needs[fqn] = needs[fqn] or fqn in timer.recomputing

@@ -248,7 +248,7 @@ class Recorder(StepFigures):
             fp = model_fingerprint(self.model)
             modules = list(zip(fp.module_fqns, fp.param_bytes, strict=True))
             limit = isolation_limit(budget, capacity, default_peak)
-            self.passes = isolation_groups(limit, default_peak, modules, sum(fp.param_bytes) // fp.world_size)
+            self.passes = isolation_groups(limit, default_peak, modules, sum(fp.param_bytes) // fp.shard_size)
         held = self.passes[len(self.parts)]
         self.parts.append(self.isolated(only=None if len(self.passes) == 1 else held, collectives=not self.parts))
         self._isolation_s += device.clock() - t0

@@ -73,16 +73,23 @@ def test_random_plans_keep_the_loss_bitwise(ranks, tmp_path, workload, examples,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["mlp", "mlp-bf16"])
-def test_random_plans_keep_the_loss_bitwise_under_hsdp(tmp_path, workload):
-    """The same property on 4 ranks sharded as HSDP ``[2, 2]`` (``[launch] mesh``): the reduce-scatter within a
-    shard group, then the all-reduce across the replicas (in fp32 under the bf16 policy); the recorder records the
-    mesh."""
+@pytest.mark.parametrize("workload, layout", [("mlp", [2, 2]), ("mlp-bf16", [2, 2]),
+                                              ("llama", {"tensor_parallel": 2})])
+def test_random_plans_keep_the_loss_bitwise_on_4_ranks(tmp_path, workload, layout):
+    """The same property on 4 ranks, 2 microbatches a step: sharded as HSDP ``[2, 2]`` (``[launch] mesh``: the
+    reduce-scatter within a shard group, then the all-reduce across the replicas, in fp32 under the bf16 policy),
+    and as FSDP + TP, dp 2 x tp 2 (``[launch] tensor_parallel``: each block's attention and MLP split over the TP
+    ranks, FSDP over the dp ranks); the recorder records the layout."""
     from tests.multirank import run_ranks
 
     factory, kwargs = WORKLOADS[workload]
     out = tmp_path / "property.json"
-    run_ranks("property.py", factory, json.dumps(kwargs), "3", "16", str(out), "2", "[2, 2]", nproc=4, timeout=900)
+    run_ranks("property.py", factory, json.dumps(kwargs), "3", "16", str(out), "2", json.dumps(layout), nproc=4,
+              timeout=900)
     result = json.loads(out.read_text())
     assert result["failure"] is None, result["failure"]
-    assert result["mesh"] == [2, 2] and result["examples"] >= 16 and set(result["spaces"]) == set(SPACES)
+    assert result["examples"] >= 16 and set(result["spaces"]) == set(SPACES)
+    if isinstance(layout, list):
+        assert result["mesh"] == layout and result["tensor_parallel"] is None
+    else:
+        assert result["mesh"] is None and result["tensor_parallel"] == 2

@@ -9,7 +9,8 @@ The package splits them by concept: FSDP2's per-module state (:mod:`.state`), th
 (:mod:`.knobs`), process-wide state (:mod:`.process`), the process groups' own (:mod:`.groups`); every name is
 importable from the package itself.
 
-``tests/runtime/ranks/test_torch_private.py`` builds a real FSDP2 model and exercises every function here, so a
+``tests/runtime/ranks/test_torch_private.py`` builds a real FSDP2 model and exercises every function here (the
+tensor-parallel reads on a fake world of 4 in ``tests/runtime/ranks/test_meshes.py``), so a
 torch upgrade that renames or removes one fails that test by name instead of corrupting a profile.
 :data:`TESTED_TORCH` are the torch release lines the suite has passed on (``pyproject.toml`` admits the same
 range; CI runs the private-API test on each).
@@ -47,6 +48,7 @@ from runtime.ranks.torch_private.state import (
     all_gather_issued,
     clear_unsharded_grads,
     collective_dtypes,
+    data_parallel_groups,
     data_parallel_mesh,
     fsdp_state,
     group_dtypes,
@@ -59,6 +61,7 @@ from runtime.ranks.torch_private.state import (
     reshard_after_forward,
     reshard_after_forward_setting,
     set_reshard_after_forward_ranks,
+    unsharded_shapes,
     watching_unshard_and_reshard,
 )
 from runtime.ranks.torch_private.versions import TESTED_ADVICE, TESTED_TORCH

@@ -66,13 +66,15 @@ class DataParallelMesh:
     Attributes:
         shard_size: ranks a parameter is sharded over (``FSDPMeshInfo.shard_mesh_size``).
         replicate_size: HSDP's replicas (``HSDPMeshInfo.replicate_mesh_size``); ``None`` under FSDP.
-        tensor_parallel: the parameters were DTensors before ``fully_shard`` (tensor parallelism, or another SPMD
-            layout on dims beyond FSDP's: ``FSDPParam.is_dtensor``).
+        tensor_parallel: the ranks of the parameters' own layout beyond FSDP's: 1 for plain parameters; for
+            parameters that were DTensors before ``fully_shard`` (tensor parallelism), their SPMD mesh's ranks over
+            FSDP's (``FSDPParam._spmd_mesh``, the dp mesh concatenated with the parameter's TP mesh,
+            ``FSDPParam._init_sharding_spec_tp``).
     """
 
     shard_size: int
     replicate_size: int | None
-    tensor_parallel: bool
+    tensor_parallel: int
 
 
 def data_parallel_mesh(module: nn.Module) -> DataParallelMesh | None:
@@ -89,12 +91,39 @@ def data_parallel_mesh(module: nn.Module) -> DataParallelMesh | None:
     for group in param_groups(module):
         info = group.mesh_info
         replicate = getattr(info, "replicate_mesh_size", None) if hasattr(info, "shard_mesh_size") else None
+        data_parallel = int(info.shard_mesh_size) * int(replicate or 1)
+        spmd = {int(p._spmd_mesh.size()) for p in group.fsdp_params if p.is_dtensor}
         meshes.add(DataParallelMesh(int(info.shard_mesh_size), None if replicate is None else int(replicate),
-                                    any(p.is_dtensor for p in group.fsdp_params)))
+                                    max(spmd, default=data_parallel) // data_parallel))
     if len(meshes) > 1:
         raise SeveralParamGroupsError(f"an FSDP module's parameters are sharded on {len(meshes)} meshes "
                                       f"(per-parameter meshes: {sorted(meshes, key=repr)}): not tuned yet")
     return meshes.pop() if meshes else None
+
+
+def data_parallel_groups(module: nn.Module) -> tuple[Any, Any] | None:
+    """The process groups FSDP2 runs ``module``'s collectives on: the shard group (all-gather, reduce-scatter) and
+    HSDP's replicate group (all-reduce; ``None`` under FSDP). ``None`` when it manages no parameters.
+
+    Why: under FSDP + TP a parameter's DTensor mesh is the whole (dp, tp) mesh, so its groups are not FSDP's;
+    ``FSDPMeshInfo.shard_process_group`` and ``HSDPMeshInfo.replicate_process_group`` are, with no public
+    accessor.
+    """
+    for group in param_groups(module):
+        info = group.mesh_info
+        return info.shard_process_group, getattr(info, "replicate_process_group", None)
+    return None
+
+
+def unsharded_shapes(module: nn.Module) -> dict[int, torch.Size]:
+    """Per parameter ``module`` manages (keyed by ``id`` of the sharded parameter), the shape FSDP2 all-gathers it
+    to: the whole tensor for a plain parameter, the tensor-parallel local tensor for a DTensor one.
+
+    Why: under FSDP + TP a parameter's shape is the global one across the TP ranks, while FSDP2 shards and
+    all-gathers the TP-local tensor (``FSDPParam._orig_size``, set from ``param._local_tensor`` in
+    ``FSDPParam._init_sharding_spec_tp``); no public accessor.
+    """
+    return {id(p.sharded_param): p._orig_size for group in param_groups(module) for p in group.fsdp_params}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,6 +59,40 @@ def test_a_target_reads_and_describes_itself(tmp_path):
     assert one_node.nodes == 1 and one_link.bandwidth == "200GB/s" and one_link.latency_s == 0
 
 
+def test_under_tensor_parallelism_the_shard_group_is_the_dp_ranks_striding_over_each_tp_group():
+    """8 ranks, 4 per node, TP 2: the TP groups are consecutive ranks on a node, a dp group (the shard group) takes
+    one rank of each, 4 ranks on 2 nodes, and 2 such rings share each node's link."""
+    t = Target(world_size=8, ranks_per_node=4, backend="nccl", tensor_parallel=2,
+               link={"intra_node": {"bandwidth": "200GB/s"}, "inter_node": {"bandwidth": "50GB/s", "per": "node"}})
+    shard, replicate = t.groups
+    assert (t.shard, shard.size, shard.nodes, shard.sharing, replicate.size) == (4, 4, 2, 2, 1)
+    assert t.describe().startswith("8 ranks (4 per node), nccl, FSDP 4 x TP 2; shard group of 4 across 2 nodes")
+    on_a_node = Target(world_size=8, ranks_per_node=8, backend="nccl", tensor_parallel=2,
+                       link={"intra_node": {"bandwidth": "200GB/s"}})
+    assert (on_a_node.shard, on_a_node.groups[0].nodes) == (4, 1)
+    with pytest.raises(ValueError, match="divisor of ranks_per_node"):
+        Target(world_size=8, ranks_per_node=2, backend="nccl", tensor_parallel=4,
+               link={"inter_node": {"bandwidth": "50GB/s"}})
+
+
+def test_a_what_if_keeps_the_profiles_tp_degree_and_refuses_another():
+    """[Note: A what-if keeps the TP degree]: a target without one takes the profile's; another is one line."""
+    import dataclasses
+
+    from planner.artifacts.fingerprint import Fingerprint
+    from planner.simulation.link import keep_tensor_parallel
+
+    fp = Fingerprint(("", "b"), (1, 2), (4, 8), 4, "cuda", ("torch.float32",), "2.13", tensor_parallel=2)
+    t = Target(world_size=16, ranks_per_node=8, backend="nccl",
+               link={"intra_node": {"bandwidth": "200GB/s"}, "inter_node": {"bandwidth": "50GB/s"}})
+    kept = keep_tensor_parallel(t, fp)
+    assert (kept.tensor_parallel, kept.shard) == (2, 8) and keep_tensor_parallel(t, dataclasses.replace(
+        fp, tensor_parallel=None)) is t
+    with pytest.raises(TargetError, match="the target's tensor_parallel = 4, the profile's 2") as e:
+        keep_tensor_parallel(Target(**{**t.model_dump(), "tensor_parallel": 4}), fp)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(("text", "needle"), [
     (GOOD.replace('"1Gbit/s"', '"1 Gbps"'), "link.inter_node.bandwidth: bandwidth '1 Gbps': write a positive number"),
     (GOOD.split("[link")[0], "the shard group of 2 ranks on 2 nodes needs [link.inter_node] with its bandwidth"),

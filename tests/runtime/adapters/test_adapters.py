@@ -69,8 +69,8 @@ def test_hugging_face_skips_a_candidates_out_of_memory_step_and_trains_on(tmp_pa
     _skipped_and_the_rest_bitwise(tmp_path, "hf_e2e.py", "60")
 
 
-def _same_losses_and_done(tmp_path, name: str, steps: int) -> None:
-    for rank in (0, 1):
+def _same_losses_and_done(tmp_path, name: str, steps: int, ranks: int = 2) -> None:
+    for rank in range(ranks):
         bare = json.loads((tmp_path / f"bare-{rank}.json").read_text())
         tuned = json.loads((tmp_path / f"tune-{rank}.json").read_text())
         assert len(bare["losses"]) >= steps and tuned["losses"] == bare["losses"], name
@@ -108,19 +108,22 @@ def test_the_hf_callback_names_accelerates_fallback_to_ddp():
 
 
 @pytest.mark.slow
-def test_torchtitan_trainer_end_to_end(tmp_path):
-    """torchtitan 0.3's own ``Trainer`` on its llama3 debug model (2 CPU ranks, seq_len 64, ``ChunkedLossWrapper``
-    calling ``lm_head`` from the loss, selective activation checkpointing), as ``TunedTrainer``: every
-    microbatch's loss bitwise the plain ``Trainer``'s, and the tuner done within 60 steps. Under CI, where
-    ``.ci/run`` installs torchtitan, a missing torchtitan fails instead of skipping."""
+def test_torchtitan_trainer_end_to_end_with_tensor_parallelism(tmp_path, monkeypatch):
+    """torchtitan 0.3's own ``Trainer`` on its llama3 debug model in its 2-D layout, dp 2 x tp 2 on 4 CPU ranks
+    (``tensor_parallel_degree = 2``: each block's attention and MLP split over the TP ranks, FSDP over the dp
+    ranks; seq_len 64, ``ChunkedLossWrapper`` calling ``lm_head`` from the loss, selective activation
+    checkpointing), as ``TunedTrainer``: every microbatch's loss on every rank bitwise the plain ``Trainer``'s, and
+    the tuner done within 60 steps. Under CI, where ``.ci/run`` installs torchtitan, a missing torchtitan fails
+    instead of skipping."""
     if importlib.util.find_spec("torchtitan") is None:
         if os.environ.get("CI"):
             raise AssertionError("torchtitan is not installed; .ci/run installs it (pip install --no-deps "
                                  "torchtitan==0.3.0 and its import-time dependencies)")
         pytest.skip("torchtitan is not installed: pip install 'prefetch-planner[torchtitan]'")
+    monkeypatch.setenv("TEST_TENSOR_PARALLEL", "2")
     for mode in ("bare", "tune"):
-        run_ranks("torchtitan_e2e.py", mode, str(tmp_path), "60")
-    _same_losses_and_done(tmp_path, "torchtitan", 60)
+        run_ranks("torchtitan_e2e.py", mode, str(tmp_path), "60", nproc=4, timeout=900)
+    _same_losses_and_done(tmp_path, "torchtitan", 60, ranks=4)
 
 
 def test_enable_false_turns_each_trainer_callback_into_nothing():

@@ -14,7 +14,8 @@ changes nothing.
 
 argv: factory, kwargs JSON, steps, max_examples, output JSON, microbatches
 per step (gradient accumulation; only the last syncs gradients), and optionally
-an HSDP mesh as JSON (``[replicate, shard]``). Rank 0 writes
+the layout as JSON: an HSDP mesh (``[replicate, shard]``), or FSDP + TP's degree (``{"tensor_parallel": 2}``,
+the ``(dp, tp)`` mesh of ``[launch] tensor_parallel``). Rank 0 writes
 {"examples": n, "spaces": {space: n}, "failure": null | text}.
 """
 
@@ -39,11 +40,14 @@ from search_spaces import SPACES
 
 factory, kwargs, steps, max_examples, out, microbatches = (
     sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
-hsdp = json.loads(sys.argv[7]) if len(sys.argv) > 7 else None
-mesh = init_rank("gloo", mesh=hsdp)
+layout = json.loads(sys.argv[7]) if len(sys.argv) > 7 else None
+hsdp = layout if isinstance(layout, list) else None
+tensor_parallel = layout.get("tensor_parallel", 1) if isinstance(layout, dict) else 1
+mesh = init_rank("gloo", mesh=hsdp, tensor_parallel=tensor_parallel)
 profile = record_profile(build_workload(factory, mesh, kwargs, microbatches), warmup_steps=1, steps=1, repeats=1)
 assert profile.microbatches == microbatches  # the recorder records the accumulation
 assert profile.fingerprint.mesh == (None if hsdp is None else tuple(hsdp))  # and the mesh
+assert (profile.fingerprint.tensor_parallel or 1) == tensor_parallel  # and the TP degree
 
 
 def as_held(plan: Plan) -> str:
@@ -133,7 +137,7 @@ if dist.get_rank() == 0:
         share(None)
     with open(out, "w") as f:
         json.dump({"examples": sum(seen[s] for s in SPACES), "spaces": {s: seen[s] for s in SPACES if seen[s]},
-                   "mesh": profile.fingerprint.mesh,
+                   "mesh": profile.fingerprint.mesh, "tensor_parallel": profile.fingerprint.tensor_parallel,
                    "no_reshard_after_backward": seen["reshard_after_backward=False"],
                    "no_unshard_in_backward": seen["unshard_in_backward=False"],
                    "post_optim_event": seen["post_optim_event"], "failure": failure}, f)

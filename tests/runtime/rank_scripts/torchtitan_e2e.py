@@ -2,8 +2,9 @@
 ``docs/examples/torchtitan_recipe.py``'s shims and assets), without or with the prefetch tuner
 (``runtime.adapters.torchtitan.TunedTrainer``).
 
-argv: "bare" or "tune", output folder, steps. Each rank writes <mode>-<rank>.json: {"losses": [hex per microbatch],
-"phase": the tuner's final phase or null, "steps_tuning": the steps it spent or null}.
+argv: "bare" or "tune", output folder, steps. ``TEST_TENSOR_PARALLEL`` (a TP degree): torchtitan's
+``tensor_parallel_degree``, FSDP over the other ranks. Each rank writes <mode>-<rank>.json: {"losses": [hex per
+microbatch], "phase": the tuner's final phase or null, "steps_tuning": the steps it spent or null}.
 """
 
 import importlib.util
@@ -38,7 +39,7 @@ def recorded(self, *args, **kwargs):
 Trainer.forward_backward_step = recorded
 assets = os.path.join(out, f"assets-{os.environ['RANK']}")
 recipe.write_debug_assets(assets)
-config = recipe.debug_config(assets, steps)
+config = recipe.debug_config(assets, steps, tensor_parallel=int(os.environ.get("TEST_TENSOR_PARALLEL", "1")))
 if mode == "tune":
     config = tuned(config, study="torchtitan-e2e", storage=f"sqlite:///{out}/tuning.db", keys=recipe.QUICK)
 trainer = config.build()

@@ -4,6 +4,7 @@ times them."""
 from __future__ import annotations
 
 import pytest
+import torch.distributed
 
 import runtime.recording.collective_timer as collective_timer
 import runtime.recording.isolated as isolated
@@ -146,7 +147,14 @@ def test_the_defaults_step_is_timed_after_the_peak_steps_and_the_async_pairs(mes
     monkeypatch.setattr(step_figures, "device_of", lambda _type: scripted)
     monkeypatch.setattr(PeakMeter, "begin", lambda meter: (events.append("peak"), begin(meter))[1])
     monkeypatch.setattr(recorder, "unshard_async_op_setter", setter)
-    monkeypatch.setattr(recorder.dist, "get_world_size", lambda *args, **kwargs: 2)
+    class TwoRanks:  # the recorder's view only: the model's fingerprint stays that of its one rank
+        def __getattr__(self, name):
+            return getattr(torch.distributed, name)
+
+        def get_world_size(self, *args, **kwargs):
+            return 2
+
+    monkeypatch.setattr(recorder, "dist", TwoRanks())
     one = recorder.Recorder(workload.model, 1, workload)
     more = recorder._default_plan_steps(recorder._peak_steps(workload, one), 5)
     one.remove()
