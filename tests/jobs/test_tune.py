@@ -7,13 +7,14 @@ import json
 import sqlite3
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
 from planner import Plan, Profile
 from planner.study import study_trials
 from tests.jobs.study import STUDY
-from tests.multirank import rank_env
+from tests.multirank import rank_env, run_ranks
 
 
 @pytest.mark.slow
@@ -96,6 +97,65 @@ def test_tune_then_apply_at_training_start(cli, ranks, tmp_path):
         "confirmed on 4 ranks, not here; confirm it on this job (tune, or the AutoTuner on its study)")
     assert applied.startswith("apply_plan: ") and applied.endswith(" applied")
     assert got["travelled_applied"] == expected
+
+
+TENSOR_PARALLEL_STUDY = """
+[study]
+name = "tp"
+[workload]
+factory = "runtime.reference_workloads:llama"
+[workload.kwargs]
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 3
+num_attention_heads = 4
+vocab_size = 256
+seq_len = 16
+[launch]
+nproc_per_node = 4
+tensor_parallel = 2
+[search]
+space = "per_module"
+sim_trials = 30
+measured_trials = 1
+[measure]
+warmup_steps = 1
+steps = 3
+max_rounds = 4
+confirm_min_rounds = 6
+confirm_max_rounds = 6
+confirm_launches = 1
+profile_repeats = 2
+"""
+
+
+@pytest.mark.slow
+def test_tune_fsdp_with_tensor_parallelism(cli, tmp_path, monkeypatch):
+    """dp 2 x tp 2 on 4 gloo ranks (``[launch] tensor_parallel = 2``): ``tune`` records, searches, races and
+    confirms on the 2-D layout; the profile's all-gathers are of the TP-local tensors over the 2 dp ranks; the plan
+    it writes, and the plans of every shape, leave each rank's losses bitwise FSDP2's default's on the same layout."""
+    (tmp_path / "studies").mkdir()
+    (tmp_path / "studies" / "tp.toml").write_text(TENSOR_PARALLEL_STUDY)
+    proc = cli("tune", "studies/tp.toml", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "recording a profile on 4 ranks" in proc.stdout and "best plan: " in proc.stdout, proc.stdout
+    profile = Profile.load(tmp_path / "studies" / "tp.profile.json")
+    assert (profile.fingerprint.tensor_parallel, profile.fingerprint.shard_size) == (2, 2)
+    local = 4 * 64 * 64 // 2 + 3 * 64 * 128 // 2 + 2 * 64  # q k v o, gate up down split over 2; the norms whole
+    for i in range(3):
+        block = profile.modules[f"model.layers.{i}"]
+        assert block.unsharded_bytes == 4 * local and block.sharded_bytes == 4 * local // 2
+    plan = tmp_path / "studies" / "tp.plan.json"
+    assert Plan.load(plan).fingerprint.tensor_parallel == 2
+    monkeypatch.setenv("TEST_TENSOR_PARALLEL", "2")
+    out = tmp_path / "losses.json"
+    kwargs = tomllib.loads(TENSOR_PARALLEL_STUDY)["workload"]["kwargs"]
+    run_ranks("losses.py", "runtime.reference_workloads:llama", json.dumps(kwargs), "3", str(out), str(plan),
+              nproc=4)
+    losses = json.loads(out.read_text())
+    assert set(losses) >= {"study", "tuned", "deep"} and len(losses["default"]) == 4
+    for name, got in losses.items():
+        assert got == losses["default"], name
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Rank script: losses over N steps for several plans, each on a fresh model.
 
 argv: factory, kwargs JSON, steps, output JSON[, plan JSON: a study's plan, run as "study"]. Rank 0 writes
-{plan name: [[loss hex per step] per rank]}. ``TEST_MESH`` (``[replicate, shard]`` as JSON): shard as HSDP.
+{plan name: [[loss hex per step] per rank]}. ``TEST_MESH`` (``[replicate, shard]`` as JSON): shard as HSDP;
+``TEST_TENSOR_PARALLEL`` (a TP degree): FSDP + TP's ``(dp, tp)`` mesh (``[launch] tensor_parallel``).
 """
 
 import json
@@ -18,7 +19,8 @@ from runtime.workload import build_workload, train_step
 from search_spaces import per_module, uniform
 
 factory, kwargs, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-mesh = init_rank("gloo", mesh=json.loads(os.environ.get("TEST_MESH", "null")))
+mesh = init_rank("gloo", mesh=json.loads(os.environ.get("TEST_MESH", "null")),
+                 tensor_parallel=int(os.environ.get("TEST_TENSOR_PARALLEL", "1")))
 # A profile gives the orders the search spaces need (on a throwaway model).
 profile = record_profile(build_workload(factory, mesh, kwargs), warmup_steps=1, steps=1, repeats=1)
 fqns = list(dict.fromkeys(profile.pre_forward_order))
