@@ -130,7 +130,7 @@ def model_fingerprint(model: nn.Module, world_size: int | None = None) -> Finger
         if dp.tensor_parallel > 1 and dp.replicate_size is not None:
             raise TensorParallelError(
                 f"FSDP module {fqn or 'root'!r} is sharded as HSDP with tensor parallelism (HSDP + TP): not tuned "
-                "yet (docs/layouts.md); tune FSDP + TP (one dp mesh dim), or keep your plan")
+                "yet (docs/clusters.md, FSDP + TP jobs); tune FSDP + TP (one dp mesh dim), or keep your plan")
         if dp.replicate_size is not None:
             mesh = (dp.replicate_size, dp.shard_size)
         shards.add(dp.shard_size * (dp.replicate_size or 1))

@@ -4,14 +4,16 @@
     torchrun --nproc-per-node 8 docs/examples/torchtitan_recipe.py --module llama3 --config llama3_8b
     torchrun --nproc-per-node 2 docs/examples/torchtitan_recipe.py --debug-model --quick   # its debug model
     torchrun --nproc-per-node 2 docs/examples/torchtitan_recipe.py --cpu --quick           # no GPU: gloo
+    torchrun --nproc-per-node 4 docs/examples/torchtitan_recipe.py --cpu --quick --tensor-parallel 2   # dp 2 x tp 2
 
-Every argument but ``--cpu``, ``--debug-model``, ``--steps``, ``--study``, ``--storage`` and ``--quick`` is
-torchtitan's own
+Every argument but ``--cpu``, ``--debug-model``, ``--tensor-parallel``, ``--steps``, ``--study``, ``--storage`` and
+``--quick`` is torchtitan's own
 (``--module``, ``--config``, ``--training.steps``, ...). The configuration torchtitan parses becomes a
 ``TunedTrainer.Config`` (``runtime.adapters.torchtitan.tuned``), whose trainer builds the tuner on the FSDP2 root
 once ``parallelize`` and the optimizer are done, and makes each ``train_step`` one ``tuner.step()``.
 
-``--debug-model`` trains torchtitan's ``llama3_debugmodel`` (6 layers, dim 256), every rank a data-parallel shard, on a
+``--debug-model`` trains torchtitan's ``llama3_debugmodel`` (6 layers, dim 256), every rank a data-parallel shard (with
+``--tensor-parallel N``, FSDP over the world divided by N and tensor parallelism within groups of N), on a
 character tokenizer and text it writes to a temporary folder (the debug model's own assets ship only in torchtitan's
 source checkout), at ``seq_len`` 64. ``--cpu`` does so on CPU ranks with gloo: torchtitan 0.3 assumes an
 accelerator in five places, which :func:`cpu_shims` replaces before the trainer is built; none of them changes what
@@ -148,6 +150,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="CPU ranks with gloo (implies --debug-model)")
     parser.add_argument("--debug-model", action="store_true", help="torchtitan's llama3 debug model, seq_len 64")
     parser.add_argument("--steps", type=int, default=200, help="training steps with --debug-model")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="with --debug-model: torchtitan's tensor_parallel_degree (FSDP over the other ranks)")
     parser.add_argument("--quick", action="store_true", help="the tuner's stages shortened")
     parser.add_argument("--study", default="torchtitan", help="the study's name")
     parser.add_argument("--storage", default="sqlite:///tuning.db", help="the study's database (SQLAlchemy URL)")
@@ -159,7 +163,7 @@ def main() -> None:
     if options.cpu or options.debug_model:
         assets = tempfile.mkdtemp(prefix="torchtitan-debug-")
         write_debug_assets(assets)
-        config = debug_config(assets, options.steps)
+        config = debug_config(assets, options.steps, options.tensor_parallel)
     else:
         from torchtitan.config import ConfigManager
         config = ConfigManager().parse_args(torchtitan_args)
