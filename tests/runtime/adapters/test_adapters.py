@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from planner.artifacts.profile import Profile
 from tests.multirank import run_ranks
 from tests.runtime.in_loop.test_autotuner import KEYS
 
@@ -110,11 +111,12 @@ def test_the_hf_callback_names_accelerates_fallback_to_ddp():
 @pytest.mark.slow
 def test_torchtitan_trainer_end_to_end_with_tensor_parallelism(tmp_path, monkeypatch):
     """torchtitan 0.3's own ``Trainer`` on its llama3 debug model in its 2-D layout, dp 2 x tp 2 on 4 CPU ranks
-    (``tensor_parallel_degree = 2``: each block's attention and MLP split over the TP ranks, FSDP over the dp
-    ranks; seq_len 64, ``ChunkedLossWrapper`` calling ``lm_head`` from the loss, selective activation
-    checkpointing), as ``TunedTrainer``: every microbatch's loss on every rank bitwise the plain ``Trainer``'s, and
-    the tuner done within 60 steps. Under CI, where ``.ci/run`` installs torchtitan, a missing torchtitan fails
-    instead of skipping."""
+    (``tensor_parallel_degree = 2``: each block's fused q/k/v, output projection and MLP split over the TP ranks,
+    sequence parallel on the norms, FSDP over the dp ranks; seq_len 64, ``ChunkedLossWrapper`` calling ``lm_head``
+    from the loss, selective activation checkpointing), as ``TunedTrainer`` (the AutoTuner in torchtitan's loop):
+    every microbatch's loss on every rank bitwise the plain ``Trainer``'s, the tuner done within 50 steps, and the
+    profile it recorded all-gathers the TP-local tensors over the 2 dp ranks. Under CI, where ``.ci/run`` installs
+    torchtitan, a missing torchtitan fails instead of skipping."""
     if importlib.util.find_spec("torchtitan") is None:
         if os.environ.get("CI"):
             raise AssertionError("torchtitan is not installed; .ci/run installs it (pip install --no-deps "
@@ -122,8 +124,16 @@ def test_torchtitan_trainer_end_to_end_with_tensor_parallelism(tmp_path, monkeyp
         pytest.skip("torchtitan is not installed: pip install 'prefetch-planner[torchtitan]'")
     monkeypatch.setenv("TEST_TENSOR_PARALLEL", "2")
     for mode in ("bare", "tune"):
-        run_ranks("torchtitan_e2e.py", mode, str(tmp_path), "60", nproc=4, timeout=900)
-    _same_losses_and_done(tmp_path, "torchtitan", 60, ranks=4)
+        run_ranks("torchtitan_e2e.py", mode, str(tmp_path), "50", nproc=4, timeout=900)
+    _same_losses_and_done(tmp_path, "torchtitan", 50, ranks=4)
+    profile = Profile.load(tmp_path / "tune.profile.json")
+    assert (profile.fingerprint.tensor_parallel, profile.fingerprint.shard_size) == (2, 2)
+    # dim 256, FFN 768, bf16 all-gathers: the fused q/k/v (768 x 256) and w1, w3 (768 x 256) column-wise, wo
+    # (256 x 256) and w2 (256 x 768) row-wise, each halved over the TP ranks; the 2 norms whole
+    local = 384 * 256 + 256 * 128 + 2 * 384 * 256 + 256 * 384 + 2 * 256
+    blocks = [m for fqn, m in profile.modules.items() if fqn.startswith("layers.")]
+    assert len(blocks) == 6 and all(m.unsharded_bytes == 2 * local for m in blocks)
+    assert all(m.all_gather_ms > 0 and m.reduce_scatter_ms > 0 for m in blocks)
 
 
 def test_enable_false_turns_each_trainer_callback_into_nothing():

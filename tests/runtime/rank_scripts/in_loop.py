@@ -21,8 +21,6 @@ Rank 0 writes {"without"/"with": [[loss hex per step] per rank], "phases": [phas
 "watch": [checks, steps, ratio, reverted] or null, "own_plan": the plan the model arrived with or null, "model_plan":
 the plan the model has at the end (``current_plan``), "check_lines": the check_only report,
 "raised": [type, message] (raise mode), "second": the same figures of the second tuner (raise mode)}.
-``TEST_TENSOR_PARALLEL`` (a TP degree): the ranks start FSDP + TP's ``(dp, tp)`` mesh (``[launch]
-tensor_parallel``).
 """
 
 import contextlib
@@ -47,7 +45,7 @@ storage = None if storage == "none" else storage
 if storage is None:  # the AutoTuner's default storage, studies/NAME.db in the working directory: the test's folder
     os.chdir(os.path.dirname(os.path.abspath(out)))
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-mesh = init_rank("gloo", tensor_parallel=int(os.environ.get("TEST_TENSOR_PARALLEL", "1")))
+mesh = init_rank("gloo")
 
 
 def loop(tuner: AutoTuner | None, workload, raise_at: int = -1, leave_at: int = -1,

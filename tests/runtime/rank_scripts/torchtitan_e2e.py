@@ -4,7 +4,8 @@
 
 argv: "bare" or "tune", output folder, steps. ``TEST_TENSOR_PARALLEL`` (a TP degree): torchtitan's
 ``tensor_parallel_degree``, FSDP over the other ranks. Each rank writes <mode>-<rank>.json: {"losses": [hex per
-microbatch], "phase": the tuner's final phase or null, "steps_tuning": the steps it spent or null}.
+microbatch], "phase": the tuner's final phase or null, "steps_tuning": the steps it spent or null}; rank 0 of the
+tuned run writes the profile it recorded to tune.profile.json.
 """
 
 import importlib.util
@@ -41,7 +42,8 @@ assets = os.path.join(out, f"assets-{os.environ['RANK']}")
 recipe.write_debug_assets(assets)
 config = recipe.debug_config(assets, steps, tensor_parallel=int(os.environ.get("TEST_TENSOR_PARALLEL", "1")))
 if mode == "tune":
-    config = tuned(config, study="torchtitan-e2e", storage=f"sqlite:///{out}/tuning.db", keys=recipe.QUICK)
+    config = tuned(config, study="torchtitan-e2e", storage=f"sqlite:///{out}/tuning.db",
+                   keys={**recipe.QUICK, "profile_out": f"{out}/tune.profile.json"})
 trainer = config.build()
 recipe.force_sum_reduction(trainer)
 trainer.train()
