@@ -81,7 +81,8 @@ def check_before_launch(config: StudyConfig, plan_path: str) -> Plan:
 
     plan = load_plan(plan_path)
     check_launch(config, storage=False)
-    model = workload_fingerprint(config.workload.factory, config.workload.kwargs, config.launch.nproc_per_node)
+    model = workload_fingerprint(config.workload.factory, config.workload.kwargs, config.launch.nproc_per_node,
+                                 config.launch.mesh, config.launch.tensor_parallel)
     difference = plan.fingerprint.model_difference(model)
     if difference is not None:
         raise PlanMismatchError(f"plan {plan_path!r} is not for this study's model: {difference}; verify it with the "

@@ -105,11 +105,18 @@ def init_rank(backend: Backend | str, timeout_s: float = 900.0, allocator: Alloc
     if not dist.is_initialized():
         dist.init_process_group(str(backend), timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
     check_mesh(mesh, dist.get_world_size(), tensor_parallel)
+    return job_mesh(device, dist.get_world_size(), mesh, tensor_parallel)
+
+
+def job_mesh(device: str, world_size: int, mesh: Sequence[int] | None = None, tensor_parallel: int = 1) -> DeviceMesh:
+    """The device mesh a job's workload shards over (the process group initialized): 1-D over ``world_size``
+    ranks, HSDP's ``(replicate, shard)`` ``mesh``, or FSDP + TP's ``(world_size // tensor_parallel,
+    tensor_parallel)`` with dims ``"dp"`` and ``"tp"``; the same in a rank (:func:`init_rank`) and on a fake world
+    (``runtime.fake_world``)."""
     if tensor_parallel > 1:
-        return init_device_mesh(device, (dist.get_world_size() // tensor_parallel, tensor_parallel),
-                                mesh_dim_names=("dp", "tp"))
+        return init_device_mesh(device, (world_size // tensor_parallel, tensor_parallel), mesh_dim_names=("dp", "tp"))
     if mesh is None:
-        return init_device_mesh(device, (dist.get_world_size(),))
+        return init_device_mesh(device, (world_size,))
     return init_device_mesh(device, tuple(mesh), mesh_dim_names=("replicate", "shard"))
 
 

@@ -76,3 +76,32 @@ def test_a_plan_without_a_total_time_claim_is_reported_not_checked():
     assert "not a total-time ratio" in claim_line(older, "p.json")
     claimed = older.with_provenance(ratio_of="total time")
     assert verification(claimed, [rounds]).check.agreement.name != "NO_CLAIM"
+
+
+def test_the_study_model_a_plan_is_checked_against_is_built_on_the_studys_layout(tmp_path):
+    """Before any rank starts, ``verify`` builds the study's model on a fake world on the mesh its ranks would start:
+    under ``[launch] tensor_parallel = 2`` the (dp, tp) mesh, whose TP-local parameter counts a plan tuned there
+    carries; a plan of the same model without TP differs from it in one line."""
+    from jobs.verify import check_before_launch
+    from planner.artifacts.config import load_study_config
+    from planner.errors import PlanMismatchError
+
+    llama = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 128, "seq_len": 16}
+    tp = workload_fingerprint("runtime.reference_workloads:llama", llama, 4, tensor_parallel=2)
+    whole = workload_fingerprint("runtime.reference_workloads:llama", llama, 4)
+    assert tp.tensor_parallel == 2 and whole.tensor_parallel is None
+    assert tp.param_numels[1] == (4 * 64 * 64 + 3 * 64 * 128) // 2 + 2 * 64  # the projections halved, norms whole
+    toml = tmp_path / "tp.toml"
+    toml.write_text(f'[study]\nname = "tp"\n[workload]\nfactory = "runtime.reference_workloads:llama"\n'
+                    f'kwargs = {json.dumps(llama).replace(":", " =")}\n'
+                    '[launch]\nnproc_per_node = 4\ntensor_parallel = 2\n')
+    config = load_study_config(toml)
+    for fingerprint, fits in ((tp, True), (whole, False)):
+        path = tmp_path / "plan.json"
+        Plan(fingerprint, {}).to_json(path)
+        if fits:
+            assert check_before_launch(config, str(path)).fingerprint == tp
+        else:
+            with pytest.raises(PlanMismatchError, match="parameter count of FSDP module 'model.layers.0'"):
+                check_before_launch(config, str(path))
