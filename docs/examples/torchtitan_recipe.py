@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 docs/examples/torchtitan_recipe.py --module llama3 --config llama3_8b
     torchrun --nproc-per-node 2 docs/examples/torchtitan_recipe.py --debug-model --quick   # its debug model
     torchrun --nproc-per-node 2 docs/examples/torchtitan_recipe.py --cpu --quick           # no GPU: gloo
-    torchrun --nproc-per-node 4 docs/examples/torchtitan_recipe.py --cpu --quick --tensor-parallel 2   # dp 2 x tp 2
+    torchrun --nproc-per-node 4 docs/examples/torchtitan_recipe.py --cpu --quick --tensor-parallel 2 --steps 60
 
 Every argument but ``--cpu``, ``--debug-model``, ``--tensor-parallel``, ``--steps``, ``--study``, ``--storage`` and
 ``--quick`` is torchtitan's own
